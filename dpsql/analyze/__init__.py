@@ -1,0 +1,59 @@
+"""Analyze: SQL text + policy → a typed :class:`~dpsql.plan.Plan`, or one precise refusal.
+
+The order of passes is written down here and nowhere else: parse, bind parameters,
+statement-shape checks (``checks.STATEMENT_CHECKS``), then resolution and plan building.
+"""
+
+from __future__ import annotations
+
+from sqlglot import exp
+
+from dpsql.analyze.build import build_plan
+from dpsql.analyze.checks import STATEMENT_CHECKS
+from dpsql.analyze.parse import Params, bind_parameters, parse_statement
+from dpsql.plan import Plan
+from dpsql.policy import Policy
+
+__all__ = ["analyze", "analyze_tree", "infer_parameter_types", "parse_statement"]
+
+
+def analyze_tree(tree: exp.Expression, policy: Policy, params: Params = None) -> Plan:
+    """Check and plan an already parsed statement."""
+    for check in STATEMENT_CHECKS:
+        check(tree)
+    bound = bind_parameters(tree, params)
+    assert isinstance(bound, exp.Select)
+    return build_plan(bound, policy)
+
+
+def analyze(sql: str, policy: Policy, params: Params = None) -> Plan:
+    """Parse, check and plan ``sql`` against ``policy``."""
+    return analyze_tree(parse_statement(sql), policy, params)
+
+
+_PG_NAMES = {"int": "bigint", "float": "double precision", "text": "text", "date": "date",
+             "timestamp": "timestamp", "boolean": "boolean"}  # fmt: skip
+
+
+def infer_parameter_types(tree: exp.Expression, policy: Policy) -> list[str]:
+    """PostgreSQL type names for ``$1..$n``: the type of the column each one is compared with."""
+    found: dict[int, str] = {}
+    columns = {name: col for table in policy.tables.values() for name, col in table.columns.items()}
+    for param in tree.find_all(exp.Parameter):
+        if not isinstance(param.this, exp.Literal):
+            continue
+        index = int(param.this.name)
+        context = param.parent
+        while isinstance(context, exp.Paren | exp.Neg | exp.Cast):
+            context = context.parent
+        column = None
+        if context is not None:
+            column = next((c for c in context.find_all(exp.Column)), None)
+        if isinstance(context, exp.Limit | exp.Offset):
+            found[index] = "bigint"
+        elif column is not None and column.name.lower() in columns:
+            found[index] = _PG_NAMES[columns[column.name.lower()].type]
+        else:
+            found.setdefault(index, "text")
+    count = max(found, default=0)
+    return [found.get(i, "text") for i in range(1, count + 1)]

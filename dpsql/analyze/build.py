@@ -1,0 +1,620 @@
+"""Resolve a checked SELECT against the policy and build the typed :class:`~dpsql.plan.Plan`.
+
+Every column is resolved against the policy (unknown → 42703, identifier → 42501);
+WHERE may only contain predicates that cannot fail on data (so no error can act as an
+oracle); every output is an aggregate, a GROUP BY key, or post-processing of those.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+
+from sqlglot import exp
+
+from dpsql.errors import (
+    DatatypeMismatch,
+    FeatureNotSupported,
+    GroupingError,
+    InsufficientPrivilege,
+    InvalidParameterValue,
+    UndefinedColumn,
+    UndefinedFunction,
+    UndefinedTable,
+)
+from dpsql.plan import GroupKey, Measure, OutputItem, Plan
+from dpsql.policy import ColumnPolicy, Policy, TablePolicy
+from dpsql.session import OutputColumn, PgType
+
+_PG_TYPES: dict[str, PgType] = {
+    "int": "bigint",
+    "float": "double precision",
+    "text": "text",
+    "date": "date",
+    "timestamp": "timestamp",
+    "boolean": "boolean",
+}
+
+_AGGREGATES = (exp.Count, exp.Sum, exp.Avg)
+_NOT_YET = {
+    exp.Min: "min",
+    exp.Max: "max",
+    exp.Stddev: "stddev",
+    exp.StddevPop: "stddev_pop",
+    exp.StddevSamp: "stddev_samp",
+    exp.Variance: "variance",
+    exp.VariancePop: "var_pop",
+    exp.PercentileCont: "percentile_cont",
+    exp.PercentileDisc: "percentile_disc",
+    exp.Median: "median",
+    exp.ArrayAgg: "array_agg",
+    exp.GroupConcat: "string_agg",
+}
+_PREDICATES = (exp.EQ, exp.NEQ, exp.GT, exp.GTE, exp.LT, exp.LTE)
+#: Post-processing functions allowed on noisy outputs (pure, total on numbers).
+_OUTPUT_FUNCTIONS = (exp.Round, exp.Abs, exp.Coalesce, exp.Greatest, exp.Least, exp.Floor, exp.Ceil)
+
+
+@dataclass
+class _Scope:
+    """Name resolution state for one SELECT over one policy table."""
+
+    policy: Policy
+    table_name: str
+    table: TablePolicy
+    aliases: set[str]
+    keys: list[GroupKey] = field(default_factory=list)
+    measures: list[Measure] = field(default_factory=list)
+
+    def measure(self, measure: Measure) -> int:
+        """Index of ``measure``, adding it once: shared counts are computed and noised once."""
+        if measure not in self.measures:
+            self.measures.append(measure)
+        return self.measures.index(measure)
+
+
+def _ident_name(identifier: exp.Expression | str | None) -> str:
+    if identifier is None:
+        return ""
+    if isinstance(identifier, str):
+        return identifier
+    name = identifier.this if isinstance(identifier, exp.Identifier) else identifier.name
+    quoted = isinstance(identifier, exp.Identifier) and identifier.args.get("quoted")
+    return str(name) if quoted else str(name).lower()
+
+
+def resolve_table(tree: exp.Select, policy: Policy) -> _Scope:
+    """The single FROM table must be declared (else 42P01, as PostgreSQL says)."""
+    source = tree.args["from_"].this
+    if not isinstance(source, exp.Table):
+        raise FeatureNotSupported("FROM must name a table", hint="Subqueries and table functions are refused.")
+    schema = _ident_name(source.args.get("db"))
+    name = _ident_name(source.this)
+    table = policy.tables.get(name)
+    if table is None or schema not in ("", "public") or source.args.get("catalog"):
+        shown = f"{schema}.{name}" if schema else name
+        raise UndefinedTable(
+            f'relation "{shown}" does not exist',
+            hint=f"Tables in dataset \"{policy.dataset}\": {', '.join(sorted(policy.tables))}.",
+        )
+    aliases = {name}
+    if source.alias:
+        aliases = {_ident_name(source.args["alias"].this)}
+    return _Scope(policy=policy, table_name=name, table=table, aliases=aliases)
+
+
+def resolve_column(column: exp.Column, scope: _Scope) -> tuple[str, ColumnPolicy]:
+    """A column reference → its policy; identifiers are never readable."""
+    qualifier = _ident_name(column.args.get("table"))
+    name = _ident_name(column.this)
+    if qualifier and qualifier not in scope.aliases:
+        raise UndefinedTable(f'missing FROM-clause entry for table "{qualifier}"')
+    policy = scope.table.columns.get(name)
+    if policy is None:
+        raise UndefinedColumn(
+            f'column "{name}" does not exist',
+            hint=f"Columns of \"{scope.table_name}\": "
+            f"{', '.join(c for c, p in scope.table.columns.items() if not p.identifier)}.",
+        )
+    if policy.identifier:
+        raise InsufficientPrivilege(
+            f'permission denied for column "{name}"',
+            detail=f'"{name}" is declared an identifier in the policy and can never be queried.',
+        )
+    return name, policy
+
+
+# --- WHERE ----------------------------------------------------------------------------
+
+
+def _literal_type(node: exp.Expression) -> str | None:
+    """The policy type family of a constant, or None if it is not a constant."""
+    if isinstance(node, exp.Neg):
+        return _literal_type(node.this)
+    if isinstance(node, exp.Paren):
+        return _literal_type(node.this)
+    if isinstance(node, exp.Null):
+        return "null"
+    if isinstance(node, exp.Boolean):
+        return "boolean"
+    if isinstance(node, exp.Literal):
+        return "text" if node.is_string else "number"
+    if isinstance(node, exp.Cast) and isinstance(node.this, exp.Literal):
+        to = node.to.this
+        if to in exp.DataType.TEMPORAL_TYPES:
+            return "timestamp" if to != exp.DataType.Type.DATE else "date"
+        if to in exp.DataType.NUMERIC_TYPES:
+            return "number"
+        if to in exp.DataType.TEXT_TYPES:
+            return "text"
+    return None
+
+
+def _check_literal_for(column: str, policy: ColumnPolicy, literal: exp.Expression) -> exp.Expression:
+    """Type-check a constant against a column, so no comparison can fail on a data value."""
+    kind = _literal_type(literal)
+    if kind is None:
+        raise FeatureNotSupported(
+            "only comparisons between a column and constants are supported in WHERE",
+            hint=f'Compare "{column}" with a literal value.',
+        )
+    if kind == "null":
+        return literal
+    if policy.type in ("int", "float"):
+        if kind == "number":
+            return literal
+        if kind == "text":
+            try:
+                float(literal.name)
+            except ValueError:
+                raise DatatypeMismatch(
+                    f"invalid input syntax for type {_PG_TYPES[policy.type]}: \"{literal.name}\"",
+                    hint=f'"{column}" is numeric; compare it with a number.',
+                ) from None
+            return exp.Literal.number(literal.name)
+    elif policy.type in ("date", "timestamp"):
+        if kind in ("date", "timestamp"):
+            return literal
+        if kind == "text":
+            try:
+                value = dt.datetime.fromisoformat(literal.name)
+            except ValueError:
+                raise DatatypeMismatch(
+                    f'invalid input syntax for type {policy.type}: "{literal.name}"',
+                    hint="Write dates as 'YYYY-MM-DD'.",
+                ) from None
+            text = value.date().isoformat() if policy.type == "date" else value.isoformat(sep=" ")
+            return exp.cast(exp.Literal.string(text), policy.type)
+    elif policy.type == "text":
+        if kind == "text":
+            return literal
+    elif policy.type == "boolean":
+        if kind == "boolean":
+            return literal
+        if kind == "text" and literal.name.lower() in ("true", "false", "t", "f"):
+            return exp.Boolean(this=literal.name.lower() in ("true", "t"))
+    raise DatatypeMismatch(
+        f"operator does not exist: {_PG_TYPES[policy.type]} compared with {kind}",
+        hint=f'"{column}" is of type {_PG_TYPES[policy.type]}; compare it with a value of that type.',
+    )
+
+
+def _operand(node: exp.Expression, scope: _Scope) -> tuple[str, ColumnPolicy] | None:
+    """The column an operand refers to (unwrapping parentheses), or None for constants."""
+    while isinstance(node, exp.Paren):
+        node = node.this
+    if isinstance(node, exp.Column):
+        return resolve_column(node, scope)
+    if isinstance(node, exp.Lower | exp.Upper) and isinstance(node.this, exp.Column):
+        name, policy = resolve_column(node.this, scope)
+        if policy.type != "text":
+            raise UndefinedFunction(f"function {node.key}({_PG_TYPES[policy.type]}) does not exist")
+        return name, policy
+    return None
+
+
+def _normalise_column(node: exp.Expression, scope: _Scope) -> exp.Expression:
+    """Rewrite column references to the bare, quoted policy name (the rewrite has one table)."""
+    if isinstance(node, exp.Column):
+        return exp.column(resolve_column(node, scope)[0], quoted=True)
+    node = node.copy()
+    for column in list(node.find_all(exp.Column)):
+        name, _ = resolve_column(column, scope)
+        column.replace(exp.column(name, quoted=True))
+    return node
+
+
+def check_where(node: exp.Expression, scope: _Scope) -> exp.Expression:
+    """Validate a predicate tree; return it with columns normalised and literals typed."""
+    if isinstance(node, exp.Paren):
+        return exp.Paren(this=check_where(node.this, scope))
+    if isinstance(node, exp.And | exp.Or):
+        return node.__class__(this=check_where(node.this, scope), expression=check_where(node.expression, scope))
+    if isinstance(node, exp.Not):
+        return exp.Not(this=check_where(node.this, scope))
+    if isinstance(node, exp.Boolean):
+        return node.copy()
+    if isinstance(node, _AGGREGATES) or node.find(*_AGGREGATES):
+        raise GroupingError("aggregate functions are not allowed in WHERE", hint="Use HAVING to filter groups.")
+    if isinstance(node, exp.Column):
+        _, policy = resolve_column(node, scope)
+        if policy.type != "boolean":
+            raise DatatypeMismatch(
+                f"argument of WHERE must be type boolean, not type {_PG_TYPES[policy.type]}"
+            )
+        return _normalise_column(node, scope)
+    if isinstance(node, _PREDICATES):
+        return _check_comparison(node, scope)
+    if isinstance(node, exp.Is):
+        if _operand(node.this, scope) is None or not isinstance(node.expression, exp.Null | exp.Boolean):
+            raise FeatureNotSupported("IS must test a column for NULL, TRUE or FALSE")
+        return _normalise_column(node, scope)
+    if isinstance(node, exp.In):
+        return _check_in(node, scope)
+    if isinstance(node, exp.Between):
+        target = _required_operand(node.this, scope)
+        low = _check_literal_for(*target, node.args["low"])
+        high = _check_literal_for(*target, node.args["high"])
+        return exp.Between(this=_normalise_column(node.this, scope), low=low, high=high)
+    if isinstance(node, exp.Like | exp.ILike):
+        name, policy = _required_operand(node.this, scope)
+        if policy.type != "text":
+            raise UndefinedFunction(
+                f"operator does not exist: {_PG_TYPES[policy.type]} ~~ unknown",
+                hint=f'LIKE needs a text column; "{name}" is {_PG_TYPES[policy.type]}.',
+            )
+        if _literal_type(node.expression) != "text":
+            raise FeatureNotSupported("LIKE patterns must be string constants")
+        if node.args.get("escape") is not None:
+            raise FeatureNotSupported("LIKE ... ESCAPE is not supported")
+        return node.__class__(this=_normalise_column(node.this, scope), expression=node.expression.copy())
+    if isinstance(node, exp.Escape):
+        raise FeatureNotSupported("LIKE ... ESCAPE is not supported")
+    raise FeatureNotSupported(
+        f"{node.key.upper()} expressions are not supported in WHERE",
+        hint="WHERE may use comparisons with constants, AND/OR/NOT, IN, BETWEEN, LIKE and IS NULL.",
+    )
+
+
+def _required_operand(node: exp.Expression, scope: _Scope) -> tuple[str, ColumnPolicy]:
+    operand = _operand(node, scope)
+    if operand is None:
+        raise FeatureNotSupported(
+            "the left side of this predicate must be a column",
+            hint="Write predicates as <column> <operator> <constant>.",
+        )
+    return operand
+
+
+def _check_comparison(node: exp.Expression, scope: _Scope) -> exp.Expression:
+    left, right = _operand(node.this, scope), _operand(node.expression, scope)
+    if left and right:
+        if (left[1].type in ("int", "float")) != (right[1].type in ("int", "float")) or (
+            left[1].type not in ("int", "float") and left[1].type != right[1].type
+        ):
+            raise DatatypeMismatch(
+                f"operator does not exist: {_PG_TYPES[left[1].type]} {node.key} {_PG_TYPES[right[1].type]}",
+                hint="Compare columns of the same type.",
+            )
+        return node.__class__(
+            this=_normalise_column(node.this, scope), expression=_normalise_column(node.expression, scope)
+        )
+    if left:
+        return node.__class__(
+            this=_normalise_column(node.this, scope), expression=_check_literal_for(*left, node.expression)
+        )
+    if right:
+        return node.__class__(
+            this=_check_literal_for(*right, node.this), expression=_normalise_column(node.expression, scope)
+        )
+    raise FeatureNotSupported(
+        "comparisons in WHERE must involve a column",
+        hint="Write predicates as <column> <operator> <constant>.",
+    )
+
+
+def _check_in(node: exp.In, scope: _Scope) -> exp.Expression:
+    target = _required_operand(node.this, scope)
+    if node.args.get("query") or node.args.get("unnest") or node.args.get("field"):
+        raise FeatureNotSupported("IN (subquery) is not supported", hint="List constant values inside IN (...).")
+    values = [_check_literal_for(*target, v) for v in node.expressions]
+    return exp.In(this=_normalise_column(node.this, scope), expressions=values)
+
+
+# --- GROUP BY ------------------------------------------------------------------------
+
+
+def _projection_alias(projection: exp.Expression) -> str | None:
+    return _ident_name(projection.args["alias"].this) if isinstance(projection, exp.Alias) else None
+
+
+def resolve_group_keys(tree: exp.Select, scope: _Scope) -> None:
+    """GROUP BY columns, ordinals or output aliases; each becomes a :class:`GroupKey`."""
+    group = tree.args.get("group")
+    if not group:
+        return
+    if group.args.get("rollup") or group.args.get("cube") or group.args.get("grouping_sets"):
+        raise FeatureNotSupported("ROLLUP, CUBE and GROUPING SETS are not supported")
+    projections = tree.expressions
+    for item in group.expressions:
+        target = item
+        if isinstance(item, exp.Literal) and not item.is_string:
+            index = int(item.name)
+            if not 1 <= index <= len(projections):
+                raise InvalidParameterValue(
+                    f"GROUP BY position {index} is not in select list", sqlstate="42P10"
+                )
+            target = projections[index - 1].unalias()
+        elif isinstance(item, exp.Column) and not item.args.get("table"):
+            name = _ident_name(item.this)
+            if name not in scope.table.columns:
+                matches = [p.unalias() for p in projections if _projection_alias(p) == name]
+                if matches:
+                    target = matches[0]
+        if not isinstance(target, exp.Column):
+            if target.find(*_AGGREGATES):
+                raise GroupingError("aggregate functions are not allowed in GROUP BY")
+            raise FeatureNotSupported(
+                "GROUP BY expressions are not supported yet", hint="Group by declared columns."
+            )
+        name, policy = resolve_column(target, scope)
+        if any(k.column == name for k in scope.keys):
+            continue
+        scope.keys.append(GroupKey(column=name, policy=policy, domain=policy.release_domain()))
+
+
+# --- outputs: aggregates and post-processing -----------------------------------------
+
+
+def _key_index(column: exp.Column, scope: _Scope) -> int:
+    name, _ = resolve_column(column, scope)
+    for i, key in enumerate(scope.keys):
+        if key.column == name:
+            return i
+    raise GroupingError(
+        f'column "{scope.table_name}.{name}" must appear in the GROUP BY clause or be used in an aggregate function',
+        hint="dpsql releases aggregates only; raw column values never leave.",
+    )
+
+
+def _aggregate_column(agg: exp.Expression, scope: _Scope) -> tuple[str, ColumnPolicy]:
+    argument = agg.this
+    if isinstance(argument, exp.Distinct):
+        raise FeatureNotSupported(
+            f"{agg.key.upper()}(DISTINCT ...) is not supported yet",
+            hint="Distinct counts need contribution bounding; use COUNT(*) or COUNT(column).",
+        )
+    while isinstance(argument, exp.Paren):
+        argument = argument.this
+    if not isinstance(argument, exp.Column):
+        if argument is not None and argument.find(*_AGGREGATES):
+            raise GroupingError("aggregate function calls cannot be nested")
+        raise FeatureNotSupported(
+            f"{agg.key.upper()} over an expression is not supported yet",
+            hint="Aggregate a declared column directly.",
+        )
+    return resolve_column(argument, scope)
+
+
+def _sum_measure(name: str, policy: ColumnPolicy, function: str, *, centred: bool) -> Measure:
+    if not policy.numeric:
+        raise UndefinedFunction(
+            f"function {function}({_PG_TYPES[policy.type]}) does not exist",
+            hint=f"{function.upper()} needs a numeric column.",
+        )
+    if not policy.bounded:
+        raise FeatureNotSupported(
+            f'column "{name}" has no declared bounds',
+            hint=f"Declare lower/upper for \"{name}\" in the policy so {function.upper()} has a finite sensitivity.",
+        )
+    lower, upper = float(policy.lower), float(policy.upper)  # type: ignore[arg-type]
+    integer = policy.type == "int"
+    centre = 0.0
+    if centred:
+        centre = float((int(lower) + int(upper)) // 2) if integer else (lower + upper) / 2
+    return Measure(kind="sum", column=name, lower=lower, upper=upper, centre=centre, integer=integer)
+
+
+def _measure_expression(agg: exp.Expression, scope: _Scope) -> tuple[exp.Expression, str, tuple[int, ...]]:
+    """Replace one aggregate call by an expression over measure variables.
+
+    Returns the expression, its output kind and the measures it reads.
+    """
+    if agg.args.get("filter") or isinstance(agg.parent, exp.Filter):
+        raise FeatureNotSupported("aggregate FILTER clauses are not supported yet", hint="Move the filter to WHERE.")
+    if isinstance(agg, exp.Count):
+        if isinstance(agg.this, exp.Star) or agg.this is None:
+            index = scope.measure(Measure(kind="count_star"))
+        else:
+            name, _ = _aggregate_column(agg, scope)
+            index = scope.measure(Measure(kind="count", column=name))
+        return exp.var(f"m{index}"), "count", (index,)
+    name, policy = _aggregate_column(agg, scope)
+    if isinstance(agg, exp.Sum):
+        index = scope.measure(_sum_measure(name, policy, "sum", centred=False))
+        return exp.var(f"m{index}"), "sum", (index,)
+    total = scope.measure(_sum_measure(name, policy, "avg", centred=True))
+    count = scope.measure(Measure(kind="count", column=name))
+    measure = scope.measures[total]
+    call = exp.Anonymous(
+        this="dp_avg",
+        expressions=[exp.var(f"m{total}"), exp.var(f"m{count}"), exp.Literal.number(measure.centre)],
+    )
+    return call, "avg", (total, count)
+
+
+def convert_output(node: exp.Expression, scope: _Scope) -> tuple[exp.Expression, str, tuple[int, ...]]:
+    """Turn a select/HAVING/ORDER BY expression into post-processing over measures and keys."""
+    for cls, name in _NOT_YET.items():
+        if isinstance(node, cls):
+            raise FeatureNotSupported(
+                f"aggregate function {name} is not supported yet",
+                hint="Supported aggregates: COUNT(*), COUNT(column), SUM(column), AVG(column).",
+            )
+    if isinstance(node, _AGGREGATES):
+        return _measure_expression(node, scope)
+    if isinstance(node, exp.Column):
+        return exp.var(f"k{_key_index(node, scope)}"), "key", ()
+    if isinstance(node, exp.Literal | exp.Null | exp.Boolean):
+        return node.copy(), "expr", ()
+    allowed = (exp.Binary, exp.Neg, exp.Paren, exp.Not, exp.Cast, *_OUTPUT_FUNCTIONS)
+    if isinstance(node, exp.Binary) and not isinstance(
+        node, exp.Add | exp.Sub | exp.Mul | exp.Div | exp.Mod | exp.Predicate | exp.Connector | exp.DPipe
+    ):
+        raise FeatureNotSupported(f"operator {node.key} is not supported on aggregates")
+    if isinstance(node, exp.Anonymous) or isinstance(node, exp.Func) and not isinstance(node, allowed):
+        raise UndefinedFunction(
+            f"function {node.name.lower() if isinstance(node, exp.Anonymous) else node.sql_name().lower()}() "
+            "does not exist",
+            hint="Allowed here: COUNT, SUM, AVG and round, abs, coalesce, greatest, least, floor, ceil.",
+        )
+    if not isinstance(node, allowed):
+        raise FeatureNotSupported(f"{node.key.upper()} expressions are not supported in the select list")
+    node = node.copy()
+    measures: list[int] = []
+    for arg_name, value in list(node.args.items()):
+        children = value if isinstance(value, list) else [value]
+        converted = []
+        for child in children:
+            if isinstance(child, exp.Expression) and not isinstance(child, exp.DataType):
+                new, _, used = convert_output(child, scope)
+                measures.extend(used)
+                converted.append(new)
+            else:
+                converted.append(child)
+        node.set(arg_name, converted if isinstance(value, list) else converted[0])
+    return node, "expr", tuple(dict.fromkeys(measures))
+
+
+def _output_name(projection: exp.Expression) -> str:
+    """The column name PostgreSQL would give this select item."""
+    alias = _projection_alias(projection)
+    if alias is not None:
+        return alias
+    node = projection
+    while isinstance(node, exp.Paren):
+        node = node.this
+    if isinstance(node, exp.Column):
+        return _ident_name(node.this)
+    if isinstance(node, exp.Cast):
+        return _output_name(node.this) if isinstance(node.this, exp.Column | exp.Func) else node.to.sql().lower()
+    if isinstance(node, exp.Func):
+        return node.sql_name().lower() if not isinstance(node, exp.Anonymous) else node.name.lower()
+    return "?column?"
+
+
+def _output_type(kind: str, expr: exp.Expression, scope: _Scope, measures: tuple[int, ...]) -> PgType:
+    if kind == "key":
+        return _PG_TYPES[scope.keys[int(expr.name[1:])].policy.type]
+    if kind == "count":
+        return "bigint"
+    if kind == "sum":
+        return "bigint" if scope.measures[measures[0]].integer else "double precision"
+    if kind == "avg":
+        return "double precision"
+    if isinstance(expr, exp.Predicate | exp.Connector | exp.Not | exp.Boolean):
+        return "boolean"
+    if isinstance(expr, exp.Cast):
+        target = expr.to.this
+        if target in exp.DataType.INTEGER_TYPES:
+            return "bigint"
+        if target in exp.DataType.TEXT_TYPES:
+            return "text"
+        return "double precision"
+    if isinstance(expr, exp.Var) and expr.name.startswith("k"):
+        return _PG_TYPES[scope.keys[int(expr.name[1:])].policy.type]
+    integral = all(
+        scope.measures[m].integer and scope.measures[m].centre == 0 for m in measures
+    ) and not expr.find(exp.Anonymous)
+    literals_integral = all(not lit.is_string and "." not in lit.name for lit in expr.find_all(exp.Literal))
+    if integral and literals_integral and not expr.find(exp.Round):
+        return "bigint"
+    return "double precision"
+
+
+def build_outputs(tree: exp.Select, scope: _Scope) -> list[OutputItem]:
+    outputs = []
+    for projection in tree.expressions:
+        expr, kind, measures = convert_output(projection.unalias(), scope)
+        clamp = None
+        if kind == "avg":
+            m = scope.measures[measures[0]]
+            clamp = (m.lower, m.upper)
+        column = OutputColumn(name=_output_name(projection), type=_output_type(kind, expr, scope, measures))
+        outputs.append(
+            OutputItem(
+                column=column,
+                expr=expr,
+                noisy=bool(measures),
+                clamp=clamp,  # type: ignore[arg-type]
+                measures=measures,
+                kind=kind,  # type: ignore[arg-type]
+            )
+        )
+    return outputs
+
+
+def _order_terms(tree: exp.Select, scope: _Scope, outputs: list[OutputItem]) -> list:
+    order = tree.args.get("order")
+    if not order:
+        return []
+    names = {item.column.name: i for i, item in enumerate(outputs)}
+    terms = []
+    for ordered in order.expressions:
+        node = ordered.this
+        if isinstance(node, exp.Literal) and not node.is_string:
+            index = int(node.name)
+            if not 1 <= index <= len(outputs):
+                raise InvalidParameterValue(f"ORDER BY position {index} is not in select list", sqlstate="42P10")
+            expr: exp.Expression = exp.var(f"o{index - 1}")
+        elif isinstance(node, exp.Column) and not node.args.get("table") and _ident_name(node.this) in names:
+            expr = exp.var(f"o{names[_ident_name(node.this)]}")
+        else:
+            expr, _, _ = convert_output(node, scope)
+        terms.append((expr, bool(ordered.args.get("desc")), ordered.args.get("nulls_first")))
+    return terms
+
+
+def _constant_int(node: exp.Expression | None, clause: str) -> int | None:
+    if node is None:
+        return None
+    value = node.expression if isinstance(node, exp.Limit | exp.Offset) else node
+    if isinstance(value, exp.Literal) and not value.is_string and value.name.isdigit():
+        return int(value.name)
+    if isinstance(value, exp.Null):
+        return None
+    raise FeatureNotSupported(f"{clause} must be a non-negative integer constant")
+
+
+def build_plan(tree: exp.Select, policy: Policy) -> Plan:
+    """Resolve ``tree`` (already through the statement checks) into a :class:`Plan`."""
+    scope = resolve_table(tree, policy)
+    where = tree.args.get("where")
+    checked_where = check_where(where.this, scope) if where else None
+    resolve_group_keys(tree, scope)
+    outputs = build_outputs(tree, scope)
+    having = tree.args.get("having")
+    having_expr = convert_output(having.this, scope)[0] if having else None
+    order = _order_terms(tree, scope, outputs)
+    selection = None
+    if scope.keys and any(k.domain is None for k in scope.keys):
+        selection = scope.measure(Measure(kind="count_star"))
+    if not scope.measures and not scope.keys:
+        raise GroupingError(
+            "a query must compute at least one aggregate",
+            hint="Add COUNT(*), SUM(column) or AVG(column); dpsql never releases raw keys alone.",
+        )
+    return Plan(
+        table_name=scope.table_name,
+        table=scope.table,
+        where=checked_where,
+        keys=scope.keys,
+        measures=scope.measures,
+        outputs=outputs,
+        having=having_expr,
+        order=order,
+        limit=_constant_int(tree.args.get("limit"), "LIMIT"),
+        offset=_constant_int(tree.args.get("offset"), "OFFSET") or 0,
+        distinct=bool(tree.args.get("distinct")),
+        selection_measure=selection,
+    )

@@ -1,0 +1,119 @@
+"""Statement-shape checks: each takes the parsed tree and passes, or raises one precise error.
+
+They run in the order of ``STATEMENT_CHECKS`` before any column is resolved, so the
+analyst hears about the outermost problem first (a DELETE is refused as a write, not
+for its unknown table).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from sqlglot import exp
+
+from dpsql.errors import FeatureNotSupported, GroupingError, ReadOnlyViolation, SyntaxError_
+
+_WRITE_TAGS: dict[type[exp.Expression], str] = {
+    exp.Insert: "INSERT",
+    exp.Update: "UPDATE",
+    exp.Delete: "DELETE",
+    exp.Merge: "MERGE",
+    exp.Create: "CREATE",
+    exp.Drop: "DROP",
+    exp.Alter: "ALTER",
+    exp.TruncateTable: "TRUNCATE",
+}
+
+
+def require_read_only(tree: exp.Expression) -> None:
+    """DDL and DML are refused as PostgreSQL refuses them in a read-only transaction."""
+    for kind, tag in _WRITE_TAGS.items():
+        if isinstance(tree, kind):
+            raise ReadOnlyViolation(
+                f"cannot execute {tag} in a read-only transaction",
+                hint="dpsql is a read-only gateway: only aggregate SELECT queries are answered.",
+            )
+    if isinstance(tree, exp.Command) and str(tree.this).upper() in {"GRANT", "REVOKE", "VACUUM", "ANALYZE"}:
+        raise ReadOnlyViolation(f"cannot execute {str(tree.this).upper()} in a read-only transaction")
+
+
+def require_select(tree: exp.Expression) -> None:
+    """Only plain SELECT; set operations and utility commands are not aggregates dpsql can bound."""
+    if isinstance(tree, exp.SetOperation):
+        op = {exp.Union: "UNION", exp.Intersect: "INTERSECT", exp.Except: "EXCEPT"}.get(type(tree), "set")
+        raise FeatureNotSupported(
+            f"{op} is not supported",
+            hint="Set operations can count one person twice; run each SELECT as its own query.",
+        )
+    if isinstance(tree, exp.Copy):
+        raise FeatureNotSupported("COPY is not supported", hint="dpsql never exports rows.")
+    if not isinstance(tree, exp.Select | exp.Command | exp.DDL | exp.DML | exp.Set | exp.Show):
+        raise SyntaxError_(f'syntax error at or near "{tree.sql().split()[0] if tree.sql() else ""}"')
+    if not isinstance(tree, exp.Select):
+        name = str(tree.this).upper() if isinstance(tree, exp.Command) else tree.key.upper()
+        raise FeatureNotSupported(
+            f"{name} statements are not supported",
+            hint="dpsql answers aggregate SELECT queries (COUNT, SUM, AVG) only.",
+        )
+
+
+def reject_unsupported_clauses(tree: exp.Expression) -> None:
+    """Clauses that would release rows, lock rows, or hide extra queries."""
+    if tree.args.get("with_"):
+        raise FeatureNotSupported("WITH queries are not supported yet", hint="Inline the CTE's filter in WHERE.")
+    if tree.args.get("into"):
+        raise ReadOnlyViolation("cannot execute SELECT INTO in a read-only transaction")
+    if tree.args.get("locks"):
+        raise FeatureNotSupported("SELECT ... FOR UPDATE/SHARE is not supported")
+    if tree.args.get("windows") or tree.find(exp.Window):
+        raise FeatureNotSupported(
+            "window functions are not supported",
+            hint="A window function releases a value per row; use GROUP BY instead.",
+        )
+    if tree.args.get("distinct") and tree.args["distinct"].args.get("on"):
+        raise FeatureNotSupported("SELECT DISTINCT ON is not supported")
+    if tree.args.get("laterals") or tree.args.get("joins"):
+        raise FeatureNotSupported(
+            "JOIN is not supported yet",
+            hint="Query one table at a time.",
+        )
+    for sub in tree.find_all(exp.Subquery, exp.Select):
+        if sub is not tree:
+            raise FeatureNotSupported(
+                "subqueries are not supported",
+                hint="A subquery can compute an exact aggregate; write one aggregate query instead.",
+            )
+
+
+def reject_star(tree: exp.Expression) -> None:
+    """SELECT * and t.* would release raw rows."""
+    for projection in tree.expressions:
+        if isinstance(projection, exp.Star) or (
+            isinstance(projection, exp.Column) and isinstance(projection.this, exp.Star)
+        ):
+            raise GroupingError(
+                "SELECT * would release individual rows",
+                hint="dpsql answers aggregates only: select COUNT(*), SUM(column) or AVG(column), "
+                "optionally with GROUP BY keys.",
+            )
+
+
+def require_from(tree: exp.Expression) -> None:
+    """A query with no table touches no private data and is not the engine's business."""
+    if not tree.args.get("from_"):
+        raise FeatureNotSupported(
+            "a query without FROM is not answered by the privacy engine",
+            hint="Name a table declared in the policy.",
+        )
+
+
+StatementCheck = Callable[[exp.Expression], None]
+
+#: Applied in this order to every statement before resolution.
+STATEMENT_CHECKS: tuple[StatementCheck, ...] = (
+    require_read_only,
+    require_select,
+    reject_unsupported_clauses,
+    reject_star,
+    require_from,
+)

@@ -1,0 +1,110 @@
+"""The narrow interface dpsql uses to run (already rewritten) SQL on a real database.
+
+Two implementations: DuckDB (embedded default) and PostgreSQL. Both are safe to call from
+many threads at once, run ``execute`` in a read-only transaction with a single statement,
+and turn every database error into a generic :class:`dpsql.errors.BackendError` (the
+database's own message may depend on private data, so it only goes to the log).
+
+Result values are plain Python: ``Decimal`` is normalised to ``int`` (integral values) or
+``float`` so that both databases return the same types for ``SUM``/``AVG``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from decimal import Decimal
+from typing import Any, Protocol, runtime_checkable
+
+from dpsql.errors import BackendError
+
+__all__ = ["Backend", "BackendError", "open_backend", "redact_url"]
+
+QUERY_FAILED = "the database failed to run the query"
+_SQL_TYPE = re.compile(r"^[A-Za-z][A-Za-z0-9_ ]*(\(\s*\d+\s*(,\s*\d+\s*)?\))?(\[\])?$")
+
+
+@runtime_checkable
+class Backend(Protocol):
+    url: str
+    dialect: str  # sqlglot dialect name: "duckdb" or "postgres"
+
+    def execute(self, sql: str) -> tuple[list[str], list[tuple[Any, ...]]]:
+        """Run one read-only statement; return (column names, rows)."""
+        ...
+
+    def execute_script(self, sql: str) -> None:
+        """Run DDL / loading statements (demo data and tests only; not read-only)."""
+        ...
+
+    def load_rows(
+        self,
+        table: str,
+        columns: list[tuple[str, str]],
+        rows: Iterable[tuple[Any, ...]],
+        *,
+        replace: bool = False,
+    ) -> None:
+        """Create ``table`` with ``columns`` (name, SQL type) and bulk-insert ``rows``."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def open_backend(url: str, *, statement_timeout_ms: int | None = None, pool_size: int = 8) -> Backend:
+    """Open a backend from a URL.
+
+    ``duckdb://`` or ``duckdb:///:memory:`` (in-memory), ``duckdb:///abs/path.duckdb``,
+    ``postgresql://user:pw@host:port/db`` (or ``postgres://``).
+    """
+    scheme = url.split(":", 1)[0].lower()
+    if scheme == "duckdb":
+        from dpsql.backends.duckdb import DuckDBBackend
+
+        return DuckDBBackend(url, statement_timeout_ms=statement_timeout_ms)
+    if scheme in ("postgresql", "postgres"):
+        from dpsql.backends.postgres import PostgresBackend
+
+        return PostgresBackend(url, statement_timeout_ms=statement_timeout_ms, pool_size=pool_size)
+    raise BackendError(
+        f"unsupported database URL scheme {scheme!r}",
+        hint="use duckdb:///path.duckdb, duckdb:// (in memory) or postgresql://user@host:port/db",
+    )
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced, for logs and reprs."""
+    return re.sub(r"(://[^/:@]*:)[^/@]*@", r"\1***@", url)
+
+
+def normalize_value(value: Any) -> Any:
+    """Decimal → int/float so DuckDB and PostgreSQL aggregates compare equal and feed noise code directly."""
+    if isinstance(value, Decimal):
+        if value.is_finite() and value == value.to_integral_value():
+            return int(value)
+        return float(value)
+    return value
+
+
+def normalize_rows(rows: Iterable[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    return [tuple(normalize_value(v) for v in row) for row in rows]
+
+
+def quote_ident(name: str) -> str:
+    """Double-quote a possibly schema-qualified identifier (``schema.table``)."""
+    parts = name.split(".")
+    if not all(parts):
+        raise BackendError(f"invalid identifier {name!r}")
+    return ".".join('"' + part.replace('"', '""') + '"' for part in parts)
+
+
+def column_defs(columns: list[tuple[str, str]]) -> str:
+    """``"a" BIGINT, "b" TEXT`` — types are checked against a simple shape, not interpolated blindly."""
+    if not columns:
+        raise BackendError("a table needs at least one column")
+    defs = []
+    for name, sql_type in columns:
+        if not _SQL_TYPE.match(sql_type.strip()):
+            raise BackendError(f"invalid column type {sql_type!r}")
+        defs.append(f"{quote_ident(name)} {sql_type.strip()}")
+    return ", ".join(defs)

@@ -1,0 +1,125 @@
+"""DuckDB backend: one database object, one cursor (= connection) per call, so threads never share state."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import duckdb
+import numpy as np
+
+from dpsql.backends import QUERY_FAILED, column_defs, normalize_rows, quote_ident, redact_url
+from dpsql.errors import BackendError
+
+log = logging.getLogger(__name__)
+
+_LOAD_CHUNK = 200_000
+
+
+def _database_path(url: str) -> str:
+    """``duckdb://`` and ``duckdb:///:memory:`` → ``:memory:``; ``duckdb:///abs/p.duckdb`` → the path."""
+    rest = url.split(":", 1)[1]
+    rest = rest[2:] if rest.startswith("//") else rest
+    if rest in ("", "/", ":memory:", "/:memory:"):
+        return ":memory:"
+    return rest
+
+
+class DuckDBBackend:
+    dialect = "duckdb"
+
+    def __init__(self, url: str, *, statement_timeout_ms: int | None = None) -> None:
+        self.url = url
+        self.path = _database_path(url)
+        self.statement_timeout_ms = statement_timeout_ms
+        try:
+            self._db = duckdb.connect(self.path)
+        except duckdb.Error as exc:
+            log.warning("cannot open DuckDB database %s: %s", self.path, exc)
+            raise BackendError("could not open the database") from None
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"DuckDBBackend({redact_url(self.url)!r})"
+
+    def _cursor(self) -> duckdb.DuckDBPyConnection:
+        if self._closed:
+            raise BackendError("the database backend is closed")
+        return self._db.cursor()
+
+    def execute(self, sql: str) -> tuple[list[str], list[tuple[Any, ...]]]:
+        """One statement, in a READ ONLY transaction, interrupted after ``statement_timeout_ms``."""
+        cur = self._cursor()
+        timer: threading.Timer | None = None
+        try:
+            if len(cur.extract_statements(sql)) != 1:
+                raise BackendError("the database backend runs exactly one statement per query")
+            cur.execute("BEGIN TRANSACTION READ ONLY")
+            if self.statement_timeout_ms:
+                timer = threading.Timer(self.statement_timeout_ms / 1000, cur.interrupt)
+                timer.daemon = True
+                timer.start()
+            cur.execute(sql)
+            names = [d[0] for d in cur.description or ()]
+            rows = normalize_rows(cur.fetchall())
+            return names, rows
+        except duckdb.Error as exc:
+            log.warning("DuckDB query failed (%s): %s", type(exc).__name__, exc)
+            raise BackendError(QUERY_FAILED) from None
+        finally:
+            if timer is not None:
+                timer.cancel()
+            cur.close()  # closing the cursor discards its open read-only transaction
+
+    def execute_script(self, sql: str) -> None:
+        cur = self._cursor()
+        try:
+            cur.execute(sql)
+        except duckdb.Error as exc:
+            log.warning("DuckDB script failed (%s): %s", type(exc).__name__, exc)
+            raise BackendError(QUERY_FAILED) from None
+        finally:
+            cur.close()
+
+    def load_rows(
+        self,
+        table: str,
+        columns: list[tuple[str, str]],
+        rows: Iterable[tuple[Any, ...]],
+        *,
+        replace: bool = False,
+    ) -> None:
+        """Create the table and insert through DuckDB's numpy scan, chunk by chunk (fast, no pandas)."""
+        target = quote_ident(table)
+        ddl = f"CREATE {'OR REPLACE ' if replace else ''}TABLE {target} ({column_defs(columns)})"
+        names = [f"c{i}" for i in range(len(columns))]
+        cur = self._cursor()
+        try:
+            cur.execute("BEGIN TRANSACTION")
+            cur.execute(ddl)
+            it = iter(rows)
+            while chunk := list(itertools.islice(it, _LOAD_CHUNK)):
+                data = {name: np.empty(len(chunk), dtype=object) for name in names}
+                for i, values in enumerate(zip(*chunk, strict=True)):
+                    data[names[i]][:] = values
+                # Infer source types from the whole chunk, not a sample (nulls first must not mislead).
+                cur.execute(f"SET pandas_analyze_sample = {len(chunk)}")
+                cur.register("_dpsql_load", data)
+                try:
+                    cur.execute(f"INSERT INTO {target} SELECT * FROM _dpsql_load")
+                finally:
+                    cur.unregister("_dpsql_load")
+            cur.execute("COMMIT")
+        except (duckdb.Error, ValueError) as exc:
+            log.warning("DuckDB load into %s failed (%s): %s", table, type(exc).__name__, exc)
+            raise BackendError(QUERY_FAILED) from None
+        finally:
+            cur.close()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._db.close()

@@ -1,0 +1,156 @@
+"""PostgreSQL backend: a small thread-safe pool of autocommit connections (psycopg 3, no extra deps).
+
+Queries run as a single prepared statement (so no second statement can be smuggled in)
+inside ``BEGIN READ ONLY`` … ``ROLLBACK``, on connections whose session default is also
+read-only. Loading (demo/tests) uses a separate short-lived read-write connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import psycopg
+
+from dpsql.backends import QUERY_FAILED, column_defs, normalize_rows, quote_ident, redact_url
+from dpsql.errors import BackendError
+
+log = logging.getLogger(__name__)
+
+CONNECT_FAILED = "could not connect to the database"
+
+
+class ConnectionPool:
+    """At most ``size`` connections, created lazily, reused LIFO, dropped when broken."""
+
+    def __init__(
+        self, connect: Callable[[], psycopg.Connection], size: int, acquire_timeout: float = 60
+    ) -> None:
+        if size < 1:
+            raise ValueError("pool size must be at least 1")
+        self._connect = connect
+        self._slots = threading.BoundedSemaphore(size)
+        self._idle: queue.LifoQueue[psycopg.Connection] = queue.LifoQueue()
+        self._acquire_timeout = acquire_timeout
+        self._closed = False
+
+    @contextlib.contextmanager
+    def connection(self) -> Iterator[psycopg.Connection]:
+        if self._closed:
+            raise BackendError("the database backend is closed")
+        if not self._slots.acquire(timeout=self._acquire_timeout):
+            raise BackendError("timed out waiting for a database connection")
+        conn: psycopg.Connection | None = None
+        try:
+            try:
+                conn = self._idle.get_nowait()
+            except queue.Empty:
+                conn = self._connect()
+            yield conn
+        finally:
+            if conn is not None:
+                if conn.broken or conn.closed or self._closed:
+                    conn.close()
+                else:
+                    self._idle.put(conn)
+            self._slots.release()
+
+    def close(self) -> None:
+        """Close idle connections now; connections in use are closed when handed back."""
+        self._closed = True
+        while True:
+            try:
+                self._idle.get_nowait().close()
+            except queue.Empty:
+                return
+
+
+class PostgresBackend:
+    dialect = "postgres"
+
+    def __init__(self, url: str, *, statement_timeout_ms: int | None = None, pool_size: int = 8) -> None:
+        self.url = url
+        self.statement_timeout_ms = statement_timeout_ms
+        self._pool = ConnectionPool(self._connect_read_only, pool_size)
+
+    def __repr__(self) -> str:
+        return f"PostgresBackend({redact_url(self.url)!r})"
+
+    def _connect(self) -> psycopg.Connection:
+        try:
+            return psycopg.connect(self.url, autocommit=True, connect_timeout=10)
+        except psycopg.Error as exc:
+            log.warning("cannot connect to %s: %s", redact_url(self.url), exc)
+            raise BackendError(CONNECT_FAILED) from None
+
+    def _connect_read_only(self) -> psycopg.Connection:
+        conn = self._connect()
+        try:
+            conn.execute("SET default_transaction_read_only = on")
+            conn.execute("SET application_name = 'dpsql'")
+            if self.statement_timeout_ms:
+                conn.execute(f"SET statement_timeout = {int(self.statement_timeout_ms)}")
+        except psycopg.Error as exc:
+            conn.close()
+            log.warning("cannot configure connection to %s: %s", redact_url(self.url), exc)
+            raise BackendError(CONNECT_FAILED) from None
+        return conn
+
+    def execute(self, sql: str) -> tuple[list[str], list[tuple[Any, ...]]]:
+        with self._pool.connection() as conn:
+            try:
+                with conn.cursor() as cur:
+                    cur.execute("BEGIN READ ONLY")
+                    try:
+                        # prepare=True forces the extended protocol: exactly one statement.
+                        cur.execute(sql, prepare=True)
+                        names = [col.name for col in cur.description or ()]
+                        rows = normalize_rows(cur.fetchall()) if cur.description else []
+                    finally:
+                        if not conn.broken:
+                            cur.execute("ROLLBACK")
+                return names, rows
+            except psycopg.Error as exc:
+                log.warning("PostgreSQL query failed (%s %s): %s", exc.sqlstate, type(exc).__name__, exc)
+                raise BackendError(QUERY_FAILED) from None
+
+    def execute_script(self, sql: str) -> None:
+        with self._connect() as conn:
+            try:
+                conn.execute(sql)  # type: ignore[arg-type]  # no params: simple protocol, many statements
+            except psycopg.Error as exc:
+                log.warning("PostgreSQL script failed (%s): %s", exc.sqlstate, exc)
+                raise BackendError(QUERY_FAILED) from None
+
+    def load_rows(
+        self,
+        table: str,
+        columns: list[tuple[str, str]],
+        rows: Iterable[tuple[Any, ...]],
+        *,
+        replace: bool = False,
+    ) -> None:
+        """Create the table and stream the rows with COPY, in one transaction."""
+        target = quote_ident(table)
+        names = ", ".join(quote_ident(name) for name, _ in columns)
+        defs = column_defs(columns)
+        with self._connect() as conn:
+            try:
+                with conn.transaction(), conn.cursor() as cur:
+                    if replace:
+                        cur.execute(f"DROP TABLE IF EXISTS {target}")  # type: ignore[arg-type]
+                    cur.execute(f"CREATE TABLE {target} ({defs})")  # type: ignore[arg-type]
+                    with cur.copy(f"COPY {target} ({names}) FROM STDIN") as copy:  # type: ignore[arg-type]
+                        for row in rows:
+                            copy.write_row(row)
+                    cur.execute(f"ANALYZE {target}")  # type: ignore[arg-type]
+            except psycopg.Error as exc:
+                log.warning("PostgreSQL load into %s failed (%s): %s", table, exc.sqlstate, exc)
+                raise BackendError(QUERY_FAILED) from None
+
+    def close(self) -> None:
+        self._pool.close()

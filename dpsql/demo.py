@@ -1,0 +1,177 @@
+"""Deterministic synthetic demo data for the shipped policies (schemas/health.yaml, adult.yaml).
+
+The hospital table starts with the ten rows of the seeds' differencing-attack example
+(row 9 is Igor: single, male, zip 2138, white, obesity) so the attack can be replayed.
+Data generation uses a seeded PRNG on purpose: it is fixture data, not noise.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SCHEMAS_DIR = Path(__file__).resolve().parent.parent / "schemas"
+
+Columns = list[tuple[str, str]]
+Rows = list[tuple[Any, ...]]
+
+HEALTH_COLUMNS: Columns = [
+    ("name", "TEXT"),
+    ("ssn", "TEXT"),
+    ("marital_status", "TEXT"),
+    ("sex", "TEXT"),
+    ("dob", "DATE"),
+    ("zip", "INTEGER"),
+    ("ethnicity", "TEXT"),
+    ("problem", "TEXT"),
+    ("age", "INTEGER"),
+    ("bmi", "DOUBLE PRECISION"),
+    ("visits", "INTEGER"),
+]
+
+#: The seeds' ten patients (marital status, sex, zip, ethnicity, problem, DOB); index 9 is Igor.
+SEED_PATIENTS: list[tuple[str, str, int, str, str, str]] = [
+    ("Divorced", "Male", 2139, "Asian", "Hypertension", "1993-03-11"),
+    ("Divorced", "Female", 2139, "Asian", "Obesity", "1996-06-27"),
+    ("Married", "Female", 2139, "Asian", "Chest pain", "1994-01-30"),
+    ("Married", "Female", 2139, "Asian", "Obesity", "1996-09-22"),
+    ("Married", "Male", 2148, "Black", "Hypertension", "1991-05-05"),
+    ("Married", "Male", 2138, "Black", "Shortness of breath", "1990-12-01"),
+    ("Married", "Female", 2141, "Black", "Shortness of breath", "1992-08-14"),
+    ("Married", "Male", 2141, "Black", "Obesity", "1995-07-23"),
+    ("Single", "Female", 2138, "White", "Chest pain", "1997-04-02"),
+    ("Single", "Male", 2138, "White", "Obesity", "1995-02-18"),
+]
+
+_PROBLEMS = ["Hypertension", "Obesity", "Chest pain", "Shortness of breath", "Diabetes", "Asthma", "None"]
+_ETHNICITIES = ["Asian", "Black", "Hispanic", "White", "Other"]
+_MARITAL = ["Single", "Married", "Divorced", "Widowed"]
+_REFERENCE_DAY = dt.date(2026, 1, 1)
+
+
+def _age(dob: dt.date) -> int:
+    return (_REFERENCE_DAY - dob).days // 365
+
+
+def health_rows(n: int = 10_000, seed: int = 2026) -> Rows:
+    """The seeds' ten patients, then ``n - 10`` synthetic ones (never Single White Males in 2138)."""
+    rng = np.random.default_rng(seed)
+    rows: Rows = []
+    for i, (marital, sex, zip_code, ethnicity, problem, dob_text) in enumerate(SEED_PATIENTS):
+        dob = dt.date.fromisoformat(dob_text)
+        name = "Igor" if i == 9 else f"Seed patient {i}"
+        rows.append(
+            (name, f"000-00-{i:04d}", marital, sex, dob, zip_code, ethnicity, problem, _age(dob), 31.0, 3)
+        )
+    start = dt.date(1930, 1, 1).toordinal()
+    for i in range(10, n):
+        dob = dt.date.fromordinal(start + int(rng.integers(0, 365 * 75)))
+        sex = "Female" if rng.random() < 0.52 else "Male"
+        ethnicity = _ETHNICITIES[int(rng.choice(5, p=[0.12, 0.14, 0.18, 0.5, 0.06]))]
+        zip_code = int(rng.integers(2100, 2200))
+        marital = _MARITAL[int(rng.choice(4, p=[0.35, 0.45, 0.13, 0.07]))]
+        if marital == "Single" and sex == "Male" and ethnicity == "White" and zip_code == 2138:
+            zip_code = 2139  # keep Igor unique in his quasi-identifiers, as in the seeds
+        problem = _PROBLEMS[int(rng.choice(7, p=[0.2, 0.15, 0.12, 0.1, 0.13, 0.1, 0.2]))]
+        bmi = float(np.clip(rng.normal(33.0 if problem == "Obesity" else 25.5, 4.0), 14, 58))
+        bmi_value: float | None = None if rng.random() < 0.02 else round(bmi, 1)
+        rows.append(
+            (
+                f"Patient {i}",
+                f"{int(rng.integers(100, 900)):03d}-{int(rng.integers(10, 99)):02d}-{i:04d}",
+                marital,
+                sex,
+                dob,
+                zip_code,
+                ethnicity,
+                problem,
+                _age(dob),
+                bmi_value,
+                int(rng.poisson(4)),
+            )
+        )
+    return rows
+
+
+ADULT_COLUMNS: Columns = [
+    ("age", "INTEGER"),
+    ("workclass", "TEXT"),
+    ("education", "TEXT"),
+    ("education_num", "INTEGER"),
+    ("marital_status", "TEXT"),
+    ("occupation", "TEXT"),
+    ("sex", "TEXT"),
+    ("race", "TEXT"),
+    ("hours_per_week", "INTEGER"),
+    ("capital_gain", "DOUBLE PRECISION"),
+    ("native_country", "TEXT"),
+    ("income", "TEXT"),
+]
+
+_EDUCATION = [
+    "Preschool", "1st-4th", "5th-6th", "7th-8th", "9th", "10th", "11th", "12th", "HS-grad",
+    "Some-college", "Assoc-voc", "Assoc-acdm", "Bachelors", "Masters", "Prof-school", "Doctorate",
+]  # fmt: skip
+_EDU_P = [0.002, 0.005, 0.01, 0.02, 0.016, 0.029, 0.036, 0.013, 0.322, 0.224, 0.042, 0.033, 0.164, 0.053,
+          0.018, 0.013]  # fmt: skip
+_WORKCLASS = ["Private", "Self-emp-not-inc", "Self-emp-inc", "Federal-gov", "Local-gov", "State-gov",
+              "Without-pay", "Never-worked"]  # fmt: skip
+_WORK_P = [0.70, 0.08, 0.035, 0.03, 0.065, 0.04, 0.02, 0.03]
+_MARITAL_ADULT = ["Married-civ-spouse", "Never-married", "Divorced", "Separated", "Widowed"]
+_OCCUPATIONS = ["Prof-specialty", "Craft-repair", "Exec-managerial", "Adm-clerical", "Sales",
+                "Other-service", "Machine-op-inspct", "Transport-moving", "Tech-support", "Farming-fishing"]  # fmt: skip
+_RACES = ["White", "Black", "Asian-Pac-Islander", "Amer-Indian-Eskimo", "Other"]
+_COUNTRIES = ["United-States", "Mexico", "Philippines", "Germany", "Canada", "India", "Cuba", "England"]
+
+
+def adult_rows(n: int = 32_561, seed: int = 1994) -> Rows:
+    """Synthetic census rows with plausible marginals and an income that depends on education."""
+    rng = np.random.default_rng(seed)
+    edu = rng.choice(16, size=n, p=np.array(_EDU_P) / sum(_EDU_P))
+    ages = np.clip(rng.normal(38.6, 13.6, size=n), 17, 90).astype(int)
+    hours = np.clip(rng.normal(40.4, 12.3, size=n), 1, 99).astype(int)
+    rows: Rows = []
+    for i in range(n):
+        e = int(edu[i])
+        rich = rng.random() < min(0.9, 0.05 + 0.04 * e + (0.1 if hours[i] > 45 else 0))
+        gain = float(round(rng.exponential(8000.0), 2)) if rng.random() < 0.08 else 0.0
+        rows.append(
+            (
+                int(ages[i]),
+                None if rng.random() < 0.05 else _WORKCLASS[int(rng.choice(8, p=_WORK_P))],
+                _EDUCATION[e],
+                e + 1,
+                _MARITAL_ADULT[int(rng.choice(5, p=[0.46, 0.33, 0.14, 0.03, 0.04]))],
+                _OCCUPATIONS[int(rng.integers(0, len(_OCCUPATIONS)))],
+                "Male" if rng.random() < 0.67 else "Female",
+                _RACES[int(rng.choice(5, p=[0.854, 0.096, 0.032, 0.01, 0.008]))],
+                int(hours[i]),
+                min(gain, 100000.0),
+                _COUNTRIES[int(rng.choice(8, p=[0.91, 0.03, 0.01, 0.01, 0.01, 0.01, 0.01, 0.01]))],
+                ">50K" if rich else "<=50K",
+            )
+        )
+    return rows
+
+
+#: dataset name -> (table, columns, row factory)
+DEMO_TABLES: dict[str, list[tuple[str, Columns, Any]]] = {
+    "health": [("patients", HEALTH_COLUMNS, health_rows)],
+    "adult": [("adult", ADULT_COLUMNS, adult_rows)],
+}
+
+
+def demo_policy_path(dataset: str) -> Path:
+    return SCHEMAS_DIR / f"{dataset}.yaml"
+
+
+def load_demo(backend: Any, datasets: Iterable[str] = ("health", "adult")) -> None:
+    """Create and fill the demo tables of ``datasets`` in ``backend`` (drops existing ones)."""
+    for dataset in datasets:
+        for table, columns, factory in DEMO_TABLES[dataset]:
+            backend.execute_script(f"DROP TABLE IF EXISTS {table}")
+            backend.load_rows(table, columns, factory())

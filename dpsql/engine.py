@@ -1,0 +1,408 @@
+"""The engine: analyze → rewrite → budget → execute → noise → post-process.
+
+Every front door (DB-API driver, CLI, wire server) calls :meth:`Engine.execute`. The
+order inside is the privacy argument: the cost is reserved durably in the ledger
+*before* the backend runs, raw measures never leave this module un-noised, and what
+follows the noise is post-processing.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import itertools
+import math
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from sqlglot import exp
+
+from dpsql.analyze import analyze_tree, infer_parameter_types, parse_statement
+from dpsql.analyze.parse import Params
+from dpsql.backends import Backend, open_backend
+from dpsql.errors import (
+    BackendError,
+    Error,
+    FeatureNotSupported,
+    InvalidAuthorization,
+    InvalidParameterValue,
+)
+from dpsql.ledger import Cost, Ledger
+from dpsql.plan import Measure, Plan
+from dpsql.policy import Policy, load_policy
+from dpsql.postprocess import evaluate, order_rows
+from dpsql.release import NoiseSpec, epsilon_to_rho, gaussian_spec_rho, half_width, laplace_spec
+from dpsql.release import partition_threshold, release, rho_to_epsilon
+from dpsql.rewrite import rewrite
+from dpsql.session import OutputColumn, Result, Session
+
+#: Largest cross product of public key domains released in one query.
+MAX_PUBLIC_GROUPS = 1_000_000
+_PLAN_CACHE_SIZE = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Description:
+    """What a query would return, known without running it or spending budget."""
+
+    columns: list[OutputColumn]
+    param_types: list[str]
+
+
+@dataclass(slots=True)
+class Budgeting:
+    """How one query's (ε, δ) is spent: a noise spec per measure and the charge."""
+
+    epsilon: float
+    delta: float
+    mechanism: str
+    specs: list[NoiseSpec]
+    cost: Cost
+    #: Partition-selection threshold on the COUNT(*) measure (None when keys are public).
+    threshold: int | None = None
+    selection_delta: float = 0.0
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A planned query: its plan, generated SQL and budgeting, cached per text and settings."""
+
+    plan: Plan
+    sql: str
+    budgeting: Budgeting
+    fingerprint: str
+
+
+@dataclass
+class Explanation:
+    """``dpsql explain`` / ``EXPLAIN``: what a query would cost and how accurate it would be."""
+
+    sql: str
+    epsilon: float
+    delta: float
+    mechanism: str
+    columns: list[dict[str, Any]] = field(default_factory=list)
+    keys: str = "none"
+
+    def as_result(self) -> Result:
+        lines = [
+            f"DP Aggregate  (mechanism={self.mechanism} epsilon={self.epsilon:g} delta={self.delta:g})",
+            f"  Group keys: {self.keys}",
+        ]
+        for c in self.columns:
+            if c["noisy"]:
+                lines.append(
+                    f"  Output {c['name']}: {c['measure']}  sensitivity={c['sensitivity']:g} "
+                    f"scale={c['scale']:g} epsilon={c['epsilon']:g} ci95=±{c['ci']:.4g}"
+                )
+            else:
+                lines.append(f"  Output {c['name']}: {c['measure']}")
+        lines.append(f"  Backend SQL: {self.sql}")
+        return Result(
+            columns=[OutputColumn("QUERY PLAN", "text")],
+            rows=[(line,) for line in lines],
+            accuracy=[(None,) for _ in lines],
+            epsilon_spent=0.0,
+            delta_spent=0.0,
+            command_tag="EXPLAIN",
+        )
+
+
+class Engine:
+    """Answers aggregate SQL over one policy's tables with differential privacy."""
+
+    def __init__(self, policy: Policy, backend: Backend, ledger: Ledger) -> None:
+        self.policy = policy
+        self.backend = backend
+        self.ledger = ledger
+        self._plans: OrderedDict[tuple[Any, ...], Prepared] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def open(cls, policy: str | Path | Policy, database: str, ledger: str | None = None) -> Engine:
+        """Open an engine from a policy (file or object), a database URL and a ledger URL."""
+        loaded = policy if isinstance(policy, Policy) else load_policy(policy)
+        return cls(loaded, open_backend(database), Ledger.open(ledger or "sqlite:///:memory:"))
+
+    def close(self) -> None:
+        self.backend.close()
+        self.ledger.close()
+
+    # -- planning ------------------------------------------------------------------------------
+
+    def prepare(self, sql: str, session: Session, params: Params = None) -> Prepared:
+        """Analyze, rewrite and budget ``sql``; cached on text, parameters and session settings."""
+        settings = (session.epsilon, session.delta, session.mechanism)
+        key = (sql, _hashable(params), settings)
+        with self._lock:
+            cached = self._plans.get(key)
+            if cached is not None:
+                self._plans.move_to_end(key)
+                return cached
+        prepared = self._prepare(parse_statement(sql), session, params)
+        with self._lock:
+            self._plans[key] = prepared
+            if len(self._plans) > _PLAN_CACHE_SIZE:
+                self._plans.popitem(last=False)
+        return prepared
+
+    def _prepare(self, tree: exp.Expression, session: Session, params: Params) -> Prepared:
+        plan = analyze_tree(tree, self.policy, params)
+        select = rewrite(plan)
+        budgeting = self._budget(plan, session)
+        fingerprint = hashlib.sha256(select.sql(dialect="postgres").encode()).hexdigest()[:16]
+        return Prepared(plan, select.sql(dialect=self.backend.dialect), budgeting, fingerprint)
+
+    def _budget(self, plan: Plan, session: Session) -> Budgeting:
+        defaults = self.policy.defaults
+        epsilon = session.epsilon if session.epsilon is not None else defaults.epsilon
+        delta = session.delta if session.delta is not None else defaults.delta
+        mechanism = session.mechanism or defaults.mechanism
+        if epsilon <= 0 or not math.isfinite(epsilon):
+            raise InvalidParameterValue("dpsql.epsilon must be a positive number")
+        if not 0 <= delta < 1:
+            raise InvalidParameterValue("dpsql.delta must be in [0, 1)")
+        if not plan.measures:
+            return Budgeting(0.0, 0.0, mechanism, [], Cost(epsilon=0.0))
+        selecting = plan.selection_measure is not None
+        if (selecting or mechanism == "gaussian") and delta == 0:
+            raise InvalidParameterValue(
+                "this query needs δ > 0",
+                hint="Grouping by a column without a public domain, and the Gaussian mechanism, "
+                "need SET dpsql.delta to a small positive value.",
+            )
+        k = len(plan.measures)
+        if mechanism == "gaussian":
+            conversion_delta = delta / 2 if selecting else delta
+            rho = epsilon_to_rho(epsilon, conversion_delta)
+            specs = [gaussian_spec_rho(m.sensitivity, rho / k, integer=_integer(m)) for m in plan.measures]
+            cost = Cost(epsilon=epsilon, delta=delta, rho=rho)
+        else:
+            specs = [laplace_spec(m.sensitivity, epsilon / k, integer=_integer(m)) for m in plan.measures]
+            cost = Cost(epsilon=epsilon, delta=delta if selecting else 0.0)
+        budgeting = Budgeting(epsilon, cost.delta, mechanism, specs, cost)
+        if selecting:
+            assert plan.selection_measure is not None
+            budgeting.selection_delta = delta / 2 if mechanism == "gaussian" else delta
+            spec = specs[plan.selection_measure]
+            budgeting.threshold = partition_threshold(spec, budgeting.selection_delta)
+        return budgeting
+
+    # -- front-door API ------------------------------------------------------------------------
+
+    def describe(self, sql: str, session: Session) -> Description:
+        """Output columns and parameter types, without running the query or spending budget."""
+        tree = parse_statement(sql)
+        param_types = infer_parameter_types(tree, self.policy)
+        placeholders = [_placeholder_value(t) for t in param_types]
+        plan = analyze_tree(tree, self.policy, placeholders or None)
+        return Description([o.column for o in plan.outputs], param_types)
+
+    def explain(self, sql: str, session: Session, params: Params = None) -> Explanation:
+        """Cost, sensitivity, noise scale and expected error per output; spends nothing."""
+        prepared = self.prepare(sql, session, params)
+        plan, budgeting = prepared.plan, prepared.budgeting
+        confidence = session.confidence or self.policy.defaults.confidence
+        columns = []
+        for out in plan.outputs:
+            entry: dict[str, Any] = {"name": out.column.name, "type": out.column.type, "noisy": out.noisy}
+            if out.noisy:
+                specs = [budgeting.specs[i] for i in out.measures]
+                entry.update(
+                    measure=" + ".join(plan.measures[i].label for i in out.measures),
+                    sensitivity=max(plan.measures[i].sensitivity for i in out.measures),
+                    scale=max(s.scale * s.grid for s in specs),
+                    epsilon=budgeting.epsilon * len(out.measures) / len(plan.measures),
+                    ci=half_width(specs[0], confidence) if out.kind in ("count", "sum") else float("nan"),
+                )
+                if out.kind == "avg":
+                    entry["measure"] = "AVG = centre + noisy centred SUM / noisy COUNT"
+            else:
+                entry["measure"] = "group key" if out.kind == "key" else "constant"
+            columns.append(entry)
+        if not plan.keys:
+            keys = "none"
+        elif plan.public_keys:
+            keys = "public domain: " + ", ".join(k.column for k in plan.keys)
+        else:
+            keys = (
+                ", ".join(k.column for k in plan.keys)
+                + f" (partition selection: noisy COUNT(*) >= {budgeting.threshold}, δ={budgeting.selection_delta:g})"
+            )
+        return Explanation(prepared.sql, budgeting.epsilon, budgeting.delta, budgeting.mechanism, columns, keys)
+
+    def execute(self, sql: str, session: Session, params: Params = None) -> Result:
+        """Answer one DP query: reserve the budget, run, noise, post-process."""
+        if self.policy.analyst(session.analyst) is None:
+            raise InvalidAuthorization(f'role "{session.analyst}" does not exist')
+        explain_target = _explain_target(sql)
+        if explain_target is not None:
+            return self.explain(explain_target, session, params).as_result()
+        prepared = self.prepare(sql, session, params)
+        budgeting = prepared.budgeting
+        charge = None
+        if prepared.plan.measures:
+            charge = self.ledger.reserve(
+                dataset=self.policy.dataset,
+                analyst=session.analyst,
+                cost=budgeting.cost,
+                dataset_budget=self.policy.budget.dataset,
+                analyst_budget=self.policy.analyst_budget(session.analyst),
+                fingerprint=prepared.fingerprint,
+                accounting=self.policy.budget.accounting,
+                rho_to_epsilon=rho_to_epsilon,
+            )
+        rows = self._run(prepared.sql)
+        result = self._release(prepared, rows, session.confidence or self.policy.defaults.confidence)
+        if charge is not None:
+            remaining = self.policy.analyst_budget(session.analyst).epsilon - charge.analyst_spent.epsilon
+            result.remaining_epsilon = max(remaining, 0.0)
+            result.notices.append(
+                f"dpsql: charged ε={budgeting.epsilon:g}"
+                + (f", δ={budgeting.delta:g}" if budgeting.delta else "")
+                + f"; remaining ε={result.remaining_epsilon:g} for analyst \"{session.analyst}\""
+            )
+        return result
+
+    def _run(self, sql: str) -> list[tuple[Any, ...]]:
+        try:
+            _, rows = self.backend.execute(sql)
+        except Error:
+            raise
+        except Exception as exc:  # never surface the database's own text: it may depend on data
+            raise BackendError("the database failed to run the query") from exc
+        return rows
+
+    # -- release --------------------------------------------------------------------------------
+
+    def _release(self, prepared: Prepared, rows: list[tuple[Any, ...]], confidence: float) -> Result:
+        plan, budgeting = prepared.plan, prepared.budgeting
+        nkeys = len(plan.keys)
+        rows = _public_key_rows(plan, rows) if plan.keys and plan.public_keys else rows
+        if not rows and not plan.keys:
+            rows = [tuple([0] * len(plan.measures))]
+        noisy: list[np.ndarray] = []
+        for i, spec in enumerate(budgeting.specs):
+            values = [0 if r[nkeys + i] is None else r[nkeys + i] for r in rows]
+            noisy.append(release(values, spec) if values else np.zeros(0))
+        widths = [half_width(spec, confidence) for spec in budgeting.specs]
+        keep = range(len(rows))
+        if budgeting.threshold is not None and plan.selection_measure is not None:
+            counts = noisy[plan.selection_measure]
+            keep = [j for j in range(len(rows)) if counts[j] >= budgeting.threshold]
+        released: list[tuple[tuple[Any, ...], tuple[Any, ...], tuple[float | None, ...]]] = []
+        for j in keep:
+            env: dict[str, Any] = {f"k{i}": rows[j][i] for i in range(nkeys)}
+            for i, values in enumerate(noisy):
+                env[f"m{i}"] = _python_number(values[j], plan.measures[i])
+            out_values, out_acc = [], []
+            for o, out in enumerate(plan.outputs):
+                value = evaluate(out.expr, env)
+                if out.kind == "count" and value is not None:
+                    value = max(int(value), 0)
+                if out.clamp is not None and value is not None:
+                    value = min(max(value, out.clamp[0]), out.clamp[1])
+                env[f"o{o}"] = value
+                out_values.append(value)
+                out_acc.append(_accuracy(out, env, widths, plan))
+            if plan.having is not None and evaluate(plan.having, env) is not True:
+                continue
+            sort_key = tuple(evaluate(term, env) for term, _, _ in plan.order)
+            released.append((sort_key, tuple(out_values), tuple(out_acc)))
+        if plan.distinct:
+            seen: dict[tuple[Any, ...], Any] = {}
+            for item in released:
+                seen.setdefault(item[1], item)
+            released = list(seen.values())
+        if plan.order:
+            spec = [(desc, nulls_first) for _, desc, nulls_first in plan.order]
+            released = order_rows([(item[0], item) for item in released], spec)
+        end = None if plan.limit is None else plan.offset + plan.limit
+        released = released[plan.offset : end]
+        return Result(
+            columns=[o.column for o in plan.outputs],
+            rows=[item[1] for item in released],
+            accuracy=[item[2] for item in released],
+            epsilon_spent=budgeting.epsilon,
+            delta_spent=budgeting.delta,
+        )
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+def _integer(measure: Measure) -> bool:
+    return measure.integer and float(measure.centre).is_integer()
+
+
+def _python_number(value: Any, measure: Measure) -> int | float:
+    return int(value) if _integer(measure) else float(value)
+
+
+def _accuracy(out: Any, env: dict[str, Any], widths: list[float], plan: Plan) -> float | None:
+    """Half-width of the confidence interval of one released cell, from the scales used."""
+    if out.kind in ("count", "sum"):
+        return widths[out.measures[0]]
+    if out.kind == "avg":
+        total_i, count_i = out.measures
+        count = max(float(env[f"m{count_i}"]), 1.0)
+        total = float(env[f"m{total_i}"])
+        # delta method for (centre + S/N): independent noises on S and N
+        return math.hypot(widths[total_i] / count, widths[count_i] * abs(total) / count**2)
+    if isinstance(out.expr, exp.Var) and out.expr.name.startswith("m"):
+        return widths[int(out.expr.name[1:])]
+    return None
+
+
+def _normalise_key(value: Any) -> Any:
+    return value.lower() if isinstance(value, str) and value.lower() in ("true", "false") else value
+
+
+def _public_key_rows(plan: Plan, rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """Every combination of the public domains, in domain order; absent ones get zeros.
+
+    Keys outside the declared domain are dropped: releasing them would reveal that
+    someone holds an undeclared value.
+    """
+    domains = [k.domain or () for k in plan.keys]
+    size = math.prod(len(d) for d in domains)
+    if size > MAX_PUBLIC_GROUPS:
+        raise FeatureNotSupported(
+            f"GROUP BY would release {size} groups (more than {MAX_PUBLIC_GROUPS})",
+            hint="Group by fewer columns.",
+        )
+    nkeys = len(plan.keys)
+    found = {tuple(r[:nkeys]): r for r in rows}
+    zeros = tuple([0] * len(plan.measures))
+    return [found.get(combo, (*combo, *zeros)) for combo in itertools.product(*domains)]
+
+
+def _hashable(params: Params) -> Any:
+    if params is None:
+        return None
+    if isinstance(params, dict):
+        return tuple(sorted((k, repr(v)) for k, v in params.items()))
+    return tuple(repr(v) for v in params)
+
+
+def _placeholder_value(pg_type: str) -> Any:
+    return {"bigint": 0, "double precision": 0.0, "boolean": False, "date": dt.date(2000, 1, 1)}.get(pg_type, "")
+
+
+def _explain_target(sql: str) -> str | None:
+    """The query inside ``EXPLAIN <query>``; EXPLAIN ANALYZE is refused (it reveals timings and row counts)."""
+    stripped = sql.lstrip()
+    if stripped[:7].upper() != "EXPLAIN":
+        return None
+    rest = stripped[7:].lstrip()
+    if rest[:1] == "(" or rest.split(None, 1)[0].upper() in ("ANALYZE", "ANALYSE", "VERBOSE"):
+        raise FeatureNotSupported(
+            "EXPLAIN options are not supported",
+            hint="EXPLAIN ANALYZE would reveal exact row counts and timings; use plain EXPLAIN.",
+        )
+    return rest
+

@@ -1,0 +1,899 @@
+"""Persistent privacy accountant: every charge is durably committed *before* a result leaves.
+
+The ledger is the one place where privacy loss is remembered, so it fails closed: if a
+charge cannot be checked and committed (corrupt file, read-only disk, unreachable server)
+the caller gets :class:`~dpsql.errors.LedgerUnavailable` and must not release anything.
+There is deliberately no API to delete or refund a charge.
+
+Two stores share one contract:
+
+* SQLite (``sqlite:///abs/path.sqlite``, the embedded default): WAL journal,
+  ``synchronous=FULL`` and ``BEGIN IMMEDIATE``, so the check-then-insert is serialised
+  across threads *and* processes sharing the file, and each commit is fsync'd.
+* PostgreSQL (``postgresql://…``): a transaction that takes
+  ``pg_advisory_xact_lock`` on the dataset, reads the totals, inserts the charge and
+  commits with ``synchronous_commit = on``.
+
+Each charge row is the audit log; a small ``…_totals`` table, updated in the same
+transaction, keeps per-(dataset, analyst) sums so a reserve costs O(1) however long the
+history grows.
+
+Composition: under ``"pure"`` accounting ε and δ add (basic composition). Under
+``"zcdp"`` ρ adds, and the spent ε is ε(ρ_total, δ_budget); a pure ε-DP charge counts as
+ρ = ε²/2. Dataset totals sum *all* analysts, since analysts may collude.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import os
+import sqlite3
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from dpsql.errors import LedgerUnavailable, PrivacyBudgetExhausted
+
+if TYPE_CHECKING:
+    import psycopg
+
+Accounting = Literal["pure", "zcdp"]
+RhoToEpsilon = Callable[[float, float], float]
+
+#: Relative slack so that spending exactly the budget in k equal float steps succeeds.
+REL_TOLERANCE = 1e-9
+
+_HINT_EXHAUSTED = "Ask the data curator for more budget, or lower ε with SET dpsql.epsilon."
+_HINT_UNAVAILABLE = (
+    "No query is answered while the privacy ledger cannot record charges. "
+    "Check the ledger URL, that its file or directory is writable, or that its database is reachable."
+)
+# Two-key advisory lock namespace: ("dpsql", hashtext(dataset)); 0x64707371 is b"dpsq".
+_PG_LOCK_NAMESPACE = 0x64707371
+_SQLITE_BUSY_TIMEOUT_S = 30.0
+
+
+class BudgetLike(Protocol):
+    """Anything with a total (ε, δ): ``dpsql.policy.Budget`` in practice."""
+
+    @property
+    def epsilon(self) -> float: ...
+
+    @property
+    def delta(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class Cost:
+    """The privacy cost of one release.
+
+    ``epsilon``/``delta`` are its (ε, δ)-DP guarantee; ``rho`` its zCDP cost (Gaussian
+    queries under ``zcdp`` accounting). Under ``zcdp``, a cost with ``rho == 0`` and
+    ``delta == 0`` is pure ε-DP and counts as ρ = ε²/2.
+    """
+
+    epsilon: float
+    delta: float = 0.0
+    rho: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("epsilon", "delta", "rho"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"Cost.{name} must be a finite number >= 0, got {value!r}")
+        if self.delta >= 1:
+            raise ValueError(f"Cost.delta must be < 1, got {self.delta!r}")
+
+    def zcdp_rho(self) -> float:
+        """ρ charged under zCDP accounting; an (ε, δ>0) cost without ρ cannot be composed there."""
+        if self.rho > 0:
+            return self.rho
+        if self.delta == 0:
+            return self.epsilon * self.epsilon / 2
+        raise ValueError("an (ε, δ>0) cost needs its zCDP rho to be charged under zcdp accounting")
+
+
+@dataclass(frozen=True)
+class Spent:
+    """Raw sums of recorded charges (ε and δ by basic composition, ρ by zCDP composition)."""
+
+    epsilon: float = 0.0
+    delta: float = 0.0
+    rho: float = 0.0
+    queries: int = 0
+
+    def plus(self, epsilon: float, delta: float, rho: float) -> Spent:
+        return Spent(self.epsilon + epsilon, self.delta + delta, self.rho + rho, self.queries + 1)
+
+    def privacy_loss(
+        self,
+        accounting: Accounting,
+        delta: float,
+        rho_to_epsilon: RhoToEpsilon | None = None,
+    ) -> tuple[float, float]:
+        """The (ε, δ) this spending amounts to; under zCDP, ε is converted at the given δ."""
+        if accounting == "pure":
+            return self.epsilon, self.delta
+        if self.rho == 0:
+            return 0.0, 0.0
+        return (rho_to_epsilon or default_rho_to_epsilon)(self.rho, delta), delta
+
+
+@dataclass(frozen=True)
+class Remaining:
+    """What is left of a budget: (ε, δ) and, under zCDP, the largest ρ still affordable."""
+
+    epsilon: float
+    delta: float
+    rho: float
+
+
+@dataclass(frozen=True)
+class Charge:
+    """A committed charge, with the totals it brought the analyst and the dataset to."""
+
+    id: int
+    at: dt.datetime
+    dataset: str
+    analyst: str
+    fingerprint: str
+    cost: Cost
+    accounting: Accounting
+    analyst_spent: Spent
+    dataset_spent: Spent
+
+
+@dataclass(frozen=True)
+class ChargeRecord:
+    """One row of the audit log as stored (under zcdp, ``cost.rho`` is the ρ actually charged)."""
+
+    id: int
+    at: dt.datetime
+    dataset: str
+    analyst: str
+    fingerprint: str
+    cost: Cost
+    accounting: Accounting
+
+
+@dataclass(frozen=True)
+class AnalystSpent:
+    """One row of ``dpsql budget``: an analyst's spending on a dataset."""
+
+    analyst: str
+    spent: Spent
+    last_at: dt.datetime | None
+
+
+def default_rho_to_epsilon(rho: float, delta: float) -> float:
+    """The standard ρ-zCDP ⇒ (ε, δ)-DP bound ε = ρ + 2·sqrt(ρ·ln(1/δ)) (Bun & Steinke 2016)."""
+    if rho <= 0:
+        return 0.0
+    if delta <= 0:
+        return math.inf
+    return rho + 2 * math.sqrt(rho * math.log(1 / delta))
+
+
+def max_rho(epsilon: float, delta: float, rho_to_epsilon: RhoToEpsilon | None = None) -> float:
+    """Largest ρ with ε(ρ, δ) ≤ ``epsilon``; closed form for the default bound, else bisection."""
+    if epsilon <= 0 or delta <= 0:
+        return 0.0
+    if rho_to_epsilon is None:
+        log_term = math.log(1 / delta)
+        return (math.sqrt(log_term + epsilon) - math.sqrt(log_term)) ** 2
+    lo, hi = 0.0, epsilon  # ε(ρ, δ) ≥ ρ for every sound conversion
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if rho_to_epsilon(mid, delta) <= epsilon:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _within(total: float, budget: float) -> bool:
+    return total <= budget + REL_TOLERANCE * budget
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.6g}"
+
+
+def _conversion_delta(budget: BudgetLike, rho_delta: float | None) -> float:
+    # A smaller δ only makes the converted ε more conservative, so never exceed the budget's δ.
+    return budget.delta if rho_delta is None else min(rho_delta, budget.delta)
+
+
+def check_budget(
+    *,
+    who: str,
+    name: str,
+    spent: Spent,
+    cost: Cost,
+    budget: BudgetLike,
+    accounting: Accounting,
+    rho_delta: float | None = None,
+    rho_to_epsilon: RhoToEpsilon | None = None,
+) -> None:
+    """Raise :class:`PrivacyBudgetExhausted` if ``spent`` plus ``cost`` exceeds ``budget``.
+
+    Pure function of budget figures only, so its messages can never reveal data.
+    """
+    message = f'privacy budget exhausted for {who} "{name}"'
+    if accounting == "pure":
+        if not _within(spent.epsilon + cost.epsilon, budget.epsilon):
+            detail = (
+                f"spent ε={_fmt(spent.epsilon)} of {_fmt(budget.epsilon)}, "
+                f"this query needs ε={_fmt(cost.epsilon)}"
+            )
+            raise PrivacyBudgetExhausted(message, detail=detail, hint=_HINT_EXHAUSTED)
+        if not _within(spent.delta + cost.delta, budget.delta):
+            detail = (
+                f"spent δ={_fmt(spent.delta)} of {_fmt(budget.delta)}, this query needs δ={_fmt(cost.delta)}"
+            )
+            raise PrivacyBudgetExhausted(
+                message,
+                detail=detail,
+                hint="Ask the data curator for more budget, or lower δ with SET dpsql.delta "
+                "(or use the Laplace mechanism, which spends no δ).",
+            )
+        return
+    delta = _conversion_delta(budget, rho_delta)
+    convert = rho_to_epsilon or default_rho_to_epsilon
+    rho_cost = cost.zcdp_rho()
+    total = spent.rho + rho_cost
+    epsilon_total = convert(total, delta) if total > 0 else 0.0
+    if not _within(epsilon_total, budget.epsilon):
+        epsilon_spent = convert(spent.rho, delta) if spent.rho > 0 else 0.0
+        detail = (
+            f"spent ρ={_fmt(spent.rho)} (ε={_fmt(epsilon_spent)} at δ={_fmt(delta)}) "
+            f"of ε={_fmt(budget.epsilon)}, "
+            f"this query needs ρ={_fmt(rho_cost)}, which would total ε={_fmt(epsilon_total)}"
+        )
+        raise PrivacyBudgetExhausted(message, detail=detail, hint=_HINT_EXHAUSTED)
+
+
+def remaining_budget(
+    spent: Spent,
+    budget: BudgetLike,
+    accounting: Accounting = "pure",
+    *,
+    rho_delta: float | None = None,
+    rho_to_epsilon: RhoToEpsilon | None = None,
+) -> Remaining:
+    """Budget left after ``spent``; never negative."""
+    if accounting == "pure":
+        return Remaining(
+            epsilon=max(0.0, budget.epsilon - spent.epsilon),
+            delta=max(0.0, budget.delta - spent.delta),
+            rho=0.0,
+        )
+    delta = _conversion_delta(budget, rho_delta)
+    used, _ = spent.privacy_loss("zcdp", delta, rho_to_epsilon)
+    rho_left = max(0.0, max_rho(budget.epsilon, delta, rho_to_epsilon) - spent.rho)
+    return Remaining(epsilon=max(0.0, budget.epsilon - used), delta=budget.delta, rho=rho_left)
+
+
+# --- the stores ---------------------------------------------------------------------------
+
+
+class Ledger:
+    """A durable, concurrency-safe privacy ledger; open with :meth:`Ledger.open`."""
+
+    url: str
+
+    @staticmethod
+    def open(url: str) -> Ledger:
+        """``sqlite:///abs/path.sqlite``, ``sqlite:///:memory:`` or ``postgresql://…``."""
+        if url.startswith("sqlite://"):
+            path = url.removeprefix("sqlite://")
+            if path != "/:memory:" and not path.startswith("/"):
+                raise LedgerUnavailable(
+                    f"privacy ledger unavailable: {url!r} is not sqlite:///<absolute path>",
+                    hint=_HINT_UNAVAILABLE,
+                )
+            return SQLiteLedger(":memory:" if path == "/:memory:" else path)
+        if url.startswith(("postgresql://", "postgres://")):
+            return PostgresLedger(url)
+        raise LedgerUnavailable(
+            "privacy ledger unavailable: unsupported ledger URL scheme",
+            detail="Use sqlite:///<absolute path> or postgresql://…",
+            hint=_HINT_UNAVAILABLE,
+        )
+
+    # -- public API (shared) ----------------------------------------------------------------
+
+    def reserve(
+        self,
+        *,
+        dataset: str,
+        analyst: str,
+        cost: Cost,
+        dataset_budget: BudgetLike,
+        analyst_budget: BudgetLike,
+        fingerprint: str,
+        accounting: Accounting = "pure",
+        rho_delta: float | None = None,
+        rho_to_epsilon: RhoToEpsilon | None = None,
+    ) -> Charge:
+        """Atomically check both budgets and durably record the charge, or raise.
+
+        Raises :class:`PrivacyBudgetExhausted` (nothing recorded) or
+        :class:`LedgerUnavailable` (nothing may be released).
+        """
+        if accounting not in ("pure", "zcdp"):
+            raise ValueError(f"unknown accounting {accounting!r}")
+        rho = cost.zcdp_rho() if accounting == "zcdp" else self._recorded_rho(cost)
+        now = dt.datetime.now(dt.UTC)
+
+        def check(analyst_spent: Spent, dataset_spent: Spent) -> None:
+            common: dict[str, Any] = {
+                "cost": cost,
+                "accounting": accounting,
+                "rho_delta": rho_delta,
+                "rho_to_epsilon": rho_to_epsilon,
+            }
+            check_budget(who="analyst", name=analyst, spent=analyst_spent, budget=analyst_budget, **common)
+            check_budget(who="dataset", name=dataset, spent=dataset_spent, budget=dataset_budget, **common)
+
+        charge_id, analyst_spent, dataset_spent = self._reserve(
+            dataset=dataset,
+            analyst=analyst,
+            fingerprint=fingerprint,
+            epsilon=cost.epsilon,
+            delta=cost.delta,
+            rho=rho,
+            accounting=accounting,
+            at=now,
+            check=check,
+        )
+        return Charge(
+            id=charge_id,
+            at=now,
+            dataset=dataset,
+            analyst=analyst,
+            fingerprint=fingerprint,
+            cost=cost,
+            accounting=accounting,
+            analyst_spent=analyst_spent,
+            dataset_spent=dataset_spent,
+        )
+
+    def spent(self, dataset: str, analyst: str | None = None) -> Spent:
+        """Totals for one analyst, or for the whole dataset (all analysts) when ``analyst`` is None."""
+        rows = self.summary(dataset)
+        if analyst is not None:
+            rows = [row for row in rows if row.analyst == analyst]
+        return _sum_spent(row.spent for row in rows)
+
+    def remaining(
+        self,
+        dataset: str,
+        analyst: str | None = None,
+        *,
+        budget: BudgetLike,
+        accounting: Accounting = "pure",
+        rho_delta: float | None = None,
+        rho_to_epsilon: RhoToEpsilon | None = None,
+    ) -> Remaining:
+        """What is left of ``budget`` given what the analyst (or the dataset) has spent."""
+        return remaining_budget(
+            self.spent(dataset, analyst),
+            budget,
+            accounting,
+            rho_delta=rho_delta,
+            rho_to_epsilon=rho_to_epsilon,
+        )
+
+    def summary(self, dataset: str) -> list[AnalystSpent]:
+        """Per-analyst spending on ``dataset``, sorted by analyst name (for ``dpsql budget``)."""
+        raise NotImplementedError
+
+    def charges(self, dataset: str, analyst: str | None = None, *, limit: int = 100) -> list[ChargeRecord]:
+        """Most recent charges first, for auditing."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- store-specific ---------------------------------------------------------------------
+
+    @staticmethod
+    def _recorded_rho(cost: Cost) -> float:
+        # Under pure accounting still record a sound ρ when one exists, so that a later switch
+        # of the policy to zcdp does not undercount earlier pure-DP charges.
+        if cost.rho > 0:
+            return cost.rho
+        return cost.epsilon * cost.epsilon / 2 if cost.delta == 0 else 0.0
+
+    def _reserve(
+        self,
+        *,
+        dataset: str,
+        analyst: str,
+        fingerprint: str,
+        epsilon: float,
+        delta: float,
+        rho: float,
+        accounting: Accounting,
+        at: dt.datetime,
+        check: Callable[[Spent, Spent], None],
+    ) -> tuple[int, Spent, Spent]:
+        raise NotImplementedError
+
+
+def _sum_spent(parts: Iterator[Spent] | list[Spent]) -> Spent:
+    eps = delta = rho = 0.0
+    queries = 0
+    for part in parts:
+        eps += part.epsilon
+        delta += part.delta
+        rho += part.rho
+        queries += part.queries
+    return Spent(eps, delta, rho, queries)
+
+
+def _unavailable(reason: str, exc: BaseException | None = None) -> LedgerUnavailable:
+    detail = f"{type(exc).__name__}: {exc}" if exc is not None else None
+    return LedgerUnavailable(f"privacy ledger unavailable: {reason}", detail=detail, hint=_HINT_UNAVAILABLE)
+
+
+def _ts(at: dt.datetime) -> str:
+    return at.astimezone(dt.UTC).isoformat(timespec="microseconds")
+
+
+def _parse_ts(value: Any) -> dt.datetime:
+    if isinstance(value, dt.datetime):
+        return value
+    return dt.datetime.fromisoformat(value)
+
+
+_SQLITE_SCHEMA = """
+BEGIN IMMEDIATE;
+CREATE TABLE IF NOT EXISTS dpsql_ledger (
+    id          INTEGER PRIMARY KEY AUTOINCREMENT,
+    at          TEXT    NOT NULL,
+    dataset     TEXT    NOT NULL,
+    analyst     TEXT    NOT NULL,
+    fingerprint TEXT    NOT NULL,
+    epsilon     REAL    NOT NULL CHECK (epsilon >= 0),
+    delta       REAL    NOT NULL CHECK (delta >= 0),
+    rho         REAL    NOT NULL CHECK (rho >= 0),
+    accounting  TEXT    NOT NULL
+);
+CREATE INDEX IF NOT EXISTS dpsql_ledger_by_owner ON dpsql_ledger (dataset, analyst, id);
+CREATE TABLE IF NOT EXISTS dpsql_ledger_totals (
+    dataset  TEXT    NOT NULL,
+    analyst  TEXT    NOT NULL,
+    epsilon  REAL    NOT NULL,
+    delta    REAL    NOT NULL,
+    rho      REAL    NOT NULL,
+    queries  INTEGER NOT NULL,
+    last_at  TEXT    NOT NULL,
+    PRIMARY KEY (dataset, analyst)
+);
+CREATE TRIGGER IF NOT EXISTS dpsql_ledger_no_delete BEFORE DELETE ON dpsql_ledger
+BEGIN SELECT RAISE(ABORT, 'privacy ledger charges are never deleted'); END;
+CREATE TRIGGER IF NOT EXISTS dpsql_ledger_no_update BEFORE UPDATE ON dpsql_ledger
+BEGIN SELECT RAISE(ABORT, 'privacy ledger charges are never changed'); END;
+CREATE TABLE IF NOT EXISTS dpsql_ledger_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+-- A real write on every open: a read-only file or directory fails here, not mid-query.
+INSERT INTO dpsql_ledger_meta (key, value) VALUES ('schema', '1')
+    ON CONFLICT (key) DO UPDATE SET value = excluded.value;
+COMMIT;
+"""
+
+_UPSERT_TOTALS = """
+INSERT INTO dpsql_ledger_totals (dataset, analyst, epsilon, delta, rho, queries, last_at)
+VALUES (?, ?, ?, ?, ?, 1, ?)
+ON CONFLICT (dataset, analyst) DO UPDATE SET
+    epsilon = epsilon + excluded.epsilon,
+    delta   = delta + excluded.delta,
+    rho     = rho + excluded.rho,
+    queries = queries + 1,
+    last_at = excluded.last_at
+"""
+
+
+class SQLiteLedger(Ledger):
+    """Embedded ledger: one long-lived connection per thread on a WAL-mode SQLite file."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.url = "sqlite:///:memory:" if path == ":memory:" else f"sqlite://{path}"
+        self._memory = path == ":memory:"
+        self._lock = threading.Lock()  # guards _connections, and serialises the one :memory: connection
+        self._local = threading.local()
+        self._connections: list[sqlite3.Connection] = []
+        self._pid = os.getpid()
+        self._closed = False
+        if not self._memory:
+            parent = os.path.dirname(path)
+            if os.path.isdir(path):
+                raise _unavailable(f"{path!r} is a directory")
+            if not os.path.isdir(parent):
+                raise _unavailable(f"directory {parent!r} does not exist")
+        try:
+            conn = self._conn()
+            row = conn.execute("PRAGMA quick_check").fetchone()
+        except sqlite3.Error as exc:
+            self.close()
+            raise _unavailable(f"cannot open {path!r}", exc) from exc
+        except LedgerUnavailable:
+            self.close()
+            raise
+        if row is None or row[0] != "ok":
+            self.close()
+            raise _unavailable(f"{path!r} failed its integrity check")
+
+    def _connect(self) -> sqlite3.Connection:
+        try:
+            conn = sqlite3.connect(
+                self.path,
+                timeout=_SQLITE_BUSY_TIMEOUT_S,
+                isolation_level=None,  # we issue BEGIN IMMEDIATE / COMMIT ourselves
+                check_same_thread=False,  # only so that close() may close every thread's connection
+            )
+        except sqlite3.Error as exc:
+            raise _unavailable(f"cannot open {self.path!r}", exc) from exc
+        try:
+            if not self._memory:
+                mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()
+                if mode is None or str(mode[0]).lower() != "wal":
+                    raise _unavailable(f"{self.path!r} cannot use write-ahead logging")
+            conn.execute("PRAGMA synchronous=FULL")  # fsync the WAL on every commit
+            conn.execute("PRAGMA fullfsync=ON")  # F_FULLFSYNC on macOS; ignored elsewhere
+            conn.executescript(_SQLITE_SCHEMA)
+        except (sqlite3.Error, LedgerUnavailable) as exc:
+            if conn.in_transaction:
+                with suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
+            conn.close()
+            if isinstance(exc, LedgerUnavailable):
+                raise
+            raise _unavailable(f"cannot open {self.path!r}", exc) from exc
+        return conn
+
+    def _conn(self) -> sqlite3.Connection:
+        if self._closed:
+            raise _unavailable("the ledger is closed")
+        if os.getpid() != self._pid:
+            # Forked child: SQLite connections must not cross fork(); start afresh.
+            self._pid = os.getpid()
+            self._local = threading.local()
+            self._connections = []
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            with self._lock:
+                if self._memory and self._connections:
+                    conn = self._connections[0]
+                else:
+                    conn = self._connect()
+                    self._connections.append(conn)
+            self._local.conn = conn
+        return conn
+
+    @contextmanager
+    def _turn(self) -> Iterator[None]:
+        # The single :memory: connection is shared by all threads, so they take turns.
+        if self._memory:
+            with self._lock:
+                yield
+        else:
+            yield
+
+    def _reserve(
+        self,
+        *,
+        dataset: str,
+        analyst: str,
+        fingerprint: str,
+        epsilon: float,
+        delta: float,
+        rho: float,
+        accounting: Accounting,
+        at: dt.datetime,
+        check: Callable[[Spent, Spent], None],
+    ) -> tuple[int, Spent, Spent]:
+        conn = self._conn()
+        with self._turn():
+            try:
+                # BEGIN IMMEDIATE takes the file's write lock now, so no other thread or process
+                # can commit a charge between our read of the totals and our insert.
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    rows = conn.execute(
+                        "SELECT analyst, epsilon, delta, rho, queries FROM dpsql_ledger_totals "
+                        "WHERE dataset = ? ORDER BY analyst",
+                        (dataset,),
+                    ).fetchall()
+                    analyst_spent, dataset_spent = _split_totals(rows, analyst)
+                    check(analyst_spent, dataset_spent)
+                    cursor = conn.execute(
+                        "INSERT INTO dpsql_ledger (at, dataset, analyst, fingerprint, epsilon, delta, rho, "
+                        "accounting) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                        (_ts(at), dataset, analyst, fingerprint, epsilon, delta, rho, accounting),
+                    )
+                    charge_id = cursor.lastrowid
+                    conn.execute(_UPSERT_TOTALS, (dataset, analyst, epsilon, delta, rho, _ts(at)))
+                    conn.execute("COMMIT")
+                except BaseException:
+                    if conn.in_transaction:
+                        with suppress(sqlite3.Error):
+                            conn.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as exc:
+                raise _unavailable(f"cannot record a charge in {self.path!r}", exc) from exc
+        assert charge_id is not None
+        return (
+            charge_id,
+            analyst_spent.plus(epsilon, delta, rho),
+            dataset_spent.plus(epsilon, delta, rho),
+        )
+
+    def summary(self, dataset: str) -> list[AnalystSpent]:
+        conn = self._conn()
+        with self._turn():
+            try:
+                rows = conn.execute(
+                    "SELECT analyst, epsilon, delta, rho, queries, last_at FROM dpsql_ledger_totals "
+                    "WHERE dataset = ? ORDER BY analyst",
+                    (dataset,),
+                ).fetchall()
+            except sqlite3.Error as exc:
+                raise _unavailable(f"cannot read {self.path!r}", exc) from exc
+        return [AnalystSpent(r[0], Spent(r[1], r[2], r[3], r[4]), _parse_ts(r[5])) for r in rows]
+
+    def charges(self, dataset: str, analyst: str | None = None, *, limit: int = 100) -> list[ChargeRecord]:
+        sql = (
+            "SELECT id, at, dataset, analyst, fingerprint, epsilon, delta, rho, accounting "
+            "FROM dpsql_ledger WHERE dataset = ?"
+        )
+        params: tuple[Any, ...] = (dataset,)
+        if analyst is not None:
+            sql += " AND analyst = ?"
+            params += (analyst,)
+        sql += " ORDER BY id DESC LIMIT ?"
+        conn = self._conn()
+        with self._turn():
+            try:
+                rows = conn.execute(sql, (*params, limit)).fetchall()
+            except sqlite3.Error as exc:
+                raise _unavailable(f"cannot read {self.path!r}", exc) from exc
+        return [_record(row) for row in rows]
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            connections, self._connections = self._connections, []
+        for conn in connections:
+            with suppress(sqlite3.Error):
+                conn.close()
+
+
+def _split_totals(rows: list[Any], analyst: str) -> tuple[Spent, Spent]:
+    """(analyst's totals, dataset's totals over every analyst) from per-analyst total rows."""
+    per_analyst = {row[0]: Spent(float(row[1]), float(row[2]), float(row[3]), int(row[4])) for row in rows}
+    return per_analyst.get(analyst, Spent()), _sum_spent(list(per_analyst.values()))
+
+
+def _record(row: Any) -> ChargeRecord:
+    return ChargeRecord(
+        id=int(row[0]),
+        at=_parse_ts(row[1]),
+        dataset=row[2],
+        analyst=row[3],
+        fingerprint=row[4],
+        cost=Cost(float(row[5]), float(row[6]), float(row[7])),
+        accounting=row[8],
+    )
+
+
+_PG_SCHEMA = """
+CREATE TABLE IF NOT EXISTS dpsql_ledger (
+    id          bigserial        PRIMARY KEY,
+    at          timestamptz      NOT NULL,
+    dataset     text             NOT NULL,
+    analyst     text             NOT NULL,
+    fingerprint text             NOT NULL,
+    epsilon     double precision NOT NULL CHECK (epsilon >= 0),
+    delta       double precision NOT NULL CHECK (delta >= 0),
+    rho         double precision NOT NULL CHECK (rho >= 0),
+    accounting  text             NOT NULL
+);
+CREATE INDEX IF NOT EXISTS dpsql_ledger_by_owner ON dpsql_ledger (dataset, analyst, id);
+CREATE TABLE IF NOT EXISTS dpsql_ledger_totals (
+    dataset text             NOT NULL,
+    analyst text             NOT NULL,
+    epsilon double precision NOT NULL,
+    delta   double precision NOT NULL,
+    rho     double precision NOT NULL,
+    queries bigint           NOT NULL,
+    last_at timestamptz      NOT NULL,
+    PRIMARY KEY (dataset, analyst)
+);
+CREATE OR REPLACE FUNCTION dpsql_ledger_append_only() RETURNS trigger LANGUAGE plpgsql AS $fn$
+BEGIN
+    RAISE EXCEPTION 'privacy ledger charges are never changed or deleted';
+END
+$fn$;
+DO $do$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger
+                   WHERE tgname = 'dpsql_ledger_append_only' AND tgrelid = 'dpsql_ledger'::regclass) THEN
+        CREATE TRIGGER dpsql_ledger_append_only BEFORE UPDATE OR DELETE ON dpsql_ledger
+            FOR EACH ROW EXECUTE FUNCTION dpsql_ledger_append_only();
+        CREATE TRIGGER dpsql_ledger_no_truncate BEFORE TRUNCATE ON dpsql_ledger
+            FOR EACH STATEMENT EXECUTE FUNCTION dpsql_ledger_append_only();
+    END IF;
+END
+$do$;
+"""
+
+_PG_UPSERT_TOTALS = """
+INSERT INTO dpsql_ledger_totals AS t (dataset, analyst, epsilon, delta, rho, queries, last_at)
+VALUES (%s, %s, %s, %s, %s, 1, %s)
+ON CONFLICT (dataset, analyst) DO UPDATE SET
+    epsilon = t.epsilon + excluded.epsilon,
+    delta   = t.delta + excluded.delta,
+    rho     = t.rho + excluded.rho,
+    queries = t.queries + 1,
+    last_at = excluded.last_at
+"""
+
+
+class PostgresLedger(Ledger):
+    """Ledger in a PostgreSQL table, in the DSN's schema; one connection per thread."""
+
+    def __init__(self, conninfo: str) -> None:
+        self.url = conninfo
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._connections: list[psycopg.Connection[Any]] = []
+        self._pid = os.getpid()
+        self._closed = False
+        self._conn()  # connects and creates the tables, so a bad DSN fails at open
+
+    @staticmethod
+    def open_conninfo(conninfo: str) -> PostgresLedger:
+        """Open with any libpq conninfo (``host=… port=…`` as well as a URL)."""
+        return PostgresLedger(conninfo)
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        import psycopg
+
+        kwargs: dict[str, Any] = {"autocommit": True}
+        if "connect_timeout" not in self.url:
+            kwargs["connect_timeout"] = 10
+        try:
+            conn = psycopg.connect(self.url, **kwargs)
+        except psycopg.Error as exc:
+            raise _unavailable("cannot connect to the ledger database", exc) from exc
+        try:
+            # A stuck peer holding the dataset lock must not hang every query: time out, fail closed.
+            conn.execute("SET lock_timeout = '30s'")
+            with conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(%s, 0)", (_PG_LOCK_NAMESPACE,))
+                conn.execute(_PG_SCHEMA)
+        except psycopg.Error as exc:
+            conn.close()
+            raise _unavailable("cannot create the ledger tables", exc) from exc
+        return conn
+
+    def _conn(self) -> psycopg.Connection[Any]:
+        if self._closed:
+            raise _unavailable("the ledger is closed")
+        if os.getpid() != self._pid:
+            self._pid = os.getpid()
+            self._local = threading.local()
+            self._connections = []
+        conn: psycopg.Connection[Any] | None = getattr(self._local, "conn", None)
+        if conn is None or conn.closed or conn.broken:
+            conn = self._connect()
+            with self._lock:
+                self._connections.append(conn)
+            self._local.conn = conn
+        return conn
+
+    def _drop(self, conn: psycopg.Connection[Any]) -> None:
+        """Forget a connection after an error; the next call reconnects."""
+        self._local.conn = None
+        with self._lock:
+            if conn in self._connections:
+                self._connections.remove(conn)
+        with suppress(Exception):  # already failing closed
+            conn.close()
+
+    def _reserve(
+        self,
+        *,
+        dataset: str,
+        analyst: str,
+        fingerprint: str,
+        epsilon: float,
+        delta: float,
+        rho: float,
+        accounting: Accounting,
+        at: dt.datetime,
+        check: Callable[[Spent, Spent], None],
+    ) -> tuple[int, Spent, Spent]:
+        import psycopg
+
+        conn = self._conn()
+        try:
+            # Pipeline mode: BEGIN, lock and read go in one round trip, the writes and COMMIT in another.
+            with conn.pipeline(), conn.transaction():
+                # The lock serialises every reserve on this dataset until COMMIT; under READ
+                # COMMITTED the next statement's snapshot then sees every earlier charge.
+                conn.execute(
+                    "SELECT set_config('synchronous_commit', 'on', true), "
+                    "pg_advisory_xact_lock(%s, hashtext(%s))",
+                    (_PG_LOCK_NAMESPACE, dataset),
+                )
+                rows = conn.execute(
+                    "SELECT analyst, epsilon, delta, rho, queries FROM dpsql_ledger_totals "
+                    "WHERE dataset = %s ORDER BY analyst",
+                    (dataset,),
+                ).fetchall()
+                analyst_spent, dataset_spent = _split_totals(rows, analyst)
+                check(analyst_spent, dataset_spent)
+                inserted = conn.execute(
+                    "INSERT INTO dpsql_ledger (at, dataset, analyst, fingerprint, epsilon, delta, rho, "
+                    "accounting) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) RETURNING id",
+                    (at, dataset, analyst, fingerprint, epsilon, delta, rho, accounting),
+                )
+                conn.execute(_PG_UPSERT_TOTALS, (dataset, analyst, epsilon, delta, rho, at))
+            # Leaving both blocks has sent COMMIT and waited for its result: the charge is durable.
+            row = inserted.fetchone()
+        except psycopg.Error as exc:
+            self._drop(conn)
+            raise _unavailable("cannot record a charge", exc) from exc
+        assert row is not None
+        return int(row[0]), analyst_spent.plus(epsilon, delta, rho), dataset_spent.plus(epsilon, delta, rho)
+
+    def _fetch(self, sql: str, params: tuple[Any, ...]) -> list[Any]:
+        import psycopg
+
+        conn = self._conn()
+        try:
+            return conn.execute(sql, params).fetchall()
+        except psycopg.Error as exc:
+            self._drop(conn)
+            raise _unavailable("cannot read the ledger", exc) from exc
+
+    def summary(self, dataset: str) -> list[AnalystSpent]:
+        rows = self._fetch(
+            "SELECT analyst, epsilon, delta, rho, queries, last_at FROM dpsql_ledger_totals "
+            "WHERE dataset = %s ORDER BY analyst",
+            (dataset,),
+        )
+        return [AnalystSpent(r[0], Spent(r[1], r[2], r[3], r[4]), r[5]) for r in rows]
+
+    def charges(self, dataset: str, analyst: str | None = None, *, limit: int = 100) -> list[ChargeRecord]:
+        sql = (
+            "SELECT id, at, dataset, analyst, fingerprint, epsilon, delta, rho, accounting "
+            "FROM dpsql_ledger WHERE dataset = %s"
+        )
+        params: tuple[Any, ...] = (dataset,)
+        if analyst is not None:
+            sql += " AND analyst = %s"
+            params += (analyst,)
+        sql += " ORDER BY id DESC LIMIT %s"
+        return [_record(row) for row in self._fetch(sql, (*params, limit))]
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            connections, self._connections = self._connections, []
+        for conn in connections:
+            with suppress(Exception):  # closing is best effort
+                conn.close()

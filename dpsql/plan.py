@@ -1,0 +1,98 @@
+"""The typed plan the analyzer hands to rewrite, release and post-processing.
+
+A plan says what is measured in SQL (``Measure``: counts and clamped sums, each with
+its sensitivity), how group keys may be released (``GroupKey``), and how released
+output columns are computed from noisy measures (``OutputItem``: an expression over
+measure and key references, evaluated after noise — pure post-processing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from sqlglot import exp
+
+from dpsql.policy import ColumnPolicy, Scalar, TablePolicy
+from dpsql.session import OutputColumn
+
+MeasureKind = Literal["count_star", "count", "sum"]
+
+
+@dataclass(frozen=True, slots=True)
+class Measure:
+    """One aggregate computed by the backend and released with noise.
+
+    ``sum`` measures add ``clamp(column, lower, upper) - centre``; the centre is the
+    bounds' midpoint for AVG (halving sensitivity) and 0 for SUM.
+    """
+
+    kind: MeasureKind
+    column: str | None = None
+    lower: float | None = None
+    upper: float | None = None
+    centre: float = 0.0
+    integer: bool = True
+
+    @property
+    def sensitivity(self) -> float:
+        """L1 (= L2, one value) change when one row is added or removed."""
+        if self.kind != "sum":
+            return 1.0
+        assert self.lower is not None and self.upper is not None
+        return float(max(abs(self.upper - self.centre), abs(self.lower - self.centre)))
+
+    @property
+    def label(self) -> str:
+        if self.kind == "count_star":
+            return "COUNT(*)"
+        if self.kind == "count":
+            return f"COUNT({self.column})"
+        centre = f" - {self.centre:g}" if self.centre else ""
+        return f"SUM(clamp({self.column}, {self.lower:g}, {self.upper:g}){centre})"
+
+
+@dataclass(frozen=True, slots=True)
+class GroupKey:
+    """A GROUP BY key column and, when the policy declares one, its public domain."""
+
+    column: str
+    policy: ColumnPolicy
+    domain: tuple[Scalar, ...] | None
+
+
+@dataclass(frozen=True, slots=True)
+class OutputItem:
+    """A released column: ``expr`` refers to measures as ``exp.Var('m<i>')`` and keys as ``exp.Var('k<i>')``."""
+
+    column: OutputColumn
+    expr: exp.Expression
+    noisy: bool
+    #: Bounds an output is clamped to after noise (AVG stays inside the column bounds).
+    clamp: tuple[float, float] | None = None
+    #: Which measures feed this output; used for confidence intervals.
+    measures: tuple[int, ...] = ()
+    kind: Literal["key", "count", "sum", "avg", "expr"] = "expr"
+
+
+@dataclass(slots=True)
+class Plan:
+    """Everything needed to run, noise and post-process one DP query."""
+
+    table_name: str
+    table: TablePolicy
+    where: exp.Expression | None
+    keys: list[GroupKey]
+    measures: list[Measure]
+    outputs: list[OutputItem]
+    having: exp.Expression | None = None
+    order: list[tuple[exp.Expression, bool, bool | None]] = field(default_factory=list)  # (expr, desc, nulls_first)
+    limit: int | None = None
+    offset: int = 0
+    distinct: bool = False
+    #: Index of the COUNT(*) measure used for partition selection (None when keys are public).
+    selection_measure: int | None = None
+
+    @property
+    def public_keys(self) -> bool:
+        return all(k.domain is not None for k in self.keys)

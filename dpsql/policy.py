@@ -1,0 +1,283 @@
+"""Typed privacy policy loaded from ``schemas/*.yaml``.
+
+The policy is the curator's contract: which tables and columns exist, what bounds
+hold, who a "person" is, and how much privacy may be spent. Everything the
+analyzer and the mechanisms rely on for correctness is declared here, validated
+once at load, and reported with file, line and key path when wrong.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from dpsql.errors import PolicyError
+
+ColumnType = Literal["int", "float", "text", "date", "timestamp", "boolean"]
+Mechanism = Literal["laplace", "gaussian"]
+Accounting = Literal["pure", "zcdp"]
+
+_TYPE_ALIASES: dict[str, ColumnType] = {
+    "int": "int",
+    "integer": "int",
+    "bigint": "int",
+    "smallint": "int",
+    "float": "float",
+    "double": "float",
+    "double precision": "float",
+    "real": "float",
+    "numeric": "float",
+    "text": "text",
+    "string": "text",
+    "varchar": "text",
+    "date": "date",
+    "timestamp": "timestamp",
+    "boolean": "boolean",
+    "bool": "boolean",
+}
+
+Scalar = int | float | str | bool | dt.date | dt.datetime | None
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ColumnPolicy(_Strict):
+    """One column: its type, declared bounds and whether its values may be released."""
+
+    type: ColumnType
+    lower: Scalar = None
+    upper: Scalar = None
+    domain: tuple[Scalar, ...] | None = Field(
+        default=None, description="Public set of values: GROUP BY releases exactly these keys."
+    )
+    nullable: bool = True
+    identifier: bool = Field(default=False, description="Direct identifier: never queryable.")
+    description: str | None = None
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _normalise_type(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.lower() in _TYPE_ALIASES:
+            return _TYPE_ALIASES[value.lower()]
+        return value
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> ColumnPolicy:
+        if (self.lower is None) != (self.upper is None):
+            raise ValueError("declare both 'lower' and 'upper', or neither")
+        if self.lower is not None:
+            if self.type in ("text", "boolean"):
+                raise ValueError(f"bounds make no sense on a {self.type} column; declare a 'domain' instead")
+            if self.type in ("int", "float"):
+                for name, value in (("lower", self.lower), ("upper", self.upper)):
+                    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                        raise ValueError(f"'{name}' must be a finite number")
+                if self.type == "int" and not (isinstance(self.lower, int) and isinstance(self.upper, int)):
+                    raise ValueError("an int column needs integer 'lower' and 'upper'")
+            if self.lower > self.upper:  # type: ignore[operator]
+                raise ValueError(f"'lower' ({self.lower}) is greater than 'upper' ({self.upper})")
+        if self.domain is not None and len(set(self.domain)) != len(self.domain):
+            raise ValueError("'domain' lists a value twice")
+        return self
+
+    @property
+    def numeric(self) -> bool:
+        return self.type in ("int", "float")
+
+    @property
+    def bounded(self) -> bool:
+        return self.lower is not None
+
+    def release_domain(self) -> tuple[Scalar, ...] | None:
+        """Group keys that may be released without partition selection (NULL if nullable)."""
+        if self.domain is None:
+            if self.type == "boolean":
+                return (False, True, None) if self.nullable else (False, True)
+            return None
+        values = tuple(self.domain)
+        if self.nullable and None not in values:
+            values = (*values, None)
+        return values
+
+
+class Reference(_Strict):
+    """How a table reaches its privacy unit through a foreign key (``visits.patient_id → patients.id``)."""
+
+    column: str
+    table: str
+    to: str
+
+
+class TablePolicy(_Strict):
+    """A table exposed to analysts."""
+
+    source: str | None = Field(default=None, description="Backend table name, if it differs.")
+    public: bool = Field(default=False, description="Holds no personal data: no noise needed to read keys.")
+    privacy_unit: str | None = Field(
+        default=None, description="Column identifying the protected unit; None means one row per person."
+    )
+    references: Reference | None = None
+    max_rows_per_unit: Annotated[int, Field(ge=1)] = 1
+    max_groups_per_unit: Annotated[int, Field(ge=1)] | None = None
+    columns: dict[str, ColumnPolicy]
+    description: str | None = None
+
+    @model_validator(mode="after")
+    def _check_unit(self) -> TablePolicy:
+        if self.privacy_unit is not None and self.privacy_unit not in self.columns:
+            raise ValueError(f"privacy_unit '{self.privacy_unit}' is not a declared column")
+        if self.references is not None and self.references.column not in self.columns:
+            raise ValueError(f"references.column '{self.references.column}' is not a declared column")
+        return self
+
+
+class Budget(_Strict):
+    """A total privacy budget, in (ε, δ)."""
+
+    epsilon: Annotated[float, Field(gt=0)]
+    delta: Annotated[float, Field(ge=0, lt=1)] = 0.0
+
+
+class Analyst(_Strict):
+    name: str
+    password: str | None = Field(
+        default=None, description="SCRAM-SHA-256 verifier as PostgreSQL stores it; never plaintext."
+    )
+    budget: Budget | None = None
+
+    @field_validator("password")
+    @classmethod
+    def _verifier_only(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith("SCRAM-SHA-256$"):
+            raise ValueError(
+                "must be a SCRAM-SHA-256 verifier ('SCRAM-SHA-256$<iter>:<salt>$<stored>:<server>'), "
+                "never a plaintext password; generate one with `dpsql passwd`"
+            )
+        return value
+
+
+class Defaults(_Strict):
+    """Per-query defaults an analyst may override per session (within budget)."""
+
+    epsilon: Annotated[float, Field(gt=0)] = 1.0
+    delta: Annotated[float, Field(ge=0, lt=1)] = 1e-6
+    mechanism: Mechanism = "laplace"
+    confidence: Annotated[float, Field(gt=0, lt=1)] = 0.95
+
+
+class Budgets(_Strict):
+    dataset: Budget
+    analyst: Budget = Field(description="Default total for each analyst without a budget of their own.")
+    accounting: Accounting = "pure"
+
+
+class Auth(_Strict):
+    trust: bool = Field(default=False, description="Accept any declared analyst without a password (demos).")
+
+
+class Policy(_Strict):
+    """A whole policy file."""
+
+    dataset: str
+    description: str | None = None
+    defaults: Defaults = Defaults()
+    budget: Budgets
+    analysts: tuple[Analyst, ...] = ()
+    auth: Auth = Auth()
+    tables: dict[str, TablePolicy]
+
+    @model_validator(mode="after")
+    def _check_refs(self) -> Policy:
+        for name, table in self.tables.items():
+            ref = table.references
+            if ref is None:
+                continue
+            target = self.tables.get(ref.table)
+            if target is None:
+                raise ValueError(f"table '{name}': references.table '{ref.table}' is not declared")
+            if ref.to not in target.columns:
+                raise ValueError(f"table '{name}': references.to '{ref.to}' is not a column of '{ref.table}'")
+        names = [a.name for a in self.analysts]
+        if len(set(names)) != len(names):
+            raise ValueError("an analyst is declared twice")
+        return self
+
+    def table(self, name: str) -> TablePolicy | None:
+        return self.tables.get(name.lower()) or self.tables.get(name)
+
+    def analyst(self, name: str) -> Analyst | None:
+        return next((a for a in self.analysts if a.name == name), None)
+
+    def analyst_budget(self, name: str) -> Budget:
+        analyst = self.analyst(name)
+        return analyst.budget if analyst and analyst.budget else self.budget.analyst
+
+
+# --- loading with file:line error reporting -----------------------------------------
+
+
+def _line_index(node: yaml.Node, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], int]]:
+    """Map every key path in a YAML document to its 1-based line number."""
+    yield path, node.start_mark.line + 1
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            key_path = (*path, key.value)
+            yield key_path, key.start_mark.line + 1
+            for sub_path, line in _line_index(value, key_path):
+                if sub_path != key_path:
+                    yield sub_path, line
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            yield from _line_index(item, (*path, i))
+
+
+def _describe(error: dict[str, Any], where: str, lines: dict[tuple[Any, ...], int]) -> str:
+    loc = tuple(p for p in error["loc"] if not (isinstance(p, str) and p.startswith(("function-", "tagged-"))))
+    probe = loc
+    while probe and tuple(map(str, probe)) not in lines:
+        probe = probe[:-1]
+    line = lines.get(tuple(map(str, probe)), 1)
+    key_path = ".".join(str(p) for p in loc) or "<top>"
+    message = str(error["msg"]).removeprefix("Value error, ")
+    return f"{where}:{line}: {key_path}: {message}"
+
+
+def parse_policy(text: str, where: str = "<policy>") -> Policy:
+    """Validate policy YAML text; raise :class:`PolicyError` naming file:line and key path."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark else 1
+        raise PolicyError(f"{where}:{line}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    if not isinstance(raw, dict) or node is None:
+        raise PolicyError(f"{where}:1: a policy must be a YAML mapping with 'dataset', 'budget' and 'tables'")
+    lines = {tuple(map(str, p)): n for p, n in _line_index(node)}
+    try:
+        return Policy.model_validate(raw)
+    except ValidationError as exc:
+        problems = [_describe(e, where, lines) for e in exc.errors()]
+        raise PolicyError(
+            problems[0],
+            detail="\n".join(problems[1:]) or None,
+            hint="See schemas/README.md for the policy format.",
+        ) from None
+
+
+def load_policy(path: str | Path) -> Policy:
+    """Load and validate a policy file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PolicyError(f"{path}: cannot read policy file: {exc.strerror}") from None
+    return parse_policy(text, str(path))

@@ -1,0 +1,164 @@
+"""Post-processing of released values: output expressions, HAVING, DISTINCT, ORDER BY, LIMIT.
+
+Everything here reads only noisy measures and released keys, so by the post-processing
+theorem it costs no privacy. Expressions are evaluated with PostgreSQL semantics
+(NULL propagation, integer division) by a small interpreter over sqlglot nodes.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable, Mapping
+from functools import cmp_to_key
+from typing import Any
+
+from sqlglot import exp
+
+from dpsql.errors import DataError, FeatureNotSupported
+
+Env = Mapping[str, Any]
+
+_ARITHMETIC: dict[type[exp.Expression], Callable[[Any, Any], Any]] = {
+    exp.Add: operator.add,
+    exp.Sub: operator.sub,
+    exp.Mul: operator.mul,
+}
+_COMPARISONS: dict[type[exp.Expression], Callable[[Any, Any], bool]] = {
+    exp.EQ: operator.eq,
+    exp.NEQ: operator.ne,
+    exp.GT: operator.gt,
+    exp.GTE: operator.ge,
+    exp.LT: operator.lt,
+    exp.LTE: operator.le,
+}
+
+
+def _divide(left: Any, right: Any) -> Any:
+    if right == 0:
+        raise DataError("division by zero", sqlstate="22012")
+    if isinstance(left, int) and isinstance(right, int):
+        quotient = abs(left) // abs(right)
+        return quotient if (left >= 0) == (right >= 0) else -quotient
+    return left / right
+
+
+def _literal(node: exp.Literal) -> Any:
+    if node.is_string:
+        return node.name
+    text = node.name
+    return float(text) if any(c in text for c in ".eE") else int(text)
+
+
+def _dp_avg(total: Any, count: Any, centre: Any) -> float | None:
+    """AVG from a noisy centred sum and a noisy count (count floored at 1)."""
+    return float(centre) + float(total) / max(float(count), 1.0)
+
+
+def evaluate(node: exp.Expression, env: Env) -> Any:
+    """Evaluate a post-processing expression; ``exp.Var`` names look up ``env``."""
+    if isinstance(node, exp.Var):
+        return env[node.name]
+    if isinstance(node, exp.Literal):
+        return _literal(node)
+    if isinstance(node, exp.Null):
+        return None
+    if isinstance(node, exp.Boolean):
+        return bool(node.this)
+    if isinstance(node, exp.Paren):
+        return evaluate(node.this, env)
+    if isinstance(node, exp.Neg):
+        value = evaluate(node.this, env)
+        return None if value is None else -value
+    if isinstance(node, exp.Not):
+        value = evaluate(node.this, env)
+        return None if value is None else not value
+    if isinstance(node, exp.And | exp.Or):
+        return _logic(node, env)
+    if isinstance(node, exp.Div | exp.Mod | exp.DPipe) or type(node) in _ARITHMETIC or type(node) in _COMPARISONS:
+        left, right = evaluate(node.this, env), evaluate(node.expression, env)
+        if left is None or right is None:
+            return None
+        if isinstance(node, exp.Div):
+            return _divide(left, right)
+        if isinstance(node, exp.Mod):
+            if right == 0:
+                raise DataError("division by zero", sqlstate="22012")
+            return math.fmod(left, right) if isinstance(left, float) or isinstance(right, float) else left % right
+        if isinstance(node, exp.DPipe):
+            return f"{left}{right}"
+        fn = _ARITHMETIC.get(type(node)) or _COMPARISONS[type(node)]
+        return fn(left, right)
+    if isinstance(node, exp.Anonymous) and node.name.lower() == "dp_avg":
+        return _dp_avg(*(evaluate(a, env) for a in node.expressions))
+    return _function(node, env)
+
+
+def _logic(node: exp.Expression, env: Env) -> bool | None:
+    left, right = evaluate(node.this, env), evaluate(node.expression, env)
+    if isinstance(node, exp.And):
+        if left is False or right is False:
+            return False
+        return None if left is None or right is None else True
+    if left is True or right is True:
+        return True
+    return None if left is None or right is None else False
+
+
+def _function(node: exp.Expression, env: Env) -> Any:
+    if isinstance(node, exp.Coalesce):
+        for arg in [node.this, *node.expressions]:
+            value = evaluate(arg, env)
+            if value is not None:
+                return value
+        return None
+    if isinstance(node, exp.Greatest | exp.Least):
+        values = [v for v in (evaluate(a, env) for a in [node.this, *node.expressions]) if v is not None]
+        if not values:
+            return None
+        return max(values) if isinstance(node, exp.Greatest) else min(values)
+    value = evaluate(node.this, env)
+    if value is None:
+        return None
+    if isinstance(node, exp.Abs):
+        return abs(value)
+    if isinstance(node, exp.Floor | exp.Ceil):
+        rounded = math.floor(value) if isinstance(node, exp.Floor) else math.ceil(value)
+        return float(rounded) if isinstance(value, float) else rounded
+    if isinstance(node, exp.Round):
+        digits = evaluate(node.args["decimals"], env) if node.args.get("decimals") else 0
+        scaled = value * 10**digits
+        rounded = math.floor(abs(scaled) + 0.5) * (1 if scaled >= 0 else -1)  # half away from zero, like PG
+        return rounded / 10**digits if digits else (float(rounded) if isinstance(value, float) else rounded)
+    if isinstance(node, exp.Cast):
+        return _cast(value, node.to)
+    raise FeatureNotSupported(f"{node.key} is not supported in post-processing")
+
+
+def _cast(value: Any, to: exp.DataType) -> Any:
+    target = to.this
+    if target in exp.DataType.INTEGER_TYPES:
+        return int(math.floor(value + 0.5)) if isinstance(value, float) else int(value)
+    if target in exp.DataType.REAL_TYPES or target in (exp.DataType.Type.DECIMAL,):
+        return float(value)
+    if target in exp.DataType.TEXT_TYPES:
+        return str(value)
+    return value
+
+
+def _sort_key_compare(a: tuple[Any, ...], b: tuple[Any, ...], spec: list[tuple[bool, bool | None]]) -> int:
+    for x, y, (desc, nulls_first) in zip(a, b, spec, strict=True):
+        if x == y:
+            continue
+        first_null = nulls_first if nulls_first is not None else desc  # PostgreSQL: NULLs sort as largest
+        if x is None or y is None:
+            return (-1 if x is None else 1) * (1 if first_null else -1)
+        result = -1 if x < y else 1
+        return -result if desc else result
+    return 0
+
+
+def order_rows(rows: list[tuple[tuple[Any, ...], Any]], spec: list[tuple[bool, bool | None]]) -> list[Any]:
+    """Sort ``(sort_key, row)`` pairs by PostgreSQL's ORDER BY rules; return the rows."""
+    ordered = sorted(rows, key=cmp_to_key(lambda a, b: _sort_key_compare(a[0], b[0], spec)))
+    return [row for _, row in ordered]

@@ -1,0 +1,35 @@
+"""Noise mechanisms: exact CSPRNG integer samplers, calibration, release and accuracy helpers."""
+
+from dpsql.release.mechanisms import (
+    NoiseSpec,
+    cdp_delta,
+    epsilon_to_rho,
+    gaussian_spec,
+    half_width,
+    laplace_spec,
+    noise_tail,
+    partition_threshold,
+    release,
+    rho_to_epsilon,
+    sample_noise,
+    snap,
+)
+from dpsql.release.samplers import discrete_gaussian, discrete_laplace, laplace_rational_scale
+
+__all__ = [
+    "NoiseSpec",
+    "cdp_delta",
+    "discrete_gaussian",
+    "discrete_laplace",
+    "epsilon_to_rho",
+    "gaussian_spec",
+    "half_width",
+    "laplace_rational_scale",
+    "laplace_spec",
+    "noise_tail",
+    "partition_threshold",
+    "release",
+    "rho_to_epsilon",
+    "sample_noise",
+    "snap",
+]

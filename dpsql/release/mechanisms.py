@@ -1,0 +1,389 @@
+"""Noise calibration, release, accuracy and partition-selection thresholds.
+
+Every released value is ``grid · (round(x / grid) + Z)`` with ``Z`` exact integer noise from
+``samplers`` and ``grid`` a power of two (1 for integer aggregates).  Dividing and multiplying by a
+power of two is exact in binary floating point, so the output is an exact multiple of ``grid`` that
+depends on the data only through the integer ``round(x / grid)`` — this closes Mironov's
+floating-point side channel.  Snapping can move two neighbouring inputs one extra grid step apart
+per affected cell, which the calibration adds to the sensitivity.
+
+All functions here are pure and cheap (results cached by their hashable arguments), except
+``release``/``sample_noise`` which draw from the OS CSPRNG.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Literal
+
+import numpy as np
+
+from dpsql.release.samplers import discrete_gaussian, discrete_laplace, laplace_rational_scale
+
+__all__ = [
+    "NoiseSpec",
+    "cdp_delta",
+    "epsilon_to_rho",
+    "gaussian_spec",
+    "half_width",
+    "laplace_spec",
+    "noise_tail",
+    "partition_threshold",
+    "release",
+    "rho_to_epsilon",
+    "sample_noise",
+    "snap",
+]
+
+#: Real-valued grids are at most this fraction of min(sensitivity, noise scale): rounding then costs
+#: ≤ 2^-10 relative sensitivity (per affected cell) and ≤ 2^-11 scale of extra error.
+GRID_BITS = 10
+#: Above this σ the discrete-Gaussian tails come from a conservative normal bound instead of a table.
+_GAUSS_TABLE_MAX_SIGMA = 2.0e4
+#: |round(x/grid)| is clipped here so that (k + Z)·grid stays exact in float64 (clipping is a
+#: contraction, so it never increases sensitivity).
+_MAX_GRID_UNITS = float(2**52)
+
+Mechanism = Literal["laplace", "gaussian"]
+
+
+@dataclass(frozen=True)
+class NoiseSpec:
+    """A calibrated noise distribution.
+
+    ``scale`` is the discrete-Laplace scale b or the discrete-Gaussian σ, in grid units; the noise
+    added to a value is ``grid · Z``.  ``epsilon``/``delta`` is the (ε, δ)-DP guarantee of one release
+    at the sensitivity the spec was built for; ``rho`` is the zCDP ρ for Gaussian specs (``None`` for
+    Laplace, which is pure ε-DP and has ``delta == 0``).
+    """
+
+    mechanism: Mechanism
+    scale: float
+    grid: float
+    epsilon: float
+    delta: float
+    rho: float | None = None
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation helpers
+# --------------------------------------------------------------------------------------------------
+
+
+def _positive(name: str, value: float) -> float:
+    v = float(value)
+    if not (math.isfinite(v) and v > 0.0):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    return v
+
+
+def _probability(name: str, value: float) -> float:
+    v = float(value)
+    if not (0.0 < v < 1.0):
+        raise ValueError(f"{name} must be in (0, 1), got {value!r}")
+    return v
+
+
+def _pow2_floor(x: float) -> float:
+    """Largest power of two ≤ x (x > 0)."""
+    m, e = math.frexp(x)  # x = m·2^e with 0.5 <= m < 1
+    return math.ldexp(1.0, e - 1)
+
+
+def _real_grid(*quantities: float) -> float:
+    return _pow2_floor(min(quantities) / 2**GRID_BITS)
+
+
+# --------------------------------------------------------------------------------------------------
+# zCDP <-> (ε, δ)
+# --------------------------------------------------------------------------------------------------
+
+
+def cdp_delta(rho: float, epsilon: float) -> float:
+    """Smallest δ such that ρ-zCDP implies (ε, δ)-DP (Canonne–Kamath–Steinke 2020, Prop. 12).
+
+    δ = min over α > 1 of exp((α−1)(αρ−ε)) / (α−1) · (1 − 1/α)^α; the objective is convex in α, so the
+    minimiser is found by bisection on the sign of its derivative.  Same algorithm as OpenDP's
+    ``cdp_delta`` (without its directed rounding).
+    """
+    if rho < 0 or epsilon < 0:
+        raise ValueError("rho and epsilon must be non-negative")
+    if rho == 0 or math.isinf(epsilon):
+        return 0.0
+    if math.isinf(rho):
+        return 1.0
+    a_min, a_max = 1.01, (epsilon + 1.0) / (2.0 * rho) + 2.0
+    while True:
+        a_mid = a_min + (a_max - a_min) / 2.0
+        if a_mid in (a_min, a_max):
+            break
+        deriv = (2.0 * a_mid - 1.0) * rho - epsilon + math.log1p(-1.0 / a_mid)
+        if deriv < 0:
+            a_min = a_mid
+        else:
+            a_max = a_mid
+    a = a_max
+    log_delta = (a - 1.0) * (a * rho - epsilon) + a * math.log1p(-1.0 / a) - math.log(a - 1.0)
+    return min(1.0, math.exp(log_delta)) if log_delta < 700 else 1.0
+
+
+@lru_cache(maxsize=4096)
+def rho_to_epsilon(rho: float, delta: float) -> float:
+    """Smallest ε such that ρ-zCDP implies (ε, δ)-DP; matches OpenDP's zCDP→approxDP profile.
+
+    Bisection on ε of the (decreasing) ``cdp_delta(ρ, ·)``; the classical bound
+    ρ + 2·sqrt(ρ·ln(1/δ)) brackets it from above.
+    """
+    rho = float(rho)
+    if not (math.isfinite(rho) and rho >= 0):
+        raise ValueError(f"rho must be a non-negative finite number, got {rho!r}")
+    delta = _probability("delta", delta)
+    if rho == 0:
+        return 0.0
+    lo, hi = 0.0, rho + 2.0 * math.sqrt(rho * math.log(1.0 / delta)) + 1e-12
+    if cdp_delta(rho, lo) <= delta:
+        return 0.0
+    while hi - lo > 1e-13 * max(1.0, hi):
+        mid = (lo + hi) / 2.0
+        if cdp_delta(rho, mid) <= delta:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+@lru_cache(maxsize=4096)
+def epsilon_to_rho(epsilon: float, delta: float) -> float:
+    """Largest ρ whose zCDP→(ε, δ) conversion stays within ``epsilon`` (inverse of ``rho_to_epsilon``).
+
+    ``cdp_delta`` is increasing in ρ, so bisection returns the lower end of the bracket: the ρ
+    returned always satisfies cdp_delta(ρ, ε) ≤ δ (conservative).
+    """
+    epsilon = _positive("epsilon", epsilon)
+    delta = _probability("delta", delta)
+    lo, hi = 0.0, epsilon  # ε ≥ ρ for any δ < 1, so ρ ≤ ε
+    while hi - lo > 1e-15 * max(hi, 1e-300):
+        mid = (lo + hi) / 2.0
+        if mid in (lo, hi):
+            break
+        if cdp_delta(mid, epsilon) <= delta:
+            lo = mid
+        else:
+            hi = mid
+    if lo == 0.0:
+        raise ValueError(f"no positive rho reaches epsilon={epsilon} at delta={delta}")
+    return lo
+
+
+# --------------------------------------------------------------------------------------------------
+# Calibration
+# --------------------------------------------------------------------------------------------------
+
+
+def laplace_spec(l1_sensitivity: float, epsilon: float, *, integer: bool, cells: int = 1) -> NoiseSpec:
+    """Discrete-Laplace noise giving ε-DP for a query of L1 sensitivity Δ.
+
+    Integer aggregates: grid 1, scale ⌈Δ⌉/ε (an integer-valued query changes by an integer ≤ Δ).
+    Real aggregates: grid g = largest power of two ≤ min(Δ, Δ/ε)/2^10.  Snapped neighbours satisfy
+    |round(x/g) − round(x'/g)| ≤ ⌈Δ/g⌉ + 1 per cell, so across the ``cells`` output cells one unit can
+    change the grid-unit L1 sensitivity is ⌈Δ/g⌉ + cells and scale = that / ε.  Integer noise with
+    that scale is ε-DP on the snapped value (pmf ratio ≤ e^{Δ_g/b}); multiplying by g is
+    post-processing.
+    """
+    delta_ = _positive("l1_sensitivity", l1_sensitivity)
+    eps = _positive("epsilon", epsilon)
+    if integer:
+        return NoiseSpec("laplace", math.ceil(delta_) / eps, 1.0, eps, 0.0, None)
+    if cells < 1:
+        raise ValueError("cells must be ≥ 1")
+    g = _real_grid(delta_, delta_ / eps)
+    sens = math.ceil(delta_ / g) + cells
+    return NoiseSpec("laplace", sens / eps, g, eps, 0.0, None)
+
+
+def gaussian_spec(
+    l2_sensitivity: float, epsilon: float, delta: float, *, integer: bool, cells: int = 1
+) -> NoiseSpec:
+    """Discrete-Gaussian noise giving (ε, δ)-DP for a query of L2 sensitivity Δ, via zCDP.
+
+    ρ = ``epsilon_to_rho(ε, δ)``; the discrete Gaussian with σ = Δ_g/√(2ρ) is ρ-zCDP for integer
+    vectors at L2 distance ≤ Δ_g (CKS20, Thm. 4), which converts to (ε, δ)-DP.  Integer aggregates use
+    Δ_g = Δ.  Real aggregates use grid g = largest power of two ≤ min(Δ, Δ/√(2ρ))/2^10; snapping adds
+    at most one grid step per affected cell, so Δ_g = Δ/g + √cells.
+    """
+    d = _positive("l2_sensitivity", l2_sensitivity)
+    eps = _positive("epsilon", epsilon)
+    dlt = _probability("delta", delta)
+    rho = epsilon_to_rho(eps, dlt)
+    if integer:
+        return NoiseSpec("gaussian", d / math.sqrt(2.0 * rho), 1.0, eps, dlt, rho)
+    if cells < 1:
+        raise ValueError("cells must be ≥ 1")
+    g = _real_grid(d, d / math.sqrt(2.0 * rho))
+    sens = d / g + math.sqrt(cells)
+    return NoiseSpec("gaussian", sens / math.sqrt(2.0 * rho), g, eps, dlt, rho)
+
+
+# --------------------------------------------------------------------------------------------------
+# Release
+# --------------------------------------------------------------------------------------------------
+
+
+def snap(x: float | Sequence[float] | np.ndarray, grid: float) -> np.ndarray:
+    """Round to the nearest multiple of ``grid`` (ties to even), as float64."""
+    return np.rint(np.asarray(x, dtype=np.float64) / grid) * grid
+
+
+def sample_noise(spec: NoiseSpec, size: int) -> np.ndarray:
+    """Integer noise (grid units) for ``spec``, from the OS CSPRNG."""
+    if spec.mechanism == "laplace":
+        return discrete_laplace(spec.scale, size)
+    if spec.mechanism == "gaussian":
+        return discrete_gaussian(spec.scale, size)
+    raise ValueError(f"unknown mechanism {spec.mechanism!r}")
+
+
+def _grid_units(values: Sequence[float | int] | np.ndarray, grid: float) -> np.ndarray:
+    arr = np.asarray(values)
+    if grid == 1.0 and np.issubdtype(arr.dtype, np.integer):
+        return np.clip(arr.astype(np.int64), -(2**52), 2**52)
+    f = np.asarray(arr, dtype=np.float64)
+    if np.isnan(f).any():
+        raise ValueError("release() needs non-NULL, non-NaN aggregates; handle NULLs before noising")
+    return np.clip(np.rint(f / grid), -_MAX_GRID_UNITS, _MAX_GRID_UNITS).astype(np.int64)
+
+
+def release(values: Sequence[float | int] | np.ndarray, spec: NoiseSpec) -> np.ndarray:
+    """Snap ``values`` to ``spec.grid``, add exact integer noise, return values on the grid.
+
+    Returns int64 when ``grid == 1`` else float64 exact multiples of ``grid``; the shape of ``values``
+    is kept.  The privacy guarantee is the spec's, provided the caller's sensitivity covers the whole
+    vector.  Values are clipped to ±2^52 grid units (a contraction: sensitivity cannot grow).
+    """
+    k = _grid_units(values, spec.grid)
+    z = sample_noise(spec, k.size).reshape(k.shape)
+    out = k + z
+    if spec.grid == 1.0:
+        return out
+    return out.astype(np.float64) * spec.grid
+
+
+# --------------------------------------------------------------------------------------------------
+# Tails, accuracy, thresholds
+# --------------------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=1024)
+def _laplace_alpha_log(scale: float) -> float:
+    """−1/b for the scale actually sampled (b rounded up as in ``laplace_rational_scale``)."""
+    t, s = laplace_rational_scale(scale)
+    return -s / t
+
+
+@lru_cache(maxsize=32)
+def _gauss_upper_table(sigma: float) -> np.ndarray:
+    """upper[j] = P(Z ≥ j) for j = 0..K of the discrete Gaussian; summed tail-first for accuracy."""
+    k_max = math.ceil(39.0 * sigma) + 2  # exp(-j²/2σ²) underflows beyond ~38.6σ
+    j = np.arange(k_max + 1, dtype=np.float64)
+    w = np.exp(-(j * j) / (2.0 * sigma * sigma))
+    norm = w[0] + 2.0 * w[1:].sum()
+    upper = np.cumsum(w[::-1])[::-1] / norm
+    upper.setflags(write=False)
+    return upper
+
+
+def _normal_q(x: float) -> float:
+    return 0.5 * math.erfc(x / math.sqrt(2.0))
+
+
+def _normal_q_inv(p: float) -> float:
+    """x with Q(x) = p (bisection; p in (0, 0.5])."""
+    lo, hi = 0.0, 40.0
+    for _ in range(200):
+        mid = (lo + hi) / 2.0
+        if _normal_q(mid) > p:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def noise_tail(spec: NoiseSpec, j: int) -> float:
+    """P(Z ≥ j) for the spec's integer noise Z (grid units).
+
+    Discrete Laplace (α = e^{-1/b}): α^j/(1+α) for j ≥ 1, by symmetry 1 − α^{1−j}/(1+α) otherwise.
+    Discrete Gaussian: exact pmf sums for σ ≤ 2·10^4; beyond, the upper bound Q((j−1)/σ) for j ≥ 1
+    (the pmf is decreasing and its normaliser is ≥ σ√(2π) by Poisson summation), which is tight to
+    O(1/σ) relative and errs on the side of more noise/higher thresholds.
+    """
+    j = int(j)
+    if spec.mechanism == "laplace":
+        la = _laplace_alpha_log(spec.scale)  # ln α
+        log1p_alpha = math.log1p(math.exp(la))
+        if j >= 1:
+            return math.exp(j * la - log1p_alpha)
+        return -math.expm1((1 - j) * la - log1p_alpha)
+    if spec.mechanism == "gaussian":
+        sigma = spec.scale
+        if sigma <= _GAUSS_TABLE_MAX_SIGMA:
+            upper = _gauss_upper_table(sigma)
+            if j >= 1:
+                return float(upper[j]) if j < upper.size else 0.0
+            m = 1 - j
+            return 1.0 - (float(upper[m]) if m < upper.size else 0.0)
+        if j >= 1:
+            return min(1.0, _normal_q((j - 1) / sigma))
+        return 1.0  # P(Z ≥ j) ≥ 1/2 for j ≤ 0; 1 is the conservative upper bound
+    raise ValueError(f"unknown mechanism {spec.mechanism!r}")
+
+
+def _smallest_j(spec: NoiseSpec, target: float, start: int) -> int:
+    """Smallest integer j with noise_tail(spec, j) ≤ target, searching from a close guess."""
+    j = start
+    while noise_tail(spec, j) > target:
+        j += 1
+    while noise_tail(spec, j - 1) <= target:
+        j -= 1
+    return j
+
+
+def _tail_guess(spec: NoiseSpec, target: float) -> int:
+    if spec.mechanism == "laplace":
+        b = -1.0 / _laplace_alpha_log(spec.scale)
+        return max(1, math.ceil(b * math.log(1.0 / target)))
+    return max(1, math.ceil(spec.scale * _normal_q_inv(min(target, 0.5))))
+
+
+@lru_cache(maxsize=4096)
+def half_width(spec: NoiseSpec, confidence: float = 0.95) -> float:
+    """Half-width h (output units) with P(|noise| ≤ h) ≥ ``confidence``, the smallest such on the grid.
+
+    Uses the exact tail of the discrete noise (closed form for Laplace: P(|Z| ≥ k) = 2α^k/(1+α));
+    for σ > 2·10^4 Gaussians the conservative normal bound (see ``noise_tail``).
+    """
+    c = _probability("confidence", confidence)
+    target = (1.0 - c) / 2.0  # P(|Z| > k) = 2·P(Z ≥ k+1)
+    j = _smallest_j(spec, target, _tail_guess(spec, target))
+    return max(0, j - 1) * spec.grid
+
+
+@lru_cache(maxsize=4096)
+def partition_threshold(spec: NoiseSpec, delta: float, *, max_partitions: int = 1, max_rows: int = 1) -> int:
+    """Smallest τ with P(max_rows + Z ≥ τ) ≤ δ / max_partitions, for noisy-count partition selection.
+
+    Release a group key only when its noisy count is ≥ τ.  Keys present in both neighbouring
+    datasets are covered by the count's own ε (or (ε, δ_spec)) guarantee; a key present in only one
+    has true count ≤ ``max_rows`` (it comes from the single differing unit), and that unit touches
+    ≤ ``max_partitions`` keys, so by a union bound all such keys together appear with probability
+    ≤ δ.  The released key set plus counts is therefore (ε, δ + spec.delta)-DP.  Needs ``grid == 1``.
+    """
+    if spec.grid != 1.0:
+        raise ValueError("partition thresholds apply to integer counts (grid 1)")
+    d = _probability("delta", delta)
+    if max_partitions < 1 or max_rows < 0:
+        raise ValueError("max_partitions must be ≥ 1 and max_rows ≥ 0")
+    target = d / max_partitions
+    return int(max_rows) + _smallest_j(spec, target, _tail_guess(spec, target))

@@ -1,0 +1,177 @@
+"""SCRAM-SHA-256 (RFC 5802 / RFC 7677), server side, against PostgreSQL-format verifiers.
+
+A verifier is ``SCRAM-SHA-256$<iterations>:<b64 salt>$<b64 StoredKey>:<b64 ServerKey>``, exactly
+what ``pg_authid.rolpassword`` holds, so the policy never contains a password: only what is needed
+to check a proof. Channel binding is not offered (no ``-PLUS`` mechanism), matching a PostgreSQL
+server without TLS; a client that insists on it is refused.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+
+from dpsql.errors import Error
+
+MECHANISM = "SCRAM-SHA-256"
+DEFAULT_ITERATIONS = 4096
+
+
+class AuthFailed(Error):
+    """Wrong password or malformed SCRAM exchange (reported as 28P01, never saying which)."""
+
+    sqlstate = "28P01"
+    severity = "FATAL"
+
+
+class ScramProtocolError(Error):
+    """The client sent something that is not valid SCRAM (PostgreSQL reports 08P01)."""
+
+    sqlstate = "08P01"
+    severity = "FATAL"
+
+
+@dataclass(frozen=True, slots=True)
+class Verifier:
+    iterations: int
+    salt: bytes
+    stored_key: bytes
+    server_key: bytes
+
+    @classmethod
+    def parse(cls, text: str) -> Verifier:
+        try:
+            mech, rest = text.split("$", 1)
+            iter_salt, keys = rest.split("$", 1)
+            iterations, salt = iter_salt.split(":", 1)
+            stored, server = keys.split(":", 1)
+            if mech != MECHANISM:
+                raise ValueError(mech)
+            return cls(int(iterations), _b64d(salt), _b64d(stored), _b64d(server))
+        except (ValueError, TypeError) as exc:
+            raise ValueError("not a SCRAM-SHA-256 verifier") from exc
+
+    def __str__(self) -> str:
+        return (
+            f"{MECHANISM}${self.iterations}:{_b64e(self.salt)}"
+            f"${_b64e(self.stored_key)}:{_b64e(self.server_key)}"
+        )
+
+
+def _b64e(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _b64d(text: str) -> bytes:
+    return base64.b64decode(text.encode("ascii"), validate=True)
+
+
+def _hmac(key: bytes, msg: bytes) -> bytes:
+    return hmac.new(key, msg, hashlib.sha256).digest()
+
+
+def make_verifier(password: str, iterations: int = DEFAULT_ITERATIONS, salt: bytes | None = None) -> str:
+    """A PostgreSQL-compatible SCRAM-SHA-256 verifier for ``password`` (used by ``dpsql passwd``).
+
+    The password is used as given (PostgreSQL applies SASLprep, which is the identity on ASCII).
+    """
+    salt = salt if salt is not None else secrets.token_bytes(16)
+    salted = hashlib.pbkdf2_hmac("sha256", password.encode("utf-8"), salt, iterations)
+    client_key = _hmac(salted, b"Client Key")
+    stored_key = hashlib.sha256(client_key).digest()
+    server_key = _hmac(salted, b"Server Key")
+    return str(Verifier(iterations, salt, stored_key, server_key))
+
+
+def _attributes(text: str) -> list[tuple[str, str]]:
+    pairs = []
+    for part in text.split(","):
+        if len(part) < 2 or part[1] != "=":
+            raise ScramProtocolError("malformed SCRAM message", detail=f"Attribute expected, got {part[:1]!r}.")
+        pairs.append((part[0], part[2:]))
+    return pairs
+
+
+@dataclass(slots=True)
+class ScramExchange:
+    """One server-side SCRAM conversation: ``first()`` then ``final()``."""
+
+    verifier: Verifier
+    server_nonce: str = ""
+    gs2_header: str = ""
+    client_first_bare: str = ""
+    server_first: str = ""
+    nonce: str = ""
+
+    def first(self, client_first: bytes) -> bytes:
+        """Consume client-first-message, return server-first-message."""
+        text = _decode(client_first)
+        if text.startswith("p="):
+            raise ScramProtocolError(
+                "channel binding is not supported by this server",
+                hint="Connect with channel_binding=disable or prefer.",
+            )
+        if not (text.startswith("n,") or text.startswith("y,")):
+            raise ScramProtocolError("malformed SCRAM message", detail="Unexpected channel-binding flag.")
+        head, sep, rest = text[2:].partition(",")
+        if not sep or (head and not head.startswith("a=")):
+            raise ScramProtocolError("malformed SCRAM message", detail="Invalid GS2 header.")
+        self.gs2_header = text[: 2 + len(head) + 1]
+        self.client_first_bare = rest
+        attrs = _attributes(rest)
+        if len(attrs) < 2 or attrs[0][0] != "n" or attrs[1][0] != "r" or not attrs[1][1]:
+            raise ScramProtocolError("malformed SCRAM message", detail="Expected n= and r= attributes.")
+        client_nonce = attrs[1][1]
+        self.nonce = client_nonce + _b64e(secrets.token_bytes(18))
+        v = self.verifier
+        self.server_first = f"r={self.nonce},s={_b64e(v.salt)},i={v.iterations}"
+        return self.server_first.encode("ascii")
+
+    def final(self, client_final: bytes) -> bytes:
+        """Check client-final-message's proof; return server-final-message or raise :class:`AuthFailed`."""
+        text = _decode(client_final)
+        without_proof, sep, proof_part = text.rpartition(",p=")
+        if not sep:
+            raise ScramProtocolError("malformed SCRAM message", detail="Proof missing.")
+        attrs = dict(_attributes(without_proof))
+        expected_cb = _b64e(self.gs2_header.encode("utf-8"))
+        if attrs.get("c") != expected_cb:
+            raise ScramProtocolError("SCRAM channel binding check failed")
+        if attrs.get("r") != self.nonce:
+            raise ScramProtocolError("malformed SCRAM message", detail="Nonce does not match.")
+        try:
+            proof = _b64d(proof_part)
+        except ValueError:
+            raise ScramProtocolError("malformed SCRAM message", detail="Malformed proof.") from None
+        auth_message = f"{self.client_first_bare},{self.server_first},{without_proof}".encode()
+        v = self.verifier
+        signature = _hmac(v.stored_key, auth_message)
+        if len(proof) != len(signature):
+            raise AuthFailed("password authentication failed")
+        client_key = bytes(a ^ b for a, b in zip(proof, signature, strict=True))
+        if not hmac.compare_digest(hashlib.sha256(client_key).digest(), v.stored_key):
+            raise AuthFailed("password authentication failed")
+        return f"v={_b64e(_hmac(v.server_key, auth_message))}".encode("ascii")
+
+
+def _decode(data: bytes) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ScramProtocolError("malformed SCRAM message", detail="Invalid UTF-8.") from None
+
+
+def parse_sasl_initial(data: bytes) -> tuple[str, bytes]:
+    """Split a SASLInitialResponse payload into (mechanism, client-first-message)."""
+    end = data.find(b"\0")
+    if end < 0 or len(data) < end + 5:
+        raise ScramProtocolError("malformed SASLInitialResponse")
+    mechanism = data[:end].decode("ascii", "replace")
+    length = int.from_bytes(data[end + 1 : end + 5], "big", signed=True)
+    body = data[end + 5 :]
+    if length != len(body):
+        raise ScramProtocolError("malformed SASLInitialResponse")
+    return mechanism, body

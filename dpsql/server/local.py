@@ -1,0 +1,537 @@
+"""Statements the server answers itself: session settings, transaction control, table-free SELECTs.
+
+These touch no data, so they never reach the engine or spend budget. dpsql is read-only, so
+transactions are pure bookkeeping: the client sees the BEGIN/COMMIT/ROLLBACK tags and the
+I/T/E transaction status it expects, nothing else changes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any
+
+import sqlglot
+from sqlglot import exp
+
+from dpsql.errors import Error, FeatureNotSupported, InvalidParameterValue
+from dpsql.session import Session
+
+from .sqltext import strip_comments
+
+VERSION = "0.1.0"
+
+#: GUCs PostgreSQL reports to the client with ParameterStatus (canonical spelling).
+REPORTED = (
+    "application_name",
+    "client_encoding",
+    "DateStyle",
+    "default_transaction_read_only",
+    "in_hot_standby",
+    "integer_datetimes",
+    "IntervalStyle",
+    "is_superuser",
+    "server_encoding",
+    "server_version",
+    "session_authorization",
+    "standard_conforming_strings",
+    "TimeZone",
+)
+
+_STATIC_GUCS: dict[str, str] = {
+    "server_encoding": "UTF8",
+    "client_encoding": "UTF8",
+    "DateStyle": "ISO, MDY",
+    "integer_datetimes": "on",
+    "standard_conforming_strings": "on",
+    "TimeZone": "UTC",
+    "IntervalStyle": "postgres",
+    "application_name": "",
+    "is_superuser": "off",
+    "default_transaction_read_only": "on",
+    "transaction_read_only": "on",
+    "in_hot_standby": "off",
+    "transaction_isolation": "read committed",
+    "default_transaction_isolation": "read committed",
+    "search_path": '"$user", public',
+    "max_identifier_length": "63",
+    "extra_float_digits": "1",
+    "client_min_messages": "notice",
+    "bytea_output": "hex",
+    "statement_timeout": "0",
+    "lock_timeout": "0",
+    "idle_in_transaction_session_timeout": "0",
+    "lc_collate": "C",
+    "lc_ctype": "C",
+    "lc_messages": "C",
+    "lc_monetary": "C",
+    "lc_numeric": "C",
+    "lc_time": "C",
+    "block_size": "8192",
+    "max_connections": "100",
+}
+
+_UTF8_NAMES = {"utf8", "utf-8", "unicode"}
+
+
+class FailedTransaction(Error):
+    sqlstate = "25P02"
+
+
+class ActiveTransaction(Error):
+    sqlstate = "25001"
+
+
+class NoActiveTransaction(Error):
+    sqlstate = "25P01"
+
+
+class UndefinedObject(Error):
+    sqlstate = "42704"
+
+
+# --- settings -----------------------------------------------------------------------------------
+
+
+def _parse_bool(value: str) -> bool:
+    v = value.strip().lower()
+    if v in ("on", "true", "yes", "1", "t", "y"):
+        return True
+    if v in ("off", "false", "no", "0", "f", "n"):
+        return False
+    raise ValueError(value)
+
+
+def _parse_fraction(value: str, low_open: bool, high: float, high_open: bool) -> float:
+    x = float(value)
+    if not math.isfinite(x) or x < 0 or (low_open and x == 0) or x > high or (high_open and x == high):
+        raise ValueError(value)
+    return x
+
+
+_DPSQL_PARSERS: dict[str, Callable[[str], Any]] = {
+    "dpsql.epsilon": lambda v: _parse_fraction(v, True, math.inf, False),
+    "dpsql.delta": lambda v: _parse_fraction(v, False, 1.0, True),
+    "dpsql.confidence": lambda v: _parse_fraction(v, True, 1.0, True),
+    "dpsql.mechanism": lambda v: {"laplace": "laplace", "gaussian": "gaussian"}[v.strip().lower()],
+    "dpsql.show_intervals": _parse_bool,
+}
+
+
+def parse_timeout_ms(value: str) -> int:
+    """PostgreSQL duration syntax for statement_timeout: ``5000``, ``'5s'``, ``'100ms'``, ``'1min'``."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|min|h|d)?\s*", value)
+    if not match:
+        raise ValueError(value)
+    scale = {"ms": 1, None: 1, "s": 1000, "min": 60_000, "h": 3_600_000, "d": 86_400_000}[match.group(2)]
+    return int(float(match.group(1)) * scale)
+
+
+@dataclass
+class Settings:
+    """Per-connection GUCs plus the dpsql.* knobs, which are mirrored onto the engine Session."""
+
+    session: Session
+    defaults: dict[str, str]
+    values: dict[str, str] = field(default_factory=dict)
+    _canon: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._canon = {k.lower(): k for k in self.defaults}
+        self.values = dict(self.defaults)
+
+    def canonical(self, name: str) -> str:
+        return self._canon.get(name.lower(), name.lower())
+
+    def get(self, name: str) -> str:
+        key = self.canonical(name)
+        if key in self.values:
+            return self.values[key]
+        if key.startswith("dpsql."):
+            raise UndefinedObject(f'unrecognized configuration parameter "{name}"')
+        if "." in key:
+            return ""
+        raise UndefinedObject(f'unrecognized configuration parameter "{name}"')
+
+    def set(self, name: str, value: str | None) -> str | None:
+        """Set (or reset with None); return the canonical name if it must be reported to the client."""
+        key = self.canonical(name)
+        if key in ("server_version", "server_encoding", "integer_datetimes", "is_superuser", "block_size"):
+            raise Error(f'parameter "{key}" cannot be changed', sqlstate="55P02")
+        if key.startswith("dpsql."):
+            self._set_dpsql(key, value)
+        elif value is None:
+            self.values[key] = self.defaults.get(key, "")
+        else:
+            self.values[key] = self._check(key, value)
+        return key if key in REPORTED else None
+
+    def _check(self, key: str, value: str) -> str:
+        if key == "client_encoding":
+            if value.strip().lower() not in _UTF8_NAMES:
+                raise FeatureNotSupported(f"client_encoding {value!r} is not supported; dpsql speaks UTF8")
+            return "UTF8"
+        if key == "statement_timeout":
+            try:
+                return str(parse_timeout_ms(value))
+            except ValueError:
+                raise InvalidParameterValue(f'invalid value for parameter "{key}": "{value}"') from None
+        return value
+
+    def _set_dpsql(self, key: str, value: str | None) -> None:
+        parser = _DPSQL_PARSERS.get(key)
+        if parser is None:
+            raise UndefinedObject(f'unrecognized configuration parameter "{key}"')
+        if value is None:
+            parsed = None
+            self.values[key] = self.defaults.get(key, "")
+        else:
+            try:
+                parsed = parser(value)
+            except (ValueError, KeyError):
+                raise InvalidParameterValue(
+                    f'invalid value for parameter "{key}": "{value}"',
+                    hint=_DPSQL_HINTS[key],
+                ) from None
+            self.values[key] = value.strip().lower() if isinstance(parsed, str | bool) else str(parsed)
+        self._mirror(key, parsed)
+
+    def _mirror(self, key: str, parsed: Any) -> None:
+        s = self.session
+        attr = key.removeprefix("dpsql.")
+        if attr in ("epsilon", "delta", "confidence", "mechanism"):
+            setattr(s, attr, parsed)
+        if parsed is None:
+            s.settings.pop(key, None)
+        else:
+            s.settings[key] = self.values[key]
+
+    def reset_all(self) -> list[str]:
+        """RESET ALL; returns the reported parameters whose value changed."""
+        changed = [k for k in REPORTED if self.values.get(k) != self.defaults.get(k)]
+        for key in [k for k in self.values if k.startswith("dpsql.")]:
+            self._set_dpsql(key, None)
+        self.values = {**dict(self.defaults), **{k: v for k, v in self.values.items() if k.startswith("dpsql.")}}
+        return changed
+
+    @property
+    def show_intervals(self) -> bool:
+        return _parse_bool(self.values.get("dpsql.show_intervals", "off"))
+
+    @property
+    def statement_timeout_ms(self) -> int:
+        return int(self.values.get("statement_timeout", "0") or 0)
+
+
+_DPSQL_HINTS = {
+    "dpsql.epsilon": "dpsql.epsilon must be a positive number, e.g. SET dpsql.epsilon = 0.5.",
+    "dpsql.delta": "dpsql.delta must be in [0, 1).",
+    "dpsql.confidence": "dpsql.confidence must be in (0, 1), e.g. 0.95.",
+    "dpsql.mechanism": "dpsql.mechanism is 'laplace' or 'gaussian'.",
+    "dpsql.show_intervals": "dpsql.show_intervals is on or off.",
+}
+
+
+def default_gucs(server_version: str, user: str, application_name: str, policy_defaults: Any) -> dict[str, str]:
+    gucs = dict(_STATIC_GUCS)
+    major_minor = server_version.split(" ", 1)[0]
+    major, _, minor = major_minor.partition(".")
+    gucs["server_version"] = server_version
+    gucs["server_version_num"] = str(int(major) * 10000 + int(minor or 0))
+    gucs["session_authorization"] = user
+    gucs["application_name"] = application_name
+    gucs["dpsql.epsilon"] = str(policy_defaults.epsilon)
+    gucs["dpsql.delta"] = str(policy_defaults.delta)
+    gucs["dpsql.mechanism"] = str(policy_defaults.mechanism)
+    gucs["dpsql.confidence"] = str(policy_defaults.confidence)
+    gucs["dpsql.show_intervals"] = "off"
+    return gucs
+
+
+# --- command recognition ------------------------------------------------------------------------
+
+_TOKEN = re.compile(
+    r"""\s*(?:
+      (?P<str>[eE]?'(?:[^']|'')*')
+    | (?P<qid>"(?:[^"]|"")*")
+    | (?P<word>[A-Za-z_][A-Za-z0-9_$.]*)
+    | (?P<num>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)
+    | (?P<sym>\S)
+    )""",
+    re.VERBOSE,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    kind: str
+    text: str
+
+    @property
+    def word(self) -> str:
+        return self.text.lower() if self.kind == "word" else ""
+
+    @property
+    def value(self) -> str:
+        if self.kind == "str":
+            body = self.text[1:] if self.text[0] in "eE" else self.text
+            return body[1:-1].replace("''", "'")
+        if self.kind == "qid":
+            return self.text[1:-1].replace('""', '"')
+        return self.text
+
+
+def tokenize(sql: str) -> list[Token]:
+    text = strip_comments(sql).strip().rstrip(";").strip()
+    tokens: list[Token] = []
+    pos = 0
+    while pos < len(text):
+        m = _TOKEN.match(text, pos)
+        if not m or m.end() == pos:
+            break
+        kind = m.lastgroup or "sym"
+        tokens.append(Token(kind, m.group(kind)))
+        pos = m.end()
+    return tokens
+
+
+@dataclass(frozen=True, slots=True)
+class LocalCommand:
+    """A recognised session/transaction statement. ``action`` is interpreted by the connection."""
+
+    action: str  # set, show, show_all, reset, reset_all, discard, begin, commit, rollback, ...
+    tag: str
+    name: str = ""
+    value: str | None = None
+
+
+def _words(tokens: list[Token]) -> list[str]:
+    return [t.word or t.text.lower() for t in tokens]
+
+
+def _setting_value(tokens: list[Token]) -> str | None:
+    """The value of ``SET x TO <value>``: DEFAULT → None; lists keep their commas."""
+    if len(tokens) == 1 and tokens[0].word == "default":
+        return None
+    parts = [t.value for t in tokens if t.text != ","]
+    return ", ".join(parts)
+
+
+def _parse_set(tokens: list[Token]) -> LocalCommand:
+    rest = tokens[1:]
+    if rest and rest[0].word in ("session", "local"):
+        rest = rest[1:]
+    words = _words(rest)
+    if not rest or words[0] in ("transaction", "characteristics"):
+        return LocalCommand("noop", "SET")
+    if words[0] in ("role", "authorization") or words[:2] == ["session", "authorization"]:
+        raise Error("permission denied to set role", sqlstate="42501")
+    if words[:2] == ["time", "zone"]:
+        return LocalCommand("set", "SET", "TimeZone", _setting_value(rest[2:]) or "UTC")
+    if words[0] == "names":
+        return LocalCommand("set", "SET", "client_encoding", _setting_value(rest[1:]))
+    if len(rest) < 3 or words[1] not in ("to", "="):
+        raise Error(f'syntax error at or near "{rest[-1].text}"', sqlstate="42601")
+    return LocalCommand("set", "SET", rest[0].value, _setting_value(rest[2:]))
+
+
+def _parse_show(tokens: list[Token]) -> LocalCommand:
+    words = _words(tokens[1:])
+    if words == ["all"]:
+        return LocalCommand("show_all", "SHOW")
+    if words == ["transaction", "isolation", "level"]:
+        return LocalCommand("show", "SHOW", "transaction_isolation")
+    if words == ["time", "zone"]:
+        return LocalCommand("show", "SHOW", "TimeZone")
+    if words == ["session", "authorization"]:
+        return LocalCommand("show", "SHOW", "session_authorization")
+    if len(tokens) != 2:
+        raise Error("syntax error in SHOW", sqlstate="42601")
+    return LocalCommand("show", "SHOW", tokens[1].value)
+
+
+def _parse_reset(tokens: list[Token]) -> LocalCommand:
+    words = _words(tokens[1:])
+    if words == ["all"]:
+        return LocalCommand("reset_all", "RESET")
+    if words in (["role"], ["session", "authorization"]):
+        return LocalCommand("noop", "RESET")
+    if words == ["time", "zone"]:
+        return LocalCommand("reset", "RESET", "TimeZone")
+    if len(tokens) != 2:
+        raise Error("syntax error in RESET", sqlstate="42601")
+    return LocalCommand("reset", "RESET", tokens[1].value)
+
+
+def _parse_transaction(tokens: list[Token]) -> LocalCommand | None:
+    words = _words(tokens)
+    head = words[0]
+    if head in ("begin", "start"):
+        if head == "start" and words[1:2] != ["transaction"]:
+            return None
+        return LocalCommand("begin", "BEGIN")
+    if head in ("commit", "end"):
+        if words[1:2] == ["prepared"]:
+            return None
+        return LocalCommand("commit", "COMMIT")
+    if head in ("rollback", "abort"):
+        if words[1:2] == ["prepared"]:
+            return None
+        if "to" in words:
+            return LocalCommand("rollback_to", "ROLLBACK", words[-1])
+        return LocalCommand("rollback", "ROLLBACK")
+    if head == "savepoint" and len(words) == 2:
+        return LocalCommand("savepoint", "SAVEPOINT", words[1])
+    if head == "release" and len(words) in (2, 3):
+        return LocalCommand("release", "RELEASE", words[-1])
+    return None
+
+
+_DISCARD_TAGS = {"all": "DISCARD ALL", "plans": "DISCARD PLANS", "sequences": "DISCARD SEQUENCES"}
+
+
+def parse_local(sql: str) -> LocalCommand | None:
+    """Recognise a statement the server answers itself; None means "not a session statement"."""
+    tokens = tokenize(sql)
+    if not tokens or tokens[0].kind != "word":
+        return None
+    head = tokens[0].word
+    words = _words(tokens)
+    if head == "set":
+        return _parse_set(tokens)
+    if head == "show":
+        return _parse_show(tokens)
+    if head == "reset":
+        return _parse_reset(tokens)
+    if head == "discard" and len(words) == 2:
+        tag = _DISCARD_TAGS.get(words[1], "DISCARD TEMP")
+        return LocalCommand("discard_all" if words[1] == "all" else "noop", tag)
+    if head == "close":
+        return LocalCommand("close", "CLOSE CURSOR ALL" if words[1:] == ["all"] else "CLOSE CURSOR", words[-1])
+    if head in ("listen", "unlisten"):
+        return LocalCommand("noop", head.upper())
+    if head == "deallocate":
+        name = words[-1] if len(words) > 1 else ""
+        if name in ("prepare", ""):
+            raise Error("syntax error in DEALLOCATE", sqlstate="42601")
+        return LocalCommand("deallocate", "DEALLOCATE ALL" if name == "all" else "DEALLOCATE", tokens[-1].value)
+    if head == "copy":
+        raise FeatureNotSupported("COPY is not supported by dpsql", hint="Only differentially private SELECTs.")
+    return _parse_transaction(tokens)
+
+
+# --- table-free SELECTs -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LocalContext:
+    """What a table-free SELECT may ask about the session."""
+
+    user: str
+    database: str
+    version: str
+    pid: int
+    setting: Callable[[str], str]
+
+
+@dataclass(frozen=True, slots=True)
+class Value:
+    name: str
+    type_oid: int
+    value: Any
+
+
+_NAME, _TEXT, _INT4, _BOOL, _NUMERIC, _VOID = 19, 25, 23, 16, 1700, 2278
+
+
+def _call_name(node: exp.Expression) -> str | None:
+    """Lower-cased function name of a call, with any pg_catalog qualification removed."""
+    if isinstance(node, exp.Dot):
+        if isinstance(node.this, exp.Identifier | exp.Column) and node.this.name.lower() == "pg_catalog":
+            return _call_name(node.expression)
+        return None
+    if isinstance(node, exp.Anonymous):
+        return str(node.this).lower()
+    if isinstance(node, exp.Func):
+        return node.sql_name().lower()
+    return None
+
+
+def _first_arg(node: exp.Expression) -> exp.Expression | None:
+    target = node.expression if isinstance(node, exp.Dot) else node
+    args = target.expressions if isinstance(target, exp.Anonymous) else [target.this]
+    return args[0] if args else None
+
+
+def _evaluate(node: exp.Expression, ctx: LocalContext) -> Value | None:
+    if isinstance(node, exp.Literal):
+        if node.is_string:
+            return Value("?column?", _TEXT, node.this)
+        text = node.this
+        if re.fullmatch(r"-?\d+", text) and abs(int(text)) < 2**31:
+            return Value("?column?", _INT4, int(text))
+        return Value("?column?", _NUMERIC, Decimal(text))
+    if isinstance(node, exp.Boolean):
+        return Value("bool", _BOOL, bool(node.this))
+    if isinstance(node, exp.Null):
+        return Value("?column?", _TEXT, None)
+    if isinstance(node, exp.Neg) and isinstance(node.this, exp.Literal) and not node.this.is_string:
+        inner = _evaluate(node.this, ctx)
+        return Value(inner.name, inner.type_oid, -inner.value) if inner else None
+    if isinstance(node, exp.CurrentUser) or (isinstance(node, exp.Column) and node.name.lower() in _USER_WORDS):
+        name = "current_user" if isinstance(node, exp.CurrentUser) else node.name.lower()
+        return Value(name, _NAME, ctx.user)
+    if isinstance(node, exp.CurrentSchema) or (isinstance(node, exp.Column) and node.name == "current_schema"):
+        return Value("current_schema", _NAME, "public")
+    return _evaluate_call(node, ctx)
+
+
+_USER_WORDS = {"current_user", "session_user", "user", "current_role", "current_catalog"}
+
+
+def _evaluate_call(node: exp.Expression, ctx: LocalContext) -> Value | None:
+    name = _call_name(node)
+    if name is None:
+        return None
+    arg = _first_arg(node)
+    simple: dict[str, Value] = {
+        "version": Value("version", _TEXT, f"PostgreSQL {ctx.version} on x86_64-pc-linux-gnu, dpsql {VERSION}"),
+        "current_database": Value("current_database", _NAME, ctx.database),
+        "current_schema": Value("current_schema", _NAME, "public"),
+        "pg_backend_pid": Value("pg_backend_pid", _INT4, ctx.pid),
+        "pg_advisory_unlock_all": Value("pg_advisory_unlock_all", _VOID, ""),
+        "current_user": Value("current_user", _NAME, ctx.user),
+        "session_user": Value("session_user", _NAME, ctx.user),
+        "pg_is_in_recovery": Value("pg_is_in_recovery", _BOOL, False),
+    }
+    if name in simple and (arg is None or name == "current_user"):
+        return simple[name]
+    if name == "current_setting" and isinstance(arg, exp.Literal) and arg.is_string:
+        return Value("current_setting", _TEXT, ctx.setting(arg.this))
+    return None
+
+
+def evaluate_select(sql: str, ctx: LocalContext) -> list[Value] | None:
+    """Answer ``SELECT <constant or session function>, ...`` (no FROM); None when it is anything else."""
+    try:
+        tree = sqlglot.parse_one(sql, read="postgres")
+    except (sqlglot.errors.ParseError, sqlglot.errors.TokenError):
+        return None
+    if not isinstance(tree, exp.Select) or any(
+        tree.args.get(k) for k in ("from", "from_", "joins", "where", "group", "having", "with", "order", "limit")
+    ):
+        return None
+    if tree.find(exp.Placeholder, exp.Parameter):
+        return None
+    values: list[Value] = []
+    for projection in tree.expressions:
+        alias = projection.alias if isinstance(projection, exp.Alias) else None
+        node = projection.this if isinstance(projection, exp.Alias) else projection
+        value = _evaluate(node, ctx)
+        if value is None:
+            return None
+        values.append(Value(alias, value.type_oid, value.value) if alias else value)
+    return values or None

@@ -1,0 +1,137 @@
+"""Lexical helpers over raw SQL text: statement splitting, comment stripping, fingerprints.
+
+A hand-written scanner rather than a parser: it must never fail (garbage still splits into
+something the engine can refuse) and it must respect every PostgreSQL quoting form —
+'strings' (with '' escapes), E'strings' (with backslash escapes), "identifiers", -- line
+comments, nested /* block comments */ and $tag$ dollar quotes $tag$.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterator
+
+_DOLLAR_TAG = re.compile(r"\$(?:[A-Za-z_\x80-\uffff][A-Za-z0-9_\x80-\uffff]*)?\$")
+
+
+def _skip_quoted(sql: str, i: int, quote: str, backslash: bool) -> int:
+    """Index just past the closing quote of a literal starting at ``sql[i] == quote``."""
+    n = len(sql)
+    i += 1
+    while i < n:
+        ch = sql[i]
+        if backslash and ch == "\\":
+            i += 2
+            continue
+        if ch == quote:
+            if i + 1 < n and sql[i + 1] == quote:
+                i += 2
+                continue
+            return i + 1
+        i += 1
+    return n
+
+
+def _skip_block_comment(sql: str, i: int) -> int:
+    depth, n = 0, len(sql)
+    while i < n:
+        if sql.startswith("/*", i):
+            depth += 1
+            i += 2
+        elif sql.startswith("*/", i):
+            depth -= 1
+            i += 2
+            if depth == 0:
+                return i
+        else:
+            i += 1
+    return n
+
+
+def _scan(sql: str) -> Iterator[tuple[str, int, int]]:
+    """Yield (kind, start, end) spans: kind is 'comment', 'semicolon' or 'code'."""
+    i, n = 0, len(sql)
+    while i < n:
+        ch = sql[i]
+        if sql.startswith("--", i):
+            end = sql.find("\n", i)
+            end = n if end < 0 else end + 1
+            yield "comment", i, end
+        elif sql.startswith("/*", i):
+            end = _skip_block_comment(sql, i)
+            yield "comment", i, end
+        elif ch == ";":
+            end = i + 1
+            yield "semicolon", i, end
+        elif ch in "'\"":
+            escape = ch == "'" and i > 0 and sql[i - 1] in "eE" and not _is_ident_char(sql, i - 2)
+            end = _skip_quoted(sql, i, ch, escape)
+            yield "code", i, end
+        elif ch == "$" and not _is_ident_char(sql, i - 1) and (m := _DOLLAR_TAG.match(sql, i)):
+            close = sql.find(m.group(0), m.end())
+            end = n if close < 0 else close + len(m.group(0))
+            yield "code", i, end
+        else:
+            end = i + 1
+            yield "code", i, end
+        i = end
+
+
+def _is_ident_char(sql: str, i: int) -> bool:
+    return i >= 0 and (sql[i].isalnum() or sql[i] in "_$")
+
+
+def split_statements(sql: str) -> list[str]:
+    """Split on top-level semicolons; drop statements that are empty or only comments."""
+    statements: list[str] = []
+    start, has_code = 0, False
+    for kind, s, e in _scan(sql):
+        if kind == "semicolon":
+            if has_code:
+                statements.append(sql[start:s].strip())
+            start, has_code = e, False
+        elif kind == "code" and not sql[s:e].isspace():
+            has_code = True
+    if has_code:
+        statements.append(sql[start:].strip())
+    return statements
+
+
+def strip_comments(sql: str) -> str:
+    """The SQL with comments replaced by a space (quoted text untouched)."""
+    return "".join(" " if kind == "comment" else sql[s:e] for kind, s, e in _scan(sql))
+
+
+def normalize(sql: str) -> str:
+    """Comment-free, whitespace-collapsed, trailing-semicolon-free text (case kept in literals)."""
+    text = " ".join(strip_comments(sql).split())
+    return text.rstrip("; ")
+
+
+def fingerprint(sql: str) -> str:
+    """First 12 hex digits of sha256 of the normalized SQL: groups repeats in logs, reveals nothing."""
+    return hashlib.sha256(normalize(sql).lower().encode("utf-8")).hexdigest()[:12]
+
+
+_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_$]*")
+
+
+def identifiers(sql: str) -> list[str]:
+    """Lower-cased bare words and "quoted identifiers" outside string literals and comments (unordered)."""
+    quoted: list[str] = []
+    bare: list[str] = []
+    for kind, s, e in _scan(sql):
+        chunk = sql[s:e]
+        if kind == "code" and len(chunk) == 1:
+            bare.append(chunk)
+            continue
+        bare.append(" ")
+        if kind == "code" and chunk.startswith('"'):
+            quoted.append(chunk[1:-1].replace('""', '"').lower())
+    return [w.lower() for w in _WORD.findall("".join(bare))] + quoted
+
+
+def first_word(sql: str) -> str:
+    match = _WORD.search(strip_comments(sql))
+    return match.group(0).lower() if match else ""

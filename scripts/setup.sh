@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Idempotent bootstrap for a fresh Debian/Ubuntu machine (root, or a user with sudo).
+#
+#   scripts/setup.sh        runtime: .venv + `pip install -e .`
+#   scripts/setup.sh test   also test extras and the Debian packages the tests use
+#                           (PostgreSQL server + psql, a JDK and the PostgreSQL JDBC driver)
+#
+# Re-running is cheap: pip is skipped while pyproject.toml is unchanged, apt while everything is present.
+set -euo pipefail
+
+mode="${1:-runtime}"
+case "$mode" in
+  runtime | test) ;;
+  *) echo "usage: $0 [test]" >&2; exit 2 ;;
+esac
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+say() { echo "setup: $*"; }
+
+if [ "$(id -u)" -eq 0 ]; then
+  as_root() { "$@"; }
+elif command -v sudo > /dev/null; then
+  as_root() { sudo "$@"; }
+else
+  as_root() { echo "setup: need root or sudo to run: $*" >&2; return 1; }
+fi
+
+# --- Debian packages --------------------------------------------------------------
+apt_missing=()
+apt_updated=0
+need_pkg() { apt_missing+=("$1"); }
+apt_install() {
+  [ "${#apt_missing[@]}" -eq 0 ] && return 0
+  say "installing Debian packages: ${apt_missing[*]}"
+  if [ "$apt_updated" -eq 0 ]; then
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    apt_updated=1
+  fi
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+    "${apt_missing[@]}" > /dev/null
+  apt_missing=()
+}
+installed() { dpkg -s "$1" > /dev/null 2>&1; }
+
+if ! command -v python3 > /dev/null; then need_pkg python3; fi
+if [ ! -x .venv/bin/python ] && ! python3 -c 'import ensurepip' > /dev/null 2>&1; then
+  need_pkg python3-venv
+fi
+
+if [ "$mode" = test ]; then
+  has_pg_server() {
+    local d
+    d="$(pg_config --bindir 2> /dev/null || true)"
+    [ -n "$d" ] && [ -x "$d/initdb" ] && [ -x "$d/postgres" ] && return 0
+    compgen -G "/usr/lib/postgresql/*/bin/initdb" > /dev/null
+  }
+  installed postgresql || has_pg_server || need_pkg postgresql
+  installed postgresql-client || command -v psql > /dev/null || need_pkg postgresql-client
+  command -v javac > /dev/null || need_pkg default-jdk-headless
+  installed libpostgresql-jdbc-java || need_pkg libpostgresql-jdbc-java
+fi
+apt_install
+
+# --- Python virtualenv ------------------------------------------------------------
+if [ ! -x .venv/bin/python ]; then
+  say "creating .venv"
+  python3 -m venv .venv
+fi
+
+extras="."
+[ "$mode" = test ] && extras=".[test]"
+stamp=".venv/.dpsql-setup-$mode"
+want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+if [ "$(cat "$stamp" 2> /dev/null || true)" != "$want" ] || ! .venv/bin/python -P -c 'import dpsql' 2> /dev/null; then
+  say "pip install -e '$extras'"
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e "$extras"
+  echo "$want" > "$stamp"
+fi

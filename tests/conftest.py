@@ -1,0 +1,3 @@
+"""Shared pytest configuration; PostgreSQL fixtures live in tests/pg.py."""
+
+pytest_plugins = ["tests.pg"]

@@ -1,0 +1,151 @@
+"""pytest plugin: a real PostgreSQL server for the test session, and dpsql backends on it.
+
+``pg_dsn`` is resolved in this order: env ``DPSQL_TEST_PG_DSN`` (a ``postgresql://`` URL),
+a testcontainers ``PostgresContainer`` when a Docker engine answers within 2 s, then a
+throwaway local cluster from :func:`dpsql.local_postgres.start_local_postgres`. When none
+works the PostgreSQL tests are skipped locally, but under ``CI`` they *fail*: CI must never
+go green without having run them. Tests using these fixtures get the ``postgres`` marker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import warnings
+from collections.abc import Callable, Iterator
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg
+import pytest
+
+from dpsql.backends import Backend, open_backend
+
+log = logging.getLogger(__name__)
+
+PG_FIXTURES = {"pg_dsn", "pg_new_database", "pg_backend"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if PG_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.postgres)
+
+
+def _check(dsn: str) -> str:
+    with psycopg.connect(dsn, connect_timeout=10) as conn:
+        conn.execute("SELECT 1")
+    return dsn
+
+
+def _docker_answers() -> bool:
+    try:
+        import docker
+
+        client = docker.from_env(timeout=2)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except Exception:
+        return False
+
+
+@contextlib.contextmanager
+def _container() -> Iterator[str]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            from testcontainers.postgres import PostgresContainer
+        except ImportError:  # pragma: no cover - newer testcontainers layout
+            from testcontainers.community.postgres import PostgresContainer  # type: ignore[no-redef]
+    container = PostgresContainer("postgres:16-alpine", driver=None)
+    container.start()
+    try:
+        yield container.get_connection_url()
+    finally:
+        container.stop()
+
+
+@contextlib.contextmanager
+def _local() -> Iterator[str]:
+    from dpsql.local_postgres import start_local_postgres
+
+    with start_local_postgres() as pg:
+        yield pg.dsn
+
+
+def _sources() -> Iterator[tuple[str, Callable[[], contextlib.AbstractContextManager[str]]]]:
+    env = os.environ.get("DPSQL_TEST_PG_DSN")
+    if env:
+        yield "DPSQL_TEST_PG_DSN", lambda: contextlib.nullcontext(env)
+    if _docker_answers():
+        yield "testcontainers", _container
+    yield "local PostgreSQL", _local
+
+
+@pytest.fixture(scope="session")
+def pg_dsn() -> Iterator[str]:
+    """Superuser URL of a PostgreSQL server that lives for the whole session."""
+    failures: list[str] = []
+    with contextlib.ExitStack() as stack:
+        dsn = None
+        for name, source in _sources():
+            try:
+                dsn = _check(stack.enter_context(source()))
+            except Exception as exc:
+                failures.append(f"{name}: {type(exc).__name__}: {str(exc).strip()[:2000]}")
+                stack.close()
+                continue
+            log.info("PostgreSQL for tests from %s", name)
+            break
+        if dsn is None:
+            reason = "no PostgreSQL server for the tests:\n  " + "\n  ".join(failures)
+            if os.environ.get("CI"):
+                pytest.fail(
+                    reason + "\n(CI is set: PostgreSQL tests must run, not be skipped)", pytrace=False
+                )
+            pytest.skip(reason)
+        yield dsn
+
+
+def _with_database(dsn: str, database: str) -> str:
+    parts = urlsplit(dsn)
+    if parts.scheme not in ("postgresql", "postgres"):
+        raise ValueError("DPSQL_TEST_PG_DSN must be a postgresql:// URL")
+    return urlunsplit(parts._replace(path="/" + database))
+
+
+@pytest.fixture(scope="session")
+def pg_new_database(pg_dsn: str) -> Iterator[Callable[[], str]]:
+    """Factory: ``pg_new_database()`` creates an empty database and returns its URL (dropped at the end)."""
+    created: list[str] = []
+
+    def make() -> str:
+        name = "dpsql_test_" + secrets.token_hex(4)
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')  # type: ignore[arg-type]
+        created.append(name)
+        return _with_database(pg_dsn, name)
+
+    yield make
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        for name in created:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session")
+def pg_backend(pg_new_database: Callable[[], str]) -> Iterator[Backend]:
+    """A dpsql PostgreSQL backend on a fresh database shared by the session (use distinct table names)."""
+    backend = open_backend(pg_new_database())
+    yield backend
+    backend.close()
+
+
+@pytest.fixture
+def duckdb_backend() -> Iterator[Backend]:
+    """A fresh in-memory DuckDB backend per test."""
+    backend = open_backend("duckdb://")
+    yield backend
+    backend.close()

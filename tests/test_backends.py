@@ -1,0 +1,227 @@
+"""The same SQL gives the same answers on DuckDB and PostgreSQL, safely and concurrently."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import math
+import random
+from concurrent.futures import ThreadPoolExecutor
+from decimal import Decimal
+from typing import Any
+
+import pytest
+
+from dpsql.backends import Backend, normalize_value, open_backend, redact_url
+from dpsql.backends.duckdb import _database_path
+from dpsql.errors import BackendError
+
+COLUMNS = [("id", "BIGINT"), ("region", "TEXT"), ("age", "INTEGER"), ("income", "DOUBLE PRECISION"),
+           ("visited", "DATE")]  # fmt: skip
+SECRET = "Zebulon-7731"  # a private value that must never appear in an error message
+
+
+def _rows(n: int = 2_000) -> list[tuple[Any, ...]]:
+    rng = random.Random(7)  # test data only; never used for noise
+    regions = ["north", "south", "east", "west", SECRET]
+    rows = []
+    for i in range(n):
+        rows.append(
+            (
+                i,
+                regions[i % len(regions)],
+                None if i % 97 == 0 else rng.randint(-5, 120),
+                None if i % 89 == 0 else round(rng.uniform(-1000, 250_000), 2),
+                dt.date(2024, 1, 1) + dt.timedelta(days=i % 366),
+            )
+        )
+    return rows
+
+
+ROWS = _rows()
+
+QUERIES = [
+    "SELECT COUNT(*) AS n FROM people",
+    "SELECT COUNT(age) AS n, COUNT(DISTINCT region) AS r FROM people",
+    "SELECT SUM(LEAST(GREATEST(age, 0), 100)) AS s FROM people",
+    "SELECT SUM(LEAST(GREATEST(income, 0.0), 100000.0)) AS s FROM people",
+    "SELECT region, COUNT(*) AS n, SUM(LEAST(GREATEST(age, 0), 100)) AS s FROM people "
+    "GROUP BY region ORDER BY region",
+    "SELECT EXTRACT(MONTH FROM visited) AS m, COUNT(*) AS n FROM people GROUP BY 1 ORDER BY 1",
+    "SELECT AVG(LEAST(GREATEST(age, 0), 100)) AS a FROM people WHERE region <> 'north'",
+    "SELECT region, SUM(CASE WHEN age IS NULL THEN 1 ELSE 0 END) AS nulls FROM people GROUP BY region "
+    "ORDER BY region",
+]
+
+
+@pytest.fixture(scope="module")
+def loaded_pg(pg_backend: Backend) -> Backend:
+    pg_backend.load_rows("people", COLUMNS, ROWS, replace=True)
+    return pg_backend
+
+
+@pytest.fixture
+def loaded_duckdb(duckdb_backend: Backend) -> Backend:
+    duckdb_backend.load_rows("people", COLUMNS, iter(ROWS))
+    return duckdb_backend
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=1e-6)
+    return a == b
+
+
+@pytest.mark.parametrize("sql", QUERIES)
+def test_same_results_on_duckdb_and_postgres(loaded_duckdb: Backend, loaded_pg: Backend, sql: str) -> None:
+    d_cols, d_rows = loaded_duckdb.execute(sql)
+    p_cols, p_rows = loaded_pg.execute(sql)
+    assert d_cols == p_cols
+    assert len(d_rows) == len(p_rows) > 0
+    for d_row, p_row in zip(d_rows, p_rows, strict=True):
+        assert all(_same(x, y) for x, y in zip(d_row, p_row, strict=True)), (d_row, p_row)
+
+
+def test_values_match_python(loaded_duckdb: Backend, loaded_pg: Backend) -> None:
+    expected = sum(min(max(r[2], 0), 100) for r in ROWS if r[2] is not None)
+    for backend in (loaded_duckdb, loaded_pg):
+        _, rows = backend.execute("SELECT COUNT(*), SUM(LEAST(GREATEST(age, 0), 100)) FROM people")
+        assert rows == [(len(ROWS), expected)]
+        assert all(type(v) is int for v in rows[0])  # Decimal / HUGEINT normalised
+
+
+def test_dialects() -> None:
+    assert open_backend("duckdb://").dialect == "duckdb"
+    assert open_backend("postgresql://u@127.0.0.1:1/x").dialect == "postgres"  # lazy: no connection yet
+    assert open_backend("postgres://u@127.0.0.1:1/x").dialect == "postgres"
+    with pytest.raises(BackendError):
+        open_backend("mysql://x")
+
+
+@pytest.mark.parametrize(
+    ("url", "path"),
+    [
+        ("duckdb://", ":memory:"),
+        ("duckdb:///:memory:", ":memory:"),
+        ("duckdb:///srv/data/a.duckdb", "/srv/data/a.duckdb"),
+    ],
+)
+def test_duckdb_url_paths(url: str, path: str) -> None:
+    assert _database_path(url) == path
+
+
+def test_duckdb_file_database(tmp_path: Any) -> None:
+    url = f"duckdb://{tmp_path}/x.duckdb"
+    backend = open_backend(url)
+    backend.load_rows("t", [("a", "INTEGER")], [(1,), (2,)])
+    backend.close()
+    reopened = open_backend(url)
+    assert reopened.execute("SELECT SUM(a) AS s FROM t") == (["s"], [(3,)])
+    reopened.close()
+
+
+def test_redact_url() -> None:
+    assert redact_url("postgresql://alice:s3cret@db:5432/x") == "postgresql://alice:***@db:5432/x"
+    assert "s3cret" not in repr(open_backend("postgresql://alice:s3cret@db:5432/x"))
+
+
+def test_normalize_value() -> None:
+    assert normalize_value(Decimal("12")) == 12 and type(normalize_value(Decimal("12"))) is int
+    assert normalize_value(Decimal("12.50")) == 12.5
+    assert normalize_value("x") == "x"
+
+
+@pytest.mark.parametrize("which", ["duckdb", "postgres"])
+def test_errors_do_not_leak_data(
+    which: str, loaded_duckdb: Backend, loaded_pg: Backend, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend = loaded_duckdb if which == "duckdb" else loaded_pg
+    failing = [
+        f"SELECT CAST(region AS INTEGER) FROM people WHERE region = '{SECRET}'",  # error quotes it
+        "SELECT no_such_column FROM people",
+        "SELECT FROM WHERE",
+        "SELECT 1; SELECT 2",  # a second statement is never run
+    ]
+    for sql in failing:
+        with caplog.at_level(logging.WARNING), pytest.raises(BackendError) as info:
+            backend.execute(sql)
+        err = info.value
+        assert err.sqlstate == "58P02"
+        assert SECRET not in str(err) and SECRET not in repr(err.args)
+        assert err.__cause__ is None and (err.__context__ is None or err.__suppress_context__)
+    assert SECRET in caplog.text  # the operator's log keeps the original message
+    # the pool/cursor is still usable after errors
+    assert backend.execute("SELECT COUNT(*) AS n FROM people") == (["n"], [(len(ROWS),)])
+
+
+@pytest.mark.parametrize("which", ["duckdb", "postgres"])
+def test_execute_is_read_only(which: str, loaded_duckdb: Backend, loaded_pg: Backend) -> None:
+    backend = loaded_duckdb if which == "duckdb" else loaded_pg
+    for sql in ["DELETE FROM people", "CREATE TABLE evil (a INT)", "INSERT INTO people (id) VALUES (-1)"]:
+        with pytest.raises(BackendError):
+            backend.execute(sql)
+    if which == "postgres":
+        with pytest.raises(BackendError):  # cannot switch the transaction back to read-write
+            backend.execute("SET transaction_read_only = off; DELETE FROM people")
+    assert backend.execute("SELECT COUNT(*) FROM people")[1] == [(len(ROWS),)]
+
+
+def test_postgres_statement_timeout(loaded_pg: Backend) -> None:
+    backend = open_backend(loaded_pg.url, statement_timeout_ms=200)
+    try:
+        with pytest.raises(BackendError):
+            backend.execute("SELECT pg_sleep(5)")
+        assert backend.execute("SELECT 1 AS one") == (["one"], [(1,)])
+    finally:
+        backend.close()
+
+
+def test_duckdb_statement_timeout() -> None:
+    backend = open_backend("duckdb://", statement_timeout_ms=200)
+    try:
+        with pytest.raises(BackendError):
+            backend.execute("SELECT COUNT(*) FROM range(100000000000) a")
+        assert backend.execute("SELECT 1 AS one") == (["one"], [(1,)])
+    finally:
+        backend.close()
+
+
+def test_postgres_unreachable_is_backend_error() -> None:
+    backend = open_backend("postgresql://nobody:pw-Secret@127.0.0.1:1/x")
+    with pytest.raises(BackendError) as info:
+        backend.execute("SELECT 1")
+    assert "pw-Secret" not in str(info.value)
+    backend.close()
+
+
+def test_load_rows_replace_and_bad_types(duckdb_backend: Backend, pg_backend: Backend) -> None:
+    for backend in (duckdb_backend, pg_backend):
+        backend.load_rows("rep", [("a", "INTEGER")], [(1,)], replace=True)
+        with pytest.raises(BackendError):
+            backend.load_rows("rep", [("a", "INTEGER")], [(1,)])  # exists, no replace
+        backend.load_rows(
+            "rep", [("a", "INTEGER"), ("b", "NUMERIC(10, 2)")], [(2, Decimal("1.5"))], replace=True
+        )
+        assert backend.execute("SELECT a, b FROM rep") == (["a", "b"], [(2, 1.5)])
+        with pytest.raises(BackendError):
+            backend.load_rows("bad", [("a", "INT); DROP TABLE rep; --")], [])
+        backend.execute_script("CREATE TABLE s1 (x INT); INSERT INTO s1 VALUES (4), (5);")
+        assert backend.execute("SELECT SUM(x) FROM s1")[1] == [(9,)]
+
+
+def test_load_rows_nulls_first(duckdb_backend: Backend, pg_backend: Backend) -> None:
+    rows = [(None, None)] * 1500 + [(2**40, "late")]
+    for backend in (duckdb_backend, pg_backend):
+        backend.load_rows("nf", [("big", "BIGINT"), ("s", "TEXT")], rows, replace=True)
+        assert backend.execute("SELECT MAX(big), MAX(s), COUNT(*) FROM nf")[1] == [(2**40, "late", 1501)]
+
+
+@pytest.mark.parametrize("which", ["duckdb", "postgres"])
+def test_concurrent_execute(which: str, loaded_duckdb: Backend, loaded_pg: Backend) -> None:
+    backend = loaded_duckdb if which == "duckdb" else loaded_pg
+    queries = [QUERIES[i % len(QUERIES)] for i in range(64)]
+    expected = {sql: backend.execute(sql) for sql in QUERIES}
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(backend.execute, queries))
+    for sql, result in zip(queries, results, strict=True):
+        assert result == expected[sql]
