@@ -35,8 +35,16 @@ from dpsql.ledger import Cost, Ledger
 from dpsql.plan import Measure, Plan
 from dpsql.policy import Policy, load_policy
 from dpsql.postprocess import evaluate, order_rows
-from dpsql.release import NoiseSpec, epsilon_to_rho, gaussian_spec_rho, half_width, laplace_spec
-from dpsql.release import partition_threshold, release, rho_to_epsilon
+from dpsql.release import (
+    NoiseSpec,
+    epsilon_to_rho,
+    gaussian_spec,
+    half_width,
+    laplace_spec,
+    partition_threshold,
+    release,
+    rho_to_epsilon,
+)
 from dpsql.rewrite import rewrite
 from dpsql.session import OutputColumn, Result, Session
 
@@ -179,7 +187,10 @@ class Engine:
         if mechanism == "gaussian":
             conversion_delta = delta / 2 if selecting else delta
             rho = epsilon_to_rho(epsilon, conversion_delta)
-            specs = [gaussian_spec_rho(m.sensitivity, rho / k, integer=_integer(m)) for m in plan.measures]
+            share = rho_to_epsilon(rho / k, conversion_delta)  # the ε whose zCDP ρ is this measure's share
+            specs = [
+                gaussian_spec(m.sensitivity, share, conversion_delta, integer=_integer(m)) for m in plan.measures
+            ]
             cost = Cost(epsilon=epsilon, delta=delta, rho=rho)
         else:
             specs = [laplace_spec(m.sensitivity, epsilon / k, integer=_integer(m)) for m in plan.measures]

@@ -830,8 +830,7 @@ class PostgresLedger(Ledger):
 
         conn = self._conn()
         try:
-            # Pipeline mode: BEGIN, lock and read go in one round trip, the writes and COMMIT in another.
-            with conn.pipeline(), conn.transaction():
+            with conn.transaction():
                 # The lock serialises every reserve on this dataset until COMMIT; under READ
                 # COMMITTED the next statement's snapshot then sees every earlier charge.
                 conn.execute(
@@ -846,14 +845,12 @@ class PostgresLedger(Ledger):
                 ).fetchall()
                 analyst_spent, dataset_spent = _split_totals(rows, analyst)
                 check(analyst_spent, dataset_spent)
-                inserted = conn.execute(
+                row = conn.execute(
                     "INSERT INTO dpsql_ledger (at, dataset, analyst, fingerprint, epsilon, delta, rho, "
                     "accounting) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) RETURNING id",
                     (at, dataset, analyst, fingerprint, epsilon, delta, rho, accounting),
-                )
+                ).fetchone()
                 conn.execute(_PG_UPSERT_TOTALS, (dataset, analyst, epsilon, delta, rho, at))
-            # Leaving both blocks has sent COMMIT and waited for its result: the charge is durable.
-            row = inserted.fetchone()
         except psycopg.Error as exc:
             self._drop(conn)
             raise _unavailable("cannot record a charge", exc) from exc

@@ -16,6 +16,15 @@ esac
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 say() { echo "setup: $*"; }
+# Run quietly; show the captured output only when the command fails.
+quiet() {
+  local log rc=0
+  log="$(mktemp)"
+  "$@" > "$log" 2>&1 || rc=$?
+  [ "$rc" -eq 0 ] || { cat "$log" >&2; say "failed ($rc): $*" >&2; }
+  rm -f "$log"
+  return "$rc"
+}
 
 if [ "$(id -u)" -eq 0 ]; then
   as_root() { "$@"; }
@@ -33,11 +42,11 @@ apt_install() {
   [ "${#apt_missing[@]}" -eq 0 ] && return 0
   say "installing Debian packages: ${apt_missing[*]}"
   if [ "$apt_updated" -eq 0 ]; then
-    as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    quiet as_root env DEBIAN_FRONTEND=noninteractive apt-get update
     apt_updated=1
   fi
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-    "${apt_missing[@]}" > /dev/null
+  quiet as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+    "${apt_missing[@]}"
   apt_missing=()
 }
 installed() { dpkg -s "$1" > /dev/null 2>&1; }
@@ -71,8 +80,15 @@ extras="."
 [ "$mode" = test ] && extras=".[test]"
 stamp=".venv/.dpsql-setup-$mode"
 want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
-if [ "$(cat "$stamp" 2> /dev/null || true)" != "$want" ] || ! .venv/bin/python -P -c 'import dpsql' 2> /dev/null; then
+up_to_date() {  # the test extras include the runtime ones
+  local f
+  for f in "$stamp" .venv/.dpsql-setup-test; do
+    [ "$(cat "$f" 2> /dev/null || true)" = "$want" ] && return 0
+  done
+  return 1
+}
+if ! up_to_date || ! .venv/bin/python -P -c 'import dpsql' 2> /dev/null; then
   say "pip install -e '$extras'"
-  .venv/bin/python -m pip install -q --disable-pip-version-check -e "$extras"
+  quiet .venv/bin/python -m pip install -q --disable-pip-version-check -e "$extras"
   echo "$want" > "$stamp"
 fi

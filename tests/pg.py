@@ -1,9 +1,9 @@
 """pytest plugin: a real PostgreSQL server for the test session, and dpsql backends on it.
 
-``pg_dsn`` is resolved in this order: env ``DPSQL_TEST_PG_DSN`` (a ``postgresql://`` URL),
-a testcontainers ``PostgresContainer`` when a Docker engine answers within 2 s, then a
-throwaway local cluster from :func:`dpsql.local_postgres.start_local_postgres`. When none
-works the PostgreSQL tests are skipped locally, but under ``CI`` they *fail*: CI must never
+``pg_dsn`` is resolved in this order: env ``DPSQL_TEST_PG_DSN`` (a ``postgresql://`` URL; when
+set it is the only candidate), a testcontainers ``PostgresContainer`` when a Docker engine
+answers within 2 s, then a throwaway local cluster from
+:func:`dpsql.local_postgres.start_local_postgres`. When none works the PostgreSQL tests are skipped locally, but under ``CI`` they *fail*: CI must never
 go green without having run them. Tests using these fixtures get the ``postgres`` marker.
 """
 
@@ -78,8 +78,9 @@ def _local() -> Iterator[str]:
 
 def _sources() -> Iterator[tuple[str, Callable[[], contextlib.AbstractContextManager[str]]]]:
     env = os.environ.get("DPSQL_TEST_PG_DSN")
-    if env:
+    if env:  # explicit choice: no silent fallback to another server
         yield "DPSQL_TEST_PG_DSN", lambda: contextlib.nullcontext(env)
+        return
     if _docker_answers():
         yield "testcontainers", _container
     yield "local PostgreSQL", _local

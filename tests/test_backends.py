@@ -66,6 +66,21 @@ def loaded_duckdb(duckdb_backend: Backend) -> Backend:
     return duckdb_backend
 
 
+BOTH = pytest.mark.parametrize("loaded", ["loaded_duckdb", "loaded_pg"], indirect=True)
+EMPTY = pytest.mark.parametrize("empty", ["duckdb_backend", "pg_backend"], indirect=True)
+
+
+@pytest.fixture
+def loaded(request: pytest.FixtureRequest) -> Backend:
+    """The ``people`` table on the backend named by the parameter (only that one is started)."""
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture
+def empty(request: pytest.FixtureRequest) -> Backend:
+    return request.getfixturevalue(request.param)
+
+
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, float) or isinstance(b, float):
         return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=1e-6)
@@ -82,12 +97,12 @@ def test_same_results_on_duckdb_and_postgres(loaded_duckdb: Backend, loaded_pg: 
         assert all(_same(x, y) for x, y in zip(d_row, p_row, strict=True)), (d_row, p_row)
 
 
-def test_values_match_python(loaded_duckdb: Backend, loaded_pg: Backend) -> None:
+@BOTH
+def test_values_match_python(loaded: Backend) -> None:
     expected = sum(min(max(r[2], 0), 100) for r in ROWS if r[2] is not None)
-    for backend in (loaded_duckdb, loaded_pg):
-        _, rows = backend.execute("SELECT COUNT(*), SUM(LEAST(GREATEST(age, 0), 100)) FROM people")
-        assert rows == [(len(ROWS), expected)]
-        assert all(type(v) is int for v in rows[0])  # Decimal / HUGEINT normalised
+    _, rows = loaded.execute("SELECT COUNT(*), SUM(LEAST(GREATEST(age, 0), 100)) FROM people")
+    assert rows == [(len(ROWS), expected)]
+    assert all(type(v) is int for v in rows[0])  # Decimal / HUGEINT normalised
 
 
 def test_dialects() -> None:
@@ -131,11 +146,9 @@ def test_normalize_value() -> None:
     assert normalize_value("x") == "x"
 
 
-@pytest.mark.parametrize("which", ["duckdb", "postgres"])
-def test_errors_do_not_leak_data(
-    which: str, loaded_duckdb: Backend, loaded_pg: Backend, caplog: pytest.LogCaptureFixture
-) -> None:
-    backend = loaded_duckdb if which == "duckdb" else loaded_pg
+@BOTH
+def test_errors_do_not_leak_data(loaded: Backend, caplog: pytest.LogCaptureFixture) -> None:
+    backend = loaded
     failing = [
         f"SELECT CAST(region AS INTEGER) FROM people WHERE region = '{SECRET}'",  # error quotes it
         "SELECT no_such_column FROM people",
@@ -154,13 +167,13 @@ def test_errors_do_not_leak_data(
     assert backend.execute("SELECT COUNT(*) AS n FROM people") == (["n"], [(len(ROWS),)])
 
 
-@pytest.mark.parametrize("which", ["duckdb", "postgres"])
-def test_execute_is_read_only(which: str, loaded_duckdb: Backend, loaded_pg: Backend) -> None:
-    backend = loaded_duckdb if which == "duckdb" else loaded_pg
+@BOTH
+def test_execute_is_read_only(loaded: Backend) -> None:
+    backend = loaded
     for sql in ["DELETE FROM people", "CREATE TABLE evil (a INT)", "INSERT INTO people (id) VALUES (-1)"]:
         with pytest.raises(BackendError):
             backend.execute(sql)
-    if which == "postgres":
+    if backend.dialect == "postgres":
         with pytest.raises(BackendError):  # cannot switch the transaction back to read-write
             backend.execute("SET transaction_read_only = off; DELETE FROM people")
     assert backend.execute("SELECT COUNT(*) FROM people")[1] == [(len(ROWS),)]
@@ -194,31 +207,29 @@ def test_postgres_unreachable_is_backend_error() -> None:
     backend.close()
 
 
-def test_load_rows_replace_and_bad_types(duckdb_backend: Backend, pg_backend: Backend) -> None:
-    for backend in (duckdb_backend, pg_backend):
-        backend.load_rows("rep", [("a", "INTEGER")], [(1,)], replace=True)
-        with pytest.raises(BackendError):
-            backend.load_rows("rep", [("a", "INTEGER")], [(1,)])  # exists, no replace
-        backend.load_rows(
-            "rep", [("a", "INTEGER"), ("b", "NUMERIC(10, 2)")], [(2, Decimal("1.5"))], replace=True
-        )
-        assert backend.execute("SELECT a, b FROM rep") == (["a", "b"], [(2, 1.5)])
-        with pytest.raises(BackendError):
-            backend.load_rows("bad", [("a", "INT); DROP TABLE rep; --")], [])
-        backend.execute_script("CREATE TABLE s1 (x INT); INSERT INTO s1 VALUES (4), (5);")
-        assert backend.execute("SELECT SUM(x) FROM s1")[1] == [(9,)]
+@EMPTY
+def test_load_rows_replace_and_bad_types(empty: Backend) -> None:
+    empty.load_rows("rep", [("a", "INTEGER")], [(1,)], replace=True)
+    with pytest.raises(BackendError):
+        empty.load_rows("rep", [("a", "INTEGER")], [(1,)])  # exists, no replace
+    empty.load_rows("rep", [("a", "INTEGER"), ("b", "NUMERIC(10, 2)")], [(2, Decimal("1.5"))], replace=True)
+    assert empty.execute("SELECT a, b FROM rep") == (["a", "b"], [(2, 1.5)])
+    with pytest.raises(BackendError):
+        empty.load_rows("bad", [("a", "INT); DROP TABLE rep; --")], [])
+    empty.execute_script("DROP TABLE IF EXISTS s1; CREATE TABLE s1 (x INT); INSERT INTO s1 VALUES (4), (5);")
+    assert empty.execute("SELECT SUM(x) FROM s1")[1] == [(9,)]
 
 
-def test_load_rows_nulls_first(duckdb_backend: Backend, pg_backend: Backend) -> None:
+@EMPTY
+def test_load_rows_nulls_first(empty: Backend) -> None:
     rows = [(None, None)] * 1500 + [(2**40, "late")]
-    for backend in (duckdb_backend, pg_backend):
-        backend.load_rows("nf", [("big", "BIGINT"), ("s", "TEXT")], rows, replace=True)
-        assert backend.execute("SELECT MAX(big), MAX(s), COUNT(*) FROM nf")[1] == [(2**40, "late", 1501)]
+    empty.load_rows("nf", [("big", "BIGINT"), ("s", "TEXT")], rows, replace=True)
+    assert empty.execute("SELECT MAX(big), MAX(s), COUNT(*) FROM nf")[1] == [(2**40, "late", 1501)]
 
 
-@pytest.mark.parametrize("which", ["duckdb", "postgres"])
-def test_concurrent_execute(which: str, loaded_duckdb: Backend, loaded_pg: Backend) -> None:
-    backend = loaded_duckdb if which == "duckdb" else loaded_pg
+@BOTH
+def test_concurrent_execute(loaded: Backend) -> None:
+    backend = loaded
     queries = [QUERIES[i % len(QUERIES)] for i in range(64)]
     expected = {sql: backend.execute(sql) for sql in QUERIES}
     with ThreadPoolExecutor(max_workers=8) as pool:

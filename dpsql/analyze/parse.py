@@ -100,7 +100,7 @@ def _parameter_value(node: exp.Expression, params: Params, positional: Any) -> A
         if not isinstance(params, Sequence) or not 1 <= index <= len(params):
             raise UndefinedParameter(f"there is no parameter ${index}")
         return params[index - 1]
-    name = node.name
+    name = node.this.name if isinstance(node.this, exp.Expression) else (node.this or "")
     if name:
         if not isinstance(params, Mapping) or name not in params:
             raise UndefinedParameter(f'there is no parameter "%({name})s"')

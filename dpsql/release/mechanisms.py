@@ -89,7 +89,7 @@ def _probability(name: str, value: float) -> float:
 
 def _pow2_floor(x: float) -> float:
     """Largest power of two ≤ x (x > 0)."""
-    m, e = math.frexp(x)  # x = m·2^e with 0.5 <= m < 1
+    _mantissa, e = math.frexp(x)  # x = m·2^e with 0.5 <= m < 1
     return math.ldexp(1.0, e - 1)
 
 

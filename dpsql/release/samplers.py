@@ -154,18 +154,11 @@ def _uniform_below(m: np.ndarray | int, n: int) -> np.ndarray:
     """
     mu = np.asarray(m, dtype=np.int64).astype(np.uint64)
     floor = (np.uint64(0) - mu) % mu  # 2^64 mod m
-    r = _words(n)
-    bad = r < floor
-    if bad.any():
-        r = r.copy()
-        while True:
-            idx = np.flatnonzero(bad)
-            r[idx] = _words(idx.size)
-            sub = r[idx] < (floor if floor.ndim == 0 else floor[idx])
-            if not sub.any():
-                break
-            bad = np.zeros(n, dtype=bool)
-            bad[idx[sub]] = True
+    r = _words(n).copy()
+    idx = np.flatnonzero(r < floor)
+    while idx.size:  # redraw only the rejected words
+        r[idx] = _words(idx.size)
+        idx = idx[r[idx] < (floor if floor.ndim == 0 else floor[idx])]
     return (r % mu).astype(np.int64)
 
 

@@ -455,6 +455,8 @@ def _call_name(node: exp.Expression) -> str | None:
         return None
     if isinstance(node, exp.Anonymous):
         return str(node.this).lower()
+    if isinstance(node, exp.CurrentVersion):
+        return "version"
     if isinstance(node, exp.Func):
         return node.sql_name().lower()
     return None
@@ -481,10 +483,12 @@ def _evaluate(node: exp.Expression, ctx: LocalContext) -> Value | None:
     if isinstance(node, exp.Neg) and isinstance(node.this, exp.Literal) and not node.this.is_string:
         inner = _evaluate(node.this, ctx)
         return Value(inner.name, inner.type_oid, -inner.value) if inner else None
-    if isinstance(node, exp.CurrentUser) or (isinstance(node, exp.Column) and node.name.lower() in _USER_WORDS):
-        name = "current_user" if isinstance(node, exp.CurrentUser) else node.name.lower()
-        return Value(name, _NAME, ctx.user)
-    if isinstance(node, exp.CurrentSchema) or (isinstance(node, exp.Column) and node.name == "current_schema"):
+    if isinstance(node, exp.CurrentUser | exp.SessionUser):
+        return Value(node.sql_name().lower(), _NAME, ctx.user)
+    if isinstance(node, exp.Column) and not node.table and node.name.lower() in _USER_WORDS:
+        value = ctx.database if node.name.lower() == "current_catalog" else ctx.user
+        return Value(node.name.lower(), _NAME, value)
+    if isinstance(node, exp.Column) and not node.table and node.name.lower() == "current_schema":
         return Value("current_schema", _NAME, "public")
     return _evaluate_call(node, ctx)
 
