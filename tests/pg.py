@@ -3,8 +3,9 @@
 ``pg_dsn`` is resolved in this order: env ``DPSQL_TEST_PG_DSN`` (a ``postgresql://`` URL; when
 set it is the only candidate), a testcontainers ``PostgresContainer`` when a Docker engine
 answers within 2 s, then a throwaway local cluster from
-:func:`dpsql.local_postgres.start_local_postgres`. When none works the PostgreSQL tests are skipped locally, but under ``CI`` they *fail*: CI must never
-go green without having run them. Tests using these fixtures get the ``postgres`` marker.
+:func:`dpsql.local_postgres.start_local_postgres`. When none works the PostgreSQL tests are
+skipped locally, but under ``CI`` they *fail*: CI must never go green without having run them.
+Tests using these fixtures get the ``postgres`` marker.
 """
 
 from __future__ import annotations

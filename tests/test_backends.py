@@ -174,7 +174,7 @@ def test_execute_is_read_only(loaded: Backend) -> None:
         with pytest.raises(BackendError):
             backend.execute(sql)
     if backend.dialect == "postgres":
-        with pytest.raises(BackendError):  # cannot switch the transaction back to read-write
+        with pytest.raises(BackendError):  # a second statement (after leaving read-only) never runs
             backend.execute("SET transaction_read_only = off; DELETE FROM people")
     assert backend.execute("SELECT COUNT(*) FROM people")[1] == [(len(ROWS),)]
 

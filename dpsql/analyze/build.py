@@ -333,7 +333,10 @@ def resolve_group_keys(tree: exp.Select, scope: _Scope) -> None:
     group = tree.args.get("group")
     if not group:
         return
-    if group.args.get("rollup") or group.args.get("cube") or group.args.get("grouping_sets"):
+    grouping_sets = (exp.Rollup, exp.Cube, exp.GroupingSets)
+    if any(group.args.get(k) for k in ("rollup", "cube", "grouping_sets")) or any(
+        isinstance(e, grouping_sets) for e in group.expressions
+    ):
         raise FeatureNotSupported("ROLLUP, CUBE and GROUPING SETS are not supported")
     projections = tree.expressions
     for item in group.expressions:
@@ -415,6 +418,11 @@ def _sum_measure(name: str, policy: ColumnPolicy, function: str, *, centred: boo
     return Measure(kind="sum", column=name, lower=lower, upper=upper, centre=centre, integer=integer)
 
 
+def _count_measure(name: str, policy: ColumnPolicy) -> Measure:
+    """COUNT(col) of a non-nullable column is COUNT(*): share one measurement (and its budget)."""
+    return Measure(kind="count", column=name) if policy.nullable else Measure(kind="count_star")
+
+
 def _measure_expression(agg: exp.Expression, scope: _Scope) -> tuple[exp.Expression, str, tuple[int, ...]]:
     """Replace one aggregate call by an expression over measure variables.
 
@@ -426,15 +434,15 @@ def _measure_expression(agg: exp.Expression, scope: _Scope) -> tuple[exp.Express
         if isinstance(agg.this, exp.Star) or agg.this is None:
             index = scope.measure(Measure(kind="count_star"))
         else:
-            name, _ = _aggregate_column(agg, scope)
-            index = scope.measure(Measure(kind="count", column=name))
+            name, policy = _aggregate_column(agg, scope)
+            index = scope.measure(_count_measure(name, policy))
         return exp.var(f"m{index}"), "count", (index,)
     name, policy = _aggregate_column(agg, scope)
     if isinstance(agg, exp.Sum):
         index = scope.measure(_sum_measure(name, policy, "sum", centred=False))
         return exp.var(f"m{index}"), "sum", (index,)
     total = scope.measure(_sum_measure(name, policy, "avg", centred=True))
-    count = scope.measure(Measure(kind="count", column=name))
+    count = scope.measure(_count_measure(name, policy))
     measure = scope.measures[total]
     call = exp.Anonymous(
         this="dp_avg",
@@ -451,6 +459,8 @@ def convert_output(node: exp.Expression, scope: _Scope) -> tuple[exp.Expression,
                 f"aggregate function {name} is not supported yet",
                 hint="Supported aggregates: COUNT(*), COUNT(column), SUM(column), AVG(column).",
             )
+    if isinstance(node, exp.Filter):
+        raise FeatureNotSupported("aggregate FILTER clauses are not supported yet", hint="Move the filter to WHERE.")
     if isinstance(node, _AGGREGATES):
         return _measure_expression(node, scope)
     if isinstance(node, exp.Column):

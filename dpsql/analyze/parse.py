@@ -40,7 +40,17 @@ def parse_statement(sql: str) -> exp.Expression:
     return statements[0]
 
 
+_STATEMENT_KEYWORDS = frozenset(
+    "select with values table insert update delete merge create drop alter truncate copy set show reset "
+    "begin start commit end rollback savepoint release explain analyze vacuum grant revoke prepare execute "
+    "deallocate declare fetch close listen unlisten notify discard lock call do comment".split()
+)
+
+
 def _syntax_error(sql: str, exc: Exception) -> SyntaxError_:
+    first_word = sql.lstrip().split(None, 1)[0] if sql.strip() else ""
+    if first_word.isalpha() and first_word.lower() not in _STATEMENT_KEYWORDS:
+        return SyntaxError_(f'syntax error at or near "{first_word}"', position=sql.index(first_word) + 1)
     errors = getattr(exc, "errors", None) or []
     first = errors[0] if errors else {}
     token = (first.get("highlight") or "").strip()

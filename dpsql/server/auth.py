@@ -90,7 +90,9 @@ def _attributes(text: str) -> list[tuple[str, str]]:
     pairs = []
     for part in text.split(","):
         if len(part) < 2 or part[1] != "=":
-            raise ScramProtocolError("malformed SCRAM message", detail=f"Attribute expected, got {part[:1]!r}.")
+            raise ScramProtocolError(
+                "malformed SCRAM message", detail=f"Attribute expected, got {part[:1]!r}."
+            )
         pairs.append((part[0], part[2:]))
     return pairs
 

@@ -145,7 +145,9 @@ def _table_ddl(name: str, table: TablePolicy) -> list[str]:
         stmts.append(f"COMMENT ON TABLE public.{_ident(name)} IS {_literal(table.description)}")
     for col, c in table.columns.items():
         if c.description and not c.identifier:
-            stmts.append(f"COMMENT ON COLUMN public.{_ident(name)}.{_ident(col)} IS {_literal(c.description)}")
+            stmts.append(
+                f"COMMENT ON COLUMN public.{_ident(name)}.{_ident(col)} IS {_literal(c.description)}"
+            )
     return stmts
 
 
@@ -311,7 +313,9 @@ class ShadowSession:
             raise FeatureNotSupported("this statement is not supported on the catalog")
         return res
 
-    def describe(self, sql: str, param_oids: Sequence[int]) -> tuple[list[int], list[FieldDescription] | None]:
+    def describe(
+        self, sql: str, param_oids: Sequence[int]
+    ) -> tuple[list[int], list[FieldDescription] | None]:
         """Parameter types and result columns, via an unnamed prepared statement on the shadow."""
         pgconn = self._conn.pgconn
         self._check(pgconn.prepare(b"", sql.encode("utf-8"), list(param_oids) or None))
@@ -349,7 +353,8 @@ class ShadowSession:
             return ShadowResult(None, [], tag)
         formats = _expand_formats(result_formats, first.nfields)
         rows = [
-            tuple(by_format[formats[c]].get_value(r, c) for c in range(first.nfields)) for r in range(first.ntuples)
+            tuple(by_format[formats[c]].get_value(r, c) for c in range(first.nfields))
+            for r in range(first.ntuples)
         ]
         return ShadowResult(_fields(first, formats), rows, tag)
 

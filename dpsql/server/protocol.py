@@ -157,7 +157,7 @@ class Cursor:
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError:
-            raise ProtocolViolation("invalid byte sequence for encoding \"UTF8\"") from None
+            raise ProtocolViolation('invalid byte sequence for encoding "UTF8"') from None
 
     def bytes_(self, n: int) -> bytes:
         return self._take(n)
@@ -263,7 +263,9 @@ async def read_startup(reader: asyncio.StreamReader) -> bytes:
     return await reader.readexactly(length - 4)
 
 
-async def read_message(reader: asyncio.StreamReader, max_size: int = DEFAULT_MAX_MESSAGE) -> tuple[str, bytes]:
+async def read_message(
+    reader: asyncio.StreamReader, max_size: int = DEFAULT_MAX_MESSAGE
+) -> tuple[str, bytes]:
     """Read one typed message; refuse lengths that are impossible or above ``max_size``."""
     header = await reader.readexactly(5)
     type_ = chr(header[0])

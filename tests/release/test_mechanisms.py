@@ -22,7 +22,8 @@ from dpsql.release import (
     sample_noise,
     snap,
 )
-from tests.release._stats import gauss_variance, laplace_variance
+
+from ._stats import gauss_variance, laplace_variance
 
 dp.enable_features("contrib")
 

@@ -13,7 +13,8 @@ from scipy import stats
 
 from dpsql.release import discrete_gaussian, discrete_laplace, laplace_rational_scale
 from dpsql.release.samplers import BULK_THRESHOLD
-from tests.release._stats import (
+
+from ._stats import (
     P_MIN,
     dgauss_pmf,
     dlap_pmf,

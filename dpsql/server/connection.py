@@ -1,0 +1,813 @@
+"""One client connection: startup, authentication, then the simple and extended query protocols.
+
+The connection is a small state machine: ``startup`` (SSL/GSSENC negotiation, cancel requests,
+StartupMessage, SCRAM or trust) → ``ready`` (message loop). Every statement is first
+*planned* (:class:`Statement`: empty / local / table-free / catalog / engine / mixed) and then
+run; planning never runs a query, so Describe never spends budget. Engine and catalog work runs
+in the server's thread pool so the event loop keeps serving other clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from dpsql.errors import Error, FeatureNotSupported
+from dpsql.session import OutputColumn, Session
+
+from . import protocol as pq
+from .auth import AuthFailed, ScramExchange, ScramProtocolError, Verifier, parse_sasl_initial
+from .catalog import CatalogUnavailable, ShadowSession, classify, refuse_mixed
+from .local import (
+    REPORTED,
+    ActiveTransaction,
+    FailedTransaction,
+    LocalCommand,
+    LocalContext,
+    NoActiveTransaction,
+    Settings,
+    default_gucs,
+    evaluate_select,
+    parse_local,
+)
+from .protocol import Diagnostic, FieldDescription, ProtocolViolation
+from .results import Outcome, engine_fields, engine_rows, noisy_flags, result_notices
+from .sqltext import fingerprint, split_statements
+from .types import decode_param, encode_value, oid_for, type_size
+
+if TYPE_CHECKING:
+    from .server import ServerContext
+
+log = logging.getLogger("dpsql.server")
+
+TEXT = 25
+
+
+class Fatal(Error):
+    severity = "FATAL"
+
+
+class QueryCanceled(Error):
+    sqlstate = "57014"
+
+
+@dataclass(slots=True)
+class Statement:
+    """A planned statement (a prepared statement in the extended protocol)."""
+
+    sql: str
+    route: str  # empty | local | tableless | catalog | engine | mixed
+    command: LocalCommand | None = None
+    param_oids: list[int] = field(default_factory=list)
+    engine_columns: list[OutputColumn] | None = None
+    catalog_fields: list[FieldDescription] | None = None
+
+
+@dataclass(slots=True)
+class Portal:
+    statement: Statement
+    params: tuple[bytes | None, ...] = ()
+    param_formats: tuple[int, ...] = ()
+    result_formats: tuple[int, ...] = ()
+    show_intervals: bool = False
+    outcome: Outcome | None = None
+    sent: int = 0
+
+
+def _expand(formats: Sequence[int], n: int) -> list[int]:
+    if not formats:
+        return [0] * n
+    if len(formats) == 1:
+        return [formats[0]] * n
+    if len(formats) != n:
+        raise Error(
+            f"bind message has {len(formats)} result formats but query has {n} columns", sqlstate="08P01"
+        )
+    return list(formats)
+
+
+def _check_formats(formats: Sequence[int]) -> None:
+    if any(f not in (0, 1) for f in formats):
+        raise ProtocolViolation("unsupported format code")
+
+
+_EXPLAIN_PREFIX = re.compile(r"^\s*explain\s+", re.IGNORECASE)
+
+
+class Connection:
+    """Serves one socket until Terminate, EOF, a FATAL error or server shutdown."""
+
+    def __init__(
+        self, ctx: ServerContext, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        self.ctx = ctx
+        self.reader = reader
+        self.writer = writer
+        self.pid = 0
+        self.secret = secrets.randbits(31)
+        self.session: Session | None = None
+        self.settings: Settings | None = None
+        self.user = ""
+        self.tx = "I"
+        self.savepoints: list[str] = []
+        self.statements: dict[str, Statement] = {}
+        self.portals: dict[str, Portal] = {}
+        self.ignore_till_sync = False
+        self.shadow: ShadowSession | None = None
+        self._cancel = asyncio.Event()
+        self._tls = False
+
+    # -- plumbing ---------------------------------------------------------------------------------
+
+    def send(self, data: bytes) -> None:
+        self.writer.write(data)
+
+    async def flush(self) -> None:
+        await self.writer.drain()
+
+    def send_error(self, exc: BaseException, severity: str | None = None) -> Diagnostic:
+        diag = self.diagnostic(exc, severity)
+        self.send(pq.error_response(diag))
+        return diag
+
+    @staticmethod
+    def diagnostic(exc: BaseException, severity: str | None = None) -> Diagnostic:
+        if isinstance(exc, ProtocolViolation):
+            return Diagnostic("FATAL", "08P01", str(exc))
+        if isinstance(exc, Error):
+            sev = severity or getattr(exc, "severity", "ERROR")
+            return Diagnostic(sev, exc.sqlstate, exc.message, exc.detail, exc.hint, exc.position)
+        log.error("internal error", exc_info=exc)
+        return Diagnostic(severity or "ERROR", "XX000", "internal error")
+
+    async def run_blocking(self, fn: Callable[..., Any], *args: Any, timeout_ms: int = 0) -> Any:
+        """Run ``fn`` in the pool; a CancelRequest or the statement timeout abandons the wait (57014)."""
+        loop = asyncio.get_running_loop()
+        self._cancel.clear()
+        future = loop.run_in_executor(self.ctx.executor, fn, *args)
+        waiter = asyncio.ensure_future(self._cancel.wait())
+        timeout = timeout_ms / 1000 if timeout_ms > 0 else None
+        try:
+            done, _ = await asyncio.wait(
+                {future, waiter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            waiter.cancel()
+        if future in done:
+            return future.result()
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # silence late failures
+        if self._cancel.is_set():
+            raise QueryCanceled("canceling statement due to user request")
+        raise QueryCanceled("canceling statement due to statement timeout")
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    async def serve(self) -> None:
+        try:
+            if await self.startup():
+                await self.message_loop()
+        except ProtocolViolation as exc:
+            log.info("protocol violation from %s: %s", self.peer, exc)
+            self._send_fatal(exc)
+        except Fatal as exc:
+            self._send_fatal(exc)
+        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
+            pass
+        except asyncio.CancelledError:
+            self._send_fatal(Fatal("terminating connection due to administrator command", sqlstate="57P01"))
+            raise
+        except Exception as exc:  # the server must survive anything one client does
+            log.exception("connection error")
+            self._send_fatal(exc)
+        finally:
+            await self.close()
+
+    @property
+    def peer(self) -> str:
+        info = self.writer.get_extra_info("peername")
+        return f"{info[0]}:{info[1]}" if isinstance(info, tuple) else "?"
+
+    def _send_fatal(self, exc: BaseException) -> None:
+        with contextlib.suppress(Exception):
+            self.send_error(exc, "FATAL")
+
+    async def close(self) -> None:
+        self.ctx.unregister(self)
+        if self.shadow is not None:
+            shadow, self.shadow = self.shadow, None
+            with contextlib.suppress(Exception):
+                await asyncio.get_running_loop().run_in_executor(self.ctx.executor, shadow.close)
+        with contextlib.suppress(Exception):
+            await self.writer.drain()
+        self.writer.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.writer.wait_closed(), 2)
+
+    # -- startup -----------------------------------------------------------------------------------
+
+    async def startup(self) -> bool:
+        """Negotiate encryption and authenticate; False when the connection only carried a cancel."""
+        timeout = self.ctx.options.startup_timeout
+        while True:
+            payload = await asyncio.wait_for(pq.read_startup(self.reader), timeout)
+            msg = pq.parse_startup(payload)
+            if isinstance(msg, pq.SSLRequest):
+                await self._negotiate_tls()
+            elif isinstance(msg, pq.GSSEncRequest):
+                self.send(b"N")
+                await self.flush()
+            elif isinstance(msg, pq.CancelRequest):
+                self.ctx.cancel(msg.pid, msg.secret)
+                return False
+            else:
+                break
+        await self._start_session(msg)
+        return True
+
+    async def _negotiate_tls(self) -> None:
+        if self.ctx.ssl_context is None or self._tls:
+            self.send(b"N")
+            await self.flush()
+            return
+        # Data pipelined after SSLRequest would be read as if it came over TLS (CVE-2021-23214).
+        if len(getattr(self.reader, "_buffer", b"")):
+            raise ProtocolViolation("received unencrypted data after SSL request")
+        self.send(b"S")
+        await self.flush()
+        await self.writer.start_tls(self.ctx.ssl_context)
+        self._tls = True
+
+    async def _start_session(self, msg: pq.StartupMessage) -> None:
+        if msg.major != 3:
+            raise Fatal(
+                f"unsupported frontend protocol {msg.major}.{msg.minor}: server supports 3.0 to 3.0",
+                sqlstate="0A000",
+            )
+        params = msg.params
+        unknown_options = [k for k in params if k.startswith("_pq_.")]
+        if msg.minor > 0 or unknown_options:
+            self.send(pq.negotiate_protocol_version(0, unknown_options))
+        if params.get("replication", "false").lower() not in ("false", "off", "no", "0"):
+            raise Fatal("replication connections are not supported by dpsql", sqlstate="0A000")
+        user = params.get("user", "")
+        if not user:
+            raise Fatal("no PostgreSQL user name specified in startup packet", sqlstate="28000")
+        await self._authenticate(user)
+        self.user = user
+        self.session = Session(analyst=user)
+        gucs = default_gucs(
+            self.ctx.server_version, user, params.get("application_name", ""), self.ctx.defaults
+        )
+        self.settings = Settings(self.session, gucs)
+        self._apply_startup_settings(params)
+        for name in REPORTED:
+            self.send(pq.parameter_status(name, self.settings.values.get(name, "")))
+        self.pid = self.ctx.register(self)
+        self.send(pq.backend_key_data(self.pid, self.secret))
+        self.send(pq.ready_for_query(self.tx))
+        await self.flush()
+        log.info("connection analyst=%s pid=%d peer=%s tls=%s", user, self.pid, self.peer, self._tls)
+
+    def _apply_startup_settings(self, params: dict[str, str]) -> None:
+        assert self.settings is not None
+        skip = {"user", "database", "replication", "options", "application_name"}
+        pairs = [(k, v) for k, v in params.items() if k not in skip and not k.startswith("_pq_.")]
+        pairs += re.findall(r"(?:-c\s*|--)([A-Za-z_.]+)=(\S+)", params.get("options", ""))
+        for key, value in pairs:
+            try:
+                self.settings.set(key, value)
+            except Error as exc:
+                raise Fatal(exc.message, sqlstate=exc.sqlstate, hint=exc.hint) from None
+
+    async def _authenticate(self, user: str) -> None:
+        policy = self.ctx.policy
+        analyst = policy.analyst(user)
+        if analyst is None:
+            raise Fatal(f'role "{user}" does not exist', sqlstate="28000")
+        if policy.auth.trust:
+            self.send(pq.auth_ok())
+            return
+        failed = Fatal(f'password authentication failed for user "{user}"', sqlstate="28P01")
+        if analyst.password is None:
+            raise failed
+        exchange = ScramExchange(Verifier.parse(analyst.password))
+        self.send(pq.auth_sasl(["SCRAM-SHA-256"]))
+        await self.flush()
+        try:
+            mechanism, first = parse_sasl_initial(await self._read_password())
+            if mechanism != "SCRAM-SHA-256":
+                raise ScramProtocolError("client selected an invalid SASL authentication mechanism")
+            self.send(pq.auth_sasl_continue(exchange.first(first)))
+            await self.flush()
+            final = exchange.final(await self._read_password())
+        except AuthFailed:
+            log.info("authentication failed analyst=%s peer=%s", user, self.peer)
+            raise failed from None
+        except ScramProtocolError as exc:
+            raise Fatal(exc.message, sqlstate="08P01", detail=exc.detail, hint=exc.hint) from None
+        self.send(pq.auth_sasl_final(final))
+        self.send(pq.auth_ok())
+
+    async def _read_password(self) -> bytes:
+        type_, payload = await asyncio.wait_for(
+            pq.read_message(self.reader, self.ctx.options.max_message_size), self.ctx.options.startup_timeout
+        )
+        if type_ != "p":
+            raise ProtocolViolation(f"expected SASL response, got message type {ord(type_)}")
+        return payload
+
+    # -- message loop ------------------------------------------------------------------------------
+
+    async def message_loop(self) -> None:
+        idle = self.ctx.options.idle_timeout
+        while True:
+            try:
+                type_, payload = await asyncio.wait_for(
+                    pq.read_message(self.reader, self.ctx.options.max_message_size), idle
+                )
+            except TimeoutError:
+                raise Fatal("terminating connection due to idle-session timeout", sqlstate="57P05") from None
+            msg = pq.parse_message(type_, payload)
+            if isinstance(msg, pq.Terminate):
+                return
+            if self.ignore_till_sync and not isinstance(msg, pq.Sync):
+                continue
+            await self.dispatch(msg)
+
+    async def dispatch(self, msg: pq.FrontendMessage) -> None:
+        if isinstance(msg, pq.Query):
+            await self.simple_query(msg.sql)
+        elif isinstance(msg, pq.Sync):
+            self.ignore_till_sync = False
+            if self.tx == "I":
+                self.portals.clear()
+            self.send(pq.ready_for_query(self.tx))
+            await self.flush()
+        elif isinstance(msg, pq.Flush):
+            await self.flush()
+        elif isinstance(msg, pq.PasswordData):
+            raise ProtocolViolation("unexpected password message")
+        elif isinstance(msg, pq.Unsupported):
+            await self._extended_error(
+                FeatureNotSupported("COPY and function calls are not supported by dpsql")
+            )
+        else:
+            await self.extended(msg)
+
+    # -- planning and running ----------------------------------------------------------------------
+
+    def plan(self, sql: str) -> Statement:
+        """Route a single statement without running anything."""
+        if not split_statements(sql):
+            return Statement(sql, "empty")
+        command = parse_local(sql)
+        if command is not None:
+            return Statement(sql, "local", command)
+        return Statement(sql, classify(sql, self.ctx.policy))
+
+    def _check_failed_tx(self, stmt: Statement) -> None:
+        allowed = stmt.command is not None and stmt.command.action in ("commit", "rollback", "rollback_to")
+        if self.tx == "E" and not allowed:
+            raise FailedTransaction(
+                "current transaction is aborted, commands ignored until end of transaction block"
+            )
+
+    async def execute(self, stmt: Statement, portal: Portal | None = None) -> Outcome:
+        """Run a planned statement; logs one line with analyst, fingerprint, ε, outcome and latency."""
+        started = time.monotonic()
+        outcome: Outcome | None = None
+        state = "ok"
+        try:
+            self._check_failed_tx(stmt)
+            outcome = await self._execute(stmt, portal)
+            return outcome
+        except BaseException as exc:
+            state = exc.sqlstate if isinstance(exc, Error) else "XX000"
+            raise
+        finally:
+            level = logging.DEBUG if stmt.route in ("local", "empty", "tableless") else logging.INFO
+            log.log(
+                level,
+                "query analyst=%s fingerprint=%s route=%s epsilon=%g outcome=%s latency_ms=%.1f",
+                self.user,
+                fingerprint(stmt.sql),
+                stmt.route,
+                outcome.epsilon if outcome else 0.0,
+                state,
+                (time.monotonic() - started) * 1000,
+            )
+
+    async def _execute(self, stmt: Statement, portal: Portal | None) -> Outcome:
+        if stmt.route == "empty":
+            return Outcome(None, [], "")
+        if stmt.route == "local":
+            assert stmt.command is not None
+            return self.run_command(stmt.command)
+        if stmt.route == "mixed":
+            raise refuse_mixed()
+        if stmt.route == "tableless" and not (portal and portal.params):
+            values = evaluate_select(stmt.sql, self._local_context())
+            if values is not None:
+                fields = [FieldDescription(v.name, v.type_oid, type_size(v.type_oid)) for v in values]
+                return Outcome(fields, [tuple(v.value for v in values)], "SELECT 1")
+        if stmt.route in ("tableless", "catalog"):
+            return await self._run_catalog(stmt, portal)
+        return await self._run_engine(stmt, portal)
+
+    def _local_context(self) -> LocalContext:
+        assert self.settings is not None
+        return LocalContext(
+            self.user, self.ctx.database, self.ctx.server_version, self.pid, self.settings.get
+        )
+
+    async def _shadow(self) -> ShadowSession:
+        if not self.ctx.catalog_available:
+            raise CatalogUnavailable()
+        if self.shadow is None:
+            assert self.ctx.shadow is not None
+            self.shadow = await self.run_blocking(self.ctx.shadow.connect, self.user)
+        return self.shadow
+
+    async def _run_catalog(self, stmt: Statement, portal: Portal | None) -> Outcome:
+        shadow = await self._shadow()
+        if portal is None:
+            args: tuple[Any, ...] = (stmt.sql,)
+        else:
+            args = (stmt.sql, portal.params, stmt.param_oids, portal.param_formats, portal.result_formats)
+        res = await self.run_blocking(shadow.execute, *args, timeout_ms=self._timeout_ms())
+        tag = res.tag
+        return Outcome(res.fields, res.rows, tag, encoded=True)
+
+    def _timeout_ms(self) -> int:
+        assert self.settings is not None
+        own = self.settings.statement_timeout_ms
+        default = int((self.ctx.options.statement_timeout or 0) * 1000)
+        return own or default
+
+    def _decode_params(self, stmt: Statement, portal: Portal | None) -> list[Any] | None:
+        if portal is None or not portal.params:
+            return None
+        formats = _expand(portal.param_formats, len(portal.params))
+        oids = stmt.param_oids + [0] * (len(portal.params) - len(stmt.param_oids))
+        return [decode_param(v, oid, fmt) for v, oid, fmt in zip(portal.params, oids, formats, strict=True)]
+
+    def _confidence(self) -> float:
+        assert self.session is not None
+        return self.session.confidence or self.ctx.defaults.confidence
+
+    async def _run_engine(self, stmt: Statement, portal: Portal | None) -> Outcome:
+        assert self.session is not None and self.settings is not None
+        params = self._decode_params(stmt, portal)
+        show = portal.show_intervals if portal is not None else self.settings.show_intervals
+        result = await self.run_blocking(
+            self.ctx.engine.execute, stmt.sql, self.session, params, timeout_ms=self._timeout_ms()
+        )
+        flags = noisy_flags(stmt.sql, result.columns) if show and result.command_tag == "SELECT" else None
+        fields = engine_fields(result.columns, flags, self._confidence())
+        tag = f"SELECT {len(result.rows)}" if result.command_tag == "SELECT" else result.command_tag
+        outcome = Outcome(fields, engine_rows(result, flags), tag, epsilon=result.epsilon_spent)
+        outcome.notices = result_notices(result, self._confidence())
+        return outcome
+
+    # -- local commands ----------------------------------------------------------------------------
+
+    def run_command(self, cmd: LocalCommand) -> Outcome:
+        assert self.settings is not None
+        handler = getattr(self, f"_cmd_{cmd.action}")
+        result: Outcome | None = handler(cmd)
+        return result or Outcome(None, [], cmd.tag)
+
+    def _cmd_noop(self, cmd: LocalCommand) -> None:
+        return None
+
+    def _cmd_set(self, cmd: LocalCommand) -> Outcome:
+        assert self.settings is not None
+        reported = self.settings.set(cmd.name, cmd.value)
+        out = Outcome(None, [], "SET")
+        if reported:
+            out.status.append((reported, self.settings.values[reported]))
+        return out
+
+    def _cmd_reset(self, cmd: LocalCommand) -> Outcome:
+        return self._cmd_set(LocalCommand("set", "RESET", cmd.name, None))
+
+    def _cmd_reset_all(self, cmd: LocalCommand) -> Outcome:
+        assert self.settings is not None
+        changed = self.settings.reset_all()
+        return Outcome(None, [], cmd.tag, status=[(k, self.settings.values[k]) for k in changed])
+
+    def _cmd_show(self, cmd: LocalCommand) -> Outcome:
+        assert self.settings is not None
+        value = self.settings.get(cmd.name)
+        name = self.settings.canonical(cmd.name)
+        return Outcome([FieldDescription(name, TEXT)], [(value,)], "SHOW")
+
+    def _cmd_show_all(self, cmd: LocalCommand) -> Outcome:
+        assert self.settings is not None
+        rows = [(k, v, "") for k, v in sorted(self.settings.values.items(), key=lambda kv: kv[0].lower())]
+        fields = [FieldDescription(n, TEXT) for n in ("name", "setting", "description")]
+        return Outcome(fields, rows, "SHOW")
+
+    def _cmd_discard_all(self, cmd: LocalCommand) -> Outcome:
+        if self.tx != "I":
+            raise ActiveTransaction("DISCARD ALL cannot run inside a transaction block")
+        out = self._cmd_reset_all(cmd)
+        self.statements.clear()
+        self.portals.clear()
+        return out
+
+    def _warn(self, sqlstate: str, text: str) -> Diagnostic:
+        return Diagnostic("WARNING", sqlstate, text)
+
+    def _cmd_begin(self, cmd: LocalCommand) -> Outcome:
+        out = Outcome(None, [], "BEGIN")
+        if self.tx != "I":
+            out.notices.append(self._warn("25001", "there is already a transaction in progress"))
+        else:
+            self.tx, self.savepoints = "T", []
+        return out
+
+    def _cmd_commit(self, cmd: LocalCommand) -> Outcome:
+        out = Outcome(None, [], "ROLLBACK" if self.tx == "E" else "COMMIT")
+        if self.tx == "I":
+            out.notices.append(self._warn("25P01", "there is no transaction in progress"))
+        self.tx, self.savepoints = "I", []
+        return out
+
+    def _cmd_rollback(self, cmd: LocalCommand) -> Outcome:
+        out = Outcome(None, [], "ROLLBACK")
+        if self.tx == "I":
+            out.notices.append(self._warn("25P01", "there is no transaction in progress"))
+        self.tx, self.savepoints = "I", []
+        return out
+
+    def _find_savepoint(self, name: str, verb: str) -> int:
+        if self.tx == "I":
+            raise NoActiveTransaction(f"{verb} can only be used in transaction blocks")
+        if name not in self.savepoints:
+            raise Error(f'savepoint "{name}" does not exist', sqlstate="3B001")
+        return len(self.savepoints) - 1 - self.savepoints[::-1].index(name)
+
+    def _cmd_rollback_to(self, cmd: LocalCommand) -> None:
+        index = self._find_savepoint(cmd.name, "ROLLBACK TO SAVEPOINT")
+        self.savepoints = self.savepoints[: index + 1]
+        self.tx = "T"
+
+    def _cmd_savepoint(self, cmd: LocalCommand) -> None:
+        if self.tx == "I":
+            raise NoActiveTransaction("SAVEPOINT can only be used in transaction blocks")
+        self.savepoints.append(cmd.name)
+
+    def _cmd_release(self, cmd: LocalCommand) -> None:
+        self.savepoints = self.savepoints[: self._find_savepoint(cmd.name, "RELEASE SAVEPOINT")]
+
+    def _cmd_close(self, cmd: LocalCommand) -> None:
+        if cmd.tag != "CLOSE CURSOR ALL":
+            raise Error(f'cursor "{cmd.name}" does not exist', sqlstate="34000")
+
+    def _cmd_deallocate(self, cmd: LocalCommand) -> None:
+        if cmd.tag == "DEALLOCATE ALL":
+            self.statements = {k: v for k, v in self.statements.items() if not k}
+        elif self.statements.pop(cmd.name, None) is None:
+            raise Error(f'prepared statement "{cmd.name}" does not exist', sqlstate="26000")
+
+    # -- sending results ---------------------------------------------------------------------------
+
+    def send_rows(self, outcome: Outcome, rows: Sequence[tuple[Any, ...]], formats: Sequence[int]) -> None:
+        assert outcome.fields is not None
+        if outcome.encoded:
+            for row in rows:
+                self.send(pq.data_row(row))
+            return
+        oids = [f.type_oid for f in outcome.fields]
+        for row in rows:
+            self.send(
+                pq.data_row([encode_value(v, o, f) for v, o, f in zip(row, oids, formats, strict=True)])
+            )
+
+    def send_side_effects(self, outcome: Outcome) -> None:
+        for name, value in outcome.status:
+            self.send(pq.parameter_status(name, value))
+        for notice in outcome.notices:
+            self.send(pq.notice_response(notice))
+
+    # -- simple query ------------------------------------------------------------------------------
+
+    async def simple_query(self, sql: str) -> None:
+        statements = split_statements(sql)
+        if not statements:
+            self.send(pq.empty_query_response())
+        for text in statements:
+            try:
+                stmt = self.plan(text)
+                outcome = await self.execute(stmt)
+            except Exception as exc:
+                self.send_error(exc)
+                if self.tx == "T":
+                    self.tx = "E"
+                break
+            self.send_side_effects(outcome)
+            if outcome.fields is not None:
+                self.send(pq.row_description(outcome.fields))
+                self.send_rows(outcome, outcome.rows, [0] * len(outcome.fields))
+            self.send(pq.command_complete(outcome.tag))
+            if len(outcome.rows) > 500:
+                await self.flush()
+        self.send(pq.ready_for_query(self.tx))
+        await self.flush()
+
+    # -- extended query ----------------------------------------------------------------------------
+
+    async def _extended_error(self, exc: BaseException) -> None:
+        self.send_error(exc)
+        if self.tx == "T":
+            self.tx = "E"
+        self.ignore_till_sync = True
+
+    async def extended(self, msg: pq.FrontendMessage) -> None:
+        try:
+            if isinstance(msg, pq.Parse):
+                await self.on_parse(msg)
+            elif isinstance(msg, pq.Bind):
+                await self.on_bind(msg)
+            elif isinstance(msg, pq.Describe):
+                await self.on_describe(msg)
+            elif isinstance(msg, pq.Execute):
+                await self.on_execute(msg)
+            elif isinstance(msg, pq.Close):
+                self.on_close(msg)
+        except ProtocolViolation:
+            raise
+        except Exception as exc:
+            await self._extended_error(exc)
+
+    async def on_parse(self, msg: pq.Parse) -> None:
+        if msg.name and msg.name in self.statements:
+            raise Error(f'prepared statement "{msg.name}" already exists', sqlstate="42P05")
+        statements = split_statements(msg.sql)
+        if len(statements) > 1:
+            raise Error("cannot insert multiple commands into a prepared statement", sqlstate="42601")
+        stmt = self.plan(statements[0] if statements else msg.sql)
+        stmt.param_oids = list(msg.param_oids)
+        self._check_failed_tx(stmt)
+        await self._describe_statement(stmt)
+        self.statements[msg.name] = stmt
+        self.send(pq.parse_complete())
+
+    async def _describe_statement(self, stmt: Statement) -> None:
+        """Fill parameter types and result columns without running the query (no budget spent)."""
+        if stmt.route in ("catalog", "tableless") and (
+            stmt.route == "catalog" or evaluate_select(stmt.sql, self._local_context()) is None
+        ):
+            if not self.ctx.catalog_available:
+                if stmt.route == "catalog":
+                    raise CatalogUnavailable()
+                return
+            shadow = await self._shadow()
+            oids, fields = await self.run_blocking(shadow.describe, stmt.sql, stmt.param_oids)
+            stmt.route, stmt.param_oids, stmt.catalog_fields = "catalog", oids, fields
+        elif stmt.route == "engine":
+            await self._describe_engine(stmt)
+        elif stmt.route == "mixed":
+            raise refuse_mixed()
+
+    async def _describe_engine(self, stmt: Statement) -> None:
+        assert self.session is not None
+        target = stmt.sql
+        explain = _EXPLAIN_PREFIX.match(target) is not None
+        if explain:
+            target = _EXPLAIN_PREFIX.sub("", target, count=1)
+        description = await self.run_blocking(self.ctx.engine.describe, target, self.session)
+        inferred = [oid_for(t) for t in description.param_types]
+        given = stmt.param_oids
+        oids = [given[i] if i < len(given) and given[i] else inferred[i] for i in range(len(inferred))]
+        stmt.param_oids = oids + given[len(oids) :]
+        stmt.engine_columns = [OutputColumn("QUERY PLAN", "text")] if explain else list(description.columns)
+
+    def _fields_for(self, stmt: Statement, show_intervals: bool) -> list[FieldDescription] | None:
+        if stmt.route == "engine":
+            if stmt.engine_columns is None:
+                return None
+            explain = _EXPLAIN_PREFIX.match(stmt.sql) is not None
+            flags = noisy_flags(stmt.sql, stmt.engine_columns) if show_intervals and not explain else None
+            return engine_fields(stmt.engine_columns, flags, self._confidence())
+        if stmt.route == "catalog":
+            return stmt.catalog_fields
+        if stmt.route == "tableless":
+            values = evaluate_select(stmt.sql, self._local_context())
+            return (
+                [FieldDescription(v.name, v.type_oid, type_size(v.type_oid)) for v in values]
+                if values
+                else None
+            )
+        if stmt.route == "local" and stmt.command is not None:
+            if stmt.command.action == "show":
+                assert self.settings is not None
+                return [FieldDescription(self.settings.canonical(stmt.command.name), TEXT)]
+            if stmt.command.action == "show_all":
+                return [FieldDescription(n, TEXT) for n in ("name", "setting", "description")]
+        return None
+
+    async def on_bind(self, msg: pq.Bind) -> None:
+        stmt = self.statements.get(msg.statement)
+        if stmt is None:
+            raise Error(f'prepared statement "{msg.statement}" does not exist', sqlstate="26000")
+        if msg.portal and msg.portal in self.portals:
+            raise Error(f'portal "{msg.portal}" already exists', sqlstate="42P03")
+        _check_formats(msg.param_formats)
+        _check_formats(msg.result_formats)
+        if len(msg.param_formats) not in (0, 1, len(msg.params)):
+            raise ProtocolViolation("bind message has an invalid number of parameter formats")
+        expected = len(stmt.param_oids)
+        if expected and len(msg.params) != expected:
+            raise Error(
+                f"bind message supplies {len(msg.params)} parameters, but prepared statement "
+                f'"{msg.statement}" requires {expected}',
+                sqlstate="08P01",
+            )
+        assert self.settings is not None
+        portal = Portal(stmt, msg.params, msg.param_formats, msg.result_formats, self.settings.show_intervals)
+        self._decode_params(stmt, portal)  # validate now: PostgreSQL reports bad input at Bind
+        self.portals[msg.portal] = portal
+        self.send(pq.bind_complete())
+
+    async def on_describe(self, msg: pq.Describe) -> None:
+        assert self.settings is not None
+        if msg.kind == "S":
+            stmt = self.statements.get(msg.name)
+            if stmt is None:
+                raise Error(f'prepared statement "{msg.name}" does not exist', sqlstate="26000")
+            self.send(pq.parameter_description(stmt.param_oids))
+            fields = self._fields_for(stmt, self.settings.show_intervals)
+        else:
+            portal = self._portal(msg.name)
+            fields = self._portal_fields(portal)
+        self.send(pq.row_description(fields) if fields is not None else pq.no_data())
+
+    def _portal(self, name: str) -> Portal:
+        portal = self.portals.get(name)
+        if portal is None:
+            raise Error(f'portal "{name}" does not exist', sqlstate="34000")
+        return portal
+
+    def _portal_fields(self, portal: Portal) -> list[FieldDescription] | None:
+        fields = (
+            portal.outcome.fields
+            if portal.outcome
+            else self._fields_for(portal.statement, portal.show_intervals)
+        )
+        if fields is None:
+            return None
+        formats = _expand(portal.result_formats, len(fields))
+        return [_with_format(f, fmt) for f, fmt in zip(fields, formats, strict=True)]
+
+    async def on_execute(self, msg: pq.Execute) -> None:
+        portal = self._portal(msg.portal)
+        if portal.outcome is None:
+            portal.outcome = await self.execute(portal.statement, portal)
+            self.send_side_effects(portal.outcome)
+        outcome = portal.outcome
+        if portal.statement.route == "empty":
+            self.send(pq.empty_query_response())
+            return
+        if outcome.fields is None:
+            self.send(pq.command_complete(outcome.tag))
+            return
+        formats = [f.format for f in outcome.fields] if outcome.encoded else self._formats(portal, outcome)
+        end = len(outcome.rows) if msg.max_rows <= 0 else min(len(outcome.rows), portal.sent + msg.max_rows)
+        batch = outcome.rows[portal.sent : end]
+        self.send_rows(outcome, batch, formats)
+        portal.sent = end
+        if end < len(outcome.rows):
+            self.send(pq.portal_suspended())
+        else:
+            tag = outcome.tag
+            if tag.startswith("SELECT "):
+                tag = f"SELECT {len(batch)}"
+            self.send(pq.command_complete(tag))
+
+    @staticmethod
+    def _formats(portal: Portal, outcome: Outcome) -> list[int]:
+        assert outcome.fields is not None
+        return _expand(portal.result_formats, len(outcome.fields))
+
+    def on_close(self, msg: pq.Close) -> None:
+        if msg.kind == "S":
+            self.statements.pop(msg.name, None)
+        else:
+            self.portals.pop(msg.name, None)
+        self.send(pq.close_complete())
+
+
+def _with_format(f: FieldDescription, fmt: int) -> FieldDescription:
+    return FieldDescription(f.name, f.type_oid, f.type_size, f.type_mod, f.table_oid, f.column_attr, fmt)

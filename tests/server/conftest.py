@@ -1,0 +1,74 @@
+"""Real dpsql servers (real engine over in-memory DuckDB demo data) on random ports, for real clients."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from dpsql.demo import demo_policy_path, load_demo
+from dpsql.engine import Engine
+from dpsql.policy import Analyst, Auth, Budget, Budgets, Policy, load_policy
+from dpsql.server import ThreadedServer, make_verifier
+
+PASSWORD = "correct horse battery staple"
+ANALYSTS = ("analyst", "alice", "carol", "dave", "erin", "frank", "grace", "root")
+
+
+@dataclass(frozen=True)
+class Running:
+    host: str
+    port: int
+    engine: Engine
+
+    def dsn(self, user: str = "analyst", **extra: str) -> str:
+        parts = {"host": self.host, "port": str(self.port), "user": user, "dbname": "health", **extra}
+        return " ".join(f"{k}={v}" for k, v in parts.items())
+
+    def url(self, user: str = "analyst", driver: str = "postgresql") -> str:
+        return f"{driver}://{user}@{self.host}:{self.port}/health"
+
+
+def make_policy(trust: bool) -> Policy:
+    base = load_policy(demo_policy_path("health"))
+    analysts = [Analyst(name=n) for n in ANALYSTS]
+    analysts.append(Analyst(name="frugal", budget=Budget(epsilon=3.0, delta=1e-5)))
+    analysts.append(Analyst(name="scram", password=make_verifier(PASSWORD)))
+    return base.model_copy(
+        update={
+            "analysts": tuple(analysts),
+            "auth": Auth(trust=trust),
+            "budget": Budgets(dataset=Budget(epsilon=1e6, delta=0.5), analyst=Budget(epsilon=1e5, delta=0.1)),
+        }
+    )
+
+
+def open_engine(trust: bool) -> Engine:
+    engine = Engine.open(make_policy(trust), "duckdb://")
+    load_demo(engine.backend, ["health"])
+    return engine
+
+
+@pytest.fixture(scope="session")
+def dp_server() -> Iterator[Running]:
+    """Trust auth, shadow catalog started (a throwaway local PostgreSQL)."""
+    engine = open_engine(trust=True)
+    server = ThreadedServer(engine, statement_timeout=None)
+    try:
+        yield Running(server.host, server.port, engine)
+    finally:
+        server.stop()
+        engine.close()
+
+
+@pytest.fixture(scope="session")
+def scram_server() -> Iterator[Running]:
+    """SCRAM auth, no catalog (catalog_dsn="" disables it)."""
+    engine = open_engine(trust=False)
+    server = ThreadedServer(engine, catalog_dsn="")
+    try:
+        yield Running(server.host, server.port, engine)
+    finally:
+        server.stop()
+        engine.close()
