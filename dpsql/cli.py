@@ -56,7 +56,7 @@ def open_engine(args: argparse.Namespace) -> Any:
         from dpsql.demo import DEMO_TABLES, load_demo
 
         backend = open_backend("duckdb://")
-        load_demo(backend, [policy.dataset] if policy.dataset in DEMO_TABLES else DEMO_TABLES)
+        load_demo(backend, [policy.dataset] if policy.dataset in DEMO_TABLES else [])
     else:
         backend = open_backend(database)
     ledger = Ledger.open(args.ledger or default_ledger(policy.dataset))
@@ -74,7 +74,9 @@ def _session(args: argparse.Namespace) -> Session:
 
 def format_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """psql-style aligned table."""
-    cells = [[("" if v is None else f"{v:.6g}" if isinstance(v, float) else str(v)) for v in row] for row in rows]
+    cells = [
+        [("" if v is None else f"{v:.6g}" if isinstance(v, float) else str(v)) for v in row] for row in rows
+    ]
     widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
     lines = [" " + " | ".join(c.center(w) for c, w in zip(columns, widths, strict=True))]
     lines.append("-" + "-+-".join("-" * w for w in widths) + "-")
@@ -149,11 +151,20 @@ def cmd_budget(args: argparse.Namespace) -> int:
             total = policy.analyst_budget(name)
             used = spent.get(name)
             eps = used.epsilon if used else 0.0
-            rows.append((name, eps, total.epsilon, max(total.epsilon - eps, 0.0), used.queries if used else 0))
+            rows.append(
+                (name, eps, total.epsilon, max(total.epsilon - eps, 0.0), used.queries if used else 0)
+            )
         all_spent = ledger.spent(policy.dataset)
         dataset_total = policy.budget.dataset.epsilon
-        rows.append(("(dataset)", all_spent.epsilon, dataset_total, max(dataset_total - all_spent.epsilon, 0.0),
-                     all_spent.queries))  # fmt: skip
+        rows.append(
+            (
+                "(dataset)",
+                all_spent.epsilon,
+                dataset_total,
+                max(dataset_total - all_spent.epsilon, 0.0),
+                all_spent.queries,
+            )
+        )
         columns = ["analyst", "epsilon_spent", "epsilon_total", "epsilon_remaining", "queries"]
         if args.json:
             print(json.dumps([dict(zip(columns, r, strict=True)) for r in rows]))
@@ -176,7 +187,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print("  Q1: SELECT COUNT(*) FROM patients WHERE problem = 'Obesity'")
     print("  Q2: SELECT COUNT(*) FROM patients WHERE problem = 'Obesity' AND (ethnicity <> 'White'")
     print("      OR marital_status <> 'Single' OR sex <> 'Male' OR zip <> 2138)   -- everyone but Igor")
-    print(f"Raw SQL: Q1 - Q2 = {report['raw_difference']} -> the attacker learns Igor has obesity, every time.")
+    print(
+        f"Raw SQL: Q1 - Q2 = {report['raw_difference']} -> the attacker learns Igor has obesity, every time."
+    )
     print(
         f"dpsql (ε={report['epsilon']:g} per query, {report['runs']} fresh attacks): the attacker guessed right "
         f"{report['success_rate']:.1%} of the time; DP caps it at e^ε/(1+e^ε) = {report['bound']:.1%}."
@@ -211,7 +224,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     engine = open_engine(args)
     print(
-        f"dpsql serving dataset \"{engine.policy.dataset}\" on {args.host}:{args.port} "
+        f'dpsql serving dataset "{engine.policy.dataset}" on {args.host}:{args.port} '
         f"(try: psql -h {args.host} -p {args.port} -U analyst {engine.policy.dataset})",
         file=sys.stderr,
         flush=True,
@@ -252,7 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=DEFAULT_PORT)
     serve.add_argument("--tls-cert")
     serve.add_argument("--tls-key")
-    serve.add_argument("--catalog-dsn", help="PostgreSQL holding the schema-only catalog (default: start one)")
+    serve.add_argument(
+        "--catalog-dsn", help="PostgreSQL holding the schema-only catalog (default: start one)"
+    )
     serve.set_defaults(func=cmd_serve)
 
     query = sub.add_parser("query", help="run one DP query and print the noisy answer")
@@ -280,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = sub.add_parser("demo-data", help="load the demo tables into a database")
     data.add_argument("--database", required=True)
-    data.add_argument("--dataset", action="append", choices=["health", "adult"])
+    data.add_argument("--dataset", action="append", choices=["health", "adult", "clinic"])
     data.set_defaults(func=cmd_demo_data)
 
     passwd = sub.add_parser("passwd", help="print a SCRAM-SHA-256 verifier for a policy's analysts list")

@@ -96,8 +96,13 @@ def connect(
         owns = True
     else:
         owns = False
-    session = Session(analyst=analyst, epsilon=epsilon, delta=delta, mechanism=mechanism,  # type: ignore[arg-type]
-                      confidence=confidence)  # fmt: skip
+    session = Session(
+        analyst=analyst,
+        epsilon=epsilon,
+        delta=delta,
+        mechanism=mechanism,  # type: ignore[arg-type]
+        confidence=confidence,
+    )
     return Connection(engine, session, owns_engine=owns)
 
 

@@ -113,17 +113,65 @@ ADULT_COLUMNS: Columns = [
 ]
 
 _EDUCATION = [
-    "Preschool", "1st-4th", "5th-6th", "7th-8th", "9th", "10th", "11th", "12th", "HS-grad",
-    "Some-college", "Assoc-voc", "Assoc-acdm", "Bachelors", "Masters", "Prof-school", "Doctorate",
-]  # fmt: skip
-_EDU_P = [0.002, 0.005, 0.01, 0.02, 0.016, 0.029, 0.036, 0.013, 0.322, 0.224, 0.042, 0.033, 0.164, 0.053,
-          0.018, 0.013]  # fmt: skip
-_WORKCLASS = ["Private", "Self-emp-not-inc", "Self-emp-inc", "Federal-gov", "Local-gov", "State-gov",
-              "Without-pay", "Never-worked"]  # fmt: skip
+    "Preschool",
+    "1st-4th",
+    "5th-6th",
+    "7th-8th",
+    "9th",
+    "10th",
+    "11th",
+    "12th",
+    "HS-grad",
+    "Some-college",
+    "Assoc-voc",
+    "Assoc-acdm",
+    "Bachelors",
+    "Masters",
+    "Prof-school",
+    "Doctorate",
+]
+_EDU_P = [
+    0.002,
+    0.005,
+    0.01,
+    0.02,
+    0.016,
+    0.029,
+    0.036,
+    0.013,
+    0.322,
+    0.224,
+    0.042,
+    0.033,
+    0.164,
+    0.053,
+    0.018,
+    0.013,
+]
+_WORKCLASS = [
+    "Private",
+    "Self-emp-not-inc",
+    "Self-emp-inc",
+    "Federal-gov",
+    "Local-gov",
+    "State-gov",
+    "Without-pay",
+    "Never-worked",
+]
 _WORK_P = [0.70, 0.08, 0.035, 0.03, 0.065, 0.04, 0.02, 0.03]
 _MARITAL_ADULT = ["Married-civ-spouse", "Never-married", "Divorced", "Separated", "Widowed"]
-_OCCUPATIONS = ["Prof-specialty", "Craft-repair", "Exec-managerial", "Adm-clerical", "Sales",
-                "Other-service", "Machine-op-inspct", "Transport-moving", "Tech-support", "Farming-fishing"]  # fmt: skip
+_OCCUPATIONS = [
+    "Prof-specialty",
+    "Craft-repair",
+    "Exec-managerial",
+    "Adm-clerical",
+    "Sales",
+    "Other-service",
+    "Machine-op-inspct",
+    "Transport-moving",
+    "Tech-support",
+    "Farming-fishing",
+]
 _RACES = ["White", "Black", "Asian-Pac-Islander", "Amer-Indian-Eskimo", "Other"]
 _COUNTRIES = ["United-States", "Mexico", "Philippines", "Germany", "Canada", "India", "Cuba", "England"]
 
@@ -158,10 +206,107 @@ def adult_rows(n: int = 32_561, seed: int = 1994) -> Rows:
     return rows
 
 
-#: dataset name -> (table, columns, row factory)
-DEMO_TABLES: dict[str, list[tuple[str, Columns, Any]]] = {
-    "health": [("patients", HEALTH_COLUMNS, health_rows)],
-    "adult": [("adult", ADULT_COLUMNS, adult_rows)],
+# --- the multi-table clinic (schemas/clinic.yaml): persons with many rows -------------------
+
+CLINIC_PATIENTS: Columns = [
+    ("id", "INTEGER"),
+    ("household_id", "INTEGER"),
+    ("name", "TEXT"),
+    ("age", "INTEGER"),
+    ("sex", "TEXT"),
+    ("zip", "INTEGER"),
+]
+CLINIC_VISITS: Columns = [
+    ("id", "INTEGER"),
+    ("patient_id", "INTEGER"),
+    ("department", "TEXT"),
+    ("visit_date", "DATE"),
+    ("cost", "DOUBLE PRECISION"),
+    ("urgent", "BOOLEAN"),
+]
+CLINIC_PRESCRIPTIONS: Columns = [
+    ("id", "INTEGER"),
+    ("patient_id", "INTEGER"),
+    ("drug", "TEXT"),
+    ("dose_mg", "INTEGER"),
+]
+CLINIC_DEPARTMENTS: Columns = [("name", "TEXT"), ("floor", "INTEGER"), ("building", "TEXT")]
+DEPARTMENTS = [
+    ("Cardiology", 3, "North"),
+    ("Oncology", 4, "North"),
+    ("Pediatrics", 1, "South"),
+    ("Emergency", 0, "South"),
+    ("Dermatology", 2, "East"),
+    ("Neurology", 5, "North"),
+]
+DRUGS = ["Atorvastatin", "Metformin", "Lisinopril", "Amoxicillin", "Ibuprofen", "Insulin"]
+#: Patients with hundreds of rows: what contribution bounding exists for.
+HEAVY_PATIENTS = (7, 42, 1000)
+
+
+def _clinic(n_patients: int = 2000, seed: int = 7) -> dict[str, Rows]:
+    rng = np.random.default_rng(seed)
+    patients: Rows = []
+    visits: Rows = []
+    prescriptions: Rows = []
+    start = dt.date(2020, 1, 1).toordinal()
+    for pid in range(1, n_patients + 1):
+        household = (pid + 1) // 2  # two patients per household
+        patients.append(
+            (
+                pid,
+                household,
+                f"Patient {pid}",
+                int(rng.integers(0, 100)),
+                "Female" if rng.random() < 0.5 else "Male",
+                int(rng.integers(2100, 2200)),
+            )
+        )
+        heavy = pid in HEAVY_PATIENTS
+        for _ in range(300 if heavy else int(rng.poisson(5))):
+            department = "Oncology" if heavy else DEPARTMENTS[int(rng.integers(0, len(DEPARTMENTS)))][0]
+            visits.append(
+                (
+                    len(visits) + 1,
+                    pid,
+                    department,
+                    dt.date.fromordinal(start + int(rng.integers(0, 1800))),
+                    round(float(rng.gamma(2.0, 150.0)), 2) if not heavy else 4999.0,
+                    bool(rng.random() < 0.1),
+                )
+            )
+        for _ in range(150 if heavy else int(rng.poisson(2))):
+            prescriptions.append(
+                (
+                    len(prescriptions) + 1,
+                    pid,
+                    DRUGS[int(rng.integers(0, len(DRUGS)))],
+                    int(rng.integers(1, 100)) * 10,
+                )
+            )
+    return {
+        "patients": patients,
+        "visits": visits,
+        "prescriptions": prescriptions,
+        "departments": DEPARTMENTS,
+    }
+
+
+def clinic_tables() -> list[tuple[str, Columns, Any]]:
+    data = _clinic()
+    return [
+        ("patients", CLINIC_PATIENTS, lambda: data["patients"]),
+        ("visits", CLINIC_VISITS, lambda: data["visits"]),
+        ("prescriptions", CLINIC_PRESCRIPTIONS, lambda: data["prescriptions"]),
+        ("departments", CLINIC_DEPARTMENTS, lambda: data["departments"]),
+    ]
+
+
+#: dataset name -> (table, columns, row factory); the clinic's tables are built together.
+DEMO_TABLES: dict[str, Any] = {
+    "health": lambda: [("patients", HEALTH_COLUMNS, health_rows)],
+    "adult": lambda: [("adult", ADULT_COLUMNS, adult_rows)],
+    "clinic": lambda: clinic_tables(),
 }
 
 
@@ -172,6 +317,6 @@ def demo_policy_path(dataset: str) -> Path:
 def load_demo(backend: Any, datasets: Iterable[str] = ("health", "adult")) -> None:
     """Create and fill the demo tables of ``datasets`` in ``backend`` (drops existing ones)."""
     for dataset in datasets:
-        for table, columns, factory in DEMO_TABLES[dataset]:
+        for table, columns, factory in DEMO_TABLES[dataset]():
             backend.execute_script(f"DROP TABLE IF EXISTS {table}")
             backend.load_rows(table, columns, factory())

@@ -12,6 +12,7 @@ import datetime as dt
 import hashlib
 import itertools
 import math
+import secrets
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -95,10 +96,12 @@ class Explanation:
     mechanism: str
     columns: list[dict[str, Any]] = field(default_factory=list)
     keys: str = "none"
+    unit: str = ""
 
     def as_result(self) -> Result:
         lines = [
             f"DP Aggregate  (mechanism={self.mechanism} epsilon={self.epsilon:g} delta={self.delta:g})",
+            f"  Privacy unit: {self.unit}",
             f"  Group keys: {self.keys}",
         ]
         for c in self.columns:
@@ -129,6 +132,8 @@ class Engine:
         self.ledger = ledger
         self._plans: OrderedDict[tuple[Any, ...], Prepared] = OrderedDict()
         self._lock = threading.Lock()
+        #: Keys the per-row hash choosing which rows of a heavy unit are kept; never leaves the process.
+        self._salt = secrets.token_hex(16)
 
     @classmethod
     def open(cls, policy: str | Path | Policy, database: str, ledger: str | None = None) -> Engine:
@@ -160,6 +165,7 @@ class Engine:
 
     def _prepare(self, tree: exp.Expression, session: Session, params: Params) -> Prepared:
         plan = analyze_tree(tree, self.policy, params)
+        plan.salt = self._salt
         select = rewrite(plan)
         budgeting = self._budget(plan, session)
         fingerprint = hashlib.sha256(select.sql(dialect="postgres").encode()).hexdigest()[:16]
@@ -189,18 +195,32 @@ class Engine:
             rho = epsilon_to_rho(epsilon, conversion_delta)
             share = rho_to_epsilon(rho / k, conversion_delta)  # the ε whose zCDP ρ is this measure's share
             specs = [
-                gaussian_spec(m.sensitivity, share, conversion_delta, integer=_integer(m)) for m in plan.measures
+                gaussian_spec(
+                    plan.sensitivities(m)[1],
+                    share,
+                    conversion_delta,
+                    integer=_integer(m),
+                    cells=plan.max_groups,
+                )
+                for m in plan.measures
             ]
             cost = Cost(epsilon=epsilon, delta=delta, rho=rho)
         else:
-            specs = [laplace_spec(m.sensitivity, epsilon / k, integer=_integer(m)) for m in plan.measures]
+            specs = [
+                laplace_spec(
+                    plan.sensitivities(m)[0], epsilon / k, integer=_integer(m), cells=plan.max_groups
+                )
+                for m in plan.measures
+            ]
             cost = Cost(epsilon=epsilon, delta=delta if selecting else 0.0)
         budgeting = Budgeting(epsilon, cost.delta, mechanism, specs, cost)
         if selecting:
             assert plan.selection_measure is not None
             budgeting.selection_delta = delta / 2 if mechanism == "gaussian" else delta
             spec = specs[plan.selection_measure]
-            budgeting.threshold = partition_threshold(spec, budgeting.selection_delta)
+            budgeting.threshold = partition_threshold(
+                spec, budgeting.selection_delta, max_partitions=plan.max_groups, max_rows=plan.max_rows
+            )
         return budgeting
 
     # -- front-door API ------------------------------------------------------------------------
@@ -225,7 +245,7 @@ class Engine:
                 specs = [budgeting.specs[i] for i in out.measures]
                 entry.update(
                     measure=" + ".join(plan.measures[i].label for i in out.measures),
-                    sensitivity=max(plan.measures[i].sensitivity for i in out.measures),
+                    sensitivity=max(plan.sensitivities(plan.measures[i])[0] for i in out.measures),
                     scale=max(s.scale * s.grid for s in specs),
                     epsilon=budgeting.epsilon * len(out.measures) / len(plan.measures),
                     ci=half_width(specs[0], confidence) if out.kind in ("count", "sum") else float("nan"),
@@ -244,7 +264,13 @@ class Engine:
                 ", ".join(k.column for k in plan.keys)
                 + f" (partition selection: noisy COUNT(*) >= {budgeting.threshold}, δ={budgeting.selection_delta:g})"
             )
-        return Explanation(prepared.sql, budgeting.epsilon, budgeting.delta, budgeting.mechanism, columns, keys)
+        unit = plan.sources.unit_description
+        if plan.unit is not None:
+            unit += f" (at most {plan.max_rows} rows and {plan.max_groups} groups per unit)"
+        shown_sql = prepared.sql.replace(self._salt, "<secret>")
+        return Explanation(
+            shown_sql, budgeting.epsilon, budgeting.delta, budgeting.mechanism, columns, keys, unit
+        )
 
     def execute(self, sql: str, session: Session, params: Params = None) -> Result:
         """Answer one DP query: reserve the budget, run, noise, post-process."""
@@ -275,7 +301,7 @@ class Engine:
             result.notices.append(
                 f"dpsql: charged ε={budgeting.epsilon:g}"
                 + (f", δ={budgeting.delta:g}" if budgeting.delta else "")
-                + f"; remaining ε={result.remaining_epsilon:g} for analyst \"{session.analyst}\""
+                + f'; remaining ε={result.remaining_epsilon:g} for analyst "{session.analyst}"'
             )
         return result
 
@@ -401,7 +427,9 @@ def _hashable(params: Params) -> Any:
 
 
 def _placeholder_value(pg_type: str) -> Any:
-    return {"bigint": 0, "double precision": 0.0, "boolean": False, "date": dt.date(2000, 1, 1)}.get(pg_type, "")
+    return {"bigint": 0, "double precision": 0.0, "boolean": False, "date": dt.date(2000, 1, 1)}.get(
+        pg_type, ""
+    )
 
 
 def _explain_target(sql: str) -> str | None:
@@ -416,4 +444,3 @@ def _explain_target(sql: str) -> str | None:
             hint="EXPLAIN ANALYZE would reveal exact row counts and timings; use plain EXPLAIN.",
         )
     return rest
-

@@ -8,7 +8,7 @@ never depend on private data: they name clauses, columns and policy lines only.
 from __future__ import annotations
 
 
-class Warning(Exception):  # noqa: A001 - PEP 249 name
+class Warning(Exception):
     """PEP 249 Warning."""
 
 

@@ -13,10 +13,11 @@ from typing import Literal
 
 from sqlglot import exp
 
-from dpsql.policy import ColumnPolicy, Scalar, TablePolicy
+from dpsql.analyze.sources import Sources
+from dpsql.policy import ColumnPolicy, Scalar
 from dpsql.session import OutputColumn
 
-MeasureKind = Literal["count_star", "count", "sum"]
+MeasureKind = Literal["count_star", "count", "sum", "count_units"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +30,8 @@ class Measure:
 
     kind: MeasureKind
     column: str | None = None
+    #: Alias of the table ``column`` belongs to, as the query names it.
+    table: str | None = None
     lower: float | None = None
     upper: float | None = None
     centre: float = 0.0
@@ -36,7 +39,7 @@ class Measure:
 
     @property
     def sensitivity(self) -> float:
-        """L1 (= L2, one value) change when one row is added or removed."""
+        """Largest change of one cell when one row is added or removed (a unit adds ``max_rows`` rows)."""
         if self.kind != "sum":
             return 1.0
         assert self.lower is not None and self.upper is not None
@@ -48,6 +51,8 @@ class Measure:
             return "COUNT(*)"
         if self.kind == "count":
             return f"COUNT({self.column})"
+        if self.kind == "count_units":
+            return f"COUNT(DISTINCT {self.column})"
         centre = f" - {self.centre:g}" if self.centre else ""
         return f"SUM(clamp({self.column}, {self.lower:g}, {self.upper:g}){centre})"
 
@@ -57,6 +62,7 @@ class GroupKey:
     """A GROUP BY key column and, when the policy declares one, its public domain."""
 
     column: str
+    table: str
     policy: ColumnPolicy
     domain: tuple[Scalar, ...] | None
 
@@ -79,20 +85,44 @@ class OutputItem:
 class Plan:
     """Everything needed to run, noise and post-process one DP query."""
 
-    table_name: str
-    table: TablePolicy
+    sources: Sources
     where: exp.Expression | None
     keys: list[GroupKey]
     measures: list[Measure]
     outputs: list[OutputItem]
     having: exp.Expression | None = None
-    order: list[tuple[exp.Expression, bool, bool | None]] = field(default_factory=list)  # (expr, desc, nulls_first)
+    order: list[tuple[exp.Expression, bool, bool | None]] = field(
+        default_factory=list
+    )  # (expr, desc, nulls_first)
     limit: int | None = None
     offset: int = 0
     distinct: bool = False
     #: Index of the COUNT(*) measure used for partition selection (None when keys are public).
     selection_measure: int | None = None
+    #: Secret mixed into the per-row hash that picks which rows of a unit are kept (set by the engine).
+    salt: str = ""
 
     @property
     def public_keys(self) -> bool:
         return all(k.domain is not None for k in self.keys)
+
+    @property
+    def unit(self) -> exp.Column | None:
+        """Privacy-unit expression when rows must be bounded per unit (None: one row per person)."""
+        return self.sources.unit
+
+    @property
+    def max_rows(self) -> int:
+        return self.sources.max_rows if self.unit is not None else 1
+
+    @property
+    def max_groups(self) -> int:
+        """Groups one unit may touch: bounded in SQL to ``max_groups_per_unit`` and by ``max_rows``."""
+        return min(self.sources.max_groups, self.max_rows) if self.keys else 1
+
+    def sensitivities(self, measure: Measure) -> tuple[float, float]:
+        """(L1, L2) sensitivity of ``measure`` over all released groups, for one whole unit."""
+        if measure.kind == "count_units":
+            return float(self.max_groups), float(self.max_groups) ** 0.5
+        total = measure.sensitivity * self.max_rows
+        return total, total

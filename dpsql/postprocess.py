@@ -75,7 +75,11 @@ def evaluate(node: exp.Expression, env: Env) -> Any:
         return None if value is None else not value
     if isinstance(node, exp.And | exp.Or):
         return _logic(node, env)
-    if isinstance(node, exp.Div | exp.Mod | exp.DPipe) or type(node) in _ARITHMETIC or type(node) in _COMPARISONS:
+    if (
+        isinstance(node, exp.Div | exp.Mod | exp.DPipe)
+        or type(node) in _ARITHMETIC
+        or type(node) in _COMPARISONS
+    ):
         left, right = evaluate(node.this, env), evaluate(node.expression, env)
         if left is None or right is None:
             return None
@@ -84,7 +88,11 @@ def evaluate(node: exp.Expression, env: Env) -> Any:
         if isinstance(node, exp.Mod):
             if right == 0:
                 raise DataError("division by zero", sqlstate="22012")
-            return math.fmod(left, right) if isinstance(left, float) or isinstance(right, float) else left % right
+            return (
+                math.fmod(left, right)
+                if isinstance(left, float) or isinstance(right, float)
+                else left % right
+            )
         if isinstance(node, exp.DPipe):
             return f"{left}{right}"
         fn = _ARITHMETIC.get(type(node)) or _COMPARISONS[type(node)]
@@ -138,7 +146,7 @@ def _function(node: exp.Expression, env: Env) -> Any:
 def _cast(value: Any, to: exp.DataType) -> Any:
     target = to.this
     if target in exp.DataType.INTEGER_TYPES:
-        return int(math.floor(value + 0.5)) if isinstance(value, float) else int(value)
+        return math.floor(value + 0.5) if isinstance(value, float) else int(value)
     if target in exp.DataType.REAL_TYPES or target in (exp.DataType.Type.DECIMAL,):
         return float(value)
     if target in exp.DataType.TEXT_TYPES:

@@ -31,8 +31,14 @@ def analyze(sql: str, policy: Policy, params: Params = None) -> Plan:
     return analyze_tree(parse_statement(sql), policy, params)
 
 
-_PG_NAMES = {"int": "bigint", "float": "double precision", "text": "text", "date": "date",
-             "timestamp": "timestamp", "boolean": "boolean"}  # fmt: skip
+_PG_NAMES = {
+    "int": "bigint",
+    "float": "double precision",
+    "text": "text",
+    "date": "date",
+    "timestamp": "timestamp",
+    "boolean": "boolean",
+}
 
 
 def infer_parameter_types(tree: exp.Expression, policy: Policy) -> list[str]:

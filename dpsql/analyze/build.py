@@ -12,18 +12,16 @@ from dataclasses import dataclass, field
 
 from sqlglot import exp
 
+from dpsql.analyze.sources import Source, Sources, ident_name, qualified, resolve_ref, resolve_sources
 from dpsql.errors import (
     DatatypeMismatch,
     FeatureNotSupported,
     GroupingError,
-    InsufficientPrivilege,
     InvalidParameterValue,
-    UndefinedColumn,
     UndefinedFunction,
-    UndefinedTable,
 )
 from dpsql.plan import GroupKey, Measure, OutputItem, Plan
-from dpsql.policy import ColumnPolicy, Policy, TablePolicy
+from dpsql.policy import ColumnPolicy, Policy
 from dpsql.session import OutputColumn, PgType
 
 _PG_TYPES: dict[str, PgType] = {
@@ -57,12 +55,10 @@ _OUTPUT_FUNCTIONS = (exp.Round, exp.Abs, exp.Coalesce, exp.Greatest, exp.Least, 
 
 @dataclass
 class _Scope:
-    """Name resolution state for one SELECT over one policy table."""
+    """Name resolution state for one SELECT."""
 
     policy: Policy
-    table_name: str
-    table: TablePolicy
-    aliases: set[str]
+    sources: Sources
     keys: list[GroupKey] = field(default_factory=list)
     measures: list[Measure] = field(default_factory=list)
 
@@ -73,54 +69,12 @@ class _Scope:
         return self.measures.index(measure)
 
 
-def _ident_name(identifier: exp.Expression | str | None) -> str:
-    if identifier is None:
-        return ""
-    if isinstance(identifier, str):
-        return identifier
-    name = identifier.this if isinstance(identifier, exp.Identifier) else identifier.name
-    quoted = isinstance(identifier, exp.Identifier) and identifier.args.get("quoted")
-    return str(name) if quoted else str(name).lower()
-
-
-def resolve_table(tree: exp.Select, policy: Policy) -> _Scope:
-    """The single FROM table must be declared (else 42P01, as PostgreSQL says)."""
-    source = tree.args["from_"].this
-    if not isinstance(source, exp.Table):
-        raise FeatureNotSupported("FROM must name a table", hint="Subqueries and table functions are refused.")
-    schema = _ident_name(source.args.get("db"))
-    name = _ident_name(source.this)
-    table = policy.tables.get(name)
-    if table is None or schema not in ("", "public") or source.args.get("catalog"):
-        shown = f"{schema}.{name}" if schema else name
-        raise UndefinedTable(
-            f'relation "{shown}" does not exist',
-            hint=f"Tables in dataset \"{policy.dataset}\": {', '.join(sorted(policy.tables))}.",
-        )
-    aliases = {name}
-    if source.alias:
-        aliases = {_ident_name(source.args["alias"].this)}
-    return _Scope(policy=policy, table_name=name, table=table, aliases=aliases)
+_ident_name = ident_name
 
 
 def resolve_column(column: exp.Column, scope: _Scope) -> tuple[str, ColumnPolicy]:
-    """A column reference → its policy; identifiers are never readable."""
-    qualifier = _ident_name(column.args.get("table"))
-    name = _ident_name(column.this)
-    if qualifier and qualifier not in scope.aliases:
-        raise UndefinedTable(f'missing FROM-clause entry for table "{qualifier}"')
-    policy = scope.table.columns.get(name)
-    if policy is None:
-        raise UndefinedColumn(
-            f'column "{name}" does not exist',
-            hint=f"Columns of \"{scope.table_name}\": "
-            f"{', '.join(c for c, p in scope.table.columns.items() if not p.identifier)}.",
-        )
-    if policy.identifier:
-        raise InsufficientPrivilege(
-            f'permission denied for column "{name}"',
-            detail=f'"{name}" is declared an identifier in the policy and can never be queried.',
-        )
+    """A column reference → (name, policy); identifiers are never readable."""
+    _, name, policy = resolve_ref(column, scope.sources)
     return name, policy
 
 
@@ -168,7 +122,7 @@ def _check_literal_for(column: str, policy: ColumnPolicy, literal: exp.Expressio
                 float(literal.name)
             except ValueError:
                 raise DatatypeMismatch(
-                    f"invalid input syntax for type {_PG_TYPES[policy.type]}: \"{literal.name}\"",
+                    f'invalid input syntax for type {_PG_TYPES[policy.type]}: "{literal.name}"',
                     hint=f'"{column}" is numeric; compare it with a number.',
                 ) from None
             return exp.Literal.number(literal.name)
@@ -216,11 +170,12 @@ def _operand(node: exp.Expression, scope: _Scope) -> tuple[str, ColumnPolicy] | 
 def _normalise_column(node: exp.Expression, scope: _Scope) -> exp.Expression:
     """Rewrite column references to the bare, quoted policy name (the rewrite has one table)."""
     if isinstance(node, exp.Column):
-        return exp.column(resolve_column(node, scope)[0], quoted=True)
+        source, name, _ = resolve_ref(node, scope.sources)
+        return qualified(source, name)
     node = node.copy()
     for column in list(node.find_all(exp.Column)):
-        name, _ = resolve_column(column, scope)
-        column.replace(exp.column(name, quoted=True))
+        source, name, _ = resolve_ref(column, scope.sources)
+        column.replace(qualified(source, name))
     return node
 
 
@@ -229,13 +184,17 @@ def check_where(node: exp.Expression, scope: _Scope) -> exp.Expression:
     if isinstance(node, exp.Paren):
         return exp.Paren(this=check_where(node.this, scope))
     if isinstance(node, exp.And | exp.Or):
-        return node.__class__(this=check_where(node.this, scope), expression=check_where(node.expression, scope))
+        return node.__class__(
+            this=check_where(node.this, scope), expression=check_where(node.expression, scope)
+        )
     if isinstance(node, exp.Not):
         return exp.Not(this=check_where(node.this, scope))
     if isinstance(node, exp.Boolean):
         return node.copy()
     if isinstance(node, _AGGREGATES) or node.find(*_AGGREGATES):
-        raise GroupingError("aggregate functions are not allowed in WHERE", hint="Use HAVING to filter groups.")
+        raise GroupingError(
+            "aggregate functions are not allowed in WHERE", hint="Use HAVING to filter groups."
+        )
     if isinstance(node, exp.Column):
         _, policy = resolve_column(node, scope)
         if policy.type != "boolean":
@@ -316,7 +275,9 @@ def _check_comparison(node: exp.Expression, scope: _Scope) -> exp.Expression:
 def _check_in(node: exp.In, scope: _Scope) -> exp.Expression:
     target = _required_operand(node.this, scope)
     if node.args.get("query") or node.args.get("unnest") or node.args.get("field"):
-        raise FeatureNotSupported("IN (subquery) is not supported", hint="List constant values inside IN (...).")
+        raise FeatureNotSupported(
+            "IN (subquery) is not supported", hint="List constant values inside IN (...)."
+        )
     values = [_check_literal_for(*target, v) for v in node.expressions]
     return exp.In(this=_normalise_column(node.this, scope), expressions=values)
 
@@ -350,7 +311,7 @@ def resolve_group_keys(tree: exp.Select, scope: _Scope) -> None:
             target = projections[index - 1].unalias()
         elif isinstance(item, exp.Column) and not item.args.get("table"):
             name = _ident_name(item.this)
-            if name not in scope.table.columns:
+            if not any(name in s.table.columns for s in scope.sources.sources):
                 matches = [p.unalias() for p in projections if _projection_alias(p) == name]
                 if matches:
                     target = matches[0]
@@ -360,33 +321,30 @@ def resolve_group_keys(tree: exp.Select, scope: _Scope) -> None:
             raise FeatureNotSupported(
                 "GROUP BY expressions are not supported yet", hint="Group by declared columns."
             )
-        name, policy = resolve_column(target, scope)
-        if any(k.column == name for k in scope.keys):
+        source, name, policy = resolve_ref(target, scope.sources)
+        if any(k.column == name and k.table == source.alias for k in scope.keys):
             continue
-        scope.keys.append(GroupKey(column=name, policy=policy, domain=policy.release_domain()))
+        scope.keys.append(
+            GroupKey(column=name, table=source.alias, policy=policy, domain=policy.release_domain())
+        )
 
 
 # --- outputs: aggregates and post-processing -----------------------------------------
 
 
 def _key_index(column: exp.Column, scope: _Scope) -> int:
-    name, _ = resolve_column(column, scope)
+    source, name, _ = resolve_ref(column, scope.sources)
     for i, key in enumerate(scope.keys):
-        if key.column == name:
+        if key.column == name and key.table == source.alias:
             return i
     raise GroupingError(
-        f'column "{scope.table_name}.{name}" must appear in the GROUP BY clause or be used in an aggregate function',
+        f'column "{source.alias}.{name}" must appear in the GROUP BY clause or be used in an aggregate function',
         hint="dpsql releases aggregates only; raw column values never leave.",
     )
 
 
-def _aggregate_column(agg: exp.Expression, scope: _Scope) -> tuple[str, ColumnPolicy]:
+def _aggregate_column(agg: exp.Expression, scope: _Scope) -> tuple[Source, str, ColumnPolicy]:
     argument = agg.this
-    if isinstance(argument, exp.Distinct):
-        raise FeatureNotSupported(
-            f"{agg.key.upper()}(DISTINCT ...) is not supported yet",
-            hint="Distinct counts need contribution bounding; use COUNT(*) or COUNT(column).",
-        )
     while isinstance(argument, exp.Paren):
         argument = argument.this
     if not isinstance(argument, exp.Column):
@@ -396,10 +354,25 @@ def _aggregate_column(agg: exp.Expression, scope: _Scope) -> tuple[str, ColumnPo
             f"{agg.key.upper()} over an expression is not supported yet",
             hint="Aggregate a declared column directly.",
         )
-    return resolve_column(argument, scope)
+    return resolve_ref(argument, scope.sources)
 
 
-def _sum_measure(name: str, policy: ColumnPolicy, function: str, *, centred: bool) -> Measure:
+def _distinct_units(agg: exp.Count, scope: _Scope) -> Measure:
+    """COUNT(DISTINCT <privacy unit>): each unit adds at most 1 per group."""
+    argument = agg.this.expressions[0] if len(agg.this.expressions) == 1 else None
+    unit = scope.sources.unit
+    if isinstance(argument, exp.Column) and unit is not None:
+        source, name, _ = resolve_ref(argument, scope.sources, identifiers=True)
+        if name == source.unit_column:
+            return Measure(kind="count_units", column=name, table=source.alias)
+    raise FeatureNotSupported(
+        "COUNT(DISTINCT ...) is supported only on the privacy unit",
+        hint="Distinct counts of other columns can change by more than one per person."
+        + (f" Count DISTINCT {unit.sql()} to count persons." if unit is not None else ""),
+    )
+
+
+def _sum_measure(source: Source, name: str, policy: ColumnPolicy, function: str, *, centred: bool) -> Measure:
     if not policy.numeric:
         raise UndefinedFunction(
             f"function {function}({_PG_TYPES[policy.type]}) does not exist",
@@ -408,19 +381,26 @@ def _sum_measure(name: str, policy: ColumnPolicy, function: str, *, centred: boo
     if not policy.bounded:
         raise FeatureNotSupported(
             f'column "{name}" has no declared bounds',
-            hint=f"Declare lower/upper for \"{name}\" in the policy so {function.upper()} has a finite sensitivity.",
+            hint=f'Declare lower/upper for "{name}" in the policy so {function.upper()} has a finite sensitivity.',
         )
     lower, upper = float(policy.lower), float(policy.upper)  # type: ignore[arg-type]
     integer = policy.type == "int"
     centre = 0.0
     if centred:
         centre = float((int(lower) + int(upper)) // 2) if integer else (lower + upper) / 2
-    return Measure(kind="sum", column=name, lower=lower, upper=upper, centre=centre, integer=integer)
+    return Measure(
+        kind="sum", column=name, table=source.alias, lower=lower, upper=upper, centre=centre, integer=integer
+    )
 
 
-def _count_measure(name: str, policy: ColumnPolicy) -> Measure:
-    """COUNT(col) of a non-nullable column is COUNT(*): share one measurement (and its budget)."""
-    return Measure(kind="count", column=name) if policy.nullable else Measure(kind="count_star")
+def _count_measure(source: Source, name: str, policy: ColumnPolicy, scope: _Scope) -> Measure:
+    """COUNT(col) of a non-nullable column is COUNT(*): share one measurement (and its budget).
+
+    Not across joins: a LEFT JOIN can make a non-nullable column NULL.
+    """
+    if policy.nullable or scope.sources.joins:
+        return Measure(kind="count", column=name, table=source.alias)
+    return Measure(kind="count_star")
 
 
 def _measure_expression(agg: exp.Expression, scope: _Scope) -> tuple[exp.Expression, str, tuple[int, ...]]:
@@ -429,20 +409,26 @@ def _measure_expression(agg: exp.Expression, scope: _Scope) -> tuple[exp.Express
     Returns the expression, its output kind and the measures it reads.
     """
     if agg.args.get("filter") or isinstance(agg.parent, exp.Filter):
-        raise FeatureNotSupported("aggregate FILTER clauses are not supported yet", hint="Move the filter to WHERE.")
+        raise FeatureNotSupported(
+            "aggregate FILTER clauses are not supported yet", hint="Move the filter to WHERE."
+        )
+    if isinstance(agg.this, exp.Distinct):
+        if not isinstance(agg, exp.Count):
+            raise FeatureNotSupported(f"{agg.key.upper()}(DISTINCT ...) is not supported")
+        index = scope.measure(_distinct_units(agg, scope))
+        return exp.var(f"m{index}"), "count", (index,)
     if isinstance(agg, exp.Count):
         if isinstance(agg.this, exp.Star) or agg.this is None:
             index = scope.measure(Measure(kind="count_star"))
         else:
-            name, policy = _aggregate_column(agg, scope)
-            index = scope.measure(_count_measure(name, policy))
+            index = scope.measure(_count_measure(*_aggregate_column(agg, scope), scope))
         return exp.var(f"m{index}"), "count", (index,)
-    name, policy = _aggregate_column(agg, scope)
+    source, name, policy = _aggregate_column(agg, scope)
     if isinstance(agg, exp.Sum):
-        index = scope.measure(_sum_measure(name, policy, "sum", centred=False))
+        index = scope.measure(_sum_measure(source, name, policy, "sum", centred=False))
         return exp.var(f"m{index}"), "sum", (index,)
-    total = scope.measure(_sum_measure(name, policy, "avg", centred=True))
-    count = scope.measure(_count_measure(name, policy))
+    total = scope.measure(_sum_measure(source, name, policy, "avg", centred=True))
+    count = scope.measure(_count_measure(source, name, policy, scope))
     measure = scope.measures[total]
     call = exp.Anonymous(
         this="dp_avg",
@@ -460,7 +446,9 @@ def convert_output(node: exp.Expression, scope: _Scope) -> tuple[exp.Expression,
                 hint="Supported aggregates: COUNT(*), COUNT(column), SUM(column), AVG(column).",
             )
     if isinstance(node, exp.Filter):
-        raise FeatureNotSupported("aggregate FILTER clauses are not supported yet", hint="Move the filter to WHERE.")
+        raise FeatureNotSupported(
+            "aggregate FILTER clauses are not supported yet", hint="Move the filter to WHERE."
+        )
     if isinstance(node, _AGGREGATES):
         return _measure_expression(node, scope)
     if isinstance(node, exp.Column):
@@ -472,7 +460,7 @@ def convert_output(node: exp.Expression, scope: _Scope) -> tuple[exp.Expression,
         node, exp.Add | exp.Sub | exp.Mul | exp.Div | exp.Mod | exp.Predicate | exp.Connector | exp.DPipe
     ):
         raise FeatureNotSupported(f"operator {node.key} is not supported on aggregates")
-    if isinstance(node, exp.Anonymous) or isinstance(node, exp.Func) and not isinstance(node, allowed):
+    if isinstance(node, exp.Anonymous) or (isinstance(node, exp.Func) and not isinstance(node, allowed)):
         raise UndefinedFunction(
             f"function {node.name.lower() if isinstance(node, exp.Anonymous) else node.sql_name().lower()}() "
             "does not exist",
@@ -507,7 +495,9 @@ def _output_name(projection: exp.Expression) -> str:
     if isinstance(node, exp.Column):
         return _ident_name(node.this)
     if isinstance(node, exp.Cast):
-        return _output_name(node.this) if isinstance(node.this, exp.Column | exp.Func) else node.to.sql().lower()
+        return (
+            _output_name(node.this) if isinstance(node.this, exp.Column | exp.Func) else node.to.sql().lower()
+        )
     if isinstance(node, exp.Func):
         return node.sql_name().lower() if not isinstance(node, exp.Anonymous) else node.name.lower()
     return "?column?"
@@ -575,7 +565,9 @@ def _order_terms(tree: exp.Select, scope: _Scope, outputs: list[OutputItem]) -> 
         if isinstance(node, exp.Literal) and not node.is_string:
             index = int(node.name)
             if not 1 <= index <= len(outputs):
-                raise InvalidParameterValue(f"ORDER BY position {index} is not in select list", sqlstate="42P10")
+                raise InvalidParameterValue(
+                    f"ORDER BY position {index} is not in select list", sqlstate="42P10"
+                )
             expr: exp.Expression = exp.var(f"o{index - 1}")
         elif isinstance(node, exp.Column) and not node.args.get("table") and _ident_name(node.this) in names:
             expr = exp.var(f"o{names[_ident_name(node.this)]}")
@@ -598,7 +590,7 @@ def _constant_int(node: exp.Expression | None, clause: str) -> int | None:
 
 def build_plan(tree: exp.Select, policy: Policy) -> Plan:
     """Resolve ``tree`` (already through the statement checks) into a :class:`Plan`."""
-    scope = resolve_table(tree, policy)
+    scope = _Scope(policy=policy, sources=resolve_sources(tree, policy))
     where = tree.args.get("where")
     checked_where = check_where(where.this, scope) if where else None
     resolve_group_keys(tree, scope)
@@ -615,8 +607,7 @@ def build_plan(tree: exp.Select, policy: Policy) -> Plan:
             hint="Add COUNT(*), SUM(column) or AVG(column); dpsql never releases raw keys alone.",
         )
     return Plan(
-        table_name=scope.table_name,
-        table=scope.table,
+        sources=scope.sources,
         where=checked_where,
         keys=scope.keys,
         measures=scope.measures,

@@ -60,7 +60,9 @@ def require_select(tree: exp.Expression) -> None:
 def reject_unsupported_clauses(tree: exp.Expression) -> None:
     """Clauses that would release rows, lock rows, or hide extra queries."""
     if tree.args.get("with_"):
-        raise FeatureNotSupported("WITH queries are not supported yet", hint="Inline the CTE's filter in WHERE.")
+        raise FeatureNotSupported(
+            "WITH queries are not supported yet", hint="Inline the CTE's filter in WHERE."
+        )
     if tree.args.get("into"):
         raise ReadOnlyViolation("cannot execute SELECT INTO in a read-only transaction")
     if tree.args.get("locks"):
@@ -72,11 +74,8 @@ def reject_unsupported_clauses(tree: exp.Expression) -> None:
         )
     if tree.args.get("distinct") and tree.args["distinct"].args.get("on"):
         raise FeatureNotSupported("SELECT DISTINCT ON is not supported")
-    if tree.args.get("laterals") or tree.args.get("joins"):
-        raise FeatureNotSupported(
-            "JOIN is not supported yet",
-            hint="Query one table at a time.",
-        )
+    if tree.args.get("laterals"):
+        raise FeatureNotSupported("LATERAL is not supported")
     for sub in tree.find_all(exp.Subquery, exp.Select):
         if sub is not tree:
             raise FeatureNotSupported(

@@ -41,9 +41,50 @@ def parse_statement(sql: str) -> exp.Expression:
 
 
 _STATEMENT_KEYWORDS = frozenset(
-    "select with values table insert update delete merge create drop alter truncate copy set show reset "
-    "begin start commit end rollback savepoint release explain analyze vacuum grant revoke prepare execute "
-    "deallocate declare fetch close listen unlisten notify discard lock call do comment".split()
+    [
+        "select",
+        "with",
+        "values",
+        "table",
+        "insert",
+        "update",
+        "delete",
+        "merge",
+        "create",
+        "drop",
+        "alter",
+        "truncate",
+        "copy",
+        "set",
+        "show",
+        "reset",
+        "begin",
+        "start",
+        "commit",
+        "end",
+        "rollback",
+        "savepoint",
+        "release",
+        "explain",
+        "analyze",
+        "vacuum",
+        "grant",
+        "revoke",
+        "prepare",
+        "execute",
+        "deallocate",
+        "declare",
+        "fetch",
+        "close",
+        "listen",
+        "unlisten",
+        "notify",
+        "discard",
+        "lock",
+        "call",
+        "do",
+        "comment",
+    ]
 )
 
 

@@ -12,31 +12,38 @@ from collections.abc import Callable
 
 from sqlglot import exp
 
+from dpsql.analyze.sources import from_node
 from dpsql.plan import Measure, Plan
 
 RewritePass = Callable[[exp.Select, Plan], exp.Select]
 
 
-def _source(plan: Plan) -> exp.Table:
-    return exp.table_(plan.table.source or plan.table_name, quoted=True)
-
-
 def _raw_measure(measure: Measure) -> exp.Expression:
     if measure.kind == "count_star":
         return exp.Count(this=exp.Star(), big_int=True)
-    column = exp.column(measure.column, quoted=True)  # type: ignore[arg-type]
+    column = exp.column(measure.column, table=measure.table, quoted=True)  # type: ignore[arg-type]
     if measure.kind == "count":
         return exp.Count(this=column, big_int=True)
+    if measure.kind == "count_units":
+        return exp.Count(this=exp.Distinct(expressions=[column]), big_int=True)
     return exp.Sum(this=column)
 
 
+def _key(plan: Plan, index: int) -> exp.Column:
+    key = plan.keys[index]
+    return exp.column(key.column, table=key.table, quoted=True)
+
+
 def select_measures(select: exp.Select, plan: Plan) -> exp.Select:
-    """One SELECT over the source table: group keys ``k<i>``, raw aggregates ``m<i>``."""
-    projections = [exp.alias_(exp.column(k.column, quoted=True), f"k{i}") for i, k in enumerate(plan.keys)]
+    """One SELECT over the sources: group keys ``k<i>``, raw aggregates ``m<i>``."""
+    projections = [exp.alias_(_key(plan, i), f"k{i}") for i in range(len(plan.keys))]
     projections += [exp.alias_(_raw_measure(m), f"m{i}") for i, m in enumerate(plan.measures)]
     if not projections:
         projections = [exp.alias_(exp.Count(this=exp.Star(), big_int=True), "m_unused")]
-    return select.select(*projections, append=False).from_(_source(plan), copy=False)
+    select = select.select(*projections, append=False).from_(from_node(plan.sources.sources[0]), copy=False)
+    for join in plan.sources.joins:
+        select.append("joins", join.copy())
+    return select
 
 
 def _sum_argument(select: exp.Select, index: int) -> exp.Expression:
@@ -94,8 +101,82 @@ def filter_rows(select: exp.Select, plan: Plan) -> exp.Select:
 
 def group_by_keys(select: exp.Select, plan: Plan) -> exp.Select:
     if plan.keys:
-        select = select.group_by(*(exp.column(k.column, quoted=True) for k in plan.keys), copy=False)
+        select = select.group_by(*(_key(plan, i) for i in range(len(plan.keys))), copy=False)
     return select
+
+
+def _as_text(value: exp.Expression) -> exp.Expression:
+    return exp.Coalesce(this=exp.cast(value, "text"), expressions=[exp.Literal.string("~")])
+
+
+def _hash(values: list[exp.Expression], salt: str) -> exp.Expression:
+    """md5 of the salt and the values as text: a per-row order that is the same on every backend
+    and not the database's RANDOM() (whose seed an analyst could set)."""
+    text: exp.Expression = exp.Literal.string(salt)
+    for value in values:
+        text = exp.DPipe(
+            this=text, expression=exp.DPipe(this=exp.Literal.string("|"), expression=_as_text(value))
+        )
+    return exp.MD5(this=text)
+
+
+def bound_contributions(select: exp.Select, plan: Plan) -> exp.Select:
+    """Keep at most ``max_groups`` groups and ``max_rows`` rows of each privacy unit.
+
+    The flat aggregate becomes: rows (unit, used columns, row hash) → rank groups per unit
+    → number rows per unit → aggregate rows within both bounds. Bounding happens after
+    the joins, so no join can multiply a unit's rows past the bound the noise assumes.
+    """
+    if plan.unit is None:
+        return select
+    columns: dict[str, exp.Column] = {}
+    for node in [
+        *select.expressions,
+        *(select.args["group"].expressions if select.args.get("group") else []),
+    ]:
+        for column in node.find_all(exp.Column):
+            columns.setdefault(column.sql(), column)
+    names = {sql: f"c{i}" for i, sql in enumerate(columns)}
+    used = [exp.alias_(column.copy(), names[sql]) for sql, column in columns.items()]
+    rows = exp.select(
+        exp.alias_(plan.unit.copy(), "__unit"),
+        *used,
+        exp.alias_(_hash([plan.unit.copy(), *(c.copy() for c in columns.values())], plan.salt), "__h"),
+    )
+    rows.set("from_", select.args["from_"].copy())
+    for join in select.args.get("joins") or []:
+        rows.append("joins", join.copy())
+    if select.args.get("where"):
+        rows.set("where", select.args["where"].copy())
+    outer = select.copy()
+    for key in ("joins", "where"):
+        outer.set(key, None)
+    for column in list(outer.find_all(exp.Column)):
+        column.replace(exp.column(names[column.sql()], quoted=True))
+    unit = exp.column("__unit", quoted=True)
+    groups = exp.select(exp.Star()).from_("__rows")
+    filter_rows_ = None
+    if plan.keys and plan.max_groups < plan.max_rows:
+        keys = [exp.column(names[_key(plan, i).sql()], quoted=True) for i in range(len(plan.keys))]
+        rank = exp.Window(
+            this=exp.Anonymous(this="DENSE_RANK"),
+            partition_by=[unit.copy()],
+            order=exp.Order(expressions=[exp.Ordered(this=_hash(keys, plan.salt))]),
+        )
+        groups = groups.select(exp.alias_(rank, "__g"))
+        filter_rows_ = exp.LTE(this=exp.column("__g"), expression=exp.Literal.number(plan.max_groups))
+    number = exp.Window(
+        this=exp.RowNumber(),
+        partition_by=[unit.copy()],
+        order=exp.Order(expressions=[exp.Ordered(this=exp.column("__h"))]),
+    )
+    bounded = exp.select(exp.Star(), exp.alias_(number, "__rn")).from_("__groups")
+    if filter_rows_ is not None:
+        bounded = bounded.where(filter_rows_)
+    outer = outer.from_("__bounded").where(
+        exp.LTE(this=exp.column("__rn"), expression=exp.Literal.number(plan.max_rows))
+    )
+    return outer.with_("__rows", as_=rows).with_("__groups", as_=groups).with_("__bounded", as_=bounded)
 
 
 def _number(value: float | None) -> exp.Expression:
@@ -113,6 +194,7 @@ REWRITE_PASSES: tuple[RewritePass, ...] = (
     coalesce_sums,
     filter_rows,
     group_by_keys,
+    bound_contributions,
 )
 
 

@@ -16,7 +16,9 @@ def conn(engine: Engine) -> dpsql.dbapi.Connection:
 
 def test_module_globals() -> None:
     assert dpsql.apilevel == "2.0" and dpsql.paramstyle == "pyformat" and dpsql.threadsafety == 1
-    assert issubclass(dpsql.ProgrammingError, dpsql.DatabaseError) and issubclass(dpsql.DatabaseError, dpsql.Error)
+    assert issubclass(dpsql.ProgrammingError, dpsql.DatabaseError) and issubclass(
+        dpsql.DatabaseError, dpsql.Error
+    )
 
 
 def test_cursor_round_trip(conn) -> None:  # type: ignore[no-untyped-def]
@@ -35,9 +37,14 @@ def test_cursor_round_trip(conn) -> None:  # type: ignore[no-untyped-def]
 
 def test_named_parameters_and_fetchmany(conn) -> None:  # type: ignore[no-untyped-def]
     cur = conn.cursor()
-    cur.execute("SELECT problem, COUNT(*) FROM patients WHERE sex = %(sex)s GROUP BY problem", {"sex": "Male"})
+    cur.execute(
+        "SELECT problem, COUNT(*) FROM patients WHERE sex = %(sex)s GROUP BY problem", {"sex": "Male"}
+    )
     assert len(cur.fetchmany(3)) == 3 and len(cur.fetchmany(10)) == 4
-    assert [row[0] for row in cur.execute("SELECT sex, COUNT(*) FROM patients GROUP BY sex")] == ["Female", "Male"]
+    assert [row[0] for row in cur.execute("SELECT sex, COUNT(*) FROM patients GROUP BY sex")] == [
+        "Female",
+        "Male",
+    ]
 
 
 def test_errors_carry_sqlstate(conn) -> None:  # type: ignore[no-untyped-def]
@@ -68,8 +75,13 @@ def test_connect_from_policy_file_and_duckdb_file(tmp_path) -> None:  # type: ig
     backend = open_backend(url)
     load_demo(backend, ["health"])
     backend.close()
-    with dpsql.connect(policy=demo_policy_path("health"), database=url, analyst="bob",
-                       ledger=f"sqlite:///{tmp_path / 'l.sqlite'}", epsilon=0.5) as conn:  # fmt: skip
+    with dpsql.connect(
+        policy=demo_policy_path("health"),
+        database=url,
+        analyst="bob",
+        ledger=f"sqlite:///{tmp_path / 'l.sqlite'}",
+        epsilon=0.5,
+    ) as conn:
         cur = conn.cursor()
         cur.execute("SELECT COUNT(*) FROM patients")
         assert 9900 < cur.fetchone()[0] < 10100 and cur.epsilon_spent == 0.5

@@ -58,7 +58,9 @@ def test_engine_on_postgres_answers(health_policy: Policy, health_pg: Backend) -
 
 
 def test_public_domain_releases_every_value(engine: Engine, alice: Session) -> None:
-    result = engine.execute("SELECT problem, COUNT(*) FROM patients WHERE problem = 'Obesity' GROUP BY problem", alice)
+    result = engine.execute(
+        "SELECT problem, COUNT(*) FROM patients WHERE problem = 'Obesity' GROUP BY problem", alice
+    )
     problems = [r[0] for r in result.rows]
     assert problems == list(engine.policy.tables["patients"].columns["problem"].domain or ())
     zero_cells = [r[1] for r in result.rows if r[0] != "Obesity"]
@@ -88,7 +90,7 @@ def test_explain_spends_nothing_and_reports_scale(engine: Engine, alice: Session
     explanation = engine.explain("SELECT COUNT(*), AVG(age) FROM patients", alice)
     count = explanation.columns[0]
     assert count["scale"] == 2.0 and count["epsilon"] == 0.5
-    assert count["ci"] == pytest.approx(2 * math.log(1 / 0.05 * 2 / (1 + math.exp(-0.5))) , abs=3)
+    assert count["ci"] == pytest.approx(2 * math.log(1 / 0.05 * 2 / (1 + math.exp(-0.5))), abs=3)
     assert engine.ledger.spent("health", "alice").epsilon == 0
     result = engine.execute("EXPLAIN SELECT COUNT(*) FROM patients", alice)
     assert result.columns[0].name == "QUERY PLAN" and result.epsilon_spent == 0
@@ -102,8 +104,9 @@ def test_accuracy_matches_scale(engine: Engine, alice: Session) -> None:
     assert avg_ci is not None and 0 < avg_ci < 1
 
 
-def test_budget_charged_before_release_and_refused_when_exhausted(health_policy: Policy, health_duckdb: Backend,
-                                                                  tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_budget_charged_before_release_and_refused_when_exhausted(
+    health_policy: Policy, health_duckdb: Backend, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
     """The averaging attack: repeat one COUNT until refused, exactly at the budget, across a restart."""
     url = f"sqlite:///{tmp_path / 'ledger.sqlite'}"
     session = Session("bob", epsilon=1.0)  # bob's budget is ε=5
@@ -124,7 +127,9 @@ def test_budget_charged_before_release_and_refused_when_exhausted(health_policy:
 def test_failed_query_is_not_refunded(health_policy: Policy, health_duckdb: Backend) -> None:
     health_duckdb.execute_script("CREATE OR REPLACE TABLE broken AS SELECT 1 AS x")
     policy = health_policy.model_copy(
-        update={"tables": {"patients": health_policy.tables["patients"].model_copy(update={"source": "missing"})}}
+        update={
+            "tables": {"patients": health_policy.tables["patients"].model_copy(update={"source": "missing"})}
+        }
     )
     engine = Engine(policy, health_duckdb, Ledger.open("sqlite:///:memory:"))
     with pytest.raises(Exception) as info:
@@ -174,8 +179,9 @@ def test_count_rmse_and_bias_at_epsilon_one(engine: Engine, mechanism: str) -> N
     from dpsql.release import laplace_spec
 
     truth = engine.backend.execute("SELECT COUNT(*) FROM patients WHERE problem = 'Obesity'")[1][0][0]
-    prepared = engine.prepare("SELECT COUNT(*) FROM patients WHERE problem = 'Obesity'",
-                              Session("alice", mechanism=mechanism))  # type: ignore[arg-type]
+    prepared = engine.prepare(
+        "SELECT COUNT(*) FROM patients WHERE problem = 'Obesity'", Session("alice", mechanism=mechanism)
+    )  # type: ignore[arg-type]
     rows = [(truth,)]
     errors = [engine._release(prepared, rows, 0.95).rows[0][0] - truth for _ in range(2000)]
     spec = prepared.budgeting.specs[0]

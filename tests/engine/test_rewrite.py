@@ -10,27 +10,31 @@ from dpsql.rewrite import to_sql
 def test_count_with_where(health_policy: Policy) -> None:
     plan = analyze("SELECT COUNT(*) FROM patients WHERE problem = 'Obesity' AND age >= '30'", health_policy)
     assert to_sql(plan, "postgres") == (
-        'SELECT COUNT(*) AS m0 FROM "patients" WHERE "problem" = \'Obesity\' AND "age" >= 30'
+        'SELECT COUNT(*) AS m0 FROM "patients" AS "patients" '
+        'WHERE "patients"."problem" = \'Obesity\' AND "patients"."age" >= 30'
     )
 
 
 def test_sum_is_clamped_and_avg_centred(health_policy: Policy) -> None:
     plan = analyze("SELECT sex, SUM(age), AVG(age) FROM patients GROUP BY sex", health_policy)
-    clamp = 'CASE WHEN "age" < 0 THEN 0 WHEN "age" > 110 THEN 110 ELSE "age" END'
+    age = '"patients"."age"'
+    clamp = f"CASE WHEN {age} < 0 THEN 0 WHEN {age} > 110 THEN 110 ELSE {age} END"
     assert to_sql(plan, "postgres") == (
-        f'SELECT "sex" AS k0, COALESCE(SUM({clamp}), 0) AS m0, COALESCE(SUM({clamp} - 55), 0) AS m1, '
-        'COUNT(*) AS m2 FROM "patients" GROUP BY "sex"'
+        f'SELECT "patients"."sex" AS k0, COALESCE(SUM({clamp}), 0) AS m0, COALESCE(SUM({clamp} - 55), 0) AS m1, '
+        'COUNT(*) AS m2 FROM "patients" AS "patients" GROUP BY "patients"."sex"'
     )
 
 
 def test_real_sums_cast_before_clamping(health_policy: Policy) -> None:
     plan = analyze("SELECT SUM(bmi) FROM patients", health_policy)
     sql = to_sql(plan, "duckdb")
-    assert 'CAST("bmi" AS DOUBLE)' in sql and "THEN 12 WHEN" in sql
+    assert 'CAST("patients"."bmi" AS DOUBLE)' in sql and "THEN 12 WHEN" in sql
 
 
 def test_dates_become_typed_literals(health_policy: Policy) -> None:
-    plan = analyze("SELECT COUNT(*) FROM patients WHERE dob BETWEEN '1990-01-01' AND DATE '1999-12-31'", health_policy)
+    plan = analyze(
+        "SELECT COUNT(*) FROM patients WHERE dob BETWEEN '1990-01-01' AND DATE '1999-12-31'", health_policy
+    )
     assert "BETWEEN CAST('1990-01-01' AS DATE) AND CAST('1999-12-31' AS DATE)" in to_sql(plan, "postgres")
 
 

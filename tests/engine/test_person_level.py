@@ -1,0 +1,212 @@
+"""Person-level privacy across tables: contribution bounding, joins, neighbouring databases."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from dpsql.analyze import analyze
+from dpsql.backends import Backend, open_backend
+from dpsql.demo import HEAVY_PATIENTS, demo_policy_path, load_demo
+from dpsql.engine import Engine
+from dpsql.errors import Error
+from dpsql.ledger import Ledger
+from dpsql.plan import Plan
+from dpsql.policy import Policy, load_policy
+from dpsql.rewrite import to_sql
+from dpsql.session import Session
+
+HEAVY = HEAVY_PATIENTS[1]
+
+
+@pytest.fixture(scope="module")
+def clinic_policy() -> Policy:
+    return load_policy(demo_policy_path("clinic"))
+
+
+def _without_person(backend: Backend, patient: int) -> None:
+    for table in ("visits", "prescriptions"):
+        backend.execute_script(f"DELETE FROM {table} WHERE patient_id = {patient}")
+    backend.execute_script(f"DELETE FROM patients WHERE id = {patient}")
+
+
+@pytest.fixture(scope="module")
+def clinic_duckdb() -> Iterator[tuple[Backend, Backend]]:
+    """The clinic, and its neighbour without every row of one heavy patient."""
+    full, neighbour = open_backend("duckdb://"), open_backend("duckdb://")
+    load_demo(full, ["clinic"])
+    load_demo(neighbour, ["clinic"])
+    _without_person(neighbour, HEAVY)
+    yield full, neighbour
+    full.close()
+    neighbour.close()
+
+
+@pytest.fixture(scope="module")
+def clinic_pg(pg_new_database: Callable[[], str]) -> Iterator[Backend]:
+    backend = open_backend(pg_new_database())
+    load_demo(backend, ["clinic"])
+    yield backend
+    backend.close()
+
+
+QUERIES = [
+    "SELECT COUNT(*) FROM visits",
+    "SELECT SUM(cost), AVG(cost) FROM visits",
+    "SELECT AVG(dose_mg), COUNT(*) FROM prescriptions WHERE drug IN ('Insulin', 'Metformin')",
+    "SELECT d.building, COUNT(*), SUM(v.cost), COUNT(DISTINCT v.patient_id) "
+    "FROM visits v JOIN departments d ON v.department = d.name GROUP BY d.building",
+    "SELECT p.sex, COUNT(*), AVG(r.dose_mg) FROM patients p JOIN prescriptions r ON r.patient_id = p.id "
+    "GROUP BY p.sex",
+    "SELECT v.department, COUNT(*), SUM(v.cost) FROM patients p JOIN visits v ON v.patient_id = p.id "
+    "LEFT JOIN departments d ON d.name = v.department WHERE p.age > 20 GROUP BY v.department",
+    "SELECT COUNT(DISTINCT id), SUM(age) FROM patients",
+]
+
+
+def _plan(sql: str, policy: Policy) -> Plan:
+    plan = analyze(sql, policy)
+    plan.salt = "fixed-salt-for-the-test"
+    return plan
+
+
+def _cells(backend: Backend, plan: Plan, dialect: str) -> dict[tuple, tuple]:
+    _, rows = backend.execute(to_sql(plan, dialect))
+    n = len(plan.keys)
+    return {tuple(r[:n]): tuple(0 if v is None else v for v in r[n:]) for r in rows}
+
+
+@pytest.mark.parametrize("sql", QUERIES)
+def test_neighbours_differ_by_at_most_the_sensitivity(
+    sql: str, clinic_policy: Policy, clinic_duckdb: tuple[Backend, Backend]
+) -> None:
+    """Remove *all* rows of a patient with hundreds of rows: each measure moves ≤ its L1 sensitivity."""
+    plan = _plan(sql, clinic_policy)
+    full, neighbour = (_cells(b, plan, "duckdb") for b in clinic_duckdb)
+    zeros = (0,) * len(plan.measures)
+    for i, measure in enumerate(plan.measures):
+        l1, _ = plan.sensitivities(measure)
+        moved = sum(
+            abs(full.get(k, zeros)[i] - neighbour.get(k, zeros)[i]) for k in set(full) | set(neighbour)
+        )
+        assert moved <= l1 + 1e-6, (measure, moved, l1)
+    changed_groups = sum(full.get(k) != neighbour.get(k) for k in set(full) | set(neighbour))
+    assert changed_groups <= plan.max_groups
+
+
+def test_heavy_person_bounded_by_max_rows_and_explain_matches(
+    clinic_policy: Policy, clinic_duckdb: tuple[Backend, Backend]
+) -> None:
+    raw = [b.execute("SELECT COUNT(*) FROM visits")[1][0][0] for b in clinic_duckdb]
+    assert raw[0] - raw[1] == 300  # unbounded, the heavy patient moves the count by 300
+    plan = _plan("SELECT COUNT(*) FROM visits", clinic_policy)
+    bounded = [_cells(b, plan, "duckdb")[()][0] for b in clinic_duckdb]
+    assert bounded[0] - bounded[1] == 20  # max_rows_per_unit of visits
+    engine = Engine(clinic_policy, clinic_duckdb[0], Ledger.open("sqlite:///:memory:"))
+    explanation = engine.explain("SELECT COUNT(*) FROM visits", Session("alice", epsilon=0.5))
+    assert explanation.columns[0]["sensitivity"] == 20 and explanation.columns[0]["scale"] == 40
+    assert explanation.unit.startswith("patients.id (at most 20 rows")
+    assert "<secret>" in explanation.sql
+
+
+@pytest.mark.parametrize("sql", QUERIES)
+def test_identical_pre_noise_results_on_duckdb_and_postgres(
+    sql: str, clinic_policy: Policy, clinic_duckdb: tuple[Backend, Backend], clinic_pg: Backend
+) -> None:
+    plan = _plan(sql, clinic_policy)
+    duck, pg = _cells(clinic_duckdb[0], plan, "duckdb"), _cells(clinic_pg, plan, "postgres")
+    assert duck.keys() == pg.keys()
+    for key in duck:
+        assert duck[key] == pytest.approx(pg[key], rel=1e-12), key
+
+
+def test_engine_answers_person_level_queries(
+    clinic_policy: Policy, clinic_duckdb: tuple[Backend, Backend]
+) -> None:
+    engine = Engine(clinic_policy, clinic_duckdb[0], Ledger.open("sqlite:///:memory:"))
+    result = engine.execute("SELECT COUNT(DISTINCT patient_id) FROM visits", Session("alice"))
+    assert 1900 < result.rows[0][0] < 2100
+    grouped = engine.execute("SELECT department, COUNT(*) FROM visits GROUP BY department", Session("alice"))
+    assert {r[0] for r in grouped.rows} <= {
+        "Cardiology",
+        "Oncology",
+        "Pediatrics",
+        "Emergency",
+        "Dermatology",
+        "Neurology",
+    }
+
+
+JOIN_REFUSALS = [
+    (
+        "SELECT COUNT(*) FROM visits a JOIN visits b ON a.patient_id = b.patient_id",
+        "0A000",
+        'self-joins of private table "visits" are not supported',
+    ),
+    ("SELECT COUNT(*) FROM visits CROSS JOIN prescriptions", "0A000", "cross joins are not supported"),
+    ("SELECT COUNT(*) FROM visits, prescriptions", "0A000", "cross joins are not supported"),
+    (
+        "SELECT COUNT(*) FROM visits v JOIN prescriptions r ON v.patient_id < r.patient_id",
+        "0A000",
+        "JOIN conditions must be equalities between columns",
+    ),
+    (
+        "SELECT COUNT(*) FROM visits v JOIN prescriptions r ON v.id = r.id",
+        "0A000",
+        'private tables "visits" and "prescriptions" must be joined on their privacy unit',
+    ),
+    (
+        "SELECT COUNT(*) FROM visits v JOIN departments d ON v.department = d.name "
+        "JOIN prescriptions r ON r.drug = d.name",
+        "0A000",
+        "private tables must be joined on their privacy unit",
+    ),
+    (
+        "SELECT COUNT(*) FROM visits v RIGHT JOIN patients p ON v.patient_id = p.id",
+        "0A000",
+        "RIGHT JOIN is not supported",
+    ),
+    (
+        "SELECT COUNT(*) FROM visits v FULL JOIN patients p ON v.patient_id = p.id",
+        "0A000",
+        "FULL JOIN is not supported",
+    ),
+    ("SELECT COUNT(*) FROM visits v JOIN patients p USING (id)", "0A000", "JOIN ... USING is not supported"),
+    (
+        "SELECT COUNT(*) FROM visits UNION ALL SELECT COUNT(*) FROM prescriptions",
+        "0A000",
+        "UNION is not supported",
+    ),
+    (
+        "SELECT COUNT(DISTINCT department) FROM visits",
+        "0A000",
+        "COUNT(DISTINCT ...) is supported only on the privacy unit",
+    ),
+    ("SELECT COUNT(patient_id) FROM visits", "42501", 'permission denied for column "patient_id"'),
+    (
+        "SELECT COUNT(*) FROM visits v JOIN patients p ON v.patient_id = p.id WHERE p.id = 42",
+        "42501",
+        'permission denied for column "id"',
+    ),
+    (
+        "SELECT COUNT(*) FROM visits v JOIN patients p ON v.patient_id = p.id GROUP BY id",
+        "42702",
+        'column reference "id" is ambiguous',
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("sql", "sqlstate", "message"), JOIN_REFUSALS, ids=[r[0][:70] for r in JOIN_REFUSALS]
+)
+def test_join_refusals(sql: str, sqlstate: str, message: str, clinic_policy: Policy) -> None:
+    with pytest.raises(Error) as info:
+        analyze(sql, clinic_policy)
+    assert (info.value.sqlstate, info.value.message) == (sqlstate, message)
+
+
+def test_row_level_table_cannot_join(health_policy: Policy) -> None:
+    with pytest.raises(Error) as info:
+        analyze("SELECT COUNT(*) FROM patients a JOIN patients b ON a.age = b.age", health_policy)
+    assert info.value.message == 'self-joins of private table "patients" are not supported'
