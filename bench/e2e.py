@@ -37,7 +37,7 @@ GROUP_QUERIES: dict[str, str] = {
 def _reps(n: int, quick: bool) -> tuple[int, float]:
     """(max repetitions, time budget in seconds per query pair) for a table of ``n`` rows."""
     if quick:
-        return (30, 1.5) if n <= 10**5 else (12, 2.0)
+        return (25, 1.0) if n <= 10**5 else (10, 1.2)
     return {10**5: (100, 4.0), 10**6: (40, 6.0)}.get(n, (12, 10.0))
 
 

@@ -23,7 +23,7 @@ def run(quick: bool) -> Section:
         f"noise throughput (discrete Laplace, scale {SCALE:g})",
         ["what", "size", "p50 ms", "p99 ms", "samples/s", "× urandom(8·size)"],
     )
-    reps = {1: 2000 if quick else 10000, 1000: 200 if quick else 1000, 10**6: 5 if quick else 15}
+    reps = {1: 2000 if quick else 10000, 1000: 200 if quick else 1000, 10**6: 3 if quick else 15}
     for size, n_reps in reps.items():
         st = time_calls(
             lambda size=size: discrete_laplace(SCALE, size), reps=n_reps, budget_s=3 if quick else 8
@@ -47,9 +47,9 @@ def run(quick: bool) -> Section:
     }
     for what, (values, spec) in specs.items():
         st = time_calls(
-            lambda values=values, spec=spec: release(values, spec), reps=5 if quick else 15, warmup=1
+            lambda values=values, spec=spec: release(values, spec), reps=3 if quick else 15, warmup=1
         )
-        base = time_calls(lambda: os.urandom(8 * cells), reps=5, warmup=1)
+        base = time_calls(lambda: os.urandom(8 * cells), reps=3, warmup=1)
         rate = cells / (st.p50_us / 1e6)
         section.rows.append([what, cells, st.p50_us / 1e3, st.p99_us / 1e3, rate, st.p50_us / base.p50_us])
         section.data[what.replace(" ", "_")] = {

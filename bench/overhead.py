@@ -111,7 +111,7 @@ def _measure_query(engine: Engine, file_ledger: Ledger, sql: str, reps: int) -> 
 
 
 def run(quick: bool) -> Section:
-    reps = 150 if quick else 600
+    reps = 100 if quick else 600
     backend = open_backend("duckdb://")
     make_table(backend, "t", 10_000)
     engine = Engine(bench_policy(), backend, Ledger.open("sqlite:///:memory:"))

@@ -64,9 +64,7 @@ def health_rows(n: int = 10_000, seed: int = 2026) -> Rows:
     for i, (marital, sex, zip_code, ethnicity, problem, dob_text) in enumerate(SEED_PATIENTS):
         dob = dt.date.fromisoformat(dob_text)
         name = "Igor" if i == 9 else f"Seed patient {i}"
-        rows.append(
-            (name, f"000-00-{i:04d}", marital, sex, dob, zip_code, ethnicity, problem, _age(dob), 31.0, 3)
-        )
+        rows.append((name, f"000-00-{i:04d}", marital, sex, dob, zip_code, ethnicity, problem, _age(dob), 31.0, 3))
     start = dt.date(1930, 1, 1).toordinal()
     for i in range(10, n):
         dob = dt.date.fromordinal(start + int(rng.integers(0, 365 * 75)))
@@ -307,6 +305,7 @@ DEMO_TABLES: dict[str, Any] = {
     "health": lambda: [("patients", HEALTH_COLUMNS, health_rows)],
     "adult": lambda: [("adult", ADULT_COLUMNS, adult_rows)],
     "clinic": lambda: clinic_tables(),
+    "clinic_households": lambda: clinic_tables(),
 }
 
 

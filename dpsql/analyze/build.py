@@ -184,23 +184,17 @@ def check_where(node: exp.Expression, scope: _Scope) -> exp.Expression:
     if isinstance(node, exp.Paren):
         return exp.Paren(this=check_where(node.this, scope))
     if isinstance(node, exp.And | exp.Or):
-        return node.__class__(
-            this=check_where(node.this, scope), expression=check_where(node.expression, scope)
-        )
+        return node.__class__(this=check_where(node.this, scope), expression=check_where(node.expression, scope))
     if isinstance(node, exp.Not):
         return exp.Not(this=check_where(node.this, scope))
     if isinstance(node, exp.Boolean):
         return node.copy()
     if isinstance(node, _AGGREGATES) or node.find(*_AGGREGATES):
-        raise GroupingError(
-            "aggregate functions are not allowed in WHERE", hint="Use HAVING to filter groups."
-        )
+        raise GroupingError("aggregate functions are not allowed in WHERE", hint="Use HAVING to filter groups.")
     if isinstance(node, exp.Column):
         _, policy = resolve_column(node, scope)
         if policy.type != "boolean":
-            raise DatatypeMismatch(
-                f"argument of WHERE must be type boolean, not type {_PG_TYPES[policy.type]}"
-            )
+            raise DatatypeMismatch(f"argument of WHERE must be type boolean, not type {_PG_TYPES[policy.type]}")
         return _normalise_column(node, scope)
     if isinstance(node, _PREDICATES):
         return _check_comparison(node, scope)
@@ -275,9 +269,7 @@ def _check_comparison(node: exp.Expression, scope: _Scope) -> exp.Expression:
 def _check_in(node: exp.In, scope: _Scope) -> exp.Expression:
     target = _required_operand(node.this, scope)
     if node.args.get("query") or node.args.get("unnest") or node.args.get("field"):
-        raise FeatureNotSupported(
-            "IN (subquery) is not supported", hint="List constant values inside IN (...)."
-        )
+        raise FeatureNotSupported("IN (subquery) is not supported", hint="List constant values inside IN (...).")
     values = [_check_literal_for(*target, v) for v in node.expressions]
     return exp.In(this=_normalise_column(node.this, scope), expressions=values)
 
@@ -305,9 +297,7 @@ def resolve_group_keys(tree: exp.Select, scope: _Scope) -> None:
         if isinstance(item, exp.Literal) and not item.is_string:
             index = int(item.name)
             if not 1 <= index <= len(projections):
-                raise InvalidParameterValue(
-                    f"GROUP BY position {index} is not in select list", sqlstate="42P10"
-                )
+                raise InvalidParameterValue(f"GROUP BY position {index} is not in select list", sqlstate="42P10")
             target = projections[index - 1].unalias()
         elif isinstance(item, exp.Column) and not item.args.get("table"):
             name = _ident_name(item.this)
@@ -318,15 +308,11 @@ def resolve_group_keys(tree: exp.Select, scope: _Scope) -> None:
         if not isinstance(target, exp.Column):
             if target.find(*_AGGREGATES):
                 raise GroupingError("aggregate functions are not allowed in GROUP BY")
-            raise FeatureNotSupported(
-                "GROUP BY expressions are not supported yet", hint="Group by declared columns."
-            )
+            raise FeatureNotSupported("GROUP BY expressions are not supported yet", hint="Group by declared columns.")
         source, name, policy = resolve_ref(target, scope.sources)
         if any(k.column == name and k.table == source.alias for k in scope.keys):
             continue
-        scope.keys.append(
-            GroupKey(column=name, table=source.alias, policy=policy, domain=policy.release_domain())
-        )
+        scope.keys.append(GroupKey(column=name, table=source.alias, policy=policy, domain=policy.release_domain()))
 
 
 # --- outputs: aggregates and post-processing -----------------------------------------
@@ -409,9 +395,7 @@ def _measure_expression(agg: exp.Expression, scope: _Scope) -> tuple[exp.Express
     Returns the expression, its output kind and the measures it reads.
     """
     if agg.args.get("filter") or isinstance(agg.parent, exp.Filter):
-        raise FeatureNotSupported(
-            "aggregate FILTER clauses are not supported yet", hint="Move the filter to WHERE."
-        )
+        raise FeatureNotSupported("aggregate FILTER clauses are not supported yet", hint="Move the filter to WHERE.")
     if isinstance(agg.this, exp.Distinct):
         if not isinstance(agg, exp.Count):
             raise FeatureNotSupported(f"{agg.key.upper()}(DISTINCT ...) is not supported")
@@ -446,9 +430,7 @@ def convert_output(node: exp.Expression, scope: _Scope) -> tuple[exp.Expression,
                 hint="Supported aggregates: COUNT(*), COUNT(column), SUM(column), AVG(column).",
             )
     if isinstance(node, exp.Filter):
-        raise FeatureNotSupported(
-            "aggregate FILTER clauses are not supported yet", hint="Move the filter to WHERE."
-        )
+        raise FeatureNotSupported("aggregate FILTER clauses are not supported yet", hint="Move the filter to WHERE.")
     if isinstance(node, _AGGREGATES):
         return _measure_expression(node, scope)
     if isinstance(node, exp.Column):
@@ -495,9 +477,7 @@ def _output_name(projection: exp.Expression) -> str:
     if isinstance(node, exp.Column):
         return _ident_name(node.this)
     if isinstance(node, exp.Cast):
-        return (
-            _output_name(node.this) if isinstance(node.this, exp.Column | exp.Func) else node.to.sql().lower()
-        )
+        return _output_name(node.this) if isinstance(node.this, exp.Column | exp.Func) else node.to.sql().lower()
     if isinstance(node, exp.Func):
         return node.sql_name().lower() if not isinstance(node, exp.Anonymous) else node.name.lower()
     return "?column?"
@@ -523,9 +503,9 @@ def _output_type(kind: str, expr: exp.Expression, scope: _Scope, measures: tuple
         return "double precision"
     if isinstance(expr, exp.Var) and expr.name.startswith("k"):
         return _PG_TYPES[scope.keys[int(expr.name[1:])].policy.type]
-    integral = all(
-        scope.measures[m].integer and scope.measures[m].centre == 0 for m in measures
-    ) and not expr.find(exp.Anonymous)
+    integral = all(scope.measures[m].integer and scope.measures[m].centre == 0 for m in measures) and not expr.find(
+        exp.Anonymous
+    )
     literals_integral = all(not lit.is_string and "." not in lit.name for lit in expr.find_all(exp.Literal))
     if integral and literals_integral and not expr.find(exp.Round):
         return "bigint"
@@ -565,9 +545,7 @@ def _order_terms(tree: exp.Select, scope: _Scope, outputs: list[OutputItem]) -> 
         if isinstance(node, exp.Literal) and not node.is_string:
             index = int(node.name)
             if not 1 <= index <= len(outputs):
-                raise InvalidParameterValue(
-                    f"ORDER BY position {index} is not in select list", sqlstate="42P10"
-                )
+                raise InvalidParameterValue(f"ORDER BY position {index} is not in select list", sqlstate="42P10")
             expr: exp.Expression = exp.var(f"o{index - 1}")
         elif isinstance(node, exp.Column) and not node.args.get("table") and _ident_name(node.this) in names:
             expr = exp.var(f"o{names[_ident_name(node.this)]}")

@@ -60,9 +60,7 @@ def require_select(tree: exp.Expression) -> None:
 def reject_unsupported_clauses(tree: exp.Expression) -> None:
     """Clauses that would release rows, lock rows, or hide extra queries."""
     if tree.args.get("with_"):
-        raise FeatureNotSupported(
-            "WITH queries are not supported yet", hint="Inline the CTE's filter in WHERE."
-        )
+        raise FeatureNotSupported("WITH queries are not supported yet", hint="Inline the CTE's filter in WHERE.")
     if tree.args.get("into"):
         raise ReadOnlyViolation("cannot execute SELECT INTO in a read-only transaction")
     if tree.args.get("locks"):

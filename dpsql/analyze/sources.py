@@ -32,18 +32,32 @@ class Source:
     alias: str
     name: str
     table: TablePolicy
-    #: The column holding this table's privacy-unit value (None: public, or one row per person).
+    #: The column holding this table's privacy-unit value (None: public, one row per person, or via a join).
     unit_column: str | None
+    #: Where the unit lives in another table (group privacy: ``visits.patient_id → patients.id`` while
+    #: patients protect ``household_id``): the hidden join that fetches it.
+    unit_join: exp.Join | None = None
 
     @property
     def private(self) -> bool:
         return not self.table.public
+
+    @property
+    def unit(self) -> exp.Column | None:
+        if self.unit_column is not None:
+            return qualified(self, self.unit_column)
+        if self.unit_join is not None:
+            ref = self.table.references
+            assert ref is not None
+            return exp.column(self.unit_join.meta["unit"], table=_unit_alias(self), quoted=True)
+        return None
 
 
 @dataclass(slots=True)
 class Sources:
     """The resolved FROM clause."""
 
+    policy: Policy
     sources: list[Source]
     joins: list[exp.Join] = field(default_factory=list)
 
@@ -54,19 +68,18 @@ class Sources:
     @property
     def unit(self) -> exp.Column | None:
         """The privacy-unit expression all private rows are bounded by (None: row-level)."""
-        for source in self.private:
-            if source.unit_column is not None:
-                return exp.column(source.unit_column, table=source.alias, quoted=True)
-        return None
+        return next((s.unit for s in self.private if s.unit is not None), None)
 
     @property
     def unit_description(self) -> str:
-        source = next((s for s in self.private if s.unit_column), None)
+        source = next((s for s in self.private if s.unit is not None), None)
         if source is None:
             return "one row (each row is one person)"
-        owner = source.table.references.table if source.table.references else source.name
-        column = source.table.references.to if source.table.references else source.unit_column
-        return f"{owner}.{column}"
+        if source.table.privacy_unit is not None:
+            return f"{source.name}.{source.table.privacy_unit}"
+        ref = source.table.references
+        assert ref is not None
+        return f"{ref.table}.{self.policy.tables[ref.table].privacy_unit or ref.to}"
 
     @property
     def max_rows(self) -> int:
@@ -91,20 +104,48 @@ def ident_name(identifier: exp.Expression | str | None) -> str:
 
 
 def unit_column(policy: Policy, table: TablePolicy) -> str | None:
+    """The column of ``table`` whose value *is* the unit (directly, or a foreign key to the unit)."""
     if table.public:
         return None
     if table.privacy_unit is not None:
         return table.privacy_unit
-    if table.references is not None:
-        return table.references.column
+    ref = table.references
+    if ref is not None and policy.tables[ref.table].privacy_unit == ref.to:
+        return ref.column
     return None
+
+
+def _unit_alias(source: Source) -> str:
+    return f"__unit_{source.alias}"
+
+
+def _unit_join(policy: Policy, alias: str, table: TablePolicy) -> exp.Join | None:
+    """LEFT JOIN to the referenced table when the unit is a coarser column there (e.g. a household)."""
+    ref = table.references
+    if table.public or table.privacy_unit is not None or ref is None:
+        return None
+    target = policy.tables[ref.table]
+    if target.privacy_unit in (None, ref.to):
+        return None
+    hidden = f"__unit_{alias}"
+    join = exp.Join(
+        this=exp.Table(
+            this=exp.to_identifier(target.source or ref.table, quoted=True),
+            alias=exp.TableAlias(this=exp.to_identifier(hidden, quoted=True)),
+        ),
+        on=exp.EQ(
+            this=exp.column(ref.column, table=alias, quoted=True),
+            expression=exp.column(ref.to, table=hidden, quoted=True),
+        ),
+        side="LEFT",
+    )
+    join.meta["unit"] = target.privacy_unit
+    return join
 
 
 def _source(node: exp.Expression, policy: Policy) -> Source:
     if not isinstance(node, exp.Table):
-        raise FeatureNotSupported(
-            "FROM must name a table", hint="Subqueries and table functions are refused."
-        )
+        raise FeatureNotSupported("FROM must name a table", hint="Subqueries and table functions are refused.")
     schema = ident_name(node.args.get("db"))
     name = ident_name(node.this)
     table = policy.tables.get(name)
@@ -115,12 +156,16 @@ def _source(node: exp.Expression, policy: Policy) -> Source:
             hint=f'Tables in dataset "{policy.dataset}": {", ".join(sorted(policy.tables))}.',
         )
     alias = ident_name(node.args["alias"].this) if node.alias else name
-    return Source(alias=alias, name=name, table=table, unit_column=unit_column(policy, table))
+    return Source(
+        alias=alias,
+        name=name,
+        table=table,
+        unit_column=unit_column(policy, table),
+        unit_join=_unit_join(policy, alias, table),
+    )
 
 
-def resolve_ref(
-    column: exp.Column, sources: Sources, *, identifiers: bool = False
-) -> tuple[Source, str, ColumnPolicy]:
+def resolve_ref(column: exp.Column, sources: Sources, *, identifiers: bool = False) -> tuple[Source, str, ColumnPolicy]:
     """A column reference → (its table, its name, its policy); identifiers only where allowed."""
     qualifier = ident_name(column.args.get("table"))
     name = ident_name(column.this)
@@ -140,9 +185,7 @@ def resolve_ref(
         )
         raise UndefinedColumn(f'column "{name}" does not exist', hint=f"Queryable columns: {listed}.")
     if len(matches) > 1:
-        raise AmbiguousColumn(
-            f'column reference "{name}" is ambiguous', hint="Qualify it with its table name."
-        )
+        raise AmbiguousColumn(f'column reference "{name}" is ambiguous', hint="Qualify it with its table name.")
     source = matches[0]
     policy = source.table.columns[name]
     if policy.identifier and not identifiers:
@@ -183,6 +226,12 @@ def _check_join_kind(join: exp.Join) -> None:
         raise FeatureNotSupported(f"{join.args['method'].upper()} JOIN is not supported")
 
 
+def _follows_reference(a: tuple[Source, str, ColumnPolicy], b: tuple[Source, str, ColumnPolicy]) -> bool:
+    """``a.column = b.to`` for a declared ``references`` of a's table: rows keep their unit."""
+    ref = a[0].table.references
+    return ref is not None and ref.column == a[1] and ref.table == b[0].name and ref.to == b[1]
+
+
 def _join_condition(join: exp.Join, sources: Sources, unify: dict[str, str]) -> exp.Expression:
     """Validate ``ON`` (a conjunction of column equalities) and record which units it equates."""
     normalised = []
@@ -197,11 +246,12 @@ def _join_condition(join: exp.Join, sources: Sources, unify: dict[str, str]) -> 
         left = resolve_ref(conjunct.this, sources, identifiers=True)
         right = resolve_ref(conjunct.expression, sources, identifiers=True)
         if left[0].private and right[0].private:
-            if left[1] != left[0].unit_column or right[1] != right[0].unit_column:
+            on_units = left[1] == left[0].unit_column and right[1] == right[0].unit_column
+            if not on_units and not _follows_reference(left, right) and not _follows_reference(right, left):
                 raise FeatureNotSupported(
                     f'private tables "{left[0].name}" and "{right[0].name}" must be joined on their privacy unit',
-                    hint=f"Join {left[0].alias}.{left[0].unit_column} = {right[0].alias}.{right[0].unit_column}; "
-                    "joining on other columns mixes different persons' rows.",
+                    hint="Join on the privacy-unit columns or along a foreign key declared in the policy "
+                    "(references); joining on other columns mixes different persons' rows.",
                 )
             _union(unify, left[0].alias, right[0].alias)
         normalised.append(exp.EQ(this=qualified(left[0], left[1]), expression=qualified(right[0], right[1])))
@@ -213,15 +263,13 @@ def _join_condition(join: exp.Join, sources: Sources, unify: dict[str, str]) -> 
 
 def resolve_sources(tree: exp.Select, policy: Policy) -> Sources:
     """Resolve FROM and JOINs; refuse every join that could multiply or mix persons' rows."""
-    sources = Sources([_source(tree.args["from_"].this, policy)])
+    sources = Sources(policy, [_source(tree.args["from_"].this, policy)])
     joins = tree.args.get("joins") or []
     for join in joins:
         _check_join_kind(join)
         source = _source(join.this, policy)
         if any(s.alias == source.alias for s in sources.sources):
-            raise FeatureNotSupported(
-                f'table name "{source.alias}" specified more than once', sqlstate="42712"
-            )
+            raise FeatureNotSupported(f'table name "{source.alias}" specified more than once', sqlstate="42712")
         if source.private and any(s.name == source.name for s in sources.sources):
             raise FeatureNotSupported(
                 f'self-joins of private table "{source.name}" are not supported',
@@ -230,7 +278,7 @@ def resolve_sources(tree: exp.Select, policy: Policy) -> Sources:
         sources.sources.append(source)
     if joins:
         for source in sources.private:
-            if source.unit_column is None:
+            if source.unit is None:
                 raise FeatureNotSupported(
                     f'table "{source.name}" has no privacy unit and cannot be joined',
                     hint="Declare privacy_unit (or references) for it in the policy.",
@@ -241,6 +289,7 @@ def resolve_sources(tree: exp.Select, policy: Policy) -> Sources:
         sources.joins.append(
             exp.Join(this=_table_node(_by_alias(sources, join)), on=condition, side=join.args.get("side"))
         )
+    sources.joins.extend(s.unit_join for s in sources.sources if s.unit_join is not None)
     private = sources.private
     if len(private) > 1:
         roots = {_root(unify, s.alias) for s in private}

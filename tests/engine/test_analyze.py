@@ -224,9 +224,7 @@ def test_parameters_bind_as_literals(health_policy: Policy) -> None:
         analyze("SELECT COUNT(*) FROM patients WHERE age > %s", health_policy, None)
     with pytest.raises(Error, match="more placeholders than parameters"):
         analyze("SELECT COUNT(*) FROM patients WHERE age > %s", health_policy, ())
-    plan = analyze(
-        "SELECT COUNT(*) FROM patients WHERE age > $1 AND sex = $2", health_policy, (30, "x'; DROP")
-    )
+    plan = analyze("SELECT COUNT(*) FROM patients WHERE age > $1 AND sex = $2", health_policy, (30, "x'; DROP"))
     assert "x''; DROP" in plan.where.sql()
 
 

@@ -33,9 +33,7 @@ def test_query_prints_table_and_notice(tmp_path: Path) -> None:
 
 
 def test_query_json_and_budget(tmp_path: Path) -> None:
-    out = dpsql(
-        "query", "--json", "-U", "alice", "--epsilon", "0.25", "SELECT COUNT(*) FROM patients", home=tmp_path
-    )
+    out = dpsql("query", "--json", "-U", "alice", "--epsilon", "0.25", "SELECT COUNT(*) FROM patients", home=tmp_path)
     payload = json.loads(out.stdout)
     assert payload["columns"] == [{"name": "count", "type": "bigint"}] and payload["epsilon_spent"] == 0.25
     budget = json.loads(dpsql("budget", "--json", home=tmp_path).stdout)
@@ -63,9 +61,7 @@ def test_bad_policy_names_file_line_and_key(tmp_path: Path) -> None:
     out = dpsql("query", "--policy", str(bad), "SELECT COUNT(*) FROM patients", home=tmp_path)
     line = next(i for i, s in enumerate(text.splitlines(), 1) if "upper: -5" in s)
     assert out.returncode == 1
-    assert (
-        f"{bad}:{line}: tables.patients.columns.age: 'lower' (0) is greater than 'upper' (-5)" in out.stderr
-    )
+    assert f"{bad}:{line}: tables.patients.columns.age: 'lower' (0) is greater than 'upper' (-5)" in out.stderr
 
 
 @pytest.mark.parametrize("runs", [50])

@@ -16,9 +16,7 @@ def conn(engine: Engine) -> dpsql.dbapi.Connection:
 
 def test_module_globals() -> None:
     assert dpsql.apilevel == "2.0" and dpsql.paramstyle == "pyformat" and dpsql.threadsafety == 1
-    assert issubclass(dpsql.ProgrammingError, dpsql.DatabaseError) and issubclass(
-        dpsql.DatabaseError, dpsql.Error
-    )
+    assert issubclass(dpsql.ProgrammingError, dpsql.DatabaseError) and issubclass(dpsql.DatabaseError, dpsql.Error)
 
 
 def test_cursor_round_trip(conn) -> None:  # type: ignore[no-untyped-def]
@@ -37,9 +35,7 @@ def test_cursor_round_trip(conn) -> None:  # type: ignore[no-untyped-def]
 
 def test_named_parameters_and_fetchmany(conn) -> None:  # type: ignore[no-untyped-def]
     cur = conn.cursor()
-    cur.execute(
-        "SELECT problem, COUNT(*) FROM patients WHERE sex = %(sex)s GROUP BY problem", {"sex": "Male"}
-    )
+    cur.execute("SELECT problem, COUNT(*) FROM patients WHERE sex = %(sex)s GROUP BY problem", {"sex": "Male"})
     assert len(cur.fetchmany(3)) == 3 and len(cur.fetchmany(10)) == 4
     assert [row[0] for row in cur.execute("SELECT sex, COUNT(*) FROM patients GROUP BY sex")] == [
         "Female",

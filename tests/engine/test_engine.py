@@ -58,9 +58,7 @@ def test_engine_on_postgres_answers(health_policy: Policy, health_pg: Backend) -
 
 
 def test_public_domain_releases_every_value(engine: Engine, alice: Session) -> None:
-    result = engine.execute(
-        "SELECT problem, COUNT(*) FROM patients WHERE problem = 'Obesity' GROUP BY problem", alice
-    )
+    result = engine.execute("SELECT problem, COUNT(*) FROM patients WHERE problem = 'Obesity' GROUP BY problem", alice)
     problems = [r[0] for r in result.rows]
     assert problems == list(engine.policy.tables["patients"].columns["problem"].domain or ())
     zero_cells = [r[1] for r in result.rows if r[0] != "Obesity"]
@@ -127,9 +125,7 @@ def test_budget_charged_before_release_and_refused_when_exhausted(
 def test_failed_query_is_not_refunded(health_policy: Policy, health_duckdb: Backend) -> None:
     health_duckdb.execute_script("CREATE OR REPLACE TABLE broken AS SELECT 1 AS x")
     policy = health_policy.model_copy(
-        update={
-            "tables": {"patients": health_policy.tables["patients"].model_copy(update={"source": "missing"})}
-        }
+        update={"tables": {"patients": health_policy.tables["patients"].model_copy(update={"source": "missing"})}}
     )
     engine = Engine(policy, health_duckdb, Ledger.open("sqlite:///:memory:"))
     with pytest.raises(Exception) as info:
@@ -154,8 +150,7 @@ def test_gaussian_mechanism_charges_delta_and_rho(engine: Engine) -> None:
 
 def test_post_processing_having_order_limit(engine: Engine, alice: Session) -> None:
     result = engine.execute(
-        "SELECT problem, COUNT(*) AS n FROM patients GROUP BY problem HAVING COUNT(*) > 1000 "
-        "ORDER BY n DESC LIMIT 2",
+        "SELECT problem, COUNT(*) AS n FROM patients GROUP BY problem HAVING COUNT(*) > 1000 ORDER BY n DESC LIMIT 2",
         alice,
     )
     counts = [r[1] for r in result.rows]

@@ -57,8 +57,7 @@ QUERIES = [
     "SELECT AVG(dose_mg), COUNT(*) FROM prescriptions WHERE drug IN ('Insulin', 'Metformin')",
     "SELECT d.building, COUNT(*), SUM(v.cost), COUNT(DISTINCT v.patient_id) "
     "FROM visits v JOIN departments d ON v.department = d.name GROUP BY d.building",
-    "SELECT p.sex, COUNT(*), AVG(r.dose_mg) FROM patients p JOIN prescriptions r ON r.patient_id = p.id "
-    "GROUP BY p.sex",
+    "SELECT p.sex, COUNT(*), AVG(r.dose_mg) FROM patients p JOIN prescriptions r ON r.patient_id = p.id GROUP BY p.sex",
     "SELECT v.department, COUNT(*), SUM(v.cost) FROM patients p JOIN visits v ON v.patient_id = p.id "
     "LEFT JOIN departments d ON d.name = v.department WHERE p.age > 20 GROUP BY v.department",
     "SELECT COUNT(DISTINCT id), SUM(age) FROM patients",
@@ -87,9 +86,7 @@ def test_neighbours_differ_by_at_most_the_sensitivity(
     zeros = (0,) * len(plan.measures)
     for i, measure in enumerate(plan.measures):
         l1, _ = plan.sensitivities(measure)
-        moved = sum(
-            abs(full.get(k, zeros)[i] - neighbour.get(k, zeros)[i]) for k in set(full) | set(neighbour)
-        )
+        moved = sum(abs(full.get(k, zeros)[i] - neighbour.get(k, zeros)[i]) for k in set(full) | set(neighbour))
         assert moved <= l1 + 1e-6, (measure, moved, l1)
     changed_groups = sum(full.get(k) != neighbour.get(k) for k in set(full) | set(neighbour))
     assert changed_groups <= plan.max_groups
@@ -121,9 +118,7 @@ def test_identical_pre_noise_results_on_duckdb_and_postgres(
         assert duck[key] == pytest.approx(pg[key], rel=1e-12), key
 
 
-def test_engine_answers_person_level_queries(
-    clinic_policy: Policy, clinic_duckdb: tuple[Backend, Backend]
-) -> None:
+def test_engine_answers_person_level_queries(clinic_policy: Policy, clinic_duckdb: tuple[Backend, Backend]) -> None:
     engine = Engine(clinic_policy, clinic_duckdb[0], Ledger.open("sqlite:///:memory:"))
     result = engine.execute("SELECT COUNT(DISTINCT patient_id) FROM visits", Session("alice"))
     assert 1900 < result.rows[0][0] < 2100
@@ -197,9 +192,7 @@ JOIN_REFUSALS = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("sql", "sqlstate", "message"), JOIN_REFUSALS, ids=[r[0][:70] for r in JOIN_REFUSALS]
-)
+@pytest.mark.parametrize(("sql", "sqlstate", "message"), JOIN_REFUSALS, ids=[r[0][:70] for r in JOIN_REFUSALS])
 def test_join_refusals(sql: str, sqlstate: str, message: str, clinic_policy: Policy) -> None:
     with pytest.raises(Error) as info:
         analyze(sql, clinic_policy)
@@ -210,3 +203,28 @@ def test_row_level_table_cannot_join(health_policy: Policy) -> None:
     with pytest.raises(Error) as info:
         analyze("SELECT COUNT(*) FROM patients a JOIN patients b ON a.age = b.age", health_policy)
     assert info.value.message == 'self-joins of private table "patients" are not supported'
+
+
+def test_group_privacy_bounds_a_whole_household(clinic_duckdb: tuple[Backend, Backend]) -> None:
+    """With households as the unit, removing a household (two members) moves each measure ≤ its sensitivity."""
+    policy = load_policy(demo_policy_path("clinic_households"))
+    full = clinic_duckdb[0]
+    neighbour = open_backend("duckdb://")
+    load_demo(neighbour, ["clinic"])
+    household = (HEAVY + 1) // 2
+    for member in (2 * household - 1, 2 * household):
+        _without_person(neighbour, member)
+    for sql in QUERIES[:-1] + [
+        "SELECT p.sex, COUNT(*) FROM visits v JOIN patients p ON v.patient_id = p.id GROUP BY p.sex"
+    ]:
+        if "DISTINCT" in sql:
+            continue
+        plan = _plan(sql, policy)
+        a, b = _cells(full, plan, "duckdb"), _cells(neighbour, plan, "duckdb")
+        zeros = (0,) * len(plan.measures)
+        for i, measure in enumerate(plan.measures):
+            moved = sum(abs(a.get(k, zeros)[i] - b.get(k, zeros)[i]) for k in set(a) | set(b))
+            assert moved <= plan.sensitivities(measure)[0] + 1e-6, (sql, measure)
+    engine = Engine(policy, full, Ledger.open("sqlite:///:memory:"))
+    assert engine.explain("SELECT COUNT(*) FROM visits", Session("alice")).unit.startswith("patients.household_id")
+    neighbour.close()

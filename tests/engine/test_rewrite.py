@@ -32,9 +32,7 @@ def test_real_sums_cast_before_clamping(health_policy: Policy) -> None:
 
 
 def test_dates_become_typed_literals(health_policy: Policy) -> None:
-    plan = analyze(
-        "SELECT COUNT(*) FROM patients WHERE dob BETWEEN '1990-01-01' AND DATE '1999-12-31'", health_policy
-    )
+    plan = analyze("SELECT COUNT(*) FROM patients WHERE dob BETWEEN '1990-01-01' AND DATE '1999-12-31'", health_policy)
     assert "BETWEEN CAST('1990-01-01' AS DATE) AND CAST('1999-12-31' AS DATE)" in to_sql(plan, "postgres")
 
 
