@@ -231,9 +231,7 @@ def print_table(headers: list[str], rows: Iterable[list[Any]]) -> None:
     for r in cells:
         print(
             "  "
-            + "  ".join(
-                c.ljust(w) if left[i] else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
-            )
+            + "  ".join(c.ljust(w) if left[i] else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
         )
 
 

@@ -25,9 +25,7 @@ def run(quick: bool) -> Section:
     )
     reps = {1: 2000 if quick else 10000, 1000: 200 if quick else 1000, 10**6: 3 if quick else 15}
     for size, n_reps in reps.items():
-        st = time_calls(
-            lambda size=size: discrete_laplace(SCALE, size), reps=n_reps, budget_s=3 if quick else 8
-        )
+        st = time_calls(lambda size=size: discrete_laplace(SCALE, size), reps=n_reps, budget_s=3 if quick else 8)
         base = time_calls(lambda size=size: os.urandom(8 * size), reps=n_reps, budget_s=1)
         rate = size / (st.p50_us / 1e6)
         ratio = st.p50_us / base.p50_us
@@ -46,9 +44,7 @@ def run(quick: bool) -> Section:
         "release real SUM": (real_values, laplace_spec(200000.0, 1.0, integer=False)),
     }
     for what, (values, spec) in specs.items():
-        st = time_calls(
-            lambda values=values, spec=spec: release(values, spec), reps=3 if quick else 15, warmup=1
-        )
+        st = time_calls(lambda values=values, spec=spec: release(values, spec), reps=3 if quick else 15, warmup=1)
         base = time_calls(lambda: os.urandom(8 * cells), reps=3, warmup=1)
         rate = cells / (st.p50_us / 1e6)
         section.rows.append([what, cells, st.p50_us / 1e3, st.p99_us / 1e3, rate, st.p50_us / base.p50_us])

@@ -24,8 +24,7 @@ from dpsql.session import Session
 QUERIES: dict[str, str] = {
     "simple COUNT": "SELECT COUNT(*) FROM t WHERE age > 30",
     "4-agg GROUP BY (public keys)": (
-        "SELECT category, COUNT(*), SUM(age), AVG(income), SUM(score) FROM t "
-        "WHERE age >= 18 GROUP BY category"
+        "SELECT category, COUNT(*), SUM(age), AVG(income), SUM(score) FROM t WHERE age >= 18 GROUP BY category"
     ),
     "GROUP BY + partition selection": "SELECT region, COUNT(*), SUM(score) FROM t GROUP BY region",
 }
@@ -96,9 +95,7 @@ def _measure_query(engine: Engine, file_ledger: Ledger, sql: str, reps: int) -> 
             continue
         parse, analyze, cached = t1 - t0, t2 - t1, t3 - t2
         mem, disk, noise = t4 - t3, t5 - t4, t6 - t5
-        for name, value in zip(
-            STAGES, (parse, analyze, parse + analyze, cached, mem, disk, noise), strict=True
-        ):
+        for name, value in zip(STAGES, (parse, analyze, parse + analyze, cached, mem, disk, noise), strict=True):
             samples[name].append(value)
         totals_uncached.append(parse + analyze + mem + noise)
         totals_cached.append(cached + mem + noise)
@@ -133,9 +130,7 @@ def run(quick: bool) -> Section:
                 elif stage == "overhead cached (mem ledger)":
                     bar = BAR_CACHED_MS
                 ok = None if bar is None else ("yes" if ms(st.p50_us) <= bar else "NO")
-                section.rows.append(
-                    [label if stage == STAGES[0] else "", stage, ms(st.p50_us), ms(st.p99_us), bar, ok]
-                )
+                section.rows.append([label if stage == STAGES[0] else "", stage, ms(st.p50_us), ms(st.p99_us), bar, ok])
                 record[stage] = {
                     **st.as_dict(),
                     "bar_ms": bar,

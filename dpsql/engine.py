@@ -46,7 +46,8 @@ from dpsql.release import (
     release,
     rho_to_epsilon,
 )
-from dpsql.rewrite import rewrite
+from dpsql.release.selection import QUANTILE_BINS, bin_midpoint, rank_error_bound, select_quantile_bin
+from dpsql.rewrite import histogram_query, rewrite
 from dpsql.session import OutputColumn, Result, Session
 
 #: Largest cross product of public key domains released in one query.
@@ -69,8 +70,11 @@ class Budgeting:
     epsilon: float
     delta: float
     mechanism: str
-    specs: list[NoiseSpec]
+    #: Noise per measure; None for quantile measures (exponential mechanism, see ``shares``).
+    specs: list[NoiseSpec | None]
     cost: Cost
+    #: Pure-ε share of each measure (what the exponential mechanism of a quantile uses).
+    shares: list[float] = field(default_factory=list)
     #: Partition-selection threshold on the COUNT(*) measure (None when keys are public).
     threshold: int | None = None
     selection_delta: float = 0.0
@@ -84,6 +88,8 @@ class Prepared:
     sql: str
     budgeting: Budgeting
     fingerprint: str
+    #: (measure index, SQL) of the histogram each quantile measure is selected from.
+    histograms: list[tuple[int, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -105,7 +111,12 @@ class Explanation:
             f"  Group keys: {self.keys}",
         ]
         for c in self.columns:
-            if c["noisy"]:
+            if "rank_error95" in c:
+                lines.append(
+                    f"  Output {c['name']}: {c['measure']}  epsilon={c['epsilon']:g} "
+                    f"rank error <= {c['rank_error95']:.4g} at 95%"
+                )
+            elif c["noisy"]:
                 lines.append(
                     f"  Output {c['name']}: {c['measure']}  sensitivity={c['sensitivity']:g} "
                     f"scale={c['scale']:g} epsilon={c['epsilon']:g} ci95=±{c['ci']:.4g}"
@@ -169,7 +180,12 @@ class Engine:
         select = rewrite(plan)
         budgeting = self._budget(plan, session)
         fingerprint = hashlib.sha256(select.sql(dialect="postgres").encode()).hexdigest()[:16]
-        return Prepared(plan, select.sql(dialect=self.backend.dialect), budgeting, fingerprint)
+        histograms = [
+            (i, histogram_query(plan, i).sql(dialect=self.backend.dialect))
+            for i, m in enumerate(plan.measures)
+            if m.kind == "quantile"
+        ]
+        return Prepared(plan, select.sql(dialect=self.backend.dialect), budgeting, fingerprint, histograms)
 
     def _budget(self, plan: Plan, session: Session) -> Budgeting:
         defaults = self.policy.defaults
@@ -194,8 +210,10 @@ class Engine:
             conversion_delta = delta / 2 if selecting else delta
             rho = epsilon_to_rho(epsilon, conversion_delta)
             share = rho_to_epsilon(rho / k, conversion_delta)  # the ε whose zCDP ρ is this measure's share
-            specs = [
-                gaussian_spec(
+            specs: list[NoiseSpec | None] = [
+                None
+                if m.kind == "quantile"
+                else gaussian_spec(
                     plan.sensitivities(m)[1],
                     share,
                     conversion_delta,
@@ -204,20 +222,23 @@ class Engine:
                 )
                 for m in plan.measures
             ]
+            shares = [math.sqrt(8 * rho / k)] * k  # ε-DP selection is ε²/8-zCDP (bounded range)
             cost = Cost(epsilon=epsilon, delta=delta, rho=rho)
         else:
             specs = [
-                laplace_spec(
-                    plan.sensitivities(m)[0], epsilon / k, integer=_integer(m), cells=plan.max_groups
-                )
+                None
+                if m.kind == "quantile"
+                else laplace_spec(plan.sensitivities(m)[0], epsilon / k, integer=_integer(m), cells=plan.max_groups)
                 for m in plan.measures
             ]
+            shares = [epsilon / k] * k
             cost = Cost(epsilon=epsilon, delta=delta if selecting else 0.0)
-        budgeting = Budgeting(epsilon, cost.delta, mechanism, specs, cost)
+        budgeting = Budgeting(epsilon, cost.delta, mechanism, specs, cost, shares)
         if selecting:
             assert plan.selection_measure is not None
             budgeting.selection_delta = delta / 2 if mechanism == "gaussian" else delta
             spec = specs[plan.selection_measure]
+            assert spec is not None
             budgeting.threshold = partition_threshold(
                 spec, budgeting.selection_delta, max_partitions=plan.max_groups, max_rows=plan.max_rows
             )
@@ -241,8 +262,19 @@ class Engine:
         columns = []
         for out in plan.outputs:
             entry: dict[str, Any] = {"name": out.column.name, "type": out.column.type, "noisy": out.noisy}
-            if out.noisy:
-                specs = [budgeting.specs[i] for i in out.measures]
+            if out.kind == "quantile":
+                i = out.measures[0]
+                sensitivity = plan.sensitivities(plan.measures[i])[0]
+                entry.update(
+                    measure=f"{plan.measures[i].label}: exponential mechanism over {QUANTILE_BINS} bins",
+                    sensitivity=sensitivity,
+                    scale=2 * sensitivity / budgeting.shares[i],
+                    epsilon=budgeting.shares[i],
+                    ci=float("nan"),
+                    rank_error95=rank_error_bound(budgeting.shares[i], sensitivity, confidence),
+                )
+            elif out.noisy:
+                specs = [s for s in (budgeting.specs[i] for i in out.measures) if s is not None]
                 entry.update(
                     measure=" + ".join(plan.measures[i].label for i in out.measures),
                     sensitivity=max(plan.sensitivities(plan.measures[i])[0] for i in out.measures),
@@ -268,9 +300,7 @@ class Engine:
         if plan.unit is not None:
             unit += f" (at most {plan.max_rows} rows and {plan.max_groups} groups per unit)"
         shown_sql = prepared.sql.replace(self._salt, "<secret>")
-        return Explanation(
-            shown_sql, budgeting.epsilon, budgeting.delta, budgeting.mechanism, columns, keys, unit
-        )
+        return Explanation(shown_sql, budgeting.epsilon, budgeting.delta, budgeting.mechanism, columns, keys, unit)
 
     def execute(self, sql: str, session: Session, params: Params = None) -> Result:
         """Answer one DP query: reserve the budget, run, noise, post-process."""
@@ -294,7 +324,8 @@ class Engine:
                 rho_to_epsilon=rho_to_epsilon,
             )
         rows = self._run(prepared.sql)
-        result = self._release(prepared, rows, session.confidence or self.policy.defaults.confidence)
+        histograms = {i: self._run(sql) for i, sql in prepared.histograms}
+        result = self._release(prepared, rows, session.confidence or self.policy.defaults.confidence, histograms)
         if charge is not None:
             remaining = self.policy.analyst_budget(session.analyst).epsilon - charge.analyst_spent.epsilon
             result.remaining_epsilon = max(remaining, 0.0)
@@ -316,17 +347,26 @@ class Engine:
 
     # -- release --------------------------------------------------------------------------------
 
-    def _release(self, prepared: Prepared, rows: list[tuple[Any, ...]], confidence: float) -> Result:
+    def _release(
+        self,
+        prepared: Prepared,
+        rows: list[tuple[Any, ...]],
+        confidence: float,
+        histograms: dict[int, list[tuple[Any, ...]]] | None = None,
+    ) -> Result:
         plan, budgeting = prepared.plan, prepared.budgeting
         nkeys = len(plan.keys)
         rows = _public_key_rows(plan, rows) if plan.keys and plan.public_keys else rows
         if not rows and not plan.keys:
             rows = [tuple([0] * len(plan.measures))]
-        noisy: list[np.ndarray] = []
+        noisy: list[Any] = []
         for i, spec in enumerate(budgeting.specs):
+            if spec is None:
+                noisy.append(_select_quantiles(plan, i, rows, (histograms or {}).get(i, []), budgeting.shares[i]))
+                continue
             values = [0 if r[nkeys + i] is None else r[nkeys + i] for r in rows]
             noisy.append(release(values, spec) if values else np.zeros(0))
-        widths = [half_width(spec, confidence) for spec in budgeting.specs]
+        widths = [None if spec is None else half_width(spec, confidence) for spec in budgeting.specs]
         keep = range(len(rows))
         if budgeting.threshold is not None and plan.selection_measure is not None:
             counts = noisy[plan.selection_measure]
@@ -341,6 +381,8 @@ class Engine:
                 value = evaluate(out.expr, env)
                 if out.kind == "count" and value is not None:
                     value = max(int(value), 0)
+                elif out.kind == "quantile" and out.column.type == "bigint" and value is not None:
+                    value = math.floor(value)  # MIN/MAX/percentile_disc of an int column: a value of the column's type
                 if out.clamp is not None and value is not None:
                     value = min(max(value, out.clamp[0]), out.clamp[1])
                 env[f"o{o}"] = value
@@ -372,15 +414,39 @@ class Engine:
 # --- helpers ------------------------------------------------------------------------------------
 
 
+def _select_quantiles(
+    plan: Plan, index: int, rows: list[tuple[Any, ...]], histogram: list[tuple[Any, ...]], epsilon: float
+) -> list[float]:
+    """The exponential mechanism, once per released group, over that group's bin counts."""
+    nkeys = len(plan.keys)
+    measure = plan.measures[index]
+    assert measure.lower is not None and measure.upper is not None and measure.q is not None
+    counts: dict[tuple[Any, ...], dict[int, int]] = {}
+    for row in histogram:
+        bin_ = row[nkeys]
+        if bin_ is not None:
+            group = counts.setdefault(tuple(row[:nkeys]), {})
+            clamped = min(max(int(bin_), 0), QUANTILE_BINS - 1)  # the upper bound itself falls in bin B
+            group[clamped] = group.get(clamped, 0) + int(row[nkeys + 1])
+    sensitivity = plan.sensitivities(measure)[0]
+    values = []
+    for row in rows:
+        chosen = select_quantile_bin(counts.get(tuple(row[:nkeys]), {}), measure.q, epsilon, sensitivity)
+        values.append(bin_midpoint(chosen, measure.lower, measure.upper))
+    return values
+
+
 def _integer(measure: Measure) -> bool:
     return measure.integer and float(measure.centre).is_integer()
 
 
 def _python_number(value: Any, measure: Measure) -> int | float:
+    if measure.kind == "quantile":
+        return float(value)
     return int(value) if _integer(measure) else float(value)
 
 
-def _accuracy(out: Any, env: dict[str, Any], widths: list[float], plan: Plan) -> float | None:
+def _accuracy(out: Any, env: dict[str, Any], widths: list[float | None], plan: Plan) -> float | None:
     """Half-width of the confidence interval of one released cell, from the scales used."""
     if out.kind in ("count", "sum"):
         return widths[out.measures[0]]
@@ -389,7 +455,9 @@ def _accuracy(out: Any, env: dict[str, Any], widths: list[float], plan: Plan) ->
         count = max(float(env[f"m{count_i}"]), 1.0)
         total = float(env[f"m{total_i}"])
         # delta method for (centre + S/N): independent noises on S and N
-        return math.hypot(widths[total_i] / count, widths[count_i] * abs(total) / count**2)
+        total_w, count_w = widths[total_i], widths[count_i]
+        assert total_w is not None and count_w is not None
+        return math.hypot(total_w / count, count_w * abs(total) / count**2)
     if isinstance(out.expr, exp.Var) and out.expr.name.startswith("m"):
         return widths[int(out.expr.name[1:])]
     return None
@@ -427,9 +495,7 @@ def _hashable(params: Params) -> Any:
 
 
 def _placeholder_value(pg_type: str) -> Any:
-    return {"bigint": 0, "double precision": 0.0, "boolean": False, "date": dt.date(2000, 1, 1)}.get(
-        pg_type, ""
-    )
+    return {"bigint": 0, "double precision": 0.0, "boolean": False, "date": dt.date(2000, 1, 1)}.get(pg_type, "")
 
 
 def _explain_target(sql: str) -> str | None:

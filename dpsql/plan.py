@@ -17,7 +17,7 @@ from dpsql.analyze.sources import Sources
 from dpsql.policy import ColumnPolicy, Scalar
 from dpsql.session import OutputColumn
 
-MeasureKind = Literal["count_star", "count", "sum", "count_units"]
+MeasureKind = Literal["count_star", "count", "sum", "count_units", "quantile"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +36,8 @@ class Measure:
     upper: float | None = None
     centre: float = 0.0
     integer: bool = True
+    #: For ``quantile`` measures: which quantile (0 = MIN, 0.5 = median, 1 = MAX).
+    q: float | None = None
 
     @property
     def sensitivity(self) -> float:
@@ -53,6 +55,8 @@ class Measure:
             return f"COUNT({self.column})"
         if self.kind == "count_units":
             return f"COUNT(DISTINCT {self.column})"
+        if self.kind == "quantile":
+            return f"QUANTILE({self.q:g}) OF clamp({self.column}, {self.lower:g}, {self.upper:g})"
         centre = f" - {self.centre:g}" if self.centre else ""
         return f"SUM(clamp({self.column}, {self.lower:g}, {self.upper:g}){centre})"
 
@@ -78,7 +82,7 @@ class OutputItem:
     clamp: tuple[float, float] | None = None
     #: Which measures feed this output; used for confidence intervals.
     measures: tuple[int, ...] = ()
-    kind: Literal["key", "count", "sum", "avg", "expr"] = "expr"
+    kind: Literal["key", "count", "sum", "avg", "quantile", "expr"] = "expr"
 
 
 @dataclass(slots=True)
@@ -124,5 +128,7 @@ class Plan:
         """(L1, L2) sensitivity of ``measure`` over all released groups, for one whole unit."""
         if measure.kind == "count_units":
             return float(self.max_groups), float(self.max_groups) ** 0.5
+        if measure.kind == "quantile":  # utility sensitivity, composed over the groups a unit touches
+            return float(self.max_rows * self.max_groups), float(self.max_rows * self.max_groups)
         total = measure.sensitivity * self.max_rows
         return total, total

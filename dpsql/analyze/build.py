@@ -34,17 +34,13 @@ _PG_TYPES: dict[str, PgType] = {
 }
 
 _AGGREGATES = (exp.Count, exp.Sum, exp.Avg)
+_QUANTILES = (exp.Min, exp.Max, exp.Median, exp.WithinGroup)
 _NOT_YET = {
-    exp.Min: "min",
-    exp.Max: "max",
     exp.Stddev: "stddev",
     exp.StddevPop: "stddev_pop",
     exp.StddevSamp: "stddev_samp",
     exp.Variance: "variance",
     exp.VariancePop: "var_pop",
-    exp.PercentileCont: "percentile_cont",
-    exp.PercentileDisc: "percentile_disc",
-    exp.Median: "median",
     exp.ArrayAgg: "array_agg",
     exp.GroupConcat: "string_agg",
 }
@@ -421,8 +417,53 @@ def _measure_expression(agg: exp.Expression, scope: _Scope) -> tuple[exp.Express
     return call, "avg", (total, count)
 
 
+def _quantile_measure(node: exp.Expression, scope: _Scope) -> tuple[Measure, bool]:
+    """MIN/MAX/median/percentile_cont/percentile_disc → a quantile measure; also whether it is discrete."""
+    if isinstance(node, exp.WithinGroup):
+        inner, order = node.this, node.expression
+        if not isinstance(inner, exp.PercentileCont | exp.PercentileDisc):
+            name = inner.name.lower() if isinstance(inner, exp.Anonymous) else inner.sql_name().lower()
+            raise FeatureNotSupported(f"aggregate function {name} is not supported yet")
+        fraction = inner.this
+        if not (isinstance(fraction, exp.Literal) and not fraction.is_string and 0 <= float(fraction.name) <= 1):
+            raise InvalidParameterValue(
+                "percentile value must be a constant between 0 and 1", hint="Write e.g. percentile_cont(0.9)."
+            )
+        ordered = order.expressions[0] if isinstance(order, exp.Order) and len(order.expressions) == 1 else None
+        if ordered is None:
+            raise FeatureNotSupported("WITHIN GROUP needs exactly one ORDER BY column")
+        q = float(fraction.name)
+        if ordered.args.get("desc"):
+            q = 1.0 - q
+        argument, discrete = ordered.this, isinstance(inner, exp.PercentileDisc)
+    else:
+        q = {exp.Min: 0.0, exp.Max: 1.0, exp.Median: 0.5}[type(node)]
+        argument, discrete = node.this, not isinstance(node, exp.Median)
+    function = (node.this if isinstance(node, exp.WithinGroup) else node).sql_name().lower()
+    while isinstance(argument, exp.Paren):
+        argument = argument.this
+    if not isinstance(argument, exp.Column):
+        raise FeatureNotSupported(f"{function} over an expression is not supported yet")
+    source, name, policy = resolve_ref(argument, scope.sources)
+    bounds = _sum_measure(source, name, policy, function, centred=False)
+    measure = Measure(
+        kind="quantile",
+        column=name,
+        table=source.alias,
+        lower=bounds.lower,
+        upper=bounds.upper,
+        integer=bounds.integer,
+        q=q,
+    )
+    return measure, discrete
+
+
 def convert_output(node: exp.Expression, scope: _Scope) -> tuple[exp.Expression, str, tuple[int, ...]]:
     """Turn a select/HAVING/ORDER BY expression into post-processing over measures and keys."""
+    if isinstance(node, _QUANTILES):
+        measure, discrete = _quantile_measure(node, scope)
+        index = scope.measure(measure)
+        return exp.var(f"m{index}"), "quantile_disc" if discrete else "quantile", (index,)
     for cls, name in _NOT_YET.items():
         if isinstance(node, cls):
             raise FeatureNotSupported(
@@ -478,6 +519,8 @@ def _output_name(projection: exp.Expression) -> str:
         return _ident_name(node.this)
     if isinstance(node, exp.Cast):
         return _output_name(node.this) if isinstance(node.this, exp.Column | exp.Func) else node.to.sql().lower()
+    if isinstance(node, exp.WithinGroup):
+        return _output_name(node.this)
     if isinstance(node, exp.Func):
         return node.sql_name().lower() if not isinstance(node, exp.Anonymous) else node.name.lower()
     return "?column?"
@@ -490,8 +533,10 @@ def _output_type(kind: str, expr: exp.Expression, scope: _Scope, measures: tuple
         return "bigint"
     if kind == "sum":
         return "bigint" if scope.measures[measures[0]].integer else "double precision"
-    if kind == "avg":
+    if kind in ("avg", "quantile"):
         return "double precision"
+    if kind == "quantile_disc":
+        return "bigint" if scope.measures[measures[0]].integer else "double precision"
     if isinstance(expr, exp.Predicate | exp.Connector | exp.Not | exp.Boolean):
         return "boolean"
     if isinstance(expr, exp.Cast):
@@ -521,6 +566,7 @@ def build_outputs(tree: exp.Select, scope: _Scope) -> list[OutputItem]:
             m = scope.measures[measures[0]]
             clamp = (m.lower, m.upper)
         column = OutputColumn(name=_output_name(projection), type=_output_type(kind, expr, scope, measures))
+        kind = "quantile" if kind == "quantile_disc" else kind
         outputs.append(
             OutputItem(
                 column=column,

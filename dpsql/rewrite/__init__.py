@@ -14,12 +14,13 @@ from sqlglot import exp
 
 from dpsql.analyze.sources import from_node
 from dpsql.plan import Measure, Plan
+from dpsql.release.selection import QUANTILE_BINS
 
 RewritePass = Callable[[exp.Select, Plan], exp.Select]
 
 
 def _raw_measure(measure: Measure) -> exp.Expression:
-    if measure.kind == "count_star":
+    if measure.kind in ("count_star", "quantile"):  # quantiles come from their histogram query
         return exp.Count(this=exp.Star(), big_int=True)
     column = exp.column(measure.column, table=measure.table, quoted=True)  # type: ignore[arg-type]
     if measure.kind == "count":
@@ -114,9 +115,7 @@ def _hash(values: list[exp.Expression], salt: str) -> exp.Expression:
     and not the database's RANDOM() (whose seed an analyst could set)."""
     text: exp.Expression = exp.Literal.string(salt)
     for value in values:
-        text = exp.DPipe(
-            this=text, expression=exp.DPipe(this=exp.Literal.string("|"), expression=_as_text(value))
-        )
+        text = exp.DPipe(this=text, expression=exp.DPipe(this=exp.Literal.string("|"), expression=_as_text(value)))
     return exp.MD5(this=text)
 
 
@@ -204,6 +203,34 @@ def rewrite(plan: Plan) -> exp.Select:
     for rewrite_pass in REWRITE_PASSES:
         select = rewrite_pass(select, plan)
     return select
+
+
+def histogram_query(plan: Plan, index: int, bins: int = QUANTILE_BINS) -> exp.Select:
+    """Counts of a quantile measure's clamped values in ``bins`` equal bins, per group key.
+
+    Bounded per unit like the main query; the exponential mechanism reads only these counts.
+    """
+    measure = plan.measures[index]
+    assert measure.lower is not None and measure.upper is not None
+    column = exp.column(measure.column, table=measure.table, quoted=True)  # type: ignore[arg-type]
+    value = _clamp(exp.cast(column, "double precision"), _number(measure.lower), _number(measure.upper))
+    offset = exp.paren(exp.Sub(this=value, expression=_number(measure.lower)), copy=False)
+    scaled = exp.Div(
+        this=exp.paren(exp.Mul(this=offset, expression=exp.Literal.number(bins)), copy=False),
+        expression=_number(measure.upper - measure.lower),
+    )
+    bin_ = exp.cast(exp.Floor(this=scaled), "bigint")
+    keys = [_key(plan, i) for i in range(len(plan.keys))]
+    select = exp.select(
+        *(exp.alias_(k, f"k{i}") for i, k in enumerate(keys)),
+        exp.alias_(bin_, "b"),
+        exp.alias_(exp.Count(this=exp.Star(), big_int=True), "n"),
+    ).from_(from_node(plan.sources.sources[0]))
+    for join in plan.sources.joins:
+        select.append("joins", join.copy())
+    select = filter_rows(select, plan)
+    select = select.group_by(*(k.copy() for k in keys), bin_.copy(), copy=False)
+    return bound_contributions(select, plan)
 
 
 def to_sql(plan: Plan, dialect: str) -> str:

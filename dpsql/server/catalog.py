@@ -299,10 +299,18 @@ class ShadowSession:
 
     def __init__(self, conn: Any) -> None:
         self._conn = conn
+        # libpq connections are not thread-safe; an abandoned (timed-out) call may still be running.
+        self._lock = threading.Lock()
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
+        self.cancel()
+        with self._lock, contextlib.suppress(Exception):
             self._conn.close()
+
+    def cancel(self) -> None:
+        """Ask the shadow to cancel whatever this session is running (safe from any thread)."""
+        with contextlib.suppress(Exception):
+            self._conn.cancel()
 
     def _check(self, res: Any) -> Any:
         from psycopg.pq import ExecStatus
@@ -317,6 +325,10 @@ class ShadowSession:
         self, sql: str, param_oids: Sequence[int]
     ) -> tuple[list[int], list[FieldDescription] | None]:
         """Parameter types and result columns, via an unnamed prepared statement on the shadow."""
+        with self._lock:
+            return self._describe(sql, param_oids)
+
+    def _describe(self, sql: str, param_oids: Sequence[int]) -> tuple[list[int], list[FieldDescription] | None]:
         pgconn = self._conn.pgconn
         self._check(pgconn.prepare(b"", sql.encode("utf-8"), list(param_oids) or None))
         res = self._check(pgconn.describe_prepared(b""))
@@ -332,6 +344,17 @@ class ShadowSession:
         result_formats: Sequence[int] = (),
     ) -> ShadowResult:
         """Run one statement; values come back already encoded in the requested per-column formats."""
+        with self._lock:
+            return self._execute(sql, params, param_oids, param_formats, result_formats)
+
+    def _execute(
+        self,
+        sql: str,
+        params: Sequence[bytes | None],
+        param_oids: Sequence[int],
+        param_formats: Sequence[int],
+        result_formats: Sequence[int],
+    ) -> ShadowResult:
         pgconn = self._conn.pgconn
         wanted = set(result_formats) or {0}
 

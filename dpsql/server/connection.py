@@ -444,9 +444,12 @@ class Connection:
             args: tuple[Any, ...] = (stmt.sql,)
         else:
             args = (stmt.sql, portal.params, stmt.param_oids, portal.param_formats, portal.result_formats)
-        res = await self.run_blocking(shadow.execute, *args, timeout_ms=self._timeout_ms())
-        tag = res.tag
-        return Outcome(res.fields, res.rows, tag, encoded=True)
+        try:
+            res = await self.run_blocking(shadow.execute, *args, timeout_ms=self._timeout_ms())
+        except QueryCanceled:
+            await asyncio.get_running_loop().run_in_executor(self.ctx.executor, shadow.cancel)
+            raise
+        return Outcome(res.fields, res.rows, res.tag, encoded=True)
 
     def _timeout_ms(self) -> int:
         assert self.settings is not None

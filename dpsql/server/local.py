@@ -171,7 +171,7 @@ class Settings:
 
     def _check(self, key: str, value: str) -> str:
         if key == "client_encoding":
-            if value.strip().lower() not in _UTF8_NAMES:
+            if value.strip().strip("'\"").lower() not in _UTF8_NAMES:
                 raise FeatureNotSupported(f"client_encoding {value!r} is not supported; dpsql speaks UTF8")
             return "UTF8"
         if key == "statement_timeout":

@@ -127,19 +127,10 @@ def test_catalog_queries_hit_the_empty_shadow(dp_server: Running) -> None:
         assert conn.execute("SELECT current_user").fetchone() == ("analyst",)
 
 
-def test_statement_timeout_and_cancel(dp_server: Running) -> None:
-    import threading
-    import time
-
+def test_statement_timeout(dp_server: Running) -> None:
     with connect(dp_server) as conn:
         conn.execute("SET statement_timeout = '200ms'")
         with pytest.raises(psycopg.errors.QueryCanceled):
             conn.execute("SELECT pg_sleep(3)")
         conn.execute("SET statement_timeout = 0")
-        timer = threading.Timer(0.3, conn.cancel)
-        timer.start()
-        started = time.monotonic()
-        with pytest.raises(psycopg.errors.QueryCanceled):
-            conn.execute("SELECT pg_sleep(3)")
-        assert time.monotonic() - started < 2.5
         assert conn.execute("SELECT 1").fetchone() == (1,)
