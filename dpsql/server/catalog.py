@@ -357,14 +357,15 @@ class ShadowSession:
     ) -> ShadowResult:
         pgconn = self._conn.pgconn
         wanted = set(result_formats) or {0}
+        param_formats = _expand_formats(param_formats, len(params)) if params else []
 
         def run(fmt: int) -> Any:
             return self._check(
                 pgconn.exec_params(
                     sql.encode("utf-8"),
                     list(params),
-                    list(param_oids) or None,
-                    list(param_formats) or None,
+                    list(param_oids[: len(params)]) or None,
+                    param_formats or None,
                     result_format=fmt,
                 )
             )

@@ -79,7 +79,7 @@ REFUSALS = [
     ),
     ("SELECT foo(age) FROM patients GROUP BY age", "42883", "function foo() does not exist"),
     ("SELECT SUM(problem) FROM patients", "42883", "function sum(text) does not exist"),
-    ("SELECT MAX(age) FROM patients", "0A000", "aggregate function max is not supported yet"),
+    ("SELECT STDDEV(age) FROM patients", "0A000", "aggregate function stddev is not supported yet"),
     (
         "SELECT COUNT(DISTINCT zip) FROM patients",
         "0A000",

@@ -214,9 +214,11 @@ def test_group_privacy_bounds_a_whole_household(clinic_duckdb: tuple[Backend, Ba
     household = (HEAVY + 1) // 2
     for member in (2 * household - 1, 2 * household):
         _without_person(neighbour, member)
-    for sql in QUERIES[:-1] + [
-        "SELECT p.sex, COUNT(*) FROM visits v JOIN patients p ON v.patient_id = p.id GROUP BY p.sex"
-    ]:
+    household_queries = [
+        *QUERIES[:-1],
+        "SELECT p.sex, COUNT(*) FROM visits v JOIN patients p ON v.patient_id = p.id GROUP BY p.sex",
+    ]
+    for sql in household_queries:
         if "DISTINCT" in sql:
             continue
         plan = _plan(sql, policy)
