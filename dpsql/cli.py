@@ -46,6 +46,7 @@ def default_ledger(dataset: str) -> str:
 def open_engine(args: argparse.Namespace) -> Any:
     """An Engine for the command's --policy/--database/--ledger; ``demo`` loads the demo data."""
     from dpsql.backends import open_backend
+    from dpsql.cache import ResultCache
     from dpsql.engine import Engine
     from dpsql.ledger import Ledger
     from dpsql.policy import load_policy
@@ -59,8 +60,9 @@ def open_engine(args: argparse.Namespace) -> Any:
         load_demo(backend, [policy.dataset] if policy.dataset in DEMO_TABLES else [])
     else:
         backend = open_backend(database)
-    ledger = Ledger.open(args.ledger or default_ledger(policy.dataset))
-    return Engine(policy, backend, ledger)
+    ledger_url = args.ledger or default_ledger(policy.dataset)
+    cache_url = ledger_url if ledger_url.startswith("sqlite:///") else "memory"
+    return Engine(policy, backend, Ledger.open(ledger_url), ResultCache.open(cache_url))
 
 
 def _session(args: argparse.Namespace) -> Session:
@@ -74,9 +76,7 @@ def _session(args: argparse.Namespace) -> Session:
 
 def format_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """psql-style aligned table."""
-    cells = [
-        [("" if v is None else f"{v:.6g}" if isinstance(v, float) else str(v)) for v in row] for row in rows
-    ]
+    cells = [[("" if v is None else f"{v:.6g}" if isinstance(v, float) else str(v)) for v in row] for row in rows]
     widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
     lines = [" " + " | ".join(c.center(w) for c, w in zip(columns, widths, strict=True))]
     lines.append("-" + "-+-".join("-" * w for w in widths) + "-")
@@ -151,9 +151,7 @@ def cmd_budget(args: argparse.Namespace) -> int:
             total = policy.analyst_budget(name)
             used = spent.get(name)
             eps = used.epsilon if used else 0.0
-            rows.append(
-                (name, eps, total.epsilon, max(total.epsilon - eps, 0.0), used.queries if used else 0)
-            )
+            rows.append((name, eps, total.epsilon, max(total.epsilon - eps, 0.0), used.queries if used else 0))
         all_spent = ledger.spent(policy.dataset)
         dataset_total = policy.budget.dataset.epsilon
         rows.append(
@@ -187,9 +185,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print("  Q1: SELECT COUNT(*) FROM patients WHERE problem = 'Obesity'")
     print("  Q2: SELECT COUNT(*) FROM patients WHERE problem = 'Obesity' AND (ethnicity <> 'White'")
     print("      OR marital_status <> 'Single' OR sex <> 'Male' OR zip <> 2138)   -- everyone but Igor")
-    print(
-        f"Raw SQL: Q1 - Q2 = {report['raw_difference']} -> the attacker learns Igor has obesity, every time."
-    )
+    print(f"Raw SQL: Q1 - Q2 = {report['raw_difference']} -> the attacker learns Igor has obesity, every time.")
     print(
         f"dpsql (ε={report['epsilon']:g} per query, {report['runs']} fresh attacks): the attacker guessed right "
         f"{report['success_rate']:.1%} of the time; DP caps it at e^ε/(1+e^ε) = {report['bound']:.1%}."
@@ -265,9 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=DEFAULT_PORT)
     serve.add_argument("--tls-cert")
     serve.add_argument("--tls-key")
-    serve.add_argument(
-        "--catalog-dsn", help="PostgreSQL holding the schema-only catalog (default: start one)"
-    )
+    serve.add_argument("--catalog-dsn", help="PostgreSQL holding the schema-only catalog (default: start one)")
     serve.set_defaults(func=cmd_serve)
 
     query = sub.add_parser("query", help="run one DP query and print the noisy answer")

@@ -25,6 +25,7 @@ from sqlglot import exp
 from dpsql.analyze import analyze_tree, infer_parameter_types, parse_statement
 from dpsql.analyze.parse import Params
 from dpsql.backends import Backend, open_backend
+from dpsql.cache import ResultCache, cache_key
 from dpsql.errors import (
     BackendError,
     Error,
@@ -90,6 +91,8 @@ class Prepared:
     fingerprint: str
     #: (measure index, SQL) of the histogram each quantile measure is selected from.
     histograms: list[tuple[int, str]] = field(default_factory=list)
+    #: Result-cache key: the normalised statement, its parameters and the session's privacy settings.
+    cache_key: str = ""
 
 
 @dataclass
@@ -137,24 +140,35 @@ class Explanation:
 class Engine:
     """Answers aggregate SQL over one policy's tables with differential privacy."""
 
-    def __init__(self, policy: Policy, backend: Backend, ledger: Ledger) -> None:
+    def __init__(self, policy: Policy, backend: Backend, ledger: Ledger, cache: ResultCache | None = None) -> None:
         self.policy = policy
         self.backend = backend
         self.ledger = ledger
+        self.cache = cache
         self._plans: OrderedDict[tuple[Any, ...], Prepared] = OrderedDict()
         self._lock = threading.Lock()
         #: Keys the per-row hash choosing which rows of a heavy unit are kept; never leaves the process.
         self._salt = secrets.token_hex(16)
 
     @classmethod
-    def open(cls, policy: str | Path | Policy, database: str, ledger: str | None = None) -> Engine:
-        """Open an engine from a policy (file or object), a database URL and a ledger URL."""
+    def open(
+        cls, policy: str | Path | Policy, database: str, ledger: str | None = None, cache: str | None = None
+    ) -> Engine:
+        """Open an engine from a policy (file or object), a database URL, a ledger URL and a cache URL.
+
+        The result cache defaults to the ledger's SQLite file (so it persists exactly as long as
+        the budget it protects), or memory when the ledger is not a SQLite file.
+        """
         loaded = policy if isinstance(policy, Policy) else load_policy(policy)
-        return cls(loaded, open_backend(database), Ledger.open(ledger or "sqlite:///:memory:"))
+        ledger_url = ledger or "sqlite:///:memory:"
+        cache_url = cache or (ledger_url if ledger_url.startswith("sqlite:///") else "memory")
+        return cls(loaded, open_backend(database), Ledger.open(ledger_url), ResultCache.open(cache_url))
 
     def close(self) -> None:
         self.backend.close()
         self.ledger.close()
+        if self.cache is not None:
+            self.cache.close()
 
     # -- planning ------------------------------------------------------------------------------
 
@@ -185,7 +199,13 @@ class Engine:
             for i, m in enumerate(plan.measures)
             if m.kind == "quantile"
         ]
-        return Prepared(plan, select.sql(dialect=self.backend.dialect), budgeting, fingerprint, histograms)
+        key = cache_key(
+            self.policy.dataset,
+            tree.sql(dialect="postgres", normalize=True),
+            _hashable(params),
+            (budgeting.epsilon, budgeting.delta, budgeting.mechanism),
+        )
+        return Prepared(plan, select.sql(dialect=self.backend.dialect), budgeting, fingerprint, histograms, key)
 
     def _budget(self, plan: Plan, session: Session) -> Budgeting:
         defaults = self.policy.defaults
@@ -311,6 +331,10 @@ class Engine:
             return self.explain(explain_target, session, params).as_result()
         prepared = self.prepare(sql, session, params)
         budgeting = prepared.budgeting
+        if self.cache is not None and prepared.plan.measures:
+            cached = self.cache.get(prepared.cache_key)
+            if cached is not None:
+                return _from_cache(cached)
         charge = None
         if prepared.plan.measures:
             charge = self.ledger.reserve(
@@ -334,6 +358,8 @@ class Engine:
                 + (f", δ={budgeting.delta:g}" if budgeting.delta else "")
                 + f'; remaining ε={result.remaining_epsilon:g} for analyst "{session.analyst}"'
             )
+        if self.cache is not None and prepared.plan.measures:
+            self.cache.put(prepared.cache_key, result)
         return result
 
     def _run(self, sql: str) -> list[tuple[Any, ...]]:
@@ -412,6 +438,18 @@ class Engine:
 
 
 # --- helpers ------------------------------------------------------------------------------------
+
+
+def _from_cache(cached: Result) -> Result:
+    """A stored answer, re-released: same values, nothing charged."""
+    return Result(
+        columns=cached.columns,
+        rows=cached.rows,
+        accuracy=cached.accuracy,
+        epsilon_spent=0.0,
+        delta_spent=0.0,
+        notices=["dpsql: answered from the result cache (this exact query was already released); no budget charged"],
+    )
 
 
 def _select_quantiles(

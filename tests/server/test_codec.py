@@ -1,0 +1,94 @@
+"""Pure codec pieces: statement splitting, local statements, binary encodings checked by psycopg's loaders."""
+
+from __future__ import annotations
+
+import datetime as dt
+from decimal import Decimal
+
+import pytest
+from psycopg.adapt import Transformer
+from psycopg.pq import Format
+
+from dpsql.errors import DataError
+from dpsql.server.local import parse_local
+from dpsql.server.protocol import ProtocolViolation, parse_message, parse_startup
+from dpsql.server.sqltext import fingerprint, split_statements
+from dpsql.server.types import decode_param, encode_binary, encode_text
+
+
+def test_split_respects_quotes_comments_and_dollar_quotes() -> None:
+    sql = "select 'a;b'; select \"x;\" -- c;\n; /* a; /* b; */ */ select $f$;$f$; ; select E'\\';'"
+    assert split_statements(sql) == [
+        "select 'a;b'",
+        'select "x;" -- c;',
+        "/* a; /* b; */ */ select $f$;$f$",
+        "select E'\\';'",
+    ]
+    assert split_statements("-- ping") == [] and split_statements(" ; ;") == []
+
+
+def test_fingerprint_ignores_comments_and_spacing() -> None:
+    assert fingerprint("SELECT  1 -- x") == fingerprint("select 1;") and len(fingerprint("x")) == 12
+
+
+@pytest.mark.parametrize(
+    ("sql", "tag"),
+    [
+        ("SET dpsql.epsilon TO 0.5", "SET"),
+        ("BEGIN ISOLATION LEVEL READ COMMITTED", "BEGIN"),
+        ("START TRANSACTION", "BEGIN"),
+        ("end", "COMMIT"),
+        ("ABORT", "ROLLBACK"),
+        ("ROLLBACK TO SAVEPOINT s", "ROLLBACK"),
+        ("DISCARD ALL", "DISCARD ALL"),
+        ("CLOSE ALL", "CLOSE CURSOR ALL"),
+        ("UNLISTEN *", "UNLISTEN"),
+        ("RESET ALL", "RESET"),
+        ("SHOW ALL", "SHOW"),
+    ],
+)
+def test_session_statements(sql: str, tag: str) -> None:
+    cmd = parse_local(sql)
+    assert cmd is not None and cmd.tag == tag
+    assert parse_local("SELECT 1") is None
+
+
+@pytest.mark.parametrize(
+    ("value", "oid"),
+    [
+        (123456789012, 20),
+        (-1.5e300, 701),
+        ("héllo", 25),
+        (True, 16),
+        (dt.date(1969, 7, 20), 1082),
+        (dt.datetime(2024, 2, 29, 13, 14, 15, 123456), 1114),
+        (Decimal("12345.678"), 1700),
+        (Decimal("-0.00012"), 1700),
+        (Decimal("100000000"), 1700),
+        (Decimal("0"), 1700),
+    ],
+)
+def test_binary_and_text_encodings_match_postgresql(value: object, oid: int) -> None:
+    tx = Transformer()
+    binary = tx.get_loader(oid, Format.BINARY).load(encode_binary(value, oid))  # type: ignore[arg-type]
+    text = tx.get_loader(oid, Format.TEXT).load(encode_text(value))  # type: ignore[arg-type]
+    assert binary == value and text == value
+    assert decode_param(encode_binary(value, oid), oid, 1) == value
+
+
+def test_bad_params_are_data_errors() -> None:
+    with pytest.raises(DataError) as info:
+        decode_param(b"abc", 20, 0)
+    assert info.value.sqlstate == "22P02"
+    with pytest.raises(DataError) as info:
+        decode_param(b"\0\0", 20, 1)
+    assert info.value.sqlstate == "22P03"
+
+
+def test_strict_framing() -> None:
+    with pytest.raises(ProtocolViolation):
+        parse_message("E", b"portal")  # missing terminator and row count
+    with pytest.raises(ProtocolViolation):
+        parse_message("S", b"x")  # trailing bytes
+    with pytest.raises(ProtocolViolation):
+        parse_startup(b"\x00\x03\x00\x00user\x00x")  # unterminated parameter
