@@ -204,9 +204,7 @@ def laplace_spec(l1_sensitivity: float, epsilon: float, *, integer: bool, cells:
     return NoiseSpec("laplace", sens / eps, g, eps, 0.0, None)
 
 
-def gaussian_spec(
-    l2_sensitivity: float, epsilon: float, delta: float, *, integer: bool, cells: int = 1
-) -> NoiseSpec:
+def gaussian_spec(l2_sensitivity: float, epsilon: float, delta: float, *, integer: bool, cells: int = 1) -> NoiseSpec:
     """Discrete-Gaussian noise giving (ε, δ)-DP for a query of L2 sensitivity Δ, via zCDP.
 
     ρ = ``epsilon_to_rho(ε, δ)``; the discrete Gaussian with σ = Δ_g/√(2ρ) is ρ-zCDP for integer

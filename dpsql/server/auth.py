@@ -55,10 +55,7 @@ class Verifier:
             raise ValueError("not a SCRAM-SHA-256 verifier") from exc
 
     def __str__(self) -> str:
-        return (
-            f"{MECHANISM}${self.iterations}:{_b64e(self.salt)}"
-            f"${_b64e(self.stored_key)}:{_b64e(self.server_key)}"
-        )
+        return f"{MECHANISM}${self.iterations}:{_b64e(self.salt)}${_b64e(self.stored_key)}:{_b64e(self.server_key)}"
 
 
 def _b64e(data: bytes) -> str:
@@ -90,9 +87,7 @@ def _attributes(text: str) -> list[tuple[str, str]]:
     pairs = []
     for part in text.split(","):
         if len(part) < 2 or part[1] != "=":
-            raise ScramProtocolError(
-                "malformed SCRAM message", detail=f"Attribute expected, got {part[:1]!r}."
-            )
+            raise ScramProtocolError("malformed SCRAM message", detail=f"Attribute expected, got {part[:1]!r}.")
         pairs.append((part[0], part[2:]))
     return pairs
 

@@ -99,6 +99,8 @@ def classify(sql: str, policy: Policy) -> Route:
         return _classify_tokens(sql, policy)
     if tree is None:
         return "tableless"
+    if tree.find(exp.Insert, exp.Update, exp.Delete, exp.Merge, exp.Into):
+        return "engine"  # writes (even inside a CTE or SELECT INTO) are the engine's to refuse
     ctes = {cte.alias_or_name.lower() for cte in tree.find_all(exp.CTE)}
     has_catalog = has_policy = has_other = False
     for table in tree.find_all(exp.Table):
@@ -145,9 +147,7 @@ def _table_ddl(name: str, table: TablePolicy) -> list[str]:
         stmts.append(f"COMMENT ON TABLE public.{_ident(name)} IS {_literal(table.description)}")
     for col, c in table.columns.items():
         if c.description and not c.identifier:
-            stmts.append(
-                f"COMMENT ON COLUMN public.{_ident(name)}.{_ident(col)} IS {_literal(c.description)}"
-            )
+            stmts.append(f"COMMENT ON COLUMN public.{_ident(name)}.{_ident(col)} IS {_literal(c.description)}")
     return stmts
 
 
@@ -171,7 +171,10 @@ def role_statements(role: str) -> list[str]:
 
 def schema_statements(policy: Policy) -> list[str]:
     """DDL that recreates the policy's published schema, empty, readable by every analyst role."""
-    stmts: list[str] = ["REVOKE CREATE ON SCHEMA public FROM PUBLIC"]
+    stmts: list[str] = [
+        "REVOKE CREATE ON SCHEMA public FROM PUBLIC",
+        f"REVOKE TEMPORARY ON DATABASE {_ident(policy.dataset)} FROM PUBLIC",
+    ]
     for name, table in policy.tables.items():
         stmts.extend(_table_ddl(name, table))
     for role in shadow_roles(policy):
@@ -321,9 +324,7 @@ class ShadowSession:
             raise FeatureNotSupported("this statement is not supported on the catalog")
         return res
 
-    def describe(
-        self, sql: str, param_oids: Sequence[int]
-    ) -> tuple[list[int], list[FieldDescription] | None]:
+    def describe(self, sql: str, param_oids: Sequence[int]) -> tuple[list[int], list[FieldDescription] | None]:
         """Parameter types and result columns, via an unnamed prepared statement on the shadow."""
         with self._lock:
             return self._describe(sql, param_oids)
@@ -377,8 +378,7 @@ class ShadowSession:
             return ShadowResult(None, [], tag)
         formats = _expand_formats(result_formats, first.nfields)
         rows = [
-            tuple(by_format[formats[c]].get_value(r, c) for c in range(first.nfields))
-            for r in range(first.ntuples)
+            tuple(by_format[formats[c]].get_value(r, c) for c in range(first.nfields)) for r in range(first.ntuples)
         ]
         return ShadowResult(_fields(first, formats), rows, tag)
 

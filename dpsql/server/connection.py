@@ -87,9 +87,7 @@ def _expand(formats: Sequence[int], n: int) -> list[int]:
     if len(formats) == 1:
         return [formats[0]] * n
     if len(formats) != n:
-        raise Error(
-            f"bind message has {len(formats)} result formats but query has {n} columns", sqlstate="08P01"
-        )
+        raise Error(f"bind message has {len(formats)} result formats but query has {n} columns", sqlstate="08P01")
     return list(formats)
 
 
@@ -104,9 +102,7 @@ _EXPLAIN_PREFIX = re.compile(r"^\s*explain\s+", re.IGNORECASE)
 class Connection:
     """Serves one socket until Terminate, EOF, a FATAL error or server shutdown."""
 
-    def __init__(
-        self, ctx: ServerContext, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
+    def __init__(self, ctx: ServerContext, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.ctx = ctx
         self.reader = reader
         self.writer = writer
@@ -155,9 +151,7 @@ class Connection:
         waiter = asyncio.ensure_future(self._cancel.wait())
         timeout = timeout_ms / 1000 if timeout_ms > 0 else None
         try:
-            done, _ = await asyncio.wait(
-                {future, waiter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-            )
+            done, _ = await asyncio.wait({future, waiter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
             waiter.cancel()
         if future in done:
@@ -265,9 +259,7 @@ class Connection:
         await self._authenticate(user)
         self.user = user
         self.session = Session(analyst=user)
-        gucs = default_gucs(
-            self.ctx.server_version, user, params.get("application_name", ""), self.ctx.defaults
-        )
+        gucs = default_gucs(self.ctx.server_version, user, params.get("application_name", ""), self.ctx.defaults)
         self.settings = Settings(self.session, gucs)
         self._apply_startup_settings(params)
         for name in REPORTED:
@@ -358,9 +350,7 @@ class Connection:
         elif isinstance(msg, pq.PasswordData):
             raise ProtocolViolation("unexpected password message")
         elif isinstance(msg, pq.Unsupported):
-            await self._extended_error(
-                FeatureNotSupported("COPY and function calls are not supported by dpsql")
-            )
+            await self._extended_error(FeatureNotSupported("COPY and function calls are not supported by dpsql"))
         else:
             await self.extended(msg)
 
@@ -378,9 +368,7 @@ class Connection:
     def _check_failed_tx(self, stmt: Statement) -> None:
         allowed = stmt.command is not None and stmt.command.action in ("commit", "rollback", "rollback_to")
         if self.tx == "E" and not allowed:
-            raise FailedTransaction(
-                "current transaction is aborted, commands ignored until end of transaction block"
-            )
+            raise FailedTransaction("current transaction is aborted, commands ignored until end of transaction block")
 
     async def execute(self, stmt: Statement, portal: Portal | None = None) -> Outcome:
         """Run a planned statement; logs one line with analyst, fingerprint, ε, outcome and latency."""
@@ -426,9 +414,7 @@ class Connection:
 
     def _local_context(self) -> LocalContext:
         assert self.settings is not None
-        return LocalContext(
-            self.user, self.ctx.database, self.ctx.server_version, self.pid, self.settings.get
-        )
+        return LocalContext(self.user, self.ctx.database, self.ctx.server_version, self.pid, self.settings.get)
 
     async def _shadow(self) -> ShadowSession:
         if not self.ctx.catalog_available:
@@ -594,9 +580,7 @@ class Connection:
             return
         oids = [f.type_oid for f in outcome.fields]
         for row in rows:
-            self.send(
-                pq.data_row([encode_value(v, o, f) for v, o, f in zip(row, oids, formats, strict=True)])
-            )
+            self.send(pq.data_row([encode_value(v, o, f) for v, o, f in zip(row, oids, formats, strict=True)]))
 
     def send_side_effects(self, outcome: Outcome) -> None:
         for name, value in outcome.status:
@@ -708,11 +692,7 @@ class Connection:
             return stmt.catalog_fields
         if stmt.route == "tableless":
             values = evaluate_select(stmt.sql, self._local_context())
-            return (
-                [FieldDescription(v.name, v.type_oid, type_size(v.type_oid)) for v in values]
-                if values
-                else None
-            )
+            return [FieldDescription(v.name, v.type_oid, type_size(v.type_oid)) for v in values] if values else None
         if stmt.route == "local" and stmt.command is not None:
             if stmt.command.action == "show":
                 assert self.settings is not None
@@ -732,7 +712,7 @@ class Connection:
         if len(msg.param_formats) not in (0, 1, len(msg.params)):
             raise ProtocolViolation("bind message has an invalid number of parameter formats")
         expected = len(stmt.param_oids)
-        if expected and len(msg.params) != expected:
+        if len(msg.params) != expected:
             raise Error(
                 f"bind message supplies {len(msg.params)} parameters, but prepared statement "
                 f'"{msg.statement}" requires {expected}',
@@ -764,11 +744,7 @@ class Connection:
         return portal
 
     def _portal_fields(self, portal: Portal) -> list[FieldDescription] | None:
-        fields = (
-            portal.outcome.fields
-            if portal.outcome
-            else self._fields_for(portal.statement, portal.show_intervals)
-        )
+        fields = portal.outcome.fields if portal.outcome else self._fields_for(portal.statement, portal.show_intervals)
         if fields is None:
             return None
         formats = _expand(portal.result_formats, len(fields))

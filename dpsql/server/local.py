@@ -238,9 +238,7 @@ _DPSQL_HINTS = {
 }
 
 
-def default_gucs(
-    server_version: str, user: str, application_name: str, policy_defaults: Any
-) -> dict[str, str]:
+def default_gucs(server_version: str, user: str, application_name: str, policy_defaults: Any) -> dict[str, str]:
     gucs = dict(_STATIC_GUCS)
     major_minor = server_version.split(" ", 1)[0]
     major, _, minor = major_minor.partition(".")
@@ -415,22 +413,16 @@ def parse_local(sql: str) -> LocalCommand | None:
         tag = _DISCARD_TAGS.get(words[1], "DISCARD TEMP")
         return LocalCommand("discard_all" if words[1] == "all" else "noop", tag)
     if head == "close":
-        return LocalCommand(
-            "close", "CLOSE CURSOR ALL" if words[1:] == ["all"] else "CLOSE CURSOR", words[-1]
-        )
+        return LocalCommand("close", "CLOSE CURSOR ALL" if words[1:] == ["all"] else "CLOSE CURSOR", words[-1])
     if head in ("listen", "unlisten"):
         return LocalCommand("noop", head.upper())
     if head == "deallocate":
         name = words[-1] if len(words) > 1 else ""
         if name in ("prepare", ""):
             raise Error("syntax error in DEALLOCATE", sqlstate="42601")
-        return LocalCommand(
-            "deallocate", "DEALLOCATE ALL" if name == "all" else "DEALLOCATE", tokens[-1].value
-        )
+        return LocalCommand("deallocate", "DEALLOCATE ALL" if name == "all" else "DEALLOCATE", tokens[-1].value)
     if head == "copy":
-        raise FeatureNotSupported(
-            "COPY is not supported by dpsql", hint="Only differentially private SELECTs."
-        )
+        raise FeatureNotSupported("COPY is not supported by dpsql", hint="Only differentially private SELECTs.")
     return _parse_transaction(tokens)
 
 
@@ -513,9 +505,7 @@ def _evaluate_call(node: exp.Expression, ctx: LocalContext) -> Value | None:
         return None
     arg = _first_arg(node)
     simple: dict[str, Value] = {
-        "version": Value(
-            "version", _TEXT, f"PostgreSQL {ctx.version} on x86_64-pc-linux-gnu, dpsql {VERSION}"
-        ),
+        "version": Value("version", _TEXT, f"PostgreSQL {ctx.version} on x86_64-pc-linux-gnu, dpsql {VERSION}"),
         "current_database": Value("current_database", _NAME, ctx.database),
         "current_schema": Value("current_schema", _NAME, "public"),
         "pg_backend_pid": Value("pg_backend_pid", _INT4, ctx.pid),
@@ -538,8 +528,7 @@ def evaluate_select(sql: str, ctx: LocalContext) -> list[Value] | None:
     except (sqlglot.errors.ParseError, sqlglot.errors.TokenError):
         return None
     if not isinstance(tree, exp.Select) or any(
-        tree.args.get(k)
-        for k in ("from", "from_", "joins", "where", "group", "having", "with", "order", "limit")
+        tree.args.get(k) for k in ("from", "from_", "joins", "where", "group", "having", "with", "order", "limit")
     ):
         return None
     if tree.find(exp.Placeholder, exp.Parameter):

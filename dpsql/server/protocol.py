@@ -263,9 +263,7 @@ async def read_startup(reader: asyncio.StreamReader) -> bytes:
     return await reader.readexactly(length - 4)
 
 
-async def read_message(
-    reader: asyncio.StreamReader, max_size: int = DEFAULT_MAX_MESSAGE
-) -> tuple[str, bytes]:
+async def read_message(reader: asyncio.StreamReader, max_size: int = DEFAULT_MAX_MESSAGE) -> tuple[str, bytes]:
     """Read one typed message; refuse lengths that are impossible or above ``max_size``."""
     header = await reader.readexactly(5)
     type_ = chr(header[0])
@@ -338,9 +336,7 @@ def row_description(fields: Sequence[FieldDescription]) -> bytes:
     parts = [struct.pack("!h", len(fields))]
     for f in fields:
         parts.append(cstr(f.name))
-        parts.append(
-            struct.pack("!ihihih", f.table_oid, f.column_attr, f.type_oid, f.type_size, f.type_mod, f.format)
-        )
+        parts.append(struct.pack("!ihihih", f.table_oid, f.column_attr, f.type_oid, f.type_size, f.type_mod, f.format))
     return message("T", b"".join(parts))
 
 

@@ -94,9 +94,7 @@ def interval_summary(result: Result, confidence: float) -> str | None:
         if not widths:
             continue
         low, high = min(widths), max(widths)
-        parts.append(
-            f"{col.name} ±{_fmt(low)}" if _fmt(low) == _fmt(high) else f"{col.name} ±{_fmt(low)}–{_fmt(high)}"
-        )
+        parts.append(f"{col.name} ±{_fmt(low)}" if _fmt(low) == _fmt(high) else f"{col.name} ±{_fmt(low)}–{_fmt(high)}")
     if not parts:
         return None
     return f"dpsql: {round(confidence * 100):d}% CI half-widths: " + ", ".join(parts)

@@ -177,9 +177,7 @@ async def serve(
     """Serve until ``stop`` is set (or the task is cancelled). See :class:`ServerOptions` for ``options``."""
     server = Server(
         engine,
-        ServerOptions(
-            host=host, port=port, tls_cert=tls_cert, tls_key=tls_key, catalog_dsn=catalog_dsn, **options
-        ),
+        ServerOptions(host=host, port=port, tls_cert=tls_cert, tls_key=tls_key, catalog_dsn=catalog_dsn, **options),
     )
     await server.start()
     try:

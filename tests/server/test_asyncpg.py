@@ -86,3 +86,24 @@ def test_cancel_request(dp_server: Running) -> None:
             await conn.close()
 
     run(main())
+
+
+def test_portal_suspension_with_cursor(dp_server: Running) -> None:
+    """A cursor fetches 2 rows per Execute: the DP query runs once, PortalSuspended in between."""
+
+    async def main() -> None:
+        notices: list[str] = []
+        conn = await asyncpg.connect(dp_server.url("carol"))
+        conn.add_log_listener(lambda _c, msg: notices.append(msg.message))
+        try:
+            async with conn.transaction():
+                rows = [
+                    r async for r in conn.cursor("SELECT problem, COUNT(*) FROM patients GROUP BY problem", prefetch=2)
+                ]
+            assert len(rows) == 7
+            await asyncio.sleep(0.05)
+            assert sum("charged" in n for n in notices) == 1
+        finally:
+            await conn.close()
+
+    run(main())

@@ -92,3 +92,26 @@ def test_strict_framing() -> None:
         parse_message("S", b"x")  # trailing bytes
     with pytest.raises(ProtocolViolation):
         parse_startup(b"\x00\x03\x00\x00user\x00x")  # unterminated parameter
+
+
+@pytest.mark.parametrize(
+    ("sql", "route"),
+    [
+        ("SELECT COUNT(*) FROM patients", "engine"),
+        ("SELECT relname FROM pg_catalog.pg_class", "catalog"),
+        ("SELECT * FROM information_schema.columns WHERE table_name = 'patients'", "catalog"),
+        ("SELECT c.relname FROM pg_class c WHERE c.relname OPERATOR(pg_catalog.~) '^(patients)$'", "catalog"),
+        ("SELECT COUNT(*) FROM patients, pg_class", "mixed"),
+        ("WITH t AS (SELECT 1) SELECT * FROM t", "tableless"),
+        ("SELECT version()", "tableless"),
+        ("SELECT * INTO x FROM pg_class", "engine"),
+        ("DELETE FROM patients", "engine"),
+        ("SELECT * FROM nowhere", "engine"),
+    ],
+)
+def test_routing(sql: str, route: str) -> None:
+    from dpsql.demo import demo_policy_path
+    from dpsql.policy import load_policy
+    from dpsql.server.catalog import classify
+
+    assert classify(sql, load_policy(demo_policy_path("health"))) == route

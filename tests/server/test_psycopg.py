@@ -49,9 +49,7 @@ def test_server_side_parameters_and_binary(dp_server: Running) -> None:
         assert isinstance(n, int) and 30 <= avg <= 110
         cur = conn.execute("SELECT sex, SUM(visits) FROM patients GROUP BY sex", binary=True)
         assert {r[0] for r in cur.fetchall()} == {"Female", "Male"}
-        cur = conn.execute(
-            "SELECT COUNT(*) FROM patients WHERE sex = %s AND bmi < %s", ("Female", 30.5), prepare=True
-        )
+        cur = conn.execute("SELECT COUNT(*) FROM patients WHERE sex = %s AND bmi < %s", ("Female", 30.5), prepare=True)
         assert isinstance(cur.fetchone()[0], int)  # type: ignore[index]
         # second run of the same text uses the server-side prepared statement
         cur = conn.execute("SELECT COUNT(*) FROM patients WHERE sex = %s AND bmi < %s", ("Male", 30.5), prepare=True)
@@ -134,3 +132,35 @@ def test_statement_timeout(dp_server: Running) -> None:
             conn.execute("SELECT pg_sleep(3)")
         conn.execute("SET statement_timeout = 0")
         assert conn.execute("SELECT 1").fetchone() == (1,)
+
+
+def test_explain_show_all_and_discard(dp_server: Running) -> None:
+    with connect(dp_server) as conn:
+        plan = [r[0] for r in conn.execute("EXPLAIN SELECT COUNT(*) FROM patients")]
+        assert plan and "epsilon" in plan[0]
+        cur = conn.execute("EXPLAIN SELECT COUNT(*) FROM patients WHERE age > %s", (3,))
+        assert [d.name for d in cur.description] == ["QUERY PLAN"]  # type: ignore[union-attr]
+        settings = dict((r[0], r[1]) for r in conn.execute("SHOW ALL"))
+        assert settings["dpsql.epsilon"] and settings["TimeZone"] == "UTC"
+        conn.execute("SET dpsql.epsilon = 0.25")
+        conn.execute("DISCARD ALL")
+        assert conn.execute("SHOW dpsql.epsilon").fetchone() == ("1.0",)
+
+
+def test_idle_timeout() -> None:
+    from dpsql.server import ThreadedServer
+
+    from .conftest import open_engine
+
+    engine = open_engine(trust=True)
+    server = ThreadedServer(engine, catalog_dsn="", idle_timeout=0.3)
+    try:
+        with psycopg.connect(f"host={server.host} port={server.port} user=analyst", autocommit=True) as conn:
+            import time
+
+            time.sleep(0.8)
+            with pytest.raises(psycopg.OperationalError):
+                conn.execute("SELECT 1")
+    finally:
+        server.stop()
+        engine.close()
