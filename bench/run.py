@@ -25,6 +25,7 @@ import e2e  # noqa: E402
 import noise  # noqa: E402
 import overhead  # noqa: E402
 import peers  # noqa: E402
+import wire  # noqa: E402
 
 BENCHMARKS: dict[str, Callable[[bool], common.Section]] = {
     "overhead": overhead.run,
@@ -32,13 +33,7 @@ BENCHMARKS: dict[str, Callable[[bool], common.Section]] = {
     "noise": noise.run,
     "groups": e2e.run_groups,
     "peers": peers.run,
-    "wire": lambda quick: common.Section(
-        "wire",
-        "dpsql serve wire throughput",
-        ["status"],
-        rows=[["not written yet: the pgwire throughput benchmark is being written separately"]],
-        data={"status": "stub"},
-    ),
+    "wire": wire.run,
 }
 
 #: Left out of --quick unless named with --only: the peer comparison installs a venv and runs 50×.

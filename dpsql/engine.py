@@ -193,7 +193,8 @@ class Engine:
         plan.salt = self._salt
         select = rewrite(plan)
         budgeting = self._budget(plan, session)
-        fingerprint = hashlib.sha256(select.sql(dialect="postgres").encode()).hexdigest()[:16]
+        normalised = tree.sql(dialect="postgres", normalize=True)
+        fingerprint = hashlib.sha256(normalised.encode()).hexdigest()[:16]
         histograms = [
             (i, histogram_query(plan, i).sql(dialect=self.backend.dialect))
             for i, m in enumerate(plan.measures)
@@ -201,7 +202,7 @@ class Engine:
         ]
         key = cache_key(
             self.policy.dataset,
-            tree.sql(dialect="postgres", normalize=True),
+            normalised,
             _hashable(params),
             (budgeting.epsilon, budgeting.delta, budgeting.mechanism),
         )
@@ -398,10 +399,14 @@ class Engine:
             counts = noisy[plan.selection_measure]
             keep = [j for j in range(len(rows)) if counts[j] >= budgeting.threshold]
         released: list[tuple[tuple[Any, ...], tuple[Any, ...], tuple[float | None, ...]]] = []
+        key_names = [f"k{i}" for i in range(nkeys)]
+        measure_names = [f"m{i}" for i in range(len(noisy))]
+        as_int = [_integer(m) and m.kind != "quantile" for m in plan.measures]
+        columns = [values.tolist() if isinstance(values, np.ndarray) else values for values in noisy]
         for j in keep:
-            env: dict[str, Any] = {f"k{i}": rows[j][i] for i in range(nkeys)}
-            for i, values in enumerate(noisy):
-                env[f"m{i}"] = _python_number(values[j], plan.measures[i])
+            env: dict[str, Any] = dict(zip(key_names, rows[j], strict=False))
+            for name, values, integral in zip(measure_names, columns, as_int, strict=True):
+                env[name] = int(values[j]) if integral else float(values[j])
             out_values, out_acc = [], []
             for o, out in enumerate(plan.outputs):
                 value = evaluate(out.expr, env)
@@ -476,12 +481,6 @@ def _select_quantiles(
 
 def _integer(measure: Measure) -> bool:
     return measure.integer and float(measure.centre).is_integer()
-
-
-def _python_number(value: Any, measure: Measure) -> int | float:
-    if measure.kind == "quantile":
-        return float(value)
-    return int(value) if _integer(measure) else float(value)
 
 
 def _accuracy(out: Any, env: dict[str, Any], widths: list[float | None], plan: Plan) -> float | None:

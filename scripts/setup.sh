@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent bootstrap for a fresh Debian/Ubuntu machine (root, or a user with sudo).
 #
-#   scripts/setup.sh        runtime: .venv + `pip install -e .`
+#   scripts/setup.sh        runtime: psql, .venv + `pip install -e '.[serve]'`
 #   scripts/setup.sh test   also test extras and the Debian packages the tests use
 #                           (PostgreSQL server + psql, a JDK and the PostgreSQL JDBC driver)
 #
@@ -56,6 +56,9 @@ if [ ! -x .venv/bin/python ] && ! python3 -c 'import ensurepip' > /dev/null 2>&1
   need_pkg python3-venv
 fi
 
+# psql, so the served demo can be queried right away
+installed postgresql-client || command -v psql > /dev/null || need_pkg postgresql-client
+
 if [ "$mode" = test ]; then
   has_pg_server() {
     local d
@@ -64,7 +67,6 @@ if [ "$mode" = test ]; then
     compgen -G "/usr/lib/postgresql/*/bin/initdb" > /dev/null
   }
   installed postgresql || has_pg_server || need_pkg postgresql
-  installed postgresql-client || command -v psql > /dev/null || need_pkg postgresql-client
   command -v javac > /dev/null || need_pkg default-jdk-headless
   installed libpostgresql-jdbc-java || need_pkg libpostgresql-jdbc-java
 fi
@@ -76,8 +78,8 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 
-extras="."
-[ "$mode" = test ] && extras=".[test]"
+extras=".[serve]"  # serve: PostgreSQL binaries for the schema-only catalog psql's \d reads
+[ "$mode" = test ] && extras=".[test,serve]"
 stamp=".venv/.dpsql-setup-$mode"
 want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
 up_to_date() {  # the test extras include the runtime ones

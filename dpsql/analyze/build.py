@@ -8,12 +8,14 @@ oracle); every output is an aggregate, a GROUP BY key, or post-processing of tho
 from __future__ import annotations
 
 import datetime as dt
+import math
 from dataclasses import dataclass, field
 
 from sqlglot import exp
 
 from dpsql.analyze.sources import Source, Sources, ident_name, qualified, resolve_ref, resolve_sources
 from dpsql.errors import (
+    DataError,
     DatatypeMismatch,
     FeatureNotSupported,
     GroupingError,
@@ -100,6 +102,37 @@ def _literal_type(node: exp.Expression) -> str | None:
     return None
 
 
+def _require_finite(literal: exp.Expression) -> None:
+    """Numbers too large for a double would overflow differently on each backend: refuse them."""
+    node = literal.this if isinstance(literal, exp.Neg) else literal
+    if isinstance(node, exp.Literal) and not math.isfinite(float(node.name)):
+        raise DataError(f'value out of range: "{node.name}"', sqlstate="22003")
+
+
+def _canonical_cast(cast: exp.Cast, kind: str) -> exp.Expression:
+    """Validate ``CAST('<text>' AS <type>)`` here, so the backend never evaluates a cast that could fail.
+
+    A failing cast is only evaluated when some row reaches it, so its error would tell whether
+    anyone matches the rest of the predicate: an exact, un-noised oracle.
+    """
+    text = cast.this.name
+    try:
+        if kind == "number":
+            number = float(text)
+            if number != number or number in (float("inf"), float("-inf")):
+                raise ValueError(text)
+            return exp.Literal.number(text.strip())
+        if kind == "date":
+            return exp.cast(exp.Literal.string(dt.date.fromisoformat(text.strip()).isoformat()), "date")
+        if kind == "timestamp":
+            value = dt.datetime.fromisoformat(text.strip()).isoformat(sep=" ")
+            return exp.cast(exp.Literal.string(value), "timestamp")
+    except ValueError:
+        shown = {"number": "numeric"}.get(kind, kind)
+        raise DatatypeMismatch(f'invalid input syntax for type {shown}: "{text}"') from None
+    return cast.this.copy() if kind == "text" else cast
+
+
 def _check_literal_for(column: str, policy: ColumnPolicy, literal: exp.Expression) -> exp.Expression:
     """Type-check a constant against a column, so no comparison can fail on a data value."""
     kind = _literal_type(literal)
@@ -110,12 +143,16 @@ def _check_literal_for(column: str, policy: ColumnPolicy, literal: exp.Expressio
         )
     if kind == "null":
         return literal
+    if isinstance(literal, exp.Cast):
+        literal = _canonical_cast(literal, kind)
     if policy.type in ("int", "float"):
         if kind == "number":
+            _require_finite(literal)
             return literal
         if kind == "text":
             try:
-                float(literal.name)
+                if not math.isfinite(float(literal.name)):
+                    raise ValueError(literal.name)
             except ValueError:
                 raise DatatypeMismatch(
                     f'invalid input syntax for type {_PG_TYPES[policy.type]}: "{literal.name}"',
