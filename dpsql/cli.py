@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import getpass
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -218,6 +219,9 @@ def cmd_passwd(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from dpsql import server
 
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr
+    )
     engine = open_engine(args)
     print(
         f'dpsql serving dataset "{engine.policy.dataset}" on {args.host}:{args.port} '
@@ -234,6 +238,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             tls_key=args.tls_key,
             catalog_dsn=args.catalog_dsn,
         )
+    except OSError as exc:
+        print(f"ERROR:  could not listen on {args.host}:{args.port}: {exc.strerror}", file=sys.stderr)
+        print("HINT:  Is another server running there? Choose another with --port.", file=sys.stderr)
+        return 1
     finally:
         engine.close()
     return 0
@@ -262,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tls-cert")
     serve.add_argument("--tls-key")
     serve.add_argument("--catalog-dsn", help="PostgreSQL holding the schema-only catalog (default: start one)")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=cmd_serve)
 
     query = sub.add_parser("query", help="run one DP query and print the noisy answer")
