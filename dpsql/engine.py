@@ -23,7 +23,7 @@ import numpy as np
 from sqlglot import exp
 
 from dpsql.analyze import analyze_tree, infer_parameter_types, parse_statement
-from dpsql.analyze.parse import Params
+from dpsql.analyze.parse import Params, too_complex
 from dpsql.backends import Backend, open_backend
 from dpsql.cache import ResultCache, cache_key
 from dpsql.errors import (
@@ -181,7 +181,10 @@ class Engine:
             if cached is not None:
                 self._plans.move_to_end(key)
                 return cached
-        prepared = self._prepare(parse_statement(sql), session, params)
+        try:
+            prepared = self._prepare(parse_statement(sql), session, params)
+        except RecursionError:
+            raise too_complex() from None
         with self._lock:
             self._plans[key] = prepared
             if len(self._plans) > _PLAN_CACHE_SIZE:

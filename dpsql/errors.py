@@ -138,6 +138,12 @@ class ReadOnlyViolation(ProgrammingError):
     sqlstate = "25006"
 
 
+class StatementTooComplex(OperationalError):
+    """Nesting deeper than the analyzer's recursion allows (PostgreSQL's 54001)."""
+
+    sqlstate = "54001"
+
+
 class InvalidAuthorization(OperationalError):
     """Unknown analyst or failed authentication."""
 
@@ -188,6 +194,7 @@ _BY_SQLSTATE: dict[str, type[Error]] = {
         ReadOnlyViolation,
         InvalidAuthorization,
         InvalidParameterValue,
+        StatementTooComplex,
         PrivacyBudgetExhausted,
         LedgerUnavailable,
         BackendError,
@@ -204,6 +211,7 @@ _BY_CLASS: dict[str, type[Error]] = {
     "25": ProgrammingError,
     "42": ProgrammingError,
     "53": OperationalError,
+    "54": OperationalError,
     "57": OperationalError,
     "58": OperationalError,
     "XX": InternalError,

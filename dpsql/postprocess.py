@@ -135,6 +135,10 @@ def _function(node: exp.Expression, env: Env) -> Any:
         return float(rounded) if isinstance(value, float) else rounded
     if isinstance(node, exp.Round):
         digits = evaluate(node.args["decimals"], env) if node.args.get("decimals") else 0
+        if not isinstance(digits, int):
+            raise DataError("round() needs an integer number of digits", sqlstate="22023")
+        if abs(digits) > 15:  # beyond a double's precision: nothing left to round, or everything
+            return float(round(float(value), digits)) if isinstance(value, float) or digits < 0 else value
         scaled = value * 10**digits
         rounded = math.floor(abs(scaled) + 0.5) * (1 if scaled >= 0 else -1)  # half away from zero, like PG
         return rounded / 10**digits if digits else (float(rounded) if isinstance(value, float) else rounded)

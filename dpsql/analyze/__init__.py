@@ -10,7 +10,7 @@ from sqlglot import exp
 
 from dpsql.analyze.build import build_plan
 from dpsql.analyze.checks import STATEMENT_CHECKS
-from dpsql.analyze.parse import Params, bind_parameters, parse_statement
+from dpsql.analyze.parse import Params, bind_parameters, parse_statement, too_complex
 from dpsql.plan import Plan
 from dpsql.policy import Policy
 
@@ -19,11 +19,14 @@ __all__ = ["analyze", "analyze_tree", "infer_parameter_types", "parse_statement"
 
 def analyze_tree(tree: exp.Expression, policy: Policy, params: Params = None) -> Plan:
     """Check and plan an already parsed statement."""
-    for check in STATEMENT_CHECKS:
-        check(tree)
-    bound = bind_parameters(tree, params)
-    assert isinstance(bound, exp.Select)
-    return build_plan(bound, policy)
+    try:
+        for check in STATEMENT_CHECKS:
+            check(tree)
+        bound = bind_parameters(tree, params)
+        assert isinstance(bound, exp.Select)
+        return build_plan(bound, policy)
+    except RecursionError:
+        raise too_complex() from None
 
 
 def analyze(sql: str, policy: Policy, params: Params = None) -> Plan:

@@ -17,7 +17,7 @@ import sqlglot
 from sqlglot import exp
 from sqlglot.errors import ParseError, TokenError
 
-from dpsql.errors import SyntaxError_, UndefinedParameter
+from dpsql.errors import StatementTooComplex, SyntaxError_, UndefinedParameter
 
 logging.getLogger("sqlglot").setLevel(logging.ERROR)
 
@@ -30,6 +30,8 @@ def parse_statement(sql: str) -> exp.Expression:
         statements = [s for s in sqlglot.parse(sql, read="postgres") if s is not None]
     except (ParseError, TokenError) as exc:
         raise _syntax_error(sql, exc) from None
+    except RecursionError:
+        raise too_complex() from None
     if not statements:
         raise SyntaxError_("empty query", hint="Send one SELECT statement.")
     if len(statements) > 1:
@@ -86,6 +88,12 @@ _STATEMENT_KEYWORDS = frozenset(
         "comment",
     ]
 )
+
+
+def too_complex() -> StatementTooComplex:
+    return StatementTooComplex(
+        "statement is too complex", hint="Nest fewer expressions; split the predicate into simpler queries."
+    )
 
 
 def _syntax_error(sql: str, exc: Exception) -> SyntaxError_:

@@ -300,15 +300,10 @@ def test_neighbours_release_the_same_shape(
     assert _shape(_engine(health_policy, d), sql) == _shape(_engine(health_policy, d_prime), sql)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: WHERE col = CAST('<bad literal>' AS type) passes the analyzer; whether DuckDB fails "
-    "(58P02) depends on whether any row reaches the cast — an exact, un-noised error oracle "
-    "(dpsql/analyze/build.py::_check_literal_for does not validate the literal inside a CAST)",
-)
 def test_error_or_not_does_not_depend_on_one_person(
     health_policy: Policy, health_neighbours: tuple[Backend, Backend]
 ) -> None:
+    """A failing constant behind a predicate only the extra person satisfies (once a DuckDB error oracle)."""
     sql = f"SELECT COUNT(*) FROM patients WHERE zip = {UNIQUE_ZIP} AND age = CAST('abc' AS int)"
     d, d_prime = health_neighbours
     assert _shape(_engine(health_policy, d), sql) == _shape(_engine(health_policy, d_prime), sql)
