@@ -42,9 +42,7 @@ def differencing_attack(runs: int = 1000, epsilon: float = 1.0) -> dict[str, Any
     _, raw_all = worlds[True].execute(Q_ALL)
     _, raw_rest = worlds[True].execute(Q_ALL_BUT_IGOR)
     session = Session(analyst="analyst", epsilon=epsilon)
-    engines = {
-        obese: Engine(policy, backend, Ledger.open("sqlite:///:memory:")) for obese, backend in worlds.items()
-    }
+    engines = {obese: Engine(policy, backend, Ledger.open("sqlite:///:memory:")) for obese, backend in worlds.items()}
     correct, samples = 0, []
     for _ in range(runs):
         obese = secrets.randbelow(2) == 1

@@ -225,15 +225,10 @@ def check_budget(
     message = f'privacy budget exhausted for {who} "{name}"'
     if accounting == "pure":
         if not _within(spent.epsilon + cost.epsilon, budget.epsilon):
-            detail = (
-                f"spent ε={_fmt(spent.epsilon)} of {_fmt(budget.epsilon)}, "
-                f"this query needs ε={_fmt(cost.epsilon)}"
-            )
+            detail = f"spent ε={_fmt(spent.epsilon)} of {_fmt(budget.epsilon)}, this query needs ε={_fmt(cost.epsilon)}"
             raise PrivacyBudgetExhausted(message, detail=detail, hint=_HINT_EXHAUSTED)
         if not _within(spent.delta + cost.delta, budget.delta):
-            detail = (
-                f"spent δ={_fmt(spent.delta)} of {_fmt(budget.delta)}, this query needs δ={_fmt(cost.delta)}"
-            )
+            detail = f"spent δ={_fmt(spent.delta)} of {_fmt(budget.delta)}, this query needs δ={_fmt(cost.delta)}"
             raise PrivacyBudgetExhausted(
                 message,
                 detail=detail,
@@ -834,8 +829,7 @@ class PostgresLedger(Ledger):
                 # The lock serialises every reserve on this dataset until COMMIT; under READ
                 # COMMITTED the next statement's snapshot then sees every earlier charge.
                 conn.execute(
-                    "SELECT set_config('synchronous_commit', 'on', true), "
-                    "pg_advisory_xact_lock(%s, hashtext(%s))",
+                    "SELECT set_config('synchronous_commit', 'on', true), pg_advisory_xact_lock(%s, hashtext(%s))",
                     (_PG_LOCK_NAMESPACE, dataset),
                 )
                 rows = conn.execute(

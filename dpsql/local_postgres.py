@@ -126,11 +126,7 @@ def _check_traversable(path: Path, user: pwd.struct_passwd) -> None:
     """Fail clearly when the service user cannot reach ``path`` (e.g. a datadir under /root)."""
     for parent in path.parents:
         st = parent.stat()
-        if (
-            st.st_uid == user.pw_uid
-            or st.st_mode & 0o001
-            or (st.st_gid == user.pw_gid and st.st_mode & 0o010)
-        ):
+        if st.st_uid == user.pw_uid or st.st_mode & 0o001 or (st.st_gid == user.pw_gid and st.st_mode & 0o010):
             continue
         raise LocalPostgresError(
             f"PostgreSQL runs as {user.pw_name!r} (it refuses root) but cannot enter {parent}; "

@@ -38,6 +38,8 @@ class Measure:
     integer: bool = True
     #: For ``quantile`` measures: which quantile (0 = MIN, 0.5 = median, 1 = MAX).
     q: float | None = None
+    #: For ``sum`` measures: add the squares of the centred values (variance).
+    square: bool = False
 
     @property
     def sensitivity(self) -> float:
@@ -45,7 +47,8 @@ class Measure:
         if self.kind != "sum":
             return 1.0
         assert self.lower is not None and self.upper is not None
-        return float(max(abs(self.upper - self.centre), abs(self.lower - self.centre)))
+        reach = float(max(abs(self.upper - self.centre), abs(self.lower - self.centre)))
+        return reach * reach if self.square else reach
 
     @property
     def label(self) -> str:
@@ -58,7 +61,8 @@ class Measure:
         if self.kind == "quantile":
             return f"QUANTILE({self.q:g}) OF clamp({self.column}, {self.lower:g}, {self.upper:g})"
         centre = f" - {self.centre:g}" if self.centre else ""
-        return f"SUM(clamp({self.column}, {self.lower:g}, {self.upper:g}){centre})"
+        term = f"clamp({self.column}, {self.lower:g}, {self.upper:g}){centre}"
+        return f"SUM(({term})^2)" if self.square else f"SUM({term})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +86,7 @@ class OutputItem:
     clamp: tuple[float, float] | None = None
     #: Which measures feed this output; used for confidence intervals.
     measures: tuple[int, ...] = ()
-    kind: Literal["key", "count", "sum", "avg", "quantile", "expr"] = "expr"
+    kind: Literal["key", "count", "sum", "avg", "variance", "quantile", "expr"] = "expr"
 
 
 @dataclass(slots=True)
@@ -95,9 +99,7 @@ class Plan:
     measures: list[Measure]
     outputs: list[OutputItem]
     having: exp.Expression | None = None
-    order: list[tuple[exp.Expression, bool, bool | None]] = field(
-        default_factory=list
-    )  # (expr, desc, nulls_first)
+    order: list[tuple[exp.Expression, bool, bool | None]] = field(default_factory=list)  # (expr, desc, nulls_first)
     limit: int | None = None
     offset: int = 0
     distinct: bool = False

@@ -78,11 +78,7 @@ class ColumnPolicy(_Strict):
                 raise ValueError(f"bounds make no sense on a {self.type} column; declare a 'domain' instead")
             if self.type in ("int", "float"):
                 for name, value in (("lower", self.lower), ("upper", self.upper)):
-                    if (
-                        isinstance(value, bool)
-                        or not isinstance(value, int | float)
-                        or not math.isfinite(value)
-                    ):
+                    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
                         raise ValueError(f"'{name}' must be a finite number")
                 if self.type == "int" and not (isinstance(self.lower, int) and isinstance(self.upper, int)):
                     raise ValueError("an int column needs integer 'lower' and 'upper'")
@@ -244,9 +240,7 @@ def _line_index(node: yaml.Node, path: tuple[Any, ...] = ()) -> Iterator[tuple[t
 
 
 def _describe(error: dict[str, Any], where: str, lines: dict[tuple[Any, ...], int]) -> str:
-    loc = tuple(
-        p for p in error["loc"] if not (isinstance(p, str) and p.startswith(("function-", "tagged-")))
-    )
+    loc = tuple(p for p in error["loc"] if not (isinstance(p, str) and p.startswith(("function-", "tagged-"))))
     probe = loc
     while probe and tuple(map(str, probe)) not in lines:
         probe = probe[:-1]

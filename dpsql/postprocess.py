@@ -55,6 +55,18 @@ def _dp_avg(total: Any, count: Any, centre: Any) -> float | None:
     return float(centre) + float(total) / max(float(count), 1.0)
 
 
+def _dp_variance(squares: Any, total: Any, count: Any, sample: bool, root: bool) -> float | None:
+    """Variance from noisy centred Σ(x−c)², Σ(x−c) and count: E[(x−c)²] − E[x−c]², floored at 0."""
+    n = max(float(count), 1.0)
+    if sample and n < 2:
+        return None  # PostgreSQL: var_samp of one value is NULL
+    mean = float(total) / n
+    variance = max(float(squares) / n - mean * mean, 0.0)
+    if sample:
+        variance *= n / (n - 1)
+    return math.sqrt(variance) if root else variance
+
+
 def evaluate(node: exp.Expression, env: Env) -> Any:
     """Evaluate a post-processing expression; ``exp.Var`` names look up ``env``."""
     if isinstance(node, exp.Var):
@@ -75,11 +87,7 @@ def evaluate(node: exp.Expression, env: Env) -> Any:
         return None if value is None else not value
     if isinstance(node, exp.And | exp.Or):
         return _logic(node, env)
-    if (
-        isinstance(node, exp.Div | exp.Mod | exp.DPipe)
-        or type(node) in _ARITHMETIC
-        or type(node) in _COMPARISONS
-    ):
+    if isinstance(node, exp.Div | exp.Mod | exp.DPipe) or type(node) in _ARITHMETIC or type(node) in _COMPARISONS:
         left, right = evaluate(node.this, env), evaluate(node.expression, env)
         if left is None or right is None:
             return None
@@ -88,17 +96,15 @@ def evaluate(node: exp.Expression, env: Env) -> Any:
         if isinstance(node, exp.Mod):
             if right == 0:
                 raise DataError("division by zero", sqlstate="22012")
-            return (
-                math.fmod(left, right)
-                if isinstance(left, float) or isinstance(right, float)
-                else left % right
-            )
+            return math.fmod(left, right) if isinstance(left, float) or isinstance(right, float) else left % right
         if isinstance(node, exp.DPipe):
             return f"{left}{right}"
         fn = _ARITHMETIC.get(type(node)) or _COMPARISONS[type(node)]
         return fn(left, right)
     if isinstance(node, exp.Anonymous) and node.name.lower() == "dp_avg":
         return _dp_avg(*(evaluate(a, env) for a in node.expressions))
+    if isinstance(node, exp.Anonymous) and node.name.lower() == "dp_variance":
+        return _dp_variance(*(evaluate(a, env) for a in node.expressions))
     return _function(node, env)
 
 

@@ -7,6 +7,7 @@ oracle); every output is an aggregate, a GROUP BY key, or post-processing of tho
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import math
 from dataclasses import dataclass, field
@@ -35,14 +36,17 @@ _PG_TYPES: dict[str, PgType] = {
     "boolean": "boolean",
 }
 
-_AGGREGATES = (exp.Count, exp.Sum, exp.Avg)
+#: Variance family → (PostgreSQL's output name, sample variance?, square root?)
+_VARIANCES: dict[type[exp.Expression], tuple[str, bool, bool]] = {
+    exp.Variance: ("variance", True, False),
+    exp.VariancePop: ("var_pop", False, False),
+    exp.Stddev: ("stddev", True, True),
+    exp.StddevSamp: ("stddev_samp", True, True),
+    exp.StddevPop: ("stddev_pop", False, True),
+}
+_AGGREGATES = (exp.Count, exp.Sum, exp.Avg, *_VARIANCES)
 _QUANTILES = (exp.Min, exp.Max, exp.Median, exp.WithinGroup)
 _NOT_YET = {
-    exp.Stddev: "stddev",
-    exp.StddevPop: "stddev_pop",
-    exp.StddevSamp: "stddev_samp",
-    exp.Variance: "variance",
-    exp.VariancePop: "var_pop",
     exp.ArrayAgg: "array_agg",
     exp.GroupConcat: "string_agg",
 }
@@ -444,6 +448,26 @@ def _measure_expression(agg: exp.Expression, scope: _Scope) -> tuple[exp.Express
     if isinstance(agg, exp.Sum):
         index = scope.measure(_sum_measure(source, name, policy, "sum", centred=False))
         return exp.var(f"m{index}"), "sum", (index,)
+    if type(agg) in _VARIANCES:
+        function, sample, root = _VARIANCES[type(agg)]
+        centred = _sum_measure(source, name, policy, function, centred=True)
+        square = dataclasses.replace(centred, square=True)
+        if square.sensitivity >= 2.0**62:  # squares beyond BIGINT: sum them as doubles
+            square = dataclasses.replace(square, integer=False)
+        squares = scope.measure(square)
+        total = scope.measure(centred)
+        count = scope.measure(_count_measure(source, name, policy, scope))
+        call = exp.Anonymous(
+            this="dp_variance",
+            expressions=[
+                exp.var(f"m{squares}"),
+                exp.var(f"m{total}"),
+                exp.var(f"m{count}"),
+                exp.Boolean(this=sample),
+                exp.Boolean(this=root),
+            ],
+        )
+        return call, "variance", (squares, total, count)
     total = scope.measure(_sum_measure(source, name, policy, "avg", centred=True))
     count = scope.measure(_count_measure(source, name, policy, scope))
     measure = scope.measures[total]
@@ -558,6 +582,8 @@ def _output_name(projection: exp.Expression) -> str:
         return _output_name(node.this) if isinstance(node.this, exp.Column | exp.Func) else node.to.sql().lower()
     if isinstance(node, exp.WithinGroup):
         return _output_name(node.this)
+    if type(node) in _VARIANCES:
+        return _VARIANCES[type(node)][0]
     if isinstance(node, exp.Func):
         return node.sql_name().lower() if not isinstance(node, exp.Anonymous) else node.name.lower()
     return "?column?"
@@ -570,7 +596,7 @@ def _output_type(kind: str, expr: exp.Expression, scope: _Scope, measures: tuple
         return "bigint"
     if kind == "sum":
         return "bigint" if scope.measures[measures[0]].integer else "double precision"
-    if kind in ("avg", "quantile"):
+    if kind in ("avg", "quantile", "variance"):
         return "double precision"
     if kind == "quantile_disc":
         return "bigint" if scope.measures[measures[0]].integer else "double precision"

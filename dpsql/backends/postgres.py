@@ -27,9 +27,7 @@ CONNECT_FAILED = "could not connect to the database"
 class ConnectionPool:
     """At most ``size`` connections, created lazily, reused LIFO, dropped when broken."""
 
-    def __init__(
-        self, connect: Callable[[], psycopg.Connection], size: int, acquire_timeout: float = 60
-    ) -> None:
+    def __init__(self, connect: Callable[[], psycopg.Connection], size: int, acquire_timeout: float = 60) -> None:
         if size < 1:
             raise ValueError("pool size must be at least 1")
         self._connect = connect

@@ -86,6 +86,18 @@ def centre_sums(select: exp.Select, plan: Plan) -> exp.Select:
     return select
 
 
+def square_sums(select: exp.Select, plan: Plan) -> exp.Select:
+    """Variance reads the sum of squared centred values: its sensitivity is the squared half-range."""
+    offset = len(plan.keys)
+    for i, measure in enumerate(plan.measures):
+        if measure.kind == "sum" and measure.square:
+            value = _sum_argument(select, offset + i)
+            # BIGINT before multiplying: an int4 product could overflow only on some rows (an error oracle)
+            term = exp.cast(value.copy(), "bigint") if measure.integer else exp.paren(value.copy(), copy=False)
+            value.replace(exp.Mul(this=term, expression=term.copy()))
+    return select
+
+
 def coalesce_sums(select: exp.Select, plan: Plan) -> exp.Select:
     """SUM over no rows is NULL; release 0 instead so emptiness is not revealed exactly."""
     offset = len(plan.keys)
@@ -190,6 +202,7 @@ REWRITE_PASSES: tuple[RewritePass, ...] = (
     select_measures,
     clamp_inputs,
     centre_sums,
+    square_sums,
     coalesce_sums,
     filter_rows,
     group_by_keys,

@@ -79,7 +79,7 @@ REFUSALS = [
     ),
     ("SELECT foo(age) FROM patients GROUP BY age", "42883", "function foo() does not exist"),
     ("SELECT SUM(problem) FROM patients", "42883", "function sum(text) does not exist"),
-    ("SELECT STDDEV(age) FROM patients", "0A000", "aggregate function stddev is not supported yet"),
+    ("SELECT ARRAY_AGG(age) FROM patients", "0A000", "aggregate function array_agg is not supported yet"),
     (
         "SELECT COUNT(DISTINCT zip) FROM patients",
         "0A000",

@@ -190,3 +190,22 @@ def test_count_rmse_and_bias_at_epsilon_one(engine: Engine, mechanism: str) -> N
     # 2,000 draws: RMSE's relative standard error is ~2.5% (Laplace kurtosis 6); 5% is the bar.
     assert abs(rmse / theory - 1) < 0.05 + 0.05 * (mechanism == "laplace")
     assert abs(statistics.fmean(errors)) < 0.05 + 4 * theory / math.sqrt(2000)
+
+
+def test_variance_family_names_and_values(engine: Engine, alice: Session) -> None:
+    result = engine.execute(
+        "SELECT var_pop(age), var_samp(age), stddev(age), stddev_pop(bmi), stddev_samp(bmi) FROM patients",
+        Session("alice", epsilon=5.0),
+    )
+    assert [c.name for c in result.columns] == ["var_pop", "variance", "stddev", "stddev_pop", "stddev_samp"]
+    truth = engine.backend.execute("SELECT var_pop(age), stddev(age), stddev_pop(bmi) FROM patients")[1][0]
+    var_pop, _, stddev, stddev_pop, _ = result.rows[0]
+    assert var_pop == pytest.approx(truth[0], rel=0.1) and stddev == pytest.approx(truth[1], rel=0.05)
+    assert stddev_pop == pytest.approx(truth[2], rel=0.1)
+
+
+def test_variance_sums_cannot_overflow_on_some_rows(health_policy: Policy) -> None:
+    from dpsql.analyze import analyze
+
+    sql = to_sql(analyze("SELECT var_pop(age) FROM patients", health_policy), "postgres")
+    assert "CAST((CASE" not in sql and "AS BIGINT) * CAST(" in sql
