@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dpsql.errors import PolicyError
+from dpsql.session import PgType
 
 ColumnType = Literal["int", "float", "text", "date", "timestamp", "boolean"]
 Mechanism = Literal["laplace", "gaussian"]
@@ -43,6 +44,16 @@ _TYPE_ALIASES: dict[str, ColumnType] = {
 }
 
 Scalar = int | float | str | bool | dt.date | dt.datetime | None
+
+#: The PostgreSQL type each policy type is exposed as (catalog, result columns, messages).
+PG_TYPE_NAMES: dict[str, PgType] = {
+    "int": "bigint",
+    "float": "double precision",
+    "text": "text",
+    "date": "date",
+    "timestamp": "timestamp",
+    "boolean": "boolean",
+}
 
 
 class _Strict(BaseModel):

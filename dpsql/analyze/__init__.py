@@ -12,7 +12,7 @@ from dpsql.analyze.build import build_plan
 from dpsql.analyze.checks import STATEMENT_CHECKS
 from dpsql.analyze.parse import Params, bind_parameters, parse_statement, too_complex
 from dpsql.plan import Plan
-from dpsql.policy import Policy
+from dpsql.policy import PG_TYPE_NAMES, Policy
 
 __all__ = ["analyze", "analyze_tree", "infer_parameter_types", "parse_statement"]
 
@@ -34,15 +34,6 @@ def analyze(sql: str, policy: Policy, params: Params = None) -> Plan:
     return analyze_tree(parse_statement(sql), policy, params)
 
 
-_PG_NAMES = {
-    "int": "bigint",
-    "float": "double precision",
-    "text": "text",
-    "date": "date",
-    "timestamp": "timestamp",
-    "boolean": "boolean",
-}
-
 
 def infer_parameter_types(tree: exp.Expression, policy: Policy) -> list[str]:
     """PostgreSQL type names for ``$1..$n``: the type of the column each one is compared with."""
@@ -61,7 +52,7 @@ def infer_parameter_types(tree: exp.Expression, policy: Policy) -> list[str]:
         if isinstance(context, exp.Limit | exp.Offset):
             found[index] = "bigint"
         elif column is not None and column.name.lower() in columns:
-            found[index] = _PG_NAMES[columns[column.name.lower()].type]
+            found[index] = PG_TYPE_NAMES[columns[column.name.lower()].type]
         else:
             found.setdefault(index, "text")
     count = max(found, default=0)

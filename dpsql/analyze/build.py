@@ -24,17 +24,8 @@ from dpsql.errors import (
     UndefinedFunction,
 )
 from dpsql.plan import GroupKey, Measure, OutputItem, Plan
-from dpsql.policy import ColumnPolicy, Policy
+from dpsql.policy import PG_TYPE_NAMES, ColumnPolicy, Policy
 from dpsql.session import OutputColumn, PgType
-
-_PG_TYPES: dict[str, PgType] = {
-    "int": "bigint",
-    "float": "double precision",
-    "text": "text",
-    "date": "date",
-    "timestamp": "timestamp",
-    "boolean": "boolean",
-}
 
 #: Variance family → (PostgreSQL's output name, sample variance?, square root?)
 _VARIANCES: dict[type[exp.Expression], tuple[str, bool, bool]] = {
@@ -159,7 +150,7 @@ def _check_literal_for(column: str, policy: ColumnPolicy, literal: exp.Expressio
                     raise ValueError(literal.name)
             except ValueError:
                 raise DatatypeMismatch(
-                    f'invalid input syntax for type {_PG_TYPES[policy.type]}: "{literal.name}"',
+                    f'invalid input syntax for type {PG_TYPE_NAMES[policy.type]}: "{literal.name}"',
                     hint=f'"{column}" is numeric; compare it with a number.',
                 ) from None
             return exp.Literal.number(literal.name)
@@ -185,8 +176,8 @@ def _check_literal_for(column: str, policy: ColumnPolicy, literal: exp.Expressio
         if kind == "text" and literal.name.lower() in ("true", "false", "t", "f"):
             return exp.Boolean(this=literal.name.lower() in ("true", "t"))
     raise DatatypeMismatch(
-        f"operator does not exist: {_PG_TYPES[policy.type]} compared with {kind}",
-        hint=f'"{column}" is of type {_PG_TYPES[policy.type]}; compare it with a value of that type.',
+        f"operator does not exist: {PG_TYPE_NAMES[policy.type]} compared with {kind}",
+        hint=f'"{column}" is of type {PG_TYPE_NAMES[policy.type]}; compare it with a value of that type.',
     )
 
 
@@ -199,7 +190,7 @@ def _operand(node: exp.Expression, scope: _Scope) -> tuple[str, ColumnPolicy] | 
     if isinstance(node, exp.Lower | exp.Upper) and isinstance(node.this, exp.Column):
         name, policy = resolve_column(node.this, scope)
         if policy.type != "text":
-            raise UndefinedFunction(f"function {node.key}({_PG_TYPES[policy.type]}) does not exist")
+            raise UndefinedFunction(f"function {node.key}({PG_TYPE_NAMES[policy.type]}) does not exist")
         return name, policy
     return None
 
@@ -231,7 +222,7 @@ def check_where(node: exp.Expression, scope: _Scope) -> exp.Expression:
     if isinstance(node, exp.Column):
         _, policy = resolve_column(node, scope)
         if policy.type != "boolean":
-            raise DatatypeMismatch(f"argument of WHERE must be type boolean, not type {_PG_TYPES[policy.type]}")
+            raise DatatypeMismatch(f"argument of WHERE must be type boolean, not type {PG_TYPE_NAMES[policy.type]}")
         return _normalise_column(node, scope)
     if isinstance(node, _PREDICATES):
         return _check_comparison(node, scope)
@@ -250,8 +241,8 @@ def check_where(node: exp.Expression, scope: _Scope) -> exp.Expression:
         name, policy = _required_operand(node.this, scope)
         if policy.type != "text":
             raise UndefinedFunction(
-                f"operator does not exist: {_PG_TYPES[policy.type]} ~~ unknown",
-                hint=f'LIKE needs a text column; "{name}" is {_PG_TYPES[policy.type]}.',
+                f"operator does not exist: {PG_TYPE_NAMES[policy.type]} ~~ unknown",
+                hint=f'LIKE needs a text column; "{name}" is {PG_TYPE_NAMES[policy.type]}.',
             )
         if _literal_type(node.expression) != "text":
             raise FeatureNotSupported("LIKE patterns must be string constants")
@@ -283,7 +274,7 @@ def _check_comparison(node: exp.Expression, scope: _Scope) -> exp.Expression:
             left[1].type not in ("int", "float") and left[1].type != right[1].type
         ):
             raise DatatypeMismatch(
-                f"operator does not exist: {_PG_TYPES[left[1].type]} {node.key} {_PG_TYPES[right[1].type]}",
+                f"operator does not exist: {PG_TYPE_NAMES[left[1].type]} {node.key} {PG_TYPE_NAMES[right[1].type]}",
                 hint="Compare columns of the same type.",
             )
         return node.__class__(
@@ -398,7 +389,7 @@ def _distinct_units(agg: exp.Count, scope: _Scope) -> Measure:
 def _sum_measure(source: Source, name: str, policy: ColumnPolicy, function: str, *, centred: bool) -> Measure:
     if not policy.numeric:
         raise UndefinedFunction(
-            f"function {function}({_PG_TYPES[policy.type]}) does not exist",
+            f"function {function}({PG_TYPE_NAMES[policy.type]}) does not exist",
             hint=f"{function.upper()} needs a numeric column.",
         )
     if not policy.bounded:
@@ -591,7 +582,7 @@ def _output_name(projection: exp.Expression) -> str:
 
 def _output_type(kind: str, expr: exp.Expression, scope: _Scope, measures: tuple[int, ...]) -> PgType:
     if kind == "key":
-        return _PG_TYPES[scope.keys[int(expr.name[1:])].policy.type]
+        return PG_TYPE_NAMES[scope.keys[int(expr.name[1:])].policy.type]
     if kind == "count":
         return "bigint"
     if kind == "sum":
@@ -610,7 +601,7 @@ def _output_type(kind: str, expr: exp.Expression, scope: _Scope, measures: tuple
             return "text"
         return "double precision"
     if isinstance(expr, exp.Var) and expr.name.startswith("k"):
-        return _PG_TYPES[scope.keys[int(expr.name[1:])].policy.type]
+        return PG_TYPE_NAMES[scope.keys[int(expr.name[1:])].policy.type]
     integral = all(scope.measures[m].integer and scope.measures[m].centre == 0 for m in measures) and not expr.find(
         exp.Anonymous
     )

@@ -32,7 +32,7 @@ import sqlglot
 from sqlglot import exp
 
 from dpsql.errors import Error, FeatureNotSupported
-from dpsql.policy import Policy, TablePolicy
+from dpsql.policy import PG_TYPE_NAMES, Policy, TablePolicy
 
 from .protocol import FieldDescription
 from .sqltext import first_word, identifiers
@@ -42,14 +42,6 @@ log = logging.getLogger("dpsql.server.catalog")
 Route = Literal["catalog", "engine", "mixed", "tableless"]
 CATALOG_SCHEMAS = frozenset({"pg_catalog", "information_schema"})
 _READ_ONLY_HEADS = frozenset({"select", "with", "values", "table"})
-_SQL_TYPES = {
-    "int": "bigint",
-    "float": "double precision",
-    "text": "text",
-    "date": "date",
-    "timestamp": "timestamp",
-    "boolean": "boolean",
-}
 _SHADOW_SUPERUSER = "postgres"
 
 
@@ -138,7 +130,7 @@ def _literal(text: str) -> str:
 
 def _table_ddl(name: str, table: TablePolicy) -> list[str]:
     cols = [
-        f"{_ident(col)} {_SQL_TYPES[c.type]}{'' if c.nullable else ' NOT NULL'}"
+        f"{_ident(col)} {PG_TYPE_NAMES[c.type]}{'' if c.nullable else ' NOT NULL'}"
         for col, c in table.columns.items()
         if not c.identifier
     ]
