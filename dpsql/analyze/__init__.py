@@ -1,7 +1,8 @@
 """Analyze: SQL text + policy → a typed :class:`~dpsql.plan.Plan`, or one precise refusal.
 
-The order of passes is written down here and nowhere else: parse, bind parameters,
-statement-shape checks (``checks.STATEMENT_CHECKS``), then resolution and plan building.
+The order of passes is written down here and nowhere else: parse, inline simple views
+(``views.inline_views``), statement-shape checks (``checks.STATEMENT_CHECKS``), bind
+parameters, then resolution and plan building.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from sqlglot import exp
 
 from dpsql.analyze.build import build_plan
 from dpsql.analyze.checks import STATEMENT_CHECKS
+from dpsql.analyze.views import inline_views
 from dpsql.analyze.parse import Params, bind_parameters, parse_statement, too_complex
 from dpsql.plan import Plan
 from dpsql.policy import PG_TYPE_NAMES, Policy
@@ -20,6 +22,7 @@ __all__ = ["analyze", "analyze_tree", "infer_parameter_types", "parse_statement"
 def analyze_tree(tree: exp.Expression, policy: Policy, params: Params = None) -> Plan:
     """Check and plan an already parsed statement."""
     try:
+        tree = inline_views(tree)
         for check in STATEMENT_CHECKS:
             check(tree)
         bound = bind_parameters(tree, params)
@@ -32,7 +35,6 @@ def analyze_tree(tree: exp.Expression, policy: Policy, params: Params = None) ->
 def analyze(sql: str, policy: Policy, params: Params = None) -> Plan:
     """Parse, check and plan ``sql`` against ``policy``."""
     return analyze_tree(parse_statement(sql), policy, params)
-
 
 
 def infer_parameter_types(tree: exp.Expression, policy: Policy) -> list[str]:

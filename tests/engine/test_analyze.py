@@ -68,9 +68,9 @@ REFUSALS = [
         "subqueries are not supported",
     ),
     (
-        "WITH x AS (SELECT * FROM patients) SELECT COUNT(*) FROM x",
+        "WITH x AS (SELECT sex, COUNT(*) AS n FROM patients GROUP BY sex) SELECT SUM(n) FROM x",
         "0A000",
-        "WITH queries are not supported yet",
+        'GROUP BY inside the subquery or CTE "x" is not supported',
     ),
     (
         "SELECT COUNT(*) FROM patients a JOIN patients b ON a.zip = b.zip",

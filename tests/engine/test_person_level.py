@@ -230,3 +230,17 @@ def test_group_privacy_bounds_a_whole_household(clinic_duckdb: tuple[Backend, Ba
     engine = Engine(policy, full, Ledger.open("sqlite:///:memory:"))
     assert engine.explain("SELECT COUNT(*) FROM visits", Session("alice")).unit.startswith("patients.household_id")
     neighbour.close()
+
+
+def test_subquery_over_a_private_table_keeps_the_person_bound(
+    clinic_policy: Policy, clinic_duckdb: tuple[Backend, Backend]
+) -> None:
+    sql = (
+        "SELECT d.building, COUNT(*) FROM (SELECT patient_id, department FROM visits WHERE cost > 100) v "
+        "JOIN departments d ON v.department = d.name GROUP BY d.building"
+    )
+    plan = _plan(sql, clinic_policy)
+    assert plan.max_rows == 20
+    full, neighbour = (_cells(b, plan, "duckdb") for b in clinic_duckdb)
+    moved = sum(abs(full.get(k, (0,))[0] - neighbour.get(k, (0,))[0]) for k in set(full) | set(neighbour))
+    assert moved <= plan.sensitivities(plan.measures[0])[0]

@@ -109,7 +109,8 @@ def _keyed_events(key: Any, absent: Any = None) -> Callable[[Sequence[Any], Sequ
     def build(a: Sequence[Any], b: Sequence[Any]) -> list[Event]:
         values = [o[key] for o in [*a, *b] if key in o]
         events = [
-            (f"{key}: {name}", lambda o, f=f: f(o.get(key, -math.inf))) for name, f in threshold_events(values, QUANTILES)
+            (f"{key}: {name}", lambda o, f=f: f(o.get(key, -math.inf)))
+            for name, f in threshold_events(values, QUANTILES)
         ]
         events.append((f"{key} released", lambda o: key in o))
         if absent is not None:
@@ -121,8 +122,14 @@ def _keyed_events(key: Any, absent: Any = None) -> Callable[[Sequence[Any], Sequ
 
 
 CASES = [
-    Case("count", "health", "SELECT COUNT(*) FROM patients WHERE age > 30", Session("t", epsilon=1.0), _scalar,
-         _scalar_events),
+    Case(
+        "count",
+        "health",
+        "SELECT COUNT(*) FROM patients WHERE age > 30",
+        Session("t", epsilon=1.0),
+        _scalar,
+        _scalar_events,
+    ),
     Case("sum-int", "health", "SELECT SUM(age) FROM patients", Session("t", epsilon=1.0), _scalar, _scalar_events),
     Case("sum-real", "health", "SELECT SUM(bmi) FROM patients", Session("t", epsilon=1.0), _scalar, _scalar_events),
     Case("avg", "health", "SELECT AVG(age) FROM patients", Session("t", epsilon=1.0), _scalar, _scalar_events),
@@ -141,14 +148,16 @@ CASES = [
         "GROUP BY d.building",
         Session("t", epsilon=1.0),
         lambda r: {row[0]: (row[1], row[2]) for row in r.rows},
-        lambda a, b: [
-            (f"North count {n}", lambda o, f=f: f(o["North"][0]))
-            for n, f in threshold_events([o["North"][0] for o in [*a, *b]], QUANTILES)
-        ]
-        + [
-            (f"North sum {n}", lambda o, f=f: f(o["North"][1]))
-            for n, f in threshold_events([o["North"][1] for o in [*a, *b]], QUANTILES)
-        ],
+        lambda a, b: (
+            [
+                (f"North count {n}", lambda o, f=f: f(o["North"][0]))
+                for n, f in threshold_events([o["North"][0] for o in [*a, *b]], QUANTILES)
+            ]
+            + [
+                (f"North sum {n}", lambda o, f=f: f(o["North"][1]))
+                for n, f in threshold_events([o["North"][1] for o in [*a, *b]], QUANTILES)
+            ]
+        ),
     ),
     Case(
         "join-person-level",
@@ -156,10 +165,10 @@ CASES = [
         "SELECT COUNT(*), AVG(r.dose_mg) FROM patients p JOIN prescriptions r ON r.patient_id = p.id WHERE p.age > 20",
         Session("t", epsilon=1.0),
         lambda r: r.rows[0],
-        lambda a, b: [
-            (f"count {n}", lambda o, f=f: f(o[0])) for n, f in threshold_events([o[0] for o in [*a, *b]], QUANTILES)
-        ]
-        + [(f"avg {n}", lambda o, f=f: f(o[1])) for n, f in threshold_events([o[1] for o in [*a, *b]], QUANTILES)],
+        lambda a, b: (
+            [(f"count {n}", lambda o, f=f: f(o[0])) for n, f in threshold_events([o[0] for o in [*a, *b]], QUANTILES)]
+            + [(f"avg {n}", lambda o, f=f: f(o[1])) for n, f in threshold_events([o[1] for o in [*a, *b]], QUANTILES)]
+        ),
     ),
     Case(
         "person-level-partition-selection",
@@ -173,9 +182,7 @@ CASES = [
 ]
 
 
-def _policy_and_backends(
-    case: Case, request: pytest.FixtureRequest
-) -> tuple[Policy, Backend, Backend]:
+def _policy_and_backends(case: Case, request: pytest.FixtureRequest) -> tuple[Policy, Backend, Backend]:
     if case.dataset == "health":
         d, d_prime = request.getfixturevalue("health_neighbours")
         return request.getfixturevalue("health_policy"), d, d_prime

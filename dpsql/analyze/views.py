@@ -1,0 +1,165 @@
+"""Inline CTEs and FROM-subqueries that only filter and rename rows of one table.
+
+``WITH adults AS (SELECT age, sex AS s FROM patients WHERE age >= 18) SELECT s, COUNT(*)
+FROM adults GROUP BY s`` is the same DP query as its inlined form, so the rest of the
+analyzer sees only the inlined form and every check, bound and sensitivity applies
+unchanged. A view that aggregates, deduplicates, limits, orders, joins or computes
+anything could release an exact value or change how often a person appears, and is
+refused with a precise error rather than analysed.
+"""
+
+from __future__ import annotations
+
+from sqlglot import exp
+
+from dpsql.analyze.sources import ident_name
+from dpsql.errors import FeatureNotSupported, UndefinedColumn
+
+_VIEW_REFUSED = {
+    "group": "GROUP BY",
+    "having": "HAVING",
+    "distinct": "DISTINCT",
+    "limit": "LIMIT",
+    "offset": "OFFSET",
+    "order": "ORDER BY",
+    "joins": "JOIN",
+    "windows": "WINDOW",
+    "with_": "nested WITH",
+}
+
+
+class _View:
+    """One inlinable view: its single source table and how its output names map to columns."""
+
+    def __init__(self, select: exp.Select, name: str) -> None:
+        for arg, clause in _VIEW_REFUSED.items():
+            if select.args.get(arg):
+                raise FeatureNotSupported(
+                    f'{clause} inside the subquery or CTE "{name}" is not supported',
+                    hint="Views may only filter (WHERE) and select or rename columns of one table; "
+                    "aggregate in the outer query.",
+                )
+        source = select.args["from_"].this if select.args.get("from_") else None
+        if not isinstance(source, exp.Table):
+            raise FeatureNotSupported(f'the subquery or CTE "{name}" must read one table')
+        self.table = source
+        self.inner_aliases = {ident_name(source.args["alias"].this) if source.alias else ident_name(source.this)}
+        self.where = select.args["where"].this if select.args.get("where") else None
+        self.star = False
+        self.columns: dict[str, str] = {}  # output name -> column of the table
+        for projection in select.expressions:
+            node = projection.unalias()
+            if isinstance(node, exp.Star) or (isinstance(node, exp.Column) and isinstance(node.this, exp.Star)):
+                self.star = True
+                continue
+            if not isinstance(node, exp.Column):
+                raise FeatureNotSupported(
+                    f'the subquery or CTE "{name}" may only select columns',
+                    hint="Computed columns and aggregates inside views are not supported yet.",
+                )
+            output = ident_name(projection.args["alias"].this) if isinstance(projection, exp.Alias) else None
+            self.columns[output or ident_name(node.this)] = ident_name(node.this)
+
+    def target(self, name: str, view_name: str) -> str:
+        if name in self.columns:
+            return self.columns[name]
+        if self.star:
+            return name
+        raise UndefinedColumn(f"column {view_name}.{name} does not exist")
+
+
+def _requalify(node: exp.Expression, inner_aliases: set[str], alias: str) -> exp.Expression:
+    """Columns of the view's table, re-pointed at the alias the outer query uses."""
+    node = node.copy()
+    for column in list(node.find_all(exp.Column)):
+        qualifier = ident_name(column.args.get("table"))
+        if not qualifier or qualifier in inner_aliases:
+            column.replace(exp.column(column.this.copy(), table=alias))
+    return node
+
+
+def inline_views(tree: exp.Expression) -> exp.Expression:
+    """Replace simple CTEs and FROM-subqueries by their table, merging their WHERE into the query's."""
+    if not isinstance(tree, exp.Select):
+        return tree
+    with_ = tree.args.get("with_")
+    if not with_ and not any(isinstance(s, exp.Subquery) for s in _sources(tree)):
+        return tree
+    tree = tree.copy()
+    ctes: dict[str, exp.Select] = {}
+    if with_:
+        if with_.args.get("recursive"):
+            raise FeatureNotSupported("WITH RECURSIVE is not supported")
+        for cte in with_.expressions:
+            body = cte.this
+            if not isinstance(body, exp.Select):
+                raise FeatureNotSupported(f'the CTE "{cte.alias}" must be a plain SELECT')
+            ctes[ident_name(cte.args["alias"].this)] = inline_views(_with_ctes(body, ctes))  # type: ignore[assignment]
+        tree.set("with_", None)
+    views: dict[str, _View] = {}
+    conditions: list[exp.Expression] = []
+    for node in _sources(tree):
+        if isinstance(node, exp.Subquery):
+            alias = ident_name(node.args["alias"].this) if node.alias else ""
+            if not alias:
+                raise FeatureNotSupported("a subquery in FROM must have an alias", sqlstate="42601")
+            body = inline_views(node.this) if isinstance(node.this, exp.Select) else node.this
+            if not isinstance(body, exp.Select):
+                raise FeatureNotSupported(f'the subquery "{alias}" must be a plain SELECT')
+        elif isinstance(node, exp.Table) and not node.args.get("db") and ident_name(node.this) in ctes:
+            alias = ident_name(node.args["alias"].this) if node.alias else ident_name(node.this)
+            body = ctes[ident_name(node.this)]
+        else:
+            continue
+        view = _View(body, alias)
+        views[alias] = view
+        table = view.table.copy()
+        table.set("alias", exp.TableAlias(this=exp.to_identifier(alias)))
+        node.replace(table)
+        if view.where is not None:
+            conditions.append(_requalify(view.where, view.inner_aliases, alias))
+    if views:
+        _map_columns(tree, views)  # before merging the views' own conditions: those name table columns
+    for condition in conditions:
+        outer = tree.args.get("where")
+        tree.set("where", exp.Where(this=exp.and_(outer.this, condition) if outer else condition))
+    return tree
+
+
+def _map_columns(tree: exp.Select, views: dict[str, _View]) -> None:
+    output_aliases = {ident_name(p.args["alias"].this) for p in tree.expressions if isinstance(p, exp.Alias)}
+    for column in list(tree.find_all(exp.Column)):
+        if isinstance(column.this, exp.Star):
+            continue
+        if not column.args.get("table") and ident_name(column.this) in output_aliases:
+            if not any(ident_name(column.this) in v.columns for v in views.values()):
+                continue
+        qualifier = ident_name(column.args.get("table"))
+        name = ident_name(column.this)
+        if qualifier in views:
+            column.set("this", exp.to_identifier(views[qualifier].target(name, qualifier)))
+        elif not qualifier:
+            owners = [alias for alias, view in views.items() if name in view.columns or view.star]
+            if len(owners) == 1 and len(views) == len(list(_sources(tree))):
+                column.set("this", exp.to_identifier(views[owners[0]].target(name, owners[0])))
+                column.set("table", exp.to_identifier(owners[0]))
+            elif len(views) == len(list(_sources(tree))) and not owners:
+                raise UndefinedColumn(f'column "{name}" does not exist')
+
+
+def _sources(tree: exp.Select) -> list[exp.Expression]:
+    found = [tree.args["from_"].this] if tree.args.get("from_") else []
+    return found + [join.this for join in tree.args.get("joins") or []]
+
+
+def _with_ctes(body: exp.Select, ctes: dict[str, exp.Select]) -> exp.Select:
+    """A CTE body whose FROM names an earlier CTE reads that CTE's definition."""
+    if not ctes:
+        return body
+    body = body.copy()
+    for node in _sources(body):
+        if isinstance(node, exp.Table) and not node.args.get("db") and ident_name(node.this) in ctes:
+            alias = ident_name(node.args["alias"].this) if node.alias else ident_name(node.this)
+            node.replace(exp.Subquery(this=ctes[ident_name(node.this)].copy(),
+                                      alias=exp.TableAlias(this=exp.to_identifier(alias))))  # fmt: skip
+    return body
