@@ -11,8 +11,8 @@ from sqlglot import exp
 
 from dpsql.analyze.build import build_plan
 from dpsql.analyze.checks import STATEMENT_CHECKS
-from dpsql.analyze.views import inline_views
 from dpsql.analyze.parse import Params, bind_parameters, parse_statement, too_complex
+from dpsql.analyze.views import inline_views
 from dpsql.plan import Plan
 from dpsql.policy import PG_TYPE_NAMES, Policy
 

@@ -131,9 +131,13 @@ def _map_columns(tree: exp.Select, views: dict[str, _View]) -> None:
     for column in list(tree.find_all(exp.Column)):
         if isinstance(column.this, exp.Star):
             continue
-        if not column.args.get("table") and ident_name(column.this) in output_aliases:
-            if not any(ident_name(column.this) in v.columns for v in views.values()):
-                continue
+        name = ident_name(column.this)
+        if (
+            not column.args.get("table")
+            and name in output_aliases
+            and not any(name in v.columns for v in views.values())
+        ):
+            continue  # an output alias (ORDER BY n), not a view column
         qualifier = ident_name(column.args.get("table"))
         name = ident_name(column.this)
         if qualifier in views:
