@@ -170,26 +170,35 @@ def test_outputs_are_on_the_grid(engine: Engine, alice: Session) -> None:
 
 @pytest.mark.parametrize("mechanism", ["laplace", "gaussian"])
 def test_count_rmse_and_bias_at_epsilon_one(engine: Engine, mechanism: str) -> None:
-    """Count RMSE over 2,000 runs within 5% of theory; bias within ±0.05 (std-error aware)."""
-    from dpsql.release import laplace_spec
+    """Count RMSE over 2,000 runs within 5% of theory; COUNT bias within ±0.05.
 
-    truth = engine.backend.execute("SELECT COUNT(*) FROM patients WHERE problem = 'Obesity'")[1][0][0]
-    prepared = engine.prepare(
-        "SELECT COUNT(*) FROM patients WHERE problem = 'Obesity'", Session("alice", mechanism=mechanism)
-    )  # type: ignore[arg-type]
-    rows = [(truth,)]
-    errors = [engine._release(prepared, rows, 0.95).rows[0][0] - truth for _ in range(2000)]
+    One 2,000-run experiment has a relative RMSE standard error of ~2.5% (discrete Laplace has
+    kurtosis 6), so it misses a 5% band ~5% of the time by chance alone: the bar must hold in
+    one of three independent experiments. Bias is measured on 200,000 draws (s.e. ≈ 0.003).
+    """
+    from dpsql.release import laplace_spec, release
+
+    sql = "SELECT COUNT(*) FROM patients WHERE problem = 'Obesity'"
+    truth = engine.backend.execute(sql)[1][0][0]
+    prepared = engine.prepare(sql, Session("alice", mechanism=mechanism))  # type: ignore[arg-type]
     spec = prepared.budgeting.specs[0]
+    assert spec is not None
     if mechanism == "laplace":
         assert spec == laplace_spec(1, 1.0, integer=True)
         alpha = math.exp(-1 / spec.scale)
         theory = math.sqrt(2 * alpha / (1 - alpha) ** 2)
     else:
         theory = spec.scale  # discrete Gaussian variance is within 1e-9 of σ² for σ > 1
-    rmse = math.sqrt(statistics.fmean(e * e for e in errors))
-    # 2,000 draws: RMSE's relative standard error is ~2.5% (Laplace kurtosis 6); 5% is the bar.
-    assert abs(rmse / theory - 1) < 0.05 + 0.05 * (mechanism == "laplace")
-    assert abs(statistics.fmean(errors)) < 0.05 + 4 * theory / math.sqrt(2000)
+    ratios = []
+    for _ in range(3):
+        errors = [engine._release(prepared, [(truth,)], 0.95).rows[0][0] - truth for _ in range(2000)]
+        ratios.append(math.sqrt(statistics.fmean(e * e for e in errors)) / theory)
+        if abs(ratios[-1] - 1) < 0.05:
+            break
+    assert abs(ratios[-1] - 1) < 0.05, ratios
+    draws = release([truth] * 200_000, spec) - truth
+    assert abs(float(draws.mean())) < 0.05
+    assert math.sqrt(float((draws.astype(float) ** 2).mean())) / theory == pytest.approx(1, abs=0.01)
 
 
 def test_variance_family_names_and_values(engine: Engine, alice: Session) -> None:
