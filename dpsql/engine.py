@@ -28,6 +28,7 @@ from dpsql.backends import Backend, open_backend
 from dpsql.cache import ResultCache, cache_key
 from dpsql.errors import (
     BackendError,
+    DataError,
     Error,
     FeatureNotSupported,
     InvalidAuthorization,
@@ -412,7 +413,7 @@ class Engine:
                 env[name] = int(values[j]) if integral else float(values[j])
             out_values, out_acc = [], []
             for o, out in enumerate(plan.outputs):
-                value = evaluate(out.expr, env)
+                value = _evaluate_released(out.expr, env)
                 if out.kind == "count" and value is not None:
                     value = max(int(value), 0)
                 elif out.kind == "quantile" and out.column.type == "bigint" and value is not None:
@@ -422,9 +423,9 @@ class Engine:
                 env[f"o{o}"] = value
                 out_values.append(value)
                 out_acc.append(_accuracy(out, env, widths, plan))
-            if plan.having is not None and evaluate(plan.having, env) is not True:
+            if plan.having is not None and _evaluate_released(plan.having, env) is not True:
                 continue
-            sort_key = tuple(evaluate(term, env) for term, _, _ in plan.order)
+            sort_key = tuple(_evaluate_released(term, env) for term, _, _ in plan.order)
             released.append((sort_key, tuple(out_values), tuple(out_acc)))
         if plan.distinct:
             seen: dict[tuple[Any, ...], Any] = {}
@@ -446,6 +447,17 @@ class Engine:
 
 
 # --- helpers ------------------------------------------------------------------------------------
+
+
+def _evaluate_released(expr: exp.Expression, env: dict[str, Any]) -> Any:
+    """Post-processing never fails with a Python exception: it reads only noisy values, so a
+    PostgreSQL-style data error is safe to report."""
+    try:
+        return evaluate(expr, env)
+    except Error:
+        raise
+    except (ArithmeticError, TypeError, ValueError) as exc:
+        raise DataError("could not compute an output from the released values", detail=str(exc)) from None
 
 
 def _from_cache(cached: Result) -> Result:

@@ -105,9 +105,7 @@ def pg_dsn() -> Iterator[str]:
         if dsn is None:
             reason = "no PostgreSQL server for the tests:\n  " + "\n  ".join(failures)
             if os.environ.get("CI"):
-                pytest.fail(
-                    reason + "\n(CI is set: PostgreSQL tests must run, not be skipped)", pytrace=False
-                )
+                pytest.fail(reason + "\n(CI is set: PostgreSQL tests must run, not be skipped)", pytrace=False)
             pytest.skip(reason)
         yield dsn
 

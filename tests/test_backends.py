@@ -45,12 +45,10 @@ QUERIES = [
     "SELECT COUNT(age) AS n, COUNT(DISTINCT region) AS r FROM people",
     "SELECT SUM(LEAST(GREATEST(age, 0), 100)) AS s FROM people",
     "SELECT SUM(LEAST(GREATEST(income, 0.0), 100000.0)) AS s FROM people",
-    "SELECT region, COUNT(*) AS n, SUM(LEAST(GREATEST(age, 0), 100)) AS s FROM people "
-    "GROUP BY region ORDER BY region",
+    "SELECT region, COUNT(*) AS n, SUM(LEAST(GREATEST(age, 0), 100)) AS s FROM people GROUP BY region ORDER BY region",
     "SELECT EXTRACT(MONTH FROM visited) AS m, COUNT(*) AS n FROM people GROUP BY 1 ORDER BY 1",
     "SELECT AVG(LEAST(GREATEST(age, 0), 100)) AS a FROM people WHERE region <> 'north'",
-    "SELECT region, SUM(CASE WHEN age IS NULL THEN 1 ELSE 0 END) AS nulls FROM people GROUP BY region "
-    "ORDER BY region",
+    "SELECT region, SUM(CASE WHEN age IS NULL THEN 1 ELSE 0 END) AS nulls FROM people GROUP BY region ORDER BY region",
 ]
 
 

@@ -114,9 +114,7 @@ def test_refuses_exactly_when_budget_exhausted(ledger: Ledger) -> None:
 
 
 @pytest.mark.parametrize(("budget", "cost", "expected"), [(1.0, 0.1, 10), (1.0, 0.3, 3), (0.7, 0.7, 1)])
-def test_float_steps_spend_the_whole_budget(
-    ledger: Ledger, budget: float, cost: float, expected: int
-) -> None:
+def test_float_steps_spend_the_whole_budget(ledger: Ledger, budget: float, cost: float, expected: int) -> None:
     assert _refuses_after(ledger, budget, cost) == expected
 
 
@@ -136,17 +134,13 @@ def test_colluding_analysts_hit_the_dataset_budget(ledger: Ledger) -> None:
     _reserve(ledger, Cost(1.0), analyst="alice", dataset_budget=dataset_budget, analyst_budget=analyst_budget)
     _reserve(ledger, Cost(1.0), analyst="bob", dataset_budget=dataset_budget, analyst_budget=analyst_budget)
     with pytest.raises(PrivacyBudgetExhausted) as refused:
-        _reserve(
-            ledger, Cost(0.5), analyst="carol", dataset_budget=dataset_budget, analyst_budget=analyst_budget
-        )
+        _reserve(ledger, Cost(0.5), analyst="carol", dataset_budget=dataset_budget, analyst_budget=analyst_budget)
     assert refused.value.message == 'privacy budget exhausted for dataset "health"'
     assert refused.value.detail == "spent ε=2 of 2, this query needs ε=0.5"
     with pytest.raises(PrivacyBudgetExhausted, match='analyst "alice"'):
         _reserve(ledger, Cost(0.75), analyst="alice", dataset_budget=HUGE, analyst_budget=analyst_budget)
     # Budgets are per dataset: another dataset is untouched.
-    _reserve(
-        ledger, Cost(1.0), dataset="census", dataset_budget=dataset_budget, analyst_budget=analyst_budget
-    )
+    _reserve(ledger, Cost(1.0), dataset="census", dataset_budget=dataset_budget, analyst_budget=analyst_budget)
 
 
 def test_zcdp_adds_rho(ledger: Ledger) -> None:
@@ -217,9 +211,7 @@ def test_memory_ledger_is_shared_by_threads() -> None:
         _race_threads(memory, "health", budget=3.0, cost=0.5, threads=8, attempts=3)
 
 
-def _race_threads(
-    ledger: Ledger, dataset: str, *, budget: float, cost: float, threads: int, attempts: int
-) -> None:
+def _race_threads(ledger: Ledger, dataset: str, *, budget: float, cost: float, threads: int, attempts: int) -> None:
     total = Budget(epsilon=budget)
     outcomes: list[bool] = []
     lock = threading.Lock()

@@ -21,6 +21,7 @@ from dpsql.errors import (
     FeatureNotSupported,
     GroupingError,
     InvalidParameterValue,
+    SyntaxError_,
     UndefinedFunction,
 )
 from dpsql.plan import GroupKey, Measure, OutputItem, Plan
@@ -298,6 +299,8 @@ def _check_in(node: exp.In, scope: _Scope) -> exp.Expression:
     target = _required_operand(node.this, scope)
     if node.args.get("query") or node.args.get("unnest") or node.args.get("field"):
         raise FeatureNotSupported("IN (subquery) is not supported", hint="List constant values inside IN (...).")
+    if not node.expressions:
+        raise SyntaxError_('syntax error at or near ")"', hint="IN needs at least one value.")
     values = [_check_literal_for(*target, v) for v in node.expressions]
     return exp.In(this=_normalise_column(node.this, scope), expressions=values)
 
@@ -510,6 +513,18 @@ def _quantile_measure(node: exp.Expression, scope: _Scope) -> tuple[Measure, boo
     return measure, discrete
 
 
+def _require_numeric_operands(node: exp.Expression) -> None:
+    """Arithmetic on released numbers takes numbers: refuse text constants and failing casts up front."""
+    if isinstance(node, exp.Add | exp.Sub | exp.Mul | exp.Div | exp.Mod | exp.Neg):
+        for operand in (node.this, node.args.get("expression")):
+            if isinstance(operand, exp.Literal) and operand.is_string:
+                raise DatatypeMismatch(f'invalid input syntax for type double precision: "{operand.name}"')
+    if isinstance(node, exp.Cast) and isinstance(node.this, exp.Literal) and node.this.is_string:
+        kind = _literal_type(node)
+        if kind in ("number", "date", "timestamp"):
+            _canonical_cast(node, kind)
+
+
 def convert_output(node: exp.Expression, scope: _Scope) -> tuple[exp.Expression, str, tuple[int, ...]]:
     """Turn a select/HAVING/ORDER BY expression into post-processing over measures and keys."""
     if isinstance(node, _QUANTILES):
@@ -543,9 +558,10 @@ def convert_output(node: exp.Expression, scope: _Scope) -> tuple[exp.Expression,
         )
     if not isinstance(node, allowed):
         raise FeatureNotSupported(f"{node.key.upper()} expressions are not supported in the select list")
-    node = node.copy()
+    _require_numeric_operands(node)
     measures: list[int] = []
-    for arg_name, value in list(node.args.items()):
+    args: dict[str, object] = {}
+    for arg_name, value in node.args.items():  # build a new node: copying subtrees per level is quadratic
         children = value if isinstance(value, list) else [value]
         converted = []
         for child in children:
@@ -554,8 +570,9 @@ def convert_output(node: exp.Expression, scope: _Scope) -> tuple[exp.Expression,
                 measures.extend(used)
                 converted.append(new)
             else:
-                converted.append(child)
-        node.set(arg_name, converted if isinstance(value, list) else converted[0])
+                converted.append(child.copy() if isinstance(child, exp.Expression) else child)
+        args[arg_name] = converted if isinstance(value, list) else converted[0]
+    node = node.__class__(**args)
     return node, "expr", tuple(dict.fromkeys(measures))
 
 

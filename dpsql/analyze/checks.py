@@ -74,6 +74,10 @@ def reject_unsupported_clauses(tree: exp.Expression) -> None:
         raise FeatureNotSupported("SELECT DISTINCT ON is not supported")
     if tree.args.get("laterals"):
         raise FeatureNotSupported("LATERAL is not supported")
+    if tree.find(exp.TableSample):
+        raise FeatureNotSupported(
+            "TABLESAMPLE is not supported", hint="Sampling is not accounted for; filter with WHERE instead."
+        )
     for sub in tree.find_all(exp.Subquery, exp.Select):
         if sub is not tree:
             raise FeatureNotSupported(

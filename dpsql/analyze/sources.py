@@ -144,7 +144,7 @@ def _unit_join(policy: Policy, alias: str, table: TablePolicy) -> exp.Join | Non
 
 
 def _source(node: exp.Expression, policy: Policy) -> Source:
-    if not isinstance(node, exp.Table):
+    if not isinstance(node, exp.Table) or not isinstance(node.this, exp.Identifier):
         raise FeatureNotSupported("FROM must name a table", hint="Subqueries and table functions are refused.")
     schema = ident_name(node.args.get("db"))
     name = ident_name(node.this)

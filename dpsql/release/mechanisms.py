@@ -349,9 +349,9 @@ def _smallest_j(spec: NoiseSpec, target: float, start: int) -> int:
 
 
 def _tail_guess(spec: NoiseSpec, target: float) -> int:
-    if spec.mechanism == "laplace":
-        b = -1.0 / _laplace_alpha_log(spec.scale)
-        return max(1, math.ceil(b * math.log(1.0 / target)))
+    if spec.mechanism == "laplace":  # solve α^j/(1+α) = target exactly; the search then moves ±1
+        la = _laplace_alpha_log(spec.scale)
+        return max(1, math.ceil((math.log(target) + math.log1p(math.exp(la))) / la))
     return max(1, math.ceil(spec.scale * _normal_q_inv(min(target, 0.5))))
 
 

@@ -151,11 +151,7 @@ def test_count_rmse_at_epsilon_one(mechanism: str) -> None:
     20,000 draws (not 2,000): with Laplace kurtosis 6 the RMSE estimate from 2,000 draws has a 2.5%
     standard error, so a 5% band would fail ~5% of runs; here the band is ~6 standard errors.
     """
-    spec = (
-        laplace_spec(1, 1.0, integer=True)
-        if mechanism == "laplace"
-        else gaussian_spec(1, 1.0, 1e-6, integer=True)
-    )
+    spec = laplace_spec(1, 1.0, integer=True) if mechanism == "laplace" else gaussian_spec(1, 1.0, 1e-6, integer=True)
     true = 1234
     out = release(np.full(20_000, true), spec)
     rmse = float(np.sqrt(np.mean((out - true) ** 2.0)))
