@@ -14,6 +14,8 @@ from dpsql.server import ThreadedServer, make_verifier
 
 PASSWORD = "correct horse battery staple"
 ANALYSTS = ("analyst", "alice", "carol", "dave", "erin", "frank", "grace", "root")
+#: One analyst per client in test_client_matrix.py, so each one's charges can be read alone.
+MATRIX_CLIENTS = ("psycopg", "asyncpg", "pg8000", "psql", "sqlalchemy")
 
 
 @dataclass(frozen=True)
@@ -32,7 +34,7 @@ class Running:
 
 def make_policy(trust: bool) -> Policy:
     base = load_policy(demo_policy_path("health"))
-    analysts = [Analyst(name=n) for n in ANALYSTS]
+    analysts = [Analyst(name=n) for n in (*ANALYSTS, *(f"m_{c}" for c in MATRIX_CLIENTS))]
     analysts.append(Analyst(name="frugal", budget=Budget(epsilon=3.0, delta=1e-5)))
     analysts.append(Analyst(name="scram", password=make_verifier(PASSWORD)))
     return base.model_copy(
