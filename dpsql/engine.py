@@ -48,7 +48,13 @@ from dpsql.release import (
     release,
     rho_to_epsilon,
 )
-from dpsql.release.selection import QUANTILE_BINS, bin_midpoint, rank_error_bound, select_quantile_bin
+from dpsql.release.selection import (
+    QUANTILE_BINS,
+    bin_midpoint,
+    rank_error_bound,
+    select_mode,
+    select_quantile_bin,
+)
 from dpsql.rewrite import histogram_query, rewrite
 from dpsql.session import OutputColumn, Result, Session
 
@@ -119,6 +125,11 @@ class Explanation:
                 lines.append(
                     f"  Output {c['name']}: {c['measure']}  epsilon={c['epsilon']:g} "
                     f"rank error <= {c['rank_error95']:.4g} at 95%"
+                )
+            elif c["noisy"] and math.isnan(c["ci"]):
+                lines.append(
+                    f"  Output {c['name']}: {c['measure']}  sensitivity={c['sensitivity']:g} "
+                    f"scale={c['scale']:g} epsilon={c['epsilon']:g}"
                 )
             elif c["noisy"]:
                 lines.append(
@@ -202,7 +213,7 @@ class Engine:
         histograms = [
             (i, histogram_query(plan, i).sql(dialect=self.backend.dialect))
             for i, m in enumerate(plan.measures)
-            if m.kind == "quantile"
+            if m.kind in ("quantile", "mode")
         ]
         key = cache_key(
             self.policy.dataset,
@@ -237,7 +248,7 @@ class Engine:
             share = rho_to_epsilon(rho / k, conversion_delta)  # the ε whose zCDP ρ is this measure's share
             specs: list[NoiseSpec | None] = [
                 None
-                if m.kind == "quantile"
+                if m.kind in ("quantile", "mode")
                 else gaussian_spec(
                     plan.sensitivities(m)[1],
                     share,
@@ -252,7 +263,7 @@ class Engine:
         else:
             specs = [
                 None
-                if m.kind == "quantile"
+                if m.kind in ("quantile", "mode")
                 else laplace_spec(plan.sensitivities(m)[0], epsilon / k, integer=_integer(m), cells=plan.max_groups)
                 for m in plan.measures
             ]
@@ -287,7 +298,16 @@ class Engine:
         columns = []
         for out in plan.outputs:
             entry: dict[str, Any] = {"name": out.column.name, "type": out.column.type, "noisy": out.noisy}
-            if out.kind == "quantile":
+            if out.kind == "mode":
+                i = out.measures[0]
+                entry.update(
+                    measure=f"{plan.measures[i].label}: report-noisy-max",
+                    sensitivity=plan.sensitivities(plan.measures[i])[0],
+                    scale=plan.sensitivities(plan.measures[i])[0] / budgeting.shares[i],
+                    epsilon=budgeting.shares[i],
+                    ci=float("nan"),
+                )
+            elif out.kind == "quantile":
                 i = out.measures[0]
                 sensitivity = plan.sensitivities(plan.measures[i])[0]
                 entry.update(
@@ -393,7 +413,8 @@ class Engine:
         noisy: list[Any] = []
         for i, spec in enumerate(budgeting.specs):
             if spec is None:
-                noisy.append(_select_quantiles(plan, i, rows, (histograms or {}).get(i, []), budgeting.shares[i]))
+                select = _select_modes if plan.measures[i].kind == "mode" else _select_quantiles
+                noisy.append(select(plan, i, rows, (histograms or {}).get(i, []), budgeting.shares[i]))
                 continue
             values = [0 if r[nkeys + i] is None else r[nkeys + i] for r in rows]
             noisy.append(release(values, spec) if values else np.zeros(0))
@@ -405,12 +426,12 @@ class Engine:
         released: list[tuple[tuple[Any, ...], tuple[Any, ...], tuple[float | None, ...]]] = []
         key_names = [f"k{i}" for i in range(nkeys)]
         measure_names = [f"m{i}" for i in range(len(noisy))]
-        as_int = [_integer(m) and m.kind != "quantile" for m in plan.measures]
+        converters = [_converter(m) for m in plan.measures]
         columns = [values.tolist() if isinstance(values, np.ndarray) else values for values in noisy]
         for j in keep:
             env: dict[str, Any] = dict(zip(key_names, rows[j], strict=False))
-            for name, values, integral in zip(measure_names, columns, as_int, strict=True):
-                env[name] = int(values[j]) if integral else float(values[j])
+            for name, values, convert in zip(measure_names, columns, converters, strict=True):
+                env[name] = convert(values[j])
             out_values, out_acc = [], []
             for o, out in enumerate(plan.outputs):
                 value = _evaluate_released(out.expr, env)
@@ -472,6 +493,26 @@ def _from_cache(cached: Result) -> Result:
     )
 
 
+def _select_modes(
+    plan: Plan, index: int, rows: list[tuple[Any, ...]], histogram: list[tuple[Any, ...]], epsilon: float
+) -> list[Any]:
+    """Report-noisy-max, once per released group, over the counts of the public candidates."""
+    nkeys = len(plan.keys)
+    measure = plan.measures[index]
+    candidates = list(measure.domain or ())
+    position = {value: i for i, value in enumerate(candidates)}
+    counts: dict[tuple[Any, ...], list[int]] = {}
+    for row in histogram:
+        slot = position.get(row[nkeys])
+        if slot is not None:  # values outside the public domain are never candidates
+            counts.setdefault(tuple(row[:nkeys]), [0] * len(candidates))[slot] += int(row[nkeys + 1])
+    sensitivity = plan.sensitivities(measure)[0]
+    empty = [0] * len(candidates)
+    return [
+        candidates[select_mode(counts.get(tuple(row[:nkeys]), empty), epsilon, sensitivity)] for row in rows
+    ]
+
+
 def _select_quantiles(
     plan: Plan, index: int, rows: list[tuple[Any, ...]], histogram: list[tuple[Any, ...]], epsilon: float
 ) -> list[float]:
@@ -492,6 +533,13 @@ def _select_quantiles(
         chosen = select_quantile_bin(counts.get(tuple(row[:nkeys]), {}), measure.q, epsilon, sensitivity)
         values.append(bin_midpoint(chosen, measure.lower, measure.upper))
     return values
+
+
+def _converter(measure: Measure) -> Any:
+    """How a released value of this measure becomes a Python value: int, float, or a chosen key."""
+    if measure.kind == "mode":
+        return lambda value: value
+    return int if _integer(measure) and measure.kind != "quantile" else float
 
 
 def _integer(measure: Measure) -> bool:

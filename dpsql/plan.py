@@ -17,7 +17,7 @@ from dpsql.analyze.sources import Sources
 from dpsql.policy import ColumnPolicy, Scalar
 from dpsql.session import OutputColumn
 
-MeasureKind = Literal["count_star", "count", "sum", "count_units", "quantile"]
+MeasureKind = Literal["count_star", "count", "sum", "count_units", "quantile", "mode"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +40,8 @@ class Measure:
     q: float | None = None
     #: For ``sum`` measures: add the squares of the centred values (variance).
     square: bool = False
+    #: For ``mode`` measures: the public candidates, in policy order.
+    domain: tuple[Scalar, ...] | None = None
 
     @property
     def sensitivity(self) -> float:
@@ -60,6 +62,8 @@ class Measure:
             return f"COUNT(DISTINCT {self.column})"
         if self.kind == "quantile":
             return f"QUANTILE({self.q:g}) OF clamp({self.column}, {self.lower:g}, {self.upper:g})"
+        if self.kind == "mode":
+            return f"MODE({self.column}) over {len(self.domain or ())} public values"
         centre = f" - {self.centre:g}" if self.centre else ""
         term = f"clamp({self.column}, {self.lower:g}, {self.upper:g}){centre}"
         return f"SUM(({term})^2)" if self.square else f"SUM({term})"
@@ -86,7 +90,7 @@ class OutputItem:
     clamp: tuple[float, float] | None = None
     #: Which measures feed this output; used for confidence intervals.
     measures: tuple[int, ...] = ()
-    kind: Literal["key", "count", "sum", "avg", "variance", "quantile", "expr"] = "expr"
+    kind: Literal["key", "count", "sum", "avg", "variance", "quantile", "mode", "expr"] = "expr"
 
 
 @dataclass(slots=True)
@@ -130,7 +134,7 @@ class Plan:
         """(L1, L2) sensitivity of ``measure`` over all released groups, for one whole unit."""
         if measure.kind == "count_units":
             return float(self.max_groups), float(self.max_groups) ** 0.5
-        if measure.kind == "quantile":  # utility sensitivity, composed over the groups a unit touches
+        if measure.kind in ("quantile", "mode"):  # utility sensitivity, composed over the groups a unit touches
             return float(self.max_rows * self.max_groups), float(self.max_rows * self.max_groups)
         total = measure.sensitivity * self.max_rows
         return total, total

@@ -472,6 +472,22 @@ def _measure_expression(agg: exp.Expression, scope: _Scope) -> tuple[exp.Express
     return call, "avg", (total, count)
 
 
+def _mode_measure(node: exp.WithinGroup, scope: _Scope) -> Measure:
+    """mode() WITHIN GROUP (ORDER BY col): report-noisy-max over the column's public domain."""
+    order = node.expression
+    ordered = order.expressions[0] if isinstance(order, exp.Order) and len(order.expressions) == 1 else None
+    if ordered is None or not isinstance(ordered.this, exp.Column):
+        raise FeatureNotSupported("mode() needs exactly one ORDER BY column")
+    source, name, policy = resolve_ref(ordered.this, scope.sources)
+    domain = policy.release_domain()
+    if domain is None:
+        raise FeatureNotSupported(
+            f'mode() needs a public domain for column "{name}"',
+            hint=f'Declare the possible values of "{name}" (domain) in the policy: the winner is chosen among them.',
+        )
+    return Measure(kind="mode", column=name, table=source.alias, domain=domain, integer=False)
+
+
 def _quantile_measure(node: exp.Expression, scope: _Scope) -> tuple[Measure, bool]:
     """MIN/MAX/median/percentile_cont/percentile_disc → a quantile measure; also whether it is discrete."""
     if isinstance(node, exp.WithinGroup):
@@ -527,6 +543,9 @@ def _require_numeric_operands(node: exp.Expression) -> None:
 
 def convert_output(node: exp.Expression, scope: _Scope) -> tuple[exp.Expression, str, tuple[int, ...]]:
     """Turn a select/HAVING/ORDER BY expression into post-processing over measures and keys."""
+    if isinstance(node, exp.WithinGroup) and isinstance(node.this, exp.Mode):
+        index = scope.measure(_mode_measure(node, scope))
+        return exp.var(f"m{index}"), "mode", (index,)
     if isinstance(node, _QUANTILES):
         measure, discrete = _quantile_measure(node, scope)
         index = scope.measure(measure)
@@ -606,6 +625,9 @@ def _output_type(kind: str, expr: exp.Expression, scope: _Scope, measures: tuple
         return "bigint" if scope.measures[measures[0]].integer else "double precision"
     if kind in ("avg", "quantile", "variance"):
         return "double precision"
+    if kind == "mode":
+        measure = scope.measures[measures[0]]
+        return PG_TYPE_NAMES[scope.sources.column_policy(measure.table, measure.column).type]
     if kind == "quantile_disc":
         return "bigint" if scope.measures[measures[0]].integer else "double precision"
     if isinstance(expr, exp.Predicate | exp.Connector | exp.Not | exp.Boolean):

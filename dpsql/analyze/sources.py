@@ -81,6 +81,10 @@ class Sources:
         assert ref is not None
         return f"{ref.table}.{self.policy.tables[ref.table].privacy_unit or ref.to}"
 
+    def column_policy(self, alias: str | None, column: str | None) -> ColumnPolicy:
+        source = next(s for s in self.sources if s.alias == alias)
+        return source.table.columns[column or ""]
+
     @property
     def max_rows(self) -> int:
         """Rows one unit may contribute after the join: the product of the tables' bounds."""

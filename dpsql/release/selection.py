@@ -1,4 +1,5 @@
-"""Private selection: the exponential mechanism for quantiles (MIN, MAX, median, percentiles).
+"""Private selection: the exponential mechanism for quantiles (MIN, MAX, median, percentiles)
+and report-noisy-max for the mode.
 
 Privacy argument. Values are clamped to the column bounds [L, U] and counted in B equal
 bins (in SQL, after contribution bounding, so one unit changes at most ``max_rows`` of
@@ -83,3 +84,21 @@ def rank_error_bound(epsilon: float, sensitivity: float, confidence: float = 0.9
     reported per cell (it would depend on private data).
     """
     return 2.0 * sensitivity / epsilon * math.log(bins / (1.0 - confidence))
+
+
+@lru_cache(maxsize=256)
+def _noisy_max_monotonic(scale: float) -> Any:
+    domain = dp.vector_domain(dp.atom_domain(T=int))
+    return dp.m.make_noisy_max(domain, dp.linf_distance(T=int, monotonic=True), dp.max_divergence(), scale=scale)
+
+
+def select_mode(counts: list[int], epsilon: float, sensitivity: float) -> int:
+    """Report-noisy-max over candidate counts: an ε-DP arg-max.
+
+    Privacy argument. Candidates are the column's public domain, so which candidates exist
+    reveals nothing. One unit changes the counts by at most ``sensitivity`` each, all in the
+    same direction (adding rows only raises counts): the utility is monotonic, and OpenDP's
+    noisy max with exponential noise of scale Δ/ε is then ε-DP ([MS20], exact CSPRNG sampling).
+    The released value is the winning candidate only, never its count.
+    """
+    return int(_noisy_max_monotonic(sensitivity / epsilon)(counts))

@@ -20,7 +20,7 @@ RewritePass = Callable[[exp.Select, Plan], exp.Select]
 
 
 def _raw_measure(measure: Measure) -> exp.Expression:
-    if measure.kind in ("count_star", "quantile"):  # quantiles come from their histogram query
+    if measure.kind in ("count_star", "quantile", "mode"):  # selections come from their histogram query
         return exp.Count(this=exp.Star(), big_int=True)
     column = exp.column(measure.column, table=measure.table, quoted=True)  # type: ignore[arg-type]
     if measure.kind == "count":
@@ -218,21 +218,27 @@ def rewrite(plan: Plan) -> exp.Select:
     return select
 
 
-def histogram_query(plan: Plan, index: int, bins: int = QUANTILE_BINS) -> exp.Select:
-    """Counts of a quantile measure's clamped values in ``bins`` equal bins, per group key.
-
-    Bounded per unit like the main query; the exponential mechanism reads only these counts.
-    """
-    measure = plan.measures[index]
+def _bin(column: exp.Expression, measure: Measure, bins: int) -> exp.Expression:
+    """The bin (0..bins) of a value clamped to the measure's bounds, computed identically on every backend."""
     assert measure.lower is not None and measure.upper is not None
-    column = exp.column(measure.column, table=measure.table, quoted=True)  # type: ignore[arg-type]
     value = _clamp(exp.cast(column, "double precision"), _number(measure.lower), _number(measure.upper))
     offset = exp.paren(exp.Sub(this=value, expression=_number(measure.lower)), copy=False)
     scaled = exp.Div(
         this=exp.paren(exp.Mul(this=offset, expression=exp.Literal.number(bins)), copy=False),
         expression=_number(measure.upper - measure.lower),
     )
-    bin_ = exp.cast(exp.Floor(this=scaled), "bigint")
+    return exp.cast(exp.Floor(this=scaled), "bigint")
+
+
+def histogram_query(plan: Plan, index: int, bins: int = QUANTILE_BINS) -> exp.Select:
+    """Counts per group key of a quantile measure's clamped values in ``bins`` equal bins, or of a
+    mode measure's values.
+
+    Bounded per unit like the main query; the exponential mechanism reads only these counts.
+    """
+    measure = plan.measures[index]
+    column = exp.column(measure.column, table=measure.table, quoted=True)  # type: ignore[arg-type]
+    bin_ = column if measure.kind == "mode" else _bin(column, measure, bins)
     keys = [_key(plan, i) for i in range(len(plan.keys))]
     select = exp.select(
         *(exp.alias_(k, f"k{i}") for i, k in enumerate(keys)),
