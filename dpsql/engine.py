@@ -508,9 +508,7 @@ def _select_modes(
             counts.setdefault(tuple(row[:nkeys]), [0] * len(candidates))[slot] += int(row[nkeys + 1])
     sensitivity = plan.sensitivities(measure)[0]
     empty = [0] * len(candidates)
-    return [
-        candidates[select_mode(counts.get(tuple(row[:nkeys]), empty), epsilon, sensitivity)] for row in rows
-    ]
+    return [candidates[select_mode(counts.get(tuple(row[:nkeys]), empty), epsilon, sensitivity)] for row in rows]
 
 
 def _select_quantiles(

@@ -42,6 +42,8 @@ class Measure:
     square: bool = False
     #: For ``mode`` measures: the public candidates, in policy order.
     domain: tuple[Scalar, ...] | None = None
+    #: A bounded expression aggregated instead of ``column`` (columns qualified; see analyze.expressions).
+    expr: exp.Expression | None = None
 
     @property
     def sensitivity(self) -> float:

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from sqlglot import exp
 
-from dpsql.analyze.sources import Source, Sources, ident_name, qualified, resolve_ref, resolve_sources
+from dpsql.analyze.expressions import bound
+from dpsql.analyze.sources import Sources, ident_name, qualified, resolve_ref, resolve_sources
 from dpsql.errors import (
     DataError,
     DatatypeMismatch,
@@ -360,18 +361,32 @@ def _key_index(column: exp.Column, scope: _Scope) -> int:
     )
 
 
-def _aggregate_column(agg: exp.Expression, scope: _Scope) -> tuple[Source, str, ColumnPolicy]:
+@dataclass(frozen=True)
+class _Operand:
+    """What an aggregate reads: a declared column, or a bounded expression over columns."""
+
+    table: str | None
+    name: str
+    policy: ColumnPolicy
+    expr: exp.Expression | None = None
+
+
+def _aggregate_column(agg: exp.Expression, scope: _Scope) -> _Operand:
     argument = agg.this
     while isinstance(argument, exp.Paren):
         argument = argument.this
-    if not isinstance(argument, exp.Column):
-        if argument is not None and argument.find(*_AGGREGATES):
-            raise GroupingError("aggregate function calls cannot be nested")
-        raise FeatureNotSupported(
-            f"{agg.key.upper()} over an expression is not supported yet",
-            hint="Aggregate a declared column directly.",
-        )
-    return resolve_ref(argument, scope.sources)
+    if isinstance(argument, exp.Column):
+        source, name, policy = resolve_ref(argument, scope.sources)
+        return _Operand(source.alias, name, policy)
+    if argument is None or argument.find(*_AGGREGATES):
+        raise GroupingError("aggregate function calls cannot be nested")
+
+    def resolve(column: exp.Column) -> tuple[exp.Column, ColumnPolicy]:
+        source, name, policy = resolve_ref(column, scope.sources)
+        return qualified(source, name), policy
+
+    bounded = bound(argument, resolve, lambda predicate: check_where(predicate, scope))
+    return _Operand(None, argument.sql(dialect="postgres"), bounded.policy(), bounded.sql)
 
 
 def _distinct_units(agg: exp.Count, scope: _Scope) -> Measure:
@@ -389,7 +404,8 @@ def _distinct_units(agg: exp.Count, scope: _Scope) -> Measure:
     )
 
 
-def _sum_measure(source: Source, name: str, policy: ColumnPolicy, function: str, *, centred: bool) -> Measure:
+def _sum_measure(operand: _Operand, function: str, *, centred: bool) -> Measure:
+    name, policy = operand.name, operand.policy
     if not policy.numeric:
         raise UndefinedFunction(
             f"function {function}({PG_TYPE_NAMES[policy.type]}) does not exist",
@@ -406,17 +422,24 @@ def _sum_measure(source: Source, name: str, policy: ColumnPolicy, function: str,
     if centred:
         centre = float((int(lower) + int(upper)) // 2) if integer else (lower + upper) / 2
     return Measure(
-        kind="sum", column=name, table=source.alias, lower=lower, upper=upper, centre=centre, integer=integer
+        kind="sum",
+        column=name,
+        table=operand.table,
+        lower=lower,
+        upper=upper,
+        centre=centre,
+        integer=integer,
+        expr=operand.expr,
     )
 
 
-def _count_measure(source: Source, name: str, policy: ColumnPolicy, scope: _Scope) -> Measure:
+def _count_measure(operand: _Operand, scope: _Scope) -> Measure:
     """COUNT(col) of a non-nullable column is COUNT(*): share one measurement (and its budget).
 
     Not across joins: a LEFT JOIN can make a non-nullable column NULL.
     """
-    if policy.nullable or scope.sources.joins:
-        return Measure(kind="count", column=name, table=source.alias)
+    if operand.policy.nullable or scope.sources.joins:
+        return Measure(kind="count", column=operand.name, table=operand.table, expr=operand.expr)
     return Measure(kind="count_star")
 
 
@@ -436,21 +459,21 @@ def _measure_expression(agg: exp.Expression, scope: _Scope) -> tuple[exp.Express
         if isinstance(agg.this, exp.Star) or agg.this is None:
             index = scope.measure(Measure(kind="count_star"))
         else:
-            index = scope.measure(_count_measure(*_aggregate_column(agg, scope), scope))
+            index = scope.measure(_count_measure(_aggregate_column(agg, scope), scope))
         return exp.var(f"m{index}"), "count", (index,)
-    source, name, policy = _aggregate_column(agg, scope)
+    operand = _aggregate_column(agg, scope)
     if isinstance(agg, exp.Sum):
-        index = scope.measure(_sum_measure(source, name, policy, "sum", centred=False))
+        index = scope.measure(_sum_measure(operand, "sum", centred=False))
         return exp.var(f"m{index}"), "sum", (index,)
     if type(agg) in _VARIANCES:
         function, sample, root = _VARIANCES[type(agg)]
-        centred = _sum_measure(source, name, policy, function, centred=True)
+        centred = _sum_measure(operand, function, centred=True)
         square = dataclasses.replace(centred, square=True)
         if square.sensitivity >= 2.0**62:  # squares beyond BIGINT: sum them as doubles
             square = dataclasses.replace(square, integer=False)
         squares = scope.measure(square)
         total = scope.measure(centred)
-        count = scope.measure(_count_measure(source, name, policy, scope))
+        count = scope.measure(_count_measure(operand, scope))
         call = exp.Anonymous(
             this="dp_variance",
             expressions=[
@@ -462,8 +485,8 @@ def _measure_expression(agg: exp.Expression, scope: _Scope) -> tuple[exp.Express
             ],
         )
         return call, "variance", (squares, total, count)
-    total = scope.measure(_sum_measure(source, name, policy, "avg", centred=True))
-    count = scope.measure(_count_measure(source, name, policy, scope))
+    total = scope.measure(_sum_measure(operand, "avg", centred=True))
+    count = scope.measure(_count_measure(operand, scope))
     measure = scope.measures[total]
     call = exp.Anonymous(
         this="dp_avg",
@@ -516,7 +539,7 @@ def _quantile_measure(node: exp.Expression, scope: _Scope) -> tuple[Measure, boo
     if not isinstance(argument, exp.Column):
         raise FeatureNotSupported(f"{function} over an expression is not supported yet")
     source, name, policy = resolve_ref(argument, scope.sources)
-    bounds = _sum_measure(source, name, policy, function, centred=False)
+    bounds = _sum_measure(_Operand(source.alias, name, policy), function, centred=False)
     measure = Measure(
         kind="quantile",
         column=name,

@@ -22,12 +22,19 @@ RewritePass = Callable[[exp.Select, Plan], exp.Select]
 def _raw_measure(measure: Measure) -> exp.Expression:
     if measure.kind in ("count_star", "quantile", "mode"):  # selections come from their histogram query
         return exp.Count(this=exp.Star(), big_int=True)
-    column = exp.column(measure.column, table=measure.table, quoted=True)  # type: ignore[arg-type]
+    column = _input(measure)
     if measure.kind == "count":
         return exp.Count(this=column, big_int=True)
     if measure.kind == "count_units":
         return exp.Count(this=exp.Distinct(expressions=[column]), big_int=True)
     return exp.Sum(this=column)
+
+
+def _input(measure: Measure) -> exp.Expression:
+    """The value a measure aggregates: its column, or its bounded expression."""
+    if measure.expr is not None:
+        return measure.expr.copy()
+    return exp.column(measure.column, table=measure.table, quoted=True)  # type: ignore[arg-type]
 
 
 def _key(plan: Plan, index: int) -> exp.Column:
@@ -237,7 +244,7 @@ def histogram_query(plan: Plan, index: int, bins: int = QUANTILE_BINS) -> exp.Se
     Bounded per unit like the main query; the exponential mechanism reads only these counts.
     """
     measure = plan.measures[index]
-    column = exp.column(measure.column, table=measure.table, quoted=True)  # type: ignore[arg-type]
+    column = _input(measure)
     bin_ = column if measure.kind == "mode" else _bin(column, measure, bins)
     keys = [_key(plan, i) for i in range(len(plan.keys))]
     select = exp.select(

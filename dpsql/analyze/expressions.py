@@ -1,0 +1,205 @@
+"""Bounds of expressions inside aggregates, by interval arithmetic over the policy's bounds.
+
+``SUM(price * qty)`` is as safe as ``SUM(col)`` once the expression's range is known:
+every operation maps the operands' intervals to a sound interval for the result, and the
+result is clamped to it like a column. An expression is accepted only if it also cannot
+fail on any row: no division by a range containing 0, no integer division (whose
+truncation differs between engines), no value beyond 2^53 (overflow or lost precision),
+and CASE conditions limited to the same safe predicates as WHERE. Anything else is
+refused with the reason, before any budget is spent.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sqlglot import exp
+
+from dpsql.errors import FeatureNotSupported, UndefinedFunction
+from dpsql.policy import PG_TYPE_NAMES, ColumnPolicy
+
+#: Largest magnitude an expression may reach: beyond it doubles lose integers and BIGINT products overflow.
+MAX_MAGNITUDE = 2.0**53
+
+
+@dataclass(frozen=True, slots=True)
+class Bounded:
+    """A SQL expression (columns qualified) with a sound range for every row."""
+
+    sql: exp.Expression
+    lower: float
+    upper: float
+    integer: bool
+    nullable: bool
+
+    def policy(self) -> ColumnPolicy:
+        """A virtual column policy, so aggregates treat the expression like a declared column."""
+        lower, upper = (int(self.lower), int(self.upper)) if self.integer else (self.lower, self.upper)
+        return ColumnPolicy(type="int" if self.integer else "float", lower=lower, upper=upper, nullable=self.nullable)
+
+
+Resolve = Callable[[exp.Column], tuple[exp.Column, ColumnPolicy]]
+CheckPredicate = Callable[[exp.Expression], exp.Expression]
+
+_DATE_PARTS: dict[str, tuple[int, int]] = {
+    "month": (1, 12),
+    "day": (1, 31),
+    "dow": (0, 6),
+    "isodow": (1, 7),
+    "doy": (1, 366),
+    "quarter": (1, 4),
+    "week": (1, 53),
+    "hour": (0, 23),
+    "minute": (0, 59),
+}
+
+
+def _checked(node: exp.Expression, lower: float, upper: float, integer: bool, nullable: bool) -> Bounded:
+    if not (math.isfinite(lower) and math.isfinite(upper)) or max(abs(lower), abs(upper)) > MAX_MAGNITUDE:
+        raise FeatureNotSupported(
+            "an expression inside an aggregate can exceed 2^53 in magnitude",
+            hint="Its bounds, derived from the policy, are too wide to compute exactly; scale it down.",
+        )
+    return Bounded(node, lower, upper, integer, nullable)
+
+
+def _number(node: exp.Expression) -> float | None:
+    if isinstance(node, exp.Neg):
+        inner = _number(node.this)
+        return None if inner is None else -inner
+    if isinstance(node, exp.Paren):
+        return _number(node.this)
+    if isinstance(node, exp.Literal) and not node.is_string:
+        return float(node.name)
+    return None
+
+
+def bound(node: exp.Expression, resolve: Resolve, check_predicate: CheckPredicate) -> Bounded:
+    """The interval of ``node`` for every possible row, or a refusal naming what is unbounded."""
+    constant = _number(node)
+    if constant is not None:
+        literal = exp.Literal.number(int(abs(constant)) if constant.is_integer() else abs(constant))
+        sql = exp.Neg(this=literal) if constant < 0 else literal
+        return _checked(sql, constant, constant, constant.is_integer(), False)
+    if isinstance(node, exp.Paren):
+        inner = bound(node.this, resolve, check_predicate)
+        return Bounded(exp.paren(inner.sql, copy=False), inner.lower, inner.upper, inner.integer, inner.nullable)
+    if isinstance(node, exp.Column):
+        column, policy = resolve(node)
+        if not policy.numeric:
+            raise UndefinedFunction(
+                f"operator does not exist: arithmetic on {PG_TYPE_NAMES[policy.type]}",
+                hint=f'"{node.name}" is not numeric.',
+            )
+        if not policy.bounded:
+            raise FeatureNotSupported(
+                f'column "{node.name}" has no declared bounds',
+                hint=f'Declare lower/upper for "{node.name}" so expressions over it have a finite sensitivity.',
+            )
+        integer = policy.type == "int"
+        typed = exp.cast(column, "bigint" if integer else "double precision")  # no int4 overflow on any row
+        return _checked(typed, float(policy.lower), float(policy.upper), integer, policy.nullable)  # type: ignore[arg-type]
+    if isinstance(node, exp.Neg):
+        inner = bound(node.this, resolve, check_predicate)
+        return _checked(exp.Neg(this=inner.sql), -inner.upper, -inner.lower, inner.integer, inner.nullable)
+    if isinstance(node, exp.Add | exp.Sub | exp.Mul | exp.Div):
+        return _arithmetic(node, bound(node.this, resolve, check_predicate),
+                           bound(node.expression, resolve, check_predicate))  # fmt: skip
+    if isinstance(node, exp.Abs):
+        inner = bound(node.this, resolve, check_predicate)
+        low = 0.0 if inner.lower <= 0 <= inner.upper else min(abs(inner.lower), abs(inner.upper))
+        high = max(abs(inner.lower), abs(inner.upper))
+        return _checked(exp.Abs(this=inner.sql), low, high, inner.integer, inner.nullable)
+    if isinstance(node, exp.Coalesce):
+        parts = [bound(a, resolve, check_predicate) for a in [node.this, *node.expressions]]
+        return _checked(
+            exp.Coalesce(this=parts[0].sql, expressions=[p.sql for p in parts[1:]]),
+            min(p.lower for p in parts),
+            max(p.upper for p in parts),
+            all(p.integer for p in parts),
+            all(p.nullable for p in parts),
+        )
+    if isinstance(node, exp.Case):
+        return _case(node, resolve, check_predicate)
+    if isinstance(node, exp.Extract):
+        return _extract(node, resolve)
+    raise FeatureNotSupported(
+        f"{node.key.upper()} is not supported inside an aggregate",
+        hint="Aggregates may contain + - * /, ABS, COALESCE, CASE WHEN and EXTRACT over bounded columns.",
+    )
+
+
+def _arithmetic(node: exp.Expression, left: Bounded, right: Bounded) -> Bounded:
+    nullable = left.nullable or right.nullable
+    if isinstance(node, exp.Add):
+        return _checked(exp.Add(this=left.sql, expression=right.sql), left.lower + right.lower,
+                        left.upper + right.upper, left.integer and right.integer, nullable)  # fmt: skip
+    if isinstance(node, exp.Sub):
+        return _checked(exp.Sub(this=left.sql, expression=right.sql), left.lower - right.upper,
+                        left.upper - right.lower, left.integer and right.integer, nullable)  # fmt: skip
+    if isinstance(node, exp.Mul):
+        corners = [a * b for a in (left.lower, left.upper) for b in (right.lower, right.upper)]
+        return _checked(exp.Mul(this=left.sql, expression=right.sql), min(corners), max(corners),
+                        left.integer and right.integer, nullable)  # fmt: skip
+    if right.lower <= 0 <= right.upper:
+        raise FeatureNotSupported(
+            "division by an expression that can be zero",
+            hint="The divisor's bounds include 0, so some row could fail; divide by a range that excludes 0.",
+        )
+    if left.integer and right.integer:
+        raise FeatureNotSupported(
+            "integer division inside an aggregate is not supported",
+            hint="Write a decimal divisor (x / 2.0) for exact division.",
+        )
+    corners = [a / b for a in (left.lower, left.upper) for b in (right.lower, right.upper)]
+    quotient = exp.Div(this=exp.cast(left.sql, "double precision"), expression=right.sql)
+    return _checked(quotient, min(corners), max(corners), False, nullable)
+
+
+def _case(node: exp.Case, resolve: Resolve, check_predicate: CheckPredicate) -> Bounded:
+    if node.this is not None:
+        raise FeatureNotSupported(
+            "CASE <value> WHEN ... is not supported inside an aggregate", hint="Write CASE WHEN <condition> THEN ..."
+        )
+    branches = []
+    result = exp.Case()
+    for when in node.args.get("ifs") or []:
+        value = bound(when.args["true"], resolve, check_predicate)
+        result = result.when(check_predicate(when.this), value.sql)
+        branches.append(value)
+    default = node.args.get("default")
+    if default is not None:
+        value = bound(default, resolve, check_predicate)
+        result = result.else_(value.sql)
+        branches.append(value)
+    return _checked(
+        result,
+        min(b.lower for b in branches),
+        max(b.upper for b in branches),
+        all(b.integer for b in branches),
+        default is None or any(b.nullable for b in branches),
+    )
+
+
+def _extract(node: exp.Extract, resolve: Resolve) -> Bounded:
+    part = node.this.name.lower() if isinstance(node.this, exp.Var | exp.Identifier) else str(node.this).lower()
+    if not isinstance(node.expression, exp.Column):
+        raise FeatureNotSupported("EXTRACT needs a date or timestamp column")
+    column, policy = resolve(node.expression)
+    if policy.type not in ("date", "timestamp"):
+        raise UndefinedFunction(f"function extract(unknown, {PG_TYPE_NAMES[policy.type]}) does not exist")
+    if part == "year":
+        if not policy.bounded:
+            raise FeatureNotSupported(f'column "{node.expression.name}" has no declared bounds')
+        low, high = policy.lower, policy.upper
+        assert isinstance(low, dt.date) and isinstance(high, dt.date)
+        bounds = (low.year, high.year)
+    elif part in _DATE_PARTS:
+        bounds = _DATE_PARTS[part]
+    else:
+        raise FeatureNotSupported(f'EXTRACT("{part}") is not supported inside an aggregate')
+    sql = exp.cast(exp.Extract(this=exp.var(part.upper()), expression=column), "bigint")
+    return _checked(sql, float(bounds[0]), float(bounds[1]), True, policy.nullable)
