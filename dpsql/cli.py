@@ -298,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = sub.add_parser("demo-data", help="load the demo tables into a database")
     data.add_argument("--database", required=True)
-    data.add_argument("--dataset", action="append", choices=["health", "adult", "clinic"])
+    data.add_argument("--dataset", action="append", choices=["health", "adult", "clinic", "survey"])
     data.set_defaults(func=cmd_demo_data)
 
     passwd = sub.add_parser("passwd", help="print a SCRAM-SHA-256 verifier for a policy's analysts list")

@@ -300,12 +300,33 @@ def clinic_tables() -> list[tuple[str, Columns, Any]]:
     ]
 
 
+SURVEY_COLUMNS: Columns = [("respondent", "TEXT"), ("region", "TEXT"), ("age", "INTEGER"), ("smoker", "BOOLEAN"),
+                          ("drug_use", "TEXT")]  # fmt: skip
+
+
+def survey_rows(n: int = 5000, seed: int = 11) -> Rows:
+    """Respondents as *stored*: the sensitive answers already perturbed by randomized response
+    (as the write path would have stored them; the truth is 22% smokers, 70/22/8% drug use)."""
+    from dpsql.localdp import RandomizedResponse
+
+    rng = np.random.default_rng(seed)
+    smoker, drugs = RandomizedResponse(1.0, (False, True)), RandomizedResponse(1.5, ("never", "past", "current"))
+    rows: Rows = []
+    for i in range(n):
+        truth_smoker = bool(rng.random() < 0.22)
+        truth_drugs = ("never", "past", "current")[int(rng.choice(3, p=[0.7, 0.22, 0.08]))]
+        rows.append((f"r{i}", ("North", "South", "East", "West")[i % 4], int(rng.integers(18, 99)),
+                     smoker.perturb(truth_smoker), drugs.perturb(truth_drugs)))  # fmt: skip
+    return rows
+
+
 #: dataset name -> (table, columns, row factory); the clinic's tables are built together.
 DEMO_TABLES: dict[str, Any] = {
     "health": lambda: [("patients", HEALTH_COLUMNS, health_rows)],
     "adult": lambda: [("adult", ADULT_COLUMNS, adult_rows)],
     "clinic": lambda: clinic_tables(),
     "clinic_households": lambda: clinic_tables(),
+    "survey": lambda: [("survey", SURVEY_COLUMNS, survey_rows)],
 }
 
 

@@ -23,7 +23,7 @@ import numpy as np
 from sqlglot import exp
 
 from dpsql.analyze import analyze_tree, infer_parameter_types, parse_statement
-from dpsql.analyze.parse import Params, too_complex
+from dpsql.analyze.parse import Params, bind_parameters, literal_for, too_complex
 from dpsql.backends import Backend, open_backend
 from dpsql.cache import ResultCache, cache_key
 from dpsql.errors import (
@@ -33,10 +33,15 @@ from dpsql.errors import (
     FeatureNotSupported,
     InvalidAuthorization,
     InvalidParameterValue,
+    ReadOnlyViolation,
+    SyntaxError_,
+    UndefinedColumn,
+    UndefinedTable,
 )
 from dpsql.ledger import Cost, Ledger
+from dpsql.localdp import RandomizedResponse, perturb_rows
 from dpsql.plan import Measure, Plan
-from dpsql.policy import Policy, load_policy
+from dpsql.policy import Policy, TablePolicy, load_policy
 from dpsql.postprocess import evaluate, order_rows
 from dpsql.release import (
     NoiseSpec,
@@ -100,6 +105,18 @@ class Prepared:
     histograms: list[tuple[int, str]] = field(default_factory=list)
     #: Result-cache key: the normalised statement, its parameters and the session's privacy settings.
     cache_key: str = ""
+    #: Set when the query only counts a randomized-response column: answered from stored values, at no cost.
+    local: LocalQuery | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LocalQuery:
+    """A count over a randomized-response column: which column, mechanism, and value filter."""
+
+    mechanism: RandomizedResponse
+    sql: str
+    value: Any = None
+    filtered: bool = False
 
 
 @dataclass
@@ -206,6 +223,7 @@ class Engine:
     def _prepare(self, tree: exp.Expression, session: Session, params: Params) -> Prepared:
         plan = analyze_tree(tree, self.policy, params)
         plan.salt = self._salt
+        local = _local_query(plan, self.backend.dialect)
         select = rewrite(plan)
         budgeting = self._budget(plan, session)
         normalised = tree.sql(dialect="postgres", normalize=True)
@@ -221,7 +239,9 @@ class Engine:
             _hashable(params),
             (budgeting.epsilon, budgeting.delta, budgeting.mechanism),
         )
-        return Prepared(plan, select.sql(dialect=self.backend.dialect), budgeting, fingerprint, histograms, key)
+        if local is not None:
+            budgeting = Budgeting(0.0, 0.0, "randomized response", [None], Cost(epsilon=0.0), [0.0])
+        return Prepared(plan, select.sql(dialect=self.backend.dialect), budgeting, fingerprint, histograms, key, local)
 
     def _budget(self, plan: Plan, session: Session) -> Budgeting:
         defaults = self.policy.defaults
@@ -354,8 +374,12 @@ class Engine:
         explain_target = _explain_target(sql)
         if explain_target is not None:
             return self.explain(explain_target, session, params).as_result()
+        if sql.lstrip()[:6].upper() == "INSERT":
+            return self._insert(parse_statement(sql), params)
         prepared = self.prepare(sql, session, params)
         budgeting = prepared.budgeting
+        if prepared.local is not None:
+            return self._release_local(prepared, session.confidence or self.policy.defaults.confidence)
         if self.cache is not None and prepared.plan.measures:
             cached = self.cache.get(prepared.cache_key)
             if cached is not None:
@@ -385,6 +409,54 @@ class Engine:
             )
         if self.cache is not None and prepared.plan.measures:
             self.cache.put(prepared.cache_key, result)
+        return result
+
+    def _insert(self, tree: exp.Expression, params: Params) -> Result:
+        """The opt-in write path: store rows with their randomized-response columns perturbed."""
+        table, columns, rows = parse_insert(bind_parameters(tree, params), self.policy)
+        mechanisms = [table.columns[c].local_mechanism() for c in columns]
+        stored = perturb_rows(rows, mechanisms)
+        values = exp.values([tuple(literal_for(v) for v in row) for row in stored])
+        statement = exp.Insert(
+            this=exp.Schema(
+                this=exp.table_(table.source or tree.this.this.name, quoted=True),
+                expressions=[exp.to_identifier(c, quoted=True) for c in columns],
+            ),
+            expression=values,
+        )
+        try:
+            self.backend.execute_script(statement.sql(dialect=self.backend.dialect))
+        except Error:
+            raise
+        except Exception as exc:
+            raise BackendError("the database failed to store the rows") from exc
+        perturbed = [f"{c} (ε={m.epsilon:g})" for c, m in zip(columns, mechanisms, strict=True) if m is not None]
+        return Result(
+            columns=[],
+            rows=[],
+            accuracy=[],
+            epsilon_spent=0.0,
+            delta_spent=0.0,
+            notices=[f"dpsql: stored {len(stored)} row(s); randomized response applied to {', '.join(perturbed)}"],
+            command_tag=f"INSERT 0 {len(stored)}",
+        )
+
+    def _release_local(self, prepared: Prepared, confidence: float) -> Result:
+        """Counts of a randomized-response column, debiased; post-processing of stored values, free."""
+        local = prepared.local
+        assert local is not None
+        observed = {value: int(count) for value, count in self._run(local.sql)}
+        estimates = local.mechanism.estimate(observed, confidence)
+        total = sum(observed.get(v, 0) for v in local.mechanism.domain)
+        if prepared.plan.keys:
+            rows = [(value, estimates[value][0]) for value in local.mechanism.domain]
+            widths = [[estimates[value][1]] for value in local.mechanism.domain]
+        elif local.filtered:
+            rows, widths = [(estimates[local.value][0],)], [[estimates[local.value][1]]]
+        else:
+            rows, widths = [(total,)], [[0.0]]
+        result = self._postprocess(prepared.plan, rows, [[round(r[-1]) for r in rows]], widths)
+        result.notices.append("dpsql: randomized-response estimate from perturbed answers; no budget charged")
         return result
 
     def _run(self, sql: str) -> list[tuple[Any, ...]]:
@@ -419,31 +491,42 @@ class Engine:
             values = [0 if r[nkeys + i] is None else r[nkeys + i] for r in rows]
             noisy.append(release(values, spec) if values else np.zeros(0))
         widths = [None if spec is None else half_width(spec, confidence) for spec in budgeting.specs]
-        keep = range(len(rows))
+        columns = [values.tolist() if isinstance(values, np.ndarray) else values for values in noisy]
         if budgeting.threshold is not None and plan.selection_measure is not None:
-            counts = noisy[plan.selection_measure]
+            counts = columns[plan.selection_measure]
             keep = [j for j in range(len(rows)) if counts[j] >= budgeting.threshold]
+            rows = [rows[j] for j in keep]
+            columns = [[values[j] for j in keep] for values in columns]
+        result = self._postprocess(plan, rows, columns, [widths] * len(rows))
+        result.epsilon_spent, result.delta_spent = budgeting.epsilon, budgeting.delta
+        return result
+
+    @staticmethod
+    def _postprocess(
+        plan: Plan, rows: list[tuple[Any, ...]], columns: list[list[Any]], widths: list[list[float | None]]
+    ) -> Result:
+        """Outputs, HAVING, DISTINCT, ORDER BY and LIMIT over released values (row j: keys, measures, widths)."""
+        nkeys = len(plan.keys)
         released: list[tuple[tuple[Any, ...], tuple[Any, ...], tuple[float | None, ...]]] = []
         key_names = [f"k{i}" for i in range(nkeys)]
-        measure_names = [f"m{i}" for i in range(len(noisy))]
+        measure_names = [f"m{i}" for i in range(len(columns))]
         converters = [_converter(m) for m in plan.measures]
-        columns = [values.tolist() if isinstance(values, np.ndarray) else values for values in noisy]
-        for j in keep:
-            env: dict[str, Any] = dict(zip(key_names, rows[j], strict=False))
+        for j, row in enumerate(rows):
+            env: dict[str, Any] = dict(zip(key_names, row, strict=False))
             for name, values, convert in zip(measure_names, columns, converters, strict=True):
                 env[name] = convert(values[j])
             out_values, out_acc = [], []
             for o, out in enumerate(plan.outputs):
                 value = _evaluate_released(out.expr, env)
                 if out.kind == "count" and value is not None:
-                    value = max(int(value), 0)
+                    value = max(round(value), 0)
                 elif out.kind == "quantile" and out.column.type == "bigint" and value is not None:
                     value = math.floor(value)  # MIN/MAX/percentile_disc of an int column: a value of the column's type
                 if out.clamp is not None and value is not None:
                     value = min(max(value, out.clamp[0]), out.clamp[1])
                 env[f"o{o}"] = value
                 out_values.append(value)
-                out_acc.append(_accuracy(out, env, widths, plan))
+                out_acc.append(_accuracy(out, env, widths[j], plan))
             if plan.having is not None and _evaluate_released(plan.having, env) is not True:
                 continue
             sort_key = tuple(_evaluate_released(term, env) for term, _, _ in plan.order)
@@ -462,12 +545,135 @@ class Engine:
             columns=[o.column for o in plan.outputs],
             rows=[item[1] for item in released],
             accuracy=[item[2] for item in released],
-            epsilon_spent=budgeting.epsilon,
-            delta_spent=budgeting.delta,
+            epsilon_spent=0.0,
+            delta_spent=0.0,
         )
 
 
 # --- helpers ------------------------------------------------------------------------------------
+
+
+def _local_query(plan: Plan, dialect: str) -> LocalQuery | None:
+    """A count over one randomized-response column, answered from its perturbed values; None otherwise.
+
+    Queries that read such a column in any other way are refused: central noise on perturbed
+    data would spend budget to estimate nothing useful, and mixing in other columns would
+    release central data without noise.
+    """
+    local_columns = [
+        (source, name, column.local_mechanism())
+        for source in plan.sources.sources
+        for name, column in source.table.columns.items()
+        if column.randomized_response is not None
+    ]
+    if not local_columns:
+        return None
+    used = _columns_used(plan)
+    touched = [(s, n, m) for s, n, m in local_columns if (s.alias, n) in used]
+    if not touched:
+        return None
+    source, name, mechanism = touched[0]
+    key_ok = all((k.table, k.column) == (source.alias, name) for k in plan.keys) and len(plan.keys) <= 1
+    value = _equality_value(plan.where, source.alias, name)
+    where_ok = plan.where is None or value is not None
+    only_counts = all(m.kind == "count_star" for m in plan.measures)
+    shape_ok = key_ok and where_ok and only_counts
+    if len(touched) > 1 or plan.sources.joins or used - {(source.alias, name)} or not shape_ok:
+        raise FeatureNotSupported(
+            f'"{name}" is collected with randomized response: it can only be counted on its own',
+            hint=f"Ask SELECT {name}, COUNT(*) FROM {source.name} GROUP BY {name}, "
+            f"or SELECT COUNT(*) FROM {source.name} WHERE {name} = <value>.",
+        )
+    assert mechanism is not None
+    if value is not None and value not in mechanism.domain:
+        raise InvalidParameterValue(f'"{value}" is not a possible answer for "{name}"')
+    column = exp.column(name, quoted=True)
+    sql = (
+        exp.select(column, exp.Count(this=exp.Star(), big_int=True))
+        .from_(exp.table_(source.table.source or source.name, quoted=True))
+        .group_by(column.copy())
+        .sql(dialect=dialect)
+    )
+    return LocalQuery(mechanism, sql, value, value is not None)
+
+
+def _columns_used(plan: Plan) -> set[tuple[str | None, str | None]]:
+    used: set[tuple[str | None, str | None]] = {(k.table, k.column) for k in plan.keys}
+    used |= {(m.table, m.column) for m in plan.measures if m.kind != "count_star"}
+    if plan.where is not None:
+        used |= {(c.table, c.name) for c in plan.where.find_all(exp.Column)}
+    return used
+
+
+def _equality_value(where: exp.Expression | None, alias: str, name: str) -> Any:
+    if not isinstance(where, exp.EQ):
+        return None
+    column, literal = (where.this, where.expression)
+    if not isinstance(column, exp.Column) or (column.table, column.name) != (alias, name):
+        return None
+    if isinstance(literal, exp.Boolean):
+        return bool(literal.this)
+    if isinstance(literal, exp.Literal):
+        return literal.name if literal.is_string else float(literal.name)
+    return None
+
+
+def parse_insert(tree: exp.Expression, policy: Policy) -> tuple[TablePolicy, list[str], list[tuple[Any, ...]]]:
+    """``INSERT INTO t (cols) VALUES (...)`` with constants, into a table with randomized-response columns."""
+    if not policy.writes.randomized_response:
+        raise ReadOnlyViolation(
+            "cannot execute INSERT in a read-only transaction",
+            hint="dpsql is read-only unless the policy enables writes: {randomized_response: true}.",
+        )
+    schema, values = tree.this, tree.args.get("expression")
+    if not isinstance(schema, exp.Schema) or not isinstance(values, exp.Values) or tree.args.get("returning"):
+        raise FeatureNotSupported("only INSERT INTO <table> (<columns>) VALUES (...) is supported")
+    name = schema.this.name
+    table = policy.tables.get(name)
+    if table is None:
+        raise UndefinedTable(f'relation "{name}" does not exist')
+    if not any(c.randomized_response for c in table.columns.values()):
+        raise ReadOnlyViolation(
+            "cannot execute INSERT in a read-only transaction",
+            hint=f'Only tables with randomized-response columns accept writes; "{name}" has none.',
+        )
+    columns = [c.name for c in schema.expressions]
+    for column in columns:
+        if column not in table.columns:
+            raise UndefinedColumn(f'column "{column}" of relation "{name}" does not exist')
+    rows = []
+    for row in values.expressions:
+        cells = [_constant(v) for v in row.expressions]
+        if len(cells) != len(columns):
+            raise SyntaxError_("INSERT has more expressions than target columns", sqlstate="42601")
+        for column, value in zip(columns, cells, strict=True):
+            mechanism = table.columns[column].local_mechanism()
+            if mechanism is not None and value not in mechanism.domain:
+                raise InvalidParameterValue(
+                    f'invalid value for randomized-response column "{column}"',
+                    hint=f"Answers must be one of: {', '.join(map(str, mechanism.domain))}.",
+                )
+        rows.append(tuple(cells))
+    missing = [c for c, p in table.columns.items() if p.randomized_response and c not in columns]
+    if missing:
+        raise InvalidParameterValue(f'INSERT must give a value for randomized-response column "{missing[0]}"')
+    return table, columns, rows
+
+
+def _constant(node: exp.Expression) -> Any:
+    if isinstance(node, exp.Boolean):
+        return bool(node.this)
+    if isinstance(node, exp.Null):
+        return None
+    if isinstance(node, exp.Neg) and isinstance(node.this, exp.Literal):
+        return -_constant(node.this)
+    if isinstance(node, exp.Literal):
+        if node.is_string:
+            return node.name
+        return float(node.name) if any(ch in node.name for ch in ".eE") else int(node.name)
+    if isinstance(node, exp.Cast) and isinstance(node.this, exp.Literal):
+        return node.this.name
+    raise FeatureNotSupported("INSERT values must be constants")
 
 
 def _evaluate_released(expr: exp.Expression, env: dict[str, Any]) -> Any:

@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dpsql.errors import PolicyError
+from dpsql.localdp import RandomizedResponse
 from dpsql.session import PgType
 
 ColumnType = Literal["int", "float", "text", "date", "timestamp", "boolean"]
@@ -60,6 +61,12 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class LocalPrivacy(_Strict):
+    """``randomized_response: {epsilon: …}`` on a column."""
+
+    epsilon: Annotated[float, Field(gt=0, le=20)]
+
+
 class ColumnPolicy(_Strict):
     """One column: its type, declared bounds and whether its values may be released."""
 
@@ -71,6 +78,9 @@ class ColumnPolicy(_Strict):
     )
     nullable: bool = True
     identifier: bool = Field(default=False, description="Direct identifier: never queryable.")
+    randomized_response: LocalPrivacy | None = Field(
+        default=None, description="Collected under local DP: stored values are perturbed on write at this ε."
+    )
     description: str | None = None
 
     @field_validator("type", mode="before")
@@ -97,7 +107,19 @@ class ColumnPolicy(_Strict):
                 raise ValueError(f"'lower' ({self.lower}) is greater than 'upper' ({self.upper})")
         if self.domain is not None and len(set(self.domain)) != len(self.domain):
             raise ValueError("'domain' lists a value twice")
+        if self.randomized_response is not None:
+            if self.type != "boolean" and not self.domain:
+                raise ValueError("a randomized_response column needs type boolean or a 'domain' of values")
+            if self.nullable:
+                raise ValueError("a randomized_response column must be 'nullable: false' (NULL is not an answer)")
         return self
+
+    def local_mechanism(self) -> RandomizedResponse | None:
+        """The randomized-response mechanism values of this column are stored through, if any."""
+        if self.randomized_response is None:
+            return None
+        domain = tuple(self.domain) if self.domain else (False, True)
+        return RandomizedResponse(self.randomized_response.epsilon, domain)
 
     @property
     def numeric(self) -> bool:
@@ -194,6 +216,12 @@ class Auth(_Strict):
     trust: bool = Field(default=False, description="Accept any declared analyst without a password (demos).")
 
 
+class Writes(_Strict):
+    """The opt-in write path: INSERTs that store randomized-response columns perturbed."""
+
+    randomized_response: bool = False
+
+
 class Policy(_Strict):
     """A whole policy file."""
 
@@ -203,6 +231,7 @@ class Policy(_Strict):
     budget: Budgets
     analysts: tuple[Analyst, ...] = ()
     auth: Auth = Auth()
+    writes: Writes = Writes()
     tables: dict[str, TablePolicy]
 
     @model_validator(mode="after")
