@@ -96,7 +96,7 @@ def start_server(
         "--database",
         database,
         "--ledger",
-        f"sqlite:///{ledger}",
+        f"sqlite://{ledger.resolve()}",
         "--port",
         str(port),
         "--catalog-dsn",
