@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import decimal
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -17,7 +18,7 @@ import sqlglot
 from sqlglot import exp
 from sqlglot.errors import ParseError, TokenError
 
-from dpsql.errors import StatementTooComplex, SyntaxError_, UndefinedParameter
+from dpsql.errors import DataError, StatementTooComplex, SyntaxError_, UndefinedParameter
 
 logging.getLogger("sqlglot").setLevel(logging.ERROR)
 
@@ -119,8 +120,8 @@ def literal_for(value: Any) -> exp.Expression:
     if isinstance(value, bool):
         return exp.Boolean(this=value)
     if isinstance(value, int | float | decimal.Decimal):
-        if isinstance(value, float) and value != value:
-            return exp.cast(exp.Literal.string("NaN"), "double precision")
+        if isinstance(value, float | decimal.Decimal) and not math.isfinite(value):
+            raise DataError(f'parameter value out of range: "{value}"', sqlstate="22003")
         return exp.Literal.number(value) if value >= 0 else exp.Neg(this=exp.Literal.number(-value))
     if isinstance(value, dt.datetime):
         return exp.cast(exp.Literal.string(value.isoformat(sep=" ")), "timestamp")

@@ -31,6 +31,7 @@ from typing import Any, Literal
 import sqlglot
 from sqlglot import exp
 
+from dpsql.analyze.parse import too_complex
 from dpsql.errors import Error, FeatureNotSupported
 from dpsql.policy import PG_TYPE_NAMES, Policy, TablePolicy
 
@@ -89,6 +90,8 @@ def classify(sql: str, policy: Policy) -> Route:
         tree = sqlglot.parse_one(sql, read="postgres")
     except (sqlglot.errors.ParseError, sqlglot.errors.TokenError):
         return _classify_tokens(sql, policy)
+    except RecursionError:
+        raise too_complex() from None
     if tree is None:
         return "tableless"
     if tree.find(exp.Insert, exp.Update, exp.Delete, exp.Merge, exp.Into):

@@ -263,6 +263,8 @@ def decode_param(data: bytes | None, oid: int, fmt: int) -> Any:
         text = data.decode("utf-8")
         text_decoder = _TEXT_DECODERS.get(oid)
         return text_decoder(text) if text_decoder else text
+    except OverflowError:
+        raise DataError("bind parameter out of range", sqlstate="22008") from None
     except (ValueError, struct.error, InvalidOperation, UnicodeDecodeError):
         if fmt == 1:
             raise DataError("incorrect binary data format in bind parameter", sqlstate="22P03") from None
