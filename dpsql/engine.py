@@ -789,10 +789,6 @@ def _variance_accuracy(out: Any, env: dict[str, Any], widths: list[float | None]
     return width / (2 * math.sqrt(variance)) if variance > 0 else math.sqrt(width)
 
 
-def _normalise_key(value: Any) -> Any:
-    return value.lower() if isinstance(value, str) and value.lower() in ("true", "false") else value
-
-
 def _public_key_rows(plan: Plan, rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
     """Every combination of the public domains, in domain order; absent ones get zeros.
 

@@ -242,12 +242,6 @@ def discrete_laplace(scale: float, size: int) -> np.ndarray:
     return _dlap_bulk(t, s, n)
 
 
-@lru_cache(maxsize=256)
-def _sigma2_fraction(sigma: float) -> tuple[int, int]:
-    f = Fraction(sigma) ** 2
-    return f.numerator, f.denominator
-
-
 def discrete_gaussian(sigma: float, size: int) -> np.ndarray:
     """``size`` i.i.d. draws with ``P(k) ∝ exp(-k²/(2σ²))`` as int64.
 
