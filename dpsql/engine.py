@@ -226,7 +226,7 @@ class Engine:
         local = _local_query(plan, self.backend.dialect)
         select = rewrite(plan)
         budgeting = self._budget(plan, session)
-        normalised = tree.sql(dialect="postgres", normalize=True)
+        normalised = tree.sql(dialect="postgres", normalize=True, copy=False)  # tree is not used afterwards
         fingerprint = hashlib.sha256(normalised.encode()).hexdigest()[:16]
         histograms = [
             (i, histogram_query(plan, i).sql(dialect=self.backend.dialect))
@@ -241,7 +241,9 @@ class Engine:
         )
         if local is not None:
             budgeting = Budgeting(0.0, 0.0, "randomized response", [None], Cost(epsilon=0.0), [0.0])
-        return Prepared(plan, select.sql(dialect=self.backend.dialect), budgeting, fingerprint, histograms, key, local)
+        return Prepared(
+            plan, select.sql(dialect=self.backend.dialect, copy=False), budgeting, fingerprint, histograms, key, local
+        )
 
     def _budget(self, plan: Plan, session: Session) -> Budgeting:
         defaults = self.policy.defaults
