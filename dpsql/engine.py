@@ -15,7 +15,7 @@ import math
 import secrets
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +60,7 @@ from dpsql.release.selection import (
     select_mode,
     select_quantile_bin,
 )
-from dpsql.rewrite import histogram_query, rewrite
+from dpsql.rewrite import centre_rows, histogram_query, rewrite
 from dpsql.session import OutputColumn, Result, Session
 
 #: Largest cross product of public key domains released in one query.
@@ -107,6 +107,8 @@ class Prepared:
     cache_key: str = ""
     #: Set when the query only counts a randomized-response column: answered from stored values, at no cost.
     local: LocalQuery | None = None
+    #: The backend's data version the clamp proofs (``plan.proven``) were read at.
+    data_version: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +206,7 @@ class Engine:
     def prepare(self, sql: str, session: Session, params: Params = None) -> Prepared:
         """Analyze, rewrite and budget ``sql``; cached on text, parameters and session settings."""
         settings = (session.epsilon, session.delta, session.mechanism)
-        key = (sql, _hashable(params), settings)
+        key = (sql, _hashable(params), settings, _data_version(self.backend))
         with self._lock:
             cached = self._plans.get(key)
             if cached is not None:
@@ -224,6 +226,8 @@ class Engine:
         plan = analyze_tree(tree, self.policy, params)
         plan.salt = self._salt
         local = _local_query(plan, self.backend.dialect)
+        version = _data_version(self.backend)
+        plan.proven = _proven_in_bounds(plan, self.backend)
         select = rewrite(plan)
         budgeting = self._budget(plan, session)
         normalised = tree.sql(dialect="postgres", normalize=True, copy=False)  # tree is not used afterwards
@@ -241,9 +245,8 @@ class Engine:
         )
         if local is not None:
             budgeting = Budgeting(0.0, 0.0, "randomized response", [None], Cost(epsilon=0.0), [0.0])
-        return Prepared(
-            plan, select.sql(dialect=self.backend.dialect, copy=False), budgeting, fingerprint, histograms, key, local
-        )
+        sql = select.sql(dialect=self.backend.dialect, copy=False)
+        return Prepared(plan, sql, budgeting, fingerprint, histograms, key, local, version)
 
     def _budget(self, plan: Plan, session: Session) -> Budgeting:
         defaults = self.policy.defaults
@@ -366,7 +369,8 @@ class Engine:
         unit = plan.sources.unit_description
         if plan.unit is not None:
             unit += f" (at most {plan.max_rows} rows and {plan.max_groups} groups per unit)"
-        shown_sql = prepared.sql.replace(self._salt, "<secret>")
+        # Every clamp shown, proven redundant or not: which ones the statistics prove is data-dependent.
+        shown_sql = self._clamped_sql(plan).replace(self._salt, "<secret>")
         return Explanation(shown_sql, budgeting.epsilon, budgeting.delta, budgeting.mechanism, columns, keys, unit)
 
     def execute(self, sql: str, session: Session, params: Params = None) -> Result:
@@ -399,6 +403,9 @@ class Engine:
                 rho_to_epsilon=rho_to_epsilon,
             )
         rows = self._run(prepared.sql)
+        if prepared.plan.proven and _data_version(self.backend) != prepared.data_version:
+            # a write raced the proof: run it again with every clamp in place
+            rows = self._run(self._clamped_sql(prepared.plan))
         histograms = {i: self._run(sql) for i, sql in prepared.histograms}
         result = self._release(prepared, rows, session.confidence or self.policy.defaults.confidence, histograms)
         if charge is not None:
@@ -461,6 +468,10 @@ class Engine:
         result.notices.append("dpsql: randomized-response estimate from perturbed answers; no budget charged")
         return result
 
+    def _clamped_sql(self, plan: Plan) -> str:
+        """The measurement query with every clamp in place, whatever the statistics prove."""
+        return rewrite(replace(plan, proven=frozenset()) if plan.proven else plan).sql(dialect=self.backend.dialect)
+
     def _run(self, sql: str) -> list[tuple[Any, ...]]:
         try:
             _, rows = self.backend.execute(sql)
@@ -481,6 +492,7 @@ class Engine:
     ) -> Result:
         plan, budgeting = prepared.plan, prepared.budgeting
         nkeys = len(plan.keys)
+        rows = centre_rows(plan, rows)
         rows = _public_key_rows(plan, rows) if plan.keys and plan.public_keys else rows
         if not rows and not plan.keys:
             rows = [tuple([0] * len(plan.measures))]
@@ -796,6 +808,41 @@ def _converter(measure: Measure) -> Any:
     if measure.kind == "mode":
         return lambda value: value
     return int if _integer(measure) and measure.kind != "quantile" else float
+
+
+def _data_version(backend: Backend) -> int:
+    """A counter the backend bumps before every write (0 for backends that prove nothing)."""
+    return int(getattr(backend, "data_version", 0))
+
+
+def _proven_in_bounds(plan: Plan, backend: Backend) -> frozenset[int]:
+    """Sum measures over a plain column whose every stored value the database's own statistics place
+    inside the declared bounds. Clamping those is the identity, so releasing them unclamped gives the
+    same numbers; only backends with exact (conservative) min/max statistics implement this."""
+    ranges = getattr(backend, "proven_ranges", None)
+    if ranges is None:
+        return frozenset()
+    wanted: dict[int, tuple[str, str]] = {}
+    for i, m in enumerate(plan.measures):
+        if m.kind == "sum" and m.expr is None and m.column is not None and m.table is not None:
+            source = next((s for s in plan.sources.sources if s.alias == m.table), None)
+            if source is not None:
+                wanted[i] = (source.table.source or source.name, m.column)
+    if not wanted:
+        return frozenset()
+    found = {
+        (table, column): bounds
+        for table in {t for t, _ in wanted.values()}
+        for column, bounds in ranges(table, sorted({c for t, c in wanted.values() if t == table})).items()
+    }
+    return frozenset(i for i, where in wanted.items() if _inside(found.get(where), plan.measures[i]))
+
+
+def _inside(bounds: tuple[Any, Any] | None, measure: Measure) -> bool:
+    """Whether proven (min, max) lie within the measure's bounds (NaN compares false: not inside)."""
+    if bounds is None or measure.lower is None or measure.upper is None:
+        return False
+    return bool(measure.lower <= bounds[0] and bounds[1] <= measure.upper)
 
 
 def _integer(measure: Measure) -> bool:

@@ -113,6 +113,13 @@ class Plan:
     selection_measure: int | None = None
     #: Secret mixed into the per-row hash that picks which rows of a unit are kept (set by the engine).
     salt: str = ""
+    #: Sum measures whose inputs the database's own statistics prove inside the bounds (set by the
+    #: engine): clamping them is the identity, so the rewrite leaves the CASE out.
+    proven: frozenset[int] = frozenset()
+
+    def post_centred(self) -> list[int]:
+        """Centred sums computed as Σx − centre·COUNT(x) after the query (cheaper in SQL than Σ(x − centre))."""
+        return [i for i, m in enumerate(self.measures) if m.kind == "sum" and m.centre and not m.square]
 
     @property
     def public_keys(self) -> bool:

@@ -10,6 +10,7 @@ from typing import Any
 
 import duckdb
 import numpy as np
+from sqlglot import exp
 
 from dpsql.backends import QUERY_FAILED, column_defs, normalize_rows, quote_ident, redact_url
 from dpsql.errors import BackendError
@@ -41,6 +42,10 @@ class DuckDBBackend:
             log.warning("cannot open DuckDB database %s: %s", self.path, exc)
             raise BackendError("could not open the database") from None
         self._closed = False
+        #: Bumped before every write through this object; DuckDB holds the file exclusively, so no
+        #: other process can change the data behind it.
+        self.data_version = 0
+        self._ranges: dict[tuple[int, str, tuple[str, ...]], dict[str, tuple[Any, Any]]] = {}
 
     def __repr__(self) -> str:
         return f"DuckDBBackend({redact_url(self.url)!r})"
@@ -75,6 +80,7 @@ class DuckDBBackend:
             cur.close()  # closing the cursor discards its open read-only transaction
 
     def execute_script(self, sql: str) -> None:
+        self._bump()
         cur = self._cursor()
         try:
             cur.execute(sql)
@@ -93,6 +99,7 @@ class DuckDBBackend:
         replace: bool = False,
     ) -> None:
         """Create the table and insert through DuckDB's numpy scan, chunk by chunk (fast, no pandas)."""
+        self._bump()
         target = quote_ident(table)
         ddl = f"CREATE {'OR REPLACE ' if replace else ''}TABLE {target} ({column_defs(columns)})"
         names = [f"c{i}" for i in range(len(columns))]
@@ -118,6 +125,45 @@ class DuckDBBackend:
             raise BackendError(QUERY_FAILED) from None
         finally:
             cur.close()
+
+    def _bump(self) -> None:
+        self.data_version += 1
+        self._ranges.clear()
+
+    def proven_ranges(self, table: str, columns: list[str]) -> dict[str, tuple[Any, Any]]:
+        """(min, max) that DuckDB's table statistics guarantee for each column of a base table.
+
+        Statistics are conservative (widened on insert/update, never narrowed on delete), so every
+        stored value lies inside. Views and external files are not trusted (their data can change
+        without a write through this object). Empty tables and unknown columns give no entry.
+        """
+        key = (self.data_version, table, tuple(columns))
+        cached = self._ranges.get(key)
+        if cached is not None:
+            return cached
+        found: dict[str, tuple[Any, Any]] = {}
+        target = exp.to_table(table)
+        cur = self._cursor()
+        try:
+            base = cur.execute(
+                "SELECT count(*) FROM duckdb_tables() WHERE database_name = current_database() "
+                "AND schema_name = COALESCE(?, current_schema()) AND table_name = ?",
+                [target.db or None, target.name],
+            ).fetchone()
+            if base and base[0] == 1:
+                stats = ", ".join(f"stats({quote_ident(c)})" for c in columns)
+                row = cur.execute(f"SELECT {stats} FROM {target.sql('duckdb')} LIMIT 1").fetchone()
+                for column, info in zip(columns, row or (), strict=False):
+                    low, high = (info or {}).get("min"), (info or {}).get("max")
+                    if low is not None and high is not None:
+                        found[column] = (low, high)
+        except duckdb.Error as exc:
+            log.info("no statistics for %s: %s", table, exc)
+            found = {}
+        finally:
+            cur.close()
+        self._ranges[key] = found
+        return found
 
     def close(self) -> None:
         if not self._closed:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dpsql.analyze import analyze
 from dpsql.policy import Policy
-from dpsql.rewrite import to_sql
+from dpsql.rewrite import centre_rows, to_sql
 
 
 def test_count_with_where(health_policy: Policy) -> None:
@@ -20,9 +20,17 @@ def test_sum_is_clamped_and_avg_centred(health_policy: Policy) -> None:
     age = '"patients"."age"'
     clamp = f"CASE WHEN {age} < 0 THEN 0 WHEN {age} > 110 THEN 110 ELSE {age} END"
     assert to_sql(plan, "postgres") == (
-        f'SELECT "patients"."sex" AS k0, COALESCE(SUM({clamp}), 0) AS m0, COALESCE(SUM({clamp} - 55), 0) AS m1, '
-        'COUNT(*) AS m2 FROM "patients" AS "patients" GROUP BY "patients"."sex"'
+        f'SELECT "patients"."sex" AS k0, COALESCE(SUM({clamp}), 0) AS m0, COALESCE(SUM({clamp}), 0) AS m1, '
+        'COUNT(*) AS m2, COUNT(*) AS z1 FROM "patients" AS "patients" GROUP BY "patients"."sex"'
     )
+    # AVG's centred sum is folded in after the query: Σx − 55·z1, exactly Σ(x − 55)
+    rows = centre_rows(plan, [("F", 700, 700, 10, 10)])
+    assert rows == [("F", 700, 700 - 550, 10)]
+
+
+def test_variance_centres_inside_the_square(health_policy: Policy) -> None:
+    sql = to_sql(analyze("SELECT var_pop(age) FROM patients", health_policy), "postgres")
+    assert "END - 55 AS BIGINT) * CAST(" in sql and "COUNT(*) AS z" in sql
 
 
 def test_real_sums_cast_before_clamping(health_policy: Policy) -> None:

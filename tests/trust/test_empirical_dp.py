@@ -51,6 +51,19 @@ def _sample(engine: Engine, prepared: Prepared, backend: Backend, n: int, extrac
     return [extract(engine._release(prepared, rows, 0.95)) for _ in range(n)]
 
 
+def _prepare(
+    case: Case, backend: Backend, policy: Policy, tamper: Callable[[Prepared], Prepared] | None, salt: str | None
+):
+    """Plan the case as an engine on ``backend`` would: the SQL may depend on the database's statistics
+    (clamps it proves redundant), so each neighbour gets its own plan, as it would in production. The
+    row-selection salt is the engine's fixed secret, the same whichever neighbour it serves."""
+    engine = _engine(policy, backend)
+    if salt is not None:
+        engine._salt = salt
+    prepared = engine.prepare(case.sql, case.session)
+    return engine, (prepared if tamper is None else tamper(prepared))
+
+
 def _run_on(backend: Backend, sql: str) -> list[tuple[Any, ...]]:
     _, rows = backend.execute(sql)
     return rows
@@ -192,12 +205,11 @@ def _policy_and_backends(case: Case, request: pytest.FixtureRequest) -> tuple[Po
 
 def _run_case(case: Case, request: pytest.FixtureRequest, n: int, tamper: Callable[[Prepared], Prepared] | None = None):
     policy, d, d_prime = _policy_and_backends(case, request)
-    engine = _engine(policy, d)
-    prepared = engine.prepare(case.sql, case.session)
-    if tamper is not None:
-        prepared = tamper(prepared)
+    engine, prepared = _prepare(case, d, policy, tamper, None)
+    engine_prime, prepared_prime = _prepare(case, d_prime, policy, tamper, engine._salt)
+    assert prepared_prime.budgeting == prepared.budgeting  # same noise either way: only the clamps may differ
     a = _sample(engine, prepared, d, n, case.extract)
-    b = _sample(engine, prepared, d_prime, n, case.extract)
+    b = _sample(engine_prime, prepared_prime, d_prime, n, case.extract)
     budgeting = prepared.budgeting
     return dp_violations(a, b, case.events(a, b), budgeting.epsilon, budgeting.delta), a, b
 
