@@ -15,6 +15,7 @@ import math
 import secrets
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ from dpsql.ledger import Cost, Ledger
 from dpsql.localdp import RandomizedResponse, perturb_rows
 from dpsql.plan import Measure, Plan
 from dpsql.policy import Policy, TablePolicy, load_policy
-from dpsql.postprocess import evaluate, order_rows
+from dpsql.postprocess import compile_expression, order_rows
 from dpsql.release import (
     NoiseSpec,
     epsilon_to_rho,
@@ -528,13 +529,20 @@ class Engine:
         key_names = [f"k{i}" for i in range(nkeys)]
         measure_names = [f"m{i}" for i in range(len(columns))]
         converters = [_converter(m) for m in plan.measures]
+        if plan.compiled is None:
+            plan.compiled = (
+                [compile_expression(out.expr) for out in plan.outputs],
+                None if plan.having is None else compile_expression(plan.having),
+                [compile_expression(term) for term, _, _ in plan.order],
+            )
+        outputs, having, order = plan.compiled
         for j, row in enumerate(rows):
             env: dict[str, Any] = dict(zip(key_names, row, strict=False))
             for name, values, convert in zip(measure_names, columns, converters, strict=True):
                 env[name] = convert(values[j])
             out_values, out_acc = [], []
             for o, out in enumerate(plan.outputs):
-                value = _evaluate_released(out.expr, env)
+                value = _evaluate_released(outputs[o], env)
                 if out.kind == "count" and value is not None:
                     value = max(round(value), 0)
                 elif out.kind == "quantile" and out.column.type == "bigint" and value is not None:
@@ -544,9 +552,9 @@ class Engine:
                 env[f"o{o}"] = value
                 out_values.append(value)
                 out_acc.append(_accuracy(out, env, widths[j], plan))
-            if plan.having is not None and _evaluate_released(plan.having, env) is not True:
+            if having is not None and _evaluate_released(having, env) is not True:
                 continue
-            sort_key = tuple(_evaluate_released(term, env) for term, _, _ in plan.order)
+            sort_key = tuple(_evaluate_released(term, env) for term in order)
             released.append((sort_key, tuple(out_values), tuple(out_acc)))
         if plan.distinct:
             seen: dict[tuple[Any, ...], Any] = {}
@@ -740,11 +748,11 @@ def _postprocess_direct(
     )
 
 
-def _evaluate_released(expr: exp.Expression, env: dict[str, Any]) -> Any:
+def _evaluate_released(expr: Callable[[dict[str, Any]], Any], env: dict[str, Any]) -> Any:
     """Post-processing never fails with a Python exception: it reads only noisy values, so a
     PostgreSQL-style data error is safe to report."""
     try:
-        return evaluate(expr, env)
+        return expr(env)
     except Error:
         raise
     except (ArithmeticError, TypeError, ValueError) as exc:

@@ -9,7 +9,7 @@ measure and key references, evaluated after noise — pure post-processing).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from sqlglot import exp
 
@@ -116,6 +116,8 @@ class Plan:
     #: Sum measures whose inputs the database's own statistics prove inside the bounds (set by the
     #: engine): clamping them is the identity, so the rewrite leaves the CASE out.
     proven: frozenset[int] = frozenset()
+    #: Output, HAVING and ORDER BY expressions compiled to closures (by the engine, on first release).
+    compiled: Any = field(default=None, repr=False, compare=False)
 
     def post_centred(self) -> list[int]:
         """Centred sums computed as Σx − centre·COUNT(x) after the query (cheaper in SQL than Σ(x − centre))."""

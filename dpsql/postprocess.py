@@ -108,6 +108,47 @@ def evaluate(node: exp.Expression, env: Env) -> Any:
     return _function(node, env)
 
 
+def compile_expression(node: exp.Expression) -> Callable[[Env], Any]:
+    """A closure computing ``evaluate(node, env)``: the tree is walked once per plan, not once per row.
+
+    The shapes released outputs take (names, literals, arithmetic, comparisons, AVG and variance) are
+    compiled; anything else falls back to the interpreter, so both always agree.
+    """
+    if isinstance(node, exp.Var):
+        name = node.name
+        return lambda env: env[name]
+    if isinstance(node, exp.Literal):
+        value = _literal(node)
+        return lambda env: value
+    if isinstance(node, exp.Paren):
+        return compile_expression(node.this)
+    if isinstance(node, exp.Neg):
+        inner = compile_expression(node.this)
+        return lambda env: None if (v := inner(env)) is None else -v
+    fn = _ARITHMETIC.get(type(node)) or _COMPARISONS.get(type(node))
+    if fn is not None:
+        left, right = compile_expression(node.this), compile_expression(node.expression)
+
+        def binary(env: Env) -> Any:
+            a, b = left(env), right(env)
+            return None if a is None or b is None else fn(a, b)
+
+        return binary
+    if isinstance(node, exp.Div):
+        left, right = compile_expression(node.this), compile_expression(node.expression)
+
+        def divide(env: Env) -> Any:
+            a, b = left(env), right(env)
+            return None if a is None or b is None else _divide(a, b)
+
+        return divide
+    if isinstance(node, exp.Anonymous) and node.name.lower() in ("dp_avg", "dp_variance"):
+        helper = _dp_avg if node.name.lower() == "dp_avg" else _dp_variance
+        args = [compile_expression(a) for a in node.expressions]
+        return lambda env: helper(*(arg(env) for arg in args))
+    return lambda env: evaluate(node, env)
+
+
 def _logic(node: exp.Expression, env: Env) -> bool | None:
     left, right = evaluate(node.this, env), evaluate(node.expression, env)
     if isinstance(node, exp.And):

@@ -37,8 +37,9 @@ import numpy as np
 
 __all__ = ["BULK_THRESHOLD", "discrete_gaussian", "discrete_laplace", "laplace_rational_scale"]
 
-#: Sizes up to this are served from the pool of pre-drawn samples; larger ones are drawn directly.
-BULK_THRESHOLD = 16
+#: Sizes up to this are served from the pool of pre-drawn samples (a bulk draw costs ~0.3 ms of fixed numpy
+#: overhead however few samples it returns); larger ones are drawn directly.
+BULK_THRESHOLD = 1024
 
 _MAX_SCALE = 2.0**50  # keeps t·V and U·K comfortably inside int64 on the bulk path
 _TWO53 = float(2**53)
