@@ -1,8 +1,9 @@
 """PostgreSQL backend: a small thread-safe pool of autocommit connections (psycopg 3, no extra deps).
 
-Queries run as a single prepared statement (so no second statement can be smuggled in)
-inside ``BEGIN READ ONLY`` … ``ROLLBACK``, on connections whose session default is also
-read-only. Loading (demo/tests) uses a separate short-lived read-write connection.
+Queries run through the extended protocol (one unnamed statement: no second statement can be
+smuggled in) on autocommit connections whose session default is read-only, so each query is its
+own read-only transaction in a single round trip. Loading (demo/tests) uses a separate
+short-lived read-write connection.
 """
 
 from __future__ import annotations
@@ -102,15 +103,12 @@ class PostgresBackend:
         with self._pool.connection() as conn:
             try:
                 with conn.cursor() as cur:
-                    cur.execute("BEGIN READ ONLY")
-                    try:
-                        # prepare=True forces the extended protocol: exactly one statement.
-                        cur.execute(sql, prepare=True)
-                        names = [col.name for col in cur.description or ()]
-                        rows = normalize_rows(cur.fetchall()) if cur.description else []
-                    finally:
-                        if not conn.broken:
-                            cur.execute("ROLLBACK")
+                    # binary=True forces the extended protocol (exactly one statement) without the extra
+                    # round trip of a named prepared statement; default_transaction_read_only makes the
+                    # implicit transaction read-only.
+                    cur.execute(sql, binary=True)
+                    names = [col.name for col in cur.description or ()]
+                    rows = normalize_rows(cur.fetchall()) if cur.description else []
                 return names, rows
             except psycopg.Error as exc:
                 log.warning("PostgreSQL query failed (%s %s): %s", exc.sqlstate, type(exc).__name__, exc)
