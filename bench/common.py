@@ -108,7 +108,9 @@ CATEGORIES = ("a", "b", "c", "d", "e", "f", "g", "h")
 # constants). Multipliers are odd 31/32-bit constants; products stay below 2^63 for i < 10^9.
 _COLUMNS: dict[str, tuple[str, str]] = {
     "age": ("BIGINT", "((i * 2654435761 + 97) % 1000003) % 101"),
-    "income": ("DOUBLE PRECISION", "CAST((i * 2246822519 + 13) % 2000003 AS DOUBLE PRECISION) / 10.0"),
+    "income": ("DOUBLE PRECISION", "CAST((i * 2246822519 + 13) % 2000001 AS DOUBLE PRECISION) / 10.0"),
+    # Twice the declared upper bound: half the rows need clamping (no statistics can prove them in bounds).
+    "spend": ("DOUBLE PRECISION", "CAST((i * 1103515245 + 12345) % 100001 AS DOUBLE PRECISION) / 100.0"),
     "score": ("BIGINT", "((i * 3266489917 + 7) % 1000033) % 11"),
     "category": ("TEXT", "chr(CAST(97 + ((i * 668265263 + 5) % 1000037) % 8 AS INTEGER))"),
     "region": ("BIGINT", "((i * 374761393 + 3) % 1000039) % 50"),
@@ -159,6 +161,7 @@ tables:
       id: {type: int, identifier: true}
       age: {type: int, lower: 0, upper: 100, nullable: false}
       income: {type: float, lower: 0.0, upper: 200000.0, nullable: false}
+      spend: {type: float, lower: 0.0, upper: 500.0, nullable: false}
       score: {type: int, lower: 0, upper: 10, nullable: false}
       category: {type: text, domain: [a, b, c, d, e, f, g, h], nullable: false}
       region: {type: int, lower: 0, upper: 49, nullable: false}
@@ -199,10 +202,15 @@ class Section:
     rows: list[list[Any]] = field(default_factory=list)
     data: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    #: Further tables printed after the main one (e.g. a bar summary): {title, headers, rows}.
+    extra_tables: list[dict[str, Any]] = field(default_factory=list)
 
     def print(self) -> None:
         print(f"\n== {self.name}: {self.title} ==")
         print_table(self.headers, self.rows)
+        for extra in self.extra_tables:
+            print(f"\n  -- {extra['title']} --")
+            print_table(extra["headers"], extra["rows"])
         for note in self.notes:
             print(f"  * {note}")
 

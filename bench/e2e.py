@@ -23,6 +23,7 @@ E2E_QUERIES: dict[str, str] = {
     "COUNT": "SELECT COUNT(*) FROM t WHERE age > 30",
     "SUM": "SELECT SUM(income) FROM t",
     "AVG": "SELECT AVG(age) FROM t",
+    "SUM, data outside bounds": "SELECT SUM(spend) FROM t",
     "grouped COUNT": "SELECT category, COUNT(*) FROM t GROUP BY category",
 }
 
@@ -63,9 +64,18 @@ def postgres_backend() -> Iterator[tuple[Backend, dict[str, Any]]]:
         pg.stop()
 
 
-def _compare(engine: Engine, queries: dict[str, str], n: int, quick: bool) -> list[dict[str, Any]]:
+def _compare(
+    engine: Engine,
+    queries: dict[str, str],
+    n: int,
+    quick: bool,
+    *,
+    reps: tuple[int, float] | None = None,
+    warmup: int = 2,
+) -> list[dict[str, Any]]:
+    """DP, raw and rewritten SQL timed round-robin per query; ``reps`` = (max repetitions, seconds budget)."""
     session = Session(ANALYST)
-    reps, budget = _reps(n, quick)
+    reps_, budget = reps or _reps(n, quick)
     out = []
     for label, sql in queries.items():
         released = engine.execute(sql, session)
@@ -76,7 +86,8 @@ def _compare(engine: Engine, queries: dict[str, str], n: int, quick: bool) -> li
                 lambda sql=sql: engine.backend.execute(sql),
                 lambda rewritten=rewritten: engine.backend.execute(rewritten),
             ],
-            reps=reps,
+            reps=reps_,
+            warmup=warmup,
             budget_s=budget,
         )
         out.append(

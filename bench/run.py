@@ -1,6 +1,7 @@
 """dpsql benchmarks: ``.venv/bin/python bench/run.py [--quick] [--only NAME ...]``.
 
-Prints one table per benchmark and writes everything to ``bench/results/latest.json``.
+Prints one table per benchmark, writes everything to ``bench/results/latest.json`` and, when matplotlib
+is installed (``.venv/bin/pip install -e '.[bench]'``), PNG plots of it to ``bench/results/``.
 See bench/README.md for what each figure means and the target bars.
 """
 
@@ -25,19 +26,53 @@ import e2e  # noqa: E402
 import noise  # noqa: E402
 import overhead  # noqa: E402
 import peers  # noqa: E402
+import person  # noqa: E402
 import wire  # noqa: E402
+
+SPARK_ROWS = 10**7
+SPARK_ROWS_QUICK = 10**6
+
+
+def run_spark(quick: bool) -> common.Section:
+    """The Spark backend's own benchmark (bench/spark.py), imported lazily: pyspark and Java are optional."""
+    section = common.Section("spark", "dpsql on Spark (local session): DP vs raw", ["status", "reason"])
+    if not (BENCH / "spark.py").exists():
+        return _skipped(section, "bench/spark.py is not present in this checkout")
+    try:
+        import pyspark  # noqa: F401
+    except ImportError as exc:
+        return _skipped(section, f"pyspark is not installed ({exc}); install the 'spark' extra")
+    import spark  # bench/spark.py (its module name, not pyspark's)
+
+    rows = SPARK_ROWS_QUICK if quick else SPARK_ROWS
+    results: list[dict[str, object]] = spark.run(rows=rows)
+    section.title = f"dpsql on Spark (local session), 10^{len(str(rows)) - 1} rows: DP vs raw"
+    section.headers = list(dict.fromkeys(k for r in results for k in r if not isinstance(r[k], dict | list)))
+    section.rows = [[r.get(h) for h in section.headers] for r in results]
+    section.data.update({"rows": rows, "results": results})
+    return section
+
+
+def _skipped(section: common.Section, why: str) -> common.Section:
+    section.rows.append(["skipped", why])
+    section.data["skipped"] = why
+    return section
+
 
 BENCHMARKS: dict[str, Callable[[bool], common.Section]] = {
     "overhead": overhead.run,
     "e2e": e2e.run_end_to_end,
+    "person": person.run,
     "noise": noise.run,
     "groups": e2e.run_groups,
     "peers": peers.run,
     "wire": wire.run,
+    "spark": run_spark,
 }
 
-#: Left out of --quick unless named with --only: the peer comparison installs a venv and runs 50×.
-QUICK_SKIPS = {"peers"}
+#: Left out of --quick unless named with --only: the peer comparison installs a venv and runs 200×, and
+#: Spark starts a JVM over 10^7 rows.
+QUICK_SKIPS = {"peers", "spark"}
 
 
 def _versions() -> dict[str, str]:
@@ -72,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         help="skip this benchmark (repeatable)",
     )
     parser.add_argument("--output", type=Path, default=BENCH / "results" / "latest.json")
+    parser.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
     args = parser.parse_args(argv)
     default = [n for n in BENCHMARKS if not (args.quick and n in QUICK_SKIPS)]
     names = [n for n in (args.only or default) if n not in args.skip]
@@ -100,13 +136,29 @@ def main(argv: list[str] | None = None) -> int:
             "headers": section.headers,  # type: ignore[index]
             "table": section.rows,
             "notes": section.notes,
+            "extra_tables": section.extra_tables,
             **section.data,
         }
     report["seconds"] = round(time.perf_counter() - started, 1)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2, default=_json_default) + "\n")
     print(f"\ntotal {report['seconds']} s; results in {args.output}")
+    if not args.no_plots:
+        _plots(args.output)
     return 1 if failed else 0
+
+
+def _plots(report_path: Path) -> None:
+    """PNG plots next to the JSON; a missing matplotlib is a hint, not a failure (it is an optional extra)."""
+    import plots
+
+    try:
+        written = plots.write_plots(report_path, report_path.parent)
+    except plots.MissingMatplotlib:
+        print("plots skipped: matplotlib is not installed; `.venv/bin/pip install -e '.[bench]'` adds it")
+        return
+    shown = [str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p) for p in written]
+    print(f"plots: {', '.join(shown) or 'none (no plottable section)'}")
 
 
 def _json_default(value: object) -> object:
