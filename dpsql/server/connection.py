@@ -97,6 +97,8 @@ def _check_formats(formats: Sequence[int]) -> None:
 
 
 _EXPLAIN_PREFIX = re.compile(r"^\s*explain\s+", re.IGNORECASE)
+#: Rows sent between two flushes of a large result (backpressure from slow clients).
+_STREAM_BATCH = 1024
 
 
 class Connection:
@@ -572,15 +574,21 @@ class Connection:
 
     # -- sending results ---------------------------------------------------------------------------
 
-    def send_rows(self, outcome: Outcome, rows: Sequence[tuple[Any, ...]], formats: Sequence[int]) -> None:
+    async def send_rows(self, outcome: Outcome, rows: Sequence[tuple[Any, ...]], formats: Sequence[int]) -> None:
+        """DataRow messages, flushed every ``_STREAM_BATCH`` rows: a large result streams to the client
+        with backpressure instead of piling up, encoded, in the socket buffer."""
         assert outcome.fields is not None
-        if outcome.encoded:
-            for row in rows:
-                self.send(pq.data_row(row))
-            return
         oids = [f.type_oid for f in outcome.fields]
-        for row in rows:
-            self.send(pq.data_row([encode_value(v, o, f) for v, o, f in zip(row, oids, formats, strict=True)]))
+        for start in range(0, len(rows), _STREAM_BATCH):
+            for row in rows[start : start + _STREAM_BATCH]:
+                cells = (
+                    row
+                    if outcome.encoded
+                    else [encode_value(v, o, f) for v, o, f in zip(row, oids, formats, strict=True)]
+                )
+                self.send(pq.data_row(cells))
+            if start + _STREAM_BATCH < len(rows):
+                await self.flush()
 
     def send_side_effects(self, outcome: Outcome) -> None:
         for name, value in outcome.status:
@@ -606,7 +614,7 @@ class Connection:
             self.send_side_effects(outcome)
             if outcome.fields is not None:
                 self.send(pq.row_description(outcome.fields))
-                self.send_rows(outcome, outcome.rows, [0] * len(outcome.fields))
+                await self.send_rows(outcome, outcome.rows, [0] * len(outcome.fields))
             self.send(pq.command_complete(outcome.tag))
             if len(outcome.rows) > 500:
                 await self.flush()
@@ -765,7 +773,7 @@ class Connection:
         formats = [f.format for f in outcome.fields] if outcome.encoded else self._formats(portal, outcome)
         end = len(outcome.rows) if msg.max_rows <= 0 else min(len(outcome.rows), portal.sent + msg.max_rows)
         batch = outcome.rows[portal.sent : end]
-        self.send_rows(outcome, batch, formats)
+        await self.send_rows(outcome, batch, formats)
         portal.sent = end
         if end < len(outcome.rows):
             self.send(pq.portal_suspended())
