@@ -170,9 +170,13 @@ def _hash(values: list[exp.Expression], salt: str) -> exp.Expression:
 def bound_contributions(select: exp.Select, plan: Plan) -> exp.Select:
     """Keep at most ``max_groups`` groups and ``max_rows`` rows of each privacy unit.
 
-    The flat aggregate becomes: rows (unit, used columns, row hash) → rank groups per unit
-    → number rows per unit → aggregate rows within both bounds. Bounding happens after
-    the joins, so no join can multiply a unit's rows past the bound the noise assumes.
+    Ungrouped queries cap per-unit partial aggregates (:func:`_bound_per_unit`). Grouped ones
+    become: rows (unit, used columns, row hash) → rank groups per unit → number rows per unit in
+    hash order → aggregate the rows within both bounds. When the query reads nothing but its keys
+    (counts), identical rows are first collapsed with their multiplicity and each distinct row is
+    weighted by how many of its copies fit: the same rows are kept, but each distinct row is
+    hashed and ranked once. Bounding happens after the joins, so no join can multiply a unit's
+    rows past the bound the noise assumes.
     """
     if plan.unit is None:
         return select
@@ -187,9 +191,12 @@ def bound_contributions(select: exp.Select, plan: Plan) -> exp.Select:
             columns.setdefault(column.sql(), column)
     names = {sql: f"c{i}" for i, sql in enumerate(columns)}
     used = [exp.alias_(column.copy(), names[sql]) for sql, column in columns.items()]
+    collapse = set(columns) <= {_key(plan, i).sql() for i in range(len(plan.keys))}
+    multiplicity = [exp.alias_(exp.Count(this=exp.Star(), big_int=True), "__n")] if collapse else []
     rows = exp.select(
         exp.alias_(plan.unit.copy(), "__unit"),
         *used,
+        *multiplicity,
         exp.alias_(_hash([plan.unit.copy(), *(c.copy() for c in columns.values())], plan.salt), "__h"),
     )
     rows.set("from_", select.args["from_"].copy())
@@ -197,6 +204,8 @@ def bound_contributions(select: exp.Select, plan: Plan) -> exp.Select:
         rows.append("joins", join.copy())
     if select.args.get("where"):
         rows.set("where", select.args["where"].copy())
+    if collapse:
+        rows = rows.group_by(plan.unit.copy(), *(c.copy() for c in columns.values()), copy=False)
     outer = select.copy()
     for key in ("joins", "where"):
         outer.set(key, None)
@@ -214,18 +223,62 @@ def bound_contributions(select: exp.Select, plan: Plan) -> exp.Select:
         )
         groups = groups.select(exp.alias_(rank, "__g"))
         filter_rows_ = exp.LTE(this=exp.column("__g"), expression=exp.Literal.number(plan.max_groups))
-    number = exp.Window(
-        this=exp.RowNumber(),
+    if not collapse:
+        number = exp.Window(
+            this=exp.RowNumber(),
+            partition_by=[unit.copy()],
+            order=exp.Order(expressions=[exp.Ordered(this=exp.column("__h"))]),
+        )
+        bounded = exp.select(exp.Star(), exp.alias_(number, "__rn")).from_("__groups")
+        if filter_rows_ is not None:
+            bounded = bounded.where(filter_rows_)
+        outer = outer.from_("__bounded").where(
+            exp.LTE(this=exp.column("__rn"), expression=exp.Literal.number(plan.max_rows))
+        )
+        return outer.with_("__rows", as_=rows).with_("__groups", as_=groups).with_("__bounded", as_=bounded)
+    running = exp.Window(
+        this=exp.Sum(this=exp.column("__n")),
         partition_by=[unit.copy()],
         order=exp.Order(expressions=[exp.Ordered(this=exp.column("__h"))]),
+        spec=exp.WindowSpec(kind="ROWS", start="UNBOUNDED", start_side="PRECEDING", end="CURRENT ROW"),
     )
-    bounded = exp.select(exp.Star(), exp.alias_(number, "__rn")).from_("__groups")
+    counted = exp.select(exp.Star(), exp.alias_(exp.cast(running, "bigint"), "__upto")).from_("__groups")
     if filter_rows_ is not None:
-        bounded = bounded.where(filter_rows_)
-    outer = outer.from_("__bounded").where(
-        exp.LTE(this=exp.column("__rn"), expression=exp.Literal.number(plan.max_rows))
+        counted = counted.where(filter_rows_)
+    k = exp.Literal.number(plan.max_rows)
+    before = exp.paren(exp.Sub(this=exp.column("__upto"), expression=exp.column("__n")), copy=False)
+    keep = (
+        exp.Case()
+        .when(exp.LTE(this=exp.column("__upto"), expression=k), exp.column("__n"))
+        .else_(exp.Sub(this=k.copy(), expression=before))
     )
-    return outer.with_("__rows", as_=rows).with_("__groups", as_=groups).with_("__bounded", as_=bounded)
+    kept = (
+        exp.select(exp.Star(), exp.alias_(keep, "__keep"))
+        .from_("__counted")
+        .where(exp.LT(this=before.copy(), expression=k.copy()))
+    )
+    for projection in outer.expressions:
+        projection.set("this", projection.this.transform(_weigh_by_kept_copies, copy=False))
+    outer = outer.from_("__kept")
+    return (
+        outer.with_("__rows", as_=rows)
+        .with_("__groups", as_=groups)
+        .with_("__counted", as_=counted)
+        .with_("__kept", as_=kept)
+    )
+
+
+def _weigh_by_kept_copies(node: exp.Expression) -> exp.Expression:
+    """An aggregate over distinct rows that counts each row ``__keep`` times."""
+    keep = exp.column("__keep", quoted=True)
+    if isinstance(node, exp.Count) and not isinstance(node.this, exp.Distinct):  # DISTINCT: rows kept at all
+        if isinstance(node.this, exp.Star):
+            return exp.Sum(this=keep)
+        present = exp.Case().when(exp.Not(this=exp.Is(this=node.this.copy(), expression=exp.Null())), keep)
+        return exp.Sum(this=present.else_(exp.Literal.number(0)))
+    if isinstance(node, exp.Sum) and not (isinstance(node.this, exp.Column) and node.this.name == "__keep"):
+        return exp.Sum(this=exp.Mul(this=exp.paren(node.this.copy(), copy=False), expression=keep))
+    return node
 
 
 def _bound_per_unit(select: exp.Select, plan: Plan) -> exp.Select:

@@ -61,6 +61,9 @@ QUERIES = [
     "SELECT v.department, COUNT(*), SUM(v.cost) FROM patients p JOIN visits v ON v.patient_id = p.id "
     "LEFT JOIN departments d ON d.name = v.department WHERE p.age > 20 GROUP BY v.department",
     "SELECT COUNT(DISTINCT id), SUM(age) FROM patients",
+    # counts by key only: identical rows are collapsed with their multiplicity before bounding
+    "SELECT department, COUNT(*) FROM visits GROUP BY department",
+    "SELECT d.building, COUNT(*) FROM visits v JOIN departments d ON v.department = d.name GROUP BY d.building",
 ]
 
 
@@ -89,7 +92,10 @@ def test_neighbours_differ_by_at_most_the_sensitivity(
         l1, _ = plan.sensitivities(measure)
         moved = sum(abs(full.get(k, zeros)[i] - neighbour.get(k, zeros)[i]) for k in set(full) | set(neighbour))
         assert moved <= l1 + 1e-6, (measure, moved, l1)
-    changed_groups = sum(full.get(k) != neighbour.get(k) for k in set(full) | set(neighbour))
+    # float sums may differ in the last bit where nothing changed (summation order): compare approximately
+    changed_groups = sum(
+        full.get(k, zeros) != pytest.approx(neighbour.get(k, zeros), rel=1e-12) for k in set(full) | set(neighbour)
+    )
     assert changed_groups <= plan.max_groups
 
 
