@@ -494,7 +494,9 @@ class Engine:
         plan, budgeting = prepared.plan, prepared.budgeting
         nkeys = len(plan.keys)
         rows = centre_rows(plan, rows)
-        rows = _public_key_rows(plan, rows) if plan.keys and plan.public_keys else rows
+        measured: list[list[Any]] | None = None
+        if plan.keys and plan.public_keys:
+            rows, measured = _public_key_rows(plan, rows)
         if not rows and not plan.keys:
             rows = [tuple([0] * len(plan.measures))]
         noisy: list[Any] = []
@@ -503,7 +505,10 @@ class Engine:
                 select = _select_modes if plan.measures[i].kind == "mode" else _select_quantiles
                 noisy.append(select(plan, i, rows, (histograms or {}).get(i, []), budgeting.shares[i]))
                 continue
-            values = [0 if r[nkeys + i] is None else r[nkeys + i] for r in rows]
+            if measured is not None:
+                values = measured[i]
+            else:
+                values = [0 if r[nkeys + i] is None else r[nkeys + i] for r in rows]
             noisy.append(release(values, spec) if values else np.zeros(0))
         widths = [None if spec is None else half_width(spec, confidence) for spec in budgeting.specs]
         columns = [values.tolist() if isinstance(values, np.ndarray) else values for values in noisy]
@@ -522,7 +527,7 @@ class Engine:
     ) -> Result:
         """Outputs, HAVING, DISTINCT, ORDER BY and LIMIT over released values (row j: keys, measures, widths)."""
         direct = _direct_columns(plan)
-        if direct is not None and len({id(w) for w in widths}) <= 1:
+        if direct is not None and (not widths or all(w is widths[0] for w in widths)):
             return _postprocess_direct(plan, rows, columns, widths[0] if widths else [], direct)
         nkeys = len(plan.keys)
         released: list[tuple[tuple[Any, ...], tuple[Any, ...], tuple[float | None, ...]]] = []
@@ -896,23 +901,36 @@ def _variance_accuracy(out: Any, env: dict[str, Any], widths: list[float | None]
     return width / (2 * math.sqrt(variance)) if variance > 0 else math.sqrt(width)
 
 
-def _public_key_rows(plan: Plan, rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-    """Every combination of the public domains, in domain order; absent ones get zeros.
+def _public_key_rows(plan: Plan, rows: list[tuple[Any, ...]]) -> tuple[list[tuple[Any, ...]], list[list[Any]]]:
+    """Every combination of the public domains, in domain order (key tuples), and each measure's
+    column over them: absent combinations get zeros.
 
     Keys outside the declared domain are dropped: releasing them would reveal that
-    someone holds an undeclared value.
+    someone holds an undeclared value. The combinations and their positions are built once per plan.
     """
-    domains = [k.domain or () for k in plan.keys]
-    size = math.prod(len(d) for d in domains)
-    if size > MAX_PUBLIC_GROUPS:
-        raise FeatureNotSupported(
-            f"GROUP BY would release {size} groups (more than {MAX_PUBLIC_GROUPS})",
-            hint="Group by fewer columns.",
-        )
+    if plan.key_grid is None:
+        domains = [k.domain or () for k in plan.keys]
+        size = math.prod(len(d) for d in domains)
+        if size > MAX_PUBLIC_GROUPS:
+            raise FeatureNotSupported(
+                f"GROUP BY would release {size} groups (more than {MAX_PUBLIC_GROUPS})",
+                hint="Group by fewer columns.",
+            )
+        combos = list(itertools.product(*domains))
+        keys = [c[0] for c in combos] if len(domains) == 1 else combos  # one key: look up bare values
+        plan.key_grid = (combos, {key: j for j, key in enumerate(keys)})
+    combos, position = plan.key_grid
     nkeys = len(plan.keys)
-    found = {tuple(r[:nkeys]): r for r in rows}
-    zeros = tuple([0] * len(plan.measures))
-    return [found.get(combo, (*combo, *zeros)) for combo in itertools.product(*domains)]
+    found = map(position.get, (r[0] for r in rows) if nkeys == 1 else (r[:nkeys] for r in rows))
+    hits = [(j, row) for j, row in zip(found, rows, strict=True) if j is not None]
+    measured: list[list[Any]] = []
+    for i in range(nkeys, nkeys + len(plan.measures)):
+        column: list[Any] = [0] * len(combos)
+        for j, row in hits:
+            if row[i] is not None:
+                column[j] = row[i]
+        measured.append(column)
+    return combos, measured
 
 
 def _hashable(params: Params) -> Any:

@@ -118,6 +118,8 @@ class Plan:
     proven: frozenset[int] = frozenset()
     #: Output, HAVING and ORDER BY expressions compiled to closures (by the engine, on first release).
     compiled: Any = field(default=None, repr=False, compare=False)
+    #: Public-domain key combinations and their positions (by the engine, on first release).
+    key_grid: Any = field(default=None, repr=False, compare=False)
 
     def post_centred(self) -> list[int]:
         """Centred sums computed as Σx − centre·COUNT(x) after the query (cheaper in SQL than Σ(x − centre))."""
