@@ -16,6 +16,7 @@ from sqlglot import exp
 
 from dpsql.analyze.sources import from_node
 from dpsql.plan import Measure, Plan
+from dpsql.policy import ColumnPolicy
 from dpsql.release.selection import QUANTILE_BINS
 
 RewritePass = Callable[[exp.Select, Plan], exp.Select]
@@ -158,6 +159,37 @@ def _as_text(value: exp.Expression) -> exp.Expression:
     return exp.Coalesce(this=exp.cast(value, "text"), expressions=[exp.Literal.string("~")])
 
 
+def _float_policy(plan: Plan, column: exp.Column) -> ColumnPolicy | None:
+    """The policy of a float column of a source (None otherwise, e.g. a hidden unit-join column)."""
+    source = next((s for s in plan.sources.sources if s.alias == column.table), None)
+    policy = source.table.columns.get(column.name) if source is not None else None
+    return policy if policy is not None and policy.type == "float" else None
+
+
+def _is_float(plan: Plan, column: exp.Column) -> bool:
+    return _float_policy(plan, column) is not None
+
+
+def _hash_input(plan: Plan, column: exp.Column) -> exp.Expression:
+    """What a column contributes to the row hash, as text every backend renders alike.
+
+    Doubles print differently (DuckDB ``4999.0``, PostgreSQL ``4999``, Spark ``1.0E15``), so a
+    bounded float column is hashed as the BIGINT ``floor((clamp(x) − lower)·2^40 / (upper − lower))``:
+    IEEE arithmetic gives the same integer everywhere, and it cannot overflow.
+    """
+    policy = _float_policy(plan, column)
+    if policy is None or policy.lower is None or policy.upper is None or float(policy.upper) <= float(policy.lower):
+        return column.copy()
+    lower, upper = float(policy.lower), float(policy.upper)
+    clamped = _clamp(exp.cast(column.copy(), "double precision"), _number(lower), _number(upper))
+    offset = exp.paren(exp.Sub(this=clamped, expression=_number(lower)), copy=False)
+    scaled = exp.Div(
+        this=exp.paren(exp.Mul(this=offset, expression=exp.Literal.number(2**40)), copy=False),
+        expression=_number(upper - lower),
+    )
+    return exp.cast(exp.Floor(this=scaled), "bigint")
+
+
 def _hash(values: list[exp.Expression], salt: str) -> exp.Expression:
     """md5 of the salt and the values as text: a per-row order that is the same on every backend
     and not the database's RANDOM() (whose seed an analyst could set)."""
@@ -197,7 +229,7 @@ def bound_contributions(select: exp.Select, plan: Plan) -> exp.Select:
         exp.alias_(plan.unit.copy(), "__unit"),
         *used,
         *multiplicity,
-        exp.alias_(_hash([plan.unit.copy(), *(c.copy() for c in columns.values())], plan.salt), "__h"),
+        exp.alias_(_hash([plan.unit.copy(), *(_hash_input(plan, c) for c in columns.values())], plan.salt), "__h"),
     )
     rows.set("from_", select.args["from_"].copy())
     for join in select.args.get("joins") or []:
@@ -212,6 +244,11 @@ def bound_contributions(select: exp.Select, plan: Plan) -> exp.Select:
     for column in list(outer.find_all(exp.Column)):
         column.replace(exp.column(names[column.sql()], quoted=True))
     unit = exp.column("__unit", quoted=True)
+    # The hash orders rows; exact float values break its (rare) ties the same way on every backend.
+    floats = [exp.column(names[sql], quoted=True) for sql, c in columns.items() if _is_float(plan, c)]
+    row_order = exp.Order(
+        expressions=[exp.Ordered(this=exp.column("__h")), *(exp.Ordered(this=f, nulls_first=False) for f in floats)]
+    )
     groups = exp.select(exp.Star()).from_("__rows")
     filter_rows_ = None
     if plan.keys and plan.max_groups < plan.max_rows:
@@ -219,16 +256,12 @@ def bound_contributions(select: exp.Select, plan: Plan) -> exp.Select:
         rank = exp.Window(
             this=exp.Anonymous(this="DENSE_RANK"),
             partition_by=[unit.copy()],
-            order=exp.Order(expressions=[exp.Ordered(this=_hash(keys, plan.salt))]),
+            order=exp.Order(expressions=[exp.Ordered(this=_hash([_hash_input(plan, k) for k in keys], plan.salt))]),
         )
         groups = groups.select(exp.alias_(rank, "__g"))
         filter_rows_ = exp.LTE(this=exp.column("__g"), expression=exp.Literal.number(plan.max_groups))
     if not collapse:
-        number = exp.Window(
-            this=exp.RowNumber(),
-            partition_by=[unit.copy()],
-            order=exp.Order(expressions=[exp.Ordered(this=exp.column("__h"))]),
-        )
+        number = exp.Window(this=exp.RowNumber(), partition_by=[unit.copy()], order=row_order.copy())
         bounded = exp.select(exp.Star(), exp.alias_(number, "__rn")).from_("__groups")
         if filter_rows_ is not None:
             bounded = bounded.where(filter_rows_)
@@ -239,7 +272,7 @@ def bound_contributions(select: exp.Select, plan: Plan) -> exp.Select:
     running = exp.Window(
         this=exp.Sum(this=exp.column("__n")),
         partition_by=[unit.copy()],
-        order=exp.Order(expressions=[exp.Ordered(this=exp.column("__h"))]),
+        order=row_order,
         spec=exp.WindowSpec(kind="ROWS", start="UNBOUNDED", start_side="PRECEDING", end="CURRENT ROW"),
     )
     counted = exp.select(exp.Star(), exp.alias_(exp.cast(running, "bigint"), "__upto")).from_("__groups")
