@@ -249,7 +249,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _common(parser: argparse.ArgumentParser, *, analyst: bool = True) -> None:
     parser.add_argument("--policy", help="policy YAML (default: schemas/health.yaml)")
-    parser.add_argument("--database", help="duckdb:///path, duckdb:// or postgresql://… (default: demo)")
+    parser.add_argument(
+        "--database",
+        help="duckdb:///path, duckdb://, postgresql://…, spark://local[N] or sc://host:15002 (default: demo)",
+    )
     parser.add_argument("--ledger", help="sqlite:///abs/path or postgresql://… (default: under $DPSQL_HOME)")
     if analyst:
         parser.add_argument("--analyst", "-U", default=os.environ.get("DPSQL_ANALYST", "analyst"))

@@ -2,8 +2,9 @@
 # Idempotent bootstrap for a fresh Debian/Ubuntu machine (root, or a user with sudo).
 #
 #   scripts/setup.sh        runtime: psql, .venv + `pip install -e '.[serve]'`
-#   scripts/setup.sh test   also test extras and the Debian packages the tests use
-#                           (PostgreSQL server + psql, a JDK and the PostgreSQL JDBC driver)
+#   scripts/setup.sh test   also test extras (and the spark extra) and the Debian packages the tests
+#                           use (PostgreSQL server + psql, a JDK, Java 17+ for Spark, the PostgreSQL
+#                           JDBC driver)
 #
 # Re-running is cheap: pip is skipped while pyproject.toml is unchanged, apt while everything is present.
 set -euo pipefail
@@ -68,6 +69,11 @@ if [ "$mode" = test ]; then
   }
   installed postgresql || has_pg_server || need_pkg postgresql
   command -v javac > /dev/null || need_pkg default-jdk-headless
+  # Spark 4 (the spark extra; tests/test_spark.py runs a local Spark) needs Java 17+.
+  java_major() { java -version 2>&1 | sed -n 's/.* version "\(1\.\)\{0,1\}\([0-9]*\).*/\2/p' | head -n 1; }
+  if ! command -v java > /dev/null || [ "$(java_major)" -lt 17 ] 2> /dev/null; then
+    need_pkg openjdk-17-jre-headless
+  fi
   installed libpostgresql-jdbc-java || need_pkg libpostgresql-jdbc-java
 fi
 apt_install
@@ -79,7 +85,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 
 extras=".[serve]"  # serve: PostgreSQL binaries for the schema-only catalog psql's \d reads
-[ "$mode" = test ] && extras=".[test,serve]"
+[ "$mode" = test ] && extras=".[test,serve,spark]"  # spark: pyspark for tests/test_spark.py
 stamp=".venv/.dpsql-setup-$mode"
 want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
 up_to_date() {  # the test extras include the runtime ones

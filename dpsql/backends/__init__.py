@@ -1,8 +1,9 @@
 """The narrow interface dpsql uses to run (already rewritten) SQL on a real database.
 
-Two implementations: DuckDB (embedded default) and PostgreSQL. Both are safe to call from
-many threads at once, run ``execute`` in a read-only transaction with a single statement,
-and turn every database error into a generic :class:`dpsql.errors.BackendError` (the
+Three implementations: DuckDB (embedded default), PostgreSQL and Apache Spark SQL (optional
+``spark`` extra). All are safe to call from many threads at once, run ``execute`` read-only
+with a single statement (a read-only transaction; Spark, which has none, accepts only a parsed
+SELECT), and turn every database error into a generic :class:`dpsql.errors.BackendError` (the
 database's own message may depend on private data, so it only goes to the log).
 
 Result values are plain Python: ``Decimal`` is normalised to ``int`` (integral values) or
@@ -27,7 +28,7 @@ _SQL_TYPE = re.compile(r"^[A-Za-z][A-Za-z0-9_ ]*(\(\s*\d+\s*(,\s*\d+\s*)?\))?(\[
 @runtime_checkable
 class Backend(Protocol):
     url: str
-    dialect: str  # sqlglot dialect name: "duckdb" or "postgres"
+    dialect: str  # sqlglot dialect name: "duckdb", "postgres" or "spark"
 
     def execute(self, sql: str) -> tuple[list[str], list[tuple[Any, ...]]]:
         """Run one read-only statement; return (column names, rows)."""
@@ -55,7 +56,8 @@ def open_backend(url: str, *, statement_timeout_ms: int | None = None, pool_size
     """Open a backend from a URL.
 
     ``duckdb://`` or ``duckdb:///:memory:`` (in-memory), ``duckdb:///abs/path.duckdb``,
-    ``postgresql://user:pw@host:port/db`` (or ``postgres://``).
+    ``postgresql://user:pw@host:port/db`` (or ``postgres://``), ``spark://local[N][/database]``
+    (in-process Spark) and ``sc://host:port`` (Spark Connect); see :mod:`dpsql.backends.spark`.
     """
     scheme = url.split(":", 1)[0].lower()
     if scheme == "duckdb":
@@ -66,9 +68,14 @@ def open_backend(url: str, *, statement_timeout_ms: int | None = None, pool_size
         from dpsql.backends.postgres import PostgresBackend
 
         return PostgresBackend(url, statement_timeout_ms=statement_timeout_ms, pool_size=pool_size)
+    if scheme in ("spark", "sc"):
+        from dpsql.backends.spark import SparkBackend  # imports pyspark only when Spark is asked for
+
+        return SparkBackend(url, statement_timeout_ms=statement_timeout_ms)
     raise BackendError(
         f"unsupported database URL scheme {scheme!r}",
-        hint="use duckdb:///path.duckdb, duckdb:// (in memory) or postgresql://user@host:port/db",
+        hint="use duckdb:///path.duckdb, duckdb:// (in memory), postgresql://user@host:port/db, "
+        "spark://local[N] or sc://host:15002",
     )
 
 
