@@ -225,11 +225,15 @@ def bound_contributions(select: exp.Select, plan: Plan) -> exp.Select:
     used = [exp.alias_(column.copy(), names[sql]) for sql, column in columns.items()]
     collapse = set(columns) <= {_key(plan, i).sql() for i in range(len(plan.keys))}
     multiplicity = [exp.alias_(exp.Count(this=exp.Star(), big_int=True), "__n")] if collapse else []
+    rank_groups = bool(plan.keys) and plan.max_groups < plan.max_rows
+    keys = [_hash_input(plan, _key(plan, i)) for i in range(len(plan.keys))]
+    key_hash = [exp.alias_(_hash(keys, plan.salt), "__kh")] if rank_groups else []
     rows = exp.select(
         exp.alias_(plan.unit.copy(), "__unit"),
         *used,
         *multiplicity,
         exp.alias_(_hash([plan.unit.copy(), *(_hash_input(plan, c) for c in columns.values())], plan.salt), "__h"),
+        *key_hash,
     )
     rows.set("from_", select.args["from_"].copy())
     for join in select.args.get("joins") or []:
@@ -251,12 +255,11 @@ def bound_contributions(select: exp.Select, plan: Plan) -> exp.Select:
     )
     groups = exp.select(exp.Star()).from_("__rows")
     filter_rows_ = None
-    if plan.keys and plan.max_groups < plan.max_rows:
-        keys = [exp.column(names[_key(plan, i).sql()], quoted=True) for i in range(len(plan.keys))]
+    if rank_groups:
         rank = exp.Window(
             this=exp.Anonymous(this="DENSE_RANK"),
             partition_by=[unit.copy()],
-            order=exp.Order(expressions=[exp.Ordered(this=_hash([_hash_input(plan, k) for k in keys], plan.salt))]),
+            order=exp.Order(expressions=[exp.Ordered(this=exp.column("__kh"))]),
         )
         groups = groups.select(exp.alias_(rank, "__g"))
         filter_rows_ = exp.LTE(this=exp.column("__g"), expression=exp.Literal.number(plan.max_groups))

@@ -263,6 +263,7 @@ tables:
   spend:
     privacy_unit: person
     max_rows_per_unit: 5
+    max_groups_per_unit: 3
     columns:
       person: {type: int, identifier: true}
       shop: {type: text, domain: [a, b]}
@@ -276,14 +277,18 @@ def test_float_values_pick_the_same_rows_on_every_backend(pg_new_database: Calla
     policy = parse_policy(FLOAT_POLICY)
     amounts = [4999.0, 1e15, 0.1, 2.5e-7, 123456789.0, 1e16, -0.0, 7.0, 3.0e9, 42.0, 0.30000000000000004, 1e-5]
     rows = [(1, "a" if i % 3 else "b", v) for i, v in enumerate(amounts)] + [(2, "a", 10.0), (3, "b", None)]
-    cells = []
+    queries = [
+        "SELECT shop, COUNT(*), SUM(amount) FROM spend GROUP BY shop",
+        "SELECT amount, COUNT(*) FROM spend GROUP BY amount",  # a float key ranks the groups a person keeps
+    ]
+    cells: dict[str, list[dict[tuple, tuple]]] = {sql: [] for sql in queries}
     for url in ("duckdb://", pg_new_database()):
         backend = open_backend(url)
         backend.load_rows("spend", [("person", "bigint"), ("shop", "text"), ("amount", "double precision")], rows)
-        plan = _plan("SELECT shop, COUNT(*), SUM(amount) FROM spend GROUP BY shop", policy)
-        cells.append(_cells(backend, plan, backend.dialect))
+        for sql in queries:
+            cells[sql].append(_cells(backend, _plan(sql, policy), backend.dialect))
         backend.close()
-    duck, pg = cells
-    assert duck.keys() == pg.keys()
-    for key in duck:
-        assert duck[key] == pytest.approx(pg[key], rel=1e-12), key
+    for sql, (duck, pg) in cells.items():
+        assert duck.keys() == pg.keys(), sql
+        for key in duck:
+            assert duck[key] == pytest.approx(pg[key], rel=1e-12), (sql, key)
