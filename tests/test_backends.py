@@ -234,3 +234,23 @@ def test_concurrent_execute(loaded: Backend) -> None:
         results = list(pool.map(backend.execute, queries))
     for sql, result in zip(queries, results, strict=True):
         assert result == expected[sql]
+
+
+@EMPTY
+def test_load_rows_keeps_nan_apart_from_null(empty: Backend) -> None:
+    rows = [(1.0, 1), (float("nan"), 2), (None, 3), (float("inf"), 4)]
+    empty.load_rows("nan", [("x", "DOUBLE PRECISION"), ("i", "INTEGER")], rows, replace=True)
+    got = empty.execute("SELECT i, x IS NULL, CAST(x AS TEXT) FROM nan ORDER BY i")[1]
+    assert [(i, isnull) for i, isnull, _ in got] == [(1, False), (2, False), (3, True), (4, False)]
+    assert got[1][2].lower() == "nan" and got[3][2].lower() in ("inf", "infinity")
+
+
+def test_duckdb_groups_dense_units_in_a_perfect_hash_table() -> None:
+    """Person-level queries group by the privacy unit; ids spanning 2^17 values must not fall back to hashing."""
+    backend = open_backend("duckdb://")
+    try:
+        backend.execute_script("CREATE TABLE ev AS SELECT i % 100000 AS user_id FROM range(300000) r(i)")
+        plan = "".join(str(r) for r in backend.execute("EXPLAIN SELECT user_id, COUNT(*) FROM ev GROUP BY user_id")[1])
+        assert "PERFECT_HASH_GROUP_BY" in plan.upper().replace(" ", "_")
+    finally:
+        backend.close()

