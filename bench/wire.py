@@ -392,7 +392,7 @@ def _run(quick: bool, log: Any) -> Section:
             " p50/p99 per query, over all clients.",
             f"dpsql: `{QUERY.format(v='v')}` with a new v per request (result-cache hits seen: {hits});"
             " direct: dpsql's rewritten SQL for the same v, same psycopg clients, autocommit.",
-            "dpsql's backend also wraps each query in BEGIN READ ONLY / ROLLBACK (3 round trips to PostgreSQL);"
+            "dpsql's backend sends each query in one round trip on a read-only session;"
             " server defaults: 8 query threads, 8 PostgreSQL connections; in-memory ledger and result cache.",
             "cached repeat: one fixed query sent over and over, answered from dpsql's result cache at no"
             " privacy cost; direct still executes it"
