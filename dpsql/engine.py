@@ -229,6 +229,7 @@ class Engine:
         local = _local_query(plan, self.backend.dialect)
         version = _data_version(self.backend)
         plan.proven = _proven_in_bounds(plan, self.backend)
+        plan.bound_cells = getattr(self.backend, "bounds_cells", False)
         select = rewrite(plan)
         budgeting = self._budget(plan, session)
         normalised = tree.sql(dialect="postgres", normalize=True, copy=False)  # tree is not used afterwards

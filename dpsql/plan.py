@@ -116,6 +116,10 @@ class Plan:
     #: Sum measures whose inputs the database's own statistics prove inside the bounds (set by the
     #: engine): clamping them is the identity, so the rewrite leaves the CASE out.
     proven: frozenset[int] = frozenset()
+    #: Grouped sums bound whole (unit, group) cells, then rows of the one cell per unit crossing the
+    #: bound (set by the engine for backends whose hash joins make that the faster plan: DuckDB).
+    #: Either way a unit keeps at most ``max_rows`` rows; the two keep different ones.
+    bound_cells: bool = False
     #: Output, HAVING and ORDER BY expressions compiled to closures (by the engine, on first release).
     compiled: Any = field(default=None, repr=False, compare=False)
     #: Public-domain key combinations and their positions (by the engine, on first release).

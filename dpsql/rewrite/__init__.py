@@ -199,16 +199,27 @@ def _hash(values: list[exp.Expression], salt: str) -> exp.Expression:
     return exp.MD5(this=text)
 
 
+def _over_sources(select: exp.Select, *projections: exp.Expression) -> exp.Select:
+    """``projections`` over ``select``'s FROM, joins and WHERE: the rows a bounding step reads."""
+    query = exp.select(*projections).from_(select.args["from_"].copy(), copy=False)
+    for join in select.args.get("joins") or []:
+        query.append("joins", join.copy())
+    if select.args.get("where"):
+        query.set("where", select.args["where"].copy())
+    return query
+
+
 def bound_contributions(select: exp.Select, plan: Plan) -> exp.Select:
     """Keep at most ``max_groups`` groups and ``max_rows`` rows of each privacy unit.
 
-    Ungrouped queries cap per-unit partial aggregates (:func:`_bound_per_unit`). Grouped ones
-    become: rows (unit, used columns, row hash) → rank groups per unit → number rows per unit in
-    hash order → aggregate the rows within both bounds. When the query reads nothing but its keys
-    (counts), identical rows are first collapsed with their multiplicity and each distinct row is
-    weighted by how many of its copies fit: the same rows are kept, but each distinct row is
-    hashed and ranked once. Bounding happens after the joins, so no join can multiply a unit's
-    rows past the bound the noise assumes.
+    Ungrouped queries cap per-unit partial aggregates (:func:`_bound_per_unit`). Grouped ones that
+    read nothing but their keys (counts) collapse identical rows with their multiplicity and weigh
+    each distinct row by how many of its copies fit; grouped ones that read other columns (sums)
+    either keep whole (unit, group) cells and number rows only in the cell crossing the bound
+    (:func:`_bound_by_cells`, when ``plan.bound_cells``) or go rows (unit, used columns, row hash)
+    → rank groups per unit → number rows per unit in hash order → aggregate the rows within both
+    bounds. Bounding happens after the joins, so no join can multiply a unit's rows past the bound
+    the noise assumes.
     """
     if plan.unit is None:
         return select
@@ -222,47 +233,33 @@ def bound_contributions(select: exp.Select, plan: Plan) -> exp.Select:
         for column in node.find_all(exp.Column):
             columns.setdefault(column.sql(), column)
     names = {sql: f"c{i}" for i, sql in enumerate(columns)}
-    used = [exp.alias_(column.copy(), names[sql]) for sql, column in columns.items()]
+    outer = select.copy()
+    for key in ("joins", "where"):
+        outer.set(key, None)
+    for column in list(outer.find_all(exp.Column)):
+        column.replace(exp.column(names[column.sql()], quoted=True))
     collapse = set(columns) <= {_key(plan, i).sql() for i in range(len(plan.keys))}
+    if not collapse and plan.bound_cells and _cells_matchable(plan):
+        return _bound_by_cells(select, plan, outer, columns, names)
+    used = [exp.alias_(column.copy(), names[sql]) for sql, column in columns.items()]
     multiplicity = [exp.alias_(exp.Count(this=exp.Star(), big_int=True), "__n")] if collapse else []
     rank_groups = bool(plan.keys) and plan.max_groups < plan.max_rows
     keys = [_hash_input(plan, _key(plan, i)) for i in range(len(plan.keys))]
     key_hash = [exp.alias_(_hash(keys, plan.salt), "__kh")] if rank_groups else []
-    rows = exp.select(
+    rows = _over_sources(
+        select,
         exp.alias_(plan.unit.copy(), "__unit"),
         *used,
         *multiplicity,
         exp.alias_(_hash([plan.unit.copy(), *(_hash_input(plan, c) for c in columns.values())], plan.salt), "__h"),
         *key_hash,
     )
-    rows.set("from_", select.args["from_"].copy())
-    for join in select.args.get("joins") or []:
-        rows.append("joins", join.copy())
-    if select.args.get("where"):
-        rows.set("where", select.args["where"].copy())
     if collapse:
         rows = rows.group_by(plan.unit.copy(), *(c.copy() for c in columns.values()), copy=False)
-    outer = select.copy()
-    for key in ("joins", "where"):
-        outer.set(key, None)
-    for column in list(outer.find_all(exp.Column)):
-        column.replace(exp.column(names[column.sql()], quoted=True))
     unit = exp.column("__unit", quoted=True)
-    # The hash orders rows; exact float values break its (rare) ties the same way on every backend.
     floats = [exp.column(names[sql], quoted=True) for sql, c in columns.items() if _is_float(plan, c)]
-    row_order = exp.Order(
-        expressions=[exp.Ordered(this=exp.column("__h")), *(exp.Ordered(this=f, nulls_first=False) for f in floats)]
-    )
-    groups = exp.select(exp.Star()).from_("__rows")
-    filter_rows_ = None
-    if rank_groups:
-        rank = exp.Window(
-            this=exp.Anonymous(this="DENSE_RANK"),
-            partition_by=[unit.copy()],
-            order=exp.Order(expressions=[exp.Ordered(this=exp.column("__kh"))]),
-        )
-        groups = groups.select(exp.alias_(rank, "__g"))
-        filter_rows_ = exp.LTE(this=exp.column("__g"), expression=exp.Literal.number(plan.max_groups))
+    row_order = _hash_order("__h", floats)
+    groups, filter_rows_ = _rank_groups(plan, "__rows", rank_groups)
     if not collapse:
         number = exp.Window(this=exp.RowNumber(), partition_by=[unit.copy()], order=row_order.copy())
         bounded = exp.select(exp.Star(), exp.alias_(number, "__rn")).from_("__groups")
@@ -304,6 +301,188 @@ def bound_contributions(select: exp.Select, plan: Plan) -> exp.Select:
     )
 
 
+def _hash_order(hash_column: str, floats: list[exp.Column]) -> exp.Order:
+    """Order by a salted hash; exact float values break its (rare) ties the same way on every backend."""
+    ties = [exp.Ordered(this=f, nulls_first=False) for f in floats]
+    return exp.Order(expressions=[exp.Ordered(this=exp.column(hash_column)), *ties])
+
+
+def _rank_groups(plan: Plan, source: str, rank_groups: bool) -> tuple[exp.Select, exp.Expression | None]:
+    """``source`` with each row's group ranked per unit by the salted key hash ``__kh``, and the
+    condition keeping a unit's first ``max_groups`` groups (``source`` as is when not ranking)."""
+    if not rank_groups:
+        return exp.select(exp.Star()).from_(source), None
+    rank = exp.Window(
+        this=exp.Anonymous(this="DENSE_RANK"),
+        partition_by=[exp.column("__unit", quoted=True)],
+        order=exp.Order(expressions=[exp.Ordered(this=exp.column("__kh"))]),
+    )
+    groups = exp.select(exp.Star(), exp.alias_(rank, "__g")).from_(source)
+    return groups, exp.LTE(this=exp.column("__g"), expression=exp.Literal.number(plan.max_groups))
+
+
+#: A value of each policy type standing in for NULL when cells are matched by equality (a NULL flag
+#: is compared alongside, so a real value equal to it is never confused with NULL).
+_NULL_STAND_INS: dict[str, exp.Expression] = {
+    "int": exp.Literal.number(0),
+    "float": exp.Literal.number(0),
+    "text": exp.Literal.string(""),
+    "boolean": exp.false(),
+    "date": exp.cast(exp.Literal.string("1970-01-01"), "date"),
+    "timestamp": exp.cast(exp.Literal.string("1970-01-01 00:00:00"), "timestamp"),
+}
+
+
+def _unit_policy(plan: Plan) -> ColumnPolicy | None:
+    unit = plan.unit
+    assert unit is not None
+    try:
+        return plan.sources.column_policy(unit.table, unit.name)
+    except (KeyError, StopIteration):
+        return None
+
+
+def _cells_matchable(plan: Plan) -> bool:
+    """Whether rows can be joined back to their (unit, keys) cell by plain, hashable equality."""
+    policies = [_unit_policy(plan), *(k.policy for k in plan.keys)]
+    return bool(plan.keys) and all(p is not None and (not p.nullable or p.type in _NULL_STAND_INS) for p in policies)
+
+
+def _same_cell(row: exp.Column, cell: exp.Column, policy: ColumnPolicy) -> exp.Expression:
+    """``row`` and ``cell`` hold the same value, NULL included, as an equality a hash join can use
+    (PostgreSQL cannot hash ``IS NOT DISTINCT FROM``)."""
+    if not policy.nullable:
+        return exp.EQ(this=row, expression=cell)
+    stand_in = _NULL_STAND_INS[policy.type]
+    same_value = exp.EQ(
+        this=exp.Coalesce(this=row.copy(), expressions=[stand_in.copy()]),
+        expression=exp.Coalesce(this=cell.copy(), expressions=[stand_in.copy()]),
+    )
+    null = exp.Null()
+    same_nullness = exp.EQ(
+        this=exp.paren(exp.Is(this=row, expression=null), copy=False),
+        expression=exp.paren(exp.Is(this=cell, expression=null.copy()), copy=False),
+    )
+    return exp.and_(same_value, same_nullness, copy=False)
+
+
+def _bound_by_cells(
+    select: exp.Select, plan: Plan, outer: exp.Select, columns: dict[str, exp.Column], names: dict[str, str]
+) -> exp.Select:
+    """Grouped queries that read more than their keys (sums): bound whole cells, rows only where needed.
+
+    A cell is one unit's rows in one group. A unit's cells are ordered by a salted hash and kept
+    whole while its running row count stays within ``max_rows``; the one cell that crosses the bound
+    (at most one per unit) keeps ``room`` of its rows, the first in row-hash order. So a unit keeps at
+    most ``max_rows`` rows, chosen from its own rows alone, but only the rows of crossing cells are
+    hashed and sorted: one aggregation over (unit, keys) and two hash joins instead of an md5 and a
+    sort of every row. Counting cells this way is exactly what the collapsed path for counts does.
+    """
+    assert plan.unit is not None
+    k = exp.Literal.number(plan.max_rows)
+    key_columns = [_key(plan, i) for i in range(len(plan.keys))]
+    key_names = [names[c.sql()] for c in key_columns]
+
+    rank_groups = plan.max_groups < plan.max_rows
+    key_hash = [_hash([_hash_input(plan, c) for c in key_columns], plan.salt)] if rank_groups else []
+    cells = _over_sources(
+        select,
+        exp.alias_(plan.unit.copy(), "__unit"),
+        *(exp.alias_(c.copy(), n) for c, n in zip(key_columns, key_names, strict=True)),
+        exp.alias_(exp.Count(this=exp.Star(), big_int=True), "__n"),
+        exp.alias_(_hash([plan.unit.copy(), *(_hash_input(plan, c) for c in key_columns)], plan.salt), "__ch"),
+        *(exp.alias_(h, "__kh") for h in key_hash),
+    ).group_by(plan.unit.copy(), *(c.copy() for c in key_columns), copy=False)
+    groups, within_groups = _rank_groups(plan, "__cells", rank_groups)
+    unit = exp.column("__unit", quoted=True)
+    float_keys = [exp.column(n, quoted=True) for c, n in zip(key_columns, key_names, strict=True) if _is_float(plan, c)]
+    running = exp.Window(
+        this=exp.Sum(this=exp.column("__n")),
+        partition_by=[unit.copy()],
+        order=_hash_order("__ch", float_keys),
+        spec=exp.WindowSpec(kind="ROWS", start="UNBOUNDED", start_side="PRECEDING", end="CURRENT ROW"),
+    )
+    counted = exp.select(exp.Star(), exp.alias_(exp.cast(running, "bigint"), "__upto")).from_("__groups")
+    if within_groups is not None:
+        counted = counted.where(within_groups)
+    before = exp.paren(exp.Sub(this=exp.column("__upto"), expression=exp.column("__n")), copy=False)
+    open_cells = (
+        exp.select(exp.Star(), exp.alias_(exp.Sub(this=k.copy(), expression=before), "__room"))
+        .from_("__counted")
+        .where(exp.LT(this=before.copy(), expression=k.copy()))
+    )
+
+    rows = _over_sources(
+        select,
+        exp.alias_(plan.unit.copy(), "__unit"),
+        *(exp.alias_(c.copy(), names[sql]) for sql, c in columns.items()),
+    )
+    unit_policy = _unit_policy(plan)
+    assert unit_policy is not None
+    match = exp.and_(
+        _same_cell(exp.column("__unit", "__r", quoted=True), exp.column("__unit", "__o", quoted=True), unit_policy),
+        *(
+            _same_cell(exp.column(n, "__r", quoted=True), exp.column(n, "__o", quoted=True), key.policy)
+            for n, key in zip(key_names, plan.keys, strict=True)
+        ),
+        copy=False,
+    )
+    room, size = exp.column("__room", "__o"), exp.column("__n", "__o")
+    renamed = [exp.column(n, "__r", quoted=True) for n in names.values()]
+
+    def joined(condition: exp.Expression, *extra: exp.Expression) -> exp.Select:
+        return (
+            exp.select(*(c.copy() for c in renamed), *extra)
+            .from_(rows.copy().subquery("__r", copy=False), copy=False)
+            .join(exp.alias_(exp.to_table("__open"), "__o", table=True), on=match.copy(), copy=False)
+            .where(condition, copy=False)
+        )
+
+    def on_row(column: exp.Column) -> exp.Expression:
+        name = names[column.sql()]
+        return _hash_input(plan, column).transform(
+            lambda node: exp.column(name, "__r", quoted=True) if isinstance(node, exp.Column) else node, copy=False
+        )
+
+    row_hash = _hash([exp.column("__unit", "__r", quoted=True), *(on_row(c) for c in columns.values())], plan.salt)
+    whole = joined(exp.GTE(this=room.copy(), expression=size.copy()))
+    part = joined(
+        exp.LT(this=room.copy(), expression=size.copy()),
+        exp.column("__unit", "__r", quoted=True),
+        room.copy(),
+        exp.alias_(row_hash, "__h"),
+    )
+    floats = [exp.column(names[sql], quoted=True) for sql, c in columns.items() if _is_float(plan, c)]
+    number = exp.Window(
+        this=exp.RowNumber(),
+        partition_by=[unit.copy()],
+        order=_hash_order("__h", floats),
+    )
+    ranked = exp.select(exp.Star(), exp.alias_(number, "__rn")).from_("__part")
+    kept_names = [exp.column(n, quoted=True) for n in names.values()]
+    bounded = exp.union(
+        exp.select(*(c.copy() for c in kept_names)).from_("__whole"),
+        exp.select(*(c.copy() for c in kept_names))
+        .from_("__ranked")
+        .where(exp.LTE(this=exp.column("__rn"), expression=exp.column("__room"))),
+        distinct=False,
+    )
+    ctes = [
+        ("__cells", cells),
+        ("__groups", groups),
+        ("__counted", counted),
+        ("__open", open_cells),
+        ("__whole", whole),
+        ("__part", part),
+        ("__ranked", ranked),
+        ("__bounded", bounded),
+    ]
+    outer = outer.from_("__bounded")
+    for name, query in ctes:
+        outer = outer.with_(name, as_=query)
+    return outer
+
+
 def _weigh_by_kept_copies(node: exp.Expression) -> exp.Expression:
     """An aggregate over distinct rows that counts each row ``__keep`` times."""
     keep = exp.column("__keep", quoted=True)
@@ -341,13 +520,8 @@ def _bound_per_unit(select: exp.Select, plan: Plan) -> exp.Select:
             capped = exp.Case().when(exp.GT(this=partial, expression=_number(cap)), _number(cap)).else_(partial.copy())
         total = exp.Coalesce(this=exp.Sum(this=capped), expressions=[exp.Literal.number(0)])
         totals.append(exp.alias_(total, name))
-    units = exp.select(*partials).from_(select.args["from_"].copy())
-    for join in select.args.get("joins") or []:
-        units.append("joins", join.copy())
-    if select.args.get("where"):
-        units.set("where", select.args["where"].copy())
     assert plan.unit is not None
-    units = units.group_by(plan.unit.copy(), copy=False)
+    units = _over_sources(select, *partials).group_by(plan.unit.copy(), copy=False)
     return exp.select(*totals).from_("__units").with_("__units", as_=units)
 
 

@@ -67,9 +67,11 @@ QUERIES = [
 ]
 
 
-def _plan(sql: str, policy: Policy) -> Plan:
+def _plan(sql: str, policy: Policy, *, cells: bool = False) -> Plan:
+    """``cells``: bound grouped sums by (unit, group) cells, as the engine does on DuckDB."""
     plan = analyze(sql, policy)
     plan.salt = "fixed-salt-for-the-test"
+    plan.bound_cells = cells
     return plan
 
 
@@ -80,12 +82,13 @@ def _cells(backend: Backend, plan: Plan, dialect: str) -> dict[tuple, tuple]:
     return {tuple(r[:n]): tuple(0 if v is None else v for v in r[n:]) for r in rows}
 
 
+@pytest.mark.parametrize("cells", [False, True], ids=["rows", "cells"])
 @pytest.mark.parametrize("sql", QUERIES)
 def test_neighbours_differ_by_at_most_the_sensitivity(
-    sql: str, clinic_policy: Policy, clinic_duckdb: tuple[Backend, Backend]
+    sql: str, cells: bool, clinic_policy: Policy, clinic_duckdb: tuple[Backend, Backend]
 ) -> None:
     """Remove *all* rows of a patient with hundreds of rows: each measure moves ≤ its L1 sensitivity."""
-    plan = _plan(sql, clinic_policy)
+    plan = _plan(sql, clinic_policy, cells=cells)
     full, neighbour = (_cells(b, plan, "duckdb") for b in clinic_duckdb)
     zeros = (0,) * len(plan.measures)
     for i, measure in enumerate(plan.measures):
@@ -116,11 +119,12 @@ def test_heavy_person_bounded_by_max_rows_and_explain_matches(
     assert "<secret>" in grouped.sql and engine._salt not in grouped.sql  # the row-selection salt stays hidden
 
 
+@pytest.mark.parametrize("cells", [False, True], ids=["rows", "cells"])
 @pytest.mark.parametrize("sql", QUERIES)
 def test_identical_pre_noise_results_on_duckdb_and_postgres(
-    sql: str, clinic_policy: Policy, clinic_duckdb: tuple[Backend, Backend], clinic_pg: Backend
+    sql: str, cells: bool, clinic_policy: Policy, clinic_duckdb: tuple[Backend, Backend], clinic_pg: Backend
 ) -> None:
-    plan = _plan(sql, clinic_policy)
+    plan = _plan(sql, clinic_policy, cells=cells)
     duck, pg = _cells(clinic_duckdb[0], plan, "duckdb"), _cells(clinic_pg, plan, "postgres")
     assert duck.keys() == pg.keys()
     for key in duck:
@@ -292,3 +296,88 @@ def test_float_values_pick_the_same_rows_on_every_backend(pg_new_database: Calla
         assert duck.keys() == pg.keys(), sql
         for key in duck:
             assert duck[key] == pytest.approx(pg[key], rel=1e-12), (sql, key)
+
+
+CELLS_POLICY = """
+dataset: cells
+budget: {dataset: {epsilon: 10}, analyst: {epsilon: 10}}
+analysts: [{name: alice}]
+tables:
+  ev:
+    privacy_unit: u
+    max_rows_per_unit: 5
+    max_groups_per_unit: %d
+    columns:
+      u: {type: int, identifier: true}
+      w: {type: int}
+      k: {type: text}
+      x: {type: float, lower: 0.0, upper: 1.0}
+"""
+
+
+def _cell_rows() -> list[tuple[int | None, str | None, float]]:
+    """(unit, key, 1.0): units with 1-40 rows over keys a-e and NULL, duplicates included, rows without a unit."""
+    rows: list[tuple[int | None, str | None, float]] = []
+    keys: list[str | None] = ["a", "b", "c", "d", "e", None]
+    for unit in range(1, 41):
+        for i in range(unit):
+            rows.append((unit, keys[(unit * i) % (1 + unit % 6)], 1.0))
+    rows += [(None, "a", 1.0)] * 7 + [(None, None, 1.0)] * 3 + [(0, "", 1.0), (0, None, 1.0)] * 4
+    return rows
+
+
+@pytest.mark.parametrize("cells", [False, True], ids=["rows", "cells"])
+@pytest.mark.parametrize("max_groups", [5, 2])
+def test_grouped_sums_keep_max_rows_of_each_unit(
+    max_groups: int, cells: bool, pg_new_database: Callable[[], str]
+) -> None:
+    """Grouped sums keep at most max_rows rows and max_groups groups of each unit, both ways of bounding:
+    rows numbered per unit, or whole cells (one unit in one group) and rows of the crossing cell.
+
+    With x = 1, SUM(x) counts the rows kept. Restricted to one unit by WHERE (on ``w``, a copy of the
+    unit), the query must keep at most min(max_rows, rows in its largest max_groups groups) rows of
+    it, exactly min(max_rows, its rows) when no group is ranked out, in at most max_groups groups;
+    over all units, the sum of those. NULL units and NULL keys are cells like any other.
+    """
+    policy = parse_policy(CELLS_POLICY % max_groups)
+    rows = _cell_rows()
+    units = sorted({r[0] for r in rows}, key=lambda u: -1 if u is None else u)
+    sql = "SELECT k, SUM(x) FROM ev {where} GROUP BY k"
+    assert ("__cells" in to_sql(_plan(sql.format(where=""), policy, cells=cells), "duckdb")) == cells
+    results: list[dict[tuple, tuple]] = []
+    for url in ("duckdb://", pg_new_database()):
+        backend = open_backend(url)
+        columns = [("u", "bigint"), ("w", "bigint"), ("k", "text"), ("x", "double precision")]
+        backend.load_rows("ev", columns, [(u, u, k, x) for u, k, x in rows])
+        total = 0.0
+        for unit in units:
+            where = "WHERE w IS NULL" if unit is None else f"WHERE w = {unit}"
+            kept = _cells(backend, _plan(sql.format(where=where), policy, cells=cells), backend.dialect)
+            per_key: dict[str | None, int] = {}
+            for u, k, _ in rows:
+                if u == unit:
+                    per_key[k] = per_key.get(k, 0) + 1
+            largest_first = sorted(per_key.values(), reverse=True)
+            assert sum(v[0] for v in kept.values()) <= min(5, sum(largest_first[:max_groups])), (url, unit)
+            assert sum(v[0] for v in kept.values()) >= min(5, min(per_key.values())), (url, unit)
+            assert sum(1 for v in kept.values() if v[0]) <= max_groups, (url, unit)
+            if len(per_key) <= max_groups:  # no group ranked out: exactly min(max_rows, rows) kept
+                assert sum(v[0] for v in kept.values()) == min(5, sum(per_key.values())), (url, unit)
+            total += sum(v[0] for v in kept.values())
+        everyone = _cells(backend, _plan(sql.format(where=""), policy, cells=cells), backend.dialect)
+        assert sum(v[0] for v in everyone.values()) == total
+        results.append(everyone)
+        backend.close()
+    assert results[0] == results[1]  # the same rows kept on DuckDB and PostgreSQL
+
+
+def test_engine_bounds_cells_on_duckdb_only(
+    clinic_policy: Policy, clinic_duckdb: tuple[Backend, Backend], clinic_pg: Backend
+) -> None:
+    """DuckDB runs grouped person-level sums by cells (faster there); PostgreSQL numbers rows (faster there)."""
+    sql = "SELECT department, SUM(cost) FROM visits GROUP BY department"
+    for backend, cells in ((clinic_duckdb[0], True), (clinic_pg, False)):
+        engine = Engine(clinic_policy, backend, Ledger.open("sqlite:///:memory:"))
+        assert ("__cells" in engine.prepare(sql, Session("alice")).sql) == cells, backend.dialect
+        assert len(engine.execute(sql, Session("alice")).rows) <= 6
+        engine.ledger.close()
