@@ -120,10 +120,10 @@ def _canonical_cast(cast: exp.Cast, kind: str) -> exp.Expression:
                 raise ValueError(text)
             return exp.Literal.number(text.strip())
         if kind == "date":
-            return exp.cast(exp.Literal.string(dt.date.fromisoformat(text.strip()).isoformat()), "date")
+            return exp.cast(exp.Literal.string(dt.date.fromisoformat(text.strip()).isoformat()), exp.DataType.Type.DATE)
         if kind == "timestamp":
             value = dt.datetime.fromisoformat(text.strip()).isoformat(sep=" ")
-            return exp.cast(exp.Literal.string(value), "timestamp")
+            return exp.cast(exp.Literal.string(value), exp.DataType.Type.TIMESTAMP)
     except ValueError:
         shown = {"number": "numeric"}.get(kind, kind)
         raise DatatypeMismatch(f'invalid input syntax for type {shown}: "{text}"') from None
@@ -156,8 +156,8 @@ def _check_literal_for(column: str, policy: ColumnPolicy, literal: exp.Expressio
                     hint=f'"{column}" is numeric; compare it with a number.',
                 ) from None
             return exp.Literal.number(literal.name)
-    elif policy.type in ("date", "timestamp"):
-        if kind in ("date", "timestamp"):
+    elif policy.type in ("date", exp.DataType.Type.TIMESTAMP):
+        if kind in ("date", exp.DataType.Type.TIMESTAMP):
             return literal
         if kind == "text":
             try:
@@ -560,7 +560,7 @@ def _require_numeric_operands(node: exp.Expression) -> None:
                 raise DatatypeMismatch(f'invalid input syntax for type double precision: "{operand.name}"')
     if isinstance(node, exp.Cast) and isinstance(node.this, exp.Literal) and node.this.is_string:
         kind = _literal_type(node)
-        if kind in ("number", "date", "timestamp"):
+        if kind in ("number", "date", exp.DataType.Type.TIMESTAMP):
             _canonical_cast(node, kind)
 
 

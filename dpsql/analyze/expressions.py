@@ -100,7 +100,9 @@ def bound(node: exp.Expression, resolve: Resolve, check_predicate: CheckPredicat
                 hint=f'Declare lower/upper for "{node.name}" so expressions over it have a finite sensitivity.',
             )
         integer = policy.type == "int"
-        typed = exp.cast(column, "bigint" if integer else "double precision")  # no int4 overflow on any row
+        typed = exp.cast(
+            column, exp.DataType.Type.BIGINT if integer else exp.DataType.Type.DOUBLE
+        )  # no int4 overflow on any row
         return _checked(typed, float(policy.lower), float(policy.upper), integer, policy.nullable)  # type: ignore[arg-type]
     if isinstance(node, exp.Neg):
         inner = bound(node.this, resolve, check_predicate)
@@ -155,7 +157,7 @@ def _arithmetic(node: exp.Expression, left: Bounded, right: Bounded) -> Bounded:
             hint="Write a decimal divisor (x / 2.0) for exact division.",
         )
     corners = [a / b for a in (left.lower, left.upper) for b in (right.lower, right.upper)]
-    quotient = exp.Div(this=exp.cast(left.sql, "double precision"), expression=right.sql)
+    quotient = exp.Div(this=exp.cast(left.sql, exp.DataType.Type.DOUBLE), expression=right.sql)
     return _checked(quotient, min(corners), max(corners), False, nullable)
 
 
@@ -189,7 +191,7 @@ def _extract(node: exp.Extract, resolve: Resolve) -> Bounded:
     if not isinstance(node.expression, exp.Column):
         raise FeatureNotSupported("EXTRACT needs a date or timestamp column")
     column, policy = resolve(node.expression)
-    if policy.type not in ("date", "timestamp"):
+    if policy.type not in ("date", exp.DataType.Type.TIMESTAMP):
         raise UndefinedFunction(f"function extract(unknown, {PG_TYPE_NAMES[policy.type]}) does not exist")
     if part == "year":
         if not policy.bounded:
@@ -201,5 +203,5 @@ def _extract(node: exp.Extract, resolve: Resolve) -> Bounded:
         bounds = _DATE_PARTS[part]
     else:
         raise FeatureNotSupported(f'EXTRACT("{part}") is not supported inside an aggregate')
-    sql = exp.cast(exp.Extract(this=exp.var(part.upper()), expression=column), "bigint")
+    sql = exp.cast(exp.Extract(this=exp.var(part.upper()), expression=column), exp.DataType.Type.BIGINT)
     return _checked(sql, float(bounds[0]), float(bounds[1]), True, policy.nullable)

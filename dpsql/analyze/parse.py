@@ -124,9 +124,9 @@ def literal_for(value: Any) -> exp.Expression:
             raise DataError(f'parameter value out of range: "{value}"', sqlstate="22003")
         return exp.Literal.number(value) if value >= 0 else exp.Neg(this=exp.Literal.number(-value))
     if isinstance(value, dt.datetime):
-        return exp.cast(exp.Literal.string(value.isoformat(sep=" ")), "timestamp")
+        return exp.cast(exp.Literal.string(value.isoformat(sep=" ")), exp.DataType.Type.TIMESTAMP)
     if isinstance(value, dt.date):
-        return exp.cast(exp.Literal.string(value.isoformat()), "date")
+        return exp.cast(exp.Literal.string(value.isoformat()), exp.DataType.Type.DATE)
     if isinstance(value, str):
         return exp.Literal.string(value)
     if isinstance(value, list | tuple):

@@ -47,11 +47,12 @@ def _key(plan: Plan, index: int) -> exp.Column:
 
 def select_measures(select: exp.Select, plan: Plan) -> exp.Select:
     """One SELECT over the sources: group keys ``k<i>``, raw aggregates ``m<i>``."""
-    projections = [exp.alias_(_key(plan, i), f"k{i}") for i in range(len(plan.keys))]
-    projections += [exp.alias_(_raw_measure(m), f"m{i}") for i, m in enumerate(plan.measures)]
+    projections = [exp.alias_(_key(plan, i), f"k{i}", copy=False) for i in range(len(plan.keys))]
+    projections += [exp.alias_(_raw_measure(m), f"m{i}", copy=False) for i, m in enumerate(plan.measures)]
     if not projections:
-        projections = [exp.alias_(exp.Count(this=exp.Star(), big_int=True), "m_unused")]
-    select = select.select(*projections, append=False).from_(from_node(plan.sources.sources[0]), copy=False)
+        projections = [exp.alias_(exp.Count(this=exp.Star(), big_int=True), "m_unused", copy=False)]
+    select = select.select(*projections, append=False, copy=False)
+    select = select.from_(from_node(plan.sources.sources[0]), copy=False)
     for join in plan.sources.joins:
         select.append("joins", join.copy())
     return select
@@ -72,9 +73,11 @@ def clamp_inputs(select: exp.Select, plan: Plan) -> exp.Select:
     for i, measure in enumerate(plan.measures):
         if measure.kind != "sum":
             continue
+        aggregate = select.expressions[offset + i].this
         value = _sum_argument(select, offset + i)
-        typed = value.copy() if measure.integer else exp.cast(value.copy(), "double precision")
-        value.replace(typed if i in plan.proven else _clamp(typed, _number(measure.lower), _number(measure.upper)))
+        typed = value if measure.integer else exp.cast(value, exp.DataType.Type.DOUBLE, copy=False)
+        clamped = typed if i in plan.proven else _clamp(typed, _number(measure.lower), _number(measure.upper))
+        aggregate.set("this", clamped)
     return select
 
 
@@ -104,7 +107,7 @@ def centre_sums(select: exp.Select, plan: Plan) -> exp.Select:
         m = plan.measures[i]
         nullable = m.expr is not None or plan.sources.column_policy(m.table, m.column).nullable
         counted = exp.Count(this=_input(m) if nullable else exp.Star(), big_int=True)
-        select = select.select(exp.alias_(counted, f"z{i}"), copy=False)
+        select = select.select(exp.alias_(counted, f"z{i}", copy=False), copy=False)
     return select
 
 
@@ -130,7 +133,12 @@ def square_sums(select: exp.Select, plan: Plan) -> exp.Select:
         if measure.kind == "sum" and measure.square:
             value = _sum_argument(select, offset + i)
             # BIGINT before multiplying: an int4 product could overflow only on some rows (an error oracle)
-            term = exp.cast(value.copy(), "bigint") if measure.integer else exp.paren(value.copy(), copy=False)
+            copied = value.copy()
+            term = (
+                exp.cast(copied, exp.DataType.Type.BIGINT, copy=False)
+                if measure.integer
+                else exp.paren(copied, copy=False)
+            )
             value.replace(exp.Mul(this=term, expression=term.copy()))
     return select
 
@@ -156,7 +164,7 @@ def group_by_keys(select: exp.Select, plan: Plan) -> exp.Select:
 
 
 def _as_text(value: exp.Expression) -> exp.Expression:
-    return exp.Coalesce(this=exp.cast(value, "text"), expressions=[exp.Literal.string("~")])
+    return exp.Coalesce(this=exp.cast(value, exp.DataType.Type.TEXT), expressions=[exp.Literal.string("~")])
 
 
 def _float_policy(plan: Plan, column: exp.Column) -> ColumnPolicy | None:
@@ -181,13 +189,13 @@ def _hash_input(plan: Plan, column: exp.Column) -> exp.Expression:
     if policy is None or policy.lower is None or policy.upper is None or float(policy.upper) <= float(policy.lower):
         return column.copy()
     lower, upper = float(policy.lower), float(policy.upper)
-    clamped = _clamp(exp.cast(column.copy(), "double precision"), _number(lower), _number(upper))
+    clamped = _clamp(exp.cast(column.copy(), exp.DataType.Type.DOUBLE), _number(lower), _number(upper))
     offset = exp.paren(exp.Sub(this=clamped, expression=_number(lower)), copy=False)
     scaled = exp.Div(
         this=exp.paren(exp.Mul(this=offset, expression=exp.Literal.number(2**40)), copy=False),
         expression=_number(upper - lower),
     )
-    return exp.cast(exp.Floor(this=scaled), "bigint")
+    return exp.cast(exp.Floor(this=scaled), exp.DataType.Type.BIGINT)
 
 
 def _hash(values: list[exp.Expression], salt: str) -> exp.Expression:
@@ -275,7 +283,9 @@ def bound_contributions(select: exp.Select, plan: Plan) -> exp.Select:
         order=row_order,
         spec=exp.WindowSpec(kind="ROWS", start="UNBOUNDED", start_side="PRECEDING", end="CURRENT ROW"),
     )
-    counted = exp.select(exp.Star(), exp.alias_(exp.cast(running, "bigint"), "__upto")).from_("__groups")
+    counted = exp.select(exp.Star(), exp.alias_(exp.cast(running, exp.DataType.Type.BIGINT), "__upto")).from_(
+        "__groups"
+    )
     if filter_rows_ is not None:
         counted = counted.where(filter_rows_)
     k = exp.Literal.number(plan.max_rows)
@@ -328,8 +338,8 @@ _NULL_STAND_INS: dict[str, exp.Expression] = {
     "float": exp.Literal.number(0),
     "text": exp.Literal.string(""),
     "boolean": exp.false(),
-    "date": exp.cast(exp.Literal.string("1970-01-01"), "date"),
-    "timestamp": exp.cast(exp.Literal.string("1970-01-01 00:00:00"), "timestamp"),
+    "date": exp.cast(exp.Literal.string("1970-01-01"), exp.DataType.Type.DATE),
+    "timestamp": exp.cast(exp.Literal.string("1970-01-01 00:00:00"), exp.DataType.Type.TIMESTAMP),
 }
 
 
@@ -402,7 +412,9 @@ def _bound_by_cells(
         order=_hash_order("__ch", float_keys),
         spec=exp.WindowSpec(kind="ROWS", start="UNBOUNDED", start_side="PRECEDING", end="CURRENT ROW"),
     )
-    counted = exp.select(exp.Star(), exp.alias_(exp.cast(running, "bigint"), "__upto")).from_("__groups")
+    counted = exp.select(exp.Star(), exp.alias_(exp.cast(running, exp.DataType.Type.BIGINT), "__upto")).from_(
+        "__groups"
+    )
     if within_groups is not None:
         counted = counted.where(within_groups)
     before = exp.paren(exp.Sub(this=exp.column("__upto"), expression=exp.column("__n")), copy=False)
@@ -565,13 +577,13 @@ def rewrite(plan: Plan) -> exp.Select:
 def _bin(column: exp.Expression, measure: Measure, bins: int) -> exp.Expression:
     """The bin (0..bins) of a value clamped to the measure's bounds, computed identically on every backend."""
     assert measure.lower is not None and measure.upper is not None
-    value = _clamp(exp.cast(column, "double precision"), _number(measure.lower), _number(measure.upper))
+    value = _clamp(exp.cast(column, exp.DataType.Type.DOUBLE), _number(measure.lower), _number(measure.upper))
     offset = exp.paren(exp.Sub(this=value, expression=_number(measure.lower)), copy=False)
     scaled = exp.Div(
         this=exp.paren(exp.Mul(this=offset, expression=exp.Literal.number(bins)), copy=False),
         expression=_number(measure.upper - measure.lower),
     )
-    return exp.cast(exp.Floor(this=scaled), "bigint")
+    return exp.cast(exp.Floor(this=scaled), exp.DataType.Type.BIGINT)
 
 
 def histogram_query(plan: Plan, index: int, bins: int = QUANTILE_BINS) -> exp.Select:
