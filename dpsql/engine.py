@@ -24,7 +24,7 @@ import numpy as np
 from sqlglot import exp
 
 from dpsql.analyze import analyze_tree, infer_parameter_types, parse_statement
-from dpsql.analyze.parse import Params, bind_parameters, literal_for, too_complex
+from dpsql.analyze.parse import Params, bind_parameters, dialect, literal_for, too_complex
 from dpsql.backends import Backend, open_backend
 from dpsql.cache import ResultCache, cache_key
 from dpsql.errors import (
@@ -232,10 +232,10 @@ class Engine:
         plan.bound_cells = getattr(self.backend, "bounds_cells", False)
         select = rewrite(plan)
         budgeting = self._budget(plan, session)
-        normalised = tree.sql(dialect="postgres", normalize=True, copy=False)  # tree is not used afterwards
+        normalised = tree.sql(dialect=dialect("postgres"), normalize=True, copy=False)  # tree is not used afterwards
         fingerprint = hashlib.sha256(normalised.encode()).hexdigest()[:16]
         histograms = [
-            (i, histogram_query(plan, i).sql(dialect=self.backend.dialect))
+            (i, histogram_query(plan, i).sql(dialect=dialect(self.backend.dialect)))
             for i, m in enumerate(plan.measures)
             if m.kind in ("quantile", "mode")
         ]
@@ -247,7 +247,7 @@ class Engine:
         )
         if local is not None:
             budgeting = Budgeting(0.0, 0.0, "randomized response", [None], Cost(epsilon=0.0), [0.0])
-        sql = select.sql(dialect=self.backend.dialect, copy=False)
+        sql = select.sql(dialect=dialect(self.backend.dialect), copy=False)
         return Prepared(plan, sql, budgeting, fingerprint, histograms, key, local, version)
 
     def _budget(self, plan: Plan, session: Session) -> Budgeting:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import decimal
+import functools
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -16,6 +17,7 @@ from typing import Any
 
 import sqlglot
 from sqlglot import exp
+from sqlglot.dialects.dialect import Dialect
 from sqlglot.errors import ParseError, TokenError
 
 from dpsql.errors import DataError, StatementTooComplex, SyntaxError_, UndefinedParameter
@@ -25,10 +27,16 @@ logging.getLogger("sqlglot").setLevel(logging.ERROR)
 Params = Sequence[Any] | Mapping[str, Any] | None
 
 
+@functools.cache
+def dialect(name: str) -> Dialect:
+    """One shared instance per sqlglot dialect (a dialect name is resolved to a new instance on every call)."""
+    return Dialect.get_or_raise(name)
+
+
 def parse_statement(sql: str) -> exp.Expression:
     """Parse exactly one statement; syntax errors become SQLSTATE 42601."""
     try:
-        statements = [s for s in sqlglot.parse(sql, read="postgres") if s is not None]
+        statements = [s for s in sqlglot.parse(sql, read=dialect("postgres")) if s is not None]
     except (ParseError, TokenError) as exc:
         raise _syntax_error(sql, exc) from None
     except RecursionError:
