@@ -386,13 +386,21 @@ def _bound_by_cells(
     (at most one per unit) keeps ``room`` of its rows, the first in row-hash order. So a unit keeps at
     most ``max_rows`` rows, chosen from its own rows alone, but only the rows of crossing cells are
     hashed and sorted: one aggregation over (unit, keys) and two hash joins instead of an md5 and a
-    sort of every row. Counting cells this way is exactly what the collapsed path for counts does.
+    sort of every row. The cells kept whole are the ones the collapsed path for counts keeps.
     """
+    ctes = _open_cells(select, plan, names) + _rows_of_open_cells(select, plan, columns, names)
+    outer = outer.from_("__bounded")
+    for name, query in ctes:
+        outer = outer.with_(name, as_=query)
+    return outer
+
+
+def _open_cells(select: exp.Select, plan: Plan, names: dict[str, str]) -> list[tuple[str, exp.Select]]:
+    """CTEs ending in ``__open``: each unit's cells that keep rows, with their size ``__n`` and ``__room``."""
     assert plan.unit is not None
     k = exp.Literal.number(plan.max_rows)
     key_columns = [_key(plan, i) for i in range(len(plan.keys))]
     key_names = [names[c.sql()] for c in key_columns]
-
     rank_groups = plan.max_groups < plan.max_rows
     key_hash = [_hash([_hash_input(plan, c) for c in key_columns], plan.salt)] if rank_groups else []
     cells = _over_sources(
@@ -404,17 +412,15 @@ def _bound_by_cells(
         *(exp.alias_(h, "__kh") for h in key_hash),
     ).group_by(plan.unit.copy(), *(c.copy() for c in key_columns), copy=False)
     groups, within_groups = _rank_groups(plan, "__cells", rank_groups)
-    unit = exp.column("__unit", quoted=True)
     float_keys = [exp.column(n, quoted=True) for c, n in zip(key_columns, key_names, strict=True) if _is_float(plan, c)]
     running = exp.Window(
         this=exp.Sum(this=exp.column("__n")),
-        partition_by=[unit.copy()],
+        partition_by=[exp.column("__unit", quoted=True)],
         order=_hash_order("__ch", float_keys),
         spec=exp.WindowSpec(kind="ROWS", start="UNBOUNDED", start_side="PRECEDING", end="CURRENT ROW"),
     )
-    counted = exp.select(exp.Star(), exp.alias_(exp.cast(running, exp.DataType.Type.BIGINT), "__upto")).from_(
-        "__groups"
-    )
+    upto = exp.alias_(exp.cast(running, exp.DataType.Type.BIGINT), "__upto")
+    counted = exp.select(exp.Star(), upto).from_("__groups")
     if within_groups is not None:
         counted = counted.where(within_groups)
     before = exp.paren(exp.Sub(this=exp.column("__upto"), expression=exp.column("__n")), copy=False)
@@ -423,7 +429,15 @@ def _bound_by_cells(
         .from_("__counted")
         .where(exp.LT(this=before.copy(), expression=k.copy()))
     )
+    return [("__cells", cells), ("__groups", groups), ("__counted", counted), ("__open", open_cells)]
 
+
+def _rows_of_open_cells(
+    select: exp.Select, plan: Plan, columns: dict[str, exp.Column], names: dict[str, str]
+) -> list[tuple[str, exp.Select]]:
+    """CTEs ending in ``__bounded``: every row of a cell with room for all of it, and the first
+    ``__room`` rows in row-hash order of the cell crossing the bound."""
+    assert plan.unit is not None
     rows = _over_sources(
         select,
         exp.alias_(plan.unit.copy(), "__unit"),
@@ -431,20 +445,19 @@ def _bound_by_cells(
     )
     unit_policy = _unit_policy(plan)
     assert unit_policy is not None
+    matched = [("__unit", unit_policy), *((names[_key(plan, i).sql()], k.policy) for i, k in enumerate(plan.keys))]
     match = exp.and_(
-        _same_cell(exp.column("__unit", "__r", quoted=True), exp.column("__unit", "__o", quoted=True), unit_policy),
         *(
-            _same_cell(exp.column(n, "__r", quoted=True), exp.column(n, "__o", quoted=True), key.policy)
-            for n, key in zip(key_names, plan.keys, strict=True)
+            _same_cell(exp.column(name, "__r", quoted=True), exp.column(name, "__o", quoted=True), policy)
+            for name, policy in matched
         ),
         copy=False,
     )
     room, size = exp.column("__room", "__o"), exp.column("__n", "__o")
-    renamed = [exp.column(n, "__r", quoted=True) for n in names.values()]
 
     def joined(condition: exp.Expression, *extra: exp.Expression) -> exp.Select:
         return (
-            exp.select(*(c.copy() for c in renamed), *extra)
+            exp.select(*(exp.column(n, "__r", quoted=True) for n in names.values()), *extra)
             .from_(rows.copy().subquery("__r", copy=False), copy=False)
             .join(exp.alias_(exp.to_table("__open"), "__o", table=True), on=match.copy(), copy=False)
             .where(condition, copy=False)
@@ -466,33 +479,18 @@ def _bound_by_cells(
     )
     floats = [exp.column(names[sql], quoted=True) for sql, c in columns.items() if _is_float(plan, c)]
     number = exp.Window(
-        this=exp.RowNumber(),
-        partition_by=[unit.copy()],
-        order=_hash_order("__h", floats),
+        this=exp.RowNumber(), partition_by=[exp.column("__unit", quoted=True)], order=_hash_order("__h", floats)
     )
     ranked = exp.select(exp.Star(), exp.alias_(number, "__rn")).from_("__part")
-    kept_names = [exp.column(n, quoted=True) for n in names.values()]
+    kept = [exp.column(n, quoted=True) for n in names.values()]
     bounded = exp.union(
-        exp.select(*(c.copy() for c in kept_names)).from_("__whole"),
-        exp.select(*(c.copy() for c in kept_names))
+        exp.select(*(c.copy() for c in kept)).from_("__whole"),
+        exp.select(*(c.copy() for c in kept))
         .from_("__ranked")
         .where(exp.LTE(this=exp.column("__rn"), expression=exp.column("__room"))),
         distinct=False,
     )
-    ctes = [
-        ("__cells", cells),
-        ("__groups", groups),
-        ("__counted", counted),
-        ("__open", open_cells),
-        ("__whole", whole),
-        ("__part", part),
-        ("__ranked", ranked),
-        ("__bounded", bounded),
-    ]
-    outer = outer.from_("__bounded")
-    for name, query in ctes:
-        outer = outer.with_(name, as_=query)
-    return outer
+    return [("__whole", whole), ("__part", part), ("__ranked", ranked), ("__bounded", bounded)]
 
 
 def _weigh_by_kept_copies(node: exp.Expression) -> exp.Expression:
