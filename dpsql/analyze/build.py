@@ -156,8 +156,8 @@ def _check_literal_for(column: str, policy: ColumnPolicy, literal: exp.Expressio
                     hint=f'"{column}" is numeric; compare it with a number.',
                 ) from None
             return exp.Literal.number(literal.name)
-    elif policy.type in ("date", exp.DataType.Type.TIMESTAMP):
-        if kind in ("date", exp.DataType.Type.TIMESTAMP):
+    elif policy.type in ("date", "timestamp"):
+        if kind in ("date", "timestamp"):
             return literal
         if kind == "text":
             try:
@@ -560,7 +560,7 @@ def _require_numeric_operands(node: exp.Expression) -> None:
                 raise DatatypeMismatch(f'invalid input syntax for type double precision: "{operand.name}"')
     if isinstance(node, exp.Cast) and isinstance(node.this, exp.Literal) and node.this.is_string:
         kind = _literal_type(node)
-        if kind in ("number", "date", exp.DataType.Type.TIMESTAMP):
+        if kind in ("number", "date", "timestamp"):
             _canonical_cast(node, kind)
 
 

@@ -191,7 +191,7 @@ def _extract(node: exp.Extract, resolve: Resolve) -> Bounded:
     if not isinstance(node.expression, exp.Column):
         raise FeatureNotSupported("EXTRACT needs a date or timestamp column")
     column, policy = resolve(node.expression)
-    if policy.type not in ("date", exp.DataType.Type.TIMESTAMP):
+    if policy.type not in ("date", "timestamp"):
         raise UndefinedFunction(f"function extract(unknown, {PG_TYPE_NAMES[policy.type]}) does not exist")
     if part == "year":
         if not policy.bounded:
