@@ -22,7 +22,12 @@ from dpsql.dbapi import (
 )
 from dpsql.engine import Engine
 
-__version__ = "0.1.0"
+try:  # one source: the installed package's metadata (pyproject.toml)
+    from importlib.metadata import PackageNotFoundError, version
+
+    __version__ = version("dpsql")
+except PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0.0.0+unknown"
 
 __all__ = [
     "DataError",

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from dpsql import __version__
 from dpsql.errors import Error
 from dpsql.session import Result, Session
 
@@ -264,6 +265,7 @@ def _common(parser: argparse.ArgumentParser, *, analyst: bool = True) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dpsql", description="Differential-privacy SQL gateway.")
+    parser.add_argument("--version", action="version", version=f"dpsql {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="PostgreSQL wire-protocol server (psql, BI tools, drivers)")

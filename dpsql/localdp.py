@@ -20,9 +20,8 @@ import math
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import Any
-
-from scipy.stats import norm
 
 
 @dataclass(frozen=True)
@@ -54,7 +53,7 @@ class RandomizedResponse:
         """Unbiased count of each true value, with the half-width of its normal-approximation interval."""
         n = sum(observed.get(v, 0) for v in self.domain)
         p, q = self.keep, self.flip
-        z = float(norm.ppf(0.5 + confidence / 2))
+        z = NormalDist().inv_cdf(0.5 + confidence / 2)
         estimates = {}
         for value in self.domain:
             c = observed.get(value, 0)

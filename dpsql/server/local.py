@@ -17,12 +17,11 @@ from typing import Any
 import sqlglot
 from sqlglot import exp
 
+from dpsql import __version__
 from dpsql.errors import Error, FeatureNotSupported, InvalidParameterValue
 from dpsql.session import Session
 
 from .sqltext import strip_comments
-
-VERSION = "0.1.0"
 
 #: GUCs PostgreSQL reports to the client with ParameterStatus (canonical spelling).
 REPORTED = (
@@ -505,7 +504,7 @@ def _evaluate_call(node: exp.Expression, ctx: LocalContext) -> Value | None:
         return None
     arg = _first_arg(node)
     simple: dict[str, Value] = {
-        "version": Value("version", _TEXT, f"PostgreSQL {ctx.version} on x86_64-pc-linux-gnu, dpsql {VERSION}"),
+        "version": Value("version", _TEXT, f"PostgreSQL {ctx.version} on x86_64-pc-linux-gnu, dpsql {__version__}"),
         "current_database": Value("current_database", _NAME, ctx.database),
         "current_schema": Value("current_schema", _NAME, "public"),
         "pg_backend_pid": Value("pg_backend_pid", _INT4, ctx.pid),

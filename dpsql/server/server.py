@@ -13,9 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dpsql import __version__
+
 from .catalog import CatalogShadow
 from .connection import Connection
-from .local import VERSION
 from .protocol import DEFAULT_MAX_MESSAGE
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ class ServerContext:
         self.executor = ThreadPoolExecutor(max_workers=options.workers, thread_name_prefix="dpsql-query")
         self.ssl_context = make_ssl_context(options.tls_cert, options.tls_key) if options.tls_cert else None
         self.shadow: CatalogShadow | None = None
-        self.server_version = f"{FALLBACK_SERVER_VERSION} (dpsql {VERSION})"
+        self.server_version = f"{FALLBACK_SERVER_VERSION} (dpsql {__version__})"
         self.connections: dict[int, Connection] = {}
         self._next_pid = 1000
 
@@ -84,7 +85,7 @@ class ServerContext:
         self.shadow = shadow
         if shadow.server_version:
             # Clients pick catalog queries by server version, so advertise the shadow's own version.
-            self.server_version = f"{shadow.server_version.split()[0]} (dpsql {VERSION})"
+            self.server_version = f"{shadow.server_version.split()[0]} (dpsql {__version__})"
 
     def stop_catalog(self) -> None:
         if self.shadow is not None:
