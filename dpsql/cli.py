@@ -223,6 +223,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr
     )
+    from dpsql.backends import database_log
+
+    database_log.propagate = True  # the operator's log is the one sink for the database's own text
     engine = open_engine(args)
     print(
         f'dpsql serving dataset "{engine.policy.dataset}" on {args.host}:{args.port} '

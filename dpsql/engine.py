@@ -25,7 +25,7 @@ from sqlglot import exp
 
 from dpsql.analyze import analyze_tree, infer_parameter_types, parse_statement
 from dpsql.analyze.parse import Params, bind_parameters, dialect, literal_for, too_complex
-from dpsql.backends import Backend, open_backend
+from dpsql.backends import Backend, log_database_error, open_backend
 from dpsql.cache import ResultCache, cache_key
 from dpsql.errors import (
     BackendError,
@@ -480,7 +480,8 @@ class Engine:
         except Error:
             raise
         except Exception as exc:  # never surface the database's own text: it may depend on data
-            raise BackendError("the database failed to run the query") from exc
+            log_database_error("reading the query's result failed", exc)
+            raise BackendError("the database failed to run the query") from None
         return rows
 
     # -- release --------------------------------------------------------------------------------

@@ -138,10 +138,22 @@ class ReadOnlyViolation(ProgrammingError):
     sqlstate = "25006"
 
 
+class ProgramLimitExceeded(OperationalError):
+    """A statement exceeds one of dpsql's size limits (PostgreSQL's 54000)."""
+
+    sqlstate = "54000"
+
+
 class StatementTooComplex(OperationalError):
     """Nesting deeper than the analyzer's recursion allows (PostgreSQL's 54001)."""
 
     sqlstate = "54001"
+
+
+class QueryCanceled(OperationalError):
+    """The statement ran past its timeout or was cancelled (PostgreSQL's 57014)."""
+
+    sqlstate = "57014"
 
 
 class InvalidAuthorization(OperationalError):

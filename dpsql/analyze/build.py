@@ -56,12 +56,16 @@ class _Scope:
     sources: Sources
     keys: list[GroupKey] = field(default_factory=list)
     measures: list[Measure] = field(default_factory=list)
+    #: measure → its index in ``measures`` (a list scan per aggregate made analysis quadratic).
+    _index: dict[Measure, int] = field(default_factory=dict)
 
     def measure(self, measure: Measure) -> int:
         """Index of ``measure``, adding it once: shared counts are computed and noised once."""
-        if measure not in self.measures:
+        index = self._index.get(measure)
+        if index is None:
+            index = self._index[measure] = len(self.measures)
             self.measures.append(measure)
-        return self.measures.index(measure)
+        return index
 
 
 _ident_name = ident_name

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from sqlglot import exp
 
-from dpsql.errors import FeatureNotSupported, GroupingError, ReadOnlyViolation, SyntaxError_
+from dpsql.errors import FeatureNotSupported, GroupingError, ProgramLimitExceeded, ReadOnlyViolation, SyntaxError_
 
 _WRITE_TAGS: dict[type[exp.Expression], str] = {
     exp.Insert: "INSERT",
@@ -111,10 +111,26 @@ def require_from(tree: exp.Expression) -> None:
 StatementCheck = Callable[[exp.Expression], None]
 
 #: Applied in this order to every statement before resolution.
+#: Aggregate calls in one statement. The query's ε is split across its measures, so past a few dozen
+#: each is pure noise; and each costs analysis time before any charge.
+MAX_AGGREGATES = 100
+
+
+def limit_aggregates(tree: exp.Expression) -> None:
+    """Refuse statements with more than ``MAX_AGGREGATES`` aggregate calls, before they are analysed."""
+    count = sum(1 for _ in tree.find_all(exp.AggFunc))
+    if count > MAX_AGGREGATES:
+        raise ProgramLimitExceeded(
+            f"a query may compute at most {MAX_AGGREGATES} aggregates (this one has {count})",
+            hint="The query's ε is split across its aggregates; ask for fewer per query.",
+        )
+
+
 STATEMENT_CHECKS: tuple[StatementCheck, ...] = (
     require_read_only,
     require_select,
     reject_unsupported_clauses,
     reject_star,
     require_from,
+    limit_aggregates,
 )

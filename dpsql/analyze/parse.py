@@ -19,8 +19,9 @@ import sqlglot
 from sqlglot import exp
 from sqlglot.dialects.dialect import Dialect
 from sqlglot.errors import ParseError, TokenError
+from sqlglot.tokens import TokenType
 
-from dpsql.errors import DataError, StatementTooComplex, SyntaxError_, UndefinedParameter
+from dpsql.errors import DataError, ProgramLimitExceeded, StatementTooComplex, SyntaxError_, UndefinedParameter
 
 logging.getLogger("sqlglot").setLevel(logging.ERROR)
 
@@ -33,9 +34,21 @@ def dialect(name: str) -> Dialect:
     return Dialect.get_or_raise(name)
 
 
+#: Longest statement text analysed (characters). Parsing is linear but not free, and it happens before
+#: any charge: a cap keeps one client's statements from costing seconds of CPU (an IN list of 20,000
+#: constants is ~120 kB).
+MAX_STATEMENT_CHARS = 256 * 1024
+
+
 def parse_statement(sql: str) -> exp.Expression:
     """Parse exactly one statement; syntax errors become SQLSTATE 42601."""
+    if len(sql) > MAX_STATEMENT_CHARS:
+        raise ProgramLimitExceeded(
+            f"statement is too long ({len(sql)} characters; at most {MAX_STATEMENT_CHARS})",
+            hint="Shorten the statement: fewer constants in IN lists, fewer aggregates.",
+        )
     try:
+        sql = number_placeholders(sql)
         statements = [s for s in sqlglot.parse(sql, read=dialect("postgres")) if s is not None]
     except (ParseError, TokenError) as exc:
         raise _syntax_error(sql, exc) from None
@@ -49,6 +62,36 @@ def parse_statement(sql: str) -> exp.Expression:
             hint="dpsql runs one statement per query; send them one at a time.",
         )
     return statements[0]
+
+
+def number_placeholders(sql: str) -> str:
+    """``%s`` and ``?`` rewritten as ``$1``, ``$2``, … in the order they stand in the text.
+
+    Positional parameters must bind in source order. The parsed tree cannot give that order (a
+    depth-first walk visits LIMIT before WHERE, a breadth-first one the outer AND before its left
+    operand), so the placeholders are numbered on the token stream, before parsing; string literals
+    and comments are tokens of their own and are left alone.
+    """
+    if "%" not in sql and "?" not in sql:
+        return sql
+    tokens = dialect("postgres").tokenize(sql)
+    spans: list[tuple[int, int]] = []
+    for i, token in enumerate(tokens):
+        if token.token_type == TokenType.PLACEHOLDER and token.text == "?":
+            spans.append((token.start, token.end))
+        elif token.token_type == TokenType.MOD and i + 1 < len(tokens):
+            following = tokens[i + 1]
+            if following.text == "s" and following.start == token.end + 1 and following.token_type == TokenType.VAR:
+                spans.append((token.start, following.end))
+    if not spans:
+        return sql
+    if any(t.token_type == TokenType.PARAMETER for t in tokens):
+        raise SyntaxError_("cannot mix $n placeholders with %s or ?", hint="Use one placeholder style per query.")
+    parts, last = [], 0
+    for n, (start, end) in enumerate(spans, 1):
+        parts += [sql[last:start], f"${n}"]
+        last = end + 1
+    return "".join([*parts, sql[last:]])
 
 
 _STATEMENT_KEYWORDS = frozenset(
@@ -153,27 +196,30 @@ def bind_parameters(tree: exp.Expression, params: Params) -> exp.Expression:
             )
         return tree
     tree = tree.copy()
-    positional = iter(params) if isinstance(params, Sequence) and not isinstance(params, str) else None
-    for node in tree.find_all(exp.Parameter, exp.Placeholder):
-        node.replace(literal_for(_parameter_value(node, params, positional)))
+    used = 0
+    for node in list(tree.find_all(exp.Parameter, exp.Placeholder)):
+        value, index = _parameter_value(node, params)
+        used = max(used, index)
+        node.replace(literal_for(value))
+    if isinstance(params, Sequence) and not isinstance(params, str) and len(params) > used:
+        raise UndefinedParameter(
+            f"the query has {used} placeholder(s) but {len(params)} parameters were supplied",
+            hint="Pass exactly one value per placeholder.",
+        )
     return tree
 
 
-_MISSING = object()
-
-
-def _parameter_value(node: exp.Expression, params: Params, positional: Any) -> Any:
+def _parameter_value(node: exp.Expression, params: Params) -> tuple[Any, int]:
+    """The value bound to one placeholder, and its 1-based position (0 for a named one)."""
     if isinstance(node, exp.Parameter):
         index = int(node.this.this) if isinstance(node.this, exp.Literal) else 0
-        if not isinstance(params, Sequence) or not 1 <= index <= len(params):
-            raise UndefinedParameter(f"there is no parameter ${index}")
-        return params[index - 1]
+        if not isinstance(params, Sequence) or isinstance(params, str) or not 1 <= index <= len(params):
+            raise UndefinedParameter(
+                f"there is no parameter ${index}",
+                hint="The query has more placeholders than parameters supplied.",
+            )
+        return params[index - 1], index
     name = node.this.name if isinstance(node.this, exp.Expression) else (node.this or "")
-    if name:
-        if not isinstance(params, Mapping) or name not in params:
-            raise UndefinedParameter(f'there is no parameter "%({name})s"')
-        return params[name]
-    value = next(positional, _MISSING) if positional is not None else _MISSING
-    if value is _MISSING:
-        raise UndefinedParameter("the query has more placeholders than parameters supplied")
-    return value
+    if not name or not isinstance(params, Mapping) or name not in params:
+        raise UndefinedParameter(f'there is no parameter "%({name})s"')
+    return params[name], 0

@@ -19,6 +19,7 @@ from dpsql.errors import (
     AmbiguousColumn,
     FeatureNotSupported,
     InsufficientPrivilege,
+    ProgramLimitExceeded,
     UndefinedColumn,
     UndefinedTable,
 )
@@ -265,19 +266,35 @@ def _join_condition(join: exp.Join, sources: Sources, unify: dict[str, str]) -> 
     return condition
 
 
+#: Tables in one query's FROM and JOINs (each join can multiply the rows the database works through).
+MAX_JOINED_TABLES = 8
+
+
 def resolve_sources(tree: exp.Select, policy: Policy) -> Sources:
     """Resolve FROM and JOINs; refuse every join that could multiply or mix persons' rows."""
     sources = Sources(policy, [_source(tree.args["from_"].this, policy)])
     joins = tree.args.get("joins") or []
+    if len(joins) + 1 > MAX_JOINED_TABLES:
+        raise ProgramLimitExceeded(
+            f"a query may join at most {MAX_JOINED_TABLES} tables",
+            hint="Every join multiplies the work the database does; split the question into smaller queries.",
+        )
     for join in joins:
         _check_join_kind(join)
         source = _source(join.this, policy)
         if any(s.alias == source.alias for s in sources.sources):
             raise FeatureNotSupported(f'table name "{source.alias}" specified more than once', sqlstate="42712")
-        if source.private and any(s.name == source.name for s in sources.sources):
+        if any(s.name == source.name for s in sources.sources):
+            if source.private:
+                raise FeatureNotSupported(
+                    f'self-joins of private table "{source.name}" are not supported',
+                    hint="A self-join can count one person's rows many times over.",
+                )
+            # A public table joined with itself adds no information and multiplies rows: a chain of
+            # them is a free way to hold the database (the query is charged, then runs for hours).
             raise FeatureNotSupported(
-                f'self-joins of private table "{source.name}" are not supported',
-                hint="A self-join can count one person's rows many times over.",
+                f'self-joins of public table "{source.name}" are not supported',
+                hint="Join each public table once.",
             )
         sources.sources.append(source)
     if joins:

@@ -4,7 +4,9 @@ Three implementations: DuckDB (embedded default), PostgreSQL and Apache Spark SQ
 ``spark`` extra). All are safe to call from many threads at once, run ``execute`` read-only
 with a single statement (a read-only transaction; Spark, which has none, accepts only a parsed
 SELECT), and turn every database error into a generic :class:`dpsql.errors.BackendError` (the
-database's own message may depend on private data, so it only goes to the log).
+database's own message may depend on private data: it goes only to :data:`database_log`).
+Every backend applies a statement timeout (``DEFAULT_STATEMENT_TIMEOUT_MS`` unless told
+otherwise) and reports it as 57014, as PostgreSQL does.
 
 Result values are plain Python: ``Decimal`` is normalised to ``int`` (integral values) or
 ``float`` so that both databases return the same types for ``SUM``/``AVG``.
@@ -12,16 +14,44 @@ Result values are plain Python: ``Decimal`` is normalised to ``int`` (integral v
 
 from __future__ import annotations
 
+import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from decimal import Decimal
 from typing import Any, Protocol, runtime_checkable
 
-from dpsql.errors import BackendError
+from dpsql.errors import BackendError, QueryCanceled
 
-__all__ = ["Backend", "BackendError", "open_backend", "redact_url"]
+__all__ = ["Backend", "BackendError", "database_log", "open_backend", "redact_url"]
 
 QUERY_FAILED = "the database failed to run the query"
+#: Every statement dpsql sends is cancelled after this long unless the caller sets another timeout
+#: (a hostile query must not hold a connection or a core forever; 0 would mean none).
+DEFAULT_STATEMENT_TIMEOUT_MS = 60_000
+
+#: The database's own text (an overflow message quotes the stored operands, a LIKE error says which
+#: pattern met which row) is data-dependent. It goes only to this logger, which propagates nowhere and
+#: has no handler until ``dpsql serve`` attaches it to the operator's log (INFO, never WARNING). In the
+#: DB-API and the CLI, i.e. the analyst's own process, it is dropped: Python's last-resort handler never
+#: sees it, and neither does a root handler the analyst configures.
+database_log = logging.getLogger("dpsql.database")
+database_log.propagate = False
+database_log.addHandler(logging.NullHandler())
+
+
+def log_database_error(what: str, exc: BaseException) -> None:
+    """Record a database failure's own text for the operator only (see :data:`database_log`)."""
+    database_log.info("%s (%s): %s", what, type(exc).__name__, str(exc)[:2000])
+
+
+def timed_out() -> QueryCanceled:
+    """57014, as PostgreSQL reports a statement_timeout (the database's own text stays in the log)."""
+    return QueryCanceled(
+        "canceling statement due to statement timeout",
+        hint="Narrow the query, or raise the timeout (SET statement_timeout / --statement-timeout).",
+    )
+
+
 _SQL_TYPE = re.compile(r"^[A-Za-z][A-Za-z0-9_ ]*(\(\s*\d+\s*(,\s*\d+\s*)?\))?(\[\])?$")
 
 
@@ -52,7 +82,9 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
-def open_backend(url: str, *, statement_timeout_ms: int | None = None, pool_size: int = 8) -> Backend:
+def open_backend(
+    url: str, *, statement_timeout_ms: int | None = DEFAULT_STATEMENT_TIMEOUT_MS, pool_size: int = 8
+) -> Backend:
     """Open a backend from a URL.
 
     ``duckdb://`` or ``duckdb:///:memory:`` (in-memory), ``duckdb:///abs/path.duckdb``,
@@ -115,3 +147,36 @@ def column_defs(columns: list[tuple[str, str]]) -> str:
             raise BackendError(f"invalid column type {sql_type!r}")
         defs.append(f"{quote_ident(name)} {sql_type.strip()}")
     return ", ".join(defs)
+
+
+#: Stored types a cast to a non-text policy type can fail on for *some* values only: text-like columns.
+_TEXTUAL = re.compile(r"char|text|string|json|enum|user-defined", re.IGNORECASE)
+
+
+def stored_type_mismatches(backend: Backend, table: str, declared: Mapping[str, str]) -> list[tuple[str, str]]:
+    """(column, stored type) of declared non-text columns that the database stores as text.
+
+    Generated SQL casts each column to its declared type. A cast from text fails only on rows whose
+    text does not parse ('Igor-77.5x' stored in a float column): an error that depends on one person's
+    value. The stored schema is the same on neighbouring databases, so refusing the column on its type
+    alone, before any row is read, is data-independent. Backends without ``information_schema``
+    (Spark) are not checked.
+    """
+    if backend.dialect not in ("duckdb", "postgres"):
+        return []
+    *schema, name = table.split(".")  # a policy source may be schema-qualified
+
+    def quoted(text: str) -> str:
+        return "'" + text.replace("'", "''") + "'"
+
+    _, rows = backend.execute(
+        "SELECT column_name, data_type FROM information_schema.columns "
+        f"WHERE table_name = {quoted(name)} AND table_schema = "
+        + (quoted(schema[-1]) if schema else "current_schema()")
+    )
+    stored = {str(c): str(t) for c, t in rows}
+    return [
+        (column, stored[column])
+        for column, kind in declared.items()
+        if kind != "text" and column in stored and _TEXTUAL.search(stored[column])
+    ]

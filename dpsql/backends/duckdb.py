@@ -12,7 +12,15 @@ import duckdb
 import numpy as np
 from sqlglot import exp
 
-from dpsql.backends import QUERY_FAILED, column_defs, normalize_rows, quote_ident, redact_url
+from dpsql.backends import (
+    QUERY_FAILED,
+    column_defs,
+    log_database_error,
+    normalize_rows,
+    quote_ident,
+    redact_url,
+    timed_out,
+)
 from dpsql.errors import BackendError
 
 log = logging.getLogger(__name__)
@@ -82,8 +90,11 @@ class DuckDBBackend:
             names = [d[0] for d in cur.description or ()]
             rows = normalize_rows(cur.fetchall())
             return names, rows
+        except duckdb.InterruptException as exc:
+            log_database_error("DuckDB query interrupted", exc)
+            raise timed_out() from None
         except duckdb.Error as exc:
-            log.warning("DuckDB query failed (%s): %s", type(exc).__name__, exc)
+            log_database_error("DuckDB query failed", exc)
             raise BackendError(QUERY_FAILED) from None
         finally:
             if timer is not None:
@@ -96,7 +107,7 @@ class DuckDBBackend:
         try:
             cur.execute(sql)
         except duckdb.Error as exc:
-            log.warning("DuckDB script failed (%s): %s", type(exc).__name__, exc)
+            log_database_error("DuckDB script failed", exc)
             raise BackendError(QUERY_FAILED) from None
         finally:
             cur.close()
@@ -140,7 +151,7 @@ class DuckDBBackend:
                     cur.unregister("_dpsql_load")
             cur.execute("COMMIT")
         except (duckdb.Error, ValueError) as exc:
-            log.warning("DuckDB load into %s failed (%s): %s", table, type(exc).__name__, exc)
+            log_database_error(f"DuckDB load into {table} failed", exc)
             raise BackendError(QUERY_FAILED) from None
         finally:
             cur.close()

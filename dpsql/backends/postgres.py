@@ -17,7 +17,15 @@ from typing import Any
 
 import psycopg
 
-from dpsql.backends import QUERY_FAILED, column_defs, normalize_rows, quote_ident, redact_url
+from dpsql.backends import (
+    QUERY_FAILED,
+    column_defs,
+    log_database_error,
+    normalize_rows,
+    quote_ident,
+    redact_url,
+    timed_out,
+)
 from dpsql.errors import BackendError
 
 log = logging.getLogger(__name__)
@@ -110,8 +118,11 @@ class PostgresBackend:
                     names = [col.name for col in cur.description or ()]
                     rows = normalize_rows(cur.fetchall()) if cur.description else []
                 return names, rows
+            except psycopg.errors.QueryCanceled as exc:
+                log_database_error("PostgreSQL query canceled", exc)
+                raise timed_out() from None
             except psycopg.Error as exc:
-                log.warning("PostgreSQL query failed (%s %s): %s", exc.sqlstate, type(exc).__name__, exc)
+                log_database_error(f"PostgreSQL query failed ({exc.sqlstate})", exc)
                 raise BackendError(QUERY_FAILED) from None
 
     def execute_script(self, sql: str) -> None:
@@ -119,7 +130,7 @@ class PostgresBackend:
             try:
                 conn.execute(sql)  # type: ignore[arg-type]  # no params: simple protocol, many statements
             except psycopg.Error as exc:
-                log.warning("PostgreSQL script failed (%s): %s", exc.sqlstate, exc)
+                log_database_error(f"PostgreSQL script failed ({exc.sqlstate})", exc)
                 raise BackendError(QUERY_FAILED) from None
 
     def load_rows(
@@ -145,7 +156,7 @@ class PostgresBackend:
                             copy.write_row(row)
                     cur.execute(f"ANALYZE {target}")  # type: ignore[arg-type]
             except psycopg.Error as exc:
-                log.warning("PostgreSQL load into %s failed (%s): %s", table, exc.sqlstate, exc)
+                log_database_error(f"PostgreSQL load into {table} failed ({exc.sqlstate})", exc)
                 raise BackendError(QUERY_FAILED) from None
 
     def close(self) -> None:

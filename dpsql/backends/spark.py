@@ -40,7 +40,7 @@ from sqlglot import exp
 from sqlglot.dialects.dialect import Dialect
 from sqlglot.tokens import TokenType
 
-from dpsql.backends import _SQL_TYPE, QUERY_FAILED, normalize_rows, redact_url
+from dpsql.backends import _SQL_TYPE, QUERY_FAILED, log_database_error, normalize_rows, redact_url
 from dpsql.errors import BackendError
 
 if TYPE_CHECKING:
@@ -152,7 +152,7 @@ def prepare_query(sql: str) -> PreparedQuery:
     try:
         statements = [s for s in sqlglot.parse(sql, read=DIALECT) if s is not None]
     except sqlglot.errors.SqlglotError as exc:
-        log.warning("Spark query refused, unparsable (%s): %s", type(exc).__name__, str(exc)[:_LOG_LIMIT])
+        log_database_error("Spark query refused, unparsable", exc)
         raise BackendError(QUERY_FAILED) from None
     if len(statements) != 1:
         raise BackendError("the database backend runs exactly one statement per query")
@@ -529,7 +529,7 @@ class SparkBackend:
         except BackendError:
             raise
         except Exception as exc:
-            log.warning("Spark query failed (%s): %s", type(exc).__name__, str(exc)[:_LOG_LIMIT])
+            log_database_error("Spark query failed", exc)
             raise BackendError(QUERY_FAILED) from None
 
     def execute_script(self, sql: str) -> None:
@@ -541,7 +541,7 @@ class SparkBackend:
         except BackendError:
             raise
         except Exception as exc:
-            log.warning("Spark script failed (%s): %s", type(exc).__name__, str(exc)[:_LOG_LIMIT])
+            log_database_error("Spark script failed", exc)
             raise BackendError(QUERY_FAILED) from None
 
     def load_rows(
@@ -575,7 +575,7 @@ class SparkBackend:
                 arrays = [pa.array(v, type=t) for v, t in zip(values, schema.types, strict=True)]
                 spark.createDataFrame(pa.Table.from_arrays(arrays, schema=schema)).write.insertInto(target)
         except Exception as exc:
-            log.warning("Spark load into %s failed (%s): %s", table, type(exc).__name__, str(exc)[:_LOG_LIMIT])
+            log_database_error(f"Spark load into {table} failed", exc)
             if created:
                 try:
                     spark.sql(f"DROP TABLE IF EXISTS {target}")

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dpsql.errors import Error, FeatureNotSupported
+from dpsql.errors import Error, FeatureNotSupported, QueryCanceled
 from dpsql.session import OutputColumn, Session
 
 from . import protocol as pq
@@ -52,10 +52,6 @@ TEXT = 25
 
 class Fatal(Error):
     severity = "FATAL"
-
-
-class QueryCanceled(Error):
-    sqlstate = "57014"
 
 
 @dataclass(slots=True)
