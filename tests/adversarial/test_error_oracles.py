@@ -279,3 +279,20 @@ def test_like_matches_alike_on_both_backends(oracle_backends: dict[str, Backend]
         assert value == rows["postgres", op, pattern], (name, op, pattern)
     assert rows["duckdb", "LIKE", "a\\_b"] == [(1,)]
     assert rows["duckdb", "LIKE", "a\\b"] == [(1,)]  # \b is a literal b, as in PostgreSQL
+
+
+def test_nan_and_infinity_are_never_proven_in_bounds(oracle_backends: dict[str, Backend]) -> None:
+    """DuckDB skips a clamp its statistics prove redundant: never when a NaN or ±infinity is stored."""
+    backend = oracle_backends["duckdb"]
+    proven = {}
+    for variant in ("ordinary", "nan", "infinity", "negative-infinity", "huge"):
+        backend.execute_script(_script(variant))
+        engine = Engine(parse_policy(POLICY), backend, Ledger.open("sqlite:///:memory:"))
+        proven[variant] = engine.prepare("SELECT SUM(x) FROM t", Session("alice")).plan.proven
+    assert proven == {
+        "ordinary": frozenset({0}),
+        "nan": frozenset(),
+        "infinity": frozenset(),
+        "negative-infinity": frozenset(),
+        "huge": frozenset(),
+    }
