@@ -187,6 +187,33 @@ def _check_literal_for(column: str, policy: ColumnPolicy, literal: exp.Expressio
     )
 
 
+#: The escape character of every LIKE dpsql sends, spelled out: DuckDB has no default escape,
+#: PostgreSQL's is backslash, so an implicit one would match differently on each backend.
+LIKE_ESCAPE = "\\"
+
+
+def canonical_like_pattern(pattern: str) -> str:
+    """A LIKE pattern, read with PostgreSQL's default escape (backslash), rewritten so that no backend
+    can fail on it when sent with ``ESCAPE '\\'``.
+
+    A pattern is evaluated only when some row reaches the predicate, so a pattern the backend rejects
+    (PostgreSQL: a trailing escape character, 22025) would tell whether anyone matches the rest of the
+    WHERE clause: an exact oracle. It is refused here instead, before anything runs, whatever the data.
+    In the canonical form only ``%``, ``_`` and the backslash itself are ever escaped.
+    """
+    out: list[str] = []
+    chars = iter(pattern)
+    for char in chars:
+        if char == LIKE_ESCAPE:
+            literal = next(chars, None)
+            if literal is None:
+                raise DataError("LIKE pattern must not end with escape character", sqlstate="22025")
+            out.append(LIKE_ESCAPE + literal if literal in "%_" + LIKE_ESCAPE else literal)
+        else:
+            out.append(char)
+    return "".join(out)
+
+
 def _operand(node: exp.Expression, scope: _Scope) -> tuple[str, ColumnPolicy] | None:
     """The column an operand refers to (unwrapping parentheses), or None for constants."""
     while isinstance(node, exp.Paren):
@@ -250,11 +277,21 @@ def check_where(node: exp.Expression, scope: _Scope) -> exp.Expression:
                 f"operator does not exist: {PG_TYPE_NAMES[policy.type]} ~~ unknown",
                 hint=f'LIKE needs a text column; "{name}" is {PG_TYPE_NAMES[policy.type]}.',
             )
-        if _literal_type(node.expression) != "text":
+        pattern = node.expression
+        if isinstance(pattern, exp.Cast) and _literal_type(pattern) == "text":
+            pattern = pattern.this
+        if not (isinstance(pattern, exp.Literal) and pattern.is_string):
             raise FeatureNotSupported("LIKE patterns must be string constants")
         if node.args.get("escape") is not None:
             raise FeatureNotSupported("LIKE ... ESCAPE is not supported")
-        return node.__class__(this=_normalise_column(node.this, scope), expression=node.expression.copy())
+        checked = exp.Escape(
+            this=node.__class__(
+                this=_normalise_column(node.this, scope),
+                expression=exp.Literal.string(canonical_like_pattern(pattern.name)),
+            ),
+            expression=exp.Literal.string(LIKE_ESCAPE),
+        )
+        return exp.Not(this=checked) if node.args.get("negate") else checked
     if isinstance(node, exp.Escape):
         raise FeatureNotSupported("LIKE ... ESCAPE is not supported")
     raise FeatureNotSupported(

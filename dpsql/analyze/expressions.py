@@ -7,10 +7,19 @@ fail on any row: no division by a range containing 0, no integer division (whose
 truncation differs between engines), no value beyond 2^53 (overflow or lost precision),
 and CASE conditions limited to the same safe predicates as WHERE. Anything else is
 refused with the reason, before any budget is spent.
+
+The proof is about the declared bounds, so it holds for stored rows only because every column is
+clamped to its bounds *before* any arithmetic (:func:`clamp_sql`): a stored value outside them
+(a cost of 4999 against [0, 2000], ±infinity, a huge integer) would otherwise make ``1 / (cost - 4999)``
+or ``visits^4`` fail on some rows only, an error oracle. NaN orders above +infinity on PostgreSQL,
+DuckDB and Spark alike, so it clamps to the upper bound everywhere. Float columns also read tiny
+magnitudes (below 2^-128) as 0, and products and quotients are refused when they could still come
+within reach of 0 without being 0: PostgreSQL raises "underflow" there, DuckDB does not.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import math
 from collections.abc import Callable
@@ -23,6 +32,11 @@ from dpsql.policy import PG_TYPE_NAMES, ColumnPolicy
 
 #: Largest magnitude an expression may reach: beyond it doubles lose integers and BIGINT products overflow.
 MAX_MAGNITUDE = 2.0**53
+#: Float column values with a magnitude below 2^SNAP_EXPONENT are read as 0 inside expressions.
+SNAP_EXPONENT = -128
+#: A product or quotient whose non-zero magnitude can fall below 2^UNDERFLOW_EXPONENT is refused
+#: (doubles reach 0 below 2^-1074, where PostgreSQL raises "value out of range: underflow").
+UNDERFLOW_EXPONENT = -1070
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +48,8 @@ class Bounded:
     upper: float
     integer: bool
     nullable: bool
+    #: log2 of a lower bound on the magnitude of every non-zero value (floats: underflow tracking)
+    tiny: int = 0
 
     def policy(self) -> ColumnPolicy:
         """A virtual column policy, so aggregates treat the expression like a declared column."""
@@ -57,13 +73,48 @@ _DATE_PARTS: dict[str, tuple[int, int]] = {
 }
 
 
-def _checked(node: exp.Expression, lower: float, upper: float, integer: bool, nullable: bool) -> Bounded:
+def clamp_sql(value: exp.Expression, lower: exp.Expression, upper: exp.Expression) -> exp.Expression:
+    """``value`` clamped to ``[lower, upper]``; NULL stays NULL, NaN (above +infinity on every
+    backend) becomes ``upper``. CASE rather than GREATEST/LEAST: those treat NULL differently
+    across engines (PostgreSQL ignores NULL arguments)."""
+    return (
+        exp.Case()
+        .when(exp.LT(this=value, expression=lower), lower)
+        .when(exp.GT(this=value.copy(), expression=upper), upper.copy())
+        .else_(value.copy())
+    )
+
+
+def _bound_literal(value: object, policy: ColumnPolicy) -> exp.Expression:
+    """A declared bound as a literal of the column's type."""
+    if isinstance(value, dt.datetime):
+        return exp.cast(exp.Literal.string(value.isoformat(sep=" ")), exp.DataType.Type.TIMESTAMP)
+    if isinstance(value, dt.date):
+        kind = exp.DataType.Type.TIMESTAMP if policy.type == "timestamp" else exp.DataType.Type.DATE
+        text = value.isoformat() + (" 00:00:00" if policy.type == "timestamp" else "")
+        return exp.cast(exp.Literal.string(text), kind)
+    number = float(value)  # type: ignore[arg-type]
+    literal = exp.Literal.number(int(abs(number)) if number.is_integer() else abs(number))
+    return exp.Neg(this=literal) if number < 0 else literal
+
+
+def _exponent(value: float) -> int:
+    """floor(log2 |value|) for a non-zero value (0 for 0: it cannot underflow)."""
+    return math.frexp(value)[1] - 1 if value else 0
+
+
+def _checked(node: exp.Expression, lower: float, upper: float, integer: bool, nullable: bool, tiny: int = 0) -> Bounded:
+    if tiny < UNDERFLOW_EXPONENT:
+        raise FeatureNotSupported(
+            "an expression inside an aggregate can underflow",
+            hint="A product or quotient of these bounds can come within 2^-1070 of 0 without being 0; scale it up.",
+        )
     if not (math.isfinite(lower) and math.isfinite(upper)) or max(abs(lower), abs(upper)) > MAX_MAGNITUDE:
         raise FeatureNotSupported(
             "an expression inside an aggregate can exceed 2^53 in magnitude",
             hint="Its bounds, derived from the policy, are too wide to compute exactly; scale it down.",
         )
-    return Bounded(node, lower, upper, integer, nullable)
+    return Bounded(node, lower, upper, integer, nullable, 0 if integer else tiny)
 
 
 def _number(node: exp.Expression) -> float | None:
@@ -83,10 +134,10 @@ def bound(node: exp.Expression, resolve: Resolve, check_predicate: CheckPredicat
     if constant is not None:
         literal = exp.Literal.number(int(abs(constant)) if constant.is_integer() else abs(constant))
         sql = exp.Neg(this=literal) if constant < 0 else literal
-        return _checked(sql, constant, constant, constant.is_integer(), False)
+        return _checked(sql, constant, constant, constant.is_integer(), False, _exponent(constant))
     if isinstance(node, exp.Paren):
         inner = bound(node.this, resolve, check_predicate)
-        return Bounded(exp.paren(inner.sql, copy=False), inner.lower, inner.upper, inner.integer, inner.nullable)
+        return dataclasses.replace(inner, sql=exp.paren(inner.sql, copy=False))
     if isinstance(node, exp.Column):
         column, policy = resolve(node)
         if not policy.numeric:
@@ -100,13 +151,21 @@ def bound(node: exp.Expression, resolve: Resolve, check_predicate: CheckPredicat
                 hint=f'Declare lower/upper for "{node.name}" so expressions over it have a finite sensitivity.',
             )
         integer = policy.type == "int"
-        typed = exp.cast(
-            column, exp.DataType.Type.BIGINT if integer else exp.DataType.Type.DOUBLE
-        )  # no int4 overflow on any row
-        return _checked(typed, float(policy.lower), float(policy.upper), integer, policy.nullable)  # type: ignore[arg-type]
+        # clamped in the stored type first: a stored value beyond BIGINT or ±infinity never reaches a cast
+        clamped = clamp_sql(column, _bound_literal(policy.lower, policy), _bound_literal(policy.upper, policy))
+        if not integer:
+            snap = exp.Literal.number(2.0**SNAP_EXPONENT)
+            near_zero = exp.and_(
+                exp.GT(this=column.copy(), expression=exp.Neg(this=snap)),
+                exp.LT(this=column.copy(), expression=snap.copy()),
+            )
+            clamped.set("default", None)
+            clamped = clamped.when(near_zero, exp.Literal.number(0)).else_(column.copy())
+        typed = exp.cast(clamped, exp.DataType.Type.BIGINT if integer else exp.DataType.Type.DOUBLE)
+        return _checked(typed, float(policy.lower), float(policy.upper), integer, policy.nullable, SNAP_EXPONENT)  # type: ignore[arg-type]
     if isinstance(node, exp.Neg):
         inner = bound(node.this, resolve, check_predicate)
-        return _checked(exp.Neg(this=inner.sql), -inner.upper, -inner.lower, inner.integer, inner.nullable)
+        return _checked(exp.Neg(this=inner.sql), -inner.upper, -inner.lower, inner.integer, inner.nullable, inner.tiny)
     if isinstance(node, exp.Add | exp.Sub | exp.Mul | exp.Div):
         return _arithmetic(node, bound(node.this, resolve, check_predicate),
                            bound(node.expression, resolve, check_predicate))  # fmt: skip
@@ -114,7 +173,7 @@ def bound(node: exp.Expression, resolve: Resolve, check_predicate: CheckPredicat
         inner = bound(node.this, resolve, check_predicate)
         low = 0.0 if inner.lower <= 0 <= inner.upper else min(abs(inner.lower), abs(inner.upper))
         high = max(abs(inner.lower), abs(inner.upper))
-        return _checked(exp.Abs(this=inner.sql), low, high, inner.integer, inner.nullable)
+        return _checked(exp.Abs(this=inner.sql), low, high, inner.integer, inner.nullable, inner.tiny)
     if isinstance(node, exp.Coalesce):
         parts = [bound(a, resolve, check_predicate) for a in [node.this, *node.expressions]]
         return _checked(
@@ -123,6 +182,7 @@ def bound(node: exp.Expression, resolve: Resolve, check_predicate: CheckPredicat
             max(p.upper for p in parts),
             all(p.integer for p in parts),
             all(p.nullable for p in parts),
+            min(p.tiny for p in parts),
         )
     if isinstance(node, exp.Case):
         return _case(node, resolve, check_predicate)
@@ -136,16 +196,18 @@ def bound(node: exp.Expression, resolve: Resolve, check_predicate: CheckPredicat
 
 def _arithmetic(node: exp.Expression, left: Bounded, right: Bounded) -> Bounded:
     nullable = left.nullable or right.nullable
+    # doubles of magnitude >= 2^t are multiples of 2^(t-52): a non-zero sum or difference is at least that
+    summed = min(left.tiny, right.tiny) - 53
     if isinstance(node, exp.Add):
         return _checked(exp.Add(this=left.sql, expression=right.sql), left.lower + right.lower,
-                        left.upper + right.upper, left.integer and right.integer, nullable)  # fmt: skip
+                        left.upper + right.upper, left.integer and right.integer, nullable, summed)  # fmt: skip
     if isinstance(node, exp.Sub):
         return _checked(exp.Sub(this=left.sql, expression=right.sql), left.lower - right.upper,
-                        left.upper - right.lower, left.integer and right.integer, nullable)  # fmt: skip
+                        left.upper - right.lower, left.integer and right.integer, nullable, summed)  # fmt: skip
     if isinstance(node, exp.Mul):
         corners = [a * b for a in (left.lower, left.upper) for b in (right.lower, right.upper)]
         return _checked(exp.Mul(this=left.sql, expression=right.sql), min(corners), max(corners),
-                        left.integer and right.integer, nullable)  # fmt: skip
+                        left.integer and right.integer, nullable, left.tiny + right.tiny)  # fmt: skip
     if right.lower <= 0 <= right.upper:
         raise FeatureNotSupported(
             "division by an expression that can be zero",
@@ -158,7 +220,8 @@ def _arithmetic(node: exp.Expression, left: Bounded, right: Bounded) -> Bounded:
         )
     corners = [a / b for a in (left.lower, left.upper) for b in (right.lower, right.upper)]
     quotient = exp.Div(this=exp.cast(left.sql, exp.DataType.Type.DOUBLE), expression=right.sql)
-    return _checked(quotient, min(corners), max(corners), False, nullable)
+    reach = max(abs(right.lower), abs(right.upper))
+    return _checked(quotient, min(corners), max(corners), False, nullable, left.tiny - _exponent(reach) - 1)
 
 
 def _case(node: exp.Case, resolve: Resolve, check_predicate: CheckPredicate) -> Bounded:
@@ -183,6 +246,7 @@ def _case(node: exp.Case, resolve: Resolve, check_predicate: CheckPredicate) -> 
         max(b.upper for b in branches),
         all(b.integer for b in branches),
         default is None or any(b.nullable for b in branches),
+        min(b.tiny for b in branches),
     )
 
 
@@ -203,5 +267,8 @@ def _extract(node: exp.Extract, resolve: Resolve) -> Bounded:
         bounds = _DATE_PARTS[part]
     else:
         raise FeatureNotSupported(f'EXTRACT("{part}") is not supported inside an aggregate')
-    sql = exp.cast(exp.Extract(this=exp.var(part.upper()), expression=column), exp.DataType.Type.BIGINT)
+    # clamped first: EXTRACT(year FROM 'infinity') is infinite on PostgreSQL (and fails as BIGINT), NULL on DuckDB
+    low_date, high_date = (policy.lower, policy.upper) if policy.bounded else (dt.date(1, 1, 1), dt.date(9999, 12, 31))
+    clamped = clamp_sql(column, _bound_literal(low_date, policy), _bound_literal(high_date, policy))
+    sql = exp.cast(exp.Extract(this=exp.var(part.upper()), expression=clamped), exp.DataType.Type.BIGINT)
     return _checked(sql, float(bounds[0]), float(bounds[1]), True, policy.nullable)

@@ -9,6 +9,7 @@ short-lived read-write connection.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import logging
 import queue
 import threading
@@ -16,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import psycopg
+from psycopg.types.datetime import DateBinaryLoader, TimestampBinaryLoader
 
 from dpsql.backends import (
     QUERY_FAILED,
@@ -76,6 +78,28 @@ class ConnectionPool:
                 return
 
 
+class _SaturatingDateLoader(DateBinaryLoader):
+    """Dates beyond Python's range (±infinity, years past 9999 or BC) saturate to ``date.min``/``date.max``
+    as DuckDB's client returns ±infinity, instead of failing the fetch: a failing fetch of a group key
+    would reveal that someone holds such a value."""
+
+    def load(self, data: Any) -> dt.date:
+        try:
+            return super().load(data)
+        except psycopg.DataError:
+            return dt.date.min if int.from_bytes(data, "big", signed=True) < 0 else dt.date.max
+
+
+class _SaturatingTimestampLoader(TimestampBinaryLoader):
+    """Timestamps beyond Python's range saturate to ``datetime.min``/``datetime.max`` (see dates)."""
+
+    def load(self, data: Any) -> dt.datetime:
+        try:
+            return super().load(data)
+        except psycopg.DataError:
+            return dt.datetime.min if int.from_bytes(data, "big", signed=True) < 0 else dt.datetime.max
+
+
 class PostgresBackend:
     dialect = "postgres"
 
@@ -97,6 +121,8 @@ class PostgresBackend:
     def _connect_read_only(self) -> psycopg.Connection:
         conn = self._connect()
         try:
+            conn.adapters.register_loader("date", _SaturatingDateLoader)
+            conn.adapters.register_loader("timestamp", _SaturatingTimestampLoader)
             conn.execute("SET default_transaction_read_only = on")
             conn.execute("SET application_name = 'dpsql'")
             if self.statement_timeout_ms:

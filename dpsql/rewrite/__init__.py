@@ -14,6 +14,7 @@ from typing import Any
 
 from sqlglot import exp
 
+from dpsql.analyze.expressions import clamp_sql
 from dpsql.analyze.sources import from_node
 from dpsql.plan import Measure, Plan
 from dpsql.policy import ColumnPolicy
@@ -81,15 +82,11 @@ def clamp_inputs(select: exp.Select, plan: Plan) -> exp.Select:
     return select
 
 
-def _clamp(value: exp.Expression, lower: exp.Expression, upper: exp.Expression) -> exp.Expression:
-    """CASE rather than GREATEST/LEAST: NULL must stay NULL, and those two treat NULL differently
-    across engines (PostgreSQL ignores NULL arguments)."""
-    return (
-        exp.Case()
-        .when(exp.LT(this=value, expression=lower), lower)
-        .when(exp.GT(this=value.copy(), expression=upper), upper)
-        .else_(value.copy())
-    )
+_clamp = clamp_sql
+
+#: A centred float value closer than 2^-500 to 0 is squared as 0: PostgreSQL raises "underflow" when
+#: a product of non-zero doubles rounds to 0 (DuckDB returns 0), so that error would depend on data.
+_SQUARE_SNAP = 2.0**-500
 
 
 def centre_sums(select: exp.Select, plan: Plan) -> exp.Select:
@@ -134,11 +131,14 @@ def square_sums(select: exp.Select, plan: Plan) -> exp.Select:
             value = _sum_argument(select, offset + i)
             # BIGINT before multiplying: an int4 product could overflow only on some rows (an error oracle)
             copied = value.copy()
-            term = (
-                exp.cast(copied, exp.DataType.Type.BIGINT, copy=False)
-                if measure.integer
-                else exp.paren(copied, copy=False)
-            )
+            if measure.integer:
+                term: exp.Expression = exp.cast(copied, exp.DataType.Type.BIGINT, copy=False)
+            else:
+                near_zero = exp.and_(
+                    exp.GT(this=copied.copy(), expression=exp.Neg(this=exp.Literal.number(_SQUARE_SNAP))),
+                    exp.LT(this=copied.copy(), expression=exp.Literal.number(_SQUARE_SNAP)),
+                )
+                term = exp.Case().when(near_zero, exp.Literal.number(0)).else_(copied)
             value.replace(exp.Mul(this=term, expression=term.copy()))
     return select
 
