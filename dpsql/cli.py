@@ -138,10 +138,18 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_budget(args: argparse.Namespace) -> int:
-    from dpsql.ledger import Ledger
-    from dpsql.policy import load_policy
+    from dpsql.ledger import Ledger, Spent, remaining_budget
+    from dpsql.policy import Budget, load_policy
+    from dpsql.release import rho_to_epsilon
 
     policy = load_policy(args.policy or default_policy())
+    accounting = policy.budget.accounting
+
+    def spent_and_left(used: Spent, total: Budget) -> tuple[float, float]:
+        # the ledger's accountant: Σε under pure, ε(Σρ, δ − Σδ_selection) under zcdp
+        left = remaining_budget(used, total, accounting, rho_to_epsilon=rho_to_epsilon).epsilon
+        return used.privacy_loss(accounting, total.delta, rho_to_epsilon)[0], left
+
     ledger = Ledger.open(args.ledger or default_ledger(policy.dataset))
     try:
         spent = {row.analyst: row.spent for row in ledger.summary(policy.dataset)}
@@ -151,20 +159,13 @@ def cmd_budget(args: argparse.Namespace) -> int:
         rows = []
         for name in names:
             total = policy.analyst_budget(name)
-            used = spent.get(name)
-            eps = used.epsilon if used else 0.0
-            rows.append((name, eps, total.epsilon, max(total.epsilon - eps, 0.0), used.queries if used else 0))
+            used = spent.get(name, Spent())
+            eps, left = spent_and_left(used, total)
+            rows.append((name, eps, total.epsilon, left, used.queries))
         all_spent = ledger.spent(policy.dataset)
-        dataset_total = policy.budget.dataset.epsilon
-        rows.append(
-            (
-                "(dataset)",
-                all_spent.epsilon,
-                dataset_total,
-                max(dataset_total - all_spent.epsilon, 0.0),
-                all_spent.queries,
-            )
-        )
+        dataset_total = policy.budget.dataset
+        eps, left = spent_and_left(all_spent, dataset_total)
+        rows.append(("(dataset)", eps, dataset_total.epsilon, left, all_spent.queries))
         columns = ["analyst", "epsilon_spent", "epsilon_total", "epsilon_remaining", "queries"]
         if args.json:
             print(json.dumps([dict(zip(columns, r, strict=True)) for r in rows]))

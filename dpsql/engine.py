@@ -39,7 +39,7 @@ from dpsql.errors import (
     UndefinedColumn,
     UndefinedTable,
 )
-from dpsql.ledger import Cost, Ledger
+from dpsql.ledger import Cost, Ledger, remaining_budget
 from dpsql.localdp import RandomizedResponse, perturb_rows
 from dpsql.plan import Measure, Plan
 from dpsql.policy import Policy, TablePolicy, load_policy
@@ -262,6 +262,7 @@ class Engine:
         if not plan.measures:
             return Budgeting(0.0, 0.0, mechanism, [], Cost(epsilon=0.0))
         selecting = plan.selection_measure is not None
+        _check_query_delta(self.policy, delta, selecting or mechanism == "gaussian")
         if (selecting or mechanism == "gaussian") and delta == 0:
             raise InvalidParameterValue(
                 "this query needs δ > 0",
@@ -286,7 +287,7 @@ class Engine:
                 for m in plan.measures
             ]
             shares = [math.sqrt(8 * rho / k)] * k  # ε-DP selection is ε²/8-zCDP (bounded range)
-            cost = Cost(epsilon=epsilon, delta=delta, rho=rho)
+            cost = Cost(epsilon=epsilon, delta=delta, rho=rho, selection_delta=delta / 2 if selecting else 0.0)
         else:
             specs = [
                 None
@@ -295,7 +296,8 @@ class Engine:
                 for m in plan.measures
             ]
             shares = [epsilon / k] * k
-            cost = Cost(epsilon=epsilon, delta=delta if selecting else 0.0)
+            # ε-DP measurements (ρ = ε²/2 under zcdp) plus δ for the partition-selection event only
+            cost = Cost(epsilon=epsilon, delta=delta if selecting else 0.0, selection_delta=delta if selecting else 0.0)
         budgeting = Budgeting(epsilon, cost.delta, mechanism, specs, cost, shares)
         if selecting:
             assert plan.selection_measure is not None
@@ -411,8 +413,12 @@ class Engine:
         histograms = {i: self._run(sql) for i, sql in prepared.histograms}
         result = self._release(prepared, rows, session.confidence or self.policy.defaults.confidence, histograms)
         if charge is not None:
-            remaining = self.policy.analyst_budget(session.analyst).epsilon - charge.analyst_spent.epsilon
-            result.remaining_epsilon = max(remaining, 0.0)
+            result.remaining_epsilon = remaining_budget(
+                charge.analyst_spent,
+                self.policy.analyst_budget(session.analyst),
+                self.policy.budget.accounting,
+                rho_to_epsilon=rho_to_epsilon,
+            ).epsilon  # the ledger's own accountant: Σε under pure, ε(Σρ, δ − Σδ_sel) under zcdp
             result.notices.append(
                 f"dpsql: charged ε={budgeting.epsilon:g}"
                 + (f", δ={budgeting.delta:g}" if budgeting.delta else "")
@@ -583,6 +589,24 @@ class Engine:
 
 
 # --- helpers ------------------------------------------------------------------------------------
+
+
+def _check_query_delta(policy: Policy, delta: float, uses_delta: bool) -> None:
+    """Under zcdp accounting a query's δ is added up, not converted: cap it before any charge.
+
+    δ must be ≤ ``budget.max_query_delta`` (default 10⁻³) and below the dataset's δ budget; the
+    analyst's own δ budget is then enforced by the ledger (53P01) before the query runs. Pure
+    accounting is unchanged (its ledger check on Σδ refuses an oversized δ with 53P01).
+    """
+    budget = policy.budget
+    if budget.accounting != "zcdp" or not uses_delta or delta == 0:
+        return
+    if delta > budget.max_query_delta or delta >= budget.dataset.delta:
+        raise InvalidParameterValue(
+            f"dpsql.delta={delta:g} is too large for one query",
+            hint=f"Under zCDP accounting a query's δ must be ≤ {budget.max_query_delta:g} "
+            f"and below the dataset's δ budget {budget.dataset.delta:g}; use e.g. SET dpsql.delta = 1e-7.",
+        )
 
 
 def _local_query(plan: Plan, dialect: str) -> LocalQuery | None:

@@ -19,8 +19,18 @@ transaction, keeps per-(dataset, analyst) sums so a reserve costs O(1) however l
 history grows.
 
 Composition: under ``"pure"`` accounting ε and δ add (basic composition). Under
-``"zcdp"`` ρ adds, and the spent ε is ε(ρ_total, δ_budget); a pure ε-DP charge counts as
-ρ = ε²/2. Dataset totals sum *all* analysts, since analysts may collude.
+``"zcdp"`` the accountant is approximate zCDP (Bun & Steinke 2016, Def. 8.1; OpenDP's
+``Approximate<ZeroConcentratedDivergence>``): each charge is a pair (ρ, δ_sel) where ρ is the
+zCDP cost of the noisy measurements (a pure ε-DP charge counts as ρ = ε²/2) and δ_sel the
+probability of the bad event of partition selection (a key held only by the differing unit
+being released), which is not a zCDP quantity. Both add up, and the total converts to
+(ε(Σρ, δ_budget − Σδ_sel), δ_budget)-DP. A charge is refused when Σδ_sel would exceed the δ
+budget or that ε would exceed the ε budget. The δ a Gaussian query used to convert its own ρ
+is recorded in ``delta`` (the per-query (ε, δ) guarantee) but not composed: under zCDP only
+the total ρ is converted, once. Dataset totals sum *all* analysts, since analysts may collude.
+
+Ledgers written before ``selection_delta`` existed are migrated on open: the column is added,
+and existing totals take their recorded δ as selection δ (an upper bound: conservative).
 """
 
 from __future__ import annotations
@@ -71,42 +81,56 @@ class Cost:
     """The privacy cost of one release.
 
     ``epsilon``/``delta`` are its (ε, δ)-DP guarantee; ``rho`` its zCDP cost (Gaussian
-    queries under ``zcdp`` accounting). Under ``zcdp``, a cost with ``rho == 0`` and
-    ``delta == 0`` is pure ε-DP and counts as ρ = ε²/2.
+    queries under ``zcdp`` accounting); ``selection_delta`` the part of ``delta`` spent on
+    partition selection (≤ ``delta``), which zCDP accounting adds up separately. Under
+    ``zcdp``, a cost with ``rho == 0`` whose δ is all selection δ is ε-DP apart from the
+    selection event and counts as ρ = ε²/2.
     """
 
     epsilon: float
     delta: float = 0.0
     rho: float = 0.0
+    selection_delta: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("epsilon", "delta", "rho"):
+        for name in ("epsilon", "delta", "rho", "selection_delta"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"Cost.{name} must be a finite number >= 0, got {value!r}")
         if self.delta >= 1:
             raise ValueError(f"Cost.delta must be < 1, got {self.delta!r}")
+        if self.selection_delta > self.delta:
+            raise ValueError(f"Cost.selection_delta must be <= delta, got {self.selection_delta!r}")
 
     def zcdp_rho(self) -> float:
-        """ρ charged under zCDP accounting; an (ε, δ>0) cost without ρ cannot be composed there."""
+        """ρ charged under zCDP accounting; an (ε, δ>0) cost without ρ cannot be composed there
+        (unless its δ is only partition selection's, which is charged as ``selection_delta``)."""
         if self.rho > 0:
             return self.rho
-        if self.delta == 0:
+        if self.delta == self.selection_delta:
             return self.epsilon * self.epsilon / 2
         raise ValueError("an (ε, δ>0) cost needs its zCDP rho to be charged under zcdp accounting")
 
 
 @dataclass(frozen=True)
 class Spent:
-    """Raw sums of recorded charges (ε and δ by basic composition, ρ by zCDP composition)."""
+    """Raw sums of recorded charges (ε and δ by basic composition, ρ by zCDP composition,
+    ``selection_delta`` the partition-selection δ that zCDP accounting adds to its conversion)."""
 
     epsilon: float = 0.0
     delta: float = 0.0
     rho: float = 0.0
     queries: int = 0
+    selection_delta: float = 0.0
 
-    def plus(self, epsilon: float, delta: float, rho: float) -> Spent:
-        return Spent(self.epsilon + epsilon, self.delta + delta, self.rho + rho, self.queries + 1)
+    def plus(self, epsilon: float, delta: float, rho: float, selection_delta: float = 0.0) -> Spent:
+        return Spent(
+            self.epsilon + epsilon,
+            self.delta + delta,
+            self.rho + rho,
+            self.queries + 1,
+            self.selection_delta + selection_delta,
+        )
 
     def privacy_loss(
         self,
@@ -114,17 +138,21 @@ class Spent:
         delta: float,
         rho_to_epsilon: RhoToEpsilon | None = None,
     ) -> tuple[float, float]:
-        """The (ε, δ) this spending amounts to; under zCDP, ε is converted at the given δ."""
+        """The (ε, δ) this spending amounts to; under zCDP, (ε(ρ, δ − Σδ_sel), δ)."""
         if accounting == "pure":
             return self.epsilon, self.delta
         if self.rho == 0:
-            return 0.0, 0.0
-        return (rho_to_epsilon or default_rho_to_epsilon)(self.rho, delta), delta
+            return 0.0, self.selection_delta
+        return zcdp_epsilon(self.rho, self.selection_delta, delta, rho_to_epsilon), delta
 
 
 @dataclass(frozen=True)
 class Remaining:
-    """What is left of a budget: (ε, δ) and, under zCDP, the largest ρ still affordable."""
+    """What is left of a budget: (ε, δ) and, under zCDP, the largest ρ still affordable.
+
+    Under zCDP, ``delta`` is the δ still available to partition selection (δ_budget − Σδ_sel),
+    and ``epsilon`` is ε_budget − ε(Σρ, δ_budget − Σδ_sel): the same conversion the ledger checks.
+    """
 
     epsilon: float
     delta: float
@@ -194,6 +222,19 @@ def max_rho(epsilon: float, delta: float, rho_to_epsilon: RhoToEpsilon | None = 
     return lo
 
 
+def zcdp_epsilon(rho: float, selection_delta: float, delta: float, rho_to_epsilon: RhoToEpsilon | None = None) -> float:
+    """ε of (ε, δ)-DP implied by ρ-zCDP plus an additive ``selection_delta``: ε(ρ, δ − δ_sel).
+
+    Infinite when no δ is left for the conversion (and ρ > 0).
+    """
+    if rho <= 0:
+        return 0.0
+    conversion_delta = _left_for_conversion(delta, selection_delta)
+    if conversion_delta <= 0 or not delta > 0:
+        return math.inf
+    return (rho_to_epsilon or default_rho_to_epsilon)(rho, conversion_delta)
+
+
 def _within(total: float, budget: float) -> bool:
     return total <= budget + REL_TOLERANCE * budget
 
@@ -205,6 +246,17 @@ def _fmt(value: float) -> str:
 def _conversion_delta(budget: BudgetLike, rho_delta: float | None) -> float:
     # A smaller δ only makes the converted ε more conservative, so never exceed the budget's δ.
     return budget.delta if rho_delta is None else min(rho_delta, budget.delta)
+
+
+def _left_for_conversion(delta: float, selection_delta: float) -> float:
+    # Σδ_sel is a float sum that may fall an ulp short of the true total: round it up, so that
+    # selection spending the whole δ budget never leaves a spurious 1e-21 to convert ρ at.
+    return delta - selection_delta * (1 + REL_TOLERANCE) if selection_delta > 0 else delta
+
+
+def _zcdp_delta(budget: BudgetLike, rho_delta: float | None, selection_delta: float) -> float:
+    """The δ the total ρ is converted at: the budget's δ (or ``rho_delta``) less the selection δ."""
+    return min(_conversion_delta(budget, rho_delta), _left_for_conversion(budget.delta, selection_delta))
 
 
 def check_budget(
@@ -236,17 +288,30 @@ def check_budget(
                 "(or use the Laplace mechanism, which spends no δ).",
             )
         return
-    delta = _conversion_delta(budget, rho_delta)
-    convert = rho_to_epsilon or default_rho_to_epsilon
+    selection_total = spent.selection_delta + cost.selection_delta
+    if cost.selection_delta > 0 and not _within(selection_total, budget.delta):
+        detail = (
+            f"spent partition-selection δ={_fmt(spent.selection_delta)} of {_fmt(budget.delta)}, "
+            f"this query needs δ={_fmt(cost.selection_delta)}"
+        )
+        raise PrivacyBudgetExhausted(
+            message,
+            detail=detail,
+            hint="Ask the data curator for more budget, lower δ with SET dpsql.delta, "
+            "or group by columns with a public domain (no partition selection).",
+        )
+    delta = _zcdp_delta(budget, rho_delta, selection_total)
     rho_cost = cost.zcdp_rho()
     total = spent.rho + rho_cost
-    epsilon_total = convert(total, delta) if total > 0 else 0.0
+    epsilon_total = zcdp_epsilon(total, 0.0, delta, rho_to_epsilon)
     if not _within(epsilon_total, budget.epsilon):
-        epsilon_spent = convert(spent.rho, delta) if spent.rho > 0 else 0.0
+        epsilon_spent = zcdp_epsilon(spent.rho, 0.0, delta, rho_to_epsilon)
         detail = (
             f"spent ρ={_fmt(spent.rho)} (ε={_fmt(epsilon_spent)} at δ={_fmt(delta)}) "
             f"of ε={_fmt(budget.epsilon)}, "
-            f"this query needs ρ={_fmt(rho_cost)}, which would total ε={_fmt(epsilon_total)}"
+            f"this query needs ρ={_fmt(rho_cost)}"
+            + (f" and selection δ={_fmt(cost.selection_delta)}" if cost.selection_delta else "")
+            + f", which would total ε={_fmt(epsilon_total)}"
         )
         raise PrivacyBudgetExhausted(message, detail=detail, hint=_HINT_EXHAUSTED)
 
@@ -266,10 +331,11 @@ def remaining_budget(
             delta=max(0.0, budget.delta - spent.delta),
             rho=0.0,
         )
-    delta = _conversion_delta(budget, rho_delta)
-    used, _ = spent.privacy_loss("zcdp", delta, rho_to_epsilon)
-    rho_left = max(0.0, max_rho(budget.epsilon, delta, rho_to_epsilon) - spent.rho)
-    return Remaining(epsilon=max(0.0, budget.epsilon - used), delta=budget.delta, rho=rho_left)
+    delta = _zcdp_delta(budget, rho_delta, spent.selection_delta)
+    used = zcdp_epsilon(spent.rho, 0.0, delta, rho_to_epsilon)
+    rho_left = max(0.0, max_rho(budget.epsilon, delta, rho_to_epsilon) - spent.rho) if delta > 0 else 0.0
+    delta_left = max(0.0, budget.delta - spent.selection_delta)
+    return Remaining(epsilon=max(0.0, budget.epsilon - used), delta=delta_left, rho=rho_left)
 
 
 # --- the stores ---------------------------------------------------------------------------
@@ -341,6 +407,7 @@ class Ledger:
             epsilon=cost.epsilon,
             delta=cost.delta,
             rho=rho,
+            selection_delta=cost.selection_delta,
             accounting=accounting,
             at=now,
             check=check,
@@ -408,7 +475,7 @@ class Ledger:
         # of the policy to zcdp does not undercount earlier pure-DP charges.
         if cost.rho > 0:
             return cost.rho
-        return cost.epsilon * cost.epsilon / 2 if cost.delta == 0 else 0.0
+        return cost.epsilon * cost.epsilon / 2 if cost.delta == cost.selection_delta else 0.0
 
     def _reserve(
         self,
@@ -419,6 +486,7 @@ class Ledger:
         epsilon: float,
         delta: float,
         rho: float,
+        selection_delta: float,
         accounting: Accounting,
         at: dt.datetime,
         check: Callable[[Spent, Spent], None],
@@ -427,14 +495,15 @@ class Ledger:
 
 
 def _sum_spent(parts: Iterator[Spent] | list[Spent]) -> Spent:
-    eps = delta = rho = 0.0
+    eps = delta = rho = selection_delta = 0.0
     queries = 0
     for part in parts:
         eps += part.epsilon
         delta += part.delta
         rho += part.rho
         queries += part.queries
-    return Spent(eps, delta, rho, queries)
+        selection_delta += part.selection_delta
+    return Spent(eps, delta, rho, queries, selection_delta)
 
 
 def _unavailable(reason: str, exc: BaseException | None = None) -> LedgerUnavailable:
@@ -463,7 +532,8 @@ CREATE TABLE IF NOT EXISTS dpsql_ledger (
     epsilon     REAL    NOT NULL CHECK (epsilon >= 0),
     delta       REAL    NOT NULL CHECK (delta >= 0),
     rho         REAL    NOT NULL CHECK (rho >= 0),
-    accounting  TEXT    NOT NULL
+    accounting  TEXT    NOT NULL,
+    selection_delta REAL CHECK (selection_delta >= 0)  -- NULL: recorded before schema 2 (count delta)
 );
 CREATE INDEX IF NOT EXISTS dpsql_ledger_by_owner ON dpsql_ledger (dataset, analyst, id);
 CREATE TABLE IF NOT EXISTS dpsql_ledger_totals (
@@ -474,6 +544,7 @@ CREATE TABLE IF NOT EXISTS dpsql_ledger_totals (
     rho      REAL    NOT NULL,
     queries  INTEGER NOT NULL,
     last_at  TEXT    NOT NULL,
+    selection_delta REAL NOT NULL DEFAULT 0,
     PRIMARY KEY (dataset, analyst)
 );
 CREATE TRIGGER IF NOT EXISTS dpsql_ledger_no_delete BEFORE DELETE ON dpsql_ledger
@@ -482,21 +553,53 @@ CREATE TRIGGER IF NOT EXISTS dpsql_ledger_no_update BEFORE UPDATE ON dpsql_ledge
 BEGIN SELECT RAISE(ABORT, 'privacy ledger charges are never changed'); END;
 CREATE TABLE IF NOT EXISTS dpsql_ledger_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 -- A real write on every open: a read-only file or directory fails here, not mid-query.
-INSERT INTO dpsql_ledger_meta (key, value) VALUES ('schema', '1')
+INSERT INTO dpsql_ledger_meta (key, value) VALUES ('schema', '2')
     ON CONFLICT (key) DO UPDATE SET value = excluded.value;
 COMMIT;
 """
 
+# Schema 1 → 2 (run inside the BEGIN IMMEDIATE of _SQLITE_SCHEMA's successor, after re-checking).
+# Old totals take their whole recorded δ as selection δ: an upper bound, so never an undercount.
+_SQLITE_MIGRATE_2 = (
+    "ALTER TABLE dpsql_ledger ADD COLUMN selection_delta REAL CHECK (selection_delta >= 0)",
+    "ALTER TABLE dpsql_ledger_totals ADD COLUMN selection_delta REAL NOT NULL DEFAULT 0",
+    "UPDATE dpsql_ledger_totals SET selection_delta = delta",
+)
+
 _UPSERT_TOTALS = """
-INSERT INTO dpsql_ledger_totals (dataset, analyst, epsilon, delta, rho, queries, last_at)
-VALUES (?, ?, ?, ?, ?, 1, ?)
+INSERT INTO dpsql_ledger_totals (dataset, analyst, epsilon, delta, rho, queries, last_at, selection_delta)
+VALUES (?, ?, ?, ?, ?, 1, ?, ?)
 ON CONFLICT (dataset, analyst) DO UPDATE SET
     epsilon = epsilon + excluded.epsilon,
     delta   = delta + excluded.delta,
     rho     = rho + excluded.rho,
     queries = queries + 1,
-    last_at = excluded.last_at
+    last_at = excluded.last_at,
+    selection_delta = selection_delta + excluded.selection_delta
 """
+
+
+def _sqlite_columns(conn: sqlite3.Connection, table: str) -> set[str]:
+    return {row[1] for row in conn.execute(f"PRAGMA table_info({table})").fetchall()}
+
+
+def _sqlite_migrate(conn: sqlite3.Connection) -> None:
+    """Bring a schema-1 ledger (no ``selection_delta``) to schema 2; no-op on new or current files."""
+    if "selection_delta" in _sqlite_columns(conn, "dpsql_ledger_totals") or not _sqlite_columns(
+        conn, "dpsql_ledger_totals"
+    ):
+        return
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        if "selection_delta" not in _sqlite_columns(conn, "dpsql_ledger_totals"):  # another opener may have won
+            for statement in _SQLITE_MIGRATE_2:
+                conn.execute(statement)
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            with suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+        raise
 
 
 class SQLiteLedger(Ledger):
@@ -547,6 +650,7 @@ class SQLiteLedger(Ledger):
                     raise _unavailable(f"{self.path!r} cannot use write-ahead logging")
             conn.execute("PRAGMA synchronous=FULL")  # fsync the WAL on every commit
             conn.execute("PRAGMA fullfsync=ON")  # F_FULLFSYNC on macOS; ignored elsewhere
+            _sqlite_migrate(conn)
             conn.executescript(_SQLITE_SCHEMA)
         except (sqlite3.Error, LedgerUnavailable) as exc:
             if conn.in_transaction:
@@ -595,6 +699,7 @@ class SQLiteLedger(Ledger):
         epsilon: float,
         delta: float,
         rho: float,
+        selection_delta: float,
         accounting: Accounting,
         at: dt.datetime,
         check: Callable[[Spent, Spent], None],
@@ -607,7 +712,7 @@ class SQLiteLedger(Ledger):
                 conn.execute("BEGIN IMMEDIATE")
                 try:
                     rows = conn.execute(
-                        "SELECT analyst, epsilon, delta, rho, queries FROM dpsql_ledger_totals "
+                        "SELECT analyst, epsilon, delta, rho, queries, selection_delta FROM dpsql_ledger_totals "
                         "WHERE dataset = ? ORDER BY analyst",
                         (dataset,),
                     ).fetchall()
@@ -615,11 +720,11 @@ class SQLiteLedger(Ledger):
                     check(analyst_spent, dataset_spent)
                     cursor = conn.execute(
                         "INSERT INTO dpsql_ledger (at, dataset, analyst, fingerprint, epsilon, delta, rho, "
-                        "accounting) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                        (_ts(at), dataset, analyst, fingerprint, epsilon, delta, rho, accounting),
+                        "accounting, selection_delta) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        (_ts(at), dataset, analyst, fingerprint, epsilon, delta, rho, accounting, selection_delta),
                     )
                     charge_id = cursor.lastrowid
-                    conn.execute(_UPSERT_TOTALS, (dataset, analyst, epsilon, delta, rho, _ts(at)))
+                    conn.execute(_UPSERT_TOTALS, (dataset, analyst, epsilon, delta, rho, _ts(at), selection_delta))
                     conn.execute("COMMIT")
                 except BaseException:
                     if conn.in_transaction:
@@ -631,8 +736,8 @@ class SQLiteLedger(Ledger):
         assert charge_id is not None
         return (
             charge_id,
-            analyst_spent.plus(epsilon, delta, rho),
-            dataset_spent.plus(epsilon, delta, rho),
+            analyst_spent.plus(epsilon, delta, rho, selection_delta),
+            dataset_spent.plus(epsilon, delta, rho, selection_delta),
         )
 
     def summary(self, dataset: str) -> list[AnalystSpent]:
@@ -640,17 +745,17 @@ class SQLiteLedger(Ledger):
         with self._turn():
             try:
                 rows = conn.execute(
-                    "SELECT analyst, epsilon, delta, rho, queries, last_at FROM dpsql_ledger_totals "
+                    "SELECT analyst, epsilon, delta, rho, queries, last_at, selection_delta FROM dpsql_ledger_totals "
                     "WHERE dataset = ? ORDER BY analyst",
                     (dataset,),
                 ).fetchall()
             except sqlite3.Error as exc:
                 raise _unavailable(f"cannot read {self.path!r}", exc) from exc
-        return [AnalystSpent(r[0], Spent(r[1], r[2], r[3], r[4]), _parse_ts(r[5])) for r in rows]
+        return [AnalystSpent(r[0], Spent(r[1], r[2], r[3], r[4], r[6]), _parse_ts(r[5])) for r in rows]
 
     def charges(self, dataset: str, analyst: str | None = None, *, limit: int = 100) -> list[ChargeRecord]:
         sql = (
-            "SELECT id, at, dataset, analyst, fingerprint, epsilon, delta, rho, accounting "
+            "SELECT id, at, dataset, analyst, fingerprint, epsilon, delta, rho, accounting, selection_delta "
             "FROM dpsql_ledger WHERE dataset = ?"
         )
         params: tuple[Any, ...] = (dataset,)
@@ -677,7 +782,9 @@ class SQLiteLedger(Ledger):
 
 def _split_totals(rows: list[Any], analyst: str) -> tuple[Spent, Spent]:
     """(analyst's totals, dataset's totals over every analyst) from per-analyst total rows."""
-    per_analyst = {row[0]: Spent(float(row[1]), float(row[2]), float(row[3]), int(row[4])) for row in rows}
+    per_analyst = {
+        row[0]: Spent(float(row[1]), float(row[2]), float(row[3]), int(row[4]), float(row[5])) for row in rows
+    }
     return per_analyst.get(analyst, Spent()), _sum_spent(list(per_analyst.values()))
 
 
@@ -688,7 +795,8 @@ def _record(row: Any) -> ChargeRecord:
         dataset=row[2],
         analyst=row[3],
         fingerprint=row[4],
-        cost=Cost(float(row[5]), float(row[6]), float(row[7])),
+        # a charge recorded before selection_delta existed counts its whole δ (conservative)
+        cost=Cost(float(row[5]), float(row[6]), float(row[7]), float(row[6] if row[9] is None else row[9])),
         accounting=row[8],
     )
 
@@ -703,7 +811,8 @@ CREATE TABLE IF NOT EXISTS dpsql_ledger (
     epsilon     double precision NOT NULL CHECK (epsilon >= 0),
     delta       double precision NOT NULL CHECK (delta >= 0),
     rho         double precision NOT NULL CHECK (rho >= 0),
-    accounting  text             NOT NULL
+    accounting  text             NOT NULL,
+    selection_delta double precision CHECK (selection_delta >= 0)  -- NULL: before schema 2 (count delta)
 );
 CREATE INDEX IF NOT EXISTS dpsql_ledger_by_owner ON dpsql_ledger (dataset, analyst, id);
 CREATE TABLE IF NOT EXISTS dpsql_ledger_totals (
@@ -714,8 +823,20 @@ CREATE TABLE IF NOT EXISTS dpsql_ledger_totals (
     rho     double precision NOT NULL,
     queries bigint           NOT NULL,
     last_at timestamptz      NOT NULL,
+    selection_delta double precision NOT NULL DEFAULT 0,
     PRIMARY KEY (dataset, analyst)
 );
+-- Schema 1 → 2: old totals take their whole recorded δ as selection δ (conservative).
+DO $do$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'dpsql_ledger_totals'::regclass
+                   AND attname = 'selection_delta' AND NOT attisdropped) THEN
+        ALTER TABLE dpsql_ledger ADD COLUMN selection_delta double precision CHECK (selection_delta >= 0);
+        ALTER TABLE dpsql_ledger_totals ADD COLUMN selection_delta double precision NOT NULL DEFAULT 0;
+        UPDATE dpsql_ledger_totals SET selection_delta = delta;
+    END IF;
+END
+$do$;
 CREATE OR REPLACE FUNCTION dpsql_ledger_append_only() RETURNS trigger LANGUAGE plpgsql AS $fn$
 BEGIN
     RAISE EXCEPTION 'privacy ledger charges are never changed or deleted';
@@ -735,14 +856,15 @@ $do$;
 """
 
 _PG_UPSERT_TOTALS = """
-INSERT INTO dpsql_ledger_totals AS t (dataset, analyst, epsilon, delta, rho, queries, last_at)
-VALUES (%s, %s, %s, %s, %s, 1, %s)
+INSERT INTO dpsql_ledger_totals AS t (dataset, analyst, epsilon, delta, rho, queries, last_at, selection_delta)
+VALUES (%s, %s, %s, %s, %s, 1, %s, %s)
 ON CONFLICT (dataset, analyst) DO UPDATE SET
     epsilon = t.epsilon + excluded.epsilon,
     delta   = t.delta + excluded.delta,
     rho     = t.rho + excluded.rho,
     queries = t.queries + 1,
-    last_at = excluded.last_at
+    last_at = excluded.last_at,
+    selection_delta = t.selection_delta + excluded.selection_delta
 """
 
 
@@ -817,6 +939,7 @@ class PostgresLedger(Ledger):
         epsilon: float,
         delta: float,
         rho: float,
+        selection_delta: float,
         accounting: Accounting,
         at: dt.datetime,
         check: Callable[[Spent, Spent], None],
@@ -833,7 +956,7 @@ class PostgresLedger(Ledger):
                     (_PG_LOCK_NAMESPACE, dataset),
                 )
                 rows = conn.execute(
-                    "SELECT analyst, epsilon, delta, rho, queries FROM dpsql_ledger_totals "
+                    "SELECT analyst, epsilon, delta, rho, queries, selection_delta FROM dpsql_ledger_totals "
                     "WHERE dataset = %s ORDER BY analyst",
                     (dataset,),
                 ).fetchall()
@@ -841,15 +964,19 @@ class PostgresLedger(Ledger):
                 check(analyst_spent, dataset_spent)
                 row = conn.execute(
                     "INSERT INTO dpsql_ledger (at, dataset, analyst, fingerprint, epsilon, delta, rho, "
-                    "accounting) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) RETURNING id",
-                    (at, dataset, analyst, fingerprint, epsilon, delta, rho, accounting),
+                    "accounting, selection_delta) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) RETURNING id",
+                    (at, dataset, analyst, fingerprint, epsilon, delta, rho, accounting, selection_delta),
                 ).fetchone()
-                conn.execute(_PG_UPSERT_TOTALS, (dataset, analyst, epsilon, delta, rho, at))
+                conn.execute(_PG_UPSERT_TOTALS, (dataset, analyst, epsilon, delta, rho, at, selection_delta))
         except psycopg.Error as exc:
             self._drop(conn)
             raise _unavailable("cannot record a charge", exc) from exc
         assert row is not None
-        return int(row[0]), analyst_spent.plus(epsilon, delta, rho), dataset_spent.plus(epsilon, delta, rho)
+        return (
+            int(row[0]),
+            analyst_spent.plus(epsilon, delta, rho, selection_delta),
+            dataset_spent.plus(epsilon, delta, rho, selection_delta),
+        )
 
     def _fetch(self, sql: str, params: tuple[Any, ...]) -> list[Any]:
         import psycopg
@@ -863,15 +990,15 @@ class PostgresLedger(Ledger):
 
     def summary(self, dataset: str) -> list[AnalystSpent]:
         rows = self._fetch(
-            "SELECT analyst, epsilon, delta, rho, queries, last_at FROM dpsql_ledger_totals "
+            "SELECT analyst, epsilon, delta, rho, queries, last_at, selection_delta FROM dpsql_ledger_totals "
             "WHERE dataset = %s ORDER BY analyst",
             (dataset,),
         )
-        return [AnalystSpent(r[0], Spent(r[1], r[2], r[3], r[4]), r[5]) for r in rows]
+        return [AnalystSpent(r[0], Spent(r[1], r[2], r[3], r[4], r[6]), r[5]) for r in rows]
 
     def charges(self, dataset: str, analyst: str | None = None, *, limit: int = 100) -> list[ChargeRecord]:
         sql = (
-            "SELECT id, at, dataset, analyst, fingerprint, epsilon, delta, rho, accounting "
+            "SELECT id, at, dataset, analyst, fingerprint, epsilon, delta, rho, accounting, selection_delta "
             "FROM dpsql_ledger WHERE dataset = %s"
         )
         params: tuple[Any, ...] = (dataset,)

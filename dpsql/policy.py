@@ -210,6 +210,11 @@ class Budgets(_Strict):
     dataset: Budget
     analyst: Budget = Field(description="Default total for each analyst without a budget of their own.")
     accounting: Accounting = "pure"
+    max_query_delta: Annotated[float, Field(gt=0, lt=1)] = Field(
+        default=1e-3,
+        description="Under zcdp accounting, the largest δ one query may use (SET dpsql.delta above it, "
+        "or at/above the dataset's δ budget, is refused with 22023 before any charge).",
+    )
 
 
 class Auth(_Strict):

@@ -1,11 +1,15 @@
 """Noise calibration, release, accuracy and partition-selection thresholds.
 
 Every released value is ``grid · (round(x / grid) + Z)`` with ``Z`` exact integer noise from
-``samplers`` and ``grid`` a power of two (1 for integer aggregates).  Dividing and multiplying by a
-power of two is exact in binary floating point, so the output is an exact multiple of ``grid`` that
-depends on the data only through the integer ``round(x / grid)`` — this closes Mironov's
-floating-point side channel.  Snapping can move two neighbouring inputs one extra grid step apart
-per affected cell, which the calibration adds to the sensitivity.
+``samplers`` and ``grid`` a power of two (1 for integer aggregates, unless their noise scale would
+exceed what the samplers draw exactly, see ``_MAX_INTEGER_SCALE``).  ``round(x / grid)`` is computed
+exactly (float division by a power of two, or exact rationals for wide integers and decimals) and
+``k + Z`` is exact integer arithmetic (Python integers once it leaves the int64-safe range), so the
+output depends on the data only through the integer ``round(x / grid)``; converting that noisy
+integer to float afterwards is post-processing.  This closes Mironov's floating-point side channel
+(noise on a grid, exact sampler, no data-dependent float rounding before the noise).  Snapping can
+move two neighbouring inputs one extra grid step apart per affected cell, which the calibration adds
+to the sensitivity.
 
 All functions here are pure and cheap (results cached by their hashable arguments), except
 ``release``/``sample_noise`` which draw from the OS CSPRNG.
@@ -16,6 +20,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from decimal import Decimal
+from fractions import Fraction
 from functools import lru_cache
 from typing import Literal
 
@@ -43,9 +49,15 @@ __all__ = [
 GRID_BITS = 10
 #: Above this σ the discrete-Gaussian tails come from a conservative normal bound instead of a table.
 _GAUSS_TABLE_MAX_SIGMA = 2.0e4
-#: |round(x/grid)| is clipped here so that (k + Z)·grid stays exact in float64 (clipping is a
-#: contraction, so it never increases sensitivity).
-_MAX_GRID_UNITS = float(2**52)
+#: Grid units up to this stay on the int64 fast path (|k + Z| far inside int64); beyond, Python ints.
+_INT64_SAFE_UNITS = 2**52
+#: |round(x/grid)| is clipped here (only ±inf and absurd magnitudes reach it; clipping is a monotone
+#: contraction, so it never increases sensitivity) so that float(k + Z)·grid stays finite for grid ≤ 1.
+_MAX_GRID_UNITS = 2**1000
+#: Integer aggregates use grid 1 while their noise scale (b or σ, grid units) is at most this; beyond,
+#: a power-of-two grid ≥ 1 chosen from the sensitivity and ε (public, never from the data) keeps the
+#: scale inside what the exact samplers draw (2^50 for discrete Laplace, 2^44 for the Gaussian).
+_MAX_INTEGER_SCALE = 2.0**44
 
 Mechanism = Literal["laplace", "gaussian"]
 
@@ -95,6 +107,13 @@ def _pow2_floor(x: float) -> float:
 
 def _real_grid(*quantities: float) -> float:
     return _pow2_floor(min(quantities) / 2**GRID_BITS)
+
+
+def _integer_grid(sensitivity: float, scale: float) -> float:
+    """Grid for an integer aggregate: 1, or the real-valued grid (≥ 1) when ``scale`` is too large."""
+    if scale <= _MAX_INTEGER_SCALE:
+        return 1.0
+    return max(1.0, _real_grid(sensitivity, scale))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -186,8 +205,9 @@ def epsilon_to_rho(epsilon: float, delta: float) -> float:
 def laplace_spec(l1_sensitivity: float, epsilon: float, *, integer: bool, cells: int = 1) -> NoiseSpec:
     """Discrete-Laplace noise giving ε-DP for a query of L1 sensitivity Δ.
 
-    Integer aggregates: grid 1, scale ⌈Δ⌉/ε (an integer-valued query changes by an integer ≤ Δ).
-    Real aggregates: grid g = largest power of two ≤ min(Δ, Δ/ε)/2^10.  Snapped neighbours satisfy
+    Integer aggregates: grid 1, scale ⌈Δ⌉/ε (an integer-valued query changes by an integer ≤ Δ); when
+    that scale exceeds 2^44 (huge declared bounds) they are treated like real aggregates, on a grid
+    g ≥ 1.  Real aggregates: grid g = largest power of two ≤ min(Δ, Δ/ε)/2^10.  Snapped neighbours satisfy
     |round(x/g) − round(x'/g)| ≤ ⌈Δ/g⌉ + 1 per cell, so across the ``cells`` output cells one unit can
     change the grid-unit L1 sensitivity is ⌈Δ/g⌉ + cells and scale = that / ε.  Integer noise with
     that scale is ε-DP on the snapped value (pmf ratio ≤ e^{Δ_g/b}); multiplying by g is
@@ -195,11 +215,11 @@ def laplace_spec(l1_sensitivity: float, epsilon: float, *, integer: bool, cells:
     """
     delta_ = _positive("l1_sensitivity", l1_sensitivity)
     eps = _positive("epsilon", epsilon)
-    if integer:
-        return NoiseSpec("laplace", math.ceil(delta_) / eps, 1.0, eps, 0.0, None)
     if cells < 1:
         raise ValueError("cells must be ≥ 1")
-    g = _real_grid(delta_, delta_ / eps)
+    g = _integer_grid(delta_, delta_ / eps) if integer else _real_grid(delta_, delta_ / eps)
+    if integer and g == 1.0:
+        return NoiseSpec("laplace", math.ceil(delta_) / eps, 1.0, eps, 0.0, None)
     sens = math.ceil(delta_ / g) + cells
     return NoiseSpec("laplace", sens / eps, g, eps, 0.0, None)
 
@@ -209,18 +229,20 @@ def gaussian_spec(l2_sensitivity: float, epsilon: float, delta: float, *, intege
 
     ρ = ``epsilon_to_rho(ε, δ)``; the discrete Gaussian with σ = Δ_g/√(2ρ) is ρ-zCDP for integer
     vectors at L2 distance ≤ Δ_g (CKS20, Thm. 4), which converts to (ε, δ)-DP.  Integer aggregates use
-    Δ_g = Δ.  Real aggregates use grid g = largest power of two ≤ min(Δ, Δ/√(2ρ))/2^10; snapping adds
-    at most one grid step per affected cell, so Δ_g = Δ/g + √cells.
+    Δ_g = Δ (unless σ would exceed 2^44: then the real-valued rule, with g ≥ 1).  Real aggregates use
+    grid g = largest power of two ≤ min(Δ, Δ/√(2ρ))/2^10; snapping adds at most one grid step per
+    affected cell, so Δ_g = Δ/g + √cells.
     """
     d = _positive("l2_sensitivity", l2_sensitivity)
     eps = _positive("epsilon", epsilon)
     dlt = _probability("delta", delta)
     rho = epsilon_to_rho(eps, dlt)
-    if integer:
-        return NoiseSpec("gaussian", d / math.sqrt(2.0 * rho), 1.0, eps, dlt, rho)
     if cells < 1:
         raise ValueError("cells must be ≥ 1")
-    g = _real_grid(d, d / math.sqrt(2.0 * rho))
+    sigma = d / math.sqrt(2.0 * rho)
+    g = _integer_grid(d, sigma) if integer else _real_grid(d, sigma)
+    if integer and g == 1.0:
+        return NoiseSpec("gaussian", sigma, 1.0, eps, dlt, rho)
     sens = d / g + math.sqrt(cells)
     return NoiseSpec("gaussian", sens / math.sqrt(2.0 * rho), g, eps, dlt, rho)
 
@@ -244,29 +266,82 @@ def sample_noise(spec: NoiseSpec, size: int) -> np.ndarray:
     raise ValueError(f"unknown mechanism {spec.mechanism!r}")
 
 
-def _grid_units(values: Sequence[float | int] | np.ndarray, grid: float) -> np.ndarray:
+def _exact_units(value: object, grid: float) -> int:
+    """round(value / grid), ties to even, computed exactly (ints, floats, Decimals), clipped to ±2^1000."""
+    exact: Fraction
+    if isinstance(value, bool | np.bool_ | int | np.integer):
+        exact = Fraction(int(value))
+    elif isinstance(value, Decimal):
+        if value.is_nan():
+            raise ValueError("release() needs non-NULL, non-NaN aggregates; handle NULLs before noising")
+        if value.is_infinite():
+            return _MAX_GRID_UNITS if value > 0 else -_MAX_GRID_UNITS
+        exact = Fraction(value)
+    else:
+        f = float(value)  # type: ignore[arg-type]
+        if math.isnan(f):
+            raise ValueError("release() needs non-NULL, non-NaN aggregates; handle NULLs before noising")
+        if math.isinf(f):
+            return _MAX_GRID_UNITS if f > 0 else -_MAX_GRID_UNITS
+        exact = Fraction(f)
+    units = round(exact / Fraction(grid))
+    return max(-_MAX_GRID_UNITS, min(_MAX_GRID_UNITS, units))
+
+
+def _grid_units(values: Sequence[object] | np.ndarray, grid: float) -> np.ndarray:
+    """The exact integers round(x / grid): int64 when all are ≤ 2^52 in magnitude, else Python ints."""
     arr = np.asarray(values)
-    if grid == 1.0 and np.issubdtype(arr.dtype, np.integer):
-        return np.clip(arr.astype(np.int64), -(2**52), 2**52)
-    f = np.asarray(arr, dtype=np.float64)
-    if np.isnan(f).any():
-        raise ValueError("release() needs non-NULL, non-NaN aggregates; handle NULLs before noising")
-    return np.clip(np.rint(f / grid), -_MAX_GRID_UNITS, _MAX_GRID_UNITS).astype(np.int64)
+    if (
+        arr.dtype.kind in "iub"
+        and grid == 1.0
+        and arr.size
+        and np.abs(arr, dtype=np.float64).max() <= _INT64_SAFE_UNITS
+    ):
+        return arr.astype(np.int64)
+    if arr.dtype.kind == "f":
+        if np.isnan(arr).any():
+            raise ValueError("release() needs non-NULL, non-NaN aggregates; handle NULLs before noising")
+        with np.errstate(over="ignore"):
+            units = np.rint(arr.astype(np.float64) / grid)  # exact: grid is a power of two
+        if not units.size or np.abs(units).max() <= _INT64_SAFE_UNITS:
+            return units.astype(np.int64)
+        # wide: the float units are exact integers (±inf where x/grid overflowed: clipped)
+        wide = [_exact_units(u, 1.0) for u in units.ravel().tolist()]
+    else:
+        wide = [_exact_units(v, grid) for v in arr.ravel().tolist()]
+    if not wide or max(abs(u) for u in wide) <= _INT64_SAFE_UNITS:
+        return np.array(wide, dtype=np.int64).reshape(arr.shape)
+    out = np.empty(len(wide), dtype=object)
+    out[:] = wide
+    return out.reshape(arr.shape)
 
 
-def release(values: Sequence[float | int] | np.ndarray, spec: NoiseSpec) -> np.ndarray:
+def release(values: Sequence[object] | np.ndarray, spec: NoiseSpec) -> np.ndarray:
     """Snap ``values`` to ``spec.grid``, add exact integer noise, return values on the grid.
 
-    Returns int64 when ``grid == 1`` else float64 exact multiples of ``grid``; the shape of ``values``
-    is kept.  The privacy guarantee is the spec's, provided the caller's sensitivity covers the whole
-    vector.  Values are clipped to ±2^52 grid units (a contraction: sensitivity cannot grow).
+    Returns integers when ``grid == 1`` (int64, or Python ints in an object array beyond int64) else
+    float64 multiples of ``grid``; the shape of ``values`` is kept.  The privacy guarantee is the spec's,
+    provided the caller's sensitivity covers the whole vector.  No finite magnitude is clipped below
+    2^1000 grid units: int, float and Decimal aggregates beyond 2^52 are noised in exact Python-integer
+    arithmetic (the noise is unbiased at every magnitude).  The final float conversion of a wide
+    ``k + Z`` rounds a value that is already private (post-processing).
     """
     k = _grid_units(values, spec.grid)
     z = sample_noise(spec, k.size).reshape(k.shape)
-    out = k + z
+    if k.dtype != object:
+        out = k + z  # |k| ≤ 2^52 and |Z| ≪ 2^62: no int64 overflow
+        if spec.grid == 1.0:
+            return out
+        return out.astype(np.float64) * spec.grid
+    wide = [int(a) + int(b) for a, b in zip(k.ravel().tolist(), z.ravel().tolist(), strict=True)]
     if spec.grid == 1.0:
-        return out
-    return out.astype(np.float64) * spec.grid
+        if max(abs(u) for u in wide) < 2**63:
+            return np.array(wide, dtype=np.int64).reshape(k.shape)
+        obj = np.empty(len(wide), dtype=object)
+        obj[:] = wide
+        return obj.reshape(k.shape)
+    with np.errstate(over="ignore"):
+        return (np.array([float(u) for u in wide], dtype=np.float64) * spec.grid).reshape(k.shape)
 
 
 # --------------------------------------------------------------------------------------------------
