@@ -39,7 +39,7 @@ from dpsql.errors import (
     UndefinedColumn,
     UndefinedTable,
 )
-from dpsql.ledger import Cost, Ledger
+from dpsql.ledger import Cost, Ledger, resolve_ledger_url
 from dpsql.localdp import RandomizedResponse, perturb_rows
 from dpsql.plan import Measure, Plan
 from dpsql.policy import Policy, TablePolicy, load_policy
@@ -188,11 +188,15 @@ class Engine:
     ) -> Engine:
         """Open an engine from a policy (file or object), a database URL, a ledger URL and a cache URL.
 
-        The result cache defaults to the ledger's SQLite file (so it persists exactly as long as
-        the budget it protects), or memory when the ledger is not a SQLite file.
+        Without ``ledger`` the engine uses the persistent per-dataset ledger the CLI uses
+        (:func:`dpsql.ledger.default_ledger`, SQLite under ``$DPSQL_HOME``), so every engine and
+        connection of a dataset draws on one budget; a fresh in-memory budget only when asked for
+        explicitly (``ledger="memory"`` or ``"sqlite:///:memory:"``). The result cache defaults to
+        the ledger's SQLite file (so it persists exactly as long as the budget it protects), or
+        memory when the ledger is not a SQLite file.
         """
         loaded = policy if isinstance(policy, Policy) else load_policy(policy)
-        ledger_url = ledger or "sqlite:///:memory:"
+        ledger_url = resolve_ledger_url(ledger, loaded.dataset)
         cache_url = cache or (ledger_url if ledger_url.startswith("sqlite:///") else "memory")
         return cls(loaded, open_backend(database), Ledger.open(ledger_url), ResultCache.open(cache_url))
 
