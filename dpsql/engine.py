@@ -32,6 +32,7 @@ from dpsql.errors import (
     DataError,
     Error,
     FeatureNotSupported,
+    InsufficientPrivilege,
     InvalidAuthorization,
     InvalidParameterValue,
     ReadOnlyViolation,
@@ -63,6 +64,7 @@ from dpsql.release.selection import (
 )
 from dpsql.rewrite import centre_rows, histogram_query, rewrite
 from dpsql.session import OutputColumn, Result, Session
+from dpsql.writes import write_oracles
 
 #: Largest cross product of public key domains released in one query.
 MAX_PUBLIC_GROUPS = 1_000_000
@@ -427,8 +429,26 @@ class Engine:
         return result
 
     def _insert(self, tree: exp.Expression, params: Params) -> Result:
-        """The opt-in write path: store rows with their randomized-response columns perturbed."""
+        """The opt-in write path: store rows with their randomized-response columns perturbed.
+
+        The outcome must not depend on stored data (else it is a membership oracle): the
+        columns an analyst may give are checked by :func:`parse_insert`, the table's catalog
+        by :func:`dpsql.writes.write_oracles` (no key, foreign key or trigger relating the new
+        row to stored ones), both before anything runs; and every failure of the write itself
+        is reported as one fixed error, whatever the database's reason.
+        """
         table, columns, rows = parse_insert(bind_parameters(tree, params), self.policy)
+        target = table.source or tree.this.this.name
+        try:
+            oracles = write_oracles(self.backend, target, columns)
+        except Error:
+            oracles = ["the catalog could not be read"]
+        if oracles:
+            raise ReadOnlyViolation(
+                "cannot execute INSERT in a read-only transaction",
+                hint=f'The table "{tree.this.this.name}" has {oracles[0]}: whether an INSERT succeeded would '
+                "depend on rows already stored, so dpsql does not write to it.",
+            )
         mechanisms = [table.columns[c].local_mechanism() for c in columns]
         stored = perturb_rows(rows, mechanisms)
         values = exp.values([tuple(literal_for(v) for v in row) for row in stored])
@@ -441,10 +461,11 @@ class Engine:
         )
         try:
             self.backend.execute_script(statement.sql(dialect=self.backend.dialect))
-        except Error:
-            raise
-        except Exception as exc:
-            raise BackendError("the database failed to store the rows") from exc
+        except Exception:  # one error for every cause (NOT NULL, CHECK, type, connection): nothing data-dependent
+            raise BackendError(
+                "the database failed to store the rows",
+                hint="Nothing was stored. The reason is withheld: it could depend on other rows.",
+            ) from None
         perturbed = [f"{c} (ε={m.epsilon:g})" for c, m in zip(columns, mechanisms, strict=True) if m is not None]
         return Result(
             columns=[],
@@ -654,7 +675,12 @@ def _equality_value(where: exp.Expression | None, alias: str, name: str) -> Any:
 
 
 def parse_insert(tree: exp.Expression, policy: Policy) -> tuple[TablePolicy, list[str], list[tuple[Any, ...]]]:
-    """``INSERT INTO t (cols) VALUES (...)`` with constants, into a table with randomized-response columns."""
+    """``INSERT INTO t (cols) VALUES (...)`` with constants, into a table with randomized-response columns.
+
+    Analysts give values only for randomized-response columns and columns the policy marks
+    ``writable: true``; identifiers (and every other column) are refused with 42501 before
+    anything runs: whether a given respondent is already stored must never decide the outcome.
+    """
     if not policy.writes.randomized_response:
         raise ReadOnlyViolation(
             "cannot execute INSERT in a read-only transaction",
@@ -676,6 +702,19 @@ def parse_insert(tree: exp.Expression, policy: Policy) -> tuple[TablePolicy, lis
     for column in columns:
         if column not in table.columns:
             raise UndefinedColumn(f'column "{column}" of relation "{name}" does not exist')
+    for column in columns:
+        policy_column = table.columns[column]
+        if policy_column.randomized_response is None and (policy_column.identifier or not policy_column.writable):
+            raise InsufficientPrivilege(
+                f'permission denied to write column "{column}" of relation "{name}"',
+                hint=(
+                    "Identifier columns are filled by the database, never by an INSERT: whether an identifier "
+                    "is already stored would decide the outcome."
+                    if policy_column.identifier
+                    else "An INSERT may give only randomized-response columns and columns the policy marks "
+                    "'writable: true'."
+                ),
+            )
     rows = []
     for row in values.expressions:
         cells = [_constant(v) for v in row.expressions]
