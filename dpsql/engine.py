@@ -26,7 +26,7 @@ from sqlglot import exp
 from dpsql.analyze import analyze_tree, infer_parameter_types, parse_statement
 from dpsql.analyze.parse import Params, bind_parameters, dialect, literal_for, too_complex
 from dpsql.backends import Backend, open_backend
-from dpsql.cache import ResultCache, cache_key
+from dpsql.cache import ResultCache, cache_key, data_stamp, database_identity, policy_hash, result_key
 from dpsql.errors import (
     BackendError,
     DataError,
@@ -179,6 +179,8 @@ class Engine:
         self.backend = backend
         self.ledger = ledger
         self.cache = cache
+        self._policy_hash = policy_hash(policy)
+        self._database_identity: str | None = None
         self._plans: OrderedDict[tuple[Any, ...], Prepared] = OrderedDict()
         self._lock = threading.Lock()
         #: Keys the per-row hash choosing which rows of a heavy unit are kept; never leaves the process.
@@ -394,10 +396,12 @@ class Engine:
         budgeting = prepared.budgeting
         if prepared.local is not None:
             return self._release_local(prepared, session.confidence or self.policy.defaults.confidence)
+        stored_key = None
         if self.cache is not None and prepared.plan.measures:
-            cached = self.cache.get(prepared.cache_key)
-            if cached is not None:
-                return _from_cache(cached)
+            stored_key = self._result_key(prepared)
+            entry = self.cache.get_entry(stored_key)
+            if entry is not None:
+                return _from_cache(*entry)
         charge = None
         if prepared.plan.measures:
             charge = self.ledger.reserve(
@@ -424,9 +428,19 @@ class Engine:
                 + (f", δ={budgeting.delta:g}" if budgeting.delta else "")
                 + f'; remaining ε={result.remaining_epsilon:g} for analyst "{session.analyst}"'
             )
-        if self.cache is not None and prepared.plan.measures:
-            self.cache.put(prepared.cache_key, result)
+        if self.cache is not None and stored_key is not None:
+            self.cache.put(stored_key, result)
         return result
+
+    def _result_key(self, prepared: Prepared) -> str:
+        """The result-cache key: the query's, on this database, at its current data version, under this policy."""
+        if self._database_identity is None:
+            self._database_identity = database_identity(self.backend)
+        try:
+            stamp = data_stamp(self.backend)
+        except Exception:  # no version readable: a key no other query shares (never served stale)
+            stamp = secrets.token_hex(16)
+        return result_key(prepared.cache_key, self._database_identity, stamp, self._policy_hash)
 
     def _insert(self, tree: exp.Expression, params: Params) -> Result:
         """The opt-in write path: store rows with their randomized-response columns perturbed.
@@ -808,15 +822,19 @@ def _evaluate_released(expr: Callable[[dict[str, Any]], Any], env: dict[str, Any
         raise DataError("could not compute an output from the released values", detail=str(exc)) from None
 
 
-def _from_cache(cached: Result) -> Result:
+def _from_cache(cached: Result, created: float) -> Result:
     """A stored answer, re-released: same values, nothing charged."""
+    when = dt.datetime.fromtimestamp(created, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     return Result(
         columns=cached.columns,
         rows=cached.rows,
         accuracy=cached.accuracy,
         epsilon_spent=0.0,
         delta_spent=0.0,
-        notices=["dpsql: answered from the result cache (this exact query was already released); no budget charged"],
+        notices=[
+            f"dpsql: answered from the result cache (first computed at {when}; this exact query was already "
+            "released on this database and data); no budget charged"
+        ],
     )
 
 
