@@ -19,14 +19,11 @@ from typing import Any
 
 from dpsql import __version__
 from dpsql.errors import Error
+from dpsql.ledger import default_ledger
 from dpsql.session import Result, Session
 
 DEMO_DATABASE = "demo"
 DEFAULT_PORT = 6543
-
-
-def _home() -> Path:
-    return Path(os.environ.get("DPSQL_HOME") or Path.home() / ".local" / "share" / "dpsql")
 
 
 def default_policy() -> Path:
@@ -37,12 +34,6 @@ def default_policy() -> Path:
     from dpsql.demo import demo_policy_path
 
     return demo_policy_path("health")
-
-
-def default_ledger(dataset: str) -> str:
-    home = _home()
-    home.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{home.resolve() / f'ledger-{dataset}.sqlite'}"
 
 
 def open_engine(args: argparse.Namespace) -> Any:

@@ -88,7 +88,12 @@ def connect(
     mechanism: str | None = None,
     confidence: float | None = None,
 ) -> Connection:
-    """Open a DP connection as ``analyst``: give a policy + database URL (+ ledger URL), or an engine."""
+    """Open a DP connection as ``analyst``: give a policy + database URL (+ ledger URL), or an engine.
+
+    Without ``ledger`` the connection charges the persistent per-dataset ledger shared with the
+    CLI (SQLite under ``$DPSQL_HOME``): every connection of a dataset draws on one budget.
+    ``ledger="memory"`` (or ``"sqlite:///:memory:"``) gives a throwaway budget, for tests only.
+    """
     if engine is None:
         if policy is None:
             raise InterfaceError("connect() needs a policy (file path or Policy) or an engine")

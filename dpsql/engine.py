@@ -26,12 +26,13 @@ from sqlglot import exp
 from dpsql.analyze import analyze_tree, infer_parameter_types, parse_statement
 from dpsql.analyze.parse import Params, bind_parameters, dialect, literal_for, too_complex
 from dpsql.backends import Backend, log_database_error, open_backend
-from dpsql.cache import ResultCache, cache_key
+from dpsql.cache import ResultCache, cache_key, data_stamp, database_identity, policy_hash, result_key
 from dpsql.errors import (
     BackendError,
     DataError,
     Error,
     FeatureNotSupported,
+    InsufficientPrivilege,
     InvalidAuthorization,
     InvalidParameterValue,
     ReadOnlyViolation,
@@ -39,7 +40,7 @@ from dpsql.errors import (
     UndefinedColumn,
     UndefinedTable,
 )
-from dpsql.ledger import Cost, Ledger, remaining_budget
+from dpsql.ledger import Cost, Ledger, remaining_budget, resolve_ledger_url
 from dpsql.localdp import RandomizedResponse, perturb_rows
 from dpsql.plan import Measure, Plan
 from dpsql.policy import Policy, TablePolicy, load_policy
@@ -63,6 +64,7 @@ from dpsql.release.selection import (
 )
 from dpsql.rewrite import centre_rows, histogram_query, rewrite
 from dpsql.session import OutputColumn, Result, Session
+from dpsql.writes import write_oracles
 
 #: Largest cross product of public key domains released in one query.
 MAX_PUBLIC_GROUPS = 1_000_000
@@ -177,6 +179,8 @@ class Engine:
         self.backend = backend
         self.ledger = ledger
         self.cache = cache
+        self._policy_hash = policy_hash(policy)
+        self._database_identity: str | None = None
         self._plans: OrderedDict[tuple[Any, ...], Prepared] = OrderedDict()
         self._lock = threading.Lock()
         #: Keys the per-row hash choosing which rows of a heavy unit are kept; never leaves the process.
@@ -188,11 +192,15 @@ class Engine:
     ) -> Engine:
         """Open an engine from a policy (file or object), a database URL, a ledger URL and a cache URL.
 
-        The result cache defaults to the ledger's SQLite file (so it persists exactly as long as
-        the budget it protects), or memory when the ledger is not a SQLite file.
+        Without ``ledger`` the engine uses the persistent per-dataset ledger the CLI uses
+        (:func:`dpsql.ledger.default_ledger`, SQLite under ``$DPSQL_HOME``), so every engine and
+        connection of a dataset draws on one budget; a fresh in-memory budget only when asked for
+        explicitly (``ledger="memory"`` or ``"sqlite:///:memory:"``). The result cache defaults to
+        the ledger's SQLite file (so it persists exactly as long as the budget it protects), or
+        memory when the ledger is not a SQLite file.
         """
         loaded = policy if isinstance(policy, Policy) else load_policy(policy)
-        ledger_url = ledger or "sqlite:///:memory:"
+        ledger_url = resolve_ledger_url(ledger, loaded.dataset)
         cache_url = cache or (ledger_url if ledger_url.startswith("sqlite:///") else "memory")
         return cls(loaded, open_backend(database), Ledger.open(ledger_url), ResultCache.open(cache_url))
 
@@ -390,10 +398,12 @@ class Engine:
         budgeting = prepared.budgeting
         if prepared.local is not None:
             return self._release_local(prepared, session.confidence or self.policy.defaults.confidence)
+        stored_key = None
         if self.cache is not None and prepared.plan.measures:
-            cached = self.cache.get(prepared.cache_key)
-            if cached is not None:
-                return _from_cache(cached)
+            stored_key = self._result_key(prepared)
+            entry = self.cache.get_entry(stored_key)
+            if entry is not None:
+                return _from_cache(*entry)
         charge = None
         if prepared.plan.measures:
             charge = self.ledger.reserve(
@@ -424,13 +434,41 @@ class Engine:
                 + (f", δ={budgeting.delta:g}" if budgeting.delta else "")
                 + f'; remaining ε={result.remaining_epsilon:g} for analyst "{session.analyst}"'
             )
-        if self.cache is not None and prepared.plan.measures:
-            self.cache.put(prepared.cache_key, result)
+        if self.cache is not None and stored_key is not None:
+            self.cache.put(stored_key, result)
         return result
 
+    def _result_key(self, prepared: Prepared) -> str:
+        """The result-cache key: the query's, on this database, at its current data version, under this policy."""
+        if self._database_identity is None:
+            self._database_identity = database_identity(self.backend)
+        try:
+            stamp = data_stamp(self.backend)
+        except Exception:  # no version readable: a key no other query shares (never served stale)
+            stamp = secrets.token_hex(16)
+        return result_key(prepared.cache_key, self._database_identity, stamp, self._policy_hash)
+
     def _insert(self, tree: exp.Expression, params: Params) -> Result:
-        """The opt-in write path: store rows with their randomized-response columns perturbed."""
+        """The opt-in write path: store rows with their randomized-response columns perturbed.
+
+        The outcome must not depend on stored data (else it is a membership oracle): the
+        columns an analyst may give are checked by :func:`parse_insert`, the table's catalog
+        by :func:`dpsql.writes.write_oracles` (no key, foreign key or trigger relating the new
+        row to stored ones), both before anything runs; and every failure of the write itself
+        is reported as one fixed error, whatever the database's reason.
+        """
         table, columns, rows = parse_insert(bind_parameters(tree, params), self.policy)
+        target = table.source or tree.this.this.name
+        try:
+            oracles = write_oracles(self.backend, target, columns)
+        except Error:
+            oracles = ["the catalog could not be read"]
+        if oracles:
+            raise ReadOnlyViolation(
+                "cannot execute INSERT in a read-only transaction",
+                hint=f'The table "{tree.this.this.name}" has {oracles[0]}: whether an INSERT succeeded would '
+                "depend on rows already stored, so dpsql does not write to it.",
+            )
         mechanisms = [table.columns[c].local_mechanism() for c in columns]
         stored = perturb_rows(rows, mechanisms)
         values = exp.values([tuple(literal_for(v) for v in row) for row in stored])
@@ -443,10 +481,11 @@ class Engine:
         )
         try:
             self.backend.execute_script(statement.sql(dialect=self.backend.dialect))
-        except Error:
-            raise
-        except Exception as exc:
-            raise BackendError("the database failed to store the rows") from exc
+        except Exception:  # one error for every cause (NOT NULL, CHECK, type, connection): nothing data-dependent
+            raise BackendError(
+                "the database failed to store the rows",
+                hint="Nothing was stored. The reason is withheld: it could depend on other rows.",
+            ) from None
         perturbed = [f"{c} (ε={m.epsilon:g})" for c, m in zip(columns, mechanisms, strict=True) if m is not None]
         return Result(
             columns=[],
@@ -675,7 +714,12 @@ def _equality_value(where: exp.Expression | None, alias: str, name: str) -> Any:
 
 
 def parse_insert(tree: exp.Expression, policy: Policy) -> tuple[TablePolicy, list[str], list[tuple[Any, ...]]]:
-    """``INSERT INTO t (cols) VALUES (...)`` with constants, into a table with randomized-response columns."""
+    """``INSERT INTO t (cols) VALUES (...)`` with constants, into a table with randomized-response columns.
+
+    Analysts give values only for randomized-response columns and columns the policy marks
+    ``writable: true``; identifiers (and every other column) are refused with 42501 before
+    anything runs: whether a given respondent is already stored must never decide the outcome.
+    """
     if not policy.writes.randomized_response:
         raise ReadOnlyViolation(
             "cannot execute INSERT in a read-only transaction",
@@ -697,6 +741,19 @@ def parse_insert(tree: exp.Expression, policy: Policy) -> tuple[TablePolicy, lis
     for column in columns:
         if column not in table.columns:
             raise UndefinedColumn(f'column "{column}" of relation "{name}" does not exist')
+    for column in columns:
+        policy_column = table.columns[column]
+        if policy_column.randomized_response is None and (policy_column.identifier or not policy_column.writable):
+            raise InsufficientPrivilege(
+                f'permission denied to write column "{column}" of relation "{name}"',
+                hint=(
+                    "Identifier columns are filled by the database, never by an INSERT: whether an identifier "
+                    "is already stored would decide the outcome."
+                    if policy_column.identifier
+                    else "An INSERT may give only randomized-response columns and columns the policy marks "
+                    "'writable: true'."
+                ),
+            )
     rows = []
     for row in values.expressions:
         cells = [_constant(v) for v in row.expressions]
@@ -790,15 +847,19 @@ def _evaluate_released(expr: Callable[[dict[str, Any]], Any], env: dict[str, Any
         raise DataError("could not compute an output from the released values", detail=str(exc)) from None
 
 
-def _from_cache(cached: Result) -> Result:
+def _from_cache(cached: Result, created: float) -> Result:
     """A stored answer, re-released: same values, nothing charged."""
+    when = dt.datetime.fromtimestamp(created, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     return Result(
         columns=cached.columns,
         rows=cached.rows,
         accuracy=cached.accuracy,
         epsilon_spent=0.0,
         delta_spent=0.0,
-        notices=["dpsql: answered from the result cache (this exact query was already released); no budget charged"],
+        notices=[
+            f"dpsql: answered from the result cache (first computed at {when}; this exact query was already "
+            "released on this database and data); no budget charged"
+        ],
     )
 
 

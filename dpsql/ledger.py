@@ -43,6 +43,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from dpsql.errors import LedgerUnavailable, PrivacyBudgetExhausted
@@ -338,6 +339,32 @@ def remaining_budget(
     return Remaining(epsilon=max(0.0, budget.epsilon - used), delta=delta_left, rho=rho_left)
 
 
+# --- where the ledger lives by default -----------------------------------------------------
+
+#: Ledger URLs that ask explicitly for a throwaway in-memory ledger (a fresh budget per engine).
+MEMORY_LEDGER_URLS = ("memory", "sqlite:///:memory:")
+
+
+def dpsql_home() -> Path:
+    """``$DPSQL_HOME``, else ``~/.local/share/dpsql``: where default ledgers (and result caches) live."""
+    return Path(os.environ.get("DPSQL_HOME") or Path.home() / ".local" / "share" / "dpsql")
+
+
+def default_ledger(dataset: str) -> str:
+    """The persistent SQLite ledger every front door (CLI, ``dpsql.connect``, ``Engine.open``) shares
+    for ``dataset`` when no ledger is given: one budget per dataset, however many connections."""
+    home = dpsql_home()
+    home.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{home.resolve() / f'ledger-{dataset}.sqlite'}"
+
+
+def resolve_ledger_url(url: str | None, dataset: str) -> str:
+    """The ledger URL to open: the persistent default when none is given; ``memory`` only on request."""
+    if url is None or url == "":
+        return default_ledger(dataset)
+    return "sqlite:///:memory:" if url in MEMORY_LEDGER_URLS else url
+
+
 # --- the stores ---------------------------------------------------------------------------
 
 
@@ -348,7 +375,9 @@ class Ledger:
 
     @staticmethod
     def open(url: str) -> Ledger:
-        """``sqlite:///abs/path.sqlite``, ``sqlite:///:memory:`` or ``postgresql://…``."""
+        """``sqlite:///abs/path.sqlite``, ``sqlite:///:memory:`` (or ``memory``) or ``postgresql://…``."""
+        if url == "memory":
+            return SQLiteLedger(":memory:")
         if url.startswith("sqlite://"):
             path = url.removeprefix("sqlite://")
             if path != "/:memory:" and not path.startswith("/"):

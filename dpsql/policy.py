@@ -81,6 +81,10 @@ class ColumnPolicy(_Strict):
     randomized_response: LocalPrivacy | None = Field(
         default=None, description="Collected under local DP: stored values are perturbed on write at this ε."
     )
+    writable: bool = Field(
+        default=False,
+        description="An analyst's INSERT may give this column's value (stored as given). Never an identifier.",
+    )
     description: str | None = None
 
     @field_validator("type", mode="before")
@@ -107,6 +111,8 @@ class ColumnPolicy(_Strict):
                 raise ValueError(f"'lower' ({self.lower}) is greater than 'upper' ({self.upper})")
         if self.domain is not None and len(set(self.domain)) != len(self.domain):
             raise ValueError("'domain' lists a value twice")
+        if self.writable and self.identifier:
+            raise ValueError("an identifier column cannot be 'writable' (its presence would be an oracle)")
         if self.randomized_response is not None:
             if self.type != "boolean" and not self.domain:
                 raise ValueError("a randomized_response column needs type boolean or a 'domain' of values")

@@ -81,3 +81,34 @@ def test_connect_from_policy_file_and_duckdb_file(tmp_path) -> None:  # type: ig
         cur = conn.cursor()
         cur.execute("SELECT COUNT(*) FROM patients")
         assert 9900 < cur.fetchone()[0] < 10100 and cur.epsilon_spent == 0.5
+
+
+def test_connections_without_ledger_share_the_persistent_budget(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Defect 6: each connect() used to get a fresh in-memory budget (bob: 50 answers over 10 connections)."""
+    from dpsql.backends import open_backend
+
+    monkeypatch.setenv("DPSQL_HOME", str(tmp_path / "home"))
+    url = f"duckdb:///{tmp_path / 'demo.duckdb'}"
+    backend = open_backend(url)
+    load_demo(backend, ["health"])
+    backend.close()
+    answers, refusals = 0, []
+    for i in range(10):
+        with dpsql.connect(policy=demo_policy_path("health"), database=url, analyst="bob", epsilon=1.0) as conn:
+            cur = conn.cursor()
+            for j in range(5):
+                try:
+                    cur.execute(f"SELECT COUNT(*) FROM patients WHERE age > {10 * i + j}")  # distinct: no cache hits
+                    answers += 1
+                except dpsql.OperationalError as exc:
+                    refusals.append(exc.sqlstate)
+    assert answers == 5 and refusals == ["53P01"] * 45  # bob's budget is ε=5
+    assert (tmp_path / "home" / "ledger-health.sqlite").exists()
+
+
+def test_memory_ledger_only_when_asked_for(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("DPSQL_HOME", str(tmp_path / "home"))
+    for ledger in ("memory", "sqlite:///:memory:"):
+        with dpsql.connect(policy=demo_policy_path("health"), database="duckdb://", ledger=ledger) as conn:
+            assert conn.engine.ledger.spent("health").epsilon == 0
+    assert not (tmp_path / "home").exists()

@@ -47,7 +47,7 @@ def make_policy(trust: bool) -> Policy:
 
 
 def open_engine(trust: bool) -> Engine:
-    engine = Engine.open(make_policy(trust), "duckdb://")
+    engine = Engine.open(make_policy(trust), "duckdb://", ledger="memory")
     load_demo(engine.backend, ["health"])
     return engine
 
