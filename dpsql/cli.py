@@ -11,6 +11,7 @@ import argparse
 import getpass
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dpsql import __version__
+from dpsql.backends import DEFAULT_STATEMENT_TIMEOUT_MS
 from dpsql.errors import Error
 from dpsql.ledger import default_ledger
 from dpsql.session import Result, Session
@@ -46,13 +48,14 @@ def open_engine(args: argparse.Namespace) -> Any:
 
     policy = load_policy(args.policy or default_policy())
     database = args.database or DEMO_DATABASE
+    timeout_ms = round(args.statement_timeout * 1000)
     if database == DEMO_DATABASE:
         from dpsql.demo import DEMO_TABLES, load_demo
 
-        backend = open_backend("duckdb://")
+        backend = open_backend("duckdb://", statement_timeout_ms=timeout_ms)
         load_demo(backend, [policy.dataset] if policy.dataset in DEMO_TABLES else [])
     else:
-        backend = open_backend(database)
+        backend = open_backend(database, statement_timeout_ms=timeout_ms)
     ledger_url = args.ledger or default_ledger(policy.dataset)
     cache_url = ledger_url if ledger_url.startswith("sqlite:///") else "memory"
     return Engine(policy, backend, Ledger.open(ledger_url), ResultCache.open(cache_url))
@@ -243,6 +246,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"invalid timeout {text!r}: seconds ≥ 0 expected")
+    return value
+
+
 def _common(parser: argparse.ArgumentParser, *, analyst: bool = True) -> None:
     parser.add_argument("--policy", help="policy YAML (default: schemas/health.yaml)")
     parser.add_argument(
@@ -250,6 +260,13 @@ def _common(parser: argparse.ArgumentParser, *, analyst: bool = True) -> None:
         help="duckdb:///path, duckdb://, postgresql://…, spark://local[N] or sc://host:15002 (default: demo)",
     )
     parser.add_argument("--ledger", help="sqlite:///abs/path or postgresql://… (default: under $DPSQL_HOME)")
+    parser.add_argument(
+        "--statement-timeout",
+        type=_seconds,
+        default=DEFAULT_STATEMENT_TIMEOUT_MS / 1000,
+        metavar="SECONDS",
+        help="cancel any database statement after this long (default: %(default)g; 0: never)",
+    )
     if analyst:
         parser.add_argument("--analyst", "-U", default=os.environ.get("DPSQL_ANALYST", "analyst"))
         parser.add_argument("--epsilon", type=float, help="ε for this query (default: the policy's)")

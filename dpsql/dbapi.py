@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dpsql import errors
+from dpsql.backends import DEFAULT_STATEMENT_TIMEOUT_MS
 from dpsql.engine import Engine
 from dpsql.errors import (
     DatabaseError,
@@ -87,17 +88,19 @@ def connect(
     delta: float | None = None,
     mechanism: str | None = None,
     confidence: float | None = None,
+    statement_timeout_ms: int = DEFAULT_STATEMENT_TIMEOUT_MS,
 ) -> Connection:
     """Open a DP connection as ``analyst``: give a policy + database URL (+ ledger URL), or an engine.
 
     Without ``ledger`` the connection charges the persistent per-dataset ledger shared with the
     CLI (SQLite under ``$DPSQL_HOME``): every connection of a dataset draws on one budget.
     ``ledger="memory"`` (or ``"sqlite:///:memory:"``) gives a throwaway budget, for tests only.
+    Statements on the database are cancelled after ``statement_timeout_ms`` (60 s by default; 0: never).
     """
     if engine is None:
         if policy is None:
             raise InterfaceError("connect() needs a policy (file path or Policy) or an engine")
-        engine = Engine.open(policy, database, ledger)
+        engine = Engine.open(policy, database, ledger, statement_timeout_ms=statement_timeout_ms)
         owns = True
     else:
         owns = False

@@ -25,11 +25,18 @@ from sqlglot import exp
 
 from dpsql.analyze import analyze_tree, infer_parameter_types, parse_statement
 from dpsql.analyze.parse import Params, bind_parameters, dialect, literal_for, too_complex
-from dpsql.backends import Backend, log_database_error, open_backend
+from dpsql.backends import (
+    DEFAULT_STATEMENT_TIMEOUT_MS,
+    Backend,
+    log_database_error,
+    open_backend,
+    stored_type_mismatches,
+)
 from dpsql.cache import ResultCache, cache_key, data_stamp, database_identity, policy_hash, result_key
 from dpsql.errors import (
     BackendError,
     DataError,
+    DatatypeMismatch,
     Error,
     FeatureNotSupported,
     InsufficientPrivilege,
@@ -47,6 +54,7 @@ from dpsql.policy import Policy, TablePolicy, load_policy
 from dpsql.postprocess import compile_expression, order_rows
 from dpsql.release import (
     NoiseSpec,
+    check_samplable,
     epsilon_to_rho,
     gaussian_spec,
     half_width,
@@ -185,10 +193,18 @@ class Engine:
         self._lock = threading.Lock()
         #: Keys the per-row hash choosing which rows of a heavy unit are kept; never leaves the process.
         self._salt = secrets.token_hex(16)
+        #: (table, data version) → stored-type mismatches found (schema only, read once per version).
+        self._checked_tables: dict[tuple[str, int], list[tuple[str, str]]] = {}
 
     @classmethod
     def open(
-        cls, policy: str | Path | Policy, database: str, ledger: str | None = None, cache: str | None = None
+        cls,
+        policy: str | Path | Policy,
+        database: str,
+        ledger: str | None = None,
+        cache: str | None = None,
+        *,
+        statement_timeout_ms: int = DEFAULT_STATEMENT_TIMEOUT_MS,
     ) -> Engine:
         """Open an engine from a policy (file or object), a database URL, a ledger URL and a cache URL.
 
@@ -197,12 +213,14 @@ class Engine:
         connection of a dataset draws on one budget; a fresh in-memory budget only when asked for
         explicitly (``ledger="memory"`` or ``"sqlite:///:memory:"``). The result cache defaults to
         the ledger's SQLite file (so it persists exactly as long as the budget it protects), or
-        memory when the ledger is not a SQLite file.
+        memory when the ledger is not a SQLite file. Every statement sent to the database is
+        cancelled after ``statement_timeout_ms`` (57014; 0 = never).
         """
         loaded = policy if isinstance(policy, Policy) else load_policy(policy)
         ledger_url = resolve_ledger_url(ledger, loaded.dataset)
         cache_url = cache or (ledger_url if ledger_url.startswith("sqlite:///") else "memory")
-        return cls(loaded, open_backend(database), Ledger.open(ledger_url), ResultCache.open(cache_url))
+        backend = open_backend(database, statement_timeout_ms=statement_timeout_ms)
+        return cls(loaded, backend, Ledger.open(ledger_url), ResultCache.open(cache_url))
 
     def close(self) -> None:
         self.backend.close()
@@ -233,6 +251,7 @@ class Engine:
 
     def _prepare(self, tree: exp.Expression, session: Session, params: Params) -> Prepared:
         plan = analyze_tree(tree, self.policy, params)
+        self._check_stored_types(plan)
         plan.salt = self._salt
         local = _local_query(plan, self.backend.dialect)
         version = _data_version(self.backend)
@@ -258,6 +277,23 @@ class Engine:
         sql = select.sql(dialect=dialect(self.backend.dialect), copy=False)
         return Prepared(plan, sql, budgeting, fingerprint, histograms, key, local, version)
 
+    def _check_stored_types(self, plan: Plan) -> None:
+        """Refuse a query over a column the database stores as text while the policy declares a number,
+        date or boolean: its cast would fail on some rows only (see ``stored_type_mismatches``)."""
+        for source in plan.sources.sources:
+            table = source.table.source or source.name
+            key = (table, _data_version(self.backend))
+            if key not in self._checked_tables:
+                declared = {name: column.type for name, column in source.table.columns.items()}
+                self._checked_tables[key] = stored_type_mismatches(self.backend, table, declared)
+            for column, stored in self._checked_tables[key]:
+                raise DatatypeMismatch(
+                    f'column "{column}" of table "{source.name}" is stored as {stored}, '
+                    f"but the policy declares {source.table.columns[column].type}",
+                    hint="Fix the column's type in the policy or in the database: a cast of stored text "
+                    "could fail on some rows only, so dpsql refuses the table's columns until they agree.",
+                )
+
     def _budget(self, plan: Plan, session: Session) -> Budgeting:
         defaults = self.policy.defaults
         epsilon = session.epsilon if session.epsilon is not None else defaults.epsilon
@@ -277,6 +313,18 @@ class Engine:
                 hint="Grouping by a column without a public domain, and the Gaussian mechanism, "
                 "need SET dpsql.delta to a small positive value.",
             )
+        try:
+            budgeting = self._calibrate(plan, epsilon, delta, mechanism, selecting)
+        except ValueError as exc:  # calibration's own checks: a setting no exact sampler can serve
+            raise InvalidParameterValue(
+                f"cannot calibrate noise for ε={epsilon:g}, δ={delta:g}: {exc}",
+                hint="Use a larger dpsql.epsilon (or a smaller dpsql.delta) for this query.",
+            ) from None
+        return budgeting
+
+    @staticmethod
+    def _calibrate(plan: Plan, epsilon: float, delta: float, mechanism: str, selecting: bool) -> Budgeting:
+        """Noise per measure and the charge, from validated settings; every spec checked samplable."""
         k = len(plan.measures)
         if mechanism == "gaussian":
             conversion_delta = delta / 2 if selecting else delta
@@ -315,6 +363,9 @@ class Engine:
             budgeting.threshold = partition_threshold(
                 spec, budgeting.selection_delta, max_partitions=plan.max_groups, max_rows=plan.max_rows
             )
+        for noise in specs:
+            if noise is not None:
+                check_samplable(noise)
         return budgeting
 
     # -- front-door API ------------------------------------------------------------------------
@@ -331,7 +382,7 @@ class Engine:
         """Cost, sensitivity, noise scale and expected error per output; spends nothing."""
         prepared = self.prepare(sql, session, params)
         plan, budgeting = prepared.plan, prepared.budgeting
-        confidence = session.confidence or self.policy.defaults.confidence
+        confidence = self._confidence(session)
         columns = []
         for out in plan.outputs:
             entry: dict[str, Any] = {"name": out.column.name, "type": out.column.type, "noisy": out.noisy}
@@ -385,6 +436,16 @@ class Engine:
         shown_sql = self._clamped_sql(plan).replace(self._salt, "<secret>")
         return Explanation(shown_sql, budgeting.epsilon, budgeting.delta, budgeting.mechanism, columns, keys, unit)
 
+    def _confidence(self, session: Session) -> float:
+        """The session's CI level (or the policy's), checked: a bad one fails before any charge."""
+        confidence = session.confidence if session.confidence is not None else self.policy.defaults.confidence
+        if not 0 < confidence < 1:  # NaN fails too
+            raise InvalidParameterValue(
+                f"dpsql.confidence must be between 0 and 1 (exclusive), got {confidence:g}",
+                hint="For example SET dpsql.confidence = 0.95.",
+            )
+        return confidence
+
     def execute(self, sql: str, session: Session, params: Params = None) -> Result:
         """Answer one DP query: reserve the budget, run, noise, post-process."""
         if self.policy.analyst(session.analyst) is None:
@@ -396,8 +457,9 @@ class Engine:
             return self._insert(parse_statement(sql), params)
         prepared = self.prepare(sql, session, params)
         budgeting = prepared.budgeting
+        confidence = self._confidence(session)  # validated before anything is charged
         if prepared.local is not None:
-            return self._release_local(prepared, session.confidence or self.policy.defaults.confidence)
+            return self._release_local(prepared, confidence)
         stored_key = None
         if self.cache is not None and prepared.plan.measures:
             stored_key = self._result_key(prepared)
@@ -421,7 +483,7 @@ class Engine:
             # a write raced the proof: run it again with every clamp in place
             rows = self._run(self._clamped_sql(prepared.plan))
         histograms = {i: self._run(sql) for i, sql in prepared.histograms}
-        result = self._release(prepared, rows, session.confidence or self.policy.defaults.confidence, histograms)
+        result = self._release(prepared, rows, confidence, histograms)
         if charge is not None:
             result.remaining_epsilon = remaining_budget(
                 charge.analyst_spent,
@@ -631,19 +693,21 @@ class Engine:
 
 
 def _check_query_delta(policy: Policy, delta: float, uses_delta: bool) -> None:
-    """Under zcdp accounting a query's δ is added up, not converted: cap it before any charge.
+    """Cap a query's δ before any charge, under either accounting.
 
-    δ must be ≤ ``budget.max_query_delta`` (default 10⁻³) and below the dataset's δ budget; the
-    analyst's own δ budget is then enforced by the ledger (53P01) before the query runs. Pure
-    accounting is unchanged (its ledger check on Σδ refuses an oversized δ with 53P01).
+    δ is the probability that the guarantee fails outright (a rare key released, a Gaussian tail):
+    it must be ≤ ``budget.max_query_delta`` (default 10⁻³) and below the dataset's δ budget. Under
+    zcdp the selection δ is added up, not converted; under pure accounting a large δ would also
+    make the Gaussian calibration degenerate (δ = 0.99 gives ε → 0). The analyst's own δ budget is
+    then enforced by the ledger (53P01) before the query runs.
     """
     budget = policy.budget
-    if budget.accounting != "zcdp" or not uses_delta or delta == 0:
+    if not uses_delta or delta == 0:
         return
     if delta > budget.max_query_delta or delta >= budget.dataset.delta:
         raise InvalidParameterValue(
             f"dpsql.delta={delta:g} is too large for one query",
-            hint=f"Under zCDP accounting a query's δ must be ≤ {budget.max_query_delta:g} "
+            hint=f"A query's δ must be ≤ {budget.max_query_delta:g} "
             f"and below the dataset's δ budget {budget.dataset.delta:g}; use e.g. SET dpsql.delta = 1e-7.",
         )
 

@@ -349,13 +349,17 @@ def test_errors_do_not_leak_data(spark: Backend, caplog: pytest.LogCaptureFixtur
         "SELECT no_such_column FROM people",
         "SELECT FROM WHERE",
     ]:
-        with caplog.at_level(logging.WARNING), pytest.raises(BackendError) as info:
+        # INFO: py4j's DEBUG log carries the whole JVM exchange (in local mode the driver, rows and all,
+        # lives in the calling process anyway)
+        with caplog.at_level(logging.INFO), pytest.raises(BackendError) as info:
             spark.execute(sql)
         err = info.value
         assert err.sqlstate == "58P02"
         assert SECRET not in str(err) and SECRET not in repr(err.args)
         assert err.__cause__ is None and (err.__context__ is None or err.__suppress_context__)
-    assert SECRET in caplog.text  # the operator's log keeps the original message
+    # only the operator-only database log keeps the original message, below WARNING
+    assert {r.name for r in caplog.records if SECRET in r.getMessage()} == {"dpsql.database"}
+    assert all(r.levelno < logging.WARNING for r in caplog.records if r.name == "dpsql.database")
     assert spark.execute("SELECT COUNT(*) AS n FROM people") == (["n"], [(2,)])
 
 

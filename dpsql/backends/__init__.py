@@ -41,7 +41,7 @@ database_log.addHandler(logging.NullHandler())
 
 def log_database_error(what: str, exc: BaseException) -> None:
     """Record a database failure's own text for the operator only (see :data:`database_log`)."""
-    database_log.info("%s (%s): %s", what, type(exc).__name__, str(exc)[:2000])
+    database_log.info("%s (%s): %s", what, type(exc).__name__, str(exc)[:4000])
 
 
 def timed_out() -> QueryCanceled:

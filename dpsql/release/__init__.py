@@ -3,6 +3,7 @@
 from dpsql.release.mechanisms import (
     NoiseSpec,
     cdp_delta,
+    check_samplable,
     epsilon_to_rho,
     gaussian_spec,
     half_width,
@@ -19,6 +20,7 @@ from dpsql.release.samplers import discrete_gaussian, discrete_laplace, laplace_
 __all__ = [
     "NoiseSpec",
     "cdp_delta",
+    "check_samplable",
     "discrete_gaussian",
     "discrete_laplace",
     "epsilon_to_rho",

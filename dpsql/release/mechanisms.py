@@ -27,12 +27,14 @@ from typing import Literal
 
 import numpy as np
 
-from dpsql.release.samplers import discrete_gaussian, discrete_laplace, laplace_rational_scale
+from dpsql.release.samplers import _MAX_SCALE, discrete_gaussian, discrete_laplace, laplace_rational_scale
 
 __all__ = [
     "NoiseSpec",
     "cdp_delta",
+    "check_samplable",
     "epsilon_to_rho",
+    "exact_spec",
     "gaussian_spec",
     "half_width",
     "laplace_spec",
@@ -202,6 +204,20 @@ def epsilon_to_rho(epsilon: float, delta: float) -> float:
 # --------------------------------------------------------------------------------------------------
 
 
+def exact_spec(mechanism: Mechanism, epsilon: float) -> NoiseSpec:
+    """No noise, for a query of sensitivity 0 (``SUM(x * 0)``): its value is the same on every pair of
+    neighbouring databases, so releasing it exactly is 0-DP. Grid 1: such a sum is exactly 0."""
+    return NoiseSpec(mechanism, 0.0, 1.0, epsilon, 0.0, None)
+
+
+def check_samplable(spec: NoiseSpec) -> None:
+    """Raise ``ValueError`` unless the exact samplers can draw ``spec``'s noise (scale ≤ 2^50 grid units
+    for Laplace, σ ≤ 2^44 for Gaussian): checked at calibration, before any budget is charged."""
+    limit = _MAX_SCALE if spec.mechanism == "laplace" else _MAX_SCALE / 64
+    if not spec.scale <= limit:
+        raise ValueError(f"noise scale {spec.scale:.4g} grid units exceeds the exact samplers' maximum {limit:.4g}")
+
+
 def laplace_spec(l1_sensitivity: float, epsilon: float, *, integer: bool, cells: int = 1) -> NoiseSpec:
     """Discrete-Laplace noise giving ε-DP for a query of L1 sensitivity Δ.
 
@@ -213,8 +229,10 @@ def laplace_spec(l1_sensitivity: float, epsilon: float, *, integer: bool, cells:
     that scale is ε-DP on the snapped value (pmf ratio ≤ e^{Δ_g/b}); multiplying by g is
     post-processing.
     """
-    delta_ = _positive("l1_sensitivity", l1_sensitivity)
     eps = _positive("epsilon", epsilon)
+    if l1_sensitivity == 0:
+        return exact_spec("laplace", eps)
+    delta_ = _positive("l1_sensitivity", l1_sensitivity)
     if cells < 1:
         raise ValueError("cells must be ≥ 1")
     g = _integer_grid(delta_, delta_ / eps) if integer else _real_grid(delta_, delta_ / eps)
@@ -233,9 +251,11 @@ def gaussian_spec(l2_sensitivity: float, epsilon: float, delta: float, *, intege
     grid g = largest power of two ≤ min(Δ, Δ/√(2ρ))/2^10; snapping adds at most one grid step per
     affected cell, so Δ_g = Δ/g + √cells.
     """
-    d = _positive("l2_sensitivity", l2_sensitivity)
     eps = _positive("epsilon", epsilon)
     dlt = _probability("delta", delta)
+    if l2_sensitivity == 0:
+        return exact_spec("gaussian", eps)
+    d = _positive("l2_sensitivity", l2_sensitivity)
     rho = epsilon_to_rho(eps, dlt)
     if cells < 1:
         raise ValueError("cells must be ≥ 1")
@@ -259,6 +279,8 @@ def snap(x: float | Sequence[float] | np.ndarray, grid: float) -> np.ndarray:
 
 def sample_noise(spec: NoiseSpec, size: int) -> np.ndarray:
     """Integer noise (grid units) for ``spec``, from the OS CSPRNG."""
+    if spec.scale == 0:
+        return np.zeros(size, dtype=np.int64)
     if spec.mechanism == "laplace":
         return discrete_laplace(spec.scale, size)
     if spec.mechanism == "gaussian":
@@ -438,6 +460,8 @@ def half_width(spec: NoiseSpec, confidence: float = 0.95) -> float:
     for σ > 2·10^4 Gaussians the conservative normal bound (see ``noise_tail``).
     """
     c = _probability("confidence", confidence)
+    if spec.scale == 0:
+        return 0.0
     target = (1.0 - c) / 2.0  # P(|Z| > k) = 2·P(Z ≥ k+1)
     j = _smallest_j(spec, target, _tail_guess(spec, target))
     return max(0, j - 1) * spec.grid

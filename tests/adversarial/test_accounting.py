@@ -149,7 +149,9 @@ def test_rare_key_never_released_under_zcdp(tmp_path: Path, neighbours: tuple[Ba
 def test_pure_accounting_is_unchanged(neighbours: tuple[Backend, Backend]) -> None:
     policy = load_policy(ROOT / "schemas" / "health.yaml")
     engine = Engine(policy, neighbours[0], Ledger.open("sqlite:///:memory:"))
-    assert _sqlstate(lambda: engine.execute(GROUPED, Session("alice", epsilon=0.1, delta=0.99))) == "53P01"
+    # a δ above budget.max_query_delta is refused before the ledger, under either accounting
+    assert _sqlstate(lambda: engine.execute(GROUPED, Session("alice", epsilon=0.1, delta=0.99))) == "22023"
+    assert _sqlstate(lambda: engine.execute(GROUPED, Session("alice", epsilon=0.1, delta=5e-5))) == "53P01"
     result = engine.execute(GROUPED, Session("alice", epsilon=0.1, delta=1e-6))
     assert result.remaining_epsilon == pytest.approx(9.9)
     spent = engine.ledger.spent("health", "alice")

@@ -89,10 +89,17 @@ def test_gaussian_spec_matches_opendp_conversion() -> None:
     assert real.scale * real.grid >= spec.scale  # never less noise than the integer calibration
 
 
+def test_zero_sensitivity_is_released_exactly() -> None:
+    """A query of sensitivity 0 has one value on all neighbours: exact release is 0-DP."""
+    for spec in (laplace_spec(0, 1.0, integer=True), gaussian_spec(0, 1.0, 1e-6, integer=False)):
+        assert spec.scale == 0 and half_width(spec) == 0.0
+        assert release([0, 0, 0], spec).tolist() == [0, 0, 0]
+
+
 @pytest.mark.parametrize(
     "call",
     [
-        lambda: laplace_spec(0, 1.0, integer=True),
+        lambda: laplace_spec(-1, 1.0, integer=True),
         lambda: laplace_spec(1, 0.0, integer=True),
         lambda: laplace_spec(1, math.inf, integer=False),
         lambda: gaussian_spec(1, 1.0, 0.0, integer=True),

@@ -42,7 +42,12 @@ Extract = Callable[[Result], Any]
 
 
 def _engine(policy: Policy, backend: Backend) -> Engine:
-    return Engine(policy, backend, Ledger.open("sqlite:///:memory:"))
+    """An engine that accepts the large δ (0.05) these tests need for statistical power: a query's δ
+    is otherwise capped at ``budget.max_query_delta`` (10⁻³) and below the dataset's δ budget."""
+    budget = policy.budget.model_copy(
+        update={"max_query_delta": 0.5, "dataset": policy.budget.dataset.model_copy(update={"delta": 0.9})}
+    )
+    return Engine(policy.model_copy(update={"budget": budget}), backend, Ledger.open("sqlite:///:memory:"))
 
 
 def _sample(engine: Engine, prepared: Prepared, backend: Backend, n: int, extract: Extract) -> list[Any]:
