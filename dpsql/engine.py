@@ -24,7 +24,7 @@ import numpy as np
 from sqlglot import exp
 
 from dpsql.analyze import analyze_tree, infer_parameter_types, parse_statement
-from dpsql.analyze.parse import Params, bind_parameters, dialect, literal_for, too_complex
+from dpsql.analyze.parse import Params, bind_parameters, dialect, literal_for, skip_comments, too_complex
 from dpsql.backends import (
     DEFAULT_STATEMENT_TIMEOUT_MS,
     Backend,
@@ -450,10 +450,11 @@ class Engine:
         """Answer one DP query: reserve the budget, run, noise, post-process."""
         if self.policy.analyst(session.analyst) is None:
             raise InvalidAuthorization(f'role "{session.analyst}" does not exist')
-        explain_target = _explain_target(sql)
+        head = skip_comments(sql)
+        explain_target = _explain_target(head)
         if explain_target is not None:
             return self.explain(explain_target, session, params).as_result()
-        if sql.lstrip()[:6].upper() == "INSERT":
+        if head[:6].upper() == "INSERT":
             return self._insert(parse_statement(sql), params)
         prepared = self.prepare(sql, session, params)
         budgeting = prepared.budgeting
@@ -1098,10 +1099,10 @@ def _placeholder_value(pg_type: str) -> Any:
 
 def _explain_target(sql: str) -> str | None:
     """The query inside ``EXPLAIN <query>``; EXPLAIN ANALYZE is refused (it reveals timings and row counts)."""
-    stripped = sql.lstrip()
-    if stripped[:7].upper() != "EXPLAIN":
+    stripped = skip_comments(sql)
+    if stripped[:7].upper() != "EXPLAIN" or stripped[7:8].isalnum() or stripped[7:8] == "_":
         return None
-    rest = stripped[7:].lstrip()
+    rest = skip_comments(stripped[7:])
     if rest[:1] == "(" or rest.split(None, 1)[0].upper() in ("ANALYZE", "ANALYSE", "VERBOSE"):
         raise FeatureNotSupported(
             "EXPLAIN options are not supported",

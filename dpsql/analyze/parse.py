@@ -64,6 +64,30 @@ def parse_statement(sql: str) -> exp.Expression:
     return statements[0]
 
 
+def skip_comments(sql: str) -> str:
+    """``sql`` from its first token on: leading white space, ``-- …`` and (nested) ``/* … */`` comments
+    dropped. ORMs and sqlcommenter prepend such comments; statements are classified after them."""
+    i, n = 0, len(sql)
+    while i < n:
+        if sql[i].isspace():
+            i += 1
+        elif sql.startswith("--", i):
+            end = sql.find("\n", i)
+            i = n if end < 0 else end + 1
+        elif sql.startswith("/*", i):
+            depth, i = 1, i + 2
+            while i < n and depth:
+                if sql.startswith("/*", i):
+                    depth, i = depth + 1, i + 2
+                elif sql.startswith("*/", i):
+                    depth, i = depth - 1, i + 2
+                else:
+                    i += 1
+        else:
+            break
+    return sql[i:]
+
+
 def number_placeholders(sql: str) -> str:
     """``%s`` and ``?`` rewritten as ``$1``, ``$2``, … in the order they stand in the text.
 

@@ -206,3 +206,14 @@ def test_generated_key_accepts_writes(backend_kind: str, request: pytest.Fixture
     assert engine.execute(sql, Session("alice")).command_tag == "INSERT 0 1"
     assert engine.execute(sql, Session("alice")).command_tag == "INSERT 0 1"
     backend.close()
+
+
+@pytest.mark.parametrize("prefix", ["/* app=orm */ ", "-- sqlcommenter\n", "  /* a /* nested */ */\n"])
+def test_leading_comments_do_not_change_routing(prefix: str, survey: tuple[Engine, Backend]) -> None:
+    """ORMs and sqlcommenter prepend comments: an INSERT or EXPLAIN is still one (issue #16)."""
+    engine, _ = survey
+    session = Session(analyst="alice")
+    insert = "INSERT INTO survey (region, age, smoker, drug_use) VALUES ('North', 30, true, 'past')"
+    assert engine.execute(prefix + insert, session).command_tag == engine.execute(insert, session).command_tag
+    explain = "EXPLAIN SELECT COUNT(*) FROM survey"
+    assert engine.execute(prefix + explain, session).rows == engine.execute(explain, session).rows

@@ -31,3 +31,40 @@ def test_hundred_gaussian_queries_compose_in_zcdp(health_policy: Policy, health_
     opendp_epsilon = dp.c.make_zCDP_to_approxDP(gaussian).map(1.0).epsilon(delta)
     assert f"{shown:.3g}" == f"{opendp_epsilon:.3g}"
     assert shown < 100 * 0.05 / 2  # far better than summing ε
+
+
+def test_one_remaining_epsilon_everywhere_under_zcdp(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """Issue #16's bar: after 40 Gaussian queries at ε=0.05 through the DB-API, the NOTICE,
+    ``cursor.remaining_epsilon`` and ``dpsql budget --json`` show the accountant's number."""
+    import json
+    import re
+    from pathlib import Path
+
+    import dpsql
+    from dpsql.cli import main
+    from dpsql.demo import demo_policy_path, load_demo
+    from dpsql.ledger import remaining_budget
+
+    text = Path(demo_policy_path("health")).read_text()
+    policy_file = tmp_path / "zcdp.yaml"
+    policy_file.write_text(text.replace("budget:\n", "budget:\n  accounting: zcdp\n", 1))
+    ledger = f"sqlite:///{tmp_path / 'ledger.sqlite'}"
+    conn = dpsql.connect(policy_file, "duckdb://", "alice", ledger=ledger, epsilon=0.05, mechanism="gaussian")
+    load_demo(conn.engine.backend, ["health"])
+    cur = conn.cursor()
+    for i in range(40):
+        cur.execute(f"SELECT COUNT(*) FROM patients WHERE age > {i}")
+    notice = float(re.search(r"remaining ε=([0-9.e+-]+)", cur.notices[-1]).group(1))  # type: ignore[union-attr]
+    engine = conn.engine
+    accountant = remaining_budget(
+        engine.ledger.spent("health", "alice"),
+        engine.policy.analyst_budget("alice"),
+        "zcdp",
+        rho_to_epsilon=rho_to_epsilon,
+    ).epsilon
+    conn.close()
+    assert main(["budget", "--policy", str(policy_file), "--ledger", ledger, "--analyst", "alice", "--json"]) == 0
+    cli = json.loads(capsys.readouterr().out)[0]["epsilon_remaining"]
+    shown = {f"{v:.3g}" for v in (notice, cur.remaining_epsilon, cli, accountant)}
+    assert shown == {f"{accountant:.3g}"}
+    assert accountant > 10 - 40 * 0.05  # better than subtracting Σε (8)
