@@ -43,7 +43,8 @@ def differencing_attack(runs: int = 1000, epsilon: float = 1.0) -> dict[str, Any
     _, raw_rest = worlds[True].execute(Q_ALL_BUT_IGOR)
     session = Session(analyst="analyst", epsilon=epsilon)
     engines = {obese: Engine(policy, backend, Ledger.open("sqlite:///:memory:")) for obese, backend in worlds.items()}
-    correct, samples = 0, []
+    correct = 0
+    samples: list[float] = []
     for _ in range(runs):
         obese = secrets.randbelow(2) == 1
         engine = engines[obese]

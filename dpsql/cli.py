@@ -98,7 +98,7 @@ def _print_result(result: Result, as_json: bool, show_ci: bool = True) -> None:
         }
         print(json.dumps(payload, default=_json_default))
         return
-    rows: list[Sequence[Any]] = result.rows
+    rows: Sequence[Sequence[Any]] = result.rows
     if show_ci and any(a is not None for acc in result.accuracy for a in acc):
         noisy = [i for i in range(len(names)) if any(acc[i] is not None for acc in result.accuracy)]
         names = names + [f"{names[i]} ±95%" for i in noisy]

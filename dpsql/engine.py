@@ -567,6 +567,8 @@ class Engine:
         observed = {value: int(count) for value, count in self._run(local.sql)}
         estimates = local.mechanism.estimate(observed, confidence)
         total = sum(observed.get(v, 0) for v in local.mechanism.domain)
+        rows: list[tuple[Any, ...]]
+        widths: list[list[float | None]]
         if prepared.plan.keys:
             rows = [(value, estimates[value][0]) for value in local.mechanism.domain]
             widths = [[estimates[value][1]] for value in local.mechanism.domain]
@@ -861,7 +863,7 @@ def _direct_columns(plan: Plan) -> list[tuple[str, int]] | None:
     """
     if plan.having is not None or plan.order or plan.distinct:
         return None
-    sources = []
+    sources: list[tuple[str, int]] = []
     for out in plan.outputs:
         if not isinstance(out.expr, exp.Var) or out.kind not in ("key", "count", "sum") or out.clamp is not None:
             return None

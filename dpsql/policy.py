@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -290,7 +290,7 @@ def _line_index(node: yaml.Node, path: tuple[Any, ...] = ()) -> Iterator[tuple[t
             yield from _line_index(item, (*path, i))
 
 
-def _describe(error: dict[str, Any], where: str, lines: dict[tuple[Any, ...], int]) -> str:
+def _describe(error: Mapping[str, Any], where: str, lines: dict[tuple[Any, ...], int]) -> str:
     loc = tuple(p for p in error["loc"] if not (isinstance(p, str) and p.startswith(("function-", "tagged-"))))
     probe = loc
     while probe and tuple(map(str, probe)) not in lines:

@@ -219,5 +219,9 @@ def _sort_key_compare(a: tuple[Any, ...], b: tuple[Any, ...], spec: list[tuple[b
 
 def order_rows(rows: list[tuple[tuple[Any, ...], Any]], spec: list[tuple[bool, bool | None]]) -> list[Any]:
     """Sort ``(sort_key, row)`` pairs by PostgreSQL's ORDER BY rules; return the rows."""
-    ordered = sorted(rows, key=cmp_to_key(lambda a, b: _sort_key_compare(a[0], b[0], spec)))
+
+    def compare(a: tuple[tuple[Any, ...], Any], b: tuple[tuple[Any, ...], Any]) -> int:
+        return _sort_key_compare(a[0], b[0], spec)
+
+    ordered = sorted(rows, key=cmp_to_key(compare))
     return [row for _, row in ordered]

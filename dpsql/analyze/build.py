@@ -30,14 +30,14 @@ from dpsql.policy import PG_TYPE_NAMES, ColumnPolicy, Policy
 from dpsql.session import OutputColumn, PgType
 
 #: Variance family → (PostgreSQL's output name, sample variance?, square root?)
-_VARIANCES: dict[type[exp.Expression], tuple[str, bool, bool]] = {
+_VARIANCES: dict[type[exp.Expr], tuple[str, bool, bool]] = {
     exp.Variance: ("variance", True, False),
     exp.VariancePop: ("var_pop", False, False),
     exp.Stddev: ("stddev", True, True),
     exp.StddevSamp: ("stddev_samp", True, True),
     exp.StddevPop: ("stddev_pop", False, True),
 }
-_AGGREGATES = (exp.Count, exp.Sum, exp.Avg, *_VARIANCES)
+_AGGREGATES: tuple[type[exp.Expr], ...] = (exp.Count, exp.Sum, exp.Avg, *_VARIANCES)
 _QUANTILES = (exp.Min, exp.Max, exp.Median, exp.WithinGroup)
 _NOT_YET = {
     exp.ArrayAgg: "array_agg",
@@ -350,7 +350,7 @@ def _check_in(node: exp.In, scope: _Scope) -> exp.Expression:
 # --- GROUP BY ------------------------------------------------------------------------
 
 
-def _projection_alias(projection: exp.Expression) -> str | None:
+def _projection_alias(projection: exp.Expr) -> str | None:
     return _ident_name(projection.args["alias"].this) if isinstance(projection, exp.Alias) else None
 
 
@@ -572,9 +572,10 @@ def _quantile_measure(node: exp.Expression, scope: _Scope) -> tuple[Measure, boo
             q = 1.0 - q
         argument, discrete = ordered.this, isinstance(inner, exp.PercentileDisc)
     else:
-        q = {exp.Min: 0.0, exp.Max: 1.0, exp.Median: 0.5}[type(node)]
+        q = {exp.Min: 0.0, exp.Max: 1.0, exp.Median: 0.5}[type(node)]  # type: ignore[index]  # a quantile node
         argument, discrete = node.this, not isinstance(node, exp.Median)
-    function = (node.this if isinstance(node, exp.WithinGroup) else node).sql_name().lower()
+    function_node: exp.Func = node.this if isinstance(node, exp.WithinGroup) else node  # type: ignore[assignment]
+    function = function_node.sql_name().lower()
     while isinstance(argument, exp.Paren):
         argument = argument.this
     if not isinstance(argument, exp.Column):
@@ -659,7 +660,7 @@ def convert_output(node: exp.Expression, scope: _Scope) -> tuple[exp.Expression,
     return node, "expr", tuple(dict.fromkeys(measures))
 
 
-def _output_name(projection: exp.Expression) -> str:
+def _output_name(projection: exp.Expr) -> str:
     """The column name PostgreSQL would give this select item."""
     alias = _projection_alias(projection)
     if alias is not None:

@@ -73,7 +73,7 @@ _DATE_PARTS: dict[str, tuple[int, int]] = {
 }
 
 
-def clamp_sql(value: exp.Expression, lower: exp.Expression, upper: exp.Expression) -> exp.Expression:
+def clamp_sql(value: exp.Expression, lower: exp.Expression, upper: exp.Expression) -> exp.Case:
     """``value`` clamped to ``[lower, upper]``; NULL stays NULL, NaN (above +infinity on every
     backend) becomes ``upper``. CASE rather than GREATEST/LEAST: those treat NULL differently
     across engines (PostgreSQL ignores NULL arguments)."""
@@ -160,6 +160,7 @@ def bound(node: exp.Expression, resolve: Resolve, check_predicate: CheckPredicat
                 exp.LT(this=column.copy(), expression=snap.copy()),
             )
             clamped.set("default", None)
+            assert isinstance(clamped, exp.Case)
             clamped = clamped.when(near_zero, exp.Literal.number(0)).else_(column.copy())
         typed = exp.cast(clamped, exp.DataType.Type.BIGINT if integer else exp.DataType.Type.DOUBLE)
         return _checked(typed, float(policy.lower), float(policy.upper), integer, policy.nullable, SNAP_EXPONENT)  # type: ignore[arg-type]

@@ -61,7 +61,9 @@ def parse_statement(sql: str) -> exp.Expression:
             "cannot insert multiple commands into a prepared statement",
             hint="dpsql runs one statement per query; send them one at a time.",
         )
-    return statements[0]
+    statement = statements[0]
+    assert isinstance(statement, exp.Expression)
+    return statement
 
 
 def skip_comments(sql: str) -> str:

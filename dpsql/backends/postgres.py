@@ -154,7 +154,7 @@ class PostgresBackend:
     def execute_script(self, sql: str) -> None:
         with self._connect() as conn:
             try:
-                conn.execute(sql)  # type: ignore[arg-type]  # no params: simple protocol, many statements
+                conn.execute(sql)  # no params: simple protocol, many statements
             except psycopg.Error as exc:
                 log_database_error(f"PostgreSQL script failed ({exc.sqlstate})", exc)
                 raise BackendError(QUERY_FAILED) from None
@@ -175,12 +175,12 @@ class PostgresBackend:
             try:
                 with conn.transaction(), conn.cursor() as cur:
                     if replace:
-                        cur.execute(f"DROP TABLE IF EXISTS {target}")  # type: ignore[arg-type]
-                    cur.execute(f"CREATE TABLE {target} ({defs})")  # type: ignore[arg-type]
-                    with cur.copy(f"COPY {target} ({names}) FROM STDIN") as copy:  # type: ignore[arg-type]
+                        cur.execute(f"DROP TABLE IF EXISTS {target}")
+                    cur.execute(f"CREATE TABLE {target} ({defs})")
+                    with cur.copy(f"COPY {target} ({names}) FROM STDIN") as copy:
                         for row in rows:
                             copy.write_row(row)
-                    cur.execute(f"ANALYZE {target}")  # type: ignore[arg-type]
+                    cur.execute(f"ANALYZE {target}")
             except psycopg.Error as exc:
                 log_database_error(f"PostgreSQL load into {table} failed ({exc.sqlstate})", exc)
                 raise BackendError(QUERY_FAILED) from None

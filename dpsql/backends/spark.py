@@ -176,7 +176,7 @@ def prepare_query(sql: str) -> PreparedQuery:
     return PreparedQuery(tree.sql(dialect=DIALECT), files, one_row)
 
 
-def resolve_sources(tree: exp.Expression) -> dict[str, tuple[str, str]]:
+def resolve_sources(tree: exp.Expr) -> dict[str, tuple[str, str]]:
     """Policy ``source:`` names arrive as one quoted identifier; give them their Spark meaning.
 
     ``db.table``/``catalog.db.table`` → a multi-part name; ``parquet:/path`` → a temporary view
@@ -204,7 +204,7 @@ def resolve_sources(tree: exp.Expression) -> dict[str, tuple[str, str]]:
     return files
 
 
-def _postgres_date_parts(tree: exp.Expression) -> None:
+def _postgres_date_parts(tree: exp.Expr) -> None:
     """PostgreSQL's DOW is 0–6 from Sunday, Spark's 1–7; Spark spells ISODOW ``DAYOFWEEK_ISO``."""
     for node in list(tree.find_all(exp.Extract)):
         part = node.this.name.upper() if isinstance(node.this, exp.Var | exp.Identifier) else ""
@@ -250,10 +250,12 @@ def _double_text_template() -> exp.Expression:
         f" WHEN LENGTH({digits}) <= {e} + 1 THEN {sign} || {digits} || REPEAT('0', {e} + 1 - LENGTH({digits})) || '.0'"
         f" ELSE {sign} || SUBSTRING({digits}, 1, {e} + 1) || '.' || SUBSTRING({digits}, {e} + 2) END"
     )
-    return sqlglot.parse_one(_DOUBLE_TEXT_TEMPLATE.replace("LAYOUT", layout), read=DIALECT)
+    template = sqlglot.parse_one(_DOUBLE_TEXT_TEMPLATE.replace("LAYOUT", layout), read=DIALECT)
+    assert isinstance(template, exp.Expression)
+    return template
 
 
-def _duckdb_double_text(tree: exp.Expression) -> None:
+def _duckdb_double_text(tree: exp.Expr) -> None:
     """Inside MD5 (the row order of contribution bounding) render doubles like DuckDB.
 
     The order must not depend on the backend, or Spark would keep different rows of a person
@@ -602,7 +604,7 @@ def _fail_fast(spark: Any) -> None:
     """Retry transient Connect errors for seconds, not pyspark's default ten minutes: a query waits on it."""
     from pyspark.sql.connect.client.retries import DefaultPolicy
 
-    spark.client.set_retry_policies([DefaultPolicy(**CONNECT_RETRY)])
+    spark.client.set_retry_policies([DefaultPolicy(**CONNECT_RETRY)])  # type: ignore[arg-type]
 
 
 class _Tag:

@@ -106,16 +106,15 @@ class _NoisePool:
         local = self._local
         if getattr(local, "pid", None) != os.getpid():
             local.pid, local.reservoirs = os.getpid(), {}
-        reservoirs: dict[tuple[object, ...], list[object]] = local.reservoirs
+        reservoirs: dict[tuple[object, ...], tuple[np.ndarray, int]] = local.reservoirs
         entry = reservoirs.get(key)
-        if entry is None or entry[1] + n > len(entry[0]):  # type: ignore[arg-type]
+        if entry is None or entry[1] + n > len(entry[0]):
             if len(reservoirs) >= self.MAX_DISTRIBUTIONS:
                 reservoirs.clear()
-            entry = [draw(max(self.BATCH, n)), 0]
-            reservoirs[key] = entry
+            entry = (draw(max(self.BATCH, n)), 0)
         samples, start = entry
-        entry[1] = start + n  # type: ignore[operator]
-        return samples[start : start + n].copy()  # type: ignore[index]
+        reservoirs[key] = (samples, start + n)
+        return samples[start : start + n].copy()
 
 
 _POOL = _NoisePool()

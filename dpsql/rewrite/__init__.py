@@ -186,9 +186,11 @@ def _hash_input(plan: Plan, column: exp.Column) -> exp.Expression:
     IEEE arithmetic gives the same integer everywhere, and it cannot overflow.
     """
     policy = _float_policy(plan, column)
-    if policy is None or policy.lower is None or policy.upper is None or float(policy.upper) <= float(policy.lower):
+    if policy is None or not isinstance(policy.lower, int | float) or not isinstance(policy.upper, int | float):
         return column.copy()
     lower, upper = float(policy.lower), float(policy.upper)
+    if upper <= lower:
+        return column.copy()
     clamped = _clamp(exp.cast(column.copy(), exp.DataType.Type.DOUBLE), _number(lower), _number(upper))
     offset = exp.paren(exp.Sub(this=clamped, expression=_number(lower)), copy=False)
     scaled = exp.Div(
@@ -207,7 +209,7 @@ def _hash(values: list[exp.Expression], salt: str) -> exp.Expression:
     return exp.MD5(this=text)
 
 
-def _over_sources(select: exp.Select, *projections: exp.Expression) -> exp.Select:
+def _over_sources(select: exp.Select, *projections: exp.Expr) -> exp.Select:
     """``projections`` over ``select``'s FROM, joins and WHERE: the rows a bounding step reads."""
     query = exp.select(*projections).from_(select.args["from_"].copy(), copy=False)
     for join in select.args.get("joins") or []:
@@ -358,7 +360,7 @@ def _cells_matchable(plan: Plan) -> bool:
     return bool(plan.keys) and all(p is not None and (not p.nullable or p.type in _NULL_STAND_INS) for p in policies)
 
 
-def _same_cell(row: exp.Column, cell: exp.Column, policy: ColumnPolicy) -> exp.Expression:
+def _same_cell(row: exp.Column, cell: exp.Column, policy: ColumnPolicy) -> exp.Expr:
     """``row`` and ``cell`` hold the same value, NULL included, as an equality a hash join can use
     (PostgreSQL cannot hash ``IS NOT DISTINCT FROM``)."""
     if not policy.nullable:
@@ -434,7 +436,7 @@ def _open_cells(select: exp.Select, plan: Plan, names: dict[str, str]) -> list[t
 
 def _rows_of_open_cells(
     select: exp.Select, plan: Plan, columns: dict[str, exp.Column], names: dict[str, str]
-) -> list[tuple[str, exp.Select]]:
+) -> list[tuple[str, exp.Query]]:
     """CTEs ending in ``__bounded``: every row of a cell with room for all of it, and the first
     ``__room`` rows in row-hash order of the cell crossing the bound."""
     assert plan.unit is not None
@@ -455,7 +457,7 @@ def _rows_of_open_cells(
     )
     room, size = exp.column("__room", "__o"), exp.column("__n", "__o")
 
-    def joined(condition: exp.Expression, *extra: exp.Expression) -> exp.Select:
+    def joined(condition: exp.Expr, *extra: exp.Expr) -> exp.Select:
         return (
             exp.select(*(exp.column(n, "__r", quoted=True) for n in names.values()), *extra)
             .from_(rows.copy().subquery("__r", copy=False), copy=False)
