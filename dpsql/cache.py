@@ -80,7 +80,9 @@ def database_identity(backend: Any) -> str:
 
 def data_stamp(backend: Any) -> str:
     """A stamp that changes whenever the data may have: the backend's write counter, plus for a
-    DuckDB file its size and modification time (and its WAL's), for PostgreSQL the WAL position."""
+    DuckDB file its size and modification time (and its WAL's), for PostgreSQL the next transaction id
+    (it moves exactly when some transaction in the cluster writes: read-only queries, hint bits and
+    checkpoints leave it alone, unlike the WAL position)."""
     parts = [str(int(getattr(backend, "data_version", 0)))]
     dialect = getattr(backend, "dialect", "")
     path = getattr(backend, "path", None)
@@ -92,9 +94,12 @@ def data_stamp(backend: Any) -> str:
             except OSError:
                 parts.append("-")
     elif dialect == "postgres":
-        # every write is WAL-logged; the position moves with any write in the cluster (a miss, never stale)
+        # a writing transaction is assigned an xid when it first writes, before it can commit: any
+        # committed write since the last stamp moved xmax (a miss, never stale). On a standby the
+        # replayed WAL position is the only signal.
         _, rows = backend.execute(
-            "SELECT (CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() ELSE pg_current_wal_lsn() END)::text"
+            "SELECT CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn()::text "
+            "ELSE pg_snapshot_xmax(pg_current_snapshot())::text END"
         )
         parts.append(str(rows[0][0]))
     return ":".join(parts)

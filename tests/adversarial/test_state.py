@@ -146,3 +146,29 @@ def test_insert_is_no_membership_oracle(with_igor: bool) -> None:
 @pytest.fixture
 def health_policy_backend(adv_health_backend: Backend) -> tuple[Policy, Backend]:
     return load_policy(demo_policy_path("health")), adv_health_backend
+
+
+def test_cache_keyed_on_postgres_database_and_writes(tmp_path: Path, pg_new_database) -> None:  # type: ignore[no-untyped-def]
+    """cache-postgres: two PostgreSQL databases (10,000 and 100 rows) and one cache file -> each its own
+    answer; a repeat on unchanged data is served free; after a write the next run is recomputed."""
+    policy, ledger = load_policy(demo_policy_path("health")), tmp_path / "ledger.sqlite"
+    big, small = open_backend(pg_new_database()), open_backend(pg_new_database())
+    try:
+        for backend in (big, small):
+            load_demo(backend, ["health"])
+        small.execute_script(
+            "DELETE FROM patients WHERE ctid IN (SELECT ctid FROM patients OFFSET 100);"
+            "ALTER TABLE patients SET (autovacuum_enabled = false); ANALYZE patients"  # no background writes
+        )
+        first = _engine(policy, big, ledger).execute(SQL, Session("alice"))
+        engine = _engine(policy, small, ledger)
+        second = engine.execute(SQL, Session("alice"))
+        assert first.rows[0][0] > 9000 and second.rows[0][0] < 1000 and second.epsilon_spent == 1.0
+        repeat = engine.execute(SQL, Session("alice"))
+        assert repeat.rows == second.rows and repeat.epsilon_spent == 0
+        assert any("answered from the result cache" in n for n in repeat.notices)
+        small.execute_script("DELETE FROM patients WHERE ctid IN (SELECT ctid FROM patients OFFSET 50)")
+        assert engine.execute(SQL, Session("alice")).epsilon_spent == 1.0
+    finally:
+        big.close()
+        small.close()
