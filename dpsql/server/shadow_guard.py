@@ -54,7 +54,8 @@ _CATALOG_FUNCTIONS = """
     format_type pg_get_expr pg_get_indexdef pg_get_constraintdef pg_get_viewdef pg_get_triggerdef
     pg_get_ruledef pg_get_userbyid pg_get_function_arguments pg_get_function_identity_arguments
     pg_get_function_result pg_get_function_arg_default pg_get_functiondef pg_get_serial_sequence
-    pg_get_keywords pg_get_partkeydef pg_get_partition_constraintdef pg_get_statisticsobjdef
+    pg_get_keywords pg_relation_is_publishable pg_get_publication_tables
+    pg_get_partkeydef pg_get_partition_constraintdef pg_get_statisticsobjdef
     pg_get_statisticsobjdef_columns pg_get_statisticsobjdef_expressions pg_get_catalog_foreign_keys
     pg_get_object_address pg_identify_object pg_identify_object_as_address pg_describe_object
     pg_table_is_visible pg_type_is_visible pg_function_is_visible pg_operator_is_visible
@@ -67,7 +68,8 @@ _CATALOG_FUNCTIONS = """
     has_server_privilege has_language_privilege has_parameter_privilege pg_has_role
     pg_encoding_to_char pg_char_to_encoding pg_encoding_max_length getdatabaseencoding
     pg_client_encoding pg_tablespace_location pg_relation_size pg_total_relation_size
-    pg_table_size pg_indexes_size pg_size_pretty pg_size_bytes pg_relation_is_updatable
+    pg_table_size pg_indexes_size pg_database_size pg_tablespace_size pg_size_pretty pg_size_bytes
+    pg_relation_is_updatable
     pg_column_is_updatable pg_column_size pg_index_column_has_property pg_index_has_property
     pg_indexam_has_property pg_options_to_table pg_sequence_parameters pg_typeof
     pg_partition_tree pg_partition_root pg_partition_ancestors pg_is_in_recovery
@@ -121,7 +123,7 @@ _DENIED_RELATIONS = _words(
     """
     pg_stat_activity pg_locks pg_prepared_xacts pg_file_settings pg_hba_file_rules
     pg_ident_file_mappings pg_backend_memory_contexts pg_shmem_allocations pg_authid pg_shadow
-    pg_user_mappings pg_largeobject pg_largeobject_metadata pg_replication_slots
+    pg_largeobject pg_replication_slots
     pg_replication_origin_status pg_stat_statements pg_stat_statements_info
     """
 )
