@@ -17,6 +17,13 @@ differentially private. Each client gets its own shadow connection, logged in as
 non-superuser role named after the analyst with ``default_transaction_read_only``, so that
 ``current_user``, ``has_table_privilege`` and friends answer as they would on a real server
 while superuser-only functions (``pg_read_file``…) stay out of reach.
+
+Hardening (see :mod:`dpsql.server.shadow_guard` and :mod:`dpsql.local_postgres`): every statement
+sent to the shadow passes a function allow-list and an activity-view deny-list first (42501 with
+a hint otherwise); roles log in with random per-start SCRAM passwords over a 0700 unix socket
+(no TCP), run read-only with a 5 s statement timeout, and have large-object, advisory-lock,
+notification and other-session functions and views revoked. A local shadow is supervised
+(restarted when it dies; 08006/57P03 in between) and dies with dpsql (watchdog).
 """
 
 from __future__ import annotations
