@@ -17,6 +17,13 @@ differentially private. Each client gets its own shadow connection, logged in as
 non-superuser role named after the analyst with ``default_transaction_read_only``, so that
 ``current_user``, ``has_table_privilege`` and friends answer as they would on a real server
 while superuser-only functions (``pg_read_file``…) stay out of reach.
+
+Hardening (see :mod:`dpsql.server.shadow_guard` and :mod:`dpsql.local_postgres`): every statement
+sent to the shadow passes a function allow-list and an activity-view deny-list first (42501 with
+a hint otherwise); roles log in with random per-start SCRAM passwords over a 0700 unix socket
+(no TCP), run read-only with a 5 s statement timeout, and have large-object, advisory-lock,
+notification and other-session functions and views revoked. A local shadow is supervised
+(restarted when it dies; 08006/57P03 in between) and dies with dpsql (watchdog).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -36,6 +43,7 @@ from dpsql.errors import Error, FeatureNotSupported
 from dpsql.policy import PG_TYPE_NAMES, Policy, TablePolicy
 
 from .protocol import FieldDescription
+from .shadow_guard import check_catalog_sql
 from .sqltext import first_word, identifiers
 
 log = logging.getLogger("dpsql.server.catalog")
@@ -147,33 +155,80 @@ def _table_ddl(name: str, table: TablePolicy) -> list[str]:
 
 
 def shadow_role(analyst: str) -> str:
-    """The shadow role an analyst logs in as (never the superuser)."""
-    return "dpsql_analyst" if analyst == _SHADOW_SUPERUSER else analyst
+    """The shadow role an analyst logs in as (never the superuser, never a reserved ``pg_`` name)."""
+    return "dpsql_analyst" if analyst == _SHADOW_SUPERUSER or analyst.lower().startswith("pg_") else analyst
 
 
 def shadow_roles(policy: Policy) -> list[str]:
     return sorted({shadow_role(a.name) for a in policy.analysts} | {"dpsql_analyst"})
 
 
-def role_statements(role: str) -> list[str]:
-    """A login role that can read the (empty) tables and nothing more."""
+#: Per-statement limit on the shadow (role default and connection option); overridable per instance.
+DEFAULT_STATEMENT_TIMEOUT_MS = 5000
+#: Shadow connections one analyst role may hold (one per dpsql client connection that ran a catalog query).
+ROLE_CONNECTION_LIMIT = 32
+
+
+def role_statements(
+    role: str, database: str, password: str | None = None, timeout_ms: int = DEFAULT_STATEMENT_TIMEOUT_MS
+) -> list[str]:
+    """A login role that can read the (empty) tables and the catalogs, and nothing more."""
+    pw = f" PASSWORD {_literal(password)}" if password is not None else ""
+    r = _ident(role)
     return [
-        f"ALTER ROLE {_ident(role)} LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE",
-        f"ALTER ROLE {_ident(role)} SET default_transaction_read_only = on",
-        f"GRANT SELECT ON ALL TABLES IN SCHEMA public TO {_ident(role)}",
+        f"ALTER ROLE {r} LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS "
+        f"CONNECTION LIMIT {ROLE_CONNECTION_LIMIT}{pw}",
+        f"ALTER ROLE {r} SET default_transaction_read_only = on",
+        f"ALTER ROLE {r} SET statement_timeout = {int(timeout_ms)}",
+        f"ALTER ROLE {r} SET lock_timeout = {int(timeout_ms)}",
+        f"ALTER ROLE {r} SET idle_in_transaction_session_timeout = 60000",
+        f"ALTER ROLE {r} SET temp_file_limit = '64MB'",
+        f"GRANT CONNECT ON DATABASE {_ident(database)} TO {r}",
+        f"GRANT USAGE ON SCHEMA public TO {r}",
+        f"GRANT SELECT ON ALL TABLES IN SCHEMA public TO {r}",
     ]
+
+
+#: Functions no analyst role may execute on the shadow (PUBLIC has EXECUTE on them by default):
+#: large-object I/O, advisory locks, notifications, signalling backends, other sessions' activity.
+_REVOKED_FUNCTIONS_SQL = r"""
+SELECT p.oid::regprocedure::text FROM pg_catalog.pg_proc p
+WHERE p.pronamespace = 'pg_catalog'::regnamespace AND (
+  p.proname ~ '^(lo_|pg_advisory|pg_try_advisory|pg_stat_get_backend_|pg_stat_get_progress|pg_sleep_)'
+  OR p.proname IN ('loread', 'lowrite', 'pg_notify', 'pg_terminate_backend', 'pg_cancel_backend',
+                   'pg_stat_get_activity', 'pg_lock_status', 'pg_blocking_pids',
+                   'pg_safe_snapshot_blocking_pids', 'pg_isolation_test_session_is_blocked',
+                   'pg_stat_get_db_numbackends', 'pg_stat_get_wal_receiver', 'pg_stat_get_subscription',
+                   'pg_show_all_file_settings', 'pg_current_logfile', 'pg_ls_dir', 'pg_read_file',
+                   'pg_read_binary_file', 'pg_stat_file', 'pg_ls_logdir', 'pg_ls_waldir', 'pg_ls_tmpdir',
+                   'pg_ls_archive_statusdir', 'pg_get_backend_memory_contexts', 'pg_get_shmem_allocations'))
+"""
+
+#: Views over other sessions' activity (they run with their owner's rights, so revoke the views too).
+_REVOKED_VIEWS_SQL = r"""
+SELECT c.oid::regclass::text FROM pg_catalog.pg_class c
+WHERE c.relnamespace = 'pg_catalog'::regnamespace AND c.relkind = 'v' AND (
+  (c.relname ~ '^pg_stat(io)?_' AND c.relname NOT IN
+     ('pg_stat_user_tables', 'pg_statio_user_tables', 'pg_stat_user_indexes', 'pg_statio_user_indexes'))
+  OR c.relname IN ('pg_locks', 'pg_prepared_xacts', 'pg_replication_slots', 'pg_replication_origin_status'))
+"""
 
 
 def schema_statements(policy: Policy) -> list[str]:
-    """DDL that recreates the policy's published schema, empty, readable by every analyst role."""
+    """DDL that recreates the policy's published schema, empty (roles are granted separately)."""
     stmts: list[str] = [
-        "REVOKE CREATE ON SCHEMA public FROM PUBLIC",
-        f"REVOKE TEMPORARY ON DATABASE {_ident(policy.dataset)} FROM PUBLIC",
+        "REVOKE ALL ON SCHEMA public FROM PUBLIC",
+        f"REVOKE ALL ON DATABASE {_ident(policy.dataset)} FROM PUBLIC",
     ]
     for name, table in policy.tables.items():
         stmts.extend(_table_ddl(name, table))
-    for role in shadow_roles(policy):
-        stmts.extend(role_statements(role))
+    return stmts
+
+
+def _revocations(conn: Any) -> list[str]:
+    """REVOKEs of dangerous built-ins from PUBLIC in the connected database (grants are per database)."""
+    stmts = [f"REVOKE EXECUTE ON FUNCTION {row[0]} FROM PUBLIC" for row in conn.execute(_REVOKED_FUNCTIONS_SQL)]
+    stmts += [f"REVOKE ALL ON {row[0]} FROM PUBLIC" for row in conn.execute(_REVOKED_VIEWS_SQL)]
     return stmts
 
 
@@ -184,78 +239,188 @@ class ShadowResult:
     tag: str
 
 
-class CatalogShadow:
-    """The shadow PostgreSQL: started (or reached via ``catalog_dsn``) once, one connection per client."""
+def connection_lost() -> Error:
+    return Error(
+        "connection to the catalog server was lost",
+        sqlstate="08006",
+        hint="Retry the statement: dpsql reconnects to its catalog server (restarting it if needed).",
+    )
 
-    def __init__(self, policy: Policy, dsn: str | None = None) -> None:
+
+def catalog_restarting() -> Error:
+    return Error(
+        "the catalog server is restarting",
+        sqlstate="57P03",
+        hint="Retry in a few seconds; DP queries on the policy tables are not affected.",
+    )
+
+
+class CatalogShadow:
+    """The shadow PostgreSQL: started (or reached via ``catalog_dsn``) once, one connection per client.
+
+    A local shadow is supervised: a monitor thread notices when its postmaster dies and starts a
+    fresh one (new datadir, new passwords, schema recreated); meanwhile catalog queries fail with
+    08006/57P03 and then succeed again. Roles get random per-start passwords; the superuser's
+    password (in ``_base_dsn``) never leaves this object.
+    """
+
+    def __init__(
+        self, policy: Policy, dsn: str | None = None, statement_timeout_ms: int = DEFAULT_STATEMENT_TIMEOUT_MS
+    ) -> None:
         self.policy = policy
         self._given_dsn = dsn
         self._local: Any = None
         self._base_dsn: str | None = None
+        self._passwords: dict[str, str] = {}
+        self.statement_timeout_ms = statement_timeout_ms
         self.server_version: str | None = None
+        self.restarts = 0
         self._lock = threading.Lock()
+        self._started = False
+        self._ready = threading.Event()
+        self._stopping = threading.Event()
+        self._monitor: threading.Thread | None = None
 
     @property
     def database(self) -> str:
         return self.policy.dataset
 
+    @property
+    def local(self) -> Any:
+        """The running :class:`~dpsql.local_postgres.LocalPostgres`, if dpsql started it (tests, operators)."""
+        return self._local
+
     def start(self) -> None:
         """Start the local server (unless a DSN was given) and create the empty schema; idempotent."""
         with self._lock:
-            if self._base_dsn is not None:
+            if self._started:
                 return
-            if self._given_dsn is None:
-                from dpsql.local_postgres import start_local_postgres
+            self._launch()
+            self._started = True
+        if self._given_dsn is None:
+            self._monitor = threading.Thread(target=self._supervise, name="dpsql-catalog-monitor", daemon=True)
+            self._monitor.start()
 
-                self._local = start_local_postgres()
-                base = self._local.dsn
-            else:
-                base = self._given_dsn
-            try:
-                self._create_schema(base)
-            except Exception:
-                self.stop()
-                raise
-            self._base_dsn = base
+    def _launch(self) -> None:
+        """(Re)start the local server or reach the given one, and prepare it; sets ``_ready``."""
+        import secrets
 
-    def _create_schema(self, base: str) -> None:
+        if self._given_dsn is None:
+            from dpsql.local_postgres import start_local_postgres
+
+            local = start_local_postgres()
+            base = local.dsn
+            passwords = {role: secrets.token_hex(24) for role in shadow_roles(self.policy)}
+        else:
+            local, base, passwords = None, self._given_dsn, {}
+        try:
+            self._create_schema(base, passwords, own_cluster=local is not None)
+        except Exception:
+            if local is not None:
+                local.stop()
+            raise
+        self._local, self._base_dsn, self._passwords = local, base, passwords
+        self._ready.set()
+
+    def _supervise(self) -> None:
+        backoff = 0.5
+        while not self._stopping.wait(0.25):
+            local = self._local
+            if local is None or local.alive():
+                backoff = 0.5
+                continue
+            log.warning("catalog server died (exit code %s); restarting it", local.process.poll())
+            self._ready.clear()
+            with self._lock:
+                if self._stopping.is_set():
+                    return
+                local.stop()
+                self._local = None
+                try:
+                    self._launch()
+                    self.restarts += 1
+                except Exception as exc:
+                    log.warning("catalog server restart failed (retrying in %.1fs): %s", backoff, exc)
+                    self._local = local  # dead: the next round retries
+                    local._stopped = True
+            if not self._ready.is_set():
+                self._stopping.wait(backoff)
+                backoff = min(backoff * 2, 30.0)
+
+    def _create_schema(self, base: str, passwords: dict[str, str], own_cluster: bool) -> None:
         import psycopg
         from psycopg.conninfo import make_conninfo
 
-        with psycopg.connect(base, autocommit=True) as conn:
+        with psycopg.connect(base, autocommit=True, connect_timeout=10) as conn:
             exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (self.database,)).fetchone()
             if exists is None:
                 conn.execute(f"CREATE DATABASE {_ident(self.database)}")  # type: ignore[arg-type]
             self.server_version = str(conn.execute("SHOW server_version").fetchone()[0])  # type: ignore[index]
-            if exists is not None:
+            if exists is not None and not own_cluster:
                 return  # an operator-provided catalog that was prepared before
             for role in shadow_roles(self.policy):
                 with contextlib.suppress(psycopg.errors.DuplicateObject):
                     conn.execute(f"CREATE ROLE {_ident(role)}")  # type: ignore[arg-type]
-        with psycopg.connect(make_conninfo(base, dbname=self.database), autocommit=True) as conn:
-            for stmt in schema_statements(self.policy):
+            if own_cluster:
+                for db in ("postgres", "template1"):
+                    conn.execute(f"REVOKE ALL ON DATABASE {_ident(db)} FROM PUBLIC")  # type: ignore[arg-type]
+                for stmt in _revocations(conn):
+                    conn.execute(stmt)  # type: ignore[arg-type]
+        with psycopg.connect(make_conninfo(base, dbname=self.database), autocommit=True, connect_timeout=10) as conn:
+            stmts = schema_statements(self.policy) + _revocations(conn)
+            for role in shadow_roles(self.policy):
+                stmts += role_statements(role, self.database, passwords.get(role), self.statement_timeout_ms)
+            for stmt in stmts:
                 conn.execute(stmt)  # type: ignore[arg-type]
 
     @property
     def available(self) -> bool:
-        return self._base_dsn is not None
+        return self._started and not self._stopping.is_set()
 
     def connect(self, analyst: str) -> ShadowSession:
+        """A session that (re)connects lazily as the analyst's shadow role."""
+        if not self.available:
+            raise CatalogUnavailable()
+        session = ShadowSession(lambda: self._connect_raw(analyst))
+        session.reconnect()
+        return session
+
+    def _connect_raw(self, analyst: str) -> Any:
         import psycopg
         from psycopg.conninfo import make_conninfo
 
-        if self._base_dsn is None:
+        if not self.available:
             raise CatalogUnavailable()
+        if not self._ready.wait(15):
+            raise catalog_restarting()
+        role = shadow_role(analyst)
+        extra: dict[str, Any] = {"password": self._passwords[role]} if role in self._passwords else {}
+        timeout = int(self.statement_timeout_ms)
         dsn = make_conninfo(
-            self._base_dsn, dbname=self.database, user=shadow_role(analyst), application_name="dpsql-catalog"
+            self._base_dsn or "",
+            dbname=self.database,
+            user=role,
+            application_name="dpsql-catalog",
+            connect_timeout=10,
+            options=f"-c statement_timeout={timeout} -c default_transaction_read_only=on",
+            **extra,
         )
-        return ShadowSession(psycopg.connect(dsn, autocommit=True))
+        try:
+            return psycopg.connect(dsn, autocommit=True)
+        except psycopg.OperationalError as exc:
+            log.warning("catalog connection failed: %s", exc)
+            raise (catalog_restarting() if not self._ready.is_set() else connection_lost()) from None
 
     def stop(self) -> None:
-        self._base_dsn = None
-        if self._local is not None:
-            self._local.stop()
-            self._local = None
+        self._stopping.set()
+        self._ready.clear()
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join(timeout=30)
+        with self._lock:
+            self._base_dsn = None
+            if self._local is not None:
+                self._local.stop()
+                self._local = None
 
 
 def _shadow_error(res: Any) -> Error:
@@ -268,11 +433,17 @@ def _shadow_error(res: Any) -> Error:
     position = field(F.STATEMENT_POSITION)
     return Error(
         field(F.MESSAGE_PRIMARY) or "catalog query failed",
-        sqlstate=field(F.SQLSTATE) or "XX000",
+        sqlstate=field(F.SQLSTATE) or "58000",  # a client-side libpq failure: never XX000
         detail=field(F.MESSAGE_DETAIL),
         hint=field(F.MESSAGE_HINT),
         position=int(position) if position and position.isdigit() else None,
     )
+
+
+def _SQLSTATE_FIELD() -> Any:
+    from psycopg.pq import DiagnosticField
+
+    return DiagnosticField.SQLSTATE
 
 
 def _fields(res: Any, formats: Sequence[int]) -> list[FieldDescription]:
@@ -293,17 +464,39 @@ def _fields(res: Any, formats: Sequence[int]) -> list[FieldDescription]:
 
 
 class ShadowSession:
-    """One client's connection to the shadow; blocking calls (run them in a thread)."""
+    """One client's connection to the shadow; blocking calls (run them in a thread).
 
-    def __init__(self, conn: Any) -> None:
-        self._conn = conn
+    Every statement passes :func:`~dpsql.server.shadow_guard.check_catalog_sql` first. A lost
+    connection (shadow killed or restarted) is reported as 08006 and re-established on next use.
+    """
+
+    def __init__(self, connect: Callable[[], Any]) -> None:
+        self._connect = connect
+        self._conn: Any = None
         # libpq connections are not thread-safe; an abandoned (timed-out) call may still be running.
         self._lock = threading.Lock()
+
+    def reconnect(self) -> None:
+        with self._lock:
+            self._ensure()
+
+    def _ensure(self) -> Any:
+        from psycopg.pq import ConnStatus
+
+        conn = self._conn
+        if conn is None or conn.closed or conn.pgconn.status != ConnStatus.OK:
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    conn.close()
+            self._conn = None
+            self._conn = self._connect()
+        return self._conn
 
     def close(self) -> None:
         self.cancel()
         with self._lock, contextlib.suppress(Exception):
-            self._conn.close()
+            if self._conn is not None:
+                self._conn.close()
 
     def cancel(self) -> None:
         """Ask the shadow to cancel whatever this session is running (safe from any thread)."""
@@ -311,9 +504,13 @@ class ShadowSession:
             self._conn.cancel()
 
     def _check(self, res: Any) -> Any:
-        from psycopg.pq import ExecStatus
+        from psycopg.pq import ConnStatus, ExecStatus
 
         if res.status in (ExecStatus.FATAL_ERROR, ExecStatus.NONFATAL_ERROR, ExecStatus.BAD_RESPONSE):
+            if self._conn.pgconn.status != ConnStatus.OK:
+                code = res.error_field(_SQLSTATE_FIELD())
+                if not code or code.startswith((b"57P", b"08", b"XX")):
+                    raise connection_lost()
             raise _shadow_error(res)
         if res.status not in (ExecStatus.COMMAND_OK, ExecStatus.TUPLES_OK, ExecStatus.EMPTY_QUERY):
             raise FeatureNotSupported("this statement is not supported on the catalog")
@@ -321,7 +518,9 @@ class ShadowSession:
 
     def describe(self, sql: str, param_oids: Sequence[int]) -> tuple[list[int], list[FieldDescription] | None]:
         """Parameter types and result columns, via an unnamed prepared statement on the shadow."""
+        check_catalog_sql(sql)
         with self._lock:
+            self._ensure()
             return self._describe(sql, param_oids)
 
     def _describe(self, sql: str, param_oids: Sequence[int]) -> tuple[list[int], list[FieldDescription] | None]:
@@ -340,7 +539,9 @@ class ShadowSession:
         result_formats: Sequence[int] = (),
     ) -> ShadowResult:
         """Run one statement; values come back already encoded in the requested per-column formats."""
+        check_catalog_sql(sql)
         with self._lock:
+            self._ensure()
             return self._execute(sql, params, param_oids, param_formats, result_formats)
 
     def _execute(
