@@ -39,7 +39,7 @@ from .local import (
 )
 from .protocol import Diagnostic, FieldDescription, ProtocolViolation
 from .results import Outcome, engine_fields, engine_rows, noisy_flags, result_notices
-from .sqltext import fingerprint, split_statements
+from .sqltext import split_statements
 from .types import decode_param, encode_value, oid_for, type_size
 
 if TYPE_CHECKING:
@@ -386,7 +386,7 @@ class Connection:
                 level,
                 "query analyst=%s fingerprint=%s route=%s epsilon=%g outcome=%s latency_ms=%.1f",
                 self.user,
-                fingerprint(stmt.sql),
+                self.ctx.engine.fingerprint(stmt.sql),  # keyed, of the shape: never the constants
                 stmt.route,
                 outcome.epsilon if outcome else 0.0,
                 state,
