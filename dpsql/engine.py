@@ -9,7 +9,6 @@ follows the noise is post-processing.
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import itertools
 import math
 import secrets
@@ -47,6 +46,7 @@ from dpsql.errors import (
     UndefinedColumn,
     UndefinedTable,
 )
+from dpsql.fingerprint import fingerprint_key, keyed, shape, statement_shape
 from dpsql.ledger import Cost, Ledger, remaining_budget, resolve_ledger_url
 from dpsql.localdp import RandomizedResponse, perturb_rows
 from dpsql.plan import Measure, Plan
@@ -193,6 +193,8 @@ class Engine:
         self._lock = threading.Lock()
         #: Keys the per-row hash choosing which rows of a heavy unit are kept; never leaves the process.
         self._salt = secrets.token_hex(16)
+        #: Keys the query fingerprints (log and ledger); derived from the ledger's installation key.
+        self._fingerprint_key: bytes | None = None
         #: (table, data version) → stored-type mismatches found (schema only, read once per version).
         self._checked_tables: dict[tuple[str, int], list[tuple[str, str]]] = {}
 
@@ -249,7 +251,18 @@ class Engine:
                 self._plans.popitem(last=False)
         return prepared
 
+    def fingerprint(self, sql: str) -> str:
+        """The keyed fingerprint of a statement's shape (constants removed): what the server logs and
+        the ledger records for it. Equal shapes, equal fingerprints; never a function of constants."""
+        return keyed(self._fingerprinting_key(), statement_shape(sql))
+
+    def _fingerprinting_key(self) -> bytes:
+        if self._fingerprint_key is None:
+            self._fingerprint_key = fingerprint_key(self.ledger.installation_key())
+        return self._fingerprint_key
+
     def _prepare(self, tree: exp.Expression, session: Session, params: Params) -> Prepared:
+        fingerprint = keyed(self._fingerprinting_key(), shape(tree))  # before analysis may touch the tree
         plan = analyze_tree(tree, self.policy, params)
         self._check_stored_types(plan)
         plan.salt = self._salt
@@ -260,7 +273,6 @@ class Engine:
         select = rewrite(plan)
         budgeting = self._budget(plan, session)
         normalised = tree.sql(dialect=dialect("postgres"), normalize=True, copy=False)  # tree is not used afterwards
-        fingerprint = hashlib.sha256(normalised.encode()).hexdigest()[:16]
         histograms = [
             (i, histogram_query(plan, i).sql(dialect=dialect(self.backend.dialect)))
             for i, m in enumerate(plan.measures)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 import os
+import secrets
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator
@@ -56,6 +57,9 @@ RhoToEpsilon = Callable[[float, float], float]
 
 #: Relative slack so that spending exactly the budget in k equal float steps succeeds.
 REL_TOLERANCE = 1e-9
+
+#: ``dpsql_ledger_meta`` key of the per-installation secret (see :meth:`Ledger.installation_key`).
+_INSTALLATION_KEY = "installation_key"
 
 _HINT_EXHAUSTED = "Ask the data curator for more budget, or lower ε with SET dpsql.epsilon."
 _HINT_UNAVAILABLE = (
@@ -273,9 +277,15 @@ def check_budget(
 ) -> None:
     """Raise :class:`PrivacyBudgetExhausted` if ``spent`` plus ``cost`` exceeds ``budget``.
 
-    Pure function of budget figures only, so its messages can never reveal data.
+    Pure function of budget figures only, so its messages can never reveal data. The figures
+    in the DETAIL are the analyst's own; for the dataset's budget (``who="dataset"``: every
+    analyst's spend together) the refusal says only that it is exhausted and what this query
+    needs, never what the others have spent (see :func:`_dataset_refusal`).
     """
     message = f'privacy budget exhausted for {who} "{name}"'
+    if who == "dataset":
+        _check_dataset_budget(message, spent, cost, budget, accounting, rho_delta, rho_to_epsilon)
+        return
     if accounting == "pure":
         if not _within(spent.epsilon + cost.epsilon, budget.epsilon):
             detail = f"spent ε={_fmt(spent.epsilon)} of {_fmt(budget.epsilon)}, this query needs ε={_fmt(cost.epsilon)}"
@@ -315,6 +325,41 @@ def check_budget(
             + f", which would total ε={_fmt(epsilon_total)}"
         )
         raise PrivacyBudgetExhausted(message, detail=detail, hint=_HINT_EXHAUSTED)
+
+
+def _check_dataset_budget(
+    message: str,
+    spent: Spent,
+    cost: Cost,
+    budget: BudgetLike,
+    accounting: Accounting,
+    rho_delta: float | None,
+    rho_to_epsilon: RhoToEpsilon | None,
+) -> None:
+    """The dataset-wide check: same arithmetic as for an analyst, a refusal without others' figures."""
+    try:
+        check_budget(
+            who="analyst",  # the arithmetic only; its message (with the totals) is discarded
+            name="",
+            spent=spent,
+            cost=cost,
+            budget=budget,
+            accounting=accounting,
+            rho_delta=rho_delta,
+            rho_to_epsilon=rho_to_epsilon,
+        )
+    except PrivacyBudgetExhausted:
+        raise _dataset_refusal(message, cost) from None
+
+
+def _dataset_refusal(message: str, cost: Cost) -> PrivacyBudgetExhausted:
+    """53P01 for the dataset's budget: what this query needs (the analyst's own figure), nothing more."""
+    needs = f"ε={_fmt(cost.epsilon)}" + (f", δ={_fmt(cost.delta)}" if cost.delta else "")
+    return PrivacyBudgetExhausted(
+        message,
+        detail=f"The dataset's total privacy budget cannot cover this query (it needs {needs}).",
+        hint="The dataset budget is shared by all analysts; ask the data curator for more.",
+    )
 
 
 def remaining_budget(
@@ -490,6 +535,26 @@ class Ledger:
     def close(self) -> None:
         raise NotImplementedError
 
+    def installation_key(self) -> bytes:
+        """This installation's secret (32 random bytes), generated once and kept in the ledger's own
+        database (``dpsql_ledger_meta``, key ``installation_key``), so every process sharing a ledger
+        shares it and another installation has another. It keys the query fingerprints (log and
+        ledger) and the mock SCRAM salts of the server; it never leaves the process otherwise.
+        An in-memory ledger gets a fresh one."""
+        key: bytes | None = getattr(self, "_installation_key", None)
+        if key is None:
+            candidate = secrets.token_hex(32)
+            try:
+                key = bytes.fromhex(self._meta_setdefault(_INSTALLATION_KEY, candidate))
+            except ValueError as exc:
+                raise _unavailable("the installation key in the ledger is corrupt", exc) from exc
+            self._installation_key = key
+        return key
+
+    def _meta_setdefault(self, key: str, value: str) -> str:
+        """Store ``value`` under ``key`` unless some value is there already; return the stored one."""
+        raise NotImplementedError
+
     def __enter__(self) -> Ledger:
         return self
 
@@ -631,6 +696,18 @@ def _sqlite_migrate(conn: sqlite3.Connection) -> None:
         raise
 
 
+def _create_private(path: str) -> None:
+    """Create a new ledger file with mode 0600 (it holds the installation key; SQLite gives its
+    -wal and -shm files the same mode). An existing file is left as the operator made it."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    except OSError as exc:
+        raise _unavailable(f"cannot create {path!r}", exc) from exc
+    os.close(fd)
+
+
 class SQLiteLedger(Ledger):
     """Embedded ledger: one long-lived connection per thread on a WAL-mode SQLite file."""
 
@@ -649,6 +726,7 @@ class SQLiteLedger(Ledger):
                 raise _unavailable(f"{path!r} is a directory")
             if not os.path.isdir(parent):
                 raise _unavailable(f"directory {parent!r} does not exist")
+            _create_private(path)
         try:
             conn = self._conn()
             row = conn.execute("PRAGMA quick_check").fetchone()
@@ -782,6 +860,19 @@ class SQLiteLedger(Ledger):
                 raise _unavailable(f"cannot read {self.path!r}", exc) from exc
         return [AnalystSpent(r[0], Spent(r[1], r[2], r[3], r[4], r[6]), _parse_ts(r[5])) for r in rows]
 
+    def _meta_setdefault(self, key: str, value: str) -> str:
+        conn = self._conn()
+        with self._turn():
+            try:
+                conn.execute(
+                    "INSERT INTO dpsql_ledger_meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO NOTHING",
+                    (key, value),
+                )
+                row = conn.execute("SELECT value FROM dpsql_ledger_meta WHERE key = ?", (key,)).fetchone()
+            except sqlite3.Error as exc:
+                raise _unavailable(f"cannot write {self.path!r}", exc) from exc
+        return str(row[0])
+
     def charges(self, dataset: str, analyst: str | None = None, *, limit: int = 100) -> list[ChargeRecord]:
         sql = (
             "SELECT id, at, dataset, analyst, fingerprint, epsilon, delta, rho, accounting, selection_delta "
@@ -831,6 +922,8 @@ def _record(row: Any) -> ChargeRecord:
 
 
 _PG_SCHEMA = """
+CREATE TABLE IF NOT EXISTS dpsql_ledger_meta (key text PRIMARY KEY, value text NOT NULL);
+REVOKE ALL ON dpsql_ledger_meta FROM PUBLIC;
 CREATE TABLE IF NOT EXISTS dpsql_ledger (
     id          bigserial        PRIMARY KEY,
     at          timestamptz      NOT NULL,
@@ -1024,6 +1117,20 @@ class PostgresLedger(Ledger):
             (dataset,),
         )
         return [AnalystSpent(r[0], Spent(r[1], r[2], r[3], r[4], r[6]), r[5]) for r in rows]
+
+    def _meta_setdefault(self, key: str, value: str) -> str:
+        import psycopg
+
+        conn = self._conn()
+        try:
+            conn.execute(
+                "INSERT INTO dpsql_ledger_meta (key, value) VALUES (%s, %s) ON CONFLICT (key) DO NOTHING", (key, value)
+            )
+        except psycopg.Error as exc:
+            self._drop(conn)
+            raise _unavailable("cannot write the ledger", exc) from exc
+        rows = self._fetch("SELECT value FROM dpsql_ledger_meta WHERE key = %s", (key,))
+        return str(rows[0][0])
 
     def charges(self, dataset: str, analyst: str | None = None, *, limit: int = 100) -> list[ChargeRecord]:
         sql = (

@@ -136,7 +136,9 @@ def test_colluding_analysts_hit_the_dataset_budget(ledger: Ledger) -> None:
     with pytest.raises(PrivacyBudgetExhausted) as refused:
         _reserve(ledger, Cost(0.5), analyst="carol", dataset_budget=dataset_budget, analyst_budget=analyst_budget)
     assert refused.value.message == 'privacy budget exhausted for dataset "health"'
-    assert refused.value.detail == "spent ε=2 of 2, this query needs ε=0.5"
+    # carol learns that the shared budget is exhausted, and her own query's need: not what others spent
+    assert refused.value.detail == "The dataset's total privacy budget cannot cover this query (it needs ε=0.5)."
+    assert "spent" not in str(refused.value.detail) and "2" not in str(refused.value.detail)
     with pytest.raises(PrivacyBudgetExhausted, match='analyst "alice"'):
         _reserve(ledger, Cost(0.75), analyst="alice", dataset_budget=HUGE, analyst_budget=analyst_budget)
     # Budgets are per dataset: another dataset is untouched.
@@ -407,7 +409,7 @@ def test_pg_reserve_refuse_and_reopen(pg_dsn: str, pg_ledger: PostgresLedger) ->
     with pytest.raises(PrivacyBudgetExhausted) as refused:
         _reserve(pg_ledger, Cost(0.5), dataset=dataset, dataset_budget=Budget(epsilon=3.0))
     assert refused.value.message == f'privacy budget exhausted for dataset "{dataset}"'
-    assert refused.value.detail == "spent ε=3 of 3, this query needs ε=0.5"
+    assert refused.value.detail == "The dataset's total privacy budget cannot cover this query (it needs ε=0.5)."
     with PostgresLedger(pg_dsn) as reopened:
         assert reopened.spent(dataset) == Spent(3.0, 0.0, 6 * 0.125, 6)
         assert [row.analyst for row in reopened.summary(dataset)] == ["alice"]
@@ -466,3 +468,26 @@ def test_pg_lost_connection_fails_closed_then_recovers(pg_dsn: str, pg_ledger: P
     assert pg_ledger.spent(dataset).queries == 2
     with psycopg.connect(pg_dsn, autocommit=True) as admin, pytest.raises(psycopg.Error, match="never"):
         admin.execute("DELETE FROM dpsql_ledger WHERE dataset = %s", (dataset,))
+
+
+def test_installation_key_is_generated_once_and_kept_private(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.sqlite"
+    first = Ledger.open(f"sqlite:///{path}")
+    key = first.installation_key()
+    first.close()
+    assert len(key) == 32 and (path.stat().st_mode & 0o777) == 0o600
+    again = Ledger.open(f"sqlite:///{path}")
+    assert again.installation_key() == key  # kept: fingerprints stay comparable across restarts
+    again.close()
+    other = Ledger.open("memory")
+    assert other.installation_key() != key  # another installation, another key
+    other.close()
+
+
+@pytest.mark.postgres
+def test_pg_installation_key_is_shared(pg_dsn: str, pg_ledger: PostgresLedger) -> None:
+    other = PostgresLedger(pg_dsn)
+    try:
+        assert other.installation_key() == pg_ledger.installation_key() and len(pg_ledger.installation_key()) == 32
+    finally:
+        other.close()

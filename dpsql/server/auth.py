@@ -1,5 +1,11 @@
 """SCRAM-SHA-256 (RFC 5802 / RFC 7677), server side, against PostgreSQL-format verifiers.
 
+Unknown roles, and roles without a verifier, go through a *mock* exchange (as PostgreSQL does):
+the same SASL offer, a server-first-message with a salt derived by HMAC from the installation's
+secret and the user name (so repeated attempts see the same salt, as for a real role) and the
+iteration count of the policy's own verifiers (so the client's PBKDF2 work is the same), then the
+same 28P01 at the same point. Nothing on the wire tells whether the name exists.
+
 A verifier is ``SCRAM-SHA-256$<iterations>:<b64 salt>$<b64 StoredKey>:<b64 ServerKey>``, exactly
 what ``pg_authid.rolpassword`` holds, so the policy never contains a password: only what is needed
 to check a proof. Channel binding is not offered (no ``-PLUS`` mechanism), matching a PostgreSQL
@@ -9,10 +15,13 @@ server without TLS; a client that insists on it is refused.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import hmac
 import secrets
+from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 from dpsql.errors import Error
 
@@ -83,6 +92,49 @@ def make_verifier(password: str, iterations: int = DEFAULT_ITERATIONS, salt: byt
     return str(Verifier(iterations, salt, stored_key, server_key))
 
 
+def mock_verifier(secret: bytes, user: str, iterations: int) -> Verifier:
+    """A verifier no password matches, for a user that has none: deterministic per (secret, user),
+    so repeated attempts for one unknown name look exactly like those for a real role."""
+
+    def derive(label: bytes, size: int) -> bytes:
+        return _hmac(secret, b"dpsql scram mock " + label + b"\0" + user.encode("utf-8"))[:size]
+
+    return Verifier(iterations, derive(b"salt", 16), derive(b"stored key", 32), derive(b"server key", 32))
+
+
+def mock_exchange(engine: Any, user: str) -> ScramExchange:
+    """The doomed exchange for ``user`` (unknown, or without a verifier) on ``engine``'s server."""
+    verifiers = tuple(a.password for a in engine.policy.analysts if a.password is not None)
+    return ScramExchange(mock_verifier(mock_secret(engine.ledger), user, mock_iterations(verifiers)), doomed=True)
+
+
+#: Used only when the ledger cannot give the installation key (it then fails every query anyway).
+_FALLBACK_SECRET = secrets.token_bytes(32)
+
+
+def mock_secret(ledger: Any) -> bytes:
+    """The mock-salt secret: derived from the installation key, so it survives restarts."""
+    try:
+        key = ledger.installation_key()
+    except Exception:
+        return _FALLBACK_SECRET
+    return _hmac(key, b"dpsql scram mock secret v1")
+
+
+@functools.lru_cache(maxsize=16)
+def mock_iterations(verifiers: tuple[str, ...]) -> int:
+    """The iteration count the policy's verifiers use most (ties: the largest), else the default."""
+    counts: Counter[int] = Counter()
+    for text in verifiers:
+        try:
+            counts[Verifier.parse(text).iterations] += 1
+        except ValueError:
+            continue
+    if not counts:
+        return DEFAULT_ITERATIONS
+    return max(counts.items(), key=lambda item: (item[1], item[0]))[0]
+
+
 def _attributes(text: str) -> list[tuple[str, str]]:
     pairs = []
     for part in text.split(","):
@@ -97,6 +149,8 @@ class ScramExchange:
     """One server-side SCRAM conversation: ``first()`` then ``final()``."""
 
     verifier: Verifier
+    #: A mock exchange (unknown role, or no verifier): runs every step, then always fails.
+    doomed: bool = False
     server_nonce: str = ""
     gs2_header: str = ""
     client_first_bare: str = ""
@@ -149,7 +203,8 @@ class ScramExchange:
         if len(proof) != len(signature):
             raise AuthFailed("password authentication failed")
         client_key = bytes(a ^ b for a, b in zip(proof, signature, strict=True))
-        if not hmac.compare_digest(hashlib.sha256(client_key).digest(), v.stored_key):
+        matches = hmac.compare_digest(hashlib.sha256(client_key).digest(), v.stored_key)
+        if self.doomed or not matches:
             raise AuthFailed("password authentication failed")
         return f"v={_b64e(_hmac(v.server_key, auth_message))}".encode("ascii")
 

@@ -23,7 +23,7 @@ from dpsql.errors import Error, FeatureNotSupported, QueryCanceled
 from dpsql.session import OutputColumn, Session
 
 from . import protocol as pq
-from .auth import AuthFailed, ScramExchange, ScramProtocolError, Verifier, parse_sasl_initial
+from .auth import AuthFailed, ScramExchange, ScramProtocolError, Verifier, mock_exchange, parse_sasl_initial
 from .catalog import CatalogUnavailable, ShadowSession, classify, refuse_mixed
 from .local import (
     REPORTED,
@@ -39,7 +39,7 @@ from .local import (
 )
 from .protocol import Diagnostic, FieldDescription, ProtocolViolation
 from .results import Outcome, engine_fields, engine_rows, noisy_flags, result_notices
-from .sqltext import fingerprint, split_statements
+from .sqltext import split_statements
 from .types import decode_param, encode_value, oid_for, type_size
 
 if TYPE_CHECKING:
@@ -282,15 +282,20 @@ class Connection:
     async def _authenticate(self, user: str) -> None:
         policy = self.ctx.policy
         analyst = policy.analyst(user)
-        if analyst is None:
-            raise Fatal(f'role "{user}" does not exist', sqlstate="28000")
         if policy.auth.trust:
+            # As PostgreSQL under trust: authentication succeeds, then the role lookup fails (a known
+            # name simply logs in, so no answer could hide which names exist).
             self.send(pq.auth_ok())
+            if analyst is None:
+                raise Fatal(f'role "{user}" does not exist', sqlstate="28000")
             return
         failed = Fatal(f'password authentication failed for user "{user}"', sqlstate="28P01")
-        if analyst.password is None:
-            raise failed
-        exchange = ScramExchange(Verifier.parse(analyst.password))
+        if analyst is not None and analyst.password is not None:
+            exchange = ScramExchange(Verifier.parse(analyst.password))
+            reason = "wrong password"
+        else:  # unknown role or no verifier: the same exchange, doomed to fail at the same point
+            exchange = mock_exchange(self.ctx.engine, user)
+            reason = "unknown role" if analyst is None else "no password set"
         self.send(pq.auth_sasl(["SCRAM-SHA-256"]))
         await self.flush()
         try:
@@ -301,7 +306,7 @@ class Connection:
             await self.flush()
             final = exchange.final(await self._read_password())
         except AuthFailed:
-            log.info("authentication failed analyst=%s peer=%s", user, self.peer)
+            log.info("authentication failed analyst=%s peer=%s reason=%s", user, self.peer, reason)
             raise failed from None
         except ScramProtocolError as exc:
             raise Fatal(exc.message, sqlstate="08P01", detail=exc.detail, hint=exc.hint) from None
@@ -386,7 +391,7 @@ class Connection:
                 level,
                 "query analyst=%s fingerprint=%s route=%s epsilon=%g outcome=%s latency_ms=%.1f",
                 self.user,
-                fingerprint(stmt.sql),
+                self.ctx.engine.fingerprint(stmt.sql),  # keyed, of the shape: never the constants
                 stmt.route,
                 outcome.epsilon if outcome else 0.0,
                 state,

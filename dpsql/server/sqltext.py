@@ -1,4 +1,4 @@
-"""Lexical helpers over raw SQL text: statement splitting, comment stripping, fingerprints.
+"""Lexical helpers over raw SQL text: statement splitting, comment stripping.
 
 A hand-written scanner rather than a parser: it must never fail (garbage still splits into
 something the engine can refuse) and it must respect every PostgreSQL quoting form —
@@ -8,7 +8,6 @@ comments, nested /* block comments */ and $tag$ dollar quotes $tag$.
 
 from __future__ import annotations
 
-import hashlib
 import re
 from collections.abc import Iterator
 
@@ -107,11 +106,6 @@ def normalize(sql: str) -> str:
     """Comment-free, whitespace-collapsed, trailing-semicolon-free text (case kept in literals)."""
     text = " ".join(strip_comments(sql).split())
     return text.rstrip("; ")
-
-
-def fingerprint(sql: str) -> str:
-    """First 12 hex digits of sha256 of the normalized SQL: groups repeats in logs, reveals nothing."""
-    return hashlib.sha256(normalize(sql).lower().encode("utf-8")).hexdigest()[:12]
 
 
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_$]*")

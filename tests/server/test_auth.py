@@ -27,9 +27,12 @@ def test_analyst_without_verifier_is_refused(scram_server: Running) -> None:
 
 
 def test_unknown_role(scram_server: Running, dp_server: Running) -> None:
-    for server in (scram_server, dp_server):
-        with pytest.raises(psycopg.OperationalError, match='role "mallory" does not exist'):
-            psycopg.connect(server.dsn("mallory"))
+    # SCRAM: a mock exchange, refused like a wrong password (tests/server/test_leaks.py)
+    with pytest.raises(psycopg.OperationalError, match='password authentication failed for user "mallory"'):
+        psycopg.connect(scram_server.dsn("mallory", password="x"))
+    # trust: as PostgreSQL, authentication succeeds and the role lookup fails
+    with pytest.raises(psycopg.OperationalError, match='role "mallory" does not exist'):
+        psycopg.connect(dp_server.dsn("mallory"))
 
 
 def test_catalog_disabled_gives_clear_error(scram_server: Running) -> None:

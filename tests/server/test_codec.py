@@ -10,9 +10,10 @@ from psycopg.adapt import Transformer
 from psycopg.pq import Format
 
 from dpsql.errors import DataError
+from dpsql.fingerprint import fingerprint_key, keyed, statement_shape
 from dpsql.server.local import parse_local
 from dpsql.server.protocol import ProtocolViolation, parse_message, parse_startup
-from dpsql.server.sqltext import fingerprint, split_statements
+from dpsql.server.sqltext import split_statements
 from dpsql.server.types import decode_param, encode_binary, encode_text
 
 
@@ -27,8 +28,11 @@ def test_split_respects_quotes_comments_and_dollar_quotes() -> None:
     assert split_statements("-- ping") == [] and split_statements(" ; ;") == []
 
 
-def test_fingerprint_ignores_comments_and_spacing() -> None:
-    assert fingerprint("SELECT  1 -- x") == fingerprint("select 1;") and len(fingerprint("x")) == 12
+def test_fingerprint_ignores_comments_spacing_and_constants() -> None:
+    key = fingerprint_key(b"k" * 32)
+    a = keyed(key, statement_shape("SELECT  COUNT(*) FROM t WHERE a = 1 -- x"))
+    assert a == keyed(key, statement_shape("select count(*) from T where a = 'zz';")) and len(a) == 16
+    assert a != keyed(fingerprint_key(b"j" * 32), statement_shape("SELECT COUNT(*) FROM t WHERE a = 1"))
 
 
 @pytest.mark.parametrize(
