@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 from urllib.parse import quote
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ def find_pg_bindir() -> Path:
     candidates += sorted(Path("/usr/lib/postgresql").glob("*/bin"), key=_version_key, reverse=True)
     on_path = [shutil.which(tool) for tool in _PG_TOOLS]
     if all(on_path):
-        candidates.append(Path(os.path.realpath(on_path[0])).parent)  # type: ignore[arg-type]
+        candidates.append(Path(os.path.realpath(str(on_path[0]))).parent)
     for bindir in candidates:
         if _has_tools(bindir):
             return bindir
@@ -315,7 +316,7 @@ def _env(pg: LocalPostgres) -> dict[str, str]:
     return env
 
 
-def _as_service_user(pg: LocalPostgres) -> dict[str, object]:
+def _as_service_user(pg: LocalPostgres) -> dict[str, Any]:
     if pg.run_as is None:
         return {}
     return {"user": pg.run_as.pw_uid, "group": pg.run_as.pw_gid, "extra_groups": []}
@@ -334,7 +335,7 @@ def _run(pg: LocalPostgres, argv: list[str], timeout: float = 60, stdin: str | N
             text=True,
             timeout=timeout,
             check=False,
-            **_as_service_user(pg),  # type: ignore[arg-type]
+            **_as_service_user(pg),
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise LocalPostgresError(f"{Path(argv[0]).name} failed: {exc}") from exc
@@ -444,7 +445,7 @@ def _start(pg: LocalPostgres, timeout: float = 60) -> None:
         if pg.run_as is not None:
             os.chown(pg.logfile, pg.run_as.pw_uid, pg.run_as.pw_gid)
         try:
-            pg.process = subprocess.Popen(
+            process: subprocess.Popen[bytes] = subprocess.Popen(
                 argv,
                 cwd=pg.datadir,
                 env=_env(pg),
@@ -452,22 +453,23 @@ def _start(pg: LocalPostgres, timeout: float = 60) -> None:
                 stdout=logfh,
                 stderr=logfh,
                 start_new_session=True,
-                **_as_service_user(pg),  # type: ignore[arg-type]
+                **_as_service_user(pg),
             )
         except OSError as exc:
             raise LocalPostgresError(f"postgres failed to start: {exc}") from exc
-    os.write(pg._watch_fd, f"{pg.process.pid}\n".encode())
+    pg.process = process
+    os.write(pg._watch_fd, f"{process.pid}\n".encode())
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if pg.process.poll() is not None:
+        if process.poll() is not None:
             break
         if _read_pidfile_status(pg) == "ready" and pg.socket_path.exists():
             return
         time.sleep(0.02)
     detail = pg.logfile.read_text(errors="replace")[-4000:] if pg.logfile.exists() else ""
     with contextlib.suppress(OSError):
-        pg.process.kill()
-    raise LocalPostgresError(f"postgres did not start (exit code {pg.process.poll()}):\n{detail}")
+        process.kill()
+    raise LocalPostgresError(f"postgres did not start (exit code {process.poll()}):\n{detail}")
 
 
 def start_local_postgres(datadir: Path | None = None, port: int | None = None) -> LocalPostgres:

@@ -354,24 +354,24 @@ class CatalogShadow:
         with psycopg.connect(base, autocommit=True, connect_timeout=10) as conn:
             exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (self.database,)).fetchone()
             if exists is None:
-                conn.execute(f"CREATE DATABASE {_ident(self.database)}")  # type: ignore[arg-type]
+                conn.execute(f"CREATE DATABASE {_ident(self.database)}")
             self.server_version = str(conn.execute("SHOW server_version").fetchone()[0])  # type: ignore[index]
             if exists is not None and not own_cluster:
                 return  # an operator-provided catalog that was prepared before
             for role in shadow_roles(self.policy):
                 with contextlib.suppress(psycopg.errors.DuplicateObject):
-                    conn.execute(f"CREATE ROLE {_ident(role)}")  # type: ignore[arg-type]
+                    conn.execute(f"CREATE ROLE {_ident(role)}")
             if own_cluster:
                 for db in ("postgres", "template1"):
-                    conn.execute(f"REVOKE ALL ON DATABASE {_ident(db)} FROM PUBLIC")  # type: ignore[arg-type]
+                    conn.execute(f"REVOKE ALL ON DATABASE {_ident(db)} FROM PUBLIC")
                 for stmt in _revocations(conn):
-                    conn.execute(stmt)  # type: ignore[arg-type]
+                    conn.execute(stmt)
         with psycopg.connect(make_conninfo(base, dbname=self.database), autocommit=True, connect_timeout=10) as conn:
             stmts = schema_statements(self.policy) + _revocations(conn)
             for role in shadow_roles(self.policy):
                 stmts += role_statements(role, self.database, passwords.get(role), self.statement_timeout_ms)
             for stmt in stmts:
-                conn.execute(stmt)  # type: ignore[arg-type]
+                conn.execute(stmt)
 
     @property
     def available(self) -> bool:
