@@ -136,6 +136,8 @@ class Connection:
         self._admitted = False
         #: Set when the statement being executed was abandoned and will be logged when it ends.
         self._late = False
+        #: When the current message's statement timeout expires (loop time), None: no timeout.
+        self._deadline: float | None = None
         self._tls = False
 
     # -- plumbing ---------------------------------------------------------------------------------
@@ -169,6 +171,7 @@ class Connection:
         timeout_ms: int = 0,
         on_done: Callable[[Any], None] | None = None,
         on_late: Callable[[Any], None] | None = None,
+        pure: bool = False,
     ) -> Any:
         """Run ``fn`` in the pool under this analyst's fair share of worker slots.
 
@@ -181,6 +184,8 @@ class Connection:
         loop = asyncio.get_running_loop()
         self._cancel.clear()
         deadline = loop.time() + timeout_ms / 1000 if timeout_ms > 0 else None
+        if self._deadline is not None:  # the statement timeout runs from the message's arrival
+            deadline = self._deadline if deadline is None else min(deadline, self._deadline)
 
         def remaining() -> float | None:
             return None if deadline is None else max(0.0, deadline - loop.time())
@@ -201,7 +206,7 @@ class Connection:
                     _drop_admission(admission, slots, user)
                     raise self._canceled()
                 admission.result()  # 53400 when the queue is full
-                job = Job()
+                job = Job(pure)
                 self._jobs.add(job)
                 try:
                     future = loop.run_in_executor(self.ctx.executor, job.run, fn, *args)
@@ -446,6 +451,8 @@ class Connection:
             await self.dispatch(msg)
 
     async def dispatch(self, msg: pq.FrontendMessage) -> None:
+        timeout = self._timeout_ms()
+        self._deadline = asyncio.get_running_loop().time() + timeout / 1000 if timeout else None
         if isinstance(msg, pq.Query):
             await self.simple_query(msg.sql)
         elif isinstance(msg, pq.Sync):
@@ -471,7 +478,7 @@ class Connection:
             raise _too_long(sql)
         if len(sql) <= _INLINE_SQL:
             return self.plan(sql)
-        stmt: Statement = await self.run_blocking(self.plan, sql, timeout_ms=self._timeout_ms())
+        stmt: Statement = await self.run_blocking(self.plan, sql, timeout_ms=self._timeout_ms(), pure=True)
         return stmt
 
     async def split(self, sql: str) -> list[str]:
@@ -479,7 +486,7 @@ class Connection:
             raise _too_long(sql)
         if len(sql) <= _INLINE_SQL:
             return split_statements(sql)
-        parts: list[str] = await self.run_blocking(split_statements, sql, timeout_ms=self._timeout_ms())
+        parts: list[str] = await self.run_blocking(split_statements, sql, timeout_ms=self._timeout_ms(), pure=True)
         return parts
 
     def _evaluate_local(self, sql: str) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -88,7 +89,11 @@ class Job:
 
     _local = threading.local()
 
-    def __init__(self) -> None:
+    def __init__(self, pure: bool = False) -> None:
+        #: Pure work (statement splitting and routing: server code, no locks, no I/O) is stopped
+        #: by raising QueryCanceled in its thread; other work only through the backend.
+        self.pure = pure
+        self._thread: int | None = None
         self.interrupted = False
         self._lock = threading.Lock()
         self._stoppers: list[Callable[[], Any]] = []
@@ -101,9 +106,17 @@ class Job:
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         Job._local.job = self
         try:
-            if self.interrupted:
-                raise QueryCanceled("canceling statement due to user request")
-            return fn(*args)
+            with self._lock:
+                if self.interrupted:
+                    raise QueryCanceled("canceling statement due to user request")
+                self._thread = threading.get_ident() if self.pure else None
+            try:
+                return fn(*args)
+            finally:
+                with self._lock:
+                    if self._thread is not None:
+                        self._thread = None
+                        _async_raise(threading.get_ident(), None)  # drop one not yet delivered
         finally:
             Job._local.job = None
 
@@ -128,9 +141,15 @@ class Job:
         with self._lock:
             self.interrupted = True
             stoppers = [*self._stoppers, *([self._current] if self._current else [])]
+            if self._thread is not None:
+                _async_raise(self._thread, QueryCanceled)
         for stop in stoppers:
             with contextlib.suppress(Exception):
                 stop()
+
+
+def _async_raise(thread: int, exc: type[BaseException] | None) -> None:
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), ctypes.py_object(exc) if exc else None)
 
 
 def make_interruptible(backend: Any) -> bool:
