@@ -236,6 +236,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
             catalog_dsn=args.catalog_dsn,
+            statement_timeout=args.statement_timeout or None,
+            default_statement_timeout=args.default_statement_timeout,
+            idle_in_transaction_timeout=args.idle_in_transaction_timeout or None,
+            startup_timeout=args.authentication_timeout,
+            max_connections=args.max_connections,
+            max_connections_per_analyst=args.max_connections_per_analyst,
+            workers=args.workers,
+            analyst_workers=args.analyst_workers,
+            catalog_pool=args.catalog_pool,
         )
     except OSError as exc:
         print(f"ERROR:  could not listen on {args.host}:{args.port}: {exc.strerror}", file=sys.stderr)
@@ -288,6 +297,39 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tls-key")
     serve.add_argument("--catalog-dsn", help="PostgreSQL holding the schema-only catalog (default: start one)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--default-statement-timeout",
+        type=_seconds,
+        default=60.0,
+        metavar="SECONDS",
+        help="a session's statement timeout until it SETs statement_timeout; never above --statement-timeout "
+        "(default: %(default)g)",
+    )
+    serve.add_argument(
+        "--idle-in-transaction-timeout",
+        type=_seconds,
+        default=600.0,
+        metavar="SECONDS",
+        help="close sessions idle inside a transaction block this long (default: %(default)g; 0: never)",
+    )
+    serve.add_argument(
+        "--authentication-timeout",
+        type=_seconds,
+        default=60.0,
+        metavar="SECONDS",
+        help="the whole startup and authentication must finish within this (default: %(default)g)",
+    )
+    serve.add_argument("--max-connections", type=int, default=100, help="sessions in all (default: %(default)s)")
+    serve.add_argument(
+        "--max-connections-per-analyst", type=int, default=32, help="sessions per analyst (default: %(default)s)"
+    )
+    serve.add_argument("--workers", type=int, default=8, help="threads running statements (default: %(default)s)")
+    serve.add_argument(
+        "--analyst-workers", type=int, default=None, help="worker threads one analyst may hold (default: half)"
+    )
+    serve.add_argument(
+        "--catalog-pool", type=int, default=10, help="shadow-catalog connections shared by all (default: %(default)s)"
+    )
     serve.set_defaults(func=cmd_serve)
 
     query = sub.add_parser("query", help="run one DP query and print the noisy answer")

@@ -46,7 +46,7 @@ from dpsql.errors import (
     UndefinedColumn,
     UndefinedTable,
 )
-from dpsql.fingerprint import fingerprint_key, keyed, shape, statement_shape
+from dpsql.fingerprint import fingerprint_key, keyed, statement_shape
 from dpsql.ledger import Cost, Ledger, remaining_budget, resolve_ledger_url
 from dpsql.localdp import RandomizedResponse, perturb_rows
 from dpsql.plan import Measure, Plan
@@ -242,7 +242,7 @@ class Engine:
                 self._plans.move_to_end(key)
                 return cached
         try:
-            prepared = self._prepare(parse_statement(sql), session, params)
+            prepared = self._prepare(sql, parse_statement(sql), session, params)
         except RecursionError:
             raise too_complex() from None
         with self._lock:
@@ -261,8 +261,8 @@ class Engine:
             self._fingerprint_key = fingerprint_key(self.ledger.installation_key())
         return self._fingerprint_key
 
-    def _prepare(self, tree: exp.Expression, session: Session, params: Params) -> Prepared:
-        fingerprint = keyed(self._fingerprinting_key(), shape(tree))  # before analysis may touch the tree
+    def _prepare(self, sql: str, tree: exp.Expression, session: Session, params: Params) -> Prepared:
+        fingerprint = self.fingerprint(sql)
         plan = analyze_tree(tree, self.policy, params)
         self._check_stored_types(plan)
         plan.salt = self._salt

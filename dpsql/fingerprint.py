@@ -88,9 +88,22 @@ def lexical_shape(sql: str) -> str:
     return " ".join(text.split()).rstrip("; ").lower()
 
 
-@functools.lru_cache(maxsize=2048)
+#: Statements longer than this get the lexical shape: the server logs every statement from its event
+#: loop, where parsing a 256 kB statement would stall every client for a second; and the cache of
+#: parsed shapes stays small (2,048 × 4 kB).
+PARSED_SHAPE_MAX_CHARS = 4096
+
+
 def statement_shape(sql: str) -> str:
-    """The shape of one statement's text: sqlglot's (as the engine parses it) or else the lexical one."""
+    """The shape of one statement's text: sqlglot's (as the engine parses it) for statements up to
+    :data:`PARSED_SHAPE_MAX_CHARS`, else (and for text sqlglot cannot parse) the lexical one."""
+    if len(sql) > PARSED_SHAPE_MAX_CHARS:
+        return "lexical:" + lexical_shape(sql)
+    return _parsed_shape(sql)
+
+
+@functools.lru_cache(maxsize=2048)
+def _parsed_shape(sql: str) -> str:
     from dpsql.analyze import parse_statement
 
     try:

@@ -19,12 +19,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dpsql.errors import Error, FeatureNotSupported, QueryCanceled
+from dpsql.analyze.parse import MAX_STATEMENT_CHARS
+from dpsql.errors import Error, FeatureNotSupported, ProgramLimitExceeded, QueryCanceled
 from dpsql.session import OutputColumn, Session
 
 from . import protocol as pq
 from .auth import AuthFailed, ScramExchange, ScramProtocolError, Verifier, mock_exchange, parse_sasl_initial
-from .catalog import CatalogUnavailable, ShadowSession, classify, refuse_mixed
+from .catalog import CatalogUnavailable, classify, refuse_mixed
+from .limits import ConfigurationLimitExceeded, Job, is_broken
 from .local import (
     REPORTED,
     ActiveTransaction,
@@ -64,6 +66,7 @@ class Statement:
     param_oids: list[int] = field(default_factory=list)
     engine_columns: list[OutputColumn] | None = None
     catalog_fields: list[FieldDescription] | None = None
+    noisy: list[bool] | None = None
 
 
 @dataclass(slots=True)
@@ -95,6 +98,19 @@ def _check_formats(formats: Sequence[int]) -> None:
 _EXPLAIN_PREFIX = re.compile(r"^\s*explain\s+", re.IGNORECASE)
 #: Rows sent between two flushes of a large result (backpressure from slow clients).
 _STREAM_BATCH = 1024
+#: Statements longer than this are split, parsed and routed in the worker pool, not on the event loop.
+_INLINE_SQL = 4096
+
+
+class ShadowLost(Error):
+    sqlstate = "08006"
+
+
+def _too_long(sql: str) -> Error:
+    return ProgramLimitExceeded(
+        f"statement is too long ({len(sql)} characters; at most {MAX_STATEMENT_CHARS})",
+        hint="Shorten the statement: fewer constants in IN lists, fewer aggregates.",
+    )
 
 
 class Connection:
@@ -114,8 +130,14 @@ class Connection:
         self.statements: dict[str, Statement] = {}
         self.portals: dict[str, Portal] = {}
         self.ignore_till_sync = False
-        self.shadow: ShadowSession | None = None
         self._cancel = asyncio.Event()
+        #: Work of this connection still running in the pool (abandoned or not), interrupted on close.
+        self._jobs: set[Job] = set()
+        self._admitted = False
+        #: Set when the statement being executed was abandoned and will be logged when it ends.
+        self._late = False
+        #: When the current message's statement timeout expires (loop time), None: no timeout.
+        self._deadline: float | None = None
         self._tls = False
 
     # -- plumbing ---------------------------------------------------------------------------------
@@ -135,29 +157,102 @@ class Connection:
     def diagnostic(exc: BaseException, severity: str | None = None) -> Diagnostic:
         if isinstance(exc, ProtocolViolation):
             return Diagnostic("FATAL", "08P01", str(exc))
-        if isinstance(exc, Error):
+        if isinstance(exc, Error) and exc.sqlstate != "XX000":
             sev = severity or getattr(exc, "severity", "ERROR")
             return Diagnostic(sev, exc.sqlstate, exc.message, exc.detail, exc.hint, exc.position)
+        # anything unexpected: the details (and the traceback) go to the operator's log only
         log.error("internal error", exc_info=exc)
         return Diagnostic(severity or "ERROR", "XX000", "internal error")
 
-    async def run_blocking(self, fn: Callable[..., Any], *args: Any, timeout_ms: int = 0) -> Any:
-        """Run ``fn`` in the pool; a CancelRequest or the statement timeout abandons the wait (57014)."""
+    async def run_blocking(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout_ms: int = 0,
+        on_done: Callable[[Any], None] | None = None,
+        on_late: Callable[[Any], None] | None = None,
+        pure: bool = False,
+    ) -> Any:
+        """Run ``fn`` in the pool under this analyst's fair share of worker slots.
+
+        The statement timeout covers the wait for a slot and the run. A CancelRequest, the
+        timeout or the client going away interrupts the backend statement when the backend
+        allows it; the slot stays taken until the work has really stopped. ``on_done`` runs
+        (on the loop) exactly once: when the work finishes, whoever still waits for it, or with
+        None when it never started. ``on_late`` runs only if nobody waits for the work any more.
+        """
         loop = asyncio.get_running_loop()
         self._cancel.clear()
-        future = loop.run_in_executor(self.ctx.executor, fn, *args)
+        deadline = loop.time() + timeout_ms / 1000 if timeout_ms > 0 else None
+        if self._deadline is not None:  # the statement timeout runs from the message's arrival
+            deadline = self._deadline if deadline is None else min(deadline, self._deadline)
+
+        def remaining() -> float | None:
+            return None if deadline is None else max(0.0, deadline - loop.time())
+
+        slots, user = self.ctx.slots, self.user or "?"
         waiter = asyncio.ensure_future(self._cancel.wait())
-        timeout = timeout_ms / 1000 if timeout_ms > 0 else None
         try:
-            done, _ = await asyncio.wait({future, waiter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            admission = asyncio.ensure_future(slots.acquire(user))
+            try:
+                try:
+                    done, _ = await asyncio.wait(
+                        {admission, waiter}, timeout=remaining(), return_when=asyncio.FIRST_COMPLETED
+                    )
+                except BaseException:
+                    _drop_admission(admission, slots, user)
+                    raise
+                if admission not in done:
+                    _drop_admission(admission, slots, user)
+                    raise self._canceled()
+                admission.result()  # 53400 when the queue is full
+                job = Job(pure)
+                self._jobs.add(job)
+                try:
+                    future = loop.run_in_executor(self.ctx.executor, job.run, fn, *args)
+                except BaseException:
+                    self._jobs.discard(job)
+                    slots.release(user)
+                    raise
+            except BaseException:
+                if on_done is not None:
+                    on_done(None)
+                raise
+
+            def finished(f: asyncio.Future[Any]) -> None:
+                slots.release(user)
+                self._jobs.discard(job)
+                self.ctx.inflight.discard(f)
+                if on_done is not None:
+                    on_done(f)
+
+            self.ctx.inflight.add(future)
+            future.add_done_callback(finished)
+            try:
+                done, _ = await asyncio.wait({future, waiter}, timeout=remaining(), return_when=asyncio.FIRST_COMPLETED)
+            except BaseException:
+                self._abandon(job, future, on_late)
+                raise
+            if future in done:
+                return future.result()
+            self._abandon(job, future, on_late)
+            raise self._canceled()
         finally:
             waiter.cancel()
-        if future in done:
-            return future.result()
-        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # silence late failures
+
+    def _canceled(self) -> QueryCanceled:
         if self._cancel.is_set():
-            raise QueryCanceled("canceling statement due to user request")
-        raise QueryCanceled("canceling statement due to statement timeout")
+            return QueryCanceled("canceling statement due to user request")
+        return QueryCanceled("canceling statement due to statement timeout")
+
+    def _abandon(self, job: Job, future: asyncio.Future[Any], on_late: Callable[[Any], None] | None) -> None:
+        """Nobody waits for ``future`` any more: stop its backend statement if possible, log its end."""
+        if not future.done():
+            asyncio.get_running_loop().run_in_executor(None, job.interrupt)
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # silence late failures
+        if on_late is not None:
+            self._late = True
+            future.add_done_callback(on_late)
 
     def cancel(self) -> None:
         self._cancel.set()
@@ -166,7 +261,13 @@ class Connection:
 
     async def serve(self) -> None:
         try:
-            if await self.startup():
+            try:
+                async with asyncio.timeout(self.ctx.options.startup_timeout or None):
+                    started = await self.startup()
+            except TimeoutError:
+                log.info("authentication timeout from %s", self.peer)
+                raise Fatal("canceling authentication due to timeout", sqlstate="08P01") from None
+            if started:
                 await self.message_loop()
         except ProtocolViolation as exc:
             log.info("protocol violation from %s: %s", self.peer, exc)
@@ -195,10 +296,12 @@ class Connection:
 
     async def close(self) -> None:
         self.ctx.unregister(self)
-        if self.shadow is not None:
-            shadow, self.shadow = self.shadow, None
-            with contextlib.suppress(Exception):
-                await asyncio.get_running_loop().run_in_executor(self.ctx.executor, shadow.close)
+        if self._admitted:
+            self._admitted = False
+            self.ctx.leave(self.user)
+        loop = asyncio.get_running_loop()
+        for job in list(self._jobs):  # the client is gone: its statements need not finish
+            loop.run_in_executor(None, job.interrupt)
         with contextlib.suppress(Exception):
             await self.writer.drain()
         self.writer.close()
@@ -209,9 +312,8 @@ class Connection:
 
     async def startup(self) -> bool:
         """Negotiate encryption and authenticate; False when the connection only carried a cancel."""
-        timeout = self.ctx.options.startup_timeout
         while True:
-            payload = await asyncio.wait_for(pq.read_startup(self.reader), timeout)
+            payload = await pq.read_startup(self.reader)
             msg = pq.parse_startup(payload)
             if isinstance(msg, pq.SSLRequest):
                 await self._negotiate_tls()
@@ -255,10 +357,20 @@ class Connection:
         if not user:
             raise Fatal("no PostgreSQL user name specified in startup packet", sqlstate="28000")
         await self._authenticate(user)
+        try:
+            self.ctx.admit(user)  # 53300 beyond --max-connections / --max-connections-per-analyst
+        except Error as exc:
+            log.info("connection refused analyst=%s peer=%s: %s", user, self.peer, exc.message)
+            raise Fatal(exc.message, sqlstate=exc.sqlstate) from None
+        self._admitted = True
         self.user = user
         self.session = Session(analyst=user)
         gucs = default_gucs(self.ctx.server_version, user, params.get("application_name", ""), self.ctx.defaults)
-        self.settings = Settings(self.session, gucs)
+        gucs["statement_timeout"] = str(self.ctx.default_statement_timeout_ms)
+        idle_tx = self.ctx.options.idle_in_transaction_timeout
+        gucs["idle_in_transaction_session_timeout"] = str(round((idle_tx or 0) * 1000))
+        opts = self.ctx.options
+        self.settings = Settings(self.session, gucs, max_custom=opts.max_settings, max_length=opts.max_setting_length)
         self._apply_startup_settings(params)
         for name in REPORTED:
             self.send(pq.parameter_status(name, self.settings.values.get(name, "")))
@@ -326,11 +438,15 @@ class Connection:
     async def message_loop(self) -> None:
         idle = self.ctx.options.idle_timeout
         while True:
+            in_tx = self.tx != "I" and self.settings is not None and self.settings.idle_in_transaction_ms > 0
+            wait = self.settings.idle_in_transaction_ms / 1000 if in_tx and self.settings else idle
             try:
                 type_, payload = await asyncio.wait_for(
-                    pq.read_message(self.reader, self.ctx.options.max_message_size), idle
+                    pq.read_message(self.reader, self.ctx.options.max_message_size), wait
                 )
             except TimeoutError:
+                if in_tx:
+                    raise Fatal("terminating connection due to idle-in-transaction timeout", sqlstate="25P03") from None
                 raise Fatal("terminating connection due to idle-session timeout", sqlstate="57P05") from None
             msg = pq.parse_message(type_, payload)
             if isinstance(msg, pq.Terminate):
@@ -340,6 +456,8 @@ class Connection:
             await self.dispatch(msg)
 
     async def dispatch(self, msg: pq.FrontendMessage) -> None:
+        timeout = self._timeout_ms()
+        self._deadline = asyncio.get_running_loop().time() + timeout / 1000 if timeout else None
         if isinstance(msg, pq.Query):
             await self.simple_query(msg.sql)
         elif isinstance(msg, pq.Sync):
@@ -358,6 +476,29 @@ class Connection:
             await self.extended(msg)
 
     # -- planning and running ----------------------------------------------------------------------
+
+    async def plan_async(self, sql: str) -> Statement:
+        """:meth:`plan`, in the worker pool unless the statement is short (parsing can take seconds)."""
+        if len(sql) > MAX_STATEMENT_CHARS:
+            raise _too_long(sql)
+        if len(sql) <= _INLINE_SQL:
+            return self.plan(sql)
+        stmt: Statement = await self.run_blocking(self.plan, sql, timeout_ms=self._timeout_ms(), pure=True)
+        return stmt
+
+    async def split(self, sql: str) -> list[str]:
+        if len(sql) > MAX_STATEMENT_CHARS:
+            raise _too_long(sql)
+        if len(sql) <= _INLINE_SQL:
+            return split_statements(sql)
+        parts: list[str] = await self.run_blocking(split_statements, sql, timeout_ms=self._timeout_ms(), pure=True)
+        return parts
+
+    def _evaluate_local(self, sql: str) -> Any:
+        """A table-free SELECT answered here; long ones go to the shadow (parsed off the event loop)."""
+        if len(sql) > _INLINE_SQL:
+            return None
+        return evaluate_select(sql, self._local_context())
 
     def plan(self, sql: str) -> Statement:
         """Route a single statement without running anything."""
@@ -378,25 +519,34 @@ class Connection:
         started = time.monotonic()
         outcome: Outcome | None = None
         state = "ok"
+        self._late = False
         try:
             self._check_failed_tx(stmt)
             outcome = await self._execute(stmt, portal)
             return outcome
+        except asyncio.CancelledError:
+            state = "57P01"
+            raise
         except BaseException as exc:
             state = exc.sqlstate if isinstance(exc, Error) else "XX000"
             raise
         finally:
-            level = logging.DEBUG if stmt.route in ("local", "empty", "tableless") else logging.INFO
-            log.log(
-                level,
-                "query analyst=%s fingerprint=%s route=%s epsilon=%g outcome=%s latency_ms=%.1f",
-                self.user,
-                self.ctx.engine.fingerprint(stmt.sql),  # keyed, of the shape: never the constants
-                stmt.route,
-                outcome.epsilon if outcome else 0.0,
-                state,
-                (time.monotonic() - started) * 1000,
-            )
+            if not self._late:  # else logged when the engine work ends, with what it really charged
+                self._log_query(stmt, outcome.epsilon if outcome else 0.0, state, started)
+
+    def _log_query(self, stmt: Statement, epsilon: float, state: str, started: float, note: str = "") -> None:
+        level = logging.DEBUG if stmt.route in ("local", "empty", "tableless") else logging.INFO
+        log.log(
+            level,
+            "query analyst=%s fingerprint=%s route=%s epsilon=%g outcome=%s latency_ms=%.1f%s",
+            self.user,
+            self.ctx.engine.fingerprint(stmt.sql),  # keyed, of the shape: never the constants
+            stmt.route,
+            epsilon,
+            state,
+            (time.monotonic() - started) * 1000,
+            note,
+        )
 
     async def _execute(self, stmt: Statement, portal: Portal | None) -> Outcome:
         if stmt.route == "empty":
@@ -407,7 +557,7 @@ class Connection:
         if stmt.route == "mixed":
             raise refuse_mixed()
         if stmt.route == "tableless" and not (portal and portal.params):
-            values = evaluate_select(stmt.sql, self._local_context())
+            values = self._evaluate_local(stmt.sql)
             if values is not None:
                 fields = [FieldDescription(v.name, v.type_oid, type_size(v.type_oid)) for v in values]
                 return Outcome(fields, [tuple(v.value for v in values)], "SELECT 1")
@@ -419,32 +569,50 @@ class Connection:
         assert self.settings is not None
         return LocalContext(self.user, self.ctx.database, self.ctx.server_version, self.pid, self.settings.get)
 
-    async def _shadow(self) -> ShadowSession:
+    async def _shadow_call(self, method: str, *args: Any, timeout_ms: int = 0) -> Any:
+        """Run one call on a pooled shadow connection; it returns to the pool when the call has ended."""
         if not self.ctx.catalog_available:
             raise CatalogUnavailable()
-        if self.shadow is None:
-            assert self.ctx.shadow is not None
-            self.shadow = await self.run_blocking(self.ctx.shadow.connect, self.user)
-        return self.shadow
+        pool = self.ctx.pool()
+        user = self.user
+        try:
+            session = await pool.acquire(user)
+        except Error:
+            raise
+        except Exception as exc:
+            log.warning("cannot connect to the catalog server: %s", exc)
+            raise ShadowLost(
+                "could not connect to the catalog server", hint="DP queries still work; retry catalog queries later."
+            ) from None
+
+        def call() -> Any:
+            job = Job.current()
+            try:
+                with job.stoppable(session.cancel) if job else contextlib.nullcontext():
+                    return getattr(session, method)(*args)
+            except Exception as exc:
+                if is_broken(session):
+                    log.warning("catalog server connection lost: %s", exc)
+                    raise ShadowLost(
+                        "the connection to the catalog server was lost",
+                        hint="DP queries still work; retry catalog queries later.",
+                    ) from None
+                raise
+
+        return await self.run_blocking(call, timeout_ms=timeout_ms, on_done=lambda _f: pool.release(user, session))
 
     async def _run_catalog(self, stmt: Statement, portal: Portal | None) -> Outcome:
-        shadow = await self._shadow()
         if portal is None:
             args: tuple[Any, ...] = (stmt.sql,)
         else:
             args = (stmt.sql, portal.params, stmt.param_oids, portal.param_formats, portal.result_formats)
-        try:
-            res = await self.run_blocking(shadow.execute, *args, timeout_ms=self._timeout_ms())
-        except QueryCanceled:
-            await asyncio.get_running_loop().run_in_executor(self.ctx.executor, shadow.cancel)
-            raise
+        res = await self._shadow_call("execute", *args, timeout_ms=self._timeout_ms())
         return Outcome(res.fields, res.rows, res.tag, encoded=True)
 
     def _timeout_ms(self) -> int:
-        assert self.settings is not None
-        own = self.settings.statement_timeout_ms
-        default = int((self.ctx.options.statement_timeout or 0) * 1000)
-        return own or default
+        if self.settings is None:
+            return self.ctx.default_statement_timeout_ms
+        return self.ctx.statement_timeout_ms(self.settings.statement_timeout_ms)
 
     def _decode_params(self, stmt: Statement, portal: Portal | None) -> list[Any] | None:
         if portal is None or not portal.params:
@@ -461,10 +629,26 @@ class Connection:
         assert self.session is not None and self.settings is not None
         params = self._decode_params(stmt, portal)
         show = portal.show_intervals if portal is not None else self.settings.show_intervals
-        result = await self.run_blocking(
-            self.ctx.engine.execute, stmt.sql, self.session, params, timeout_ms=self._timeout_ms()
-        )
-        flags = noisy_flags(stmt.sql, result.columns) if show and result.command_tag == "SELECT" else None
+        engine, session, sql = self.ctx.engine, self.session, stmt.sql
+
+        def work() -> tuple[Any, list[bool] | None]:
+            result = engine.execute(sql, session, params)
+            flags = noisy_flags(sql, result.columns) if show and result.command_tag == "SELECT" else None
+            return result, flags
+
+        started = time.monotonic()
+
+        def late(f: asyncio.Future[Any]) -> None:
+            """The client stopped waiting (timeout, cancel, disconnect, shutdown): log what it cost anyway."""
+            note = " (finished after the client stopped waiting)"
+            if f.cancelled():
+                self._log_query(stmt, 0.0, "57014", started, " (never started)")
+            elif (exc := f.exception()) is not None:
+                self._log_query(stmt, 0.0, exc.sqlstate if isinstance(exc, Error) else "XX000", started, note)
+            else:
+                self._log_query(stmt, f.result()[0].epsilon_spent, "ok", started, note)
+
+        result, flags = await self.run_blocking(work, timeout_ms=self._timeout_ms(), on_late=late)
         fields = engine_fields(result.columns, flags, self._confidence())
         tag = f"SELECT {len(result.rows)}" if result.command_tag == "SELECT" else result.command_tag
         outcome = Outcome(fields, engine_rows(result, flags), tag, epsilon=result.epsilon_spent)
@@ -600,12 +784,18 @@ class Connection:
     # -- simple query ------------------------------------------------------------------------------
 
     async def simple_query(self, sql: str) -> None:
-        statements = split_statements(sql)
-        if not statements:
+        try:
+            statements = await self.split(sql)
+        except Exception as exc:
+            self.send_error(exc)
+            if self.tx == "T":
+                self.tx = "E"
+            statements = None
+        if statements == []:
             self.send(pq.empty_query_response())
-        for text in statements:
+        for text in statements or ():
             try:
-                stmt = self.plan(text)
+                stmt = await self.plan_async(text)
                 outcome = await self.execute(stmt)
             except Exception as exc:
                 self.send_error(exc)
@@ -650,10 +840,16 @@ class Connection:
     async def on_parse(self, msg: pq.Parse) -> None:
         if msg.name and msg.name in self.statements:
             raise Error(f'prepared statement "{msg.name}" already exists', sqlstate="42P05")
-        statements = split_statements(msg.sql)
+        limit = self.ctx.options.max_prepared
+        if msg.name and len(self.statements) >= limit:
+            raise ConfigurationLimitExceeded(
+                f"too many prepared statements in this session (at most {limit})",
+                hint="Close (DEALLOCATE) prepared statements that are no longer needed.",
+            )
+        statements = await self.split(msg.sql)
         if len(statements) > 1:
             raise Error("cannot insert multiple commands into a prepared statement", sqlstate="42601")
-        stmt = self.plan(statements[0] if statements else msg.sql)
+        stmt = await self.plan_async(statements[0] if statements else msg.sql)
         stmt.param_oids = list(msg.param_oids)
         self._check_failed_tx(stmt)
         await self._describe_statement(stmt)
@@ -663,14 +859,13 @@ class Connection:
     async def _describe_statement(self, stmt: Statement) -> None:
         """Fill parameter types and result columns without running the query (no budget spent)."""
         if stmt.route in ("catalog", "tableless") and (
-            stmt.route == "catalog" or evaluate_select(stmt.sql, self._local_context()) is None
+            stmt.route == "catalog" or self._evaluate_local(stmt.sql) is None
         ):
             if not self.ctx.catalog_available:
                 if stmt.route == "catalog":
                     raise CatalogUnavailable()
                 return
-            shadow = await self._shadow()
-            oids, fields = await self.run_blocking(shadow.describe, stmt.sql, stmt.param_oids)
+            oids, fields = await self._shadow_call("describe", stmt.sql, stmt.param_oids, timeout_ms=self._timeout_ms())
             stmt.route, stmt.param_oids, stmt.catalog_fields = "catalog", oids, fields
         elif stmt.route == "engine":
             await self._describe_engine(stmt)
@@ -683,7 +878,14 @@ class Connection:
         explain = _EXPLAIN_PREFIX.match(target) is not None
         if explain:
             target = _EXPLAIN_PREFIX.sub("", target, count=1)
-        description = await self.run_blocking(self.ctx.engine.describe, target, self.session)
+        engine, session = self.ctx.engine, self.session
+
+        def work() -> tuple[Any, list[bool] | None]:
+            description = engine.describe(target, session)
+            noisy = None if explain else noisy_flags(stmt.sql, description.columns)
+            return description, noisy
+
+        description, stmt.noisy = await self.run_blocking(work, timeout_ms=self._timeout_ms())
         inferred = [oid_for(t) for t in description.param_types]
         given = stmt.param_oids
         oids = [given[i] if i < len(given) and given[i] else inferred[i] for i in range(len(inferred))]
@@ -695,12 +897,12 @@ class Connection:
             if stmt.engine_columns is None:
                 return None
             explain = _EXPLAIN_PREFIX.match(stmt.sql) is not None
-            flags = noisy_flags(stmt.sql, stmt.engine_columns) if show_intervals and not explain else None
+            flags = stmt.noisy if show_intervals and not explain else None
             return engine_fields(stmt.engine_columns, flags, self._confidence())
         if stmt.route == "catalog":
             return stmt.catalog_fields
         if stmt.route == "tableless":
-            values = evaluate_select(stmt.sql, self._local_context())
+            values = self._evaluate_local(stmt.sql)
             return [FieldDescription(v.name, v.type_oid, type_size(v.type_oid)) for v in values] if values else None
         if stmt.route == "local" and stmt.command is not None:
             if stmt.command.action == "show":
@@ -716,6 +918,12 @@ class Connection:
             raise Error(f'prepared statement "{msg.statement}" does not exist', sqlstate="26000")
         if msg.portal and msg.portal in self.portals:
             raise Error(f'portal "{msg.portal}" already exists', sqlstate="42P03")
+        limit = self.ctx.options.max_portals
+        if msg.portal and len(self.portals) >= limit:
+            raise ConfigurationLimitExceeded(
+                f"too many portals in this session (at most {limit})",
+                hint="Close portals, or Sync outside a transaction.",
+            )
         _check_formats(msg.param_formats)
         _check_formats(msg.result_formats)
         if len(msg.param_formats) not in (0, 1, len(msg.params)):
@@ -799,3 +1007,11 @@ class Connection:
 
 def _with_format(f: FieldDescription, fmt: int) -> FieldDescription:
     return FieldDescription(f.name, f.type_oid, f.type_size, f.type_mod, f.table_oid, f.column_attr, fmt)
+
+
+def _drop_admission(admission: asyncio.Future[None], slots: Any, user: str) -> None:
+    """Give back a worker slot whose statement will not run (or stop waiting for it)."""
+    if not admission.done():
+        admission.cancel()  # the acquire coroutine releases whatever it already holds
+    elif not admission.cancelled() and admission.exception() is None:
+        slots.release(user)

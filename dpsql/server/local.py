@@ -18,7 +18,7 @@ import sqlglot
 from sqlglot import exp
 
 from dpsql import __version__
-from dpsql.errors import Error, FeatureNotSupported, InvalidParameterValue
+from dpsql.errors import Error, FeatureNotSupported, InvalidParameterValue, ProgramLimitExceeded
 from dpsql.session import Session
 
 from .sqltext import strip_comments
@@ -104,17 +104,25 @@ def _parse_bool(value: str) -> bool:
     raise ValueError(value)
 
 
-def _parse_fraction(value: str, low_open: bool, high: float, high_open: bool) -> float:
+def _parse_fraction(value: str, low_open: bool, high: float, high_open: bool, low: float = 0.0) -> float:
     x = float(value)
     if not math.isfinite(x) or x < 0 or (low_open and x == 0) or x > high or (high_open and x == high):
+        raise ValueError(value)
+    if 0 < x < low:
         raise ValueError(value)
     return x
 
 
+#: ε accepted by SET dpsql.epsilon: below, no noise could be calibrated; above, no privacy is left.
+MIN_EPSILON, MAX_EPSILON = 1e-6, 1e6
+#: Smallest non-zero δ accepted by SET dpsql.delta (smaller ones overflow the Gaussian calibration).
+MIN_DELTA = 1e-30
+
+
 _DPSQL_PARSERS: dict[str, Callable[[str], Any]] = {
-    "dpsql.epsilon": lambda v: _parse_fraction(v, True, math.inf, False),
-    "dpsql.delta": lambda v: _parse_fraction(v, False, 1.0, True),
-    "dpsql.confidence": lambda v: _parse_fraction(v, True, 1.0, True),
+    "dpsql.epsilon": lambda v: _parse_fraction(v, True, MAX_EPSILON, False, MIN_EPSILON),
+    "dpsql.delta": lambda v: _parse_fraction(v, False, 1.0, True, MIN_DELTA),
+    "dpsql.confidence": lambda v: _parse_fraction(v, True, 1.0 - 1e-9, False, 1e-9),
     "dpsql.mechanism": lambda v: {"laplace": "laplace", "gaussian": "gaussian"}[v.strip().lower()],
     "dpsql.show_intervals": _parse_bool,
 }
@@ -136,6 +144,9 @@ class Settings:
     session: Session
     defaults: dict[str, str]
     values: dict[str, str] = field(default_factory=dict)
+    #: Custom (placeholder) parameters one session may set, and the longest value accepted.
+    max_custom: int = 1000
+    max_length: int = 8192
     _canon: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -160,10 +171,31 @@ class Settings:
         key = self.canonical(name)
         if key in ("server_version", "server_encoding", "integer_datetimes", "is_superuser", "block_size"):
             raise Error(f'parameter "{key}" cannot be changed', sqlstate="55P02")
+        if value is not None and len(value) > self.max_length:
+            raise ProgramLimitExceeded(
+                f'value for parameter "{key}" is too long ({len(value)} characters; at most {self.max_length})'
+            )
+        if (
+            key in ("session_authorization", "role")
+            and value is not None
+            and (key == "role" or value.strip() != self.defaults.get("session_authorization"))
+        ):
+            raise Error(f'permission denied to set parameter "{key}"', sqlstate="42501")
+        if value is not None and key not in self.values and not key.startswith("dpsql."):
+            custom = sum(1 for k in self.values if k not in self.defaults)
+            if custom >= self.max_custom:
+                raise Error(
+                    f"too many custom parameters in this session (at most {self.max_custom})",
+                    sqlstate="53400",
+                    hint="RESET ALL or DISCARD ALL drops them.",
+                )
         if key.startswith("dpsql."):
             self._set_dpsql(key, value)
         elif value is None:
-            self.values[key] = self.defaults.get(key, "")
+            if key in self.defaults:
+                self.values[key] = self.defaults[key]
+            else:
+                self.values.pop(key, None)
         else:
             self.values[key] = self._check(key, value)
         return key if key in REPORTED else None
@@ -173,7 +205,7 @@ class Settings:
             if value.strip().strip("'\"").lower() not in _UTF8_NAMES:
                 raise FeatureNotSupported(f"client_encoding {value!r} is not supported; dpsql speaks UTF8")
             return "UTF8"
-        if key == "statement_timeout":
+        if key in ("statement_timeout", "idle_in_transaction_session_timeout"):
             try:
                 return str(parse_timeout_ms(value))
             except ValueError:
@@ -225,12 +257,17 @@ class Settings:
 
     @property
     def statement_timeout_ms(self) -> int:
+        """The session's statement_timeout (0: none asked for; the server's cap still applies)."""
         return int(self.values.get("statement_timeout", "0") or 0)
+
+    @property
+    def idle_in_transaction_ms(self) -> int:
+        return int(self.values.get("idle_in_transaction_session_timeout", "0") or 0)
 
 
 _DPSQL_HINTS = {
-    "dpsql.epsilon": "dpsql.epsilon must be a positive number, e.g. SET dpsql.epsilon = 0.5.",
-    "dpsql.delta": "dpsql.delta must be in [0, 1).",
+    "dpsql.epsilon": f"dpsql.epsilon must be between {MIN_EPSILON:g} and {MAX_EPSILON:g}, e.g. 0.5.",
+    "dpsql.delta": f"dpsql.delta must be 0 or in [{MIN_DELTA:g}, 1).",
     "dpsql.confidence": "dpsql.confidence must be in (0, 1), e.g. 0.95.",
     "dpsql.mechanism": "dpsql.mechanism is 'laplace' or 'gaussian'.",
     "dpsql.show_intervals": "dpsql.show_intervals is on or off.",

@@ -8,6 +8,7 @@ import hmac
 import logging
 import signal
 import ssl
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -15,9 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 from dpsql import __version__
 
+from . import protocol as pq
 from .catalog import CatalogShadow
 from .connection import Connection
-from .protocol import DEFAULT_MAX_MESSAGE
+from .limits import ShadowPool, TooManyConnections, WorkSlots, make_interruptible
+from .protocol import DEFAULT_MAX_MESSAGE, Diagnostic
 
 if TYPE_CHECKING:
     from dpsql.engine import Engine
@@ -25,6 +28,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("dpsql.server")
 
 DEFAULT_PORT = 6543
+GIL_SWITCH_INTERVAL = 0.0005
 FALLBACK_SERVER_VERSION = "16.0"
 
 
@@ -37,10 +41,31 @@ class ServerOptions:
     #: PostgreSQL DSN for the shadow catalog; None starts a throwaway local server; "" disables catalogs.
     catalog_dsn: str | None = None
     idle_timeout: float | None = None
-    statement_timeout: float | None = None
+    #: The most any statement may run, whatever the session sets (seconds; None/0: no cap).
+    statement_timeout: float | None = 60.0
+    #: A session's statement timeout until it runs SET statement_timeout (seconds; capped by the above).
+    default_statement_timeout: float | None = 60.0
+    #: A session idle inside a transaction block longer than this is terminated (seconds; None/0: never).
+    idle_in_transaction_timeout: float | None = 600.0
+    #: The whole startup (TLS, startup packet, authentication) must finish within this (authentication_timeout).
     startup_timeout: float = 60.0
     max_message_size: int = DEFAULT_MAX_MESSAGE
     workers: int = 8
+    #: Worker slots one analyst may hold at once (running or abandoned work); default: half the pool.
+    analyst_workers: int | None = None
+    #: Statements waiting for a worker slot, all clients together; beyond that 53400.
+    max_queued: int = 256
+    max_connections: int = 100
+    max_connections_per_analyst: int = 32
+    #: Shadow-catalog connections shared by all clients, and how long a catalog query waits for one.
+    catalog_pool: int = 10
+    catalog_wait: float = 10.0
+    max_prepared: int = 1000
+    max_portals: int = 1000
+    max_settings: int = 1000
+    max_setting_length: int = 8192
+    #: At shutdown, how long statements still running may finish (their charge is logged when they do).
+    shutdown_grace: float = 10.0
     #: Bytes buffered per connection before reads pause (asyncio StreamReader limit).
     read_buffer: int = 256 * 1024
 
@@ -62,11 +87,62 @@ class ServerContext:
         self.database = engine.policy.dataset
         self.options = options
         self.executor = ThreadPoolExecutor(max_workers=options.workers, thread_name_prefix="dpsql-query")
+        #: Sockets open (authenticated or not) and authenticated sessions per analyst.
+        self.sockets = 0
+        self.per_analyst: dict[str, int] = {}
+        self._slots: WorkSlots | None = None
+        #: Pool work not finished yet (awaited at shutdown so its real charge gets logged).
+        self.inflight: set[asyncio.Future[Any]] = set()
+        self.shadow_pool: ShadowPool | None = None
+        self.interruptible = make_interruptible(engine.backend)
         self.ssl_context = make_ssl_context(options.tls_cert, options.tls_key) if options.tls_cert else None
         self.shadow: CatalogShadow | None = None
         self.server_version = f"{FALLBACK_SERVER_VERSION} (dpsql {__version__})"
         self.connections: dict[int, Connection] = {}
         self._next_pid = 1000
+
+    @property
+    def slots(self) -> WorkSlots:
+        """Created lazily, on the event loop that uses it."""
+        if self._slots is None:
+            opts = self.options
+            share = opts.analyst_workers or max(1, opts.workers // 2)
+            self._slots = WorkSlots(opts.workers, share, opts.max_queued)
+        return self._slots
+
+    def pool(self) -> ShadowPool:
+        if self.shadow_pool is None:
+            assert self.shadow is not None
+            opts = self.options
+            self.shadow_pool = ShadowPool(self.shadow, opts.catalog_pool, opts.catalog_wait, self.executor)
+        return self.shadow_pool
+
+    @property
+    def default_statement_timeout_ms(self) -> int:
+        return self.statement_timeout_ms(round((self.options.default_statement_timeout or 0) * 1000))
+
+    def statement_timeout_ms(self, wanted: int) -> int:
+        """The timeout a statement runs under: the session's, never above the server's cap (0: none)."""
+        cap = round((self.options.statement_timeout or 0) * 1000)
+        if cap and (not wanted or wanted > cap):
+            return cap
+        return wanted
+
+    def admit(self, user: str) -> None:
+        """A newly authenticated session: refuse it (FATAL 53300) beyond the global or per-analyst cap."""
+        opts = self.options
+        if len(self.connections) >= opts.max_connections:
+            raise TooManyConnections("sorry, too many clients already")
+        if self.per_analyst.get(user, 0) >= opts.max_connections_per_analyst:
+            raise TooManyConnections(f'too many connections for role "{user}"')
+        self.per_analyst[user] = self.per_analyst.get(user, 0) + 1
+
+    def leave(self, user: str) -> None:
+        count = self.per_analyst.get(user, 0) - 1
+        if count > 0:
+            self.per_analyst[user] = count
+        else:
+            self.per_analyst.pop(user, None)
 
     @property
     def catalog_available(self) -> bool:
@@ -88,6 +164,9 @@ class ServerContext:
             self.server_version = f"{shadow.server_version.split()[0]} (dpsql {__version__})"
 
     def stop_catalog(self) -> None:
+        if self.shadow_pool is not None:
+            self.shadow_pool.close()
+            self.shadow_pool = None
         if self.shadow is not None:
             self.shadow.stop()
             self.shadow = None
@@ -126,6 +205,9 @@ class Server:
 
     async def start(self) -> int:
         """Start the catalog and begin listening; returns the bound port (useful with ``port=0``)."""
+        # Statement analysis is CPU-bound Python in worker threads: with the default 5 ms GIL switch
+        # interval, a few long statements add tens of milliseconds to every other client's reply.
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL))
         await asyncio.get_running_loop().run_in_executor(self.ctx.executor, self.ctx.start_catalog)
         self._server = await asyncio.start_server(
             self._accept, self.options.host, self.options.port, limit=self.options.read_buffer
@@ -142,11 +224,21 @@ class Server:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)  # type: ignore[arg-type]
+        ctx = self.ctx
+        ctx.sockets += 1
         try:
-            await Connection(self.ctx, reader, writer).serve()
+            if ctx.sockets > 2 * self.options.max_connections:
+                # unauthenticated sockets are bounded too (each also has the startup deadline)
+                writer.write(pq.error_response(Diagnostic("FATAL", "53300", "sorry, too many clients already")))
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(writer.drain(), 1)
+                writer.close()
+                return
+            await Connection(ctx, reader, writer).serve()
         except asyncio.CancelledError:
             pass  # server shutdown; the connection already said goodbye
         finally:
+            ctx.sockets -= 1
             self._tasks.discard(task)  # type: ignore[arg-type]
 
     async def stop(self) -> None:
@@ -157,6 +249,9 @@ class Server:
             task.cancel()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=5)
+        if self.ctx.inflight:  # statements already charged: let them finish so their charge is logged
+            log.info("waiting for %d statement(s) still running", len(self.ctx.inflight))
+            await asyncio.wait(list(self.ctx.inflight), timeout=self.options.shutdown_grace)
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 5)

@@ -86,6 +86,7 @@ def start_server(
     database: str = "demo",
     port: int = 0,
     startup_timeout: float = 60.0,
+    extra_args: tuple[str, ...] = (),
 ) -> ServerProcess:
     """Start ``dpsql serve`` (no shadow catalog) and wait until it listens; raise with its log if it dies."""
     argv = [
@@ -103,6 +104,7 @@ def start_server(
         "",
         "--log-level",
         "info",
+        *extra_args,
     ]
     offset = log_path.stat().st_size if log_path.exists() else 0
     log = log_path.open("ab")

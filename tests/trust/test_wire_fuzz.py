@@ -356,7 +356,9 @@ def fuzz(server: ServerProcess, cases: int, seed: int = SEED) -> Stats:
 
 @pytest.fixture
 def fuzz_server(tmp_path: Path) -> Iterator[ServerProcess]:
-    server = start_server(write_policy(tmp_path), tmp_path / "ledger.sqlite", tmp_path / "server.log")
+    # the burst opens 300 sessions of one analyst at once: above the default connection caps
+    caps = ("--max-connections", "400", "--max-connections-per-analyst", "400")
+    server = start_server(write_policy(tmp_path), tmp_path / "ledger.sqlite", tmp_path / "server.log", extra_args=caps)
     try:
         yield server
     finally:

@@ -1,0 +1,278 @@
+"""Shared-resource limits: worker slots with a per-analyst fair share, the shadow connection pool,
+and best-effort interruption of a backend statement whose client gave up.
+
+Everything here is used from the server's event loop thread, except :class:`Job`, which is
+entered by the worker thread that runs a statement and poked by the loop to interrupt it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor
+from typing import Any
+
+from dpsql.errors import Error, QueryCanceled
+
+log = logging.getLogger("dpsql.server")
+
+
+class TooManyConnections(Error):
+    sqlstate = "53300"
+
+
+class ConfigurationLimitExceeded(Error):
+    sqlstate = "53400"
+
+
+def server_busy() -> Error:
+    return ConfigurationLimitExceeded(
+        "too many statements are waiting for a worker",
+        hint="The server is saturated; retry shortly.",
+    )
+
+
+class WorkSlots:
+    """Admission to the worker pool: ``workers`` slots in all, at most ``per_analyst`` for one analyst.
+
+    A slot is held until the work *finishes* in its thread, not until the client stops waiting,
+    so timed-out or cancelled work that is still running keeps counting against its analyst:
+    one analyst can never occupy more than its share, however many statements it abandons.
+    At most ``max_queued`` statements wait for a slot; beyond that new ones are refused (53400).
+    """
+
+    def __init__(self, workers: int, per_analyst: int, max_queued: int) -> None:
+        self.workers = workers
+        self.per_analyst = max(1, min(per_analyst, workers))
+        self.max_queued = max_queued
+        self._global = asyncio.Semaphore(workers)
+        self._analysts: dict[str, asyncio.Semaphore] = {}
+        self.queued = 0
+        self.running: dict[str, int] = {}
+
+    def _analyst(self, name: str) -> asyncio.Semaphore:
+        sem = self._analysts.get(name)
+        if sem is None:
+            sem = self._analysts[name] = asyncio.Semaphore(self.per_analyst)
+        return sem
+
+    async def acquire(self, analyst: str) -> None:
+        if self.queued >= self.max_queued:
+            raise server_busy()
+        own = self._analyst(analyst)
+        self.queued += 1
+        try:
+            await own.acquire()
+            try:
+                await self._global.acquire()
+            except BaseException:
+                own.release()
+                raise
+        finally:
+            self.queued -= 1
+        self.running[analyst] = self.running.get(analyst, 0) + 1
+
+    def release(self, analyst: str) -> None:
+        self.running[analyst] -= 1
+        if not self.running[analyst]:
+            del self.running[analyst]
+        self._global.release()
+        self._analyst(analyst).release()
+
+
+class Job:
+    """One statement running in a worker thread; :meth:`interrupt` stops its backend statement if it can."""
+
+    _local = threading.local()
+
+    def __init__(self, pure: bool = False) -> None:
+        #: Pure work (statement splitting and routing: server code, no locks, no I/O) is stopped
+        #: by raising QueryCanceled in its thread; other work only through the backend.
+        self.pure = pure
+        self._thread: int | None = None
+        self.interrupted = False
+        self._lock = threading.Lock()
+        self._stoppers: list[Callable[[], Any]] = []
+        self._current: Callable[[], Any] | None = None
+
+    @classmethod
+    def current(cls) -> Job | None:
+        return getattr(cls._local, "job", None)
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        Job._local.job = self
+        try:
+            with self._lock:
+                if self.interrupted:
+                    raise QueryCanceled("canceling statement due to user request")
+                self._thread = threading.get_ident() if self.pure else None
+            try:
+                return fn(*args)
+            finally:
+                with self._lock:
+                    if self._thread is not None:
+                        self._thread = None
+                        _async_raise(threading.get_ident(), None)  # drop one not yet delivered
+        finally:
+            Job._local.job = None
+
+    @contextlib.contextmanager
+    def stoppable(self, stop: Callable[[], Any]) -> Iterator[None]:
+        with self._lock:
+            if self.interrupted:
+                raise QueryCanceled("canceling statement due to user request")
+            self._stoppers.append(stop)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._stoppers.remove(stop)
+
+    def set_current(self, stop: Callable[[], Any]) -> None:
+        """The interrupt of the statement the job runs now (DuckDB: its latest cursor)."""
+        with self._lock:
+            self._current = stop
+
+    def interrupt(self) -> None:
+        with self._lock:
+            self.interrupted = True
+            stoppers = [*self._stoppers, *([self._current] if self._current else [])]
+            if self._thread is not None:
+                _async_raise(self._thread, QueryCanceled)
+        for stop in stoppers:
+            with contextlib.suppress(Exception):
+                stop()
+
+
+def _async_raise(thread: int, exc: type[BaseException] | None) -> None:
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), ctypes.py_object(exc) if exc else None)
+
+
+def make_interruptible(backend: Any) -> bool:
+    """Let :meth:`Job.interrupt` reach ``backend``'s running statement (DuckDB ``interrupt``,
+    PostgreSQL cancel). Wraps the backend's cursor/connection factory on this instance only;
+    returns False for backends it does not know (their own statement timeout still applies)."""
+    if getattr(backend, "_dpsql_interruptible", False):
+        return True
+    cursor_factory = getattr(backend, "_cursor", None)
+    pool = getattr(backend, "_pool", None)
+    if getattr(backend, "dialect", "") == "duckdb" and callable(cursor_factory):
+
+        def tracked_cursor() -> Any:
+            cur = cursor_factory()
+            job = Job.current()
+            if job is not None:
+                job.set_current(cur.interrupt)
+                if job.interrupted:
+                    cur.close()
+                    raise QueryCanceled("canceling statement due to user request")
+            return cur
+
+        backend._cursor = tracked_cursor
+    elif getattr(backend, "dialect", "") == "postgres" and pool is not None and hasattr(pool, "connection"):
+        acquire = pool.connection
+
+        @contextlib.contextmanager
+        def tracked_connection() -> Iterator[Any]:
+            with acquire() as conn:
+                job = Job.current()
+                if job is None:
+                    yield conn
+                else:
+                    with job.stoppable(conn.cancel):
+                        yield conn
+
+        pool.connection = tracked_connection
+    else:
+        return False
+    backend._dpsql_interruptible = True
+    return True
+
+
+class ShadowPool:
+    """Shadow-catalog connections shared by all clients: at most ``size`` open, per analyst role.
+
+    A statement checks a connection out for its duration (the connection carries no client state:
+    every client SET is answered by dpsql itself). When all are busy a statement waits at most
+    ``wait`` seconds, then gets 53300.
+    """
+
+    def __init__(self, shadow: Any, size: int, wait: float, executor: Executor) -> None:
+        self.shadow = shadow
+        self.size = size
+        self.wait = wait
+        self.executor = executor
+        self._busy = asyncio.Semaphore(size)
+        self._idle: dict[str, list[Any]] = {}
+        self.open = 0
+
+    def _idle_count(self) -> int:
+        return sum(len(v) for v in self._idle.values())
+
+    async def acquire(self, analyst: str) -> Any:
+        try:
+            await asyncio.wait_for(self._busy.acquire(), self.wait)
+        except TimeoutError:
+            raise TooManyConnections(
+                "too many catalog queries in progress",
+                hint="All catalog connections are busy; retry shortly.",
+            ) from None
+        try:
+            idle = self._idle.get(analyst)
+            if idle:
+                return idle.pop()
+            if self.open >= self.size:
+                self._evict_one()
+            self.open += 1
+            try:
+                return await asyncio.get_running_loop().run_in_executor(self.executor, self.shadow.connect, analyst)
+            except BaseException:
+                self.open -= 1
+                raise
+        except BaseException:
+            self._busy.release()
+            raise
+
+    def _evict_one(self) -> None:
+        for idle in self._idle.values():
+            if idle:
+                self._discard(idle.pop())
+                return
+
+    def _discard(self, session: Any) -> None:
+        self.open -= 1
+        with contextlib.suppress(Exception):
+            self.executor.submit(session.close)
+
+    def release(self, analyst: str, session: Any) -> None:
+        """Called on the loop once no thread uses ``session`` any more."""
+        self._busy.release()
+        if is_broken(session):
+            self._discard(session)
+        else:
+            self._idle.setdefault(analyst, []).append(session)
+
+    def close(self) -> None:
+        for idle in self._idle.values():
+            for session in idle:
+                with contextlib.suppress(Exception):
+                    session.close()
+        self._idle.clear()
+
+
+def is_broken(session: Any) -> bool:
+    conn = getattr(session, "_conn", None)
+    if conn is None:
+        return False
+    if getattr(conn, "closed", False) or getattr(conn, "broken", False):
+        return True
+    try:
+        from psycopg import pq
+
+        return bool(conn.pgconn.status != pq.ConnStatus.OK)
+    except Exception:
+        return True
