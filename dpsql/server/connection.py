@@ -158,7 +158,7 @@ class Connection:
         if isinstance(exc, ProtocolViolation):
             return Diagnostic("FATAL", "08P01", str(exc))
         if isinstance(exc, Error) and exc.sqlstate != "XX000":
-            sev = severity or getattr(exc, "severity", "ERROR")
+            sev = severity or str(getattr(exc, "severity", "ERROR"))
             return Diagnostic(sev, exc.sqlstate, exc.message, exc.detail, exc.hint, exc.position)
         # anything unexpected: the details (and the traceback) go to the operator's log only
         log.error("internal error", exc_info=exc)
@@ -191,7 +191,7 @@ class Connection:
             return None if deadline is None else max(0.0, deadline - loop.time())
 
         slots, user = self.ctx.slots, self.user or "?"
-        waiter = asyncio.ensure_future(self._cancel.wait())
+        waiter: asyncio.Future[Any] = asyncio.ensure_future(self._cancel.wait())
         try:
             admission = asyncio.ensure_future(slots.acquire(user))
             try:
@@ -229,7 +229,8 @@ class Connection:
             self.ctx.inflight.add(future)
             future.add_done_callback(finished)
             try:
-                done, _ = await asyncio.wait({future, waiter}, timeout=remaining(), return_when=asyncio.FIRST_COMPLETED)
+                waiting: set[asyncio.Future[Any]] = {future, waiter}
+                done, _ = await asyncio.wait(waiting, timeout=remaining(), return_when=asyncio.FIRST_COMPLETED)
             except BaseException:
                 self._abandon(job, future, on_late)
                 raise

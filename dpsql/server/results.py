@@ -89,8 +89,11 @@ def interval_summary(result: Result, confidence: float) -> str | None:
     """``95% CI half-widths: n ±3.0, avg_age ±0.4–0.9`` (a range when cells differ)."""
     parts = []
     for i, col in enumerate(result.columns):
-        widths = [acc[i] for acc in result.accuracy if i < len(acc) and acc[i] is not None]
-        widths = [w for w in widths if isinstance(w, int | float) and math.isfinite(w)]
+        widths = [
+            float(w)
+            for acc in result.accuracy
+            if i < len(acc) and isinstance(w := acc[i], int | float) and math.isfinite(w)
+        ]
         if not widths:
             continue
         low, high = min(widths), max(widths)

@@ -70,7 +70,8 @@ class ServerOptions:
     read_buffer: int = 256 * 1024
 
 
-def make_ssl_context(cert: str, key: str) -> ssl.SSLContext:
+def make_ssl_context(cert: str, key: str | None) -> ssl.SSLContext:
+    """TLS ≥ 1.2 with ``cert`` (and ``key``; None: the key is in the certificate's file)."""
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.load_cert_chain(cert, key)
@@ -223,7 +224,7 @@ class Server:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        self._tasks.add(task)  # type: ignore[arg-type]
+        self._tasks.add(task)
         ctx = self.ctx
         ctx.sockets += 1
         try:
@@ -239,7 +240,7 @@ class Server:
             pass  # server shutdown; the connection already said goodbye
         finally:
             ctx.sockets -= 1
-            self._tasks.discard(task)  # type: ignore[arg-type]
+            self._tasks.discard(task)
 
     async def stop(self) -> None:
         """Stop listening, terminate connections, stop the catalog server and the thread pool."""
