@@ -276,3 +276,46 @@ def test_duckdb_groups_dense_units_in_a_perfect_hash_table() -> None:
         assert "PERFECT_HASH_GROUP_BY" in plan.upper().replace(" ", "_")
     finally:
         backend.close()
+
+
+@BOTH
+def test_statement_hook_cancels_a_running_statement(loaded: Backend) -> None:
+    """The seam the server uses for clients that gave up: the hook receives each statement's cancel."""
+    import contextlib
+    import threading
+    import time
+
+    from dpsql.backends import statement_hook
+
+    slow = (
+        "SELECT pg_sleep(20)"
+        if loaded.dialect == "postgres"
+        else "SELECT COUNT(*) FROM range(100000000000) a, range(10) b WHERE a.range % 7 = b.range"
+    )
+    offered: list[object] = []
+
+    @contextlib.contextmanager
+    def hook(cancel):  # type: ignore[no-untyped-def]
+        offered.append(cancel)
+        yield
+
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        with statement_hook(hook):
+            try:
+                loaded.execute(slow)
+            except BaseException as exc:
+                outcome.append(exc)
+
+    thread = threading.Thread(target=run)
+    started = time.monotonic()
+    thread.start()
+    while not offered and time.monotonic() - started < 10:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    offered[-1]()  # type: ignore[operator]
+    thread.join(15)
+    assert not thread.is_alive() and time.monotonic() - started < 10
+    assert isinstance(outcome[0], QueryCanceled) and outcome[0].sqlstate == "57014"
+    assert loaded.execute("SELECT 1 AS one") == (["one"], [(1,)])  # the connection/pool is still usable

@@ -14,9 +14,11 @@ Result values are plain Python: ``Decimal`` is normalised to ``int`` (integral v
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
-from collections.abc import Iterable, Mapping
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from decimal import Decimal
 from typing import Any, Protocol, runtime_checkable
 
@@ -37,6 +39,33 @@ DEFAULT_STATEMENT_TIMEOUT_MS = 60_000
 database_log = logging.getLogger("dpsql.database")
 database_log.propagate = False
 database_log.addHandler(logging.NullHandler())
+
+
+_statement_hook = threading.local()
+
+
+@contextlib.contextmanager
+def cancellable(cancel: Callable[[], object]) -> Iterator[None]:
+    """Backends run each statement inside this: while it runs, ``cancel`` (DuckDB's interrupt,
+    PostgreSQL's cancel request) is offered to the hook the calling thread installed with
+    :func:`statement_hook`, which may call it from another thread (a client that gave up)."""
+    hook = getattr(_statement_hook, "hook", None)
+    if hook is None:
+        yield
+        return
+    with hook(cancel):
+        yield
+
+
+@contextlib.contextmanager
+def statement_hook(hook: Callable[[Callable[[], object]], contextlib.AbstractContextManager[object]]) -> Iterator[None]:
+    """Install ``hook`` for the statements this thread runs (the server's per-statement job)."""
+    previous = getattr(_statement_hook, "hook", None)
+    _statement_hook.hook = hook
+    try:
+        yield
+    finally:
+        _statement_hook.hook = previous
 
 
 def log_database_error(what: str, exc: BaseException) -> None:

@@ -14,6 +14,7 @@ from sqlglot import exp
 
 from dpsql.backends import (
     QUERY_FAILED,
+    cancellable,
     column_defs,
     log_database_error,
     normalize_rows,
@@ -81,14 +82,15 @@ class DuckDBBackend:
         try:
             if len(cur.extract_statements(sql)) != 1:
                 raise BackendError("the database backend runs exactly one statement per query")
-            cur.execute("BEGIN TRANSACTION READ ONLY")
-            if self.statement_timeout_ms:
-                timer = threading.Timer(self.statement_timeout_ms / 1000, cur.interrupt)
-                timer.daemon = True
-                timer.start()
-            cur.execute(sql)
-            names = [d[0] for d in cur.description or ()]
-            rows = normalize_rows(cur.fetchall())
+            with cancellable(cur.interrupt):
+                cur.execute("BEGIN TRANSACTION READ ONLY")
+                if self.statement_timeout_ms:
+                    timer = threading.Timer(self.statement_timeout_ms / 1000, cur.interrupt)
+                    timer.daemon = True
+                    timer.start()
+                cur.execute(sql)
+                names = [d[0] for d in cur.description or ()]
+                rows = normalize_rows(cur.fetchall())
             return names, rows
         except duckdb.InterruptException as exc:
             log_database_error("DuckDB query interrupted", exc)

@@ -21,6 +21,7 @@ from psycopg.types.datetime import DateBinaryLoader, TimestampBinaryLoader
 
 from dpsql.backends import (
     QUERY_FAILED,
+    cancellable,
     column_defs,
     log_database_error,
     normalize_rows,
@@ -136,7 +137,7 @@ class PostgresBackend:
     def execute(self, sql: str) -> tuple[list[str], list[tuple[Any, ...]]]:
         with self._pool.connection() as conn:
             try:
-                with conn.cursor() as cur:
+                with conn.cursor() as cur, cancellable(conn.cancel):
                     # binary=True forces the extended protocol (exactly one statement) without the extra
                     # round trip of a named prepared statement; default_transaction_read_only makes the
                     # implicit transaction read-only.

@@ -40,8 +40,8 @@ from sqlglot import exp
 from sqlglot.dialects.dialect import Dialect
 from sqlglot.tokens import TokenType
 
-from dpsql.backends import _SQL_TYPE, QUERY_FAILED, log_database_error, normalize_rows, redact_url
-from dpsql.errors import BackendError
+from dpsql.backends import _SQL_TYPE, QUERY_FAILED, cancellable, log_database_error, normalize_rows, redact_url
+from dpsql.errors import BackendError, Error
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -523,12 +523,12 @@ class SparkBackend:
         spark = self._session()
         try:
             self._register_files(spark, query.files)
-            with self._tagged(spark):
+            with self._tagged(spark) as tag, cancellable(tag._interrupt):
                 df = spark.sql(query.sql)
                 names = list(df.columns)
                 rows = df.collect() if query.one_row else df.toLocalIterator(prefetchPartitions=True)
                 return names, normalize_rows(rows)
-        except BackendError:
+        except Error:  # BackendError of our own, or QueryCanceled from a client that gave up
             raise
         except Exception as exc:
             log_database_error("Spark query failed", exc)

@@ -1,5 +1,6 @@
 """Shared-resource limits: worker slots with a per-analyst fair share, the shadow connection pool,
-and best-effort interruption of a backend statement whose client gave up.
+and interruption of a backend statement whose client gave up (through the backends' own seam,
+:func:`dpsql.backends.cancellable`).
 
 Everything here is used from the server's event loop thread, except :class:`Job`, which is
 entered by the worker thread that runs a statement and poked by the loop to interrupt it.
@@ -16,6 +17,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from typing import Any
 
+from dpsql.backends import statement_hook
 from dpsql.errors import Error, QueryCanceled
 
 log = logging.getLogger("dpsql.server")
@@ -97,7 +99,6 @@ class Job:
         self.interrupted = False
         self._lock = threading.Lock()
         self._stoppers: list[Callable[[], Any]] = []
-        self._current: Callable[[], Any] | None = None
 
     @classmethod
     def current(cls) -> Job | None:
@@ -111,7 +112,8 @@ class Job:
                     raise QueryCanceled("canceling statement due to user request")
                 self._thread = threading.get_ident() if self.pure else None
             try:
-                return fn(*args)
+                with statement_hook(self.stoppable):  # backends offer each statement's cancel here
+                    return fn(*args)
             finally:
                 with self._lock:
                     if self._thread is not None:
@@ -121,7 +123,9 @@ class Job:
             Job._local.job = None
 
     @contextlib.contextmanager
-    def stoppable(self, stop: Callable[[], Any]) -> Iterator[None]:
+    def stoppable(self, stop: Callable[[], object]) -> Iterator[None]:
+        """While a backend statement runs: :meth:`interrupt` calls ``stop`` (see
+        :func:`dpsql.backends.cancellable`); a job already interrupted does not start it."""
         with self._lock:
             if self.interrupted:
                 raise QueryCanceled("canceling statement due to user request")
@@ -132,15 +136,10 @@ class Job:
             with self._lock:
                 self._stoppers.remove(stop)
 
-    def set_current(self, stop: Callable[[], Any]) -> None:
-        """The interrupt of the statement the job runs now (DuckDB: its latest cursor)."""
-        with self._lock:
-            self._current = stop
-
     def interrupt(self) -> None:
         with self._lock:
             self.interrupted = True
-            stoppers = [*self._stoppers, *([self._current] if self._current else [])]
+            stoppers = list(self._stoppers)
             if self._thread is not None:
                 _async_raise(self._thread, QueryCanceled)
         for stop in stoppers:
@@ -150,47 +149,6 @@ class Job:
 
 def _async_raise(thread: int, exc: type[BaseException] | None) -> None:
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), ctypes.py_object(exc) if exc else None)
-
-
-def make_interruptible(backend: Any) -> bool:
-    """Let :meth:`Job.interrupt` reach ``backend``'s running statement (DuckDB ``interrupt``,
-    PostgreSQL cancel). Wraps the backend's cursor/connection factory on this instance only;
-    returns False for backends it does not know (their own statement timeout still applies)."""
-    if getattr(backend, "_dpsql_interruptible", False):
-        return True
-    cursor_factory = getattr(backend, "_cursor", None)
-    pool = getattr(backend, "_pool", None)
-    if getattr(backend, "dialect", "") == "duckdb" and callable(cursor_factory):
-
-        def tracked_cursor() -> Any:
-            cur = cursor_factory()
-            job = Job.current()
-            if job is not None:
-                job.set_current(cur.interrupt)
-                if job.interrupted:
-                    cur.close()
-                    raise QueryCanceled("canceling statement due to user request")
-            return cur
-
-        backend._cursor = tracked_cursor
-    elif getattr(backend, "dialect", "") == "postgres" and pool is not None and hasattr(pool, "connection"):
-        acquire = pool.connection
-
-        @contextlib.contextmanager
-        def tracked_connection() -> Iterator[Any]:
-            with acquire() as conn:
-                job = Job.current()
-                if job is None:
-                    yield conn
-                else:
-                    with job.stoppable(conn.cancel):
-                        yield conn
-
-        pool.connection = tracked_connection
-    else:
-        return False
-    backend._dpsql_interruptible = True
-    return True
 
 
 class ShadowPool:

@@ -19,7 +19,7 @@ from dpsql import __version__
 from . import protocol as pq
 from .catalog import CatalogShadow
 from .connection import Connection
-from .limits import ShadowPool, TooManyConnections, WorkSlots, make_interruptible
+from .limits import ShadowPool, TooManyConnections, WorkSlots
 from .protocol import DEFAULT_MAX_MESSAGE, Diagnostic
 
 if TYPE_CHECKING:
@@ -95,7 +95,6 @@ class ServerContext:
         #: Pool work not finished yet (awaited at shutdown so its real charge gets logged).
         self.inflight: set[asyncio.Future[Any]] = set()
         self.shadow_pool: ShadowPool | None = None
-        self.interruptible = make_interruptible(engine.backend)
         self.ssl_context = make_ssl_context(options.tls_cert, options.tls_key) if options.tls_cert else None
         self.shadow: CatalogShadow | None = None
         self.server_version = f"{FALLBACK_SERVER_VERSION} (dpsql {__version__})"

@@ -74,7 +74,11 @@ def data_pg() -> Iterator[Data]:
 @pytest.fixture(scope="module")
 def pg_server(data_pg: Data, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("load")
-    server = start_server(write_policy(tmp), tmp / "ledger.sqlite", tmp / "server.log", database=data_pg.dsn)
+    # up to 200 clients over 4 analysts: above the default caps (100 sessions, 32 per analyst)
+    caps = ("--max-connections", "300", "--max-connections-per-analyst", "100")
+    server = start_server(
+        write_policy(tmp), tmp / "ledger.sqlite", tmp / "server.log", database=data_pg.dsn, extra_args=caps
+    )
     try:
         yield server
     finally:
