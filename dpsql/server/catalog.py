@@ -28,6 +28,7 @@ notification and other-session functions and views revoked. A local shadow is su
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import threading
@@ -309,6 +310,10 @@ class CatalogShadow:
             from dpsql.local_postgres import start_local_postgres
 
             local = start_local_postgres()
+            # atexit runs last-registered first: stop supervising before the server's own atexit stop,
+            # so a process that exits without stop() does not restart its shadow on the way out
+            atexit.unregister(self._stopping.set)
+            atexit.register(self._stopping.set)
             base = local.dsn
             passwords = {role: secrets.token_hex(24) for role in shadow_roles(self.policy)}
         else:
