@@ -31,6 +31,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import select
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ import sqlglot
 from sqlglot import exp
 
 from dpsql.analyze.parse import too_complex
-from dpsql.errors import Error, FeatureNotSupported
+from dpsql.errors import Error, FeatureNotSupported, ProgramLimitExceeded
 from dpsql.policy import PG_TYPE_NAMES, Policy, TablePolicy
 
 from .protocol import FieldDescription
@@ -561,27 +562,76 @@ class ShadowSession:
         wanted = set(result_formats) or {0}
         param_formats = _expand_formats(param_formats, len(params)) if params else []
 
-        def run(fmt: int) -> Any:
-            return self._check(
-                pgconn.exec_params(
-                    sql.encode("utf-8"),
-                    list(params),
-                    list(param_oids[: len(params)]) or None,
-                    param_formats or None,
-                    result_format=fmt,
-                )
+        def run(fmt: int) -> tuple[Any, list[tuple[bytes | None, ...]]]:
+            pgconn.send_query_params(
+                sql.encode("utf-8"),
+                list(params),
+                list(param_oids[: len(params)]) or None,
+                param_formats or None,
+                result_format=fmt,
             )
+            return self._fetch_capped(pgconn)
 
         by_format = {fmt: run(fmt) for fmt in sorted(wanted)}
-        first = next(iter(by_format.values()))
+        first, first_rows = next(iter(by_format.values()))
         tag = (first.command_status or b"").decode("ascii")
         if first.nfields == 0:
             return ShadowResult(None, [], tag)
         formats = _expand_formats(result_formats, first.nfields)
-        rows = [
-            tuple(by_format[formats[c]].get_value(r, c) for c in range(first.nfields)) for r in range(first.ntuples)
-        ]
+        rows = [tuple(by_format[formats[c]][1][r][c] for c in range(first.nfields)) for r in range(len(first_rows))]
         return ShadowResult(_fields(first, formats), rows, tag)
+
+    def _fetch_capped(self, pgconn: Any) -> tuple[Any, list[tuple[bytes | None, ...]]]:
+        """The sent statement's rows, read one at a time (libpq single-row mode) so a result larger
+        than :data:`MAX_CATALOG_RESULT_ROWS` rows or :data:`MAX_CATALOG_RESULT_BYTES` is cancelled
+        before it is held in memory (a cross join of catalog tables can produce gigabytes in the
+        shadow's 5 s). Returns the final result (status, fields, command tag) and the rows."""
+        from psycopg.pq import ExecStatus
+
+        pgconn.set_single_row_mode()
+        rows: list[tuple[bytes | None, ...]] = []
+        size, final, failure, too_large = 0, None, None, False
+        while (res := _next_result(pgconn)) is not None:
+            if res.status == ExecStatus.SINGLE_TUPLE:
+                if too_large:
+                    continue  # draining after the cancel
+                row = tuple(res.get_value(0, c) for c in range(res.nfields))
+                size += sum(len(v) for v in row if v is not None) + 8 * len(row)
+                rows.append(row)
+                if len(rows) > MAX_CATALOG_RESULT_ROWS or size > MAX_CATALOG_RESULT_BYTES:
+                    too_large = True
+                    rows.clear()
+                    with contextlib.suppress(Exception):
+                        pgconn.get_cancel().cancel()
+            elif final is None and failure is None:
+                try:
+                    final = self._check(res)
+                except Error as exc:
+                    failure = exc
+        if too_large:
+            raise ProgramLimitExceeded(
+                f"catalog result exceeds {MAX_CATALOG_RESULT_ROWS} rows or {MAX_CATALOG_RESULT_BYTES >> 20} MB",
+                hint="Catalog queries return the schema of the exposed tables; narrow the query.",
+            )
+        if failure is not None:
+            raise failure
+        assert final is not None
+        return final, rows
+
+
+def _next_result(pgconn: Any) -> Any:
+    """``PQgetResult`` once it will not block: waiting in ``select`` releases the GIL (psycopg's
+    ``get_result`` holds it, so no other thread — e.g. the one sending a cancel — could run)."""
+    while pgconn.is_busy():
+        select.select([pgconn.socket], [], [])
+        pgconn.consume_input()
+    return pgconn.get_result()
+
+
+#: Largest catalog result one statement may return (the shadow holds empty tables: real metadata
+#: queries return far less; a cross join of catalog tables would otherwise fill the server's memory).
+MAX_CATALOG_RESULT_ROWS = 100_000
+MAX_CATALOG_RESULT_BYTES = 32 << 20
 
 
 def _expand_formats(formats: Sequence[int], n: int) -> list[int]:
