@@ -4,11 +4,13 @@ A simple DP COUNT (``SELECT COUNT(*) FROM t WHERE g100k > v``, 10^5 PostgreSQL r
 and 32 concurrent psycopg 3 clients through ``dpsql serve``; the same clients then send dpsql's
 *rewritten* SQL for the same query straight to PostgreSQL. Server and clients are separate processes
 (psycopg clients in the server's process would contend with it on the GIL): the server is
-``python bench/wire.py serve`` (an Engine with an in-memory ledger and result cache, the shadow
+``python bench/wire.py serve`` (an Engine with a PostgreSQL ledger and result cache, the shadow
 catalog off), each client is ``python bench/wire.py client`` holding one connection to each side.
 The parent drives phases over the clients' stdin/stdout: warm up, a synchronised start, a fixed
 duration, one JSON line of latencies back. The two sides run in A-B-B-A halves so load drift hits
-both equally.
+both equally. The whole table is measured once per worker-process count in ``WORKERS`` (1 and 2
+by default): N ``wire.py serve`` processes on one port with SO_REUSEPORT, as ``dpsql serve
+--processes N`` runs them, sharing a PostgreSQL ledger and result cache.
 
 dpsql answers an exactly repeated query from its result cache at no cost, so the measured runs give
 every request its own constant ``v`` (a stream no two requests share, checked by counting the cache's
@@ -43,6 +45,8 @@ MARK = 987654321
 #: The "cached repeat" constant; the per-request stream only produces v >= 0, so it never collides.
 CACHED_V = -1
 CLIENTS = (1, 8, 32)
+#: Worker processes behind the one port (``dpsql serve --processes N``); env WIRE_WORKERS="1,2".
+WORKERS = tuple(int(w) for w in os.environ.get("WIRE_WORKERS", "1,2").split(","))
 WARMUP = 3  # queries per client before each timed phase (connection, plan and page caches)
 CACHE_NOTICE = "result cache"
 
@@ -112,19 +116,22 @@ def _client_main(dpsql_dsn: str, pg_dsn: str, index: int) -> int:
 # --------------------------------------------------------------------------------------------------
 
 
-def _serve_main(pg_dsn: str, port: int) -> int:
-    """``dpsql serve`` as the CLI runs it, but with an in-memory ledger and result cache (no fsync)."""
+def _serve_main(pg_dsn: str, port: int, ledger: str = "sqlite:///:memory:") -> int:
+    """One ``dpsql serve`` worker as the CLI runs it (``--processes``: SO_REUSEPORT on a shared port), its
+    ledger and result cache at ``ledger`` (a PostgreSQL URL shares both between workers), catalog off."""
     from common import bench_policy
 
     from dpsql.backends import open_backend
-    from dpsql.cache import ResultCache
+    from dpsql.cache import ResultCache, default_cache_url
     from dpsql.engine import Engine
     from dpsql.ledger import Ledger
     from dpsql.server import run
+    from dpsql.server.workers import share_secrets
 
-    engine = Engine(bench_policy(), open_backend(pg_dsn), Ledger.open("sqlite:///:memory:"), ResultCache.open("memory"))
+    cache = ResultCache.open(default_cache_url(ledger))
+    engine = share_secrets(Engine(bench_policy(), open_backend(pg_dsn), Ledger.open(ledger), cache))
     try:
-        run(engine, host="127.0.0.1", port=port, catalog_dsn="")
+        run(engine, host="127.0.0.1", port=port, catalog_dsn="", reuse_port=True)
     finally:
         engine.close()
     return 0
@@ -335,6 +342,7 @@ def _templates(pg_dsn: str) -> dict[str, str]:
 
 
 def _run(quick: bool, log: Any) -> Section:
+    import psycopg
     from common import ANALYST, Section, make_table
 
     from dpsql.backends import open_backend
@@ -345,7 +353,8 @@ def _run(quick: bool, log: Any) -> Section:
     title = f"dpsql serve vs direct PostgreSQL, psycopg 3 clients, 10^{len(str(ROWS)) - 1} rows"
     section = Section("wire", title, list(HEADERS))
     pg = start_local_postgres()
-    server: subprocess.Popen[bytes] | None = None
+    ledger_pg = start_local_postgres()
+    servers: list[subprocess.Popen[bytes]] = []
     clients: Clients | None = None
     try:
         backend = open_backend(pg.dsn)
@@ -355,27 +364,45 @@ def _run(quick: bool, log: Any) -> Section:
             backend.close()
         print(f"  [postgresql] generated 10^{len(str(ROWS)) - 1} rows in {took:.1f} s", flush=True)
         templates = _templates(pg.dsn)
-        port = _free_port()
-        server = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "serve", pg.dsn, str(port)],
-            stdout=log,
-            stderr=log,
-            env=_env(),
-        )
-        dpsql_dsn = f"postgresql://{ANALYST}@127.0.0.1:{port}/bench?sslmode=disable"
-        _wait_for_server(server, dpsql_dsn)
-        clients = Clients(max(CLIENTS), dpsql_dsn, pg.dsn + "?sslmode=disable")
         records = []
-        plan = [(n, False) for n in CLIENTS] + [(n, True) for n in cached_at]
-        for n, repeat in plan:
-            label = "cached repeat" if repeat else "COUNT, new constant each"
-            dp, direct = _measure(clients, n, templates, duration, repeat)
-            row, record = _row(n, label, dp, direct)
-            print(f"  [{n} clients, {label}] dpsql {dp.qps:,.0f} q/s, direct {direct.qps:,.0f} q/s", flush=True)
-            section.rows.append(row)
-            records.append(record)
-        misses = [r for r in records if r["query"] == "cached repeat" and r["dpsql"]["cache_hits"] != r["dpsql"]["n"]]
-        hits = sum(r["dpsql"]["cache_hits"] for r in records if r["query"] != "cached repeat")
+        for workers in WORKERS:
+            # a fresh PostgreSQL ledger + result cache per configuration, on its own cluster (in the
+            # data's cluster every charge would move the data stamp and no repeat would be a hit)
+            name = f"ledger_{workers}"
+            with psycopg.connect(ledger_pg.dsn, autocommit=True) as admin:
+                admin.execute(f"DROP DATABASE IF EXISTS {name}")  # type: ignore[arg-type]
+                admin.execute(f"CREATE DATABASE {name}")  # type: ignore[arg-type]
+            ledger_url = ledger_pg.dsn_for(name)
+            port = _free_port()
+            servers = [
+                subprocess.Popen(
+                    [sys.executable, str(Path(__file__).resolve()), "serve", pg.dsn, str(port), ledger_url],
+                    stdout=log,
+                    stderr=log,
+                    env=_env(),
+                )
+                for _ in range(workers)
+            ]
+            dpsql_dsn = f"postgresql://{ANALYST}@127.0.0.1:{port}/bench?sslmode=disable"
+            for server in servers:
+                _wait_for_server(server, dpsql_dsn)
+            time.sleep(1.0)  # every worker listening, not only the first that answered
+            clients = Clients(max(CLIENTS), dpsql_dsn, pg.dsn + ("&" if "?" in pg.dsn else "?") + "sslmode=disable")
+            plan = [(n, False) for n in CLIENTS] + [(n, True) for n in cached_at]
+            for n, repeat in plan:
+                label = ("cached repeat" if repeat else "COUNT, new constant each") + f", {workers} worker(s)"
+                dp, direct = _measure(clients, n, templates, duration, repeat)
+                row, record = _row(n, label, dp, direct)
+                record.update(workers=workers, repeat=repeat)
+                print(f"  [{n} clients, {label}] dpsql {dp.qps:,.0f} q/s, direct {direct.qps:,.0f} q/s", flush=True)
+                section.rows.append(row)
+                records.append(record)
+            clients.close()
+            clients = None
+            _stop_servers(servers, log, section)
+            servers = []
+        misses = [r for r in records if r["repeat"] and r["dpsql"]["cache_hits"] != r["dpsql"]["n"]]
+        hits = sum(r["dpsql"]["cache_hits"] for r in records if not r["repeat"])
         section.data.update(
             {
                 "rows": ROWS,
@@ -393,7 +420,10 @@ def _run(quick: bool, log: Any) -> Section:
             f"dpsql: `{QUERY.format(v='v')}` with a new v per request (result-cache hits seen: {hits});"
             " direct: dpsql's rewritten SQL for the same v, same psycopg clients, autocommit.",
             "dpsql's backend sends each query in one round trip on a read-only session;"
-            " server defaults: 8 query threads, 8 PostgreSQL connections; in-memory ledger and result cache.",
+            " server defaults: 8 query threads, 8 PostgreSQL connections per worker process; ledger and result"
+            " cache in a second PostgreSQL cluster (shared by the workers);"
+            f" worker processes: {', '.join(map(str, WORKERS))}"
+            " (SO_REUSEPORT on one port, as `dpsql serve --processes N`).",
             "cached repeat: one fixed query sent over and over, answered from dpsql's result cache at no"
             " privacy cost; direct still executes it"
             + ("" if not misses else f" (WARNING: {len(misses)} row(s) with cache misses)")
@@ -404,18 +434,24 @@ def _run(quick: bool, log: Any) -> Section:
     finally:
         if clients is not None:
             clients.close()
-        if server is not None:
-            server.terminate()
-            try:
-                server.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait(timeout=10)
-            if server.returncode not in (0, -15):
-                log.seek(0)
-                section.notes.append(f"server exit {server.returncode}: {log.read()[-500:].decode(errors='replace')}")
+        _stop_servers(servers, log, section)
+        ledger_pg.stop()
         pg.stop()
     return section
+
+
+def _stop_servers(servers: list[subprocess.Popen[bytes]], log: Any, section: Section) -> None:
+    for server in servers:
+        server.terminate()
+    for server in servers:
+        try:
+            server.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(timeout=10)
+        if server.returncode not in (0, -15):
+            log.seek(0)
+            section.notes.append(f"server exit {server.returncode}: {log.read()[-500:].decode(errors='replace')}")
 
 
 def run(quick: bool) -> Section:
@@ -428,5 +464,5 @@ if __name__ == "__main__":
     if len(sys.argv) >= 2 and sys.argv[1] == "client":
         sys.exit(_client_main(sys.argv[2], sys.argv[3], int(sys.argv[4])))
     if len(sys.argv) >= 2 and sys.argv[1] == "serve":
-        sys.exit(_serve_main(sys.argv[2], int(sys.argv[3])))
+        sys.exit(_serve_main(sys.argv[2], int(sys.argv[3]), *sys.argv[4:5]))
     sys.exit("usage: wire.py client DPSQL_DSN PG_DSN INDEX | wire.py serve PG_DSN PORT  (run via bench/run.py)")

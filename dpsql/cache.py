@@ -6,7 +6,16 @@ the normalised statement (sqlglot's canonical SQL, so whitespace, keyword case a
 unquoted identifier case don't matter) with its bound parameters, the dataset and the
 session's (ε, δ, mechanism). Rephrasings get different keys and are charged normally.
 Entries are shared by all analysts of a dataset (an answer one analyst paid for is public
-to the others at no extra privacy cost). A SQLite file makes the cache survive restarts.
+to the others at no extra privacy cost). A SQLite file makes the cache survive restarts; a
+PostgreSQL table (``ResultCache.open("postgresql://…")``, the default next to a PostgreSQL ledger)
+shares it between every ``dpsql serve`` process of an installation, so an exact repeat answered by
+one process is a free hit on all the others.
+
+Concurrency: an entry is one row written by one ``INSERT … ON CONFLICT DO NOTHING`` in its own
+transaction, so a reader sees either no entry or the whole entry, never a half-written one, and the
+first writer's answer is the one every later reader gets. Two processes that miss the same key at the
+same moment both compute it and both are charged (each reservation is exact in the ledger); the
+second answer is then dropped in favour of the first. That costs budget, never privacy.
 
 The engine stores each result under :func:`result_key`: the query's key together with the
 database's identity, its data version and a hash of the policy's content, so an answer
@@ -16,7 +25,10 @@ under a different policy is never served.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
+import logging
 import os
 import pickle
 import secrets
@@ -27,6 +39,48 @@ from typing import Any
 
 from dpsql.errors import LedgerUnavailable
 from dpsql.session import Result
+
+log = logging.getLogger("dpsql.cache")
+
+#: The only globals a stored result may name: a shared cache table must not be a code-execution
+#: channel for whoever can write to it (pickle would otherwise call anything it names).
+_ALLOWED_GLOBALS = {
+    ("dpsql.session", "Result"),
+    ("dpsql.session", "OutputColumn"),
+    ("datetime", "date"),
+    ("datetime", "datetime"),
+    ("datetime", "time"),
+    ("datetime", "timedelta"),
+    ("datetime", "timezone"),
+    ("decimal", "Decimal"),
+    ("uuid", "UUID"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "bytearray"),
+    ("builtins", "complex"),
+    ("builtins", "slice"),
+    ("copyreg", "_reconstructor"),
+    ("builtins", "object"),
+}
+
+
+class _ResultUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in _ALLOWED_GLOBALS:
+            raise pickle.UnpicklingError(f"result cache entry names {module}.{name}, which is not allowed")
+        return super().find_class(module, name)
+
+
+def dump_result(result: Result) -> bytes:
+    return pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def load_result(blob: bytes) -> Result:
+    """A stored result; only result classes and plain values are rebuilt (see ``_ALLOWED_GLOBALS``)."""
+    result = _ResultUnpickler(io.BytesIO(blob)).load()
+    if not isinstance(result, Result):
+        raise pickle.UnpicklingError("result cache entry is not a result")
+    return result
 
 
 def cache_key(dataset: str, normalised_sql: str, params: Any, settings: tuple[Any, ...]) -> str:
@@ -106,7 +160,8 @@ def data_stamp(backend: Any) -> str:
 
 
 class ResultCache:
-    """Released results by key, in memory or in a SQLite file (``sqlite:///abs/path``)."""
+    """Released results by key, in memory or in a SQLite file (``sqlite:///abs/path``); for a
+    PostgreSQL table open it with :meth:`open` (``postgresql://…``, a :class:`PostgresResultCache`)."""
 
     def __init__(self, path: str = ":memory:", *, ttl_seconds: float | None = None) -> None:
         self.ttl_seconds = ttl_seconds
@@ -125,8 +180,10 @@ class ResultCache:
     def open(cls, url: str, *, ttl_seconds: float | None = None) -> ResultCache:
         if url in ("memory", "sqlite:///:memory:"):
             return cls(":memory:", ttl_seconds=ttl_seconds)
+        if url.startswith(("postgresql://", "postgres://")):
+            return PostgresResultCache(url, ttl_seconds=ttl_seconds)
         if not url.startswith("sqlite:///"):
-            raise LedgerUnavailable("result cache URL must be sqlite:///<absolute path> or memory")
+            raise LedgerUnavailable("result cache URL must be sqlite:///<absolute path>, postgresql://… or memory")
         return cls(url.removeprefix("sqlite://"), ttl_seconds=ttl_seconds)
 
     def get(self, key: str) -> Result | None:
@@ -139,12 +196,11 @@ class ResultCache:
             row = self._conn.execute("SELECT created, result FROM dpsql_result_cache WHERE key = ?", (key,)).fetchone()
         if row is None or (self.ttl_seconds is not None and time.time() - row[0] > self.ttl_seconds):
             return None
-        result: Result = pickle.loads(row[1])
-        return result, float(row[0])
+        return load_result(row[1]), float(row[0])
 
     def put(self, key: str, result: Result) -> None:
         """Store a released result (first writer wins: a key's answer never changes)."""
-        blob = pickle.dumps(result)
+        blob = dump_result(result)
         with self._lock:
             self._conn.execute(
                 "INSERT OR IGNORE INTO dpsql_result_cache (key, created, result) VALUES (?, ?, ?)",
@@ -154,3 +210,120 @@ class ResultCache:
     def close(self) -> None:
         with self._lock:
             self._conn.close()
+
+
+def default_cache_url(ledger_url: str) -> str:
+    """Where results are cached next to a ledger: its SQLite file, its PostgreSQL database (shared by
+    every process on that ledger), else per-process memory."""
+    if ledger_url.startswith(("sqlite:///", "postgresql://", "postgres://")) and ledger_url != "sqlite:///:memory:":
+        return ledger_url
+    return "memory"
+
+
+_PG_CACHE_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS dpsql_result_cache "
+    "(key TEXT PRIMARY KEY, created DOUBLE PRECISION NOT NULL, result BYTEA NOT NULL)"
+)
+#: Serialises the CREATE TABLE of processes starting together (CREATE … IF NOT EXISTS can still race).
+_PG_CACHE_LOCK = (0x64707371, 1)
+
+
+class PostgresResultCache(ResultCache):
+    """The result cache as a table in a PostgreSQL database (normally the ledger's), shared by processes.
+
+    One connection per thread (like the PostgreSQL ledger), autocommit: each ``put`` is a single
+    atomic ``INSERT … ON CONFLICT DO NOTHING`` and each ``get`` a single ``SELECT``. A cache that
+    cannot be reached is a miss (the ledger, usually the same server, then decides) and a failed store
+    is logged and dropped: the answer was paid for and is returned either way.
+    """
+
+    def __init__(self, url: str, *, ttl_seconds: float | None = None) -> None:
+        self.url = url
+        self.ttl_seconds = ttl_seconds
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._connections: list[Any] = []
+        self._pid = os.getpid()
+        self._closed = False
+        self._connection()  # a bad URL fails at open, like the ledger
+
+    def _connect(self) -> Any:
+        import psycopg
+
+        kwargs: dict[str, Any] = {"autocommit": True}
+        if "connect_timeout" not in self.url:
+            kwargs["connect_timeout"] = 10
+        try:
+            conn = psycopg.connect(self.url, **kwargs)
+            conn.execute("SET statement_timeout = '30s'")
+            with conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", _PG_CACHE_LOCK)
+                conn.execute(_PG_CACHE_SCHEMA)
+        except psycopg.Error as exc:
+            raise LedgerUnavailable(f"result cache unavailable: {str(exc).strip()}") from None
+        return conn
+
+    def _connection(self) -> Any:
+        if self._closed:
+            raise LedgerUnavailable("result cache unavailable: closed")
+        if os.getpid() != self._pid:  # forked: never share a libpq connection with the parent
+            self._pid = os.getpid()
+            self._local = threading.local()
+            self._connections = []
+        conn = getattr(self._local, "conn", None)
+        if conn is None or conn.closed or conn.broken:
+            conn = self._connect()
+            with self._lock:
+                self._connections.append(conn)
+            self._local.conn = conn
+        return conn
+
+    def _drop(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if conn is not None:
+            with self._lock:
+                if conn in self._connections:
+                    self._connections.remove(conn)
+            with contextlib.suppress(Exception):  # already failing
+                conn.close()
+
+    def get_entry(self, key: str) -> tuple[Result, float] | None:
+        import psycopg
+
+        try:
+            sql = "SELECT created, result FROM dpsql_result_cache WHERE key = %s"
+            row = self._connection().execute(sql, (key,)).fetchone()
+        except (psycopg.Error, LedgerUnavailable) as exc:
+            log.warning("result cache read failed, treated as a miss: %s", str(exc).strip())
+            self._drop()
+            return None
+        if row is None or (self.ttl_seconds is not None and time.time() - row[0] > self.ttl_seconds):
+            return None
+        try:
+            return load_result(bytes(row[1])), float(row[0])
+        except Exception as exc:  # a corrupt or foreign entry is never served
+            log.warning("result cache entry unreadable, treated as a miss: %s", exc)
+            return None
+
+    def put(self, key: str, result: Result) -> None:
+        import psycopg
+
+        blob = dump_result(result)
+        try:
+            self._connection().execute(
+                "INSERT INTO dpsql_result_cache (key, created, result) VALUES (%s, %s, %s) "
+                "ON CONFLICT (key) DO NOTHING",
+                (key, time.time(), blob),
+            )
+        except (psycopg.Error, LedgerUnavailable) as exc:
+            log.warning("result cache write failed, answer not cached: %s", str(exc).strip())
+            self._drop()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            connections, self._connections = self._connections, []
+        for conn in connections:
+            with contextlib.suppress(Exception):
+                conn.close()

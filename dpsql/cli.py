@@ -57,8 +57,11 @@ def open_engine(args: argparse.Namespace) -> Any:
     else:
         backend = open_backend(database, statement_timeout_ms=timeout_ms)
     ledger_url = args.ledger or default_ledger(policy.dataset)
-    cache_url = ledger_url if ledger_url.startswith("sqlite:///") else "memory"
-    return Engine(policy, backend, Ledger.open(ledger_url), ResultCache.open(cache_url))
+    from dpsql.cache import default_cache_url
+    from dpsql.server.workers import share_secrets
+
+    engine = Engine(policy, backend, Ledger.open(ledger_url), ResultCache.open(default_cache_url(ledger_url)))
+    return share_secrets(engine)  # the row-selection salt of every process on this ledger
 
 
 def _session(args: argparse.Namespace) -> Session:
@@ -215,6 +218,11 @@ def cmd_passwd(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from dpsql import server
 
+    if getattr(args, "processes", 1) > 1:
+        from dpsql.server.workers import supervise
+
+        return supervise(args)
+
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr
     )
@@ -245,6 +253,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             workers=args.workers,
             analyst_workers=args.analyst_workers,
             catalog_pool=args.catalog_pool,
+            reuse_port=getattr(args, "reuse_port", False),
         )
     except OSError as exc:
         print(f"ERROR:  could not listen on {args.host}:{args.port}: {exc.strerror}", file=sys.stderr)
@@ -326,6 +335,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--workers", type=int, default=8, help="threads running statements (default: %(default)s)")
     serve.add_argument(
         "--analyst-workers", type=int, default=None, help="worker threads one analyst may hold (default: half)"
+    )
+    serve.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="worker processes sharing the port (SO_REUSEPORT), each with its own event loop and engine; "
+        "share a PostgreSQL ledger (default: %(default)s)",
     )
     serve.add_argument(
         "--catalog-pool", type=int, default=10, help="shadow-catalog connections shared by all (default: %(default)s)"

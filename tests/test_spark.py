@@ -502,6 +502,104 @@ def test_spark_connect(connect: Backend, clinic_duck: Backend, clinic_policy: Po
         connect.execute("DROP TABLE dpsql_test.via_connect")
 
 
+# --- a standalone Spark Connect server (its own JVM, as deployed) ------------------------------
+
+
+@pytest.fixture(scope="module")
+def connect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    """``SparkConnectServer`` from the pyspark package in its own JVM (``spark-submit --class …``), the
+    way ``sbin/start-connect-server.sh`` runs it, on a free loopback port; its warehouse in a temp dir."""
+    import pyspark
+
+    home = Path(pyspark.__file__).parent
+    tmp = tmp_path_factory.mktemp("connect-server")
+    port = _free_port()
+    argv = [str(home / "bin" / "spark-submit"), "--class", "org.apache.spark.sql.connect.service.SparkConnectServer"]
+    argv += ["--master", "local[2]", "--name", "dpsql-test-connect"]
+    conf = {**SPARK_CONF, "spark.connect.grpc.binding.port": str(port), "spark.sql.warehouse.dir": str(tmp / "wh")}
+    conf.pop("spark.plugins")  # the server class starts the Connect service itself
+    conf["spark.driver.extraJavaOptions"] = f"-Dderby.system.home={tmp}"
+    for key, value in conf.items():
+        argv += ["--conf", f"{key}={value}"]
+    argv.append("spark-internal")
+    env = dict(os.environ, SPARK_HOME=str(home), SPARK_NO_DAEMONIZE="1", SPARK_LOCAL_IP="127.0.0.1")
+    log = (tmp / "server.log").open("wb")
+    proc = subprocess.Popen(argv, cwd=tmp, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and proc.poll() is None:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.25)
+        else:
+            text = (tmp / "server.log").read_text(errors="replace")[-3000:]
+            reason = f"Spark Connect server did not start (exit {proc.poll()}):\n{text}"
+            if os.environ.get("CI"):
+                pytest.fail(reason, pytrace=False)
+            pytest.skip(reason)
+        yield port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def health_remote(connect_server: int) -> Iterator[Backend]:
+    """The health demo, loaded through ``sc://`` into the standalone server (temporary views of its session)."""
+    backend = open_backend(f"sc://localhost:{connect_server}")
+    load_demo(backend, ["health"])
+    yield backend
+    backend.close()
+
+
+@pytest.mark.parametrize("sql", ROW_LEVEL_QUERIES[:: max(1, len(ROW_LEVEL_QUERIES) // 5)][:6])
+def test_standalone_connect_row_level_identical(
+    sql: str, health_policy: Policy, health_remote: Backend, health_duck: Backend
+) -> None:
+    plan = _plan(sql, health_policy)
+    _assert_identical(_measurements(health_duck, plan), _measurements(health_remote, plan), "spark connect")
+
+
+def test_standalone_connect_core_checks(health_policy: Policy, health_remote: Backend, connect_server: int) -> None:
+    """Through a separate Spark Connect server: the engine end to end, refusals, no leaks, timeouts, threads."""
+    ledger = Ledger.open("sqlite:///:memory:")
+    engine = Engine(health_policy, health_remote, ledger)
+    result = engine.execute("SELECT sex, COUNT(*), AVG(age) FROM patients GROUP BY sex", Session("alice", epsilon=1.0))
+    assert [r[0] for r in result.rows] == ["Female", "Male"]
+    assert ledger.spent("health", "alice").epsilon == pytest.approx(1.0)
+    for sql in [
+        "DROP TABLE patients",
+        "SELECT 1; DROP TABLE patients",
+        "SELECT reflect('java.lang.System', 'exit', '0')",
+    ]:
+        with pytest.raises(BackendError):
+            health_remote.execute(sql)
+    with pytest.raises(BackendError) as info:
+        health_remote.execute(f"SELECT CAST(sex AS INT) AS r FROM patients WHERE sex = '{SECRET}' OR 1/0 = 1")
+    assert SECRET not in str(info.value) and info.value.__cause__ is None
+    sqls = [to_sql(_plan(q, health_policy), "spark") for q in SAME_ON_BOTH[:3]]
+    expected = {sql: sorted(health_remote.execute(sql)[1]) for sql in sqls}
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(health_remote.execute, [sqls[i % len(sqls)] for i in range(8)]))
+    assert all(sorted(r[1]) == expected[sqls[i % len(sqls)]] for i, r in enumerate(results))
+    slow = open_backend(f"sc://localhost:{connect_server}", statement_timeout_ms=500)
+    try:
+        started = time.monotonic()
+        with pytest.raises(BackendError):
+            slow.execute("SELECT SUM(id * 2) AS s FROM range(100000000000)")
+        assert time.monotonic() - started < 30
+        assert slow.execute("SELECT 1 AS one") == (["one"], [(1,)])
+    finally:
+        slow.close()
+    assert health_remote.execute("SELECT COUNT(*) AS n FROM patients") == (["n"], [(10_000,)])
+
+
 def test_connect_unreachable_is_backend_error() -> None:
     backend = open_backend(f"sc://127.0.0.1:{_free_port()}/;token=tok-Secret")
     with pytest.raises(BackendError) as info:

@@ -68,6 +68,8 @@ class ServerOptions:
     shutdown_grace: float = 10.0
     #: Bytes buffered per connection before reads pause (asyncio StreamReader limit).
     read_buffer: int = 256 * 1024
+    #: SO_REUSEPORT on the listening socket, so worker processes share the port (``--processes``).
+    reuse_port: bool = False
 
 
 def make_ssl_context(cert: str, key: str | None) -> ssl.SSLContext:
@@ -210,7 +212,11 @@ class Server:
         sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL))
         await asyncio.get_running_loop().run_in_executor(self.ctx.executor, self.ctx.start_catalog)
         self._server = await asyncio.start_server(
-            self._accept, self.options.host, self.options.port, limit=self.options.read_buffer
+            self._accept,
+            self.options.host,
+            self.options.port,
+            limit=self.options.read_buffer,
+            reuse_port=self.options.reuse_port or None,
         )
         log.info(
             "dpsql listening on %s:%d (server_version %s)",

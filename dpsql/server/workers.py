@@ -1,0 +1,135 @@
+"""Several ``dpsql serve`` worker processes on one port (``dpsql serve --processes N``).
+
+A supervisor binds the port once (``SO_REUSEPORT``, not listening, so ``--port 0`` picks one port
+for all) and starts N worker processes (``spawn``: no threads or connections are inherited). Each
+worker is a complete ``dpsql serve``: its own event loop, engine, backend connections, thread pool
+and shadow-catalog access, listening on the same port with ``SO_REUSEPORT`` so the kernel spreads
+new connections across them. What must be the same in every worker lives in shared state:
+
+- the privacy budget: the ledger (use a PostgreSQL ledger; a SQLite file works on one host too);
+- released answers: the result cache, next to the ledger (the same PostgreSQL database or file);
+- the installation key (in the ledger), from which the query-fingerprint key, the mock SCRAM salts
+  and the row-selection salt (:func:`share_secrets`) are derived, so a repeated query sees the same
+  sample of a heavy person's rows whichever worker (or host) answers it.
+
+Limits: a CancelRequest arrives on a new connection, which the kernel may hand to another worker
+than the one running the statement; it is then ignored (the statement still ends at its statement
+timeout). If a worker dies the supervisor stops the others and exits non-zero, so a process manager
+(systemd, Docker's restart policy) restarts the whole set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import hmac
+import logging
+import multiprocessing
+import signal
+import socket
+import sys
+import time
+from typing import Any
+
+log = logging.getLogger("dpsql.server.workers")
+
+_SALT_CONTEXT = b"dpsql row selection salt v1"
+
+
+def row_selection_salt(installation_key: bytes) -> str:
+    """The salt of the per-row hash that picks which rows of a heavy unit are kept, derived from the
+    installation key: the same in every process sharing a ledger, different across installations."""
+    return hmac.new(installation_key, _SALT_CONTEXT, hashlib.sha256).hexdigest()[:32]
+
+
+def share_secrets(engine: Any) -> Any:
+    """Give ``engine`` the installation's row-selection salt instead of its per-process random one."""
+    engine._salt = row_selection_salt(engine.ledger.installation_key())
+    return engine
+
+
+def _placeholder(host: str, port: int) -> socket.socket:
+    """Bind (never listen on) ``host:port`` with SO_REUSEPORT: reserves the port, tells ``--port 0``'s choice."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(address)
+    return sock
+
+
+def _worker_main(options: dict[str, Any], index: int) -> None:
+    """One worker: ``dpsql serve`` on the shared port, its log lines tagged with its index and pid."""
+    logging.basicConfig(
+        level=str(options["log_level"]).upper(),
+        format=f"%(asctime)s %(levelname)s %(name)s [worker {index} pid %(process)d] %(message)s",
+        stream=sys.stderr,
+    )
+    from dpsql.cli import cmd_serve
+
+    args = argparse.Namespace(**options)
+    try:
+        code = cmd_serve(args)
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)
+
+
+def supervise(args: argparse.Namespace) -> int:
+    """Run ``args.processes`` workers on ``args.host:args.port`` until SIGINT/SIGTERM or a worker exits."""
+    count = int(args.processes)
+    if not hasattr(socket, "SO_REUSEPORT"):
+        print("ERROR:  --processes needs SO_REUSEPORT (Linux, BSD, macOS)", file=sys.stderr)
+        return 1
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr
+    )
+    try:
+        placeholder = _placeholder(args.host, args.port)
+    except OSError as exc:
+        print(f"ERROR:  could not listen on {args.host}:{args.port}: {exc.strerror}", file=sys.stderr)
+        return 1
+    port = int(placeholder.getsockname()[1])
+    options = {k: v for k, v in vars(args).items() if k != "func"}
+    options.update(port=port, processes=1, reuse_port=True)
+    ctx = multiprocessing.get_context("spawn")
+    stopping = False
+
+    def stop(signum: int, frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    workers = []
+    code = 0
+    try:
+        for index in range(count):
+            proc = ctx.Process(target=_worker_main, args=(options, index), name=f"dpsql-worker-{index}")
+            proc.start()
+            workers.append(proc)
+        log.info("dpsql supervisor: %d worker processes on %s:%d", count, args.host, port)
+        while not stopping:
+            dead = [p for p in workers if not p.is_alive()]
+            if dead:
+                code = dead[0].exitcode or 1
+                log.error("worker %s exited with %s: stopping the others", dead[0].name, dead[0].exitcode)
+                break
+            time.sleep(0.2)
+    finally:
+        for proc in workers:
+            if proc.is_alive() and proc.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.terminate()  # SIGTERM: each worker shuts down cleanly, logging late charges
+        deadline = time.monotonic() + 30
+        for proc in workers:
+            proc.join(max(0.1, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        placeholder.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return code
