@@ -596,7 +596,8 @@ class ShadowSession:
                 if too_large:
                     continue  # draining after the cancel
                 row = tuple(res.get_value(0, c) for c in range(res.nfields))
-                size += sum(len(v) for v in row if v is not None) + 8 * len(row)
+                # what the row costs in Python: each value a bytes object (~33 bytes + its data), the tuple
+                size += sum(len(v) + 40 for v in row if v is not None) + 8 * len(row) + 56
                 rows.append(row)
                 if len(rows) > MAX_CATALOG_RESULT_ROWS or size > MAX_CATALOG_RESULT_BYTES:
                     too_large = True
@@ -631,7 +632,7 @@ def _next_result(pgconn: Any) -> Any:
 #: Largest catalog result one statement may return (the shadow holds empty tables: real metadata
 #: queries return far less; a cross join of catalog tables would otherwise fill the server's memory).
 MAX_CATALOG_RESULT_ROWS = 100_000
-MAX_CATALOG_RESULT_BYTES = 32 << 20
+MAX_CATALOG_RESULT_BYTES = 32 << 20  # as held in Python (values and tuples), not just the data
 
 
 def _expand_formats(formats: Sequence[int], n: int) -> list[int]:
