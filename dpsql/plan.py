@@ -71,6 +71,11 @@ class Measure:
         return f"SUM(({term})^2)" if self.square else f"SUM({term})"
 
 
+def integer_valued(measure: Measure) -> bool:
+    """Whether the measure's released values are integers (integer noise; an int column's sum)."""
+    return measure.integer and float(measure.centre).is_integer()
+
+
 @dataclass(frozen=True, slots=True)
 class GroupKey:
     """A GROUP BY key column and, when the policy declares one, its public domain."""
