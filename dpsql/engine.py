@@ -19,6 +19,7 @@ from typing import Any
 
 from sqlglot import exp
 
+from dpsql.accountant import remaining_budget
 from dpsql.analyze import analyze_tree, infer_parameter_types, parse_statement
 from dpsql.analyze.insert import insert
 from dpsql.analyze.parse import (
@@ -36,15 +37,14 @@ from dpsql.cache import ResultCache, cache_key, data_stamp, database_identity, p
 from dpsql.errors import BackendError, Error, InvalidAuthorization
 from dpsql.explain import Explanation, explain, explain_target
 from dpsql.fingerprint import fingerprint_key, keyed, statement_shape
-from dpsql.ledger import Cost, Ledger, remaining_budget, resolve_ledger_url
+from dpsql.ledger import Ledger, resolve_ledger_url
 from dpsql.plan import Plan
 from dpsql.policy import Policy, load_policy
 from dpsql.postprocess.finish import finish, from_cache
-from dpsql.release import rho_to_epsilon
 from dpsql.release.accuracy import confidence as confidence_level
 from dpsql.release.apply import apply, apply_local
-from dpsql.release.calibrate import Budgeting, budget
-from dpsql.rewrite import histogram_query, rewrite
+from dpsql.release.calibrate import FREE, Budgeting, budget
+from dpsql.rewrite import histogram_queries, rewrite
 from dpsql.rewrite.physical import StoredTypes, data_version, proven_in_bounds
 from dpsql.session import OutputColumn, Result, Session
 
@@ -154,12 +154,9 @@ class Engine:
     def fingerprint(self, sql: str) -> str:
         """The keyed fingerprint of a statement's shape (constants removed): what the server logs and
         the ledger records for it. Equal shapes, equal fingerprints; never a function of constants."""
-        return keyed(self._fingerprinting_key(), statement_shape(sql))
-
-    def _fingerprinting_key(self) -> bytes:
         if self._fingerprint_key is None:
             self._fingerprint_key = fingerprint_key(self.ledger.installation_key())
-        return self._fingerprint_key
+        return keyed(self._fingerprint_key, statement_shape(sql))
 
     def _prepare(self, sql: str, tree: exp.Expression, session: Session, params: Params) -> Prepared:
         fingerprint = self.fingerprint(sql)
@@ -173,11 +170,7 @@ class Engine:
         select = rewrite(plan)
         budgeting = budget(self.policy, plan, session)
         normalised = tree.sql(dialect=dialect("postgres"), normalize=True, copy=False)  # tree is not used afterwards
-        histograms = [
-            (i, histogram_query(plan, i).sql(dialect=dialect(self.backend.dialect)))
-            for i, m in enumerate(plan.measures)
-            if m.kind in ("quantile", "mode")
-        ]
+        histograms = histogram_queries(plan, dialect(self.backend.dialect))
         key = cache_key(
             self.policy.dataset,
             normalised,
@@ -185,7 +178,7 @@ class Engine:
             (budgeting.epsilon, budgeting.delta, budgeting.mechanism),
         )
         if local is not None:
-            budgeting = Budgeting(0.0, 0.0, "randomized response", [None], Cost(epsilon=0.0), [0.0])
+            budgeting = FREE
         sql = select.sql(dialect=dialect(self.backend.dialect), copy=False)
         return Prepared(plan, sql, budgeting, fingerprint, histograms, key, local, version)
 
@@ -238,7 +231,6 @@ class Engine:
                 analyst_budget=self.policy.analyst_budget(session.analyst),
                 fingerprint=prepared.fingerprint,
                 accounting=self.policy.budget.accounting,
-                rho_to_epsilon=rho_to_epsilon,
             )
         rows = self._run(prepared.sql)
         if prepared.plan.proven and data_version(self.backend) != prepared.data_version:
@@ -251,7 +243,6 @@ class Engine:
                 charge.analyst_spent,
                 self.policy.analyst_budget(session.analyst),
                 self.policy.budget.accounting,
-                rho_to_epsilon=rho_to_epsilon,
             ).epsilon  # the ledger's own accountant: Σε under pure, ε(Σρ, δ − Σδ_sel) under zcdp
             result.notices.append(
                 f"dpsql: charged ε={budgeting.epsilon:g}"
@@ -277,8 +268,7 @@ class Engine:
         local = prepared.local
         assert local is not None
         observed = {value: int(count) for value, count in self._run(local.sql)}
-        released = apply_local(prepared.plan, local, observed, confidence)
-        result = finish(prepared.plan, released.rows, released.columns, released.widths)
+        result = finish(prepared.plan, *apply_local(prepared.plan, local, observed, confidence))
         result.notices.append("dpsql: randomized-response estimate from perturbed answers; no budget charged")
         return result
 
@@ -305,7 +295,6 @@ class Engine:
     ) -> Result:
         """Noise the measures (:func:`dpsql.release.apply.apply`), then post-process the released values."""
         plan, budgeting = prepared.plan, prepared.budgeting
-        released = apply(plan, budgeting, rows, confidence, histograms)
-        result = finish(plan, released.rows, released.columns, released.widths)
+        result = finish(plan, *apply(plan, budgeting, rows, confidence, histograms))
         result.epsilon_spent, result.delta_spent = budgeting.epsilon, budgeting.delta
         return result

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -28,8 +27,7 @@ from dpsql.rewrite import centre_rows
 MAX_PUBLIC_GROUPS = 1_000_000
 
 
-@dataclass(slots=True)
-class Released:
+class Released(NamedTuple):
     """Released rows (keys first), each measure's noisy column, and each row's CI half-widths per measure."""
 
     rows: list[tuple[Any, ...]]

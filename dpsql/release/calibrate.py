@@ -42,6 +42,10 @@ class Budgeting:
     selection_delta: float = 0.0
 
 
+#: A query answered from randomized-response values already stored: post-processing, no central cost.
+FREE = Budgeting(0.0, 0.0, "randomized response", [None], Cost(epsilon=0.0), [0.0])
+
+
 def budget(policy: Policy, plan: Plan, session: Session) -> Budgeting:
     """Validate the session's (or the policy's) ε, δ and mechanism, then calibrate; spends nothing."""
     defaults = policy.defaults

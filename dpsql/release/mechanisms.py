@@ -27,6 +27,7 @@ from typing import Literal
 
 import numpy as np
 
+from dpsql.accountant import cdp_delta, epsilon_to_rho, rho_to_epsilon
 from dpsql.release.samplers import _MAX_SCALE, discrete_gaussian, discrete_laplace, laplace_rational_scale
 
 __all__ = [
@@ -116,87 +117,6 @@ def _integer_grid(sensitivity: float, scale: float) -> float:
     if scale <= _MAX_INTEGER_SCALE:
         return 1.0
     return max(1.0, _real_grid(sensitivity, scale))
-
-
-# --------------------------------------------------------------------------------------------------
-# zCDP <-> (ε, δ)
-# --------------------------------------------------------------------------------------------------
-
-
-def cdp_delta(rho: float, epsilon: float) -> float:
-    """Smallest δ such that ρ-zCDP implies (ε, δ)-DP (Canonne–Kamath–Steinke 2020, Prop. 12).
-
-    δ = min over α > 1 of exp((α−1)(αρ−ε)) / (α−1) · (1 − 1/α)^α; the objective is convex in α, so the
-    minimiser is found by bisection on the sign of its derivative.  Same algorithm as OpenDP's
-    ``cdp_delta`` (without its directed rounding).
-    """
-    if rho < 0 or epsilon < 0:
-        raise ValueError("rho and epsilon must be non-negative")
-    if rho == 0 or math.isinf(epsilon):
-        return 0.0
-    if math.isinf(rho):
-        return 1.0
-    a_min, a_max = 1.01, (epsilon + 1.0) / (2.0 * rho) + 2.0
-    while True:
-        a_mid = a_min + (a_max - a_min) / 2.0
-        if a_mid in (a_min, a_max):
-            break
-        deriv = (2.0 * a_mid - 1.0) * rho - epsilon + math.log1p(-1.0 / a_mid)
-        if deriv < 0:
-            a_min = a_mid
-        else:
-            a_max = a_mid
-    a = a_max
-    log_delta = (a - 1.0) * (a * rho - epsilon) + a * math.log1p(-1.0 / a) - math.log(a - 1.0)
-    return min(1.0, math.exp(log_delta)) if log_delta < 700 else 1.0
-
-
-@lru_cache(maxsize=4096)
-def rho_to_epsilon(rho: float, delta: float) -> float:
-    """Smallest ε such that ρ-zCDP implies (ε, δ)-DP; matches OpenDP's zCDP→approxDP profile.
-
-    Bisection on ε of the (decreasing) ``cdp_delta(ρ, ·)``; the classical bound
-    ρ + 2·sqrt(ρ·ln(1/δ)) brackets it from above.
-    """
-    rho = float(rho)
-    if not (math.isfinite(rho) and rho >= 0):
-        raise ValueError(f"rho must be a non-negative finite number, got {rho!r}")
-    delta = _probability("delta", delta)
-    if rho == 0:
-        return 0.0
-    lo, hi = 0.0, rho + 2.0 * math.sqrt(rho * math.log(1.0 / delta)) + 1e-12
-    if cdp_delta(rho, lo) <= delta:
-        return 0.0
-    while hi - lo > 1e-13 * max(1.0, hi):
-        mid = (lo + hi) / 2.0
-        if cdp_delta(rho, mid) <= delta:
-            hi = mid
-        else:
-            lo = mid
-    return hi
-
-
-@lru_cache(maxsize=4096)
-def epsilon_to_rho(epsilon: float, delta: float) -> float:
-    """Largest ρ whose zCDP→(ε, δ) conversion stays within ``epsilon`` (inverse of ``rho_to_epsilon``).
-
-    ``cdp_delta`` is increasing in ρ, so bisection returns the lower end of the bracket: the ρ
-    returned always satisfies cdp_delta(ρ, ε) ≤ δ (conservative).
-    """
-    epsilon = _positive("epsilon", epsilon)
-    delta = _probability("delta", delta)
-    lo, hi = 0.0, epsilon  # ε ≥ ρ for any δ < 1, so ρ ≤ ε
-    while hi - lo > 1e-15 * max(hi, 1e-300):
-        mid = (lo + hi) / 2.0
-        if mid in (lo, hi):
-            break
-        if cdp_delta(mid, epsilon) <= delta:
-            lo = mid
-        else:
-            hi = mid
-    if lo == 0.0:
-        raise ValueError(f"no positive rho reaches epsilon={epsilon} at delta={delta}")
-    return lo
 
 
 # --------------------------------------------------------------------------------------------------

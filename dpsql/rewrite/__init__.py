@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sqlglot import exp
+from sqlglot.dialects.dialect import DialectType
 
 from dpsql.analyze.expressions import clamp_sql
 from dpsql.analyze.sources import from_node
@@ -606,6 +607,15 @@ def histogram_query(plan: Plan, index: int, bins: int = QUANTILE_BINS) -> exp.Se
     select = filter_rows(select, plan)
     select = select.group_by(*(k.copy() for k in keys), bin_.copy(), copy=False)
     return bound_contributions(select, plan)
+
+
+def histogram_queries(plan: Plan, dialect: DialectType) -> list[tuple[int, str]]:
+    """(measure index, SQL) of the histogram each selection (quantile, mode) measure is chosen from."""
+    return [
+        (i, histogram_query(plan, i).sql(dialect=dialect))
+        for i, m in enumerate(plan.measures)
+        if m.kind in ("quantile", "mode")
+    ]
 
 
 def to_sql(plan: Plan, dialect: str) -> str:
