@@ -38,11 +38,11 @@ from dpsql.errors import BackendError, Error, InvalidAuthorization
 from dpsql.explain import Explanation, explain, explain_target
 from dpsql.fingerprint import fingerprint_key, keyed, statement_shape
 from dpsql.ledger import Ledger, resolve_ledger_url
-from dpsql.plan import Plan
+from dpsql.plan import Physical, Plan
 from dpsql.policy import Policy, load_policy
 from dpsql.postprocess.finish import finish, from_cache
 from dpsql.release.accuracy import confidence as confidence_level
-from dpsql.release.apply import apply, apply_local
+from dpsql.release.apply import ReleaseCache, apply, apply_local
 from dpsql.release.calibrate import FREE, Budgeting, budget
 from dpsql.rewrite import histogram_queries, rewrite
 from dpsql.rewrite.physical import StoredTypes, data_version, proven_in_bounds
@@ -75,8 +75,10 @@ class Prepared:
     cache_key: str = ""
     #: Set when the query only counts a randomized-response column: answered from stored values, at no cost.
     local: LocalQuery | None = None
-    #: The backend's data version the clamp proofs (``plan.proven``) were read at.
+    #: The backend's data version the clamp proofs (``plan.physical.proven``) were read at.
     data_version: int = 0
+    #: Compiled post-processing and the public-key grid, built on first release.
+    cache: ReleaseCache = field(default_factory=ReleaseCache)
 
 
 class Engine:
@@ -162,11 +164,10 @@ class Engine:
         fingerprint = self.fingerprint(sql)
         plan = analyze_tree(tree, self.policy, params)
         self._stored_types.check(plan)
-        plan.salt = self._salt
         local = local_query(plan, self.backend.dialect)
         version = data_version(self.backend)
-        plan.proven = proven_in_bounds(plan, self.backend)
-        plan.bound_cells = getattr(self.backend, "bounds_cells", False)
+        proven = proven_in_bounds(plan, self.backend)
+        plan = replace(plan, physical=Physical(self._salt, proven, getattr(self.backend, "bounds_cells", False)))
         select = rewrite(plan)
         budgeting = budget(self.policy, plan, session)
         normalised = tree.sql(dialect=dialect("postgres"), normalize=True, copy=False)  # tree is not used afterwards
@@ -233,7 +234,7 @@ class Engine:
                 accounting=self.policy.budget.accounting,
             )
         rows = self._run(prepared.sql)
-        if prepared.plan.proven and data_version(self.backend) != prepared.data_version:
+        if prepared.plan.physical.proven and data_version(self.backend) != prepared.data_version:
             # a write raced the proof: run it again with every clamp in place
             rows = self._run(self._clamped_sql(prepared.plan))
         histograms = {i: self._run(sql) for i, sql in prepared.histograms}
@@ -268,13 +269,15 @@ class Engine:
         local = prepared.local
         assert local is not None
         observed = {value: int(count) for value, count in self._run(local.sql)}
-        result = finish(prepared.plan, *apply_local(prepared.plan, local, observed, confidence))
+        result = finish(prepared.plan, *apply_local(prepared.plan, local, observed, confidence), prepared.cache)
         result.notices.append("dpsql: randomized-response estimate from perturbed answers; no budget charged")
         return result
 
     def _clamped_sql(self, plan: Plan) -> str:
         """The measurement query with every clamp in place, whatever the statistics prove."""
-        return rewrite(replace(plan, proven=frozenset()) if plan.proven else plan).sql(dialect=self.backend.dialect)
+        if plan.physical.proven:
+            plan = replace(plan, physical=replace(plan.physical, proven=frozenset()))
+        return rewrite(plan).sql(dialect=self.backend.dialect)
 
     def _run(self, sql: str) -> list[tuple[Any, ...]]:
         try:
@@ -295,6 +298,6 @@ class Engine:
     ) -> Result:
         """Noise the measures (:func:`dpsql.release.apply.apply`), then post-process the released values."""
         plan, budgeting = prepared.plan, prepared.budgeting
-        result = finish(plan, *apply(plan, budgeting, rows, confidence, histograms))
+        result = finish(plan, *apply(plan, budgeting, rows, confidence, histograms, prepared.cache), prepared.cache)
         result.epsilon_spent, result.delta_spent = budgeting.epsilon, budgeting.delta
         return result

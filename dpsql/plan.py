@@ -1,4 +1,4 @@
-"""The typed plan the analyzer hands to rewrite, release and post-processing.
+"""The typed, frozen plan the analyzer hands to rewrite, release and post-processing.
 
 A plan says what is measured in SQL (``Measure``: counts and clamped sums, each with
 its sensitivity), how group keys may be released (``GroupKey``), and how released
@@ -9,7 +9,7 @@ measure and key references, evaluated after noise — pure post-processing).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from sqlglot import exp
 
@@ -18,6 +18,8 @@ from dpsql.policy import ColumnPolicy, Scalar
 from dpsql.session import OutputColumn
 
 MeasureKind = Literal["count_star", "count", "sum", "count_units", "quantile", "mode"]
+#: Measures released by selection over a histogram rather than by additive noise.
+SELECTION_KINDS: frozenset[MeasureKind] = frozenset({"quantile", "mode"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +46,11 @@ class Measure:
     domain: tuple[Scalar, ...] | None = None
     #: A bounded expression aggregated instead of ``column`` (columns qualified; see analyze.expressions).
     expr: exp.Expression | None = None
+
+    @property
+    def selected(self) -> bool:
+        """Chosen from a histogram by the exponential mechanism (quantile, mode), not noised additively."""
+        return self.kind in SELECTION_KINDS
 
     @property
     def sensitivity(self) -> float:
@@ -100,9 +107,26 @@ class OutputItem:
     kind: Literal["key", "count", "sum", "avg", "variance", "quantile", "mode", "expr"] = "expr"
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
+class Physical:
+    """Backend-dependent choices made after analysis: they change the SQL, never what is released.
+
+    ``salt`` is the secret mixed into the per-row hash that picks which rows of a heavy unit are kept
+    (per engine, never shown). ``proven`` lists sum measures whose inputs the database's own
+    statistics prove inside the bounds: clamping them is the identity, so the rewrite leaves the
+    CASE out. ``bound_cells``: grouped sums bound whole (unit, group) cells, then rows of the one
+    cell per unit crossing the bound (for backends whose hash joins make that the faster plan:
+    DuckDB). Either way a unit keeps at most ``max_rows`` rows; the two keep different ones.
+    """
+
+    salt: str = ""
+    proven: frozenset[int] = frozenset()
+    bound_cells: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
-    """Everything needed to run, noise and post-process one DP query."""
+    """Everything needed to run, noise and post-process one DP query: the analysis, frozen."""
 
     sources: Sources
     where: exp.Expression | None
@@ -116,19 +140,9 @@ class Plan:
     distinct: bool = False
     #: Index of the COUNT(*) measure used for partition selection (None when keys are public).
     selection_measure: int | None = None
-    #: Secret mixed into the per-row hash that picks which rows of a unit are kept (set by the engine).
-    salt: str = ""
-    #: Sum measures whose inputs the database's own statistics prove inside the bounds (set by the
-    #: engine): clamping them is the identity, so the rewrite leaves the CASE out.
-    proven: frozenset[int] = frozenset()
-    #: Grouped sums bound whole (unit, group) cells, then rows of the one cell per unit crossing the
-    #: bound (set by the engine for backends whose hash joins make that the faster plan: DuckDB).
-    #: Either way a unit keeps at most ``max_rows`` rows; the two keep different ones.
-    bound_cells: bool = False
-    #: Output, HAVING and ORDER BY expressions compiled to closures (by the engine, on first release).
-    compiled: Any = field(default=None, repr=False, compare=False)
-    #: Public-domain key combinations and their positions (by the engine, on first release).
-    key_grid: Any = field(default=None, repr=False, compare=False)
+    #: How this plan runs on one backend (salt, clamp proofs, cell bounding): set by the engine with
+    #: ``dataclasses.replace``, never by mutation, so the analysed plan stays as the analyzer built it.
+    physical: Physical = Physical()
 
     def post_centred(self) -> list[int]:
         """Centred sums computed as Σx − centre·COUNT(x) after the query (cheaper in SQL than Σ(x − centre))."""
@@ -156,7 +170,7 @@ class Plan:
         """(L1, L2) sensitivity of ``measure`` over all released groups, for one whole unit."""
         if measure.kind == "count_units":
             return float(self.max_groups), float(self.max_groups) ** 0.5
-        if measure.kind in ("quantile", "mode"):  # utility sensitivity, composed over the groups a unit touches
+        if measure.selected:  # utility sensitivity, composed over the groups a unit touches
             return float(self.max_rows * self.max_groups), float(self.max_rows * self.max_groups)
         total = measure.sensitivity * self.max_rows
         return total, total

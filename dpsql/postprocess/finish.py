@@ -18,11 +18,16 @@ from dpsql.errors import DataError, Error
 from dpsql.plan import Measure, Plan, integer_valued
 from dpsql.postprocess.expressions import compile_expression, order_rows
 from dpsql.release.accuracy import accuracy
+from dpsql.release.apply import ReleaseCache
 from dpsql.session import Result
 
 
 def finish(
-    plan: Plan, rows: list[tuple[Any, ...]], columns: list[list[Any]], widths: list[list[float | None]]
+    plan: Plan,
+    rows: list[tuple[Any, ...]],
+    columns: list[list[Any]],
+    widths: list[list[float | None]],
+    cache: ReleaseCache | None = None,
 ) -> Result:
     """Outputs, HAVING, DISTINCT, ORDER BY and LIMIT over released values (row j: keys, measures, widths)."""
     direct = _direct_columns(plan)
@@ -33,13 +38,14 @@ def finish(
     key_names = [f"k{i}" for i in range(nkeys)]
     measure_names = [f"m{i}" for i in range(len(columns))]
     converters = [converter(m) for m in plan.measures]
-    if plan.compiled is None:
-        plan.compiled = (
+    cache = cache or ReleaseCache()
+    if cache.compiled is None:
+        cache.compiled = (
             [compile_expression(out.expr) for out in plan.outputs],
             None if plan.having is None else compile_expression(plan.having),
             [compile_expression(term) for term, _, _ in plan.order],
         )
-    outputs, having, order = plan.compiled
+    outputs, having, order = cache.compiled
     for j, row in enumerate(rows):
         env: dict[str, Any] = dict(zip(key_names, row, strict=False))
         for name, values, convert in zip(measure_names, columns, converters, strict=True):

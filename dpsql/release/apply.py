@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -27,6 +28,15 @@ from dpsql.rewrite import centre_rows
 MAX_PUBLIC_GROUPS = 1_000_000
 
 
+@dataclass(slots=True)
+class ReleaseCache:
+    """What release and post-processing build once per prepared query (never part of the plan):
+    the compiled output/HAVING/ORDER BY closures and the public-key grid with its positions."""
+
+    compiled: Any = None
+    key_grid: Any = None
+
+
 class Released(NamedTuple):
     """Released rows (keys first), each measure's noisy column, and each row's CI half-widths per measure."""
 
@@ -41,13 +51,14 @@ def apply(
     rows: list[tuple[Any, ...]],
     confidence: float,
     histograms: dict[int, list[tuple[Any, ...]]] | None = None,
+    cache: ReleaseCache | None = None,
 ) -> Released:
     """Noise every measure of the measurement query's rows, then apply partition selection."""
     nkeys = len(plan.keys)
     rows = centre_rows(plan, rows)
     measured: list[list[Any]] | None = None
     if plan.keys and plan.public_keys:
-        rows, measured = public_key_rows(plan, rows)
+        rows, measured = public_key_rows(plan, rows, cache or ReleaseCache())
     if not rows and not plan.keys:
         rows = [tuple([0] * len(plan.measures))]
     noisy: list[Any] = []
@@ -124,14 +135,16 @@ def _select_quantiles(
     return values
 
 
-def public_key_rows(plan: Plan, rows: list[tuple[Any, ...]]) -> tuple[list[tuple[Any, ...]], list[list[Any]]]:
+def public_key_rows(
+    plan: Plan, rows: list[tuple[Any, ...]], cache: ReleaseCache
+) -> tuple[list[tuple[Any, ...]], list[list[Any]]]:
     """Every combination of the public domains, in domain order (key tuples), and each measure's
     column over them: absent combinations get zeros.
 
     Keys outside the declared domain are dropped: releasing them would reveal that
-    someone holds an undeclared value. The combinations and their positions are built once per plan.
+    someone holds an undeclared value. The combinations and their positions are built once per query.
     """
-    if plan.key_grid is None:
+    if cache.key_grid is None:
         domains = [k.domain or () for k in plan.keys]
         size = math.prod(len(d) for d in domains)
         if size > MAX_PUBLIC_GROUPS:
@@ -141,8 +154,8 @@ def public_key_rows(plan: Plan, rows: list[tuple[Any, ...]]) -> tuple[list[tuple
             )
         combos = list(itertools.product(*domains))
         keys = [c[0] for c in combos] if len(domains) == 1 else combos  # one key: look up bare values
-        plan.key_grid = (combos, {key: j for j, key in enumerate(keys)})
-    combos, position = plan.key_grid
+        cache.key_grid = (combos, {key: j for j, key in enumerate(keys)})
+    combos, position = cache.key_grid
     nkeys = len(plan.keys)
     found = map(position.get, (r[0] for r in rows) if nkeys == 1 else (r[:nkeys] for r in rows))
     hits = [(j, row) for j, row in zip(found, rows, strict=True) if j is not None]

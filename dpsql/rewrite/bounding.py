@@ -1,7 +1,7 @@
 """Pass 8, ``bound_contributions``: at most ``max_groups`` groups and ``max_rows`` rows per privacy unit.
 
 Four strategies: per-unit partial aggregates (ungrouped), collapsed counts (grouped counts),
-row numbering in a salted hash order, and whole (unit, group) cells (``plan.bound_cells``).
+row numbering in a salted hash order, and whole (unit, group) cells (``plan.physical.bound_cells``).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def bound_contributions(select: exp.Select, plan: Plan) -> exp.Select:
     read nothing but their keys (counts) collapse identical rows with their multiplicity and weigh
     each distinct row by how many of its copies fit; grouped ones that read other columns (sums)
     either keep whole (unit, group) cells and number rows only in the cell crossing the bound
-    (:func:`_bound_by_cells`, when ``plan.bound_cells``) or go rows (unit, used columns, row hash)
+    (:func:`_bound_by_cells`, when ``plan.physical.bound_cells``) or go rows (unit, used columns, row hash)
     → rank groups per unit → number rows per unit in hash order → aggregate the rows within both
     bounds. Bounding happens after the joins, so no join can multiply a unit's rows past the bound
     the noise assumes.
@@ -100,19 +100,21 @@ def bound_contributions(select: exp.Select, plan: Plan) -> exp.Select:
     for column in list(outer.find_all(exp.Column)):
         column.replace(exp.column(names[column.sql()], quoted=True))
     collapse = set(columns) <= {key_column(plan, i).sql() for i in range(len(plan.keys))}
-    if not collapse and plan.bound_cells and _cells_matchable(plan):
+    if not collapse and plan.physical.bound_cells and _cells_matchable(plan):
         return _bound_by_cells(select, plan, outer, columns, names)
     used = [exp.alias_(column.copy(), names[sql]) for sql, column in columns.items()]
     multiplicity = [exp.alias_(exp.Count(this=exp.Star(), big_int=True), "__n")] if collapse else []
     rank_groups = bool(plan.keys) and plan.max_groups < plan.max_rows
     keys = [_hash_input(plan, key_column(plan, i)) for i in range(len(plan.keys))]
-    key_hash = [exp.alias_(_hash(keys, plan.salt), "__kh")] if rank_groups else []
+    key_hash = [exp.alias_(_hash(keys, plan.physical.salt), "__kh")] if rank_groups else []
     rows = _over_sources(
         select,
         exp.alias_(plan.unit.copy(), "__unit"),
         *used,
         *multiplicity,
-        exp.alias_(_hash([plan.unit.copy(), *(_hash_input(plan, c) for c in columns.values())], plan.salt), "__h"),
+        exp.alias_(
+            _hash([plan.unit.copy(), *(_hash_input(plan, c) for c in columns.values())], plan.physical.salt), "__h"
+        ),
         *key_hash,
     )
     if collapse:
@@ -255,13 +257,13 @@ def _open_cells(select: exp.Select, plan: Plan, names: dict[str, str]) -> list[t
     key_columns = [key_column(plan, i) for i in range(len(plan.keys))]
     key_names = [names[c.sql()] for c in key_columns]
     rank_groups = plan.max_groups < plan.max_rows
-    key_hash = [_hash([_hash_input(plan, c) for c in key_columns], plan.salt)] if rank_groups else []
+    key_hash = [_hash([_hash_input(plan, c) for c in key_columns], plan.physical.salt)] if rank_groups else []
     cells = _over_sources(
         select,
         exp.alias_(plan.unit.copy(), "__unit"),
         *(exp.alias_(c.copy(), n) for c, n in zip(key_columns, key_names, strict=True)),
         exp.alias_(exp.Count(this=exp.Star(), big_int=True), "__n"),
-        exp.alias_(_hash([plan.unit.copy(), *(_hash_input(plan, c) for c in key_columns)], plan.salt), "__ch"),
+        exp.alias_(_hash([plan.unit.copy(), *(_hash_input(plan, c) for c in key_columns)], plan.physical.salt), "__ch"),
         *(exp.alias_(h, "__kh") for h in key_hash),
     ).group_by(plan.unit.copy(), *(c.copy() for c in key_columns), copy=False)
     groups, within_groups = _rank_groups(plan, "__cells", rank_groups)
@@ -325,7 +327,9 @@ def _rows_of_open_cells(
             lambda node: exp.column(name, "__r", quoted=True) if isinstance(node, exp.Column) else node, copy=False
         )
 
-    row_hash = _hash([exp.column("__unit", "__r", quoted=True), *(on_row(c) for c in columns.values())], plan.salt)
+    row_hash = _hash(
+        [exp.column("__unit", "__r", quoted=True), *(on_row(c) for c in columns.values())], plan.physical.salt
+    )
     whole = joined(exp.GTE(this=room.copy(), expression=size.copy()))
     part = joined(
         exp.LT(this=room.copy(), expression=size.copy()),

@@ -12,7 +12,7 @@ from dpsql.rewrite._sql import literal_number, sum_argument
 def clamp_inputs(select: exp.Select, plan: Plan) -> exp.Select:
     """Clamp every summed value to its declared bounds: this is what bounds sensitivity.
 
-    Measures in ``plan.proven`` are only cast: the database proved every value already inside.
+    Measures in ``plan.physical.proven`` are only cast: the database proved every value already inside.
     """
     offset = len(plan.keys)
     for i, measure in enumerate(plan.measures):
@@ -23,7 +23,7 @@ def clamp_inputs(select: exp.Select, plan: Plan) -> exp.Select:
         typed = value if measure.integer else exp.cast(value, exp.DataType.Type.DOUBLE, copy=False)
         clamped = (
             typed
-            if i in plan.proven
+            if i in plan.physical.proven
             else clamp_sql(typed, literal_number(measure.lower), literal_number(measure.upper))
         )
         aggregate.set("this", clamped)

@@ -21,7 +21,7 @@ from sqlglot import exp
 
 from dpsql.analyze import analyze
 from dpsql.demo import demo_policy_path
-from dpsql.plan import Plan
+from dpsql.plan import Physical, Plan
 from dpsql.policy import Policy, load_policy
 from dpsql.rewrite import REWRITE_PASSES, histogram_query
 
@@ -44,7 +44,7 @@ def _policy(name: str) -> Policy:
 def _plan(options: dict[str, str], query: str) -> Plan:
     plan = analyze(query, _policy(options.get("policy", "health")))
     proven = frozenset(int(i) for i in options.get("proven", "").split(",") if i.strip())
-    return replace(plan, salt="salt", bound_cells=options.get("bound_cells") == "true", proven=proven)
+    return replace(plan, physical=Physical("salt", proven, options.get("bound_cells") == "true"))
 
 
 def render(name: str, options: dict[str, str], query: str) -> str:
