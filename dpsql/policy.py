@@ -20,10 +20,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from dpsql.accountant import Accounting
 from dpsql.errors import PolicyError
 from dpsql.localdp import RandomizedResponse
+from dpsql.release.mechanisms import Mechanism
 from dpsql.session import PgType
 
 ColumnType = Literal["int", "float", "text", "date", "timestamp", "boolean"]
-Mechanism = Literal["laplace", "gaussian"]
 
 _TYPE_ALIASES: dict[str, ColumnType] = {
     "int": "int",

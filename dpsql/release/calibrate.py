@@ -9,19 +9,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from dpsql.accountant import Cost
 from dpsql.errors import InvalidParameterValue
-from dpsql.ledger import Cost
 from dpsql.plan import Plan, integer_valued
 from dpsql.policy import Policy
-from dpsql.release.mechanisms import (
-    NoiseSpec,
-    check_samplable,
-    epsilon_to_rho,
-    gaussian_spec,
-    laplace_spec,
-    partition_threshold,
-    rho_to_epsilon,
-)
+from dpsql.release.mechanisms import MECHANISMS, NoiseSpec, check_samplable, mechanism_names, partition_threshold
 from dpsql.session import Session
 
 
@@ -52,6 +44,10 @@ def budget(policy: Policy, plan: Plan, session: Session) -> Budgeting:
     epsilon = session.epsilon if session.epsilon is not None else defaults.epsilon
     delta = session.delta if session.delta is not None else defaults.delta
     mechanism = session.mechanism or defaults.mechanism
+    if mechanism not in MECHANISMS:
+        raise InvalidParameterValue(
+            f'unknown mechanism "{mechanism}"', hint=f"dpsql.mechanism is one of: {', '.join(mechanism_names())}."
+        )
     if epsilon <= 0 or not math.isfinite(epsilon):
         raise InvalidParameterValue("dpsql.epsilon must be a positive number")
     if not 0 <= delta < 1:
@@ -59,8 +55,9 @@ def budget(policy: Policy, plan: Plan, session: Session) -> Budgeting:
     if not plan.measures:
         return Budgeting(0.0, 0.0, mechanism, [], Cost(epsilon=0.0))
     selecting = plan.selection_measure is not None
-    _check_query_delta(policy, delta, selecting or mechanism == "gaussian")
-    if (selecting or mechanism == "gaussian") and delta == 0:
+    uses_delta = selecting or MECHANISMS[mechanism].uses_delta
+    _check_query_delta(policy, delta, uses_delta)
+    if uses_delta and delta == 0:
         raise InvalidParameterValue(
             "this query needs δ > 0",
             hint="Grouping by a column without a public domain, and the Gaussian mechanism, "
@@ -79,46 +76,28 @@ def budget(policy: Policy, plan: Plan, session: Session) -> Budgeting:
 def calibrate(plan: Plan, epsilon: float, delta: float, mechanism: str, selecting: bool) -> Budgeting:
     """Noise per measure and the charge, from validated settings; every spec checked samplable."""
     k = len(plan.measures)
-    if mechanism == "gaussian":
-        conversion_delta = delta / 2 if selecting else delta
-        rho = epsilon_to_rho(epsilon, conversion_delta)
-        share = rho_to_epsilon(rho / k, conversion_delta)  # the ε whose zCDP ρ is this measure's share
-        specs: list[NoiseSpec | None] = [
-            None
-            if m.kind in ("quantile", "mode")
-            else gaussian_spec(
-                plan.sensitivities(m)[1],
-                share,
-                conversion_delta,
-                integer=integer_valued(m),
-                cells=plan.max_groups,
-            )
-            for m in plan.measures
-        ]
-        shares = [math.sqrt(8 * rho / k)] * k  # ε-DP selection is ε²/8-zCDP (bounded range)
-        cost = Cost(epsilon=epsilon, delta=delta, rho=rho, selection_delta=delta / 2 if selecting else 0.0)
-    else:
-        specs = [
-            None
-            if m.kind in ("quantile", "mode")
-            else laplace_spec(plan.sensitivities(m)[0], epsilon / k, integer=integer_valued(m), cells=plan.max_groups)
-            for m in plan.measures
-        ]
-        shares = [epsilon / k] * k
-        # ε-DP measurements (ρ = ε²/2 under zcdp) plus δ for the partition-selection event only
-        cost = Cost(epsilon=epsilon, delta=delta if selecting else 0.0, selection_delta=delta if selecting else 0.0)
+    noise = MECHANISMS[mechanism]
+    split = noise.split(epsilon, delta, k, selecting)
+    specs: list[NoiseSpec | None] = [
+        None
+        if m.selected
+        else noise.calibrate(plan.sensitivities(m), split, integer=integer_valued(m), cells=plan.max_groups)
+        for m in plan.measures
+    ]
+    shares = [split.share] * k
+    cost = split.cost
     budgeting = Budgeting(epsilon, cost.delta, mechanism, specs, cost, shares)
     if selecting:
         assert plan.selection_measure is not None
-        budgeting.selection_delta = delta / 2 if mechanism == "gaussian" else delta
+        budgeting.selection_delta = split.selection_delta
         spec = specs[plan.selection_measure]
         assert spec is not None
         budgeting.threshold = partition_threshold(
             spec, budgeting.selection_delta, max_partitions=plan.max_groups, max_rows=plan.max_rows
         )
-    for noise in specs:
-        if noise is not None:
-            check_samplable(noise)
+    for calibrated in specs:
+        if calibrated is not None:
+            check_samplable(calibrated)
     return budgeting
 
 

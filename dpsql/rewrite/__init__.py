@@ -67,11 +67,7 @@ def histogram_query(plan: Plan, index: int, bins: int = QUANTILE_BINS) -> exp.Se
 
 def histogram_queries(plan: Plan, dialect: DialectType) -> list[tuple[int, str]]:
     """(measure index, SQL) of the histogram each selection (quantile, mode) measure is chosen from."""
-    return [
-        (i, histogram_query(plan, i).sql(dialect=dialect))
-        for i, m in enumerate(plan.measures)
-        if m.kind in ("quantile", "mode")
-    ]
+    return [(i, histogram_query(plan, i).sql(dialect=dialect)) for i, m in enumerate(plan.measures) if m.selected]
 
 
 def to_sql(plan: Plan, dialect: str) -> str:
