@@ -10,12 +10,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from dpsql.aggregates import OUTPUTS
 from dpsql.analyze.parse import skip_comments
 from dpsql.errors import FeatureNotSupported
 from dpsql.plan import Plan
 from dpsql.release.calibrate import Budgeting
-from dpsql.release.mechanisms import half_width
-from dpsql.release.selection import QUANTILE_BINS, rank_error_bound
 from dpsql.session import OutputColumn, Result
 
 
@@ -71,39 +70,7 @@ def explain(plan: Plan, budgeting: Budgeting, confidence: float, shown_sql: str)
     columns = []
     for out in plan.outputs:
         entry: dict[str, Any] = {"name": out.column.name, "type": out.column.type, "noisy": out.noisy}
-        if out.kind == "mode":
-            i = out.measures[0]
-            entry.update(
-                measure=f"{plan.measures[i].label}: report-noisy-max",
-                sensitivity=plan.sensitivities(plan.measures[i])[0],
-                scale=plan.sensitivities(plan.measures[i])[0] / budgeting.shares[i],
-                epsilon=budgeting.shares[i],
-                ci=float("nan"),
-            )
-        elif out.kind == "quantile":
-            i = out.measures[0]
-            sensitivity = plan.sensitivities(plan.measures[i])[0]
-            entry.update(
-                measure=f"{plan.measures[i].label}: exponential mechanism over {QUANTILE_BINS} bins",
-                sensitivity=sensitivity,
-                scale=2 * sensitivity / budgeting.shares[i],
-                epsilon=budgeting.shares[i],
-                ci=float("nan"),
-                rank_error95=rank_error_bound(budgeting.shares[i], sensitivity, confidence),
-            )
-        elif out.noisy:
-            specs = [s for s in (budgeting.specs[i] for i in out.measures) if s is not None]
-            entry.update(
-                measure=" + ".join(plan.measures[i].label for i in out.measures),
-                sensitivity=max(plan.sensitivities(plan.measures[i])[0] for i in out.measures),
-                scale=max(s.scale * s.grid for s in specs),
-                epsilon=budgeting.epsilon * len(out.measures) / len(plan.measures),
-                ci=half_width(specs[0], confidence) if out.kind in ("count", "sum") else float("nan"),
-            )
-            if out.kind == "avg":
-                entry["measure"] = "AVG = centre + noisy centred SUM / noisy COUNT"
-        else:
-            entry["measure"] = "group key" if out.kind == "key" else "constant"
+        entry.update(OUTPUTS[out.kind].explain(out, plan, budgeting, confidence))
         columns.append(entry)
     if not plan.keys:
         keys = "none"

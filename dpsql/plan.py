@@ -9,7 +9,7 @@ measure and key references, evaluated after noise — pure post-processing).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from sqlglot import exp
 
@@ -17,9 +17,10 @@ from dpsql.analyze.sources import Sources
 from dpsql.policy import ColumnPolicy, Scalar
 from dpsql.session import OutputColumn
 
+if TYPE_CHECKING:
+    from dpsql.aggregates import Aggregate
+
 MeasureKind = Literal["count_star", "count", "sum", "count_units", "quantile", "mode"]
-#: Measures released by selection over a histogram rather than by additive noise.
-SELECTION_KINDS: frozenset[MeasureKind] = frozenset({"quantile", "mode"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,34 +49,25 @@ class Measure:
     expr: exp.Expression | None = None
 
     @property
+    def aggregate(self) -> Aggregate:
+        """The registered aggregate that labels, bounds, computes and converts this measure."""
+        from dpsql.aggregates import MEASURES  # the aggregates import this module
+
+        return MEASURES[self.kind]
+
+    @property
     def selected(self) -> bool:
         """Chosen from a histogram by the exponential mechanism (quantile, mode), not noised additively."""
-        return self.kind in SELECTION_KINDS
+        return self.aggregate.selected
 
     @property
     def sensitivity(self) -> float:
         """Largest change of one cell when one row is added or removed (a unit adds ``max_rows`` rows)."""
-        if self.kind != "sum":
-            return 1.0
-        assert self.lower is not None and self.upper is not None
-        reach = float(max(abs(self.upper - self.centre), abs(self.lower - self.centre)))
-        return reach * reach if self.square else reach
+        return self.aggregate.row_sensitivity(self)
 
     @property
     def label(self) -> str:
-        if self.kind == "count_star":
-            return "COUNT(*)"
-        if self.kind == "count":
-            return f"COUNT({self.column})"
-        if self.kind == "count_units":
-            return f"COUNT(DISTINCT {self.column})"
-        if self.kind == "quantile":
-            return f"QUANTILE({self.q:g}) OF clamp({self.column}, {self.lower:g}, {self.upper:g})"
-        if self.kind == "mode":
-            return f"MODE({self.column}) over {len(self.domain or ())} public values"
-        centre = f" - {self.centre:g}" if self.centre else ""
-        term = f"clamp({self.column}, {self.lower:g}, {self.upper:g}){centre}"
-        return f"SUM(({term})^2)" if self.square else f"SUM({term})"
+        return self.aggregate.label(self)
 
 
 def integer_valued(measure: Measure) -> bool:
@@ -168,9 +160,4 @@ class Plan:
 
     def sensitivities(self, measure: Measure) -> tuple[float, float]:
         """(L1, L2) sensitivity of ``measure`` over all released groups, for one whole unit."""
-        if measure.kind == "count_units":
-            return float(self.max_groups), float(self.max_groups) ** 0.5
-        if measure.selected:  # utility sensitivity, composed over the groups a unit touches
-            return float(self.max_rows * self.max_groups), float(self.max_rows * self.max_groups)
-        total = measure.sensitivity * self.max_rows
-        return total, total
+        return measure.aggregate.sensitivities(measure, self)

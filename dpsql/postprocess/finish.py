@@ -8,14 +8,14 @@ sums skip the per-row interpreter (:func:`_postprocess_direct`); the values are 
 from __future__ import annotations
 
 import datetime as dt
-import math
 from collections.abc import Callable
 from typing import Any
 
 from sqlglot import exp
 
+from dpsql.aggregates import OUTPUTS, Aggregate, Key
 from dpsql.errors import DataError, Error
-from dpsql.plan import Measure, Plan, integer_valued
+from dpsql.plan import Measure, Plan
 from dpsql.postprocess.expressions import compile_expression, order_rows
 from dpsql.release.accuracy import accuracy
 from dpsql.release.apply import ReleaseCache
@@ -53,10 +53,7 @@ def finish(
         out_values, out_acc = [], []
         for o, out in enumerate(plan.outputs):
             value = _evaluate_released(outputs[o], env)
-            if out.kind == "count" and value is not None:
-                value = max(round(value), 0)
-            elif out.kind == "quantile" and out.column.type == "bigint" and value is not None:
-                value = math.floor(value)  # MIN/MAX/percentile_disc of an int column: a value of the column's type
+            value = OUTPUTS[out.kind].coerce(out, value)
             if out.clamp is not None and value is not None:
                 value = min(max(value, out.clamp[0]), out.clamp[1])
             env[f"o{o}"] = value
@@ -85,18 +82,18 @@ def finish(
     )
 
 
-def _direct_columns(plan: Plan) -> list[tuple[str, int]] | None:
+def _direct_columns(plan: Plan) -> list[tuple[Aggregate, int]] | None:
     """For plans whose outputs are bare keys, counts and sums (no HAVING/ORDER BY/DISTINCT): where each comes from.
 
     Such plans — the common shape of large grouped results — skip the per-row interpreter.
     """
     if plan.having is not None or plan.order or plan.distinct:
         return None
-    sources: list[tuple[str, int]] = []
+    sources: list[tuple[Aggregate, int]] = []
     for out in plan.outputs:
-        if not isinstance(out.expr, exp.Var) or out.kind not in ("key", "count", "sum") or out.clamp is not None:
+        if not isinstance(out.expr, exp.Var) or not OUTPUTS[out.kind].direct or out.clamp is not None:
             return None
-        sources.append((out.kind, int(out.expr.name[1:])))
+        sources.append((OUTPUTS[out.kind], int(out.expr.name[1:])))
     return sources
 
 
@@ -105,7 +102,7 @@ def _postprocess_direct(
     rows: list[tuple[Any, ...]],
     columns: list[list[Any]],
     widths: list[float | None],
-    direct: list[tuple[str, int]],
+    direct: list[tuple[Aggregate, int]],
 ) -> Result:
     """Column-wise release of key/count/sum outputs: same values as the interpreter, without it."""
     end = None if plan.limit is None else plan.offset + plan.limit
@@ -113,14 +110,14 @@ def _postprocess_direct(
     rows = rows[window]
     cells: list[list[Any]] = []
     accuracy: list[float | None] = []
-    for kind, index in direct:
-        if kind == "key":
+    for aggregate, index in direct:
+        if isinstance(aggregate, Key):
             cells.append([row[index] for row in rows])
             accuracy.append(None)
             continue
         values = columns[index][window]
         convert = converter(plan.measures[index])
-        cells.append([max(round(v), 0) for v in values] if kind == "count" else [convert(v) for v in values])
+        cells.append(aggregate.direct_values(values, convert))
         accuracy.append(widths[index] if widths else None)
     released = list(zip(*cells, strict=True)) if cells else []
     return Result(
@@ -145,9 +142,7 @@ def _evaluate_released(expr: Callable[[dict[str, Any]], Any], env: dict[str, Any
 
 def converter(measure: Measure) -> Any:
     """How a released value of this measure becomes a Python value: int, float, or a chosen key."""
-    if measure.kind == "mode":
-        return lambda value: value
-    return int if integer_valued(measure) and measure.kind != "quantile" else float
+    return measure.aggregate.converter(measure)
 
 
 def from_cache(cached: Result, created: float) -> Result:

@@ -16,12 +16,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from dpsql.aggregates import Selection
 from dpsql.analyze.randomized import LocalQuery
 from dpsql.errors import FeatureNotSupported
 from dpsql.plan import Plan
 from dpsql.release.calibrate import Budgeting
 from dpsql.release.mechanisms import half_width, release
-from dpsql.release.selection import QUANTILE_BINS, bin_midpoint, select_mode, select_quantile_bin
 from dpsql.rewrite import centre_rows
 
 #: Largest cross product of public key domains released in one query.
@@ -64,8 +64,9 @@ def apply(
     noisy: list[Any] = []
     for i, spec in enumerate(budgeting.specs):
         if spec is None:
-            select = _select_modes if plan.measures[i].kind == "mode" else _select_quantiles
-            noisy.append(select(plan, i, rows, (histograms or {}).get(i, []), budgeting.shares[i]))
+            selection = plan.measures[i].aggregate
+            assert isinstance(selection, Selection)
+            noisy.append(selection.select(plan, i, rows, (histograms or {}).get(i, []), budgeting.shares[i]))
             continue
         values = measured[i] if measured is not None else [0 if r[nkeys + i] is None else r[nkeys + i] for r in rows]
         noisy.append(release(values, spec) if values else np.zeros(0))
@@ -93,46 +94,6 @@ def apply_local(plan: Plan, local: LocalQuery, observed: dict[Any, int], confide
     else:
         rows, widths = [(total,)], [[0.0]]
     return Released(rows, [[round(r[-1]) for r in rows]], widths)
-
-
-def _select_modes(
-    plan: Plan, index: int, rows: list[tuple[Any, ...]], histogram: list[tuple[Any, ...]], epsilon: float
-) -> list[Any]:
-    """Report-noisy-max, once per released group, over the counts of the public candidates."""
-    nkeys = len(plan.keys)
-    measure = plan.measures[index]
-    candidates = list(measure.domain or ())
-    position = {value: i for i, value in enumerate(candidates)}
-    counts: dict[tuple[Any, ...], list[int]] = {}
-    for row in histogram:
-        slot = position.get(row[nkeys])
-        if slot is not None:  # values outside the public domain are never candidates
-            counts.setdefault(tuple(row[:nkeys]), [0] * len(candidates))[slot] += int(row[nkeys + 1])
-    sensitivity = plan.sensitivities(measure)[0]
-    empty = [0] * len(candidates)
-    return [candidates[select_mode(counts.get(tuple(row[:nkeys]), empty), epsilon, sensitivity)] for row in rows]
-
-
-def _select_quantiles(
-    plan: Plan, index: int, rows: list[tuple[Any, ...]], histogram: list[tuple[Any, ...]], epsilon: float
-) -> list[float]:
-    """The exponential mechanism, once per released group, over that group's bin counts."""
-    nkeys = len(plan.keys)
-    measure = plan.measures[index]
-    assert measure.lower is not None and measure.upper is not None and measure.q is not None
-    counts: dict[tuple[Any, ...], dict[int, int]] = {}
-    for row in histogram:
-        bin_ = row[nkeys]
-        if bin_ is not None:
-            group = counts.setdefault(tuple(row[:nkeys]), {})
-            clamped = min(max(int(bin_), 0), QUANTILE_BINS - 1)  # the upper bound itself falls in bin B
-            group[clamped] = group.get(clamped, 0) + int(row[nkeys + 1])
-    sensitivity = plan.sensitivities(measure)[0]
-    values = []
-    for row in rows:
-        chosen = select_quantile_bin(counts.get(tuple(row[:nkeys]), {}), measure.q, epsilon, sensitivity)
-        values.append(bin_midpoint(chosen, measure.lower, measure.upper))
-    return values
 
 
 def public_key_rows(

@@ -14,14 +14,8 @@ from dpsql.rewrite._sql import key_column, measure_input
 
 
 def _raw_measure(measure: Measure) -> exp.Expression:
-    if measure.kind in ("count_star", "quantile", "mode"):  # selections come from their histogram query
-        return exp.Count(this=exp.Star(), big_int=True)
-    column = measure_input(measure)
-    if measure.kind == "count":
-        return exp.Count(this=column, big_int=True)
-    if measure.kind == "count_units":
-        return exp.Count(this=exp.Distinct(expressions=[column]), big_int=True)
-    return exp.Sum(this=column)
+    """The measure's own aggregate; selections count rows here (their values come from their histogram query)."""
+    return measure.aggregate.raw_sql(measure, lambda: measure_input(measure))
 
 
 def select_measures(select: exp.Select, plan: Plan) -> exp.Select:
