@@ -38,14 +38,14 @@ from dpsql.errors import BackendError, Error, InvalidAuthorization
 from dpsql.explain import Explanation, explain, explain_target
 from dpsql.fingerprint import fingerprint_key, keyed, statement_shape
 from dpsql.ledger import Ledger, resolve_ledger_url
-from dpsql.plan import Physical, Plan
+from dpsql.plan import Plan
 from dpsql.policy import Policy, load_policy
 from dpsql.postprocess.finish import finish, from_cache
 from dpsql.release.accuracy import confidence as confidence_level
 from dpsql.release.apply import ReleaseCache, apply, apply_local
 from dpsql.release.calibrate import FREE, Budgeting, budget
 from dpsql.rewrite import histogram_queries, rewrite
-from dpsql.rewrite.physical import StoredTypes, data_version, proven_in_bounds
+from dpsql.rewrite.physical import StoredTypes, choose_physical, data_version
 from dpsql.session import OutputColumn, Result, Session
 
 __all__ = ["Description", "Engine", "Explanation", "Prepared"]
@@ -166,18 +166,13 @@ class Engine:
         self._stored_types.check(plan)
         local = local_query(plan, self.backend.dialect)
         version = data_version(self.backend)
-        proven = proven_in_bounds(plan, self.backend)
-        plan = replace(plan, physical=Physical(self._salt, proven, getattr(self.backend, "bounds_cells", False)))
+        plan = replace(plan, physical=choose_physical(plan, self.backend, self._salt))
         select = rewrite(plan)
         budgeting = budget(self.policy, plan, session)
         normalised = tree.sql(dialect=dialect("postgres"), normalize=True, copy=False)  # tree is not used afterwards
         histograms = histogram_queries(plan, dialect(self.backend.dialect))
-        key = cache_key(
-            self.policy.dataset,
-            normalised,
-            params_key(params),
-            (budgeting.epsilon, budgeting.delta, budgeting.mechanism),
-        )
+        settings = (budgeting.epsilon, budgeting.delta, budgeting.mechanism)
+        key = cache_key(self.policy.dataset, normalised, params_key(params), settings)
         if local is not None:
             budgeting = FREE
         sql = select.sql(dialect=dialect(self.backend.dialect), copy=False)

@@ -11,7 +11,13 @@ from typing import Any
 
 from dpsql.backends import Backend, stored_type_mismatches
 from dpsql.errors import DatatypeMismatch
-from dpsql.plan import Measure, Plan
+from dpsql.plan import Measure, Physical, Plan
+
+
+def choose_physical(plan: Plan, backend: Backend, salt: str) -> Physical:
+    """The backend-dependent choices for ``plan``: the engine's salt, the clamps the backend's statistics
+    prove redundant, and whether grouped sums bound whole cells (backends that declare ``bounds_cells``)."""
+    return Physical(salt, proven_in_bounds(plan, backend), getattr(backend, "bounds_cells", False))
 
 
 def data_version(backend: Backend) -> int:
