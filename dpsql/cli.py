@@ -135,17 +135,17 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_budget(args: argparse.Namespace) -> int:
-    from dpsql.ledger import Ledger, Spent, remaining_budget
+    from dpsql.accountant import Spent, remaining_budget
+    from dpsql.ledger import Ledger
     from dpsql.policy import Budget, load_policy
-    from dpsql.release import rho_to_epsilon
 
     policy = load_policy(args.policy or default_policy())
     accounting = policy.budget.accounting
 
     def spent_and_left(used: Spent, total: Budget) -> tuple[float, float]:
         # the ledger's accountant: Σε under pure, ε(Σρ, δ − Σδ_selection) under zcdp
-        left = remaining_budget(used, total, accounting, rho_to_epsilon=rho_to_epsilon).epsilon
-        return used.privacy_loss(accounting, total.delta, rho_to_epsilon)[0], left
+        left = remaining_budget(used, total, accounting).epsilon
+        return used.privacy_loss(accounting, total.delta)[0], left
 
     ledger = Ledger.open(args.ledger or default_ledger(policy.dataset))
     try:

@@ -18,16 +18,9 @@ Each charge row is the audit log; a small ``…_totals`` table, updated in the s
 transaction, keeps per-(dataset, analyst) sums so a reserve costs O(1) however long the
 history grows.
 
-Composition: under ``"pure"`` accounting ε and δ add (basic composition). Under
-``"zcdp"`` the accountant is approximate zCDP (Bun & Steinke 2016, Def. 8.1; OpenDP's
-``Approximate<ZeroConcentratedDivergence>``): each charge is a pair (ρ, δ_sel) where ρ is the
-zCDP cost of the noisy measurements (a pure ε-DP charge counts as ρ = ε²/2) and δ_sel the
-probability of the bad event of partition selection (a key held only by the differing unit
-being released), which is not a zCDP quantity. Both add up, and the total converts to
-(ε(Σρ, δ_budget − Σδ_sel), δ_budget)-DP. A charge is refused when Σδ_sel would exceed the δ
-budget or that ε would exceed the ε budget. The δ a Gaussian query used to convert its own ρ
-is recorded in ``delta`` (the per-query (ε, δ) guarantee) but not composed: under zCDP only
-the total ρ is converted, once. Dataset totals sum *all* analysts, since analysts may collude.
+Composition, conversion and the budget checks are :mod:`dpsql.accountant`'s; the ledger stores
+what it needs (ε, δ, ρ and selection δ per charge) and runs its checks inside the reservation.
+Dataset totals sum *all* analysts, since analysts may collude.
 
 Ledgers written before ``selection_delta`` existed are migrated on open: the column is added,
 and existing totals take their recorded δ as selection δ (an upper bound: conservative).
@@ -36,7 +29,6 @@ and existing totals take their recorded δ as selection δ (an upper bound: cons
 from __future__ import annotations
 
 import datetime as dt
-import math
 import os
 import secrets
 import sqlite3
@@ -45,23 +37,40 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any
 
-from dpsql.errors import LedgerUnavailable, PrivacyBudgetExhausted
+from dpsql.accountant import (
+    Accounting,
+    BudgetLike,
+    Cost,
+    Remaining,
+    Spent,
+    check_budget,
+    max_rho,
+    remaining_budget,
+    zcdp_epsilon,
+)
+from dpsql.errors import LedgerUnavailable
+
+__all__ = [  # the accountant's names, re-exported for the ledger's callers
+    "Accounting",
+    "BudgetLike",
+    "Cost",
+    "Remaining",
+    "Spent",
+    "check_budget",
+    "max_rho",
+    "remaining_budget",
+    "zcdp_epsilon",
+]
 
 if TYPE_CHECKING:
     import psycopg
 
-Accounting = Literal["pure", "zcdp"]
-RhoToEpsilon = Callable[[float, float], float]
-
-#: Relative slack so that spending exactly the budget in k equal float steps succeeds.
-REL_TOLERANCE = 1e-9
 
 #: ``dpsql_ledger_meta`` key of the per-installation secret (see :meth:`Ledger.installation_key`).
 _INSTALLATION_KEY = "installation_key"
 
-_HINT_EXHAUSTED = "Ask the data curator for more budget, or lower ε with SET dpsql.epsilon."
 _HINT_UNAVAILABLE = (
     "No query is answered while the privacy ledger cannot record charges. "
     "Check the ledger URL, that its file or directory is writable, or that its database is reachable."
@@ -69,99 +78,6 @@ _HINT_UNAVAILABLE = (
 # Two-key advisory lock namespace: ("dpsql", hashtext(dataset)); 0x64707371 is b"dpsq".
 _PG_LOCK_NAMESPACE = 0x64707371
 _SQLITE_BUSY_TIMEOUT_S = 30.0
-
-
-class BudgetLike(Protocol):
-    """Anything with a total (ε, δ): ``dpsql.policy.Budget`` in practice."""
-
-    @property
-    def epsilon(self) -> float: ...
-
-    @property
-    def delta(self) -> float: ...
-
-
-@dataclass(frozen=True)
-class Cost:
-    """The privacy cost of one release.
-
-    ``epsilon``/``delta`` are its (ε, δ)-DP guarantee; ``rho`` its zCDP cost (Gaussian
-    queries under ``zcdp`` accounting); ``selection_delta`` the part of ``delta`` spent on
-    partition selection (≤ ``delta``), which zCDP accounting adds up separately. Under
-    ``zcdp``, a cost with ``rho == 0`` whose δ is all selection δ is ε-DP apart from the
-    selection event and counts as ρ = ε²/2.
-    """
-
-    epsilon: float
-    delta: float = 0.0
-    rho: float = 0.0
-    selection_delta: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name in ("epsilon", "delta", "rho", "selection_delta"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"Cost.{name} must be a finite number >= 0, got {value!r}")
-        if self.delta >= 1:
-            raise ValueError(f"Cost.delta must be < 1, got {self.delta!r}")
-        if self.selection_delta > self.delta:
-            raise ValueError(f"Cost.selection_delta must be <= delta, got {self.selection_delta!r}")
-
-    def zcdp_rho(self) -> float:
-        """ρ charged under zCDP accounting; an (ε, δ>0) cost without ρ cannot be composed there
-        (unless its δ is only partition selection's, which is charged as ``selection_delta``)."""
-        if self.rho > 0:
-            return self.rho
-        if self.delta == self.selection_delta:
-            return self.epsilon * self.epsilon / 2
-        raise ValueError("an (ε, δ>0) cost needs its zCDP rho to be charged under zcdp accounting")
-
-
-@dataclass(frozen=True)
-class Spent:
-    """Raw sums of recorded charges (ε and δ by basic composition, ρ by zCDP composition,
-    ``selection_delta`` the partition-selection δ that zCDP accounting adds to its conversion)."""
-
-    epsilon: float = 0.0
-    delta: float = 0.0
-    rho: float = 0.0
-    queries: int = 0
-    selection_delta: float = 0.0
-
-    def plus(self, epsilon: float, delta: float, rho: float, selection_delta: float = 0.0) -> Spent:
-        return Spent(
-            self.epsilon + epsilon,
-            self.delta + delta,
-            self.rho + rho,
-            self.queries + 1,
-            self.selection_delta + selection_delta,
-        )
-
-    def privacy_loss(
-        self,
-        accounting: Accounting,
-        delta: float,
-        rho_to_epsilon: RhoToEpsilon | None = None,
-    ) -> tuple[float, float]:
-        """The (ε, δ) this spending amounts to; under zCDP, (ε(ρ, δ − Σδ_sel), δ)."""
-        if accounting == "pure":
-            return self.epsilon, self.delta
-        if self.rho == 0:
-            return 0.0, self.selection_delta
-        return zcdp_epsilon(self.rho, self.selection_delta, delta, rho_to_epsilon), delta
-
-
-@dataclass(frozen=True)
-class Remaining:
-    """What is left of a budget: (ε, δ) and, under zCDP, the largest ρ still affordable.
-
-    Under zCDP, ``delta`` is the δ still available to partition selection (δ_budget − Σδ_sel),
-    and ``epsilon`` is ε_budget − ε(Σρ, δ_budget − Σδ_sel): the same conversion the ledger checks.
-    """
-
-    epsilon: float
-    delta: float
-    rho: float
 
 
 @dataclass(frozen=True)
@@ -200,191 +116,6 @@ class AnalystSpent:
     spent: Spent
     last_at: dt.datetime | None
 
-
-def default_rho_to_epsilon(rho: float, delta: float) -> float:
-    """The standard ρ-zCDP ⇒ (ε, δ)-DP bound ε = ρ + 2·sqrt(ρ·ln(1/δ)) (Bun & Steinke 2016)."""
-    if rho <= 0:
-        return 0.0
-    if delta <= 0:
-        return math.inf
-    return rho + 2 * math.sqrt(rho * math.log(1 / delta))
-
-
-def max_rho(epsilon: float, delta: float, rho_to_epsilon: RhoToEpsilon | None = None) -> float:
-    """Largest ρ with ε(ρ, δ) ≤ ``epsilon``; closed form for the default bound, else bisection."""
-    if epsilon <= 0 or delta <= 0:
-        return 0.0
-    if rho_to_epsilon is None:
-        log_term = math.log(1 / delta)
-        return (math.sqrt(log_term + epsilon) - math.sqrt(log_term)) ** 2
-    lo, hi = 0.0, epsilon  # ε(ρ, δ) ≥ ρ for every sound conversion
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        if rho_to_epsilon(mid, delta) <= epsilon:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-def zcdp_epsilon(rho: float, selection_delta: float, delta: float, rho_to_epsilon: RhoToEpsilon | None = None) -> float:
-    """ε of (ε, δ)-DP implied by ρ-zCDP plus an additive ``selection_delta``: ε(ρ, δ − δ_sel).
-
-    Infinite when no δ is left for the conversion (and ρ > 0).
-    """
-    if rho <= 0:
-        return 0.0
-    conversion_delta = _left_for_conversion(delta, selection_delta)
-    if conversion_delta <= 0 or not delta > 0:
-        return math.inf
-    return (rho_to_epsilon or default_rho_to_epsilon)(rho, conversion_delta)
-
-
-def _within(total: float, budget: float) -> bool:
-    return total <= budget + REL_TOLERANCE * budget
-
-
-def _fmt(value: float) -> str:
-    return f"{value:.6g}"
-
-
-def _conversion_delta(budget: BudgetLike, rho_delta: float | None) -> float:
-    # A smaller δ only makes the converted ε more conservative, so never exceed the budget's δ.
-    return budget.delta if rho_delta is None else min(rho_delta, budget.delta)
-
-
-def _left_for_conversion(delta: float, selection_delta: float) -> float:
-    # Σδ_sel is a float sum that may fall an ulp short of the true total: round it up, so that
-    # selection spending the whole δ budget never leaves a spurious 1e-21 to convert ρ at.
-    return delta - selection_delta * (1 + REL_TOLERANCE) if selection_delta > 0 else delta
-
-
-def _zcdp_delta(budget: BudgetLike, rho_delta: float | None, selection_delta: float) -> float:
-    """The δ the total ρ is converted at: the budget's δ (or ``rho_delta``) less the selection δ."""
-    return min(_conversion_delta(budget, rho_delta), _left_for_conversion(budget.delta, selection_delta))
-
-
-def check_budget(
-    *,
-    who: str,
-    name: str,
-    spent: Spent,
-    cost: Cost,
-    budget: BudgetLike,
-    accounting: Accounting,
-    rho_delta: float | None = None,
-    rho_to_epsilon: RhoToEpsilon | None = None,
-) -> None:
-    """Raise :class:`PrivacyBudgetExhausted` if ``spent`` plus ``cost`` exceeds ``budget``.
-
-    Pure function of budget figures only, so its messages can never reveal data. The figures
-    in the DETAIL are the analyst's own; for the dataset's budget (``who="dataset"``: every
-    analyst's spend together) the refusal says only that it is exhausted and what this query
-    needs, never what the others have spent (see :func:`_dataset_refusal`).
-    """
-    message = f'privacy budget exhausted for {who} "{name}"'
-    if who == "dataset":
-        _check_dataset_budget(message, spent, cost, budget, accounting, rho_delta, rho_to_epsilon)
-        return
-    if accounting == "pure":
-        if not _within(spent.epsilon + cost.epsilon, budget.epsilon):
-            detail = f"spent ε={_fmt(spent.epsilon)} of {_fmt(budget.epsilon)}, this query needs ε={_fmt(cost.epsilon)}"
-            raise PrivacyBudgetExhausted(message, detail=detail, hint=_HINT_EXHAUSTED)
-        if not _within(spent.delta + cost.delta, budget.delta):
-            detail = f"spent δ={_fmt(spent.delta)} of {_fmt(budget.delta)}, this query needs δ={_fmt(cost.delta)}"
-            raise PrivacyBudgetExhausted(
-                message,
-                detail=detail,
-                hint="Ask the data curator for more budget, or lower δ with SET dpsql.delta "
-                "(or use the Laplace mechanism, which spends no δ).",
-            )
-        return
-    selection_total = spent.selection_delta + cost.selection_delta
-    if cost.selection_delta > 0 and not _within(selection_total, budget.delta):
-        detail = (
-            f"spent partition-selection δ={_fmt(spent.selection_delta)} of {_fmt(budget.delta)}, "
-            f"this query needs δ={_fmt(cost.selection_delta)}"
-        )
-        raise PrivacyBudgetExhausted(
-            message,
-            detail=detail,
-            hint="Ask the data curator for more budget, lower δ with SET dpsql.delta, "
-            "or group by columns with a public domain (no partition selection).",
-        )
-    delta = _zcdp_delta(budget, rho_delta, selection_total)
-    rho_cost = cost.zcdp_rho()
-    total = spent.rho + rho_cost
-    epsilon_total = zcdp_epsilon(total, 0.0, delta, rho_to_epsilon)
-    if not _within(epsilon_total, budget.epsilon):
-        epsilon_spent = zcdp_epsilon(spent.rho, 0.0, delta, rho_to_epsilon)
-        detail = (
-            f"spent ρ={_fmt(spent.rho)} (ε={_fmt(epsilon_spent)} at δ={_fmt(delta)}) "
-            f"of ε={_fmt(budget.epsilon)}, "
-            f"this query needs ρ={_fmt(rho_cost)}"
-            + (f" and selection δ={_fmt(cost.selection_delta)}" if cost.selection_delta else "")
-            + f", which would total ε={_fmt(epsilon_total)}"
-        )
-        raise PrivacyBudgetExhausted(message, detail=detail, hint=_HINT_EXHAUSTED)
-
-
-def _check_dataset_budget(
-    message: str,
-    spent: Spent,
-    cost: Cost,
-    budget: BudgetLike,
-    accounting: Accounting,
-    rho_delta: float | None,
-    rho_to_epsilon: RhoToEpsilon | None,
-) -> None:
-    """The dataset-wide check: same arithmetic as for an analyst, a refusal without others' figures."""
-    try:
-        check_budget(
-            who="analyst",  # the arithmetic only; its message (with the totals) is discarded
-            name="",
-            spent=spent,
-            cost=cost,
-            budget=budget,
-            accounting=accounting,
-            rho_delta=rho_delta,
-            rho_to_epsilon=rho_to_epsilon,
-        )
-    except PrivacyBudgetExhausted:
-        raise _dataset_refusal(message, cost) from None
-
-
-def _dataset_refusal(message: str, cost: Cost) -> PrivacyBudgetExhausted:
-    """53P01 for the dataset's budget: what this query needs (the analyst's own figure), nothing more."""
-    needs = f"ε={_fmt(cost.epsilon)}" + (f", δ={_fmt(cost.delta)}" if cost.delta else "")
-    return PrivacyBudgetExhausted(
-        message,
-        detail=f"The dataset's total privacy budget cannot cover this query (it needs {needs}).",
-        hint="The dataset budget is shared by all analysts; ask the data curator for more.",
-    )
-
-
-def remaining_budget(
-    spent: Spent,
-    budget: BudgetLike,
-    accounting: Accounting = "pure",
-    *,
-    rho_delta: float | None = None,
-    rho_to_epsilon: RhoToEpsilon | None = None,
-) -> Remaining:
-    """Budget left after ``spent``; never negative."""
-    if accounting == "pure":
-        return Remaining(
-            epsilon=max(0.0, budget.epsilon - spent.epsilon),
-            delta=max(0.0, budget.delta - spent.delta),
-            rho=0.0,
-        )
-    delta = _zcdp_delta(budget, rho_delta, spent.selection_delta)
-    used = zcdp_epsilon(spent.rho, 0.0, delta, rho_to_epsilon)
-    rho_left = max(0.0, max_rho(budget.epsilon, delta, rho_to_epsilon) - spent.rho) if delta > 0 else 0.0
-    delta_left = max(0.0, budget.delta - spent.selection_delta)
-    return Remaining(epsilon=max(0.0, budget.epsilon - used), delta=delta_left, rho=rho_left)
-
-
-# --- where the ledger lives by default -----------------------------------------------------
 
 #: Ledger URLs that ask explicitly for a throwaway in-memory ledger (a fresh budget per engine).
 MEMORY_LEDGER_URLS = ("memory", "sqlite:///:memory:")
@@ -452,7 +183,6 @@ class Ledger:
         fingerprint: str,
         accounting: Accounting = "pure",
         rho_delta: float | None = None,
-        rho_to_epsilon: RhoToEpsilon | None = None,
     ) -> Charge:
         """Atomically check both budgets and durably record the charge, or raise.
 
@@ -469,7 +199,6 @@ class Ledger:
                 "cost": cost,
                 "accounting": accounting,
                 "rho_delta": rho_delta,
-                "rho_to_epsilon": rho_to_epsilon,
             }
             check_budget(who="analyst", name=analyst, spent=analyst_spent, budget=analyst_budget, **common)
             check_budget(who="dataset", name=dataset, spent=dataset_spent, budget=dataset_budget, **common)
@@ -513,7 +242,6 @@ class Ledger:
         budget: BudgetLike,
         accounting: Accounting = "pure",
         rho_delta: float | None = None,
-        rho_to_epsilon: RhoToEpsilon | None = None,
     ) -> Remaining:
         """What is left of ``budget`` given what the analyst (or the dataset) has spent."""
         return remaining_budget(
@@ -521,7 +249,6 @@ class Ledger:
             budget,
             accounting,
             rho_delta=rho_delta,
-            rho_to_epsilon=rho_to_epsilon,
         )
 
     def summary(self, dataset: str) -> list[AnalystSpent]:

@@ -1,4 +1,4 @@
-"""The typed plan the analyzer hands to rewrite, release and post-processing.
+"""The typed, frozen plan the analyzer hands to rewrite, release and post-processing.
 
 A plan says what is measured in SQL (``Measure``: counts and clamped sums, each with
 its sensitivity), how group keys may be released (``GroupKey``), and how released
@@ -9,13 +9,16 @@ measure and key references, evaluated after noise — pure post-processing).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from sqlglot import exp
 
 from dpsql.analyze.sources import Sources
 from dpsql.policy import ColumnPolicy, Scalar
 from dpsql.session import OutputColumn
+
+if TYPE_CHECKING:
+    from dpsql.aggregates import Aggregate
 
 MeasureKind = Literal["count_star", "count", "sum", "count_units", "quantile", "mode"]
 
@@ -46,29 +49,30 @@ class Measure:
     expr: exp.Expression | None = None
 
     @property
+    def aggregate(self) -> Aggregate:
+        """The registered aggregate that labels, bounds, computes and converts this measure."""
+        from dpsql.aggregates import MEASURES  # the aggregates import this module
+
+        return MEASURES[self.kind]
+
+    @property
+    def selected(self) -> bool:
+        """Chosen from a histogram by the exponential mechanism (quantile, mode), not noised additively."""
+        return self.aggregate.selected
+
+    @property
     def sensitivity(self) -> float:
         """Largest change of one cell when one row is added or removed (a unit adds ``max_rows`` rows)."""
-        if self.kind != "sum":
-            return 1.0
-        assert self.lower is not None and self.upper is not None
-        reach = float(max(abs(self.upper - self.centre), abs(self.lower - self.centre)))
-        return reach * reach if self.square else reach
+        return self.aggregate.row_sensitivity(self)
 
     @property
     def label(self) -> str:
-        if self.kind == "count_star":
-            return "COUNT(*)"
-        if self.kind == "count":
-            return f"COUNT({self.column})"
-        if self.kind == "count_units":
-            return f"COUNT(DISTINCT {self.column})"
-        if self.kind == "quantile":
-            return f"QUANTILE({self.q:g}) OF clamp({self.column}, {self.lower:g}, {self.upper:g})"
-        if self.kind == "mode":
-            return f"MODE({self.column}) over {len(self.domain or ())} public values"
-        centre = f" - {self.centre:g}" if self.centre else ""
-        term = f"clamp({self.column}, {self.lower:g}, {self.upper:g}){centre}"
-        return f"SUM(({term})^2)" if self.square else f"SUM({term})"
+        return self.aggregate.label(self)
+
+
+def integer_valued(measure: Measure) -> bool:
+    """Whether the measure's released values are integers (integer noise; an int column's sum)."""
+    return measure.integer and float(measure.centre).is_integer()
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,9 +99,26 @@ class OutputItem:
     kind: Literal["key", "count", "sum", "avg", "variance", "quantile", "mode", "expr"] = "expr"
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
+class Physical:
+    """Backend-dependent choices made after analysis: they change the SQL, never what is released.
+
+    ``salt`` is the secret mixed into the per-row hash that picks which rows of a heavy unit are kept
+    (per engine, never shown). ``proven`` lists sum measures whose inputs the database's own
+    statistics prove inside the bounds: clamping them is the identity, so the rewrite leaves the
+    CASE out. ``bound_cells``: grouped sums bound whole (unit, group) cells, then rows of the one
+    cell per unit crossing the bound (for backends whose hash joins make that the faster plan:
+    DuckDB). Either way a unit keeps at most ``max_rows`` rows; the two keep different ones.
+    """
+
+    salt: str = ""
+    proven: frozenset[int] = frozenset()
+    bound_cells: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
-    """Everything needed to run, noise and post-process one DP query."""
+    """Everything needed to run, noise and post-process one DP query: the analysis, frozen."""
 
     sources: Sources
     where: exp.Expression | None
@@ -111,19 +132,9 @@ class Plan:
     distinct: bool = False
     #: Index of the COUNT(*) measure used for partition selection (None when keys are public).
     selection_measure: int | None = None
-    #: Secret mixed into the per-row hash that picks which rows of a unit are kept (set by the engine).
-    salt: str = ""
-    #: Sum measures whose inputs the database's own statistics prove inside the bounds (set by the
-    #: engine): clamping them is the identity, so the rewrite leaves the CASE out.
-    proven: frozenset[int] = frozenset()
-    #: Grouped sums bound whole (unit, group) cells, then rows of the one cell per unit crossing the
-    #: bound (set by the engine for backends whose hash joins make that the faster plan: DuckDB).
-    #: Either way a unit keeps at most ``max_rows`` rows; the two keep different ones.
-    bound_cells: bool = False
-    #: Output, HAVING and ORDER BY expressions compiled to closures (by the engine, on first release).
-    compiled: Any = field(default=None, repr=False, compare=False)
-    #: Public-domain key combinations and their positions (by the engine, on first release).
-    key_grid: Any = field(default=None, repr=False, compare=False)
+    #: How this plan runs on one backend (salt, clamp proofs, cell bounding): set by the engine with
+    #: ``dataclasses.replace``, never by mutation, so the analysed plan stays as the analyzer built it.
+    physical: Physical = Physical()
 
     def post_centred(self) -> list[int]:
         """Centred sums computed as Σx − centre·COUNT(x) after the query (cheaper in SQL than Σ(x − centre))."""
@@ -149,9 +160,4 @@ class Plan:
 
     def sensitivities(self, measure: Measure) -> tuple[float, float]:
         """(L1, L2) sensitivity of ``measure`` over all released groups, for one whole unit."""
-        if measure.kind == "count_units":
-            return float(self.max_groups), float(self.max_groups) ** 0.5
-        if measure.kind in ("quantile", "mode"):  # utility sensitivity, composed over the groups a unit touches
-            return float(self.max_rows * self.max_groups), float(self.max_rows * self.max_groups)
-        total = measure.sensitivity * self.max_rows
-        return total, total
+        return measure.aggregate.sensitivities(measure, self)

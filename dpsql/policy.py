@@ -17,13 +17,13 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from dpsql.accountant import Accounting
 from dpsql.errors import PolicyError
 from dpsql.localdp import RandomizedResponse
+from dpsql.release.mechanisms import Mechanism
 from dpsql.session import PgType
 
 ColumnType = Literal["int", "float", "text", "date", "timestamp", "boolean"]
-Mechanism = Literal["laplace", "gaussian"]
-Accounting = Literal["pure", "zcdp"]
 
 _TYPE_ALIASES: dict[str, ColumnType] = {
     "int": "int",

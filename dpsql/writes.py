@@ -6,7 +6,7 @@ the table. dpsql therefore only writes where the outcome is a function of the st
 and the schema alone:
 
 * analysts give values only for randomized-response columns and columns the policy marks
-  ``writable: true`` (never identifiers; checked in :func:`dpsql.engine.parse_insert`);
+  ``writable: true`` (never identifiers; checked in :func:`dpsql.analyze.insert.parse_insert`);
 * the table must have no constraint relating the new row to stored rows on those columns:
   no PRIMARY KEY, UNIQUE, FOREIGN KEY or EXCLUDE constraint, no unique index, no trigger or
   rule. A key over columns the analyst does not write is allowed only when every column of

@@ -27,10 +27,10 @@ from dpsql.ledger import (
     Ledger,
     PostgresLedger,
     Spent,
-    default_rho_to_epsilon,
     max_rho,
 )
 from dpsql.policy import Budget
+from dpsql.release import rho_to_epsilon
 
 WORKER = Path(__file__).with_name("ledger_worker.py")
 HUGE = Budget(epsilon=1e12, delta=0.5)
@@ -148,7 +148,7 @@ def test_colluding_analysts_hit_the_dataset_budget(ledger: Ledger) -> None:
 def test_zcdp_adds_rho(ledger: Ledger) -> None:
     budget = Budget(epsilon=1.0, delta=1e-6)
     rho_cap = max_rho(1.0, 1e-6)
-    assert default_rho_to_epsilon(rho_cap, 1e-6) == pytest.approx(1.0)
+    assert rho_to_epsilon(rho_cap, 1e-6) == pytest.approx(1.0)
     step = Cost(epsilon=0.4, delta=1e-7, rho=rho_cap / 4)
     for _ in range(4):
         _reserve(ledger, step, analyst_budget=budget, accounting="zcdp")
@@ -163,17 +163,14 @@ def test_zcdp_adds_rho(ledger: Ledger) -> None:
     assert remaining.rho == pytest.approx(0.0, abs=1e-12)
 
 
-def test_zcdp_counts_pure_costs_and_uses_the_given_conversion(ledger: Ledger) -> None:
+def test_zcdp_counts_pure_costs_and_uses_the_exact_conversion(ledger: Ledger) -> None:
     budget = Budget(epsilon=1.0, delta=1e-6)
     charge = _reserve(ledger, Cost(0.1), analyst_budget=budget, accounting="zcdp")
     assert charge.analyst_spent.rho == pytest.approx(0.005)  # type: ignore[attr-defined]  # ε²/2
-
-    def strict(rho: float, delta: float) -> float:
-        return 100 * rho
-
+    left = max_rho(1.0, 1e-6) - 0.005  # the ρ the exact conversion still affords
     with pytest.raises(PrivacyBudgetExhausted):
-        _reserve(ledger, Cost(0.2), analyst_budget=budget, accounting="zcdp", rho_to_epsilon=strict)
-    _reserve(ledger, Cost(0.1), analyst_budget=budget, accounting="zcdp", rho_to_epsilon=strict)
+        _reserve(ledger, Cost(0.5, 1e-7, rho=left * 1.001), analyst_budget=budget, accounting="zcdp")
+    _reserve(ledger, Cost(0.5, 1e-7, rho=left * 0.999), analyst_budget=budget, accounting="zcdp")
     with pytest.raises(ValueError, match="rho"):
         _reserve(ledger, Cost(0.1, 1e-7), accounting="zcdp")  # (ε, δ>0) without ρ cannot compose
     with pytest.raises(PrivacyBudgetExhausted):  # zCDP with a δ=0 budget admits no ρ > 0

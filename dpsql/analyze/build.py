@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from sqlglot import exp
 
+from dpsql.aggregates import OUTPUTS
 from dpsql.analyze.expressions import bound
 from dpsql.analyze.sources import Sources, ident_name, qualified, resolve_ref, resolve_sources
 from dpsql.errors import (
@@ -684,17 +685,9 @@ def _output_name(projection: exp.Expr) -> str:
 def _output_type(kind: str, expr: exp.Expression, scope: _Scope, measures: tuple[int, ...]) -> PgType:
     if kind == "key":
         return PG_TYPE_NAMES[scope.keys[int(expr.name[1:])].policy.type]
-    if kind == "count":
-        return "bigint"
-    if kind == "sum":
-        return "bigint" if scope.measures[measures[0]].integer else "double precision"
-    if kind in ("avg", "quantile", "variance"):
-        return "double precision"
-    if kind == "mode":
-        measure = scope.measures[measures[0]]
-        return PG_TYPE_NAMES[scope.sources.column_policy(measure.table, measure.column).type]
-    if kind == "quantile_disc":
-        return "bigint" if scope.measures[measures[0]].integer else "double precision"
+    typed = OUTPUTS[kind].output_type(scope, measures)
+    if typed is not None:
+        return typed
     if isinstance(expr, exp.Predicate | exp.Connector | exp.Not | exp.Boolean):
         return "boolean"
     if isinstance(expr, exp.Cast):
@@ -719,18 +712,15 @@ def build_outputs(tree: exp.Select, scope: _Scope) -> list[OutputItem]:
     outputs = []
     for projection in tree.expressions:
         expr, kind, measures = convert_output(projection.unalias(), scope)
-        clamp = None
-        if kind == "avg":
-            m = scope.measures[measures[0]]
-            clamp = (m.lower, m.upper)
+        clamp = OUTPUTS[kind].output_clamp(scope, measures)
         column = OutputColumn(name=_output_name(projection), type=_output_type(kind, expr, scope, measures))
-        kind = "quantile" if kind == "quantile_disc" else kind
+        kind = "quantile" if kind == "quantile_disc" else kind  # released like any quantile
         outputs.append(
             OutputItem(
                 column=column,
                 expr=expr,
                 noisy=bool(measures),
-                clamp=clamp,  # type: ignore[arg-type]
+                clamp=clamp,
                 measures=measures,
                 kind=kind,  # type: ignore[arg-type]
             )

@@ -249,3 +249,17 @@ def _parameter_value(node: exp.Expression, params: Params) -> tuple[Any, int]:
     if not name or not isinstance(params, Mapping) or name not in params:
         raise UndefinedParameter(f'there is no parameter "%({name})s"')
     return params[name], 0
+
+
+def params_key(params: Params) -> Any:
+    """A hashable, order-independent key of bound parameters (plan and result caches)."""
+    if params is None:
+        return None
+    if isinstance(params, dict):
+        return tuple(sorted((k, repr(v)) for k, v in params.items()))
+    return tuple(repr(v) for v in params)
+
+
+def placeholder_value(pg_type: str) -> Any:
+    """A stand-in value of a parameter's type: enough to plan a statement before it is bound."""
+    return {"bigint": 0, "double precision": 0.0, "boolean": False, "date": dt.date(2000, 1, 1)}.get(pg_type, "")

@@ -23,14 +23,18 @@ from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
 from functools import lru_cache
-from typing import Literal
+from typing import Literal, Protocol, get_args
 
 import numpy as np
 
+from dpsql.accountant import Cost, cdp_delta, epsilon_to_rho, rho_to_epsilon
 from dpsql.release.samplers import _MAX_SCALE, discrete_gaussian, discrete_laplace, laplace_rational_scale
 
 __all__ = [
+    "MECHANISMS",
+    "NoiseMechanism",
     "NoiseSpec",
+    "Split",
     "cdp_delta",
     "check_samplable",
     "epsilon_to_rho",
@@ -38,6 +42,7 @@ __all__ = [
     "gaussian_spec",
     "half_width",
     "laplace_spec",
+    "mechanism_names",
     "noise_tail",
     "partition_threshold",
     "release",
@@ -61,6 +66,8 @@ _MAX_GRID_UNITS = 2**1000
 #: scale inside what the exact samplers draw (2^50 for discrete Laplace, 2^44 for the Gaussian).
 _MAX_INTEGER_SCALE = 2.0**44
 
+#: The registered mechanisms' names as a type (policies validate against it); kept equal to
+#: ``MECHANISMS`` (checked at import).
 Mechanism = Literal["laplace", "gaussian"]
 
 
@@ -119,87 +126,6 @@ def _integer_grid(sensitivity: float, scale: float) -> float:
 
 
 # --------------------------------------------------------------------------------------------------
-# zCDP <-> (ε, δ)
-# --------------------------------------------------------------------------------------------------
-
-
-def cdp_delta(rho: float, epsilon: float) -> float:
-    """Smallest δ such that ρ-zCDP implies (ε, δ)-DP (Canonne–Kamath–Steinke 2020, Prop. 12).
-
-    δ = min over α > 1 of exp((α−1)(αρ−ε)) / (α−1) · (1 − 1/α)^α; the objective is convex in α, so the
-    minimiser is found by bisection on the sign of its derivative.  Same algorithm as OpenDP's
-    ``cdp_delta`` (without its directed rounding).
-    """
-    if rho < 0 or epsilon < 0:
-        raise ValueError("rho and epsilon must be non-negative")
-    if rho == 0 or math.isinf(epsilon):
-        return 0.0
-    if math.isinf(rho):
-        return 1.0
-    a_min, a_max = 1.01, (epsilon + 1.0) / (2.0 * rho) + 2.0
-    while True:
-        a_mid = a_min + (a_max - a_min) / 2.0
-        if a_mid in (a_min, a_max):
-            break
-        deriv = (2.0 * a_mid - 1.0) * rho - epsilon + math.log1p(-1.0 / a_mid)
-        if deriv < 0:
-            a_min = a_mid
-        else:
-            a_max = a_mid
-    a = a_max
-    log_delta = (a - 1.0) * (a * rho - epsilon) + a * math.log1p(-1.0 / a) - math.log(a - 1.0)
-    return min(1.0, math.exp(log_delta)) if log_delta < 700 else 1.0
-
-
-@lru_cache(maxsize=4096)
-def rho_to_epsilon(rho: float, delta: float) -> float:
-    """Smallest ε such that ρ-zCDP implies (ε, δ)-DP; matches OpenDP's zCDP→approxDP profile.
-
-    Bisection on ε of the (decreasing) ``cdp_delta(ρ, ·)``; the classical bound
-    ρ + 2·sqrt(ρ·ln(1/δ)) brackets it from above.
-    """
-    rho = float(rho)
-    if not (math.isfinite(rho) and rho >= 0):
-        raise ValueError(f"rho must be a non-negative finite number, got {rho!r}")
-    delta = _probability("delta", delta)
-    if rho == 0:
-        return 0.0
-    lo, hi = 0.0, rho + 2.0 * math.sqrt(rho * math.log(1.0 / delta)) + 1e-12
-    if cdp_delta(rho, lo) <= delta:
-        return 0.0
-    while hi - lo > 1e-13 * max(1.0, hi):
-        mid = (lo + hi) / 2.0
-        if cdp_delta(rho, mid) <= delta:
-            hi = mid
-        else:
-            lo = mid
-    return hi
-
-
-@lru_cache(maxsize=4096)
-def epsilon_to_rho(epsilon: float, delta: float) -> float:
-    """Largest ρ whose zCDP→(ε, δ) conversion stays within ``epsilon`` (inverse of ``rho_to_epsilon``).
-
-    ``cdp_delta`` is increasing in ρ, so bisection returns the lower end of the bracket: the ρ
-    returned always satisfies cdp_delta(ρ, ε) ≤ δ (conservative).
-    """
-    epsilon = _positive("epsilon", epsilon)
-    delta = _probability("delta", delta)
-    lo, hi = 0.0, epsilon  # ε ≥ ρ for any δ < 1, so ρ ≤ ε
-    while hi - lo > 1e-15 * max(hi, 1e-300):
-        mid = (lo + hi) / 2.0
-        if mid in (lo, hi):
-            break
-        if cdp_delta(mid, epsilon) <= delta:
-            lo = mid
-        else:
-            hi = mid
-    if lo == 0.0:
-        raise ValueError(f"no positive rho reaches epsilon={epsilon} at delta={delta}")
-    return lo
-
-
-# --------------------------------------------------------------------------------------------------
 # Calibration
 # --------------------------------------------------------------------------------------------------
 
@@ -213,7 +139,7 @@ def exact_spec(mechanism: Mechanism, epsilon: float) -> NoiseSpec:
 def check_samplable(spec: NoiseSpec) -> None:
     """Raise ``ValueError`` unless the exact samplers can draw ``spec``'s noise (scale ≤ 2^50 grid units
     for Laplace, σ ≤ 2^44 for Gaussian): checked at calibration, before any budget is charged."""
-    limit = _MAX_SCALE if spec.mechanism == "laplace" else _MAX_SCALE / 64
+    limit = _mechanism(spec).max_scale
     if not spec.scale <= limit:
         raise ValueError(f"noise scale {spec.scale:.4g} grid units exceeds the exact samplers' maximum {limit:.4g}")
 
@@ -281,11 +207,7 @@ def sample_noise(spec: NoiseSpec, size: int) -> np.ndarray:
     """Integer noise (grid units) for ``spec``, from the OS CSPRNG."""
     if spec.scale == 0:
         return np.zeros(size, dtype=np.int64)
-    if spec.mechanism == "laplace":
-        return discrete_laplace(spec.scale, size)
-    if spec.mechanism == "gaussian":
-        return discrete_gaussian(spec.scale, size)
-    raise ValueError(f"unknown mechanism {spec.mechanism!r}")
+    return _mechanism(spec).sample(spec.scale, size)
 
 
 def _exact_units(value: object, grid: float) -> int:
@@ -414,25 +336,7 @@ def noise_tail(spec: NoiseSpec, j: int) -> float:
     (the pmf is decreasing and its normaliser is ≥ σ√(2π) by Poisson summation), which is tight to
     O(1/σ) relative and errs on the side of more noise/higher thresholds.
     """
-    j = int(j)
-    if spec.mechanism == "laplace":
-        la = _laplace_alpha_log(spec.scale)  # ln α
-        log1p_alpha = math.log1p(math.exp(la))
-        if j >= 1:
-            return math.exp(j * la - log1p_alpha)
-        return -math.expm1((1 - j) * la - log1p_alpha)
-    if spec.mechanism == "gaussian":
-        sigma = spec.scale
-        if sigma <= _GAUSS_TABLE_MAX_SIGMA:
-            upper = _gauss_upper_table(sigma)
-            if j >= 1:
-                return float(upper[j]) if j < upper.size else 0.0
-            m = 1 - j
-            return 1.0 - (float(upper[m]) if m < upper.size else 0.0)
-        if j >= 1:
-            return min(1.0, _normal_q((j - 1) / sigma))
-        return 1.0  # P(Z ≥ j) ≥ 1/2 for j ≤ 0; 1 is the conservative upper bound
-    raise ValueError(f"unknown mechanism {spec.mechanism!r}")
+    return _mechanism(spec).tail(spec.scale, int(j))
 
 
 def _smallest_j(spec: NoiseSpec, target: float, start: int) -> int:
@@ -446,10 +350,7 @@ def _smallest_j(spec: NoiseSpec, target: float, start: int) -> int:
 
 
 def _tail_guess(spec: NoiseSpec, target: float) -> int:
-    if spec.mechanism == "laplace":  # solve α^j/(1+α) = target exactly; the search then moves ±1
-        la = _laplace_alpha_log(spec.scale)
-        return max(1, math.ceil((math.log(target) + math.log1p(math.exp(la))) / la))
-    return max(1, math.ceil(spec.scale * _normal_q_inv(min(target, 0.5))))
+    return _mechanism(spec).tail_guess(spec.scale, target)
 
 
 @lru_cache(maxsize=4096)
@@ -484,3 +385,138 @@ def partition_threshold(spec: NoiseSpec, delta: float, *, max_partitions: int = 
         raise ValueError("max_partitions must be ≥ 1 and max_rows ≥ 0")
     target = d / max_partitions
     return int(max_rows) + _smallest_j(spec, target, _tail_guess(spec, target))
+
+
+# --------------------------------------------------------------------------------------------------
+# The mechanisms, registered
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Split:
+    """How one query's (ε, δ) is divided among its ``k`` measures, and what the query is charged.
+
+    Additive measures are calibrated at (``epsilon``, ``delta``) each; a selection measure (quantile,
+    mode: exponential mechanism) gets the pure-ε ``share``; ``selection_delta`` is the δ left for
+    partition selection's threshold when the query selects keys.
+    """
+
+    epsilon: float
+    delta: float
+    share: float
+    cost: Cost
+    selection_delta: float
+
+
+class NoiseMechanism(Protocol):
+    """An additive noise mechanism: its budget split, calibration, exact sampler and exact tail."""
+
+    #: The name policies, sessions, ``SET dpsql.mechanism`` and the CLI use.
+    name: str
+    #: Whether it needs δ > 0 (approximate DP).
+    uses_delta: bool
+    #: Largest scale (grid units) its exact sampler draws.
+    max_scale: float
+
+    def split(self, epsilon: float, delta: float, k: int, selecting: bool) -> Split: ...
+
+    def calibrate(
+        self, sensitivities: tuple[float, float], split: Split, *, integer: bool, cells: int
+    ) -> NoiseSpec: ...
+
+    def sample(self, scale: float, size: int) -> np.ndarray: ...
+
+    def tail(self, scale: float, j: int) -> float: ...
+
+    def tail_guess(self, scale: float, target: float) -> int: ...
+
+
+class Laplace:
+    """Discrete Laplace: pure ε-DP on the L1 sensitivity; ε is split evenly over the measures."""
+
+    name = "laplace"
+    uses_delta = False
+    max_scale = _MAX_SCALE
+
+    def split(self, epsilon: float, delta: float, k: int, selecting: bool) -> Split:
+        # ε-DP measurements (ρ = ε²/2 under zcdp) plus δ for the partition-selection event only
+        cost = Cost(epsilon=epsilon, delta=delta if selecting else 0.0, selection_delta=delta if selecting else 0.0)
+        return Split(epsilon / k, 0.0, epsilon / k, cost, delta)
+
+    def calibrate(self, sensitivities: tuple[float, float], split: Split, *, integer: bool, cells: int) -> NoiseSpec:
+        return laplace_spec(sensitivities[0], split.epsilon, integer=integer, cells=cells)
+
+    def sample(self, scale: float, size: int) -> np.ndarray:
+        return discrete_laplace(scale, size)
+
+    def tail(self, scale: float, j: int) -> float:
+        la = _laplace_alpha_log(scale)  # ln α
+        log1p_alpha = math.log1p(math.exp(la))
+        if j >= 1:
+            return math.exp(j * la - log1p_alpha)
+        return -math.expm1((1 - j) * la - log1p_alpha)
+
+    def tail_guess(self, scale: float, target: float) -> int:
+        # solve α^j/(1+α) = target exactly; the search then moves ±1
+        la = _laplace_alpha_log(scale)
+        return max(1, math.ceil((math.log(target) + math.log1p(math.exp(la))) / la))
+
+
+class Gaussian:
+    """Discrete Gaussian: ρ-zCDP on the L2 sensitivity; the query's ρ (from its (ε, δ)) is split evenly.
+
+    With partition selection, half of δ converts ρ and half goes to the threshold. Selection measures
+    get the ε whose ε-DP (ε²/8-zCDP for a bounded-range mechanism) fits their ρ share.
+    """
+
+    name = "gaussian"
+    uses_delta = True
+    max_scale = _MAX_SCALE / 64
+
+    def split(self, epsilon: float, delta: float, k: int, selecting: bool) -> Split:
+        conversion_delta = delta / 2 if selecting else delta
+        rho = epsilon_to_rho(epsilon, conversion_delta)
+        share = rho_to_epsilon(rho / k, conversion_delta)  # the ε whose zCDP ρ is this measure's share
+        cost = Cost(epsilon=epsilon, delta=delta, rho=rho, selection_delta=delta / 2 if selecting else 0.0)
+        # ε-DP selection is ε²/8-zCDP (bounded range)
+        return Split(share, conversion_delta, math.sqrt(8 * rho / k), cost, delta / 2)
+
+    def calibrate(self, sensitivities: tuple[float, float], split: Split, *, integer: bool, cells: int) -> NoiseSpec:
+        return gaussian_spec(sensitivities[1], split.epsilon, split.delta, integer=integer, cells=cells)
+
+    def sample(self, scale: float, size: int) -> np.ndarray:
+        return discrete_gaussian(scale, size)
+
+    def tail(self, sigma: float, j: int) -> float:
+        if sigma <= _GAUSS_TABLE_MAX_SIGMA:
+            upper = _gauss_upper_table(sigma)
+            if j >= 1:
+                return float(upper[j]) if j < upper.size else 0.0
+            m = 1 - j
+            return 1.0 - (float(upper[m]) if m < upper.size else 0.0)
+        if j >= 1:
+            return min(1.0, _normal_q((j - 1) / sigma))
+        return 1.0  # P(Z ≥ j) ≥ 1/2 for j ≤ 0; 1 is the conservative upper bound
+
+    def tail_guess(self, sigma: float, target: float) -> int:
+        return max(1, math.ceil(sigma * _normal_q_inv(min(target, 0.5))))
+
+
+#: Every noise mechanism, by name: what policies, sessions, the server and the CLI validate against.
+MECHANISMS: dict[str, NoiseMechanism] = {m.name: m for m in (Laplace(), Gaussian())}
+
+
+if set(get_args(Mechanism)) != set(MECHANISMS):
+    raise ImportError("release.mechanisms: the Mechanism names and the MECHANISMS registry differ")
+
+
+def mechanism_names() -> tuple[str, ...]:
+    """The registered mechanisms' names, in registration order (for choices and error hints)."""
+    return tuple(MECHANISMS)
+
+
+def _mechanism(spec: NoiseSpec) -> NoiseMechanism:
+    try:
+        return MECHANISMS[spec.mechanism]
+    except KeyError:
+        raise ValueError(f"unknown mechanism {spec.mechanism!r}") from None

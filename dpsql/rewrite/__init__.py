@@ -1,569 +1,52 @@
-"""Rewrite: a plan becomes the SQL the backend runs, built by small pure passes.
+"""Rewrite: a plan becomes the SQL the backend runs, built by passes in one order.
 
 The generated query computes only the plan's measures (counts and clamped, possibly
 centred, sums) per group key. Passes run in the order of ``REWRITE_PASSES``, each
-``(select, plan) -> select``, and the result is transpiled to the backend's dialect.
-Keys are aliased ``k<i>`` and measures ``m<i>`` so release code never parses names; a centred
-sum also reads ``z<i>`` (its exact count), folded into ``m<i>`` by :func:`centre_rows` before noise.
+``(select, plan) -> select`` (building on the select it is given), one module per pass, and the
+result is transpiled to the backend's dialect. Keys are aliased ``k<i>`` and measures ``m<i>`` so
+release code never parses names; a centred sum also reads ``z<i>`` (its exact count), folded into
+``m<i>`` by :func:`centre_rows` before noise. A selection measure's histogram query replaces the
+measure passes with :func:`~dpsql.rewrite.histogram.select_histogram` and runs the row passes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from sqlglot import exp
+from sqlglot.dialects.dialect import DialectType
 
-from dpsql.analyze.expressions import clamp_sql
-from dpsql.analyze.sources import from_node
-from dpsql.plan import Measure, Plan
-from dpsql.policy import ColumnPolicy
+from dpsql.plan import Plan
 from dpsql.release.selection import QUANTILE_BINS
+from dpsql.rewrite.bounding import bound_contributions
+from dpsql.rewrite.centre import centre_rows, centre_sums
+from dpsql.rewrite.clamp import clamp_inputs
+from dpsql.rewrite.coalesce import coalesce_sums
+from dpsql.rewrite.filter import filter_rows
+from dpsql.rewrite.group import group_by_keys
+from dpsql.rewrite.histogram import select_histogram
+from dpsql.rewrite.measures import select_measures
+from dpsql.rewrite.square import square_sums
+
+__all__ = [
+    "MEASURE_PASSES",
+    "REWRITE_PASSES",
+    "ROW_PASSES",
+    "centre_rows",
+    "histogram_queries",
+    "histogram_query",
+    "rewrite",
+    "to_sql",
+]
 
 RewritePass = Callable[[exp.Select, Plan], exp.Select]
 
-
-def _raw_measure(measure: Measure) -> exp.Expression:
-    if measure.kind in ("count_star", "quantile", "mode"):  # selections come from their histogram query
-        return exp.Count(this=exp.Star(), big_int=True)
-    column = _input(measure)
-    if measure.kind == "count":
-        return exp.Count(this=column, big_int=True)
-    if measure.kind == "count_units":
-        return exp.Count(this=exp.Distinct(expressions=[column]), big_int=True)
-    return exp.Sum(this=column)
-
-
-def _input(measure: Measure) -> exp.Expression:
-    """The value a measure aggregates: its column, or its bounded expression."""
-    if measure.expr is not None:
-        return measure.expr.copy()
-    return exp.column(measure.column, table=measure.table, quoted=True)  # type: ignore[arg-type]
-
-
-def _key(plan: Plan, index: int) -> exp.Column:
-    key = plan.keys[index]
-    return exp.column(key.column, table=key.table, quoted=True)
-
-
-def select_measures(select: exp.Select, plan: Plan) -> exp.Select:
-    """One SELECT over the sources: group keys ``k<i>``, raw aggregates ``m<i>``."""
-    projections = [exp.alias_(_key(plan, i), f"k{i}", copy=False) for i in range(len(plan.keys))]
-    projections += [exp.alias_(_raw_measure(m), f"m{i}", copy=False) for i, m in enumerate(plan.measures)]
-    if not projections:
-        projections = [exp.alias_(exp.Count(this=exp.Star(), big_int=True), "m_unused", copy=False)]
-    select = select.select(*projections, append=False, copy=False)
-    select = select.from_(from_node(plan.sources.sources[0]), copy=False)
-    for join in plan.sources.joins:
-        select.append("joins", join.copy())
-    return select
-
-
-def _sum_argument(select: exp.Select, index: int) -> exp.Expression:
-    aggregate = select.expressions[index].this
-    assert isinstance(aggregate, exp.Sum)
-    return aggregate.this
-
-
-def clamp_inputs(select: exp.Select, plan: Plan) -> exp.Select:
-    """Clamp every summed value to its declared bounds: this is what bounds sensitivity.
-
-    Measures in ``plan.proven`` are only cast: the database proved every value already inside.
-    """
-    offset = len(plan.keys)
-    for i, measure in enumerate(plan.measures):
-        if measure.kind != "sum":
-            continue
-        aggregate = select.expressions[offset + i].this
-        value = _sum_argument(select, offset + i)
-        typed = value if measure.integer else exp.cast(value, exp.DataType.Type.DOUBLE, copy=False)
-        clamped = typed if i in plan.proven else _clamp(typed, _number(measure.lower), _number(measure.upper))
-        aggregate.set("this", clamped)
-    return select
-
-
-_clamp = clamp_sql
-
-#: A centred float value closer than 2^-500 to 0 is squared as 0: PostgreSQL raises "underflow" when
-#: a product of non-zero doubles rounds to 0 (DuckDB returns 0), so that error would depend on data.
-_SQUARE_SNAP = 2.0**-500
-
-
-def centre_sums(select: exp.Select, plan: Plan) -> exp.Select:
-    """Centre AVG's and variance's sums so their sensitivity is half the range.
-
-    Squared sums subtract the centre in SQL; plain ones read their exact count ``z<i>`` alongside,
-    and :func:`centre_rows` subtracts ``centre·z<i>`` before noise (one less operation per row).
-    """
-    offset = len(plan.keys)
-    for i, measure in enumerate(plan.measures):
-        if measure.kind == "sum" and measure.centre and measure.square:
-            value = _sum_argument(select, offset + i)
-            value.replace(exp.Sub(this=value.copy(), expression=_number(measure.centre)))
-    for i in plan.post_centred():
-        m = plan.measures[i]
-        nullable = m.expr is not None or plan.sources.column_policy(m.table, m.column).nullable
-        counted = exp.Count(this=_input(m) if nullable else exp.Star(), big_int=True)
-        select = select.select(exp.alias_(counted, f"z{i}", copy=False), copy=False)
-    return select
-
-
-def centre_rows(plan: Plan, rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-    """Rows of the measurement query with each ``m<i> − centre·z<i>`` folded in and the ``z`` columns dropped."""
-    centred = plan.post_centred()
-    if not centred:
-        return rows
-    width = len(plan.keys) + len(plan.measures)
-    columns = [list(c) for c in zip(*rows, strict=True)] if rows else [[] for _ in range(width + len(centred))]
-    for z, i in enumerate(centred, start=width):
-        measure, c = plan.measures[i], plan.measures[i].centre
-        centre = int(c) if measure.integer and float(c).is_integer() else c
-        m = len(plan.keys) + i
-        columns[m] = [(v or 0) - centre * n for v, n in zip(columns[m], columns[z], strict=True)]
-    return list(zip(*columns[:width], strict=True))
-
-
-def square_sums(select: exp.Select, plan: Plan) -> exp.Select:
-    """Variance reads the sum of squared centred values: its sensitivity is the squared half-range."""
-    offset = len(plan.keys)
-    for i, measure in enumerate(plan.measures):
-        if measure.kind == "sum" and measure.square:
-            value = _sum_argument(select, offset + i)
-            # BIGINT before multiplying: an int4 product could overflow only on some rows (an error oracle)
-            copied = value.copy()
-            if measure.integer:
-                term: exp.Expression = exp.cast(copied, exp.DataType.Type.BIGINT, copy=False)
-            else:
-                near_zero = exp.and_(
-                    exp.GT(this=copied.copy(), expression=exp.Neg(this=exp.Literal.number(_SQUARE_SNAP))),
-                    exp.LT(this=copied.copy(), expression=exp.Literal.number(_SQUARE_SNAP)),
-                )
-                term = exp.Case().when(near_zero, exp.Literal.number(0)).else_(copied)
-            value.replace(exp.Mul(this=term, expression=term.copy()))
-    return select
-
-
-def coalesce_sums(select: exp.Select, plan: Plan) -> exp.Select:
-    """SUM over no rows is NULL; release 0 instead so emptiness is not revealed exactly."""
-    offset = len(plan.keys)
-    for i, measure in enumerate(plan.measures):
-        if measure.kind == "sum":
-            projection = select.expressions[offset + i]
-            projection.set("this", exp.Coalesce(this=projection.this, expressions=[exp.Literal.number(0)]))
-    return select
-
-
-def filter_rows(select: exp.Select, plan: Plan) -> exp.Select:
-    return select.where(plan.where.copy(), copy=False) if plan.where is not None else select
-
-
-def group_by_keys(select: exp.Select, plan: Plan) -> exp.Select:
-    if plan.keys:
-        select = select.group_by(*(_key(plan, i) for i in range(len(plan.keys))), copy=False)
-    return select
-
-
-def _as_text(value: exp.Expression) -> exp.Expression:
-    return exp.Coalesce(this=exp.cast(value, exp.DataType.Type.TEXT), expressions=[exp.Literal.string("~")])
-
-
-def _float_policy(plan: Plan, column: exp.Column) -> ColumnPolicy | None:
-    """The policy of a float column of a source (None otherwise, e.g. a hidden unit-join column)."""
-    source = next((s for s in plan.sources.sources if s.alias == column.table), None)
-    policy = source.table.columns.get(column.name) if source is not None else None
-    return policy if policy is not None and policy.type == "float" else None
-
-
-def _is_float(plan: Plan, column: exp.Column) -> bool:
-    return _float_policy(plan, column) is not None
-
-
-def _hash_input(plan: Plan, column: exp.Column) -> exp.Expression:
-    """What a column contributes to the row hash, as text every backend renders alike.
-
-    Doubles print differently (DuckDB ``4999.0``, PostgreSQL ``4999``, Spark ``1.0E15``), so a
-    bounded float column is hashed as the BIGINT ``floor((clamp(x) − lower)·2^40 / (upper − lower))``:
-    IEEE arithmetic gives the same integer everywhere, and it cannot overflow.
-    """
-    policy = _float_policy(plan, column)
-    if policy is None or not isinstance(policy.lower, int | float) or not isinstance(policy.upper, int | float):
-        return column.copy()
-    lower, upper = float(policy.lower), float(policy.upper)
-    if upper <= lower:
-        return column.copy()
-    clamped = _clamp(exp.cast(column.copy(), exp.DataType.Type.DOUBLE), _number(lower), _number(upper))
-    offset = exp.paren(exp.Sub(this=clamped, expression=_number(lower)), copy=False)
-    scaled = exp.Div(
-        this=exp.paren(exp.Mul(this=offset, expression=exp.Literal.number(2**40)), copy=False),
-        expression=_number(upper - lower),
-    )
-    return exp.cast(exp.Floor(this=scaled), exp.DataType.Type.BIGINT)
-
-
-def _hash(values: list[exp.Expression], salt: str) -> exp.Expression:
-    """md5 of the salt and the values as text: a per-row order that is the same on every backend
-    and not the database's RANDOM() (whose seed an analyst could set)."""
-    text: exp.Expression = exp.Literal.string(salt)
-    for value in values:
-        text = exp.DPipe(this=text, expression=exp.DPipe(this=exp.Literal.string("|"), expression=_as_text(value)))
-    return exp.MD5(this=text)
-
-
-def _over_sources(select: exp.Select, *projections: exp.Expr) -> exp.Select:
-    """``projections`` over ``select``'s FROM, joins and WHERE: the rows a bounding step reads."""
-    query = exp.select(*projections).from_(select.args["from_"].copy(), copy=False)
-    for join in select.args.get("joins") or []:
-        query.append("joins", join.copy())
-    if select.args.get("where"):
-        query.set("where", select.args["where"].copy())
-    return query
-
-
-def bound_contributions(select: exp.Select, plan: Plan) -> exp.Select:
-    """Keep at most ``max_groups`` groups and ``max_rows`` rows of each privacy unit.
-
-    Ungrouped queries cap per-unit partial aggregates (:func:`_bound_per_unit`). Grouped ones that
-    read nothing but their keys (counts) collapse identical rows with their multiplicity and weigh
-    each distinct row by how many of its copies fit; grouped ones that read other columns (sums)
-    either keep whole (unit, group) cells and number rows only in the cell crossing the bound
-    (:func:`_bound_by_cells`, when ``plan.bound_cells``) or go rows (unit, used columns, row hash)
-    → rank groups per unit → number rows per unit in hash order → aggregate the rows within both
-    bounds. Bounding happens after the joins, so no join can multiply a unit's rows past the bound
-    the noise assumes.
-    """
-    if plan.unit is None:
-        return select
-    if not plan.keys and not select.args.get("group"):
-        return _bound_per_unit(select, plan)
-    columns: dict[str, exp.Column] = {}
-    for node in [
-        *select.expressions,
-        *(select.args["group"].expressions if select.args.get("group") else []),
-    ]:
-        for column in node.find_all(exp.Column):
-            columns.setdefault(column.sql(), column)
-    names = {sql: f"c{i}" for i, sql in enumerate(columns)}
-    outer = select.copy()
-    for key in ("joins", "where"):
-        outer.set(key, None)
-    for column in list(outer.find_all(exp.Column)):
-        column.replace(exp.column(names[column.sql()], quoted=True))
-    collapse = set(columns) <= {_key(plan, i).sql() for i in range(len(plan.keys))}
-    if not collapse and plan.bound_cells and _cells_matchable(plan):
-        return _bound_by_cells(select, plan, outer, columns, names)
-    used = [exp.alias_(column.copy(), names[sql]) for sql, column in columns.items()]
-    multiplicity = [exp.alias_(exp.Count(this=exp.Star(), big_int=True), "__n")] if collapse else []
-    rank_groups = bool(plan.keys) and plan.max_groups < plan.max_rows
-    keys = [_hash_input(plan, _key(plan, i)) for i in range(len(plan.keys))]
-    key_hash = [exp.alias_(_hash(keys, plan.salt), "__kh")] if rank_groups else []
-    rows = _over_sources(
-        select,
-        exp.alias_(plan.unit.copy(), "__unit"),
-        *used,
-        *multiplicity,
-        exp.alias_(_hash([plan.unit.copy(), *(_hash_input(plan, c) for c in columns.values())], plan.salt), "__h"),
-        *key_hash,
-    )
-    if collapse:
-        rows = rows.group_by(plan.unit.copy(), *(c.copy() for c in columns.values()), copy=False)
-    unit = exp.column("__unit", quoted=True)
-    floats = [exp.column(names[sql], quoted=True) for sql, c in columns.items() if _is_float(plan, c)]
-    row_order = _hash_order("__h", floats)
-    groups, filter_rows_ = _rank_groups(plan, "__rows", rank_groups)
-    if not collapse:
-        number = exp.Window(this=exp.RowNumber(), partition_by=[unit.copy()], order=row_order.copy())
-        bounded = exp.select(exp.Star(), exp.alias_(number, "__rn")).from_("__groups")
-        if filter_rows_ is not None:
-            bounded = bounded.where(filter_rows_)
-        outer = outer.from_("__bounded").where(
-            exp.LTE(this=exp.column("__rn"), expression=exp.Literal.number(plan.max_rows))
-        )
-        return outer.with_("__rows", as_=rows).with_("__groups", as_=groups).with_("__bounded", as_=bounded)
-    running = exp.Window(
-        this=exp.Sum(this=exp.column("__n")),
-        partition_by=[unit.copy()],
-        order=row_order,
-        spec=exp.WindowSpec(kind="ROWS", start="UNBOUNDED", start_side="PRECEDING", end="CURRENT ROW"),
-    )
-    counted = exp.select(exp.Star(), exp.alias_(exp.cast(running, exp.DataType.Type.BIGINT), "__upto")).from_(
-        "__groups"
-    )
-    if filter_rows_ is not None:
-        counted = counted.where(filter_rows_)
-    k = exp.Literal.number(plan.max_rows)
-    before = exp.paren(exp.Sub(this=exp.column("__upto"), expression=exp.column("__n")), copy=False)
-    keep = (
-        exp.Case()
-        .when(exp.LTE(this=exp.column("__upto"), expression=k), exp.column("__n"))
-        .else_(exp.Sub(this=k.copy(), expression=before))
-    )
-    kept = (
-        exp.select(exp.Star(), exp.alias_(keep, "__keep"))
-        .from_("__counted")
-        .where(exp.LT(this=before.copy(), expression=k.copy()))
-    )
-    for projection in outer.expressions:
-        projection.set("this", projection.this.transform(_weigh_by_kept_copies, copy=False))
-    outer = outer.from_("__kept")
-    return (
-        outer.with_("__rows", as_=rows)
-        .with_("__groups", as_=groups)
-        .with_("__counted", as_=counted)
-        .with_("__kept", as_=kept)
-    )
-
-
-def _hash_order(hash_column: str, floats: list[exp.Column]) -> exp.Order:
-    """Order by a salted hash; exact float values break its (rare) ties the same way on every backend."""
-    ties = [exp.Ordered(this=f, nulls_first=False) for f in floats]
-    return exp.Order(expressions=[exp.Ordered(this=exp.column(hash_column)), *ties])
-
-
-def _rank_groups(plan: Plan, source: str, rank_groups: bool) -> tuple[exp.Select, exp.Expression | None]:
-    """``source`` with each row's group ranked per unit by the salted key hash ``__kh``, and the
-    condition keeping a unit's first ``max_groups`` groups (``source`` as is when not ranking)."""
-    if not rank_groups:
-        return exp.select(exp.Star()).from_(source), None
-    rank = exp.Window(
-        this=exp.Anonymous(this="DENSE_RANK"),
-        partition_by=[exp.column("__unit", quoted=True)],
-        order=exp.Order(expressions=[exp.Ordered(this=exp.column("__kh"))]),
-    )
-    groups = exp.select(exp.Star(), exp.alias_(rank, "__g")).from_(source)
-    return groups, exp.LTE(this=exp.column("__g"), expression=exp.Literal.number(plan.max_groups))
-
-
-#: A value of each policy type standing in for NULL when cells are matched by equality (a NULL flag
-#: is compared alongside, so a real value equal to it is never confused with NULL).
-_NULL_STAND_INS: dict[str, exp.Expression] = {
-    "int": exp.Literal.number(0),
-    "float": exp.Literal.number(0),
-    "text": exp.Literal.string(""),
-    "boolean": exp.false(),
-    "date": exp.cast(exp.Literal.string("1970-01-01"), exp.DataType.Type.DATE),
-    "timestamp": exp.cast(exp.Literal.string("1970-01-01 00:00:00"), exp.DataType.Type.TIMESTAMP),
-}
-
-
-def _unit_policy(plan: Plan) -> ColumnPolicy | None:
-    unit = plan.unit
-    assert unit is not None
-    try:
-        return plan.sources.column_policy(unit.table, unit.name)
-    except (KeyError, StopIteration):
-        return None
-
-
-def _cells_matchable(plan: Plan) -> bool:
-    """Whether rows can be joined back to their (unit, keys) cell by plain, hashable equality."""
-    policies = [_unit_policy(plan), *(k.policy for k in plan.keys)]
-    return bool(plan.keys) and all(p is not None and (not p.nullable or p.type in _NULL_STAND_INS) for p in policies)
-
-
-def _same_cell(row: exp.Column, cell: exp.Column, policy: ColumnPolicy) -> exp.Expr:
-    """``row`` and ``cell`` hold the same value, NULL included, as an equality a hash join can use
-    (PostgreSQL cannot hash ``IS NOT DISTINCT FROM``)."""
-    if not policy.nullable:
-        return exp.EQ(this=row, expression=cell)
-    stand_in = _NULL_STAND_INS[policy.type]
-    same_value = exp.EQ(
-        this=exp.Coalesce(this=row.copy(), expressions=[stand_in.copy()]),
-        expression=exp.Coalesce(this=cell.copy(), expressions=[stand_in.copy()]),
-    )
-    null = exp.Null()
-    same_nullness = exp.EQ(
-        this=exp.paren(exp.Is(this=row, expression=null), copy=False),
-        expression=exp.paren(exp.Is(this=cell, expression=null.copy()), copy=False),
-    )
-    return exp.and_(same_value, same_nullness, copy=False)
-
-
-def _bound_by_cells(
-    select: exp.Select, plan: Plan, outer: exp.Select, columns: dict[str, exp.Column], names: dict[str, str]
-) -> exp.Select:
-    """Grouped queries that read more than their keys (sums): bound whole cells, rows only where needed.
-
-    A cell is one unit's rows in one group. A unit's cells are ordered by a salted hash and kept
-    whole while its running row count stays within ``max_rows``; the one cell that crosses the bound
-    (at most one per unit) keeps ``room`` of its rows, the first in row-hash order. So a unit keeps at
-    most ``max_rows`` rows, chosen from its own rows alone, but only the rows of crossing cells are
-    hashed and sorted: one aggregation over (unit, keys) and two hash joins instead of an md5 and a
-    sort of every row. The cells kept whole are the ones the collapsed path for counts keeps.
-    """
-    ctes = _open_cells(select, plan, names) + _rows_of_open_cells(select, plan, columns, names)
-    outer = outer.from_("__bounded")
-    for name, query in ctes:
-        outer = outer.with_(name, as_=query)
-    return outer
-
-
-def _open_cells(select: exp.Select, plan: Plan, names: dict[str, str]) -> list[tuple[str, exp.Select]]:
-    """CTEs ending in ``__open``: each unit's cells that keep rows, with their size ``__n`` and ``__room``."""
-    assert plan.unit is not None
-    k = exp.Literal.number(plan.max_rows)
-    key_columns = [_key(plan, i) for i in range(len(plan.keys))]
-    key_names = [names[c.sql()] for c in key_columns]
-    rank_groups = plan.max_groups < plan.max_rows
-    key_hash = [_hash([_hash_input(plan, c) for c in key_columns], plan.salt)] if rank_groups else []
-    cells = _over_sources(
-        select,
-        exp.alias_(plan.unit.copy(), "__unit"),
-        *(exp.alias_(c.copy(), n) for c, n in zip(key_columns, key_names, strict=True)),
-        exp.alias_(exp.Count(this=exp.Star(), big_int=True), "__n"),
-        exp.alias_(_hash([plan.unit.copy(), *(_hash_input(plan, c) for c in key_columns)], plan.salt), "__ch"),
-        *(exp.alias_(h, "__kh") for h in key_hash),
-    ).group_by(plan.unit.copy(), *(c.copy() for c in key_columns), copy=False)
-    groups, within_groups = _rank_groups(plan, "__cells", rank_groups)
-    float_keys = [exp.column(n, quoted=True) for c, n in zip(key_columns, key_names, strict=True) if _is_float(plan, c)]
-    running = exp.Window(
-        this=exp.Sum(this=exp.column("__n")),
-        partition_by=[exp.column("__unit", quoted=True)],
-        order=_hash_order("__ch", float_keys),
-        spec=exp.WindowSpec(kind="ROWS", start="UNBOUNDED", start_side="PRECEDING", end="CURRENT ROW"),
-    )
-    upto = exp.alias_(exp.cast(running, exp.DataType.Type.BIGINT), "__upto")
-    counted = exp.select(exp.Star(), upto).from_("__groups")
-    if within_groups is not None:
-        counted = counted.where(within_groups)
-    before = exp.paren(exp.Sub(this=exp.column("__upto"), expression=exp.column("__n")), copy=False)
-    open_cells = (
-        exp.select(exp.Star(), exp.alias_(exp.Sub(this=k.copy(), expression=before), "__room"))
-        .from_("__counted")
-        .where(exp.LT(this=before.copy(), expression=k.copy()))
-    )
-    return [("__cells", cells), ("__groups", groups), ("__counted", counted), ("__open", open_cells)]
-
-
-def _rows_of_open_cells(
-    select: exp.Select, plan: Plan, columns: dict[str, exp.Column], names: dict[str, str]
-) -> list[tuple[str, exp.Query]]:
-    """CTEs ending in ``__bounded``: every row of a cell with room for all of it, and the first
-    ``__room`` rows in row-hash order of the cell crossing the bound."""
-    assert plan.unit is not None
-    rows = _over_sources(
-        select,
-        exp.alias_(plan.unit.copy(), "__unit"),
-        *(exp.alias_(c.copy(), names[sql]) for sql, c in columns.items()),
-    )
-    unit_policy = _unit_policy(plan)
-    assert unit_policy is not None
-    matched = [("__unit", unit_policy), *((names[_key(plan, i).sql()], k.policy) for i, k in enumerate(plan.keys))]
-    match = exp.and_(
-        *(
-            _same_cell(exp.column(name, "__r", quoted=True), exp.column(name, "__o", quoted=True), policy)
-            for name, policy in matched
-        ),
-        copy=False,
-    )
-    room, size = exp.column("__room", "__o"), exp.column("__n", "__o")
-
-    def joined(condition: exp.Expr, *extra: exp.Expr) -> exp.Select:
-        return (
-            exp.select(*(exp.column(n, "__r", quoted=True) for n in names.values()), *extra)
-            .from_(rows.copy().subquery("__r", copy=False), copy=False)
-            .join(exp.alias_(exp.to_table("__open"), "__o", table=True), on=match.copy(), copy=False)
-            .where(condition, copy=False)
-        )
-
-    def on_row(column: exp.Column) -> exp.Expression:
-        name = names[column.sql()]
-        return _hash_input(plan, column).transform(
-            lambda node: exp.column(name, "__r", quoted=True) if isinstance(node, exp.Column) else node, copy=False
-        )
-
-    row_hash = _hash([exp.column("__unit", "__r", quoted=True), *(on_row(c) for c in columns.values())], plan.salt)
-    whole = joined(exp.GTE(this=room.copy(), expression=size.copy()))
-    part = joined(
-        exp.LT(this=room.copy(), expression=size.copy()),
-        exp.column("__unit", "__r", quoted=True),
-        room.copy(),
-        exp.alias_(row_hash, "__h"),
-    )
-    floats = [exp.column(names[sql], quoted=True) for sql, c in columns.items() if _is_float(plan, c)]
-    number = exp.Window(
-        this=exp.RowNumber(), partition_by=[exp.column("__unit", quoted=True)], order=_hash_order("__h", floats)
-    )
-    ranked = exp.select(exp.Star(), exp.alias_(number, "__rn")).from_("__part")
-    kept = [exp.column(n, quoted=True) for n in names.values()]
-    bounded = exp.union(
-        exp.select(*(c.copy() for c in kept)).from_("__whole"),
-        exp.select(*(c.copy() for c in kept))
-        .from_("__ranked")
-        .where(exp.LTE(this=exp.column("__rn"), expression=exp.column("__room"))),
-        distinct=False,
-    )
-    return [("__whole", whole), ("__part", part), ("__ranked", ranked), ("__bounded", bounded)]
-
-
-def _weigh_by_kept_copies(node: exp.Expression) -> exp.Expression:
-    """An aggregate over distinct rows that counts each row ``__keep`` times."""
-    keep = exp.column("__keep", quoted=True)
-    if isinstance(node, exp.Count) and not isinstance(node.this, exp.Distinct):  # DISTINCT: rows kept at all
-        if isinstance(node.this, exp.Star):
-            return exp.Sum(this=keep)
-        present = exp.Case().when(exp.Not(this=exp.Is(this=node.this.copy(), expression=exp.Null())), keep)
-        return exp.Sum(this=present.else_(exp.Literal.number(0)))
-    if isinstance(node, exp.Sum) and not (isinstance(node.this, exp.Column) and node.this.name == "__keep"):
-        return exp.Sum(this=exp.Mul(this=exp.paren(node.this.copy(), copy=False), expression=keep))
-    return node
-
-
-def _bound_per_unit(select: exp.Select, plan: Plan) -> exp.Select:
-    """Ungrouped queries: aggregate per unit, then cap each unit's partial aggregate.
-
-    A unit's count is capped at ``max_rows`` and its sum of (already clamped) values at
-    ``max_rows`` times the per-row bounds (widened to include 0), so one unit moves each measure by
-    at most the sensitivity the noise assumes, as when keeping ``max_rows`` of its rows. One hash
-    aggregation instead of hashing and sorting every row: an order of magnitude faster, and no row is
-    dropped at random.
-    """
-    k = plan.max_rows
-    partials, totals = [], []
-    for projection in select.expressions:
-        name, aggregate = projection.alias, projection.this
-        partial = exp.column(f"__{name}", quoted=True)
-        if isinstance(aggregate, exp.Coalesce):  # COALESCE(SUM(value), 0)
-            partials.append(exp.alias_(aggregate.this.copy(), partial.name, quoted=True))
-            low, high = _row_bounds(plan, name)
-            capped = _clamp(partial, _number(k * min(low, 0)), _number(k * max(high, 0)))
-        else:  # COUNT(*), COUNT(x), COUNT(DISTINCT unit)
-            partials.append(exp.alias_(aggregate.copy(), partial.name, quoted=True))
-            cap = 1 if isinstance(aggregate.this, exp.Distinct) else k
-            capped = exp.Case().when(exp.GT(this=partial, expression=_number(cap)), _number(cap)).else_(partial.copy())
-        total = exp.Coalesce(this=exp.Sum(this=capped), expressions=[exp.Literal.number(0)])
-        totals.append(exp.alias_(total, name))
-    assert plan.unit is not None
-    units = _over_sources(select, *partials).group_by(plan.unit.copy(), copy=False)
-    return exp.select(*totals).from_("__units").with_("__units", as_=units)
-
-
-def _row_bounds(plan: Plan, name: str) -> tuple[float, float]:
-    """Bounds of one row's summed value for the sum measure aliased ``name`` (``m<i>``)."""
-    measure = plan.measures[int(name[1:])]
-    if measure.square:
-        return 0.0, measure.sensitivity  # (x − centre)², at most the squared reach
-    assert measure.lower is not None and measure.upper is not None
-    return measure.lower, measure.upper
-
-
-def _number(value: float | None) -> exp.Expression:
-    assert value is not None
-    number = int(value) if float(value).is_integer() else value
-    literal = exp.Literal.number(abs(number))
-    return exp.Neg(this=literal) if number < 0 else literal
-
-
+#: Passes that build and shape the measures (a histogram query builds its own instead).
+MEASURE_PASSES: tuple[RewritePass, ...] = (select_measures, clamp_inputs, centre_sums, square_sums, coalesce_sums)
+#: Passes over rows and groups: every query runs them, histogram queries too.
+ROW_PASSES: tuple[RewritePass, ...] = (filter_rows, group_by_keys, bound_contributions)
 #: The rewrite, in order.
-REWRITE_PASSES: tuple[RewritePass, ...] = (
-    select_measures,
-    clamp_inputs,
-    centre_sums,
-    square_sums,
-    coalesce_sums,
-    filter_rows,
-    group_by_keys,
-    bound_contributions,
-)
+REWRITE_PASSES: tuple[RewritePass, ...] = MEASURE_PASSES + ROW_PASSES
 
 
 def rewrite(plan: Plan) -> exp.Select:
@@ -574,38 +57,17 @@ def rewrite(plan: Plan) -> exp.Select:
     return select
 
 
-def _bin(column: exp.Expression, measure: Measure, bins: int) -> exp.Expression:
-    """The bin (0..bins) of a value clamped to the measure's bounds, computed identically on every backend."""
-    assert measure.lower is not None and measure.upper is not None
-    value = _clamp(exp.cast(column, exp.DataType.Type.DOUBLE), _number(measure.lower), _number(measure.upper))
-    offset = exp.paren(exp.Sub(this=value, expression=_number(measure.lower)), copy=False)
-    scaled = exp.Div(
-        this=exp.paren(exp.Mul(this=offset, expression=exp.Literal.number(bins)), copy=False),
-        expression=_number(measure.upper - measure.lower),
-    )
-    return exp.cast(exp.Floor(this=scaled), exp.DataType.Type.BIGINT)
-
-
 def histogram_query(plan: Plan, index: int, bins: int = QUANTILE_BINS) -> exp.Select:
-    """Counts per group key of a quantile measure's clamped values in ``bins`` equal bins, or of a
-    mode measure's values.
+    """The histogram a selection measure is chosen from, filtered, grouped and bounded like the main query."""
+    select = select_histogram(plan, index, bins)
+    for rewrite_pass in ROW_PASSES:
+        select = rewrite_pass(select, plan)
+    return select
 
-    Bounded per unit like the main query; the exponential mechanism reads only these counts.
-    """
-    measure = plan.measures[index]
-    column = _input(measure)
-    bin_ = column if measure.kind == "mode" else _bin(column, measure, bins)
-    keys = [_key(plan, i) for i in range(len(plan.keys))]
-    select = exp.select(
-        *(exp.alias_(k, f"k{i}") for i, k in enumerate(keys)),
-        exp.alias_(bin_, "b"),
-        exp.alias_(exp.Count(this=exp.Star(), big_int=True), "n"),
-    ).from_(from_node(plan.sources.sources[0]))
-    for join in plan.sources.joins:
-        select.append("joins", join.copy())
-    select = filter_rows(select, plan)
-    select = select.group_by(*(k.copy() for k in keys), bin_.copy(), copy=False)
-    return bound_contributions(select, plan)
+
+def histogram_queries(plan: Plan, dialect: DialectType) -> list[tuple[int, str]]:
+    """(measure index, SQL) of the histogram each selection (quantile, mode) measure is chosen from."""
+    return [(i, histogram_query(plan, i).sql(dialect=dialect)) for i, m in enumerate(plan.measures) if m.selected]
 
 
 def to_sql(plan: Plan, dialect: str) -> str:

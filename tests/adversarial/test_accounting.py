@@ -117,9 +117,7 @@ def test_zcdp_gaussian_selection_charges_rho_and_half_the_delta(
     budget = policy.analyst_budget("alice")
     expected = budget.epsilon - rho_to_epsilon(spent.rho, budget.delta - spent.selection_delta)
     assert result.remaining_epsilon == pytest.approx(expected)
-    shown = engine.ledger.remaining(
-        "health", "alice", budget=budget, accounting="zcdp", rho_to_epsilon=rho_to_epsilon
-    ).epsilon
+    shown = engine.ledger.remaining("health", "alice", budget=budget, accounting="zcdp").epsilon
     assert shown == pytest.approx(expected)
     assert f"remaining ε={expected:g}" in result.notices[-1]
     engine.ledger.close()

@@ -288,7 +288,7 @@ def test_nan_and_infinity_are_never_proven_in_bounds(oracle_backends: dict[str, 
     for variant in ("ordinary", "nan", "infinity", "negative-infinity", "huge"):
         backend.execute_script(_script(variant))
         engine = Engine(parse_policy(POLICY), backend, Ledger.open("sqlite:///:memory:"))
-        proven[variant] = engine.prepare("SELECT SUM(x) FROM t", Session("alice")).plan.proven
+        proven[variant] = engine.prepare("SELECT SUM(x) FROM t", Session("alice")).plan.physical.proven
     assert proven == {
         "ordinary": frozenset({0}),
         "nan": frozenset(),

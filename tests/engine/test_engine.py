@@ -235,16 +235,16 @@ def test_variance_intervals_cover_the_truth(engine: Engine, alice: Session) -> N
 def test_columnwise_fast_path_matches_the_interpreter(
     engine: Engine, alice: Session, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import dpsql.engine as engine_module
+    import dpsql.postprocess.finish as finish_module
 
     sql = "SELECT zip, COUNT(*), SUM(age) AS s FROM patients GROUP BY zip LIMIT 40 OFFSET 3"
     prepared = engine.prepare(sql, alice)
-    assert engine_module._direct_columns(prepared.plan) is not None
+    assert finish_module._direct_columns(prepared.plan) is not None
     rows = engine._run(prepared.sql)
     columns = [[r[1] for r in rows], [r[2] for r in rows]]
     widths = [[3.0, 330.0]] * len(rows)
-    fast = engine._postprocess(prepared.plan, rows, columns, widths)
-    monkeypatch.setattr(engine_module, "_direct_columns", lambda plan: None)
-    slow = engine._postprocess(prepared.plan, rows, columns, widths)
+    fast = finish_module.finish(prepared.plan, rows, columns, widths)
+    monkeypatch.setattr(finish_module, "_direct_columns", lambda plan: None)
+    slow = finish_module.finish(prepared.plan, rows, columns, widths)
     assert (fast.rows, fast.accuracy, fast.columns) == (slow.rows, slow.accuracy, slow.columns)
     assert len(fast.rows) == 40

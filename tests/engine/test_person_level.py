@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import pytest
 
@@ -12,7 +13,7 @@ from dpsql.demo import HEAVY_PATIENTS, demo_policy_path, load_demo
 from dpsql.engine import Engine
 from dpsql.errors import Error
 from dpsql.ledger import Ledger
-from dpsql.plan import Plan
+from dpsql.plan import Physical, Plan
 from dpsql.policy import Policy, load_policy, parse_policy
 from dpsql.rewrite import centre_rows, to_sql
 from dpsql.session import Session
@@ -69,10 +70,7 @@ QUERIES = [
 
 def _plan(sql: str, policy: Policy, *, cells: bool = False) -> Plan:
     """``cells``: bound grouped sums by (unit, group) cells, as the engine does on DuckDB."""
-    plan = analyze(sql, policy)
-    plan.salt = "fixed-salt-for-the-test"
-    plan.bound_cells = cells
-    return plan
+    return replace(analyze(sql, policy), physical=Physical("fixed-salt-for-the-test", bound_cells=cells))
 
 
 def _cells(backend: Backend, plan: Plan, dialect: str) -> dict[tuple, tuple]:

@@ -45,7 +45,7 @@ def engine() -> Iterator[Engine]:
 
 def test_in_bounds_columns_are_not_clamped(engine: Engine) -> None:
     prepared = engine.prepare("SELECT SUM(x), AVG(y) FROM t", Session("alice"))
-    assert prepared.plan.proven == frozenset({0, 1})
+    assert prepared.plan.physical.proven == frozenset({0, 1})
     assert "CASE" not in prepared.sql
 
 
@@ -53,13 +53,13 @@ def test_views_and_out_of_bounds_values_keep_the_clamp(engine: Engine) -> None:
     assert "CASE" in engine.prepare("SELECT SUM(x) FROM v", Session("alice")).sql  # views are not trusted
     engine.backend.execute_script("INSERT INTO t VALUES (50, 11.5)")
     prepared = engine.prepare("SELECT SUM(x), AVG(y) FROM t", Session("alice"))
-    assert prepared.plan.proven == frozenset({0})  # y now has a value above 10; the plan cache was refreshed
+    assert prepared.plan.physical.proven == frozenset({0})  # y now has a value above 10; the plan cache was refreshed
     assert prepared.sql.count("CASE") == 1
 
 
 def test_deleting_the_outlier_does_not_narrow_statistics(engine: Engine) -> None:
     engine.backend.execute_script("INSERT INTO t VALUES (500, 1); DELETE FROM t WHERE x = 500")
-    assert engine.prepare("SELECT SUM(x) FROM t", Session("alice")).plan.proven == frozenset()
+    assert engine.prepare("SELECT SUM(x) FROM t", Session("alice")).plan.physical.proven == frozenset()
 
 
 def test_a_write_after_planning_runs_the_clamped_query(engine: Engine) -> None:

@@ -9,7 +9,7 @@ from dpsql.backends import Backend
 from dpsql.engine import Engine
 from dpsql.ledger import Ledger
 from dpsql.policy import Policy
-from dpsql.release import epsilon_to_rho, rho_to_epsilon
+from dpsql.release import epsilon_to_rho
 from dpsql.session import Session
 
 
@@ -24,7 +24,7 @@ def test_hundred_gaussian_queries_compose_in_zcdp(health_policy: Policy, health_
     spent = engine.ledger.spent("health", "alice")
     assert spent.rho == pytest.approx(100 * rho, rel=1e-9)
     delta = policy.analyst_budget("alice").delta
-    shown = spent.privacy_loss("zcdp", delta, rho_to_epsilon)[0]
+    shown = spent.privacy_loss("zcdp", delta)[0]
     dp.enable_features("contrib")
     space = dp.atom_domain(T=float, nan=False), dp.absolute_distance(T=float)
     gaussian = dp.m.make_gaussian(*space, scale=1.0 / (2 * 100 * rho) ** 0.5)
@@ -60,7 +60,6 @@ def test_one_remaining_epsilon_everywhere_under_zcdp(tmp_path, capsys) -> None: 
         engine.ledger.spent("health", "alice"),
         engine.policy.analyst_budget("alice"),
         "zcdp",
-        rho_to_epsilon=rho_to_epsilon,
     ).epsilon
     conn.close()
     assert main(["budget", "--policy", str(policy_file), "--ledger", ledger, "--analyst", "alice", "--json"]) == 0

@@ -1,4 +1,4 @@
-"""Post-processing of released values: output expressions, HAVING, DISTINCT, ORDER BY, LIMIT.
+"""Post-processing expressions: the interpreter for output expressions, HAVING and ORDER BY terms.
 
 Everything here reads only noisy measures and released keys, so by the post-processing
 theorem it costs no privacy. Expressions are evaluated with PostgreSQL semantics

@@ -1,0 +1,28 @@
+"""Aggregates as registered types: one module per aggregate, one table per stage's key.
+
+Each module owns what differs between aggregates at every stage: its measures' label, sensitivity
+and raw SQL, how released values become Python values, selection over a histogram (quantile,
+mode), its output's coercion after noise, confidence interval and EXPLAIN line. Stages look an
+aggregate up by the kind the analyzer gave its measure (:data:`MEASURES`) or output
+(:data:`OUTPUTS`) instead of testing kind strings.
+"""
+
+from __future__ import annotations
+
+from dpsql.aggregates.avg import Avg
+from dpsql.aggregates.base import Aggregate, Expression, Key, Selection
+from dpsql.aggregates.count import Count, CountStar
+from dpsql.aggregates.mode import Mode
+from dpsql.aggregates.quantile import Quantile, QuantileDisc
+from dpsql.aggregates.sum import Sum
+from dpsql.aggregates.units import CountUnits
+from dpsql.aggregates.variance import Variance
+
+__all__ = ["MEASURES", "OUTPUTS", "Aggregate", "Key", "Selection"]
+
+#: Measure kind → the aggregate that labels, bounds, computes and converts it.
+MEASURES: dict[str, Aggregate] = {a.kind: a for a in (CountStar(), Count(), CountUnits(), Sum(), Quantile(), Mode())}
+#: Output kind → the aggregate that coerces, bounds the error of, and explains it.
+OUTPUTS: dict[str, Aggregate] = {
+    a.kind: a for a in (Key(), Count(), Sum(), Avg(), Variance(), Quantile(), QuantileDisc(), Mode(), Expression())
+}

@@ -1,0 +1,40 @@
+"""AVG = centre + noisy centred SUM / noisy COUNT: the centred sum halves the sensitivity."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from dpsql.aggregates.base import Aggregate
+
+if TYPE_CHECKING:
+    from dpsql.plan import OutputItem, Plan
+    from dpsql.release.calibrate import Budgeting
+    from dpsql.session import PgType
+
+
+class Avg(Aggregate):
+    kind = "avg"
+
+    def output_type(self, scope: Any, measures: tuple[int, ...]) -> PgType | None:
+        return "double precision"
+
+    def output_clamp(self, scope: Any, measures: tuple[int, ...]) -> tuple[float, float] | None:
+        """AVG stays inside the column's bounds."""
+        m = scope.measures[measures[0]]
+        return (m.lower, m.upper)
+
+    def accuracy(self, out: OutputItem, env: dict[str, Any], widths: list[float | None]) -> float | None:
+        total_i, count_i = out.measures
+        count = max(float(env[f"m{count_i}"]), 1.0)
+        total = float(env[f"m{total_i}"])
+        # delta method for (centre + S/N): independent noises on S and N
+        total_w, count_w = widths[total_i], widths[count_i]
+        assert total_w is not None and count_w is not None
+        return math.hypot(total_w / count, count_w * abs(total) / count**2)
+
+    def explain(self, out: OutputItem, plan: Plan, budgeting: Budgeting, confidence: float) -> dict[str, Any]:
+        entry = super().explain(out, plan, budgeting, confidence)
+        if out.noisy:
+            entry["measure"] = "AVG = centre + noisy centred SUM / noisy COUNT"
+        return entry

@@ -1,0 +1,134 @@
+"""What every aggregate provides, with the defaults most of them share.
+
+An aggregate owns, per stage, what differs between aggregates: the label, per-row sensitivity and
+raw SQL of its measures; how a released value becomes a Python value; how its output is coerced
+after noise, its confidence interval and its EXPLAIN line. Registered by kind in
+:data:`dpsql.aggregates.MEASURES` (measure kinds) and :data:`dpsql.aggregates.OUTPUTS` (output kinds).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from sqlglot import exp
+
+from dpsql.release.mechanisms import half_width
+
+if TYPE_CHECKING:
+    from dpsql.plan import Measure, OutputItem, Plan
+    from dpsql.release.calibrate import Budgeting
+    from dpsql.session import PgType
+
+Rows = list[tuple[Any, ...]]
+
+
+class Aggregate:
+    """Defaults: a count-like measure of sensitivity 1 and an output that copies one measure."""
+
+    #: The measure and/or output kind this aggregate is registered under.
+    kind: ClassVar[str]
+    #: Chosen over a histogram (exponential mechanism / report-noisy-max), not noised additively.
+    selected: ClassVar[bool] = False
+    #: Its output is one measure column, released column-wise on the fast path (no interpreter).
+    direct: ClassVar[bool] = False
+    #: EXPLAIN shows a CI for its output (one additive measure).
+    explain_ci: ClassVar[bool] = False
+
+    # -- measures -------------------------------------------------------------------------------
+
+    def label(self, measure: Measure) -> str:
+        raise NotImplementedError(self.kind)
+
+    def row_sensitivity(self, measure: Measure) -> float:
+        """Largest change of one cell when one row is added or removed."""
+        return 1.0
+
+    def sensitivities(self, measure: Measure, plan: Plan) -> tuple[float, float]:
+        """(L1, L2) over all released groups for one whole unit (``max_rows`` rows)."""
+        total = measure.sensitivity * plan.max_rows
+        return total, total
+
+    def raw_sql(self, measure: Measure, value: Callable[[], exp.Expression]) -> exp.Expression:
+        """The aggregate the measurement query computes (``value()``: the measure's input)."""
+        return exp.Count(this=exp.Star(), big_int=True)
+
+    def converter(self, measure: Measure) -> Callable[[Any], Any]:
+        """How a released value of this measure becomes a Python value."""
+        return int if measure.integer and float(measure.centre).is_integer() else float
+
+    # -- outputs --------------------------------------------------------------------------------
+
+    def output_type(self, scope: Any, measures: tuple[int, ...]) -> PgType | None:
+        """The output column's PostgreSQL type (None: typed from its expression by the analyzer).
+        ``scope`` is the analyzer's (keys, measures, sources)."""
+        return None
+
+    def output_clamp(self, scope: Any, measures: tuple[int, ...]) -> tuple[float, float] | None:
+        """Bounds the released output is clamped to after noise (post-processing), if any."""
+        return None
+
+    def coerce(self, out: OutputItem, value: Any) -> Any:
+        """The output's value after noise, in its column's type (post-processing)."""
+        return value
+
+    def direct_values(self, values: list[Any], convert: Callable[[Any], Any]) -> list[Any]:
+        return [convert(v) for v in values]
+
+    def accuracy(self, out: OutputItem, env: dict[str, Any], widths: list[float | None]) -> float | None:
+        """Half-width of the cell's confidence interval (None when none is known)."""
+        if isinstance(out.expr, exp.Var) and out.expr.name.startswith("m"):
+            return widths[int(out.expr.name[1:])]
+        return None
+
+    def explain(self, out: OutputItem, plan: Plan, budgeting: Budgeting, confidence: float) -> dict[str, Any]:
+        """The EXPLAIN entry of an output of this aggregate."""
+        if not out.noisy:
+            return {"measure": "constant"}
+        specs = [s for s in (budgeting.specs[i] for i in out.measures) if s is not None]
+        return {
+            "measure": " + ".join(plan.measures[i].label for i in out.measures),
+            "sensitivity": max(plan.sensitivities(plan.measures[i])[0] for i in out.measures),
+            "scale": max(s.scale * s.grid for s in specs),
+            "epsilon": budgeting.epsilon * len(out.measures) / len(plan.measures),
+            "ci": half_width(specs[0], confidence) if self.explain_ci else math.nan,
+        }
+
+
+class Selection(Aggregate):
+    """Measures chosen per group from a histogram query rather than noised."""
+
+    selected = True
+
+    def sensitivities(self, measure: Measure, plan: Plan) -> tuple[float, float]:
+        # utility sensitivity, composed over the groups a unit touches
+        return float(plan.max_rows * plan.max_groups), float(plan.max_rows * plan.max_groups)
+
+    def select(self, plan: Plan, index: int, rows: Rows, histogram: Rows, epsilon: float) -> list[Any]:
+        raise NotImplementedError(self.kind)
+
+    def accuracy(self, out: OutputItem, env: dict[str, Any], widths: list[float | None]) -> float | None:
+        return None
+
+
+class Key(Aggregate):
+    """A group key output: released as is (keys are public or selected), no interval."""
+
+    kind = "key"
+    direct = True
+
+    def output_type(self, scope: Any, measures: tuple[int, ...]) -> PgType | None:
+        return None  # typed from the key's policy column by the analyzer
+
+    def accuracy(self, out: OutputItem, env: dict[str, Any], widths: list[float | None]) -> float | None:
+        return None
+
+    def explain(self, out: OutputItem, plan: Plan, budgeting: Budgeting, confidence: float) -> dict[str, Any]:
+        return {"measure": "group key"}
+
+
+class Expression(Aggregate):
+    """An output expression over released measures and keys (post-processing)."""
+
+    kind = "expr"

@@ -1,0 +1,54 @@
+"""MODE over a public domain: report-noisy-max over the candidates' counts, once per group."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from dpsql.aggregates.base import Rows, Selection
+from dpsql.policy import PG_TYPE_NAMES
+from dpsql.release.selection import select_mode
+
+if TYPE_CHECKING:
+    from dpsql.plan import Measure, OutputItem, Plan
+    from dpsql.release.calibrate import Budgeting
+    from dpsql.session import PgType
+
+
+class Mode(Selection):
+    kind = "mode"
+
+    def label(self, measure: Measure) -> str:
+        return f"MODE({measure.column}) over {len(measure.domain or ())} public values"
+
+    def converter(self, measure: Measure) -> Callable[[Any], Any]:
+        return lambda value: value
+
+    def select(self, plan: Plan, index: int, rows: Rows, histogram: Rows, epsilon: float) -> list[Any]:
+        """Report-noisy-max, once per released group, over the counts of the public candidates."""
+        nkeys = len(plan.keys)
+        measure = plan.measures[index]
+        candidates = list(measure.domain or ())
+        position = {value: i for i, value in enumerate(candidates)}
+        counts: dict[tuple[Any, ...], list[int]] = {}
+        for row in histogram:
+            slot = position.get(row[nkeys])
+            if slot is not None:  # values outside the public domain are never candidates
+                counts.setdefault(tuple(row[:nkeys]), [0] * len(candidates))[slot] += int(row[nkeys + 1])
+        sensitivity = plan.sensitivities(measure)[0]
+        empty = [0] * len(candidates)
+        return [candidates[select_mode(counts.get(tuple(row[:nkeys]), empty), epsilon, sensitivity)] for row in rows]
+
+    def output_type(self, scope: Any, measures: tuple[int, ...]) -> PgType | None:
+        measure = scope.measures[measures[0]]
+        return PG_TYPE_NAMES[scope.sources.column_policy(measure.table, measure.column).type]
+
+    def explain(self, out: OutputItem, plan: Plan, budgeting: Budgeting, confidence: float) -> dict[str, Any]:
+        i = out.measures[0]
+        return {
+            "measure": f"{plan.measures[i].label}: report-noisy-max",
+            "sensitivity": plan.sensitivities(plan.measures[i])[0],
+            "scale": plan.sensitivities(plan.measures[i])[0] / budgeting.shares[i],
+            "epsilon": budgeting.shares[i],
+            "ci": float("nan"),
+        }

@@ -1,0 +1,40 @@
+"""SUM of a clamped (possibly centred, possibly squared) value: sensitivity is the bounds' reach."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from sqlglot import exp
+
+from dpsql.aggregates.base import Aggregate
+
+if TYPE_CHECKING:
+    from dpsql.plan import Measure, OutputItem
+    from dpsql.session import PgType
+
+
+class Sum(Aggregate):
+    kind = "sum"
+    direct = True
+    explain_ci = True
+
+    def label(self, measure: Measure) -> str:
+        centre = f" - {measure.centre:g}" if measure.centre else ""
+        term = f"clamp({measure.column}, {measure.lower:g}, {measure.upper:g}){centre}"
+        return f"SUM(({term})^2)" if measure.square else f"SUM({term})"
+
+    def row_sensitivity(self, measure: Measure) -> float:
+        """``clamp(x) − centre`` moves by at most the bounds' reach from the centre (squared for variance)."""
+        assert measure.lower is not None and measure.upper is not None
+        reach = float(max(abs(measure.upper - measure.centre), abs(measure.lower - measure.centre)))
+        return reach * reach if measure.square else reach
+
+    def raw_sql(self, measure: Measure, value: Callable[[], exp.Expression]) -> exp.Expression:
+        return exp.Sum(this=value())
+
+    def output_type(self, scope: Any, measures: tuple[int, ...]) -> PgType | None:
+        return "bigint" if scope.measures[measures[0]].integer else "double precision"
+
+    def accuracy(self, out: OutputItem, env: dict[str, Any], widths: list[float | None]) -> float | None:
+        return widths[out.measures[0]]

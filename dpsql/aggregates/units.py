@@ -1,0 +1,26 @@
+"""COUNT(DISTINCT unit): one unit adds at most 1 to each of the ``max_groups`` groups it touches."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from sqlglot import exp
+
+from dpsql.aggregates.base import Aggregate
+
+if TYPE_CHECKING:
+    from dpsql.plan import Measure, Plan
+
+
+class CountUnits(Aggregate):
+    kind = "count_units"
+
+    def label(self, measure: Measure) -> str:
+        return f"COUNT(DISTINCT {measure.column})"
+
+    def sensitivities(self, measure: Measure, plan: Plan) -> tuple[float, float]:
+        return float(plan.max_groups), float(plan.max_groups) ** 0.5
+
+    def raw_sql(self, measure: Measure, value: Callable[[], exp.Expression]) -> exp.Expression:
+        return exp.Count(this=exp.Distinct(expressions=[value()]), big_int=True)

@@ -1,0 +1,161 @@
+"""Finishing a released query: output expressions, HAVING, DISTINCT, ORDER BY, OFFSET and LIMIT.
+
+Everything here reads only noisy measures, released keys and public scales, so by the
+post-processing theorem it costs no privacy. Plans whose outputs are bare keys, counts and
+sums skip the per-row interpreter (:func:`_postprocess_direct`); the values are the same.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable
+from typing import Any
+
+from sqlglot import exp
+
+from dpsql.aggregates import OUTPUTS, Aggregate, Key
+from dpsql.errors import DataError, Error
+from dpsql.plan import Measure, Plan
+from dpsql.postprocess.expressions import compile_expression, order_rows
+from dpsql.release.accuracy import accuracy
+from dpsql.release.apply import ReleaseCache
+from dpsql.session import Result
+
+
+def finish(
+    plan: Plan,
+    rows: list[tuple[Any, ...]],
+    columns: list[list[Any]],
+    widths: list[list[float | None]],
+    cache: ReleaseCache | None = None,
+) -> Result:
+    """Outputs, HAVING, DISTINCT, ORDER BY and LIMIT over released values (row j: keys, measures, widths)."""
+    direct = _direct_columns(plan)
+    if direct is not None and (not widths or all(w is widths[0] for w in widths)):
+        return _postprocess_direct(plan, rows, columns, widths[0] if widths else [], direct)
+    nkeys = len(plan.keys)
+    released: list[tuple[tuple[Any, ...], tuple[Any, ...], tuple[float | None, ...]]] = []
+    key_names = [f"k{i}" for i in range(nkeys)]
+    measure_names = [f"m{i}" for i in range(len(columns))]
+    converters = [converter(m) for m in plan.measures]
+    cache = cache or ReleaseCache()
+    if cache.compiled is None:
+        cache.compiled = (
+            [compile_expression(out.expr) for out in plan.outputs],
+            None if plan.having is None else compile_expression(plan.having),
+            [compile_expression(term) for term, _, _ in plan.order],
+        )
+    outputs, having, order = cache.compiled
+    for j, row in enumerate(rows):
+        env: dict[str, Any] = dict(zip(key_names, row, strict=False))
+        for name, values, convert in zip(measure_names, columns, converters, strict=True):
+            env[name] = convert(values[j])
+        out_values, out_acc = [], []
+        for o, out in enumerate(plan.outputs):
+            value = _evaluate_released(outputs[o], env)
+            value = OUTPUTS[out.kind].coerce(out, value)
+            if out.clamp is not None and value is not None:
+                value = min(max(value, out.clamp[0]), out.clamp[1])
+            env[f"o{o}"] = value
+            out_values.append(value)
+            out_acc.append(accuracy(out, env, widths[j]))
+        if having is not None and _evaluate_released(having, env) is not True:
+            continue
+        sort_key = tuple(_evaluate_released(term, env) for term in order)
+        released.append((sort_key, tuple(out_values), tuple(out_acc)))
+    if plan.distinct:
+        seen: dict[tuple[Any, ...], Any] = {}
+        for item in released:
+            seen.setdefault(item[1], item)
+        released = list(seen.values())
+    if plan.order:
+        spec = [(desc, nulls_first) for _, desc, nulls_first in plan.order]
+        released = order_rows([(item[0], item) for item in released], spec)
+    end = None if plan.limit is None else plan.offset + plan.limit
+    released = released[plan.offset : end]
+    return Result(
+        columns=[o.column for o in plan.outputs],
+        rows=[item[1] for item in released],
+        accuracy=[item[2] for item in released],
+        epsilon_spent=0.0,
+        delta_spent=0.0,
+    )
+
+
+def _direct_columns(plan: Plan) -> list[tuple[Aggregate, int]] | None:
+    """For plans whose outputs are bare keys, counts and sums (no HAVING/ORDER BY/DISTINCT): where each comes from.
+
+    Such plans — the common shape of large grouped results — skip the per-row interpreter.
+    """
+    if plan.having is not None or plan.order or plan.distinct:
+        return None
+    sources: list[tuple[Aggregate, int]] = []
+    for out in plan.outputs:
+        if not isinstance(out.expr, exp.Var) or not OUTPUTS[out.kind].direct or out.clamp is not None:
+            return None
+        sources.append((OUTPUTS[out.kind], int(out.expr.name[1:])))
+    return sources
+
+
+def _postprocess_direct(
+    plan: Plan,
+    rows: list[tuple[Any, ...]],
+    columns: list[list[Any]],
+    widths: list[float | None],
+    direct: list[tuple[Aggregate, int]],
+) -> Result:
+    """Column-wise release of key/count/sum outputs: same values as the interpreter, without it."""
+    end = None if plan.limit is None else plan.offset + plan.limit
+    window = slice(plan.offset, end)
+    rows = rows[window]
+    cells: list[list[Any]] = []
+    accuracy: list[float | None] = []
+    for aggregate, index in direct:
+        if isinstance(aggregate, Key):
+            cells.append([row[index] for row in rows])
+            accuracy.append(None)
+            continue
+        values = columns[index][window]
+        convert = converter(plan.measures[index])
+        cells.append(aggregate.direct_values(values, convert))
+        accuracy.append(widths[index] if widths else None)
+    released = list(zip(*cells, strict=True)) if cells else []
+    return Result(
+        columns=[o.column for o in plan.outputs],
+        rows=released,
+        accuracy=[tuple(accuracy)] * len(released),
+        epsilon_spent=0.0,
+        delta_spent=0.0,
+    )
+
+
+def _evaluate_released(expr: Callable[[dict[str, Any]], Any], env: dict[str, Any]) -> Any:
+    """Post-processing never fails with a Python exception: it reads only noisy values, so a
+    PostgreSQL-style data error is safe to report."""
+    try:
+        return expr(env)
+    except Error:
+        raise
+    except (ArithmeticError, TypeError, ValueError) as exc:
+        raise DataError("could not compute an output from the released values", detail=str(exc)) from None
+
+
+def converter(measure: Measure) -> Any:
+    """How a released value of this measure becomes a Python value: int, float, or a chosen key."""
+    return measure.aggregate.converter(measure)
+
+
+def from_cache(cached: Result, created: float) -> Result:
+    """A stored answer, re-released: same values, nothing charged."""
+    when = dt.datetime.fromtimestamp(created, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return Result(
+        columns=cached.columns,
+        rows=cached.rows,
+        accuracy=cached.accuracy,
+        epsilon_spent=0.0,
+        delta_spent=0.0,
+        notices=[
+            f"dpsql: answered from the result cache (first computed at {when}; this exact query was already "
+            "released on this database and data); no budget charged"
+        ],
+    )

@@ -1,0 +1,130 @@
+"""Applying the release: raw measures in, noisy columns out (nothing raw leaves this module).
+
+Additive measures get their calibrated noise (``release``); quantile and mode measures are
+chosen by the exponential mechanism / report-noisy-max over their histograms; with private
+keys, rows whose noisy COUNT(*) is under the partition-selection threshold are dropped; with
+public keys, every combination of the declared domains is released (zeros included), and keys
+outside the domains never are. What follows is post-processing (:mod:`dpsql.postprocess`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from dpsql.aggregates import Selection
+from dpsql.analyze.randomized import LocalQuery
+from dpsql.errors import FeatureNotSupported
+from dpsql.plan import Plan
+from dpsql.release.calibrate import Budgeting
+from dpsql.release.mechanisms import half_width, release
+from dpsql.rewrite import centre_rows
+
+#: Largest cross product of public key domains released in one query.
+MAX_PUBLIC_GROUPS = 1_000_000
+
+
+@dataclass(slots=True)
+class ReleaseCache:
+    """What release and post-processing build once per prepared query (never part of the plan):
+    the compiled output/HAVING/ORDER BY closures and the public-key grid with its positions."""
+
+    compiled: Any = None
+    key_grid: Any = None
+
+
+class Released(NamedTuple):
+    """Released rows (keys first), each measure's noisy column, and each row's CI half-widths per measure."""
+
+    rows: list[tuple[Any, ...]]
+    columns: list[list[Any]]
+    widths: list[list[float | None]]
+
+
+def apply(
+    plan: Plan,
+    budgeting: Budgeting,
+    rows: list[tuple[Any, ...]],
+    confidence: float,
+    histograms: dict[int, list[tuple[Any, ...]]] | None = None,
+    cache: ReleaseCache | None = None,
+) -> Released:
+    """Noise every measure of the measurement query's rows, then apply partition selection."""
+    nkeys = len(plan.keys)
+    rows = centre_rows(plan, rows)
+    measured: list[list[Any]] | None = None
+    if plan.keys and plan.public_keys:
+        rows, measured = public_key_rows(plan, rows, cache or ReleaseCache())
+    if not rows and not plan.keys:
+        rows = [tuple([0] * len(plan.measures))]
+    noisy: list[Any] = []
+    for i, spec in enumerate(budgeting.specs):
+        if spec is None:
+            selection = plan.measures[i].aggregate
+            assert isinstance(selection, Selection)
+            noisy.append(selection.select(plan, i, rows, (histograms or {}).get(i, []), budgeting.shares[i]))
+            continue
+        values = measured[i] if measured is not None else [0 if r[nkeys + i] is None else r[nkeys + i] for r in rows]
+        noisy.append(release(values, spec) if values else np.zeros(0))
+    widths = [None if spec is None else half_width(spec, confidence) for spec in budgeting.specs]
+    columns = [values.tolist() if isinstance(values, np.ndarray) else values for values in noisy]
+    if budgeting.threshold is not None and plan.selection_measure is not None:
+        counts = columns[plan.selection_measure]
+        keep = [j for j in range(len(rows)) if counts[j] >= budgeting.threshold]
+        rows = [rows[j] for j in keep]
+        columns = [[values[j] for j in keep] for values in columns]
+    return Released(rows, columns, [widths] * len(rows))
+
+
+def apply_local(plan: Plan, local: LocalQuery, observed: dict[Any, int], confidence: float) -> Released:
+    """Counts of a randomized-response column, debiased; post-processing of stored values, free."""
+    estimates = local.mechanism.estimate(observed, confidence)
+    total = sum(observed.get(v, 0) for v in local.mechanism.domain)
+    rows: list[tuple[Any, ...]]
+    widths: list[list[float | None]]
+    if plan.keys:
+        rows = [(value, estimates[value][0]) for value in local.mechanism.domain]
+        widths = [[estimates[value][1]] for value in local.mechanism.domain]
+    elif local.filtered:
+        rows, widths = [(estimates[local.value][0],)], [[estimates[local.value][1]]]
+    else:
+        rows, widths = [(total,)], [[0.0]]
+    return Released(rows, [[round(r[-1]) for r in rows]], widths)
+
+
+def public_key_rows(
+    plan: Plan, rows: list[tuple[Any, ...]], cache: ReleaseCache
+) -> tuple[list[tuple[Any, ...]], list[list[Any]]]:
+    """Every combination of the public domains, in domain order (key tuples), and each measure's
+    column over them: absent combinations get zeros.
+
+    Keys outside the declared domain are dropped: releasing them would reveal that
+    someone holds an undeclared value. The combinations and their positions are built once per query.
+    """
+    if cache.key_grid is None:
+        domains = [k.domain or () for k in plan.keys]
+        size = math.prod(len(d) for d in domains)
+        if size > MAX_PUBLIC_GROUPS:
+            raise FeatureNotSupported(
+                f"GROUP BY would release {size} groups (more than {MAX_PUBLIC_GROUPS})",
+                hint="Group by fewer columns.",
+            )
+        combos = list(itertools.product(*domains))
+        keys = [c[0] for c in combos] if len(domains) == 1 else combos  # one key: look up bare values
+        cache.key_grid = (combos, {key: j for j, key in enumerate(keys)})
+    combos, position = cache.key_grid
+    nkeys = len(plan.keys)
+    found = map(position.get, (r[0] for r in rows) if nkeys == 1 else (r[:nkeys] for r in rows))
+    hits = [(j, row) for j, row in zip(found, rows, strict=True) if j is not None]
+    measured: list[list[Any]] = []
+    for i in range(nkeys, nkeys + len(plan.measures)):
+        column: list[Any] = [0] * len(combos)
+        for j, row in hits:
+            if row[i] is not None:
+                column[j] = row[i]
+        measured.append(column)
+    return combos, measured
