@@ -22,6 +22,7 @@ from dpsql.errors import (
     IntegrityError,
     InterfaceError,
     InternalError,
+    InvalidCursorState,
     NotSupportedError,
     OperationalError,
     ProgrammingError,
@@ -253,7 +254,7 @@ class Cursor:
     def _rows(self) -> list[tuple[Any, ...]]:
         self._check_open()
         if self._result is None:
-            raise ProgrammingError("no results to fetch", sqlstate="24000")
+            raise InvalidCursorState("no results to fetch")
         return self._result.rows
 
     def _check_open(self) -> None:

@@ -12,13 +12,23 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from decimal import Decimal
+from enum import StrEnum
 from typing import Any
 
 import sqlglot
 from sqlglot import exp
 
 from dpsql import __version__
-from dpsql.errors import Error, FeatureNotSupported, InvalidParameterValue, ProgramLimitExceeded
+from dpsql.errors import (
+    CantChangeRuntimeParam,
+    ConfigurationLimitExceeded,
+    FeatureNotSupported,
+    InsufficientPrivilege,
+    InvalidParameterValue,
+    ProgramLimitExceeded,
+    SyntaxError_,
+    UndefinedObject,
+)
 from dpsql.session import Session
 
 from .sqltext import strip_comments
@@ -74,22 +84,6 @@ _STATIC_GUCS: dict[str, str] = {
 }
 
 _UTF8_NAMES = {"utf8", "utf-8", "unicode"}
-
-
-class FailedTransaction(Error):
-    sqlstate = "25P02"
-
-
-class ActiveTransaction(Error):
-    sqlstate = "25001"
-
-
-class NoActiveTransaction(Error):
-    sqlstate = "25P01"
-
-
-class UndefinedObject(Error):
-    sqlstate = "42704"
 
 
 # --- settings -----------------------------------------------------------------------------------
@@ -170,7 +164,7 @@ class Settings:
         """Set (or reset with None); return the canonical name if it must be reported to the client."""
         key = self.canonical(name)
         if key in ("server_version", "server_encoding", "integer_datetimes", "is_superuser", "block_size"):
-            raise Error(f'parameter "{key}" cannot be changed', sqlstate="55P02")
+            raise CantChangeRuntimeParam(f'parameter "{key}" cannot be changed')
         if value is not None and len(value) > self.max_length:
             raise ProgramLimitExceeded(
                 f'value for parameter "{key}" is too long ({len(value)} characters; at most {self.max_length})'
@@ -180,13 +174,12 @@ class Settings:
             and value is not None
             and (key == "role" or value.strip() != self.defaults.get("session_authorization"))
         ):
-            raise Error(f'permission denied to set parameter "{key}"', sqlstate="42501")
+            raise InsufficientPrivilege(f'permission denied to set parameter "{key}"')
         if value is not None and key not in self.values and not key.startswith("dpsql."):
             custom = sum(1 for k in self.values if k not in self.defaults)
             if custom >= self.max_custom:
-                raise Error(
+                raise ConfigurationLimitExceeded(
                     f"too many custom parameters in this session (at most {self.max_custom})",
-                    sqlstate="53400",
                     hint="RESET ALL or DISCARD ALL drops them.",
                 )
         if key.startswith("dpsql."):
@@ -337,11 +330,31 @@ def tokenize(sql: str) -> list[Token]:
     return tokens
 
 
+class Action(StrEnum):
+    """What a session statement does; :mod:`.commands` has one handler per action."""
+
+    NOOP = "noop"
+    SET = "set"
+    RESET = "reset"
+    RESET_ALL = "reset_all"
+    SHOW = "show"
+    SHOW_ALL = "show_all"
+    DISCARD_ALL = "discard_all"
+    BEGIN = "begin"
+    COMMIT = "commit"
+    ROLLBACK = "rollback"
+    ROLLBACK_TO = "rollback_to"
+    SAVEPOINT = "savepoint"
+    RELEASE = "release"
+    CLOSE = "close"
+    DEALLOCATE = "deallocate"
+
+
 @dataclass(frozen=True, slots=True)
 class LocalCommand:
-    """A recognised session/transaction statement. ``action`` is interpreted by the connection."""
+    """A recognised session/transaction statement. ``action`` is interpreted by :mod:`.commands`."""
 
-    action: str  # set, show, show_all, reset, reset_all, discard, begin, commit, rollback, ...
+    action: Action
     tag: str
     name: str = ""
     value: str | None = None
@@ -365,44 +378,44 @@ def _parse_set(tokens: list[Token]) -> LocalCommand:
         rest = rest[1:]
     words = _words(rest)
     if not rest or words[0] in ("transaction", "characteristics"):
-        return LocalCommand("noop", "SET")
+        return LocalCommand(Action.NOOP, "SET")
     if words[0] in ("role", "authorization") or words[:2] == ["session", "authorization"]:
-        raise Error("permission denied to set role", sqlstate="42501")
+        raise InsufficientPrivilege("permission denied to set role")
     if words[:2] == ["time", "zone"]:
-        return LocalCommand("set", "SET", "TimeZone", _setting_value(rest[2:]) or "UTC")
+        return LocalCommand(Action.SET, "SET", "TimeZone", _setting_value(rest[2:]) or "UTC")
     if words[0] == "names":
-        return LocalCommand("set", "SET", "client_encoding", _setting_value(rest[1:]))
+        return LocalCommand(Action.SET, "SET", "client_encoding", _setting_value(rest[1:]))
     if len(rest) < 3 or words[1] not in ("to", "="):
-        raise Error(f'syntax error at or near "{rest[-1].text}"', sqlstate="42601")
-    return LocalCommand("set", "SET", rest[0].value, _setting_value(rest[2:]))
+        raise SyntaxError_(f'syntax error at or near "{rest[-1].text}"')
+    return LocalCommand(Action.SET, "SET", rest[0].value, _setting_value(rest[2:]))
 
 
 def _parse_show(tokens: list[Token]) -> LocalCommand:
     words = _words(tokens[1:])
     if words == ["all"]:
-        return LocalCommand("show_all", "SHOW")
+        return LocalCommand(Action.SHOW_ALL, "SHOW")
     if words == ["transaction", "isolation", "level"]:
-        return LocalCommand("show", "SHOW", "transaction_isolation")
+        return LocalCommand(Action.SHOW, "SHOW", "transaction_isolation")
     if words == ["time", "zone"]:
-        return LocalCommand("show", "SHOW", "TimeZone")
+        return LocalCommand(Action.SHOW, "SHOW", "TimeZone")
     if words == ["session", "authorization"]:
-        return LocalCommand("show", "SHOW", "session_authorization")
+        return LocalCommand(Action.SHOW, "SHOW", "session_authorization")
     if len(tokens) != 2:
-        raise Error("syntax error in SHOW", sqlstate="42601")
-    return LocalCommand("show", "SHOW", tokens[1].value)
+        raise SyntaxError_("syntax error in SHOW")
+    return LocalCommand(Action.SHOW, "SHOW", tokens[1].value)
 
 
 def _parse_reset(tokens: list[Token]) -> LocalCommand:
     words = _words(tokens[1:])
     if words == ["all"]:
-        return LocalCommand("reset_all", "RESET")
+        return LocalCommand(Action.RESET_ALL, "RESET")
     if words in (["role"], ["session", "authorization"]):
-        return LocalCommand("noop", "RESET")
+        return LocalCommand(Action.NOOP, "RESET")
     if words == ["time", "zone"]:
-        return LocalCommand("reset", "RESET", "TimeZone")
+        return LocalCommand(Action.RESET, "RESET", "TimeZone")
     if len(tokens) != 2:
-        raise Error("syntax error in RESET", sqlstate="42601")
-    return LocalCommand("reset", "RESET", tokens[1].value)
+        raise SyntaxError_("syntax error in RESET")
+    return LocalCommand(Action.RESET, "RESET", tokens[1].value)
 
 
 def _parse_transaction(tokens: list[Token]) -> LocalCommand | None:
@@ -411,21 +424,21 @@ def _parse_transaction(tokens: list[Token]) -> LocalCommand | None:
     if head in ("begin", "start"):
         if head == "start" and words[1:2] != ["transaction"]:
             return None
-        return LocalCommand("begin", "BEGIN")
+        return LocalCommand(Action.BEGIN, "BEGIN")
     if head in ("commit", "end"):
         if words[1:2] == ["prepared"]:
             return None
-        return LocalCommand("commit", "COMMIT")
+        return LocalCommand(Action.COMMIT, "COMMIT")
     if head in ("rollback", "abort"):
         if words[1:2] == ["prepared"]:
             return None
         if "to" in words:
-            return LocalCommand("rollback_to", "ROLLBACK", words[-1])
-        return LocalCommand("rollback", "ROLLBACK")
+            return LocalCommand(Action.ROLLBACK_TO, "ROLLBACK", words[-1])
+        return LocalCommand(Action.ROLLBACK, "ROLLBACK")
     if head == "savepoint" and len(words) == 2:
-        return LocalCommand("savepoint", "SAVEPOINT", words[1])
+        return LocalCommand(Action.SAVEPOINT, "SAVEPOINT", words[1])
     if head == "release" and len(words) in (2, 3):
-        return LocalCommand("release", "RELEASE", words[-1])
+        return LocalCommand(Action.RELEASE, "RELEASE", words[-1])
     return None
 
 
@@ -447,16 +460,16 @@ def parse_local(sql: str) -> LocalCommand | None:
         return _parse_reset(tokens)
     if head == "discard" and len(words) == 2:
         tag = _DISCARD_TAGS.get(words[1], "DISCARD TEMP")
-        return LocalCommand("discard_all" if words[1] == "all" else "noop", tag)
+        return LocalCommand(Action.DISCARD_ALL if words[1] == "all" else Action.NOOP, tag)
     if head == "close":
-        return LocalCommand("close", "CLOSE CURSOR ALL" if words[1:] == ["all"] else "CLOSE CURSOR", words[-1])
+        return LocalCommand(Action.CLOSE, "CLOSE CURSOR ALL" if words[1:] == ["all"] else "CLOSE CURSOR", words[-1])
     if head in ("listen", "unlisten"):
-        return LocalCommand("noop", head.upper())
+        return LocalCommand(Action.NOOP, head.upper())
     if head == "deallocate":
         name = words[-1] if len(words) > 1 else ""
         if name in ("prepare", ""):
-            raise Error("syntax error in DEALLOCATE", sqlstate="42601")
-        return LocalCommand("deallocate", "DEALLOCATE ALL" if name == "all" else "DEALLOCATE", tokens[-1].value)
+            raise SyntaxError_("syntax error in DEALLOCATE")
+        return LocalCommand(Action.DEALLOCATE, "DEALLOCATE ALL" if name == "all" else "DEALLOCATE", tokens[-1].value)
     if head == "copy":
         raise FeatureNotSupported("COPY is not supported by dpsql", hint="Only differentially private SELECTs.")
     return _parse_transaction(tokens)

@@ -129,3 +129,18 @@ def identifiers(sql: str) -> list[str]:
 def first_word(sql: str) -> str:
     match = _WORD.search(strip_comments(sql))
     return match.group(0).lower() if match else ""
+
+
+def after_keyword(sql: str, keyword: str) -> str | None:
+    """The text after a leading ``keyword`` (case-insensitive; comments before it skipped), else None.
+
+    ``after_keyword("/* app */ EXPLAIN SELECT 1", "explain")`` is ``" SELECT 1"``.
+    """
+    for kind, s, e in _scan(sql):
+        if kind == "comment" or sql[s:e].isspace():
+            continue
+        match = _WORD.match(sql, s)
+        if match is not None and match.group(0).lower() == keyword.lower():
+            return sql[match.end() :]
+        return None
+    return None

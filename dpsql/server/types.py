@@ -14,7 +14,13 @@ from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from dpsql.errors import DataError, FeatureNotSupported
+from dpsql.errors import (
+    DataError,
+    DatetimeFieldOverflow,
+    FeatureNotSupported,
+    InvalidBinaryRepresentation,
+    InvalidTextRepresentation,
+)
 
 OIDS: dict[str, int] = {
     "boolean": 16,
@@ -264,8 +270,8 @@ def decode_param(data: bytes | None, oid: int, fmt: int) -> Any:
         text_decoder = _TEXT_DECODERS.get(oid)
         return text_decoder(text) if text_decoder else text
     except OverflowError:
-        raise DataError("bind parameter out of range", sqlstate="22008") from None
+        raise DatetimeFieldOverflow("bind parameter out of range") from None
     except (ValueError, struct.error, InvalidOperation, UnicodeDecodeError):
         if fmt == 1:
-            raise DataError("incorrect binary data format in bind parameter", sqlstate="22P03") from None
-        raise DataError("invalid input syntax in bind parameter", sqlstate="22P02") from None
+            raise InvalidBinaryRepresentation("incorrect binary data format in bind parameter") from None
+        raise InvalidTextRepresentation("invalid input syntax in bind parameter") from None
