@@ -28,8 +28,9 @@ from dpsql.errors import (
     ProgrammingError,
     Warning,
 )
+from dpsql.pgtypes import BYTEA, OID, PG_TYPE_OIDS
 from dpsql.policy import Policy
-from dpsql.session import PG_TYPE_OIDS, Result, Session
+from dpsql.session import Result, Session
 
 apilevel = "2.0"
 threadsafety = 1  # threads may share the module; the engine itself is thread-safe
@@ -73,8 +74,8 @@ class _TypeSet(frozenset[int]):
 STRING = _TypeSet({PG_TYPE_OIDS["text"]})
 NUMBER = _TypeSet({PG_TYPE_OIDS["bigint"], PG_TYPE_OIDS["double precision"], PG_TYPE_OIDS["numeric"]})
 DATETIME = _TypeSet({PG_TYPE_OIDS["date"], PG_TYPE_OIDS["timestamp"]})
-BINARY = _TypeSet({17})
-ROWID = _TypeSet({26})
+BINARY = _TypeSet({BYTEA})
+ROWID = _TypeSet({OID})
 Date, Time, Timestamp = dt.date, dt.time, dt.datetime
 
 
@@ -98,6 +99,8 @@ def connect(
     ``ledger="memory"`` (or ``"sqlite:///:memory:"``) gives a throwaway budget, for tests only.
     Statements on the database are cancelled after ``statement_timeout_ms`` (60 s by default; 0: never).
     """
+    # the SET dpsql.* grammar: a value the wire server would refuse is refused here too (22023)
+    session = Session.configure(analyst, epsilon=epsilon, delta=delta, mechanism=mechanism, confidence=confidence)
     if engine is None:
         if policy is None:
             raise InterfaceError("connect() needs a policy (file path or Policy) or an engine")
@@ -105,13 +108,6 @@ def connect(
         owns = True
     else:
         owns = False
-    session = Session(
-        analyst=analyst,
-        epsilon=epsilon,
-        delta=delta,
-        mechanism=mechanism,  # type: ignore[arg-type]
-        confidence=confidence,
-    )
     return Connection(engine, session, owns_engine=owns)
 
 

@@ -19,6 +19,7 @@ from dpsql.errors import (
     InvalidStatementName,
     NoActiveTransaction,
 )
+from dpsql.pgtypes import TEXT
 
 from .local import Action, LocalCommand
 from .protocol import Diagnostic, FieldDescription
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
     from .extended import Portal, Statement
     from .local import Settings
 
-TEXT = 25
 SHOW_ALL_COLUMNS = ("name", "setting", "description")
 
 

@@ -7,7 +7,6 @@ I/T/E transaction status it expects, nothing else changes.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,7 +28,8 @@ from dpsql.errors import (
     SyntaxError_,
     UndefinedObject,
 )
-from dpsql.session import Session
+from dpsql.pgtypes import parse_bool
+from dpsql.session import DPSQL_SETTINGS, Session, parse_setting
 
 from .sqltext import strip_comments
 
@@ -87,39 +87,6 @@ _UTF8_NAMES = {"utf8", "utf-8", "unicode"}
 
 
 # --- settings -----------------------------------------------------------------------------------
-
-
-def _parse_bool(value: str) -> bool:
-    v = value.strip().lower()
-    if v in ("on", "true", "yes", "1", "t", "y"):
-        return True
-    if v in ("off", "false", "no", "0", "f", "n"):
-        return False
-    raise ValueError(value)
-
-
-def _parse_fraction(value: str, low_open: bool, high: float, high_open: bool, low: float = 0.0) -> float:
-    x = float(value)
-    if not math.isfinite(x) or x < 0 or (low_open and x == 0) or x > high or (high_open and x == high):
-        raise ValueError(value)
-    if 0 < x < low:
-        raise ValueError(value)
-    return x
-
-
-#: ε accepted by SET dpsql.epsilon: below, no noise could be calibrated; above, no privacy is left.
-MIN_EPSILON, MAX_EPSILON = 1e-6, 1e6
-#: Smallest non-zero δ accepted by SET dpsql.delta (smaller ones overflow the Gaussian calibration).
-MIN_DELTA = 1e-30
-
-
-_DPSQL_PARSERS: dict[str, Callable[[str], Any]] = {
-    "dpsql.epsilon": lambda v: _parse_fraction(v, True, MAX_EPSILON, False, MIN_EPSILON),
-    "dpsql.delta": lambda v: _parse_fraction(v, False, 1.0, True, MIN_DELTA),
-    "dpsql.confidence": lambda v: _parse_fraction(v, True, 1.0 - 1e-9, False, 1e-9),
-    "dpsql.mechanism": lambda v: {"laplace": "laplace", "gaussian": "gaussian"}[v.strip().lower()],
-    "dpsql.show_intervals": _parse_bool,
-}
 
 
 def parse_timeout_ms(value: str) -> int:
@@ -206,32 +173,15 @@ class Settings:
         return value
 
     def _set_dpsql(self, key: str, value: str | None) -> None:
-        parser = _DPSQL_PARSERS.get(key)
-        if parser is None:
-            raise UndefinedObject(f'unrecognized configuration parameter "{key}"')
         if value is None:
+            if key not in DPSQL_SETTINGS:
+                raise UndefinedObject(f'unrecognized configuration parameter "{key}"')
             parsed = None
             self.values[key] = self.defaults.get(key, "")
         else:
-            try:
-                parsed = parser(value)
-            except (ValueError, KeyError):
-                raise InvalidParameterValue(
-                    f'invalid value for parameter "{key}": "{value}"',
-                    hint=_DPSQL_HINTS[key],
-                ) from None
+            parsed = parse_setting(key, value)
             self.values[key] = value.strip().lower() if isinstance(parsed, str | bool) else str(parsed)
-        self._mirror(key, parsed)
-
-    def _mirror(self, key: str, parsed: Any) -> None:
-        s = self.session
-        attr = key.removeprefix("dpsql.")
-        if attr in ("epsilon", "delta", "confidence", "mechanism"):
-            setattr(s, attr, parsed)
-        if parsed is None:
-            s.settings.pop(key, None)
-        else:
-            s.settings[key] = self.values[key]
+        self.session.apply(key, parsed, self.values[key])
 
     def reset_all(self) -> list[str]:
         """RESET ALL; returns the reported parameters whose value changed."""
@@ -246,7 +196,7 @@ class Settings:
 
     @property
     def show_intervals(self) -> bool:
-        return _parse_bool(self.values.get("dpsql.show_intervals", "off"))
+        return parse_bool(self.values.get("dpsql.show_intervals", "off"))
 
     @property
     def statement_timeout_ms(self) -> int:
@@ -256,15 +206,6 @@ class Settings:
     @property
     def idle_in_transaction_ms(self) -> int:
         return int(self.values.get("idle_in_transaction_session_timeout", "0") or 0)
-
-
-_DPSQL_HINTS = {
-    "dpsql.epsilon": f"dpsql.epsilon must be between {MIN_EPSILON:g} and {MAX_EPSILON:g}, e.g. 0.5.",
-    "dpsql.delta": f"dpsql.delta must be 0 or in [{MIN_DELTA:g}, 1).",
-    "dpsql.confidence": "dpsql.confidence must be in (0, 1), e.g. 0.95.",
-    "dpsql.mechanism": "dpsql.mechanism is 'laplace' or 'gaussian'.",
-    "dpsql.show_intervals": "dpsql.show_intervals is on or off.",
-}
 
 
 def default_gucs(server_version: str, user: str, application_name: str, policy_defaults: Any) -> dict[str, str]:
