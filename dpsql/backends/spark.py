@@ -40,7 +40,15 @@ from sqlglot import exp
 from sqlglot.dialects.dialect import Dialect
 from sqlglot.tokens import TokenType
 
-from dpsql.backends import _SQL_TYPE, QUERY_FAILED, cancellable, log_database_error, normalize_rows, redact_url
+from dpsql.backends import (
+    _SQL_TYPE,
+    QUERY_FAILED,
+    BackendDefaults,
+    cancellable,
+    log_database_error,
+    normalize_rows,
+    redact_url,
+)
 from dpsql.errors import BackendError, Error
 
 if TYPE_CHECKING:
@@ -449,7 +457,7 @@ def _start_local(target: SparkTarget) -> tuple[Any, str | None]:
 # --- The backend ------------------------------------------------------------------------------
 
 
-class SparkBackend:
+class SparkBackend(BackendDefaults):
     """Thread-safe: one Spark session per backend, each call tagged so a timeout cancels only its jobs."""
 
     dialect = DIALECT
