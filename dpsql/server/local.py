@@ -31,7 +31,7 @@ from dpsql.errors import (
 from dpsql.pgtypes import parse_bool
 from dpsql.session import DPSQL_SETTINGS, Session, parse_setting
 
-from .sqltext import strip_comments
+from .sqltext import Token, tokenize
 
 #: GUCs PostgreSQL reports to the client with ParameterStatus (canonical spelling).
 REPORTED = (
@@ -225,50 +225,6 @@ def default_gucs(server_version: str, user: str, application_name: str, policy_d
 
 
 # --- command recognition ------------------------------------------------------------------------
-
-_TOKEN = re.compile(
-    r"""\s*(?:
-      (?P<str>[eE]?'(?:[^']|'')*')
-    | (?P<qid>"(?:[^"]|"")*")
-    | (?P<word>[A-Za-z_][A-Za-z0-9_$.]*)
-    | (?P<num>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)
-    | (?P<sym>\S)
-    )""",
-    re.VERBOSE,
-)
-
-
-@dataclass(frozen=True, slots=True)
-class Token:
-    kind: str
-    text: str
-
-    @property
-    def word(self) -> str:
-        return self.text.lower() if self.kind == "word" else ""
-
-    @property
-    def value(self) -> str:
-        if self.kind == "str":
-            body = self.text[1:] if self.text[0] in "eE" else self.text
-            return body[1:-1].replace("''", "'")
-        if self.kind == "qid":
-            return self.text[1:-1].replace('""', '"')
-        return self.text
-
-
-def tokenize(sql: str) -> list[Token]:
-    text = strip_comments(sql).strip().rstrip(";").strip()
-    tokens: list[Token] = []
-    pos = 0
-    while pos < len(text):
-        m = _TOKEN.match(text, pos)
-        if not m or m.end() == pos:
-            break
-        kind = m.lastgroup or "sym"
-        tokens.append(Token(kind, m.group(kind)))
-        pos = m.end()
-    return tokens
 
 
 class Action(StrEnum):
