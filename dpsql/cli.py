@@ -22,10 +22,10 @@ from dpsql import __version__
 from dpsql.backends import DEFAULT_STATEMENT_TIMEOUT_MS
 from dpsql.errors import Error
 from dpsql.ledger import default_ledger
-from dpsql.session import Result, Session
+from dpsql.server.protocol import DEFAULT_PORT
+from dpsql.session import MECHANISMS, Result, Session, ci_label
 
 DEMO_DATABASE = "demo"
-DEFAULT_PORT = 6543
 
 
 def default_policy() -> Path:
@@ -65,11 +65,13 @@ def open_engine(args: argparse.Namespace) -> Any:
 
 
 def _session(args: argparse.Namespace) -> Session:
-    return Session(
-        analyst=args.analyst,
+    """The flags go through the SET dpsql.* grammar (the same checks and 22023 as the wire server)."""
+    return Session.configure(
+        args.analyst,
         epsilon=args.epsilon,
         delta=args.delta,
         mechanism=args.mechanism,
+        confidence=getattr(args, "confidence", None),
     )
 
 
@@ -88,7 +90,7 @@ def _json_default(value: Any) -> Any:
     return value.isoformat() if hasattr(value, "isoformat") else str(value)
 
 
-def _print_result(result: Result, as_json: bool, show_ci: bool = True) -> None:
+def _print_result(result: Result, as_json: bool, show_ci: bool = True, confidence: float = 0.95) -> None:
     names = [c.name for c in result.columns]
     if as_json:
         payload = {
@@ -104,7 +106,7 @@ def _print_result(result: Result, as_json: bool, show_ci: bool = True) -> None:
     rows: Sequence[Sequence[Any]] = result.rows
     if show_ci and any(a is not None for acc in result.accuracy for a in acc):
         noisy = [i for i in range(len(names)) if any(acc[i] is not None for acc in result.accuracy)]
-        names = names + [f"{names[i]} ±95%" for i in noisy]
+        names = names + [f"{names[i]} ±{ci_label(confidence)}%" for i in noisy]
         rows = [(*r, *(acc[i] for i in noisy)) for r, acc in zip(result.rows, result.accuracy, strict=True)]
     print(format_table(names, rows))
     for notice in result.notices:
@@ -114,7 +116,9 @@ def _print_result(result: Result, as_json: bool, show_ci: bool = True) -> None:
 def cmd_query(args: argparse.Namespace) -> int:
     engine = open_engine(args)
     try:
-        _print_result(engine.execute(args.sql, _session(args)), args.json)
+        session = _session(args)
+        confidence = session.confidence or engine.policy.defaults.confidence
+        _print_result(engine.execute(args.sql, session), args.json, confidence=confidence)
     finally:
         engine.close()
     return 0
@@ -289,7 +293,10 @@ def _common(parser: argparse.ArgumentParser, *, analyst: bool = True) -> None:
         parser.add_argument("--analyst", "-U", default=os.environ.get("DPSQL_ANALYST", "analyst"))
         parser.add_argument("--epsilon", type=float, help="ε for this query (default: the policy's)")
         parser.add_argument("--delta", type=float)
-        parser.add_argument("--mechanism", choices=["laplace", "gaussian"])
+        parser.add_argument("--mechanism", choices=MECHANISMS)
+        parser.add_argument(
+            "--confidence", type=float, help="confidence of the reported intervals (default: the policy's)"
+        )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 

@@ -22,13 +22,15 @@ from dpsql.errors import (
     IntegrityError,
     InterfaceError,
     InternalError,
+    InvalidCursorState,
     NotSupportedError,
     OperationalError,
     ProgrammingError,
     Warning,
 )
+from dpsql.pgtypes import BYTEA, OID, PG_TYPE_OIDS
 from dpsql.policy import Policy
-from dpsql.session import PG_TYPE_OIDS, Result, Session
+from dpsql.session import Result, Session
 
 apilevel = "2.0"
 threadsafety = 1  # threads may share the module; the engine itself is thread-safe
@@ -72,8 +74,8 @@ class _TypeSet(frozenset[int]):
 STRING = _TypeSet({PG_TYPE_OIDS["text"]})
 NUMBER = _TypeSet({PG_TYPE_OIDS["bigint"], PG_TYPE_OIDS["double precision"], PG_TYPE_OIDS["numeric"]})
 DATETIME = _TypeSet({PG_TYPE_OIDS["date"], PG_TYPE_OIDS["timestamp"]})
-BINARY = _TypeSet({17})
-ROWID = _TypeSet({26})
+BINARY = _TypeSet({BYTEA})
+ROWID = _TypeSet({OID})
 Date, Time, Timestamp = dt.date, dt.time, dt.datetime
 
 
@@ -97,6 +99,8 @@ def connect(
     ``ledger="memory"`` (or ``"sqlite:///:memory:"``) gives a throwaway budget, for tests only.
     Statements on the database are cancelled after ``statement_timeout_ms`` (60 s by default; 0: never).
     """
+    # the SET dpsql.* grammar: a value the wire server would refuse is refused here too (22023)
+    session = Session.configure(analyst, epsilon=epsilon, delta=delta, mechanism=mechanism, confidence=confidence)
     if engine is None:
         if policy is None:
             raise InterfaceError("connect() needs a policy (file path or Policy) or an engine")
@@ -104,13 +108,6 @@ def connect(
         owns = True
     else:
         owns = False
-    session = Session(
-        analyst=analyst,
-        epsilon=epsilon,
-        delta=delta,
-        mechanism=mechanism,  # type: ignore[arg-type]
-        confidence=confidence,
-    )
     return Connection(engine, session, owns_engine=owns)
 
 
@@ -253,7 +250,7 @@ class Cursor:
     def _rows(self) -> list[tuple[Any, ...]]:
         self._check_open()
         if self._result is None:
-            raise ProgrammingError("no results to fetch", sqlstate="24000")
+            raise InvalidCursorState("no results to fetch")
         return self._result.rows
 
     def _check_open(self) -> None:

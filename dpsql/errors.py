@@ -3,9 +3,19 @@
 Every refusal dpsql makes is one of these, so the DB-API driver, the CLI and the
 wire server all report the same SQLSTATE, message, detail and hint. Messages must
 never depend on private data: they name clauses, columns and policy lines only.
+
+As in psycopg, the class decides the SQLSTATE: each code dpsql raises has one class,
+registered by ``class X(Base, code="…")`` and found again with :func:`lookup`. The PEP 249
+base of that class follows the code's class (its first two characters, :data:`PEP249_BASES`),
+so ``except DataError`` catches every 22xxx. The whole catalogue is this file.
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+#: SQLSTATE → the one class raised with it (filled by ``code=`` in the class statements below).
+_BY_CODE: dict[str, type[Error]] = {}
 
 
 class Warning(Exception):
@@ -13,10 +23,31 @@ class Warning(Exception):
 
 
 class Error(Exception):
-    """PEP 249 base error; ``sqlstate`` follows PostgreSQL's error codes."""
+    """PEP 249 base error; ``sqlstate`` follows PostgreSQL's error codes.
+
+    ``sqlstate=`` is kept for old raise sites only: the instance is then built as the class
+    registered for that code (so class and code agree), e.g. ``DataError(…, sqlstate="22012")``
+    is a :class:`DivisionByZero`. New code raises the class itself.
+    """
 
     sqlstate: str = "XX000"
     severity: str = "ERROR"
+
+    def __init_subclass__(cls, code: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if code is None:
+            return
+        if code in _BY_CODE:
+            raise TypeError(f"SQLSTATE {code} is already {_BY_CODE[code].__name__}")
+        cls.sqlstate = code
+        _BY_CODE[code] = cls
+
+    def __new__(cls, *args: Any, sqlstate: str | None = None, **kwargs: Any) -> Error:
+        target = cls if sqlstate is None or sqlstate == cls.sqlstate else _BY_CODE.get(sqlstate, cls)
+        self = super().__new__(target, *args)
+        if not isinstance(self, cls):  # Python will not run __init__ for another class: do it here
+            self.__init__(*args, sqlstate=sqlstate, **kwargs)  # type: ignore[misc]
+        return self
 
     def __init__(
         self,
@@ -29,11 +60,16 @@ class Error(Exception):
     ) -> None:
         super().__init__(message)
         self.message = message
-        if sqlstate is not None:
-            self.sqlstate = sqlstate
+        if sqlstate is not None and sqlstate != self.sqlstate:
+            self.sqlstate = sqlstate  # an unregistered code (see relay): the instance keeps it
         self.detail = detail
         self.hint = hint
         self.position = position
+
+    def fatal(self) -> Error:
+        """The same error, ending the session (PostgreSQL's FATAL severity)."""
+        self.severity = "FATAL"
+        return self
 
     # psycopg-compatible accessors
     @property
@@ -54,6 +90,8 @@ class Error(Exception):
 
 
 class InterfaceError(Error):
+    """Misuse of the DB-API objects themselves (client side: not a server SQLSTATE)."""
+
     sqlstate = "08000"
 
 
@@ -61,130 +99,329 @@ class DatabaseError(Error):
     pass
 
 
-class DataError(DatabaseError):
-    sqlstate = "22000"
+class DataError(DatabaseError, code="22000"):
+    pass
 
 
 class OperationalError(DatabaseError):
     sqlstate = "58000"
 
 
-class IntegrityError(DatabaseError):
-    sqlstate = "23000"
+class IntegrityError(DatabaseError, code="23000"):
+    pass
 
 
-class InternalError(DatabaseError):
-    sqlstate = "XX000"
+class InternalError(DatabaseError, code="XX000"):
+    pass
 
 
-class ProgrammingError(DatabaseError):
-    sqlstate = "42000"
+class ProgrammingError(DatabaseError, code="42000"):
+    pass
 
 
 class NotSupportedError(DatabaseError):
     sqlstate = "0A000"
 
 
-# --- dpsql's named refusals (one class per SQLSTATE we raise) -----------------------
+#: PEP 249 base of each SQLSTATE class (psycopg's map, except 24 and 25, which dpsql reports
+#: as ProgrammingError: a fetch without a result, and writes to a read-only gateway).
+PEP249_BASES: dict[str, type[Error]] = {
+    "08": OperationalError,
+    "0A": NotSupportedError,
+    "22": DataError,
+    "23": IntegrityError,
+    "24": ProgrammingError,
+    "25": ProgrammingError,
+    "26": ProgrammingError,
+    "28": OperationalError,
+    "34": ProgrammingError,
+    "3B": OperationalError,
+    "42": ProgrammingError,
+    "53": OperationalError,
+    "54": OperationalError,
+    "55": OperationalError,
+    "57": OperationalError,
+    "58": OperationalError,
+    "F0": OperationalError,
+    "XX": InternalError,
+}
 
 
-class SyntaxError_(ProgrammingError):
-    sqlstate = "42601"
+def lookup(sqlstate: str) -> type[Error]:
+    """The class dpsql raises with ``sqlstate``; KeyError if dpsql never raises it."""
+    return _BY_CODE[sqlstate]
 
 
-class UndefinedTable(ProgrammingError):
-    sqlstate = "42P01"
+def registry() -> dict[str, type[Error]]:
+    """Every SQLSTATE dpsql raises, with its class (a copy)."""
+    return dict(_BY_CODE)
 
 
-class UndefinedColumn(ProgrammingError):
-    sqlstate = "42703"
+def relay(
+    sqlstate: str, message: str, *, detail: str | None = None, hint: str | None = None, position: int | None = None
+) -> Error:
+    """An error reported by another PostgreSQL server (the shadow catalog), under its own SQLSTATE.
+
+    A registered code gets its class; any other gets the PEP 249 base of its class of codes.
+    """
+    cls = _BY_CODE.get(sqlstate)
+    if cls is not None:
+        return cls(message, detail=detail, hint=hint, position=position)
+    base = PEP249_BASES.get(sqlstate[:2], OperationalError)
+    return base(message, sqlstate=sqlstate, detail=detail, hint=hint, position=position)
 
 
-class UndefinedFunction(ProgrammingError):
-    sqlstate = "42883"
+# --- dpsql's named refusals: one class per SQLSTATE, grouped by class of code ------------------
+
+# 08: connection exception
 
 
-class UndefinedParameter(ProgrammingError):
-    sqlstate = "42P02"
+class ConnectionFailure(OperationalError, code="08006"):
+    """The connection to the catalog server was lost."""
 
 
-class GroupingError(ProgrammingError):
-    """A raw (non-aggregated, non-key) value would be released."""
-
-    sqlstate = "42803"
+class ProtocolViolation(OperationalError, code="08P01"):
+    pass
 
 
-class InsufficientPrivilege(ProgrammingError):
-    """Identifier columns and non-exposed objects."""
-
-    sqlstate = "42501"
+# 0A: feature not supported
 
 
-class DatatypeMismatch(ProgrammingError):
-    sqlstate = "42804"
+class FeatureNotSupported(NotSupportedError, code="0A000"):
+    pass
 
 
-class AmbiguousColumn(ProgrammingError):
-    sqlstate = "42702"
+# 22: data exception
 
 
-class FeatureNotSupported(NotSupportedError):
-    sqlstate = "0A000"
+class DatetimeFieldOverflow(DataError, code="22008"):
+    pass
 
 
-class ReadOnlyViolation(ProgrammingError):
+class DivisionByZero(DataError, code="22012"):
+    pass
+
+
+class InvalidParameterValue(DataError, code="22023"):
+    pass
+
+
+class InvalidEscapeSequence(DataError, code="22025"):
+    pass
+
+
+class NumericValueOutOfRange(DataError, code="22003"):
+    pass
+
+
+class InvalidTextRepresentation(DataError, code="22P02"):
+    pass
+
+
+class InvalidBinaryRepresentation(DataError, code="22P03"):
+    pass
+
+
+# 24, 25, 26: cursor, transaction and prepared-statement state
+
+
+class InvalidCursorState(ProgrammingError, code="24000"):
+    pass
+
+
+class ActiveTransaction(ProgrammingError, code="25001"):
+    pass
+
+
+class ReadOnlyViolation(ProgrammingError, code="25006"):
     """DDL/DML: dpsql is a read-only gateway (PostgreSQL's read_only_sql_transaction)."""
 
-    sqlstate = "25006"
+
+class NoActiveTransaction(ProgrammingError, code="25P01"):
+    pass
 
 
-class ProgramLimitExceeded(OperationalError):
-    """A statement exceeds one of dpsql's size limits (PostgreSQL's 54000)."""
-
-    sqlstate = "54000"
+class FailedTransaction(ProgrammingError, code="25P02"):
+    pass
 
 
-class StatementTooComplex(OperationalError):
-    """Nesting deeper than the analyzer's recursion allows (PostgreSQL's 54001)."""
-
-    sqlstate = "54001"
+class IdleInTransactionTimeout(ProgrammingError, code="25P03"):
+    pass
 
 
-class QueryCanceled(OperationalError):
-    """The statement ran past its timeout or was cancelled (PostgreSQL's 57014)."""
-
-    sqlstate = "57014"
+class InvalidStatementName(ProgrammingError, code="26000"):
+    """No prepared statement of that name."""
 
 
-class InvalidAuthorization(OperationalError):
+# 28: invalid authorization
+
+
+class InvalidAuthorization(OperationalError, code="28000"):
     """Unknown analyst or failed authentication."""
 
-    sqlstate = "28000"
+
+class InvalidPassword(OperationalError, code="28P01"):
+    pass
 
 
-class InvalidParameterValue(DataError):
-    sqlstate = "22023"
+# 34, 3B: cursor and savepoint names
 
 
-class PrivacyBudgetExhausted(OperationalError):
+class InvalidCursorName(ProgrammingError, code="34000"):
+    pass
+
+
+class InvalidSavepoint(OperationalError, code="3B001"):
+    pass
+
+
+# 42: syntax error or access rule violation
+
+
+class SyntaxError_(ProgrammingError, code="42601"):
+    pass
+
+
+class InsufficientPrivilege(ProgrammingError, code="42501"):
+    """Identifier columns and non-exposed objects."""
+
+
+class AmbiguousColumn(ProgrammingError, code="42702"):
+    pass
+
+
+class UndefinedColumn(ProgrammingError, code="42703"):
+    pass
+
+
+class UndefinedObject(ProgrammingError, code="42704"):
+    pass
+
+
+class DuplicateAlias(ProgrammingError, code="42712"):
+    pass
+
+
+class GroupingError(ProgrammingError, code="42803"):
+    """A raw (non-aggregated, non-key) value would be released."""
+
+
+class DatatypeMismatch(ProgrammingError, code="42804"):
+    pass
+
+
+class UndefinedFunction(ProgrammingError, code="42883"):
+    pass
+
+
+class UndefinedTable(ProgrammingError, code="42P01"):
+    pass
+
+
+class UndefinedParameter(ProgrammingError, code="42P02"):
+    pass
+
+
+class DuplicateCursor(ProgrammingError, code="42P03"):
+    pass
+
+
+class DuplicatePreparedStatement(ProgrammingError, code="42P05"):
+    pass
+
+
+class InvalidColumnReference(ProgrammingError, code="42P10"):
+    pass
+
+
+# 53, 54, 55: resources, limits, state
+
+
+class TooManyConnections(OperationalError, code="53300"):
+    pass
+
+
+class ConfigurationLimitExceeded(OperationalError, code="53400"):
+    pass
+
+
+class PrivacyBudgetExhausted(OperationalError, code="53P01"):
     """The query's cost would exceed an analyst's or the dataset's budget."""
 
-    sqlstate = "53P01"
+
+class ProgramLimitExceeded(OperationalError, code="54000"):
+    """A statement exceeds one of dpsql's size limits (PostgreSQL's 54000)."""
 
 
-class LedgerUnavailable(OperationalError):
+class StatementTooComplex(OperationalError, code="54001"):
+    """Nesting deeper than the analyzer's recursion allows (PostgreSQL's 54001)."""
+
+
+class CantChangeRuntimeParam(OperationalError, code="55P02"):
+    pass
+
+
+# 57: operator intervention
+
+
+class QueryCanceled(OperationalError, code="57014"):
+    """The statement ran past its timeout or was cancelled (PostgreSQL's 57014)."""
+
+
+class AdminShutdown(OperationalError, code="57P01"):
+    pass
+
+
+class CannotConnectNow(OperationalError, code="57P03"):
+    pass
+
+
+class IdleSessionTimeout(OperationalError, code="57P05"):
+    pass
+
+
+# 58: system error
+
+
+class SystemError_(OperationalError, code="58000"):
+    """A failure outside dpsql (a client library), reported without its text."""
+
+
+class LedgerUnavailable(OperationalError, code="58P01"):
     """The accountant cannot durably record a charge: fail closed."""
 
-    sqlstate = "58P01"
 
-
-class BackendError(OperationalError):
+class BackendError(OperationalError, code="58P02"):
     """The database failed; its own message is withheld (it may depend on data)."""
 
-    sqlstate = "58P02"
+
+# F0: configuration file
 
 
-class PolicyError(Error):
+class PolicyError(OperationalError, code="F0000"):
     """A policy file is invalid; the message names file, line and key path."""
 
-    sqlstate = "F0000"
+
+# --- classes defined by where they are raised (same code as their base) --------------------------
+
+
+class CatalogUnavailable(FeatureNotSupported):
+    """The shadow catalog server is not running: catalog queries cannot be answered."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "catalog queries are not available: the metadata server could not be started",
+            hint="DP queries on the policy tables still work; start dpsql with a catalog_dsn.",
+        )
+
+
+class AuthFailed(InvalidPassword):
+    """SCRAM proof did not verify."""
+
+    severity = "FATAL"
+
+
+class ScramProtocolError(ProtocolViolation):
+    """Malformed SASL/SCRAM message."""
+
+    severity = "FATAL"

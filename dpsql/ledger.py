@@ -34,7 +34,7 @@ import secrets
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -435,7 +435,75 @@ def _create_private(path: str) -> None:
     os.close(fd)
 
 
-class SQLiteLedger(Ledger):
+_TOTALS_SQL = (
+    "SELECT analyst, epsilon, delta, rho, queries, selection_delta FROM dpsql_ledger_totals "
+    "WHERE dataset = ? ORDER BY analyst"
+)
+_INSERT_CHARGE_SQL = (
+    "INSERT INTO dpsql_ledger (at, dataset, analyst, fingerprint, epsilon, delta, rho, accounting, selection_delta) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+
+#: ``execute(sql, params)`` inside a reservation's transaction: returns a DB-API cursor.
+Execute = Callable[[str, tuple[Any, ...]], Any]
+
+
+class _SQLLedger(Ledger):
+    """The reservation both stores share, over two small adapters.
+
+    :meth:`_reserve` is the template: in one transaction that holds the dataset's write lock,
+    read the per-analyst totals → ``check`` them (raises to refuse) → insert the charge →
+    upsert the totals → commit. A store supplies :meth:`_reservation` (the transaction and its
+    lock, with its errors mapped to :class:`LedgerUnavailable`: fail closed), :meth:`_sql`
+    (its paramstyle), :meth:`_insert_id` and :meth:`_timestamp`, and its totals upsert.
+    """
+
+    _UPSERT_TOTALS_SQL: str
+
+    def _reservation(self, dataset: str) -> AbstractContextManager[Execute]:
+        raise NotImplementedError
+
+    def _sql(self, sql: str) -> str:
+        """``sql`` (written with ``?`` placeholders) in the store's paramstyle."""
+        return sql
+
+    def _insert_id(self, execute: Execute, sql: str, params: tuple[Any, ...]) -> int:
+        """Run the INSERT of a charge; its id."""
+        raise NotImplementedError
+
+    def _timestamp(self, at: dt.datetime) -> Any:
+        return at
+
+    def _reserve(
+        self,
+        *,
+        dataset: str,
+        analyst: str,
+        fingerprint: str,
+        epsilon: float,
+        delta: float,
+        rho: float,
+        selection_delta: float,
+        accounting: Accounting,
+        at: dt.datetime,
+        check: Callable[[Spent, Spent], None],
+    ) -> tuple[int, Spent, Spent]:
+        stamp = self._timestamp(at)
+        with self._reservation(dataset) as execute:
+            rows = execute(self._sql(_TOTALS_SQL), (dataset,)).fetchall()
+            analyst_spent, dataset_spent = _split_totals(rows, analyst)
+            check(analyst_spent, dataset_spent)  # refuses (53P01) before anything is written
+            charge = (stamp, dataset, analyst, fingerprint, epsilon, delta, rho, accounting, selection_delta)
+            charge_id = self._insert_id(execute, self._sql(_INSERT_CHARGE_SQL), charge)
+            execute(self._UPSERT_TOTALS_SQL, (dataset, analyst, epsilon, delta, rho, stamp, selection_delta))
+        return (
+            charge_id,
+            analyst_spent.plus(epsilon, delta, rho, selection_delta),
+            dataset_spent.plus(epsilon, delta, rho, selection_delta),
+        )
+
+
+class SQLiteLedger(_SQLLedger):
     """Embedded ledger: one long-lived connection per thread on a WAL-mode SQLite file."""
 
     def __init__(self, path: str) -> None:
@@ -524,20 +592,10 @@ class SQLiteLedger(Ledger):
         else:
             yield
 
-    def _reserve(
-        self,
-        *,
-        dataset: str,
-        analyst: str,
-        fingerprint: str,
-        epsilon: float,
-        delta: float,
-        rho: float,
-        selection_delta: float,
-        accounting: Accounting,
-        at: dt.datetime,
-        check: Callable[[Spent, Spent], None],
-    ) -> tuple[int, Spent, Spent]:
+    _UPSERT_TOTALS_SQL = _UPSERT_TOTALS
+
+    @contextmanager
+    def _reservation(self, dataset: str) -> Iterator[Execute]:
         conn = self._conn()
         with self._turn():
             try:
@@ -545,20 +603,7 @@ class SQLiteLedger(Ledger):
                 # can commit a charge between our read of the totals and our insert.
                 conn.execute("BEGIN IMMEDIATE")
                 try:
-                    rows = conn.execute(
-                        "SELECT analyst, epsilon, delta, rho, queries, selection_delta FROM dpsql_ledger_totals "
-                        "WHERE dataset = ? ORDER BY analyst",
-                        (dataset,),
-                    ).fetchall()
-                    analyst_spent, dataset_spent = _split_totals(rows, analyst)
-                    check(analyst_spent, dataset_spent)
-                    cursor = conn.execute(
-                        "INSERT INTO dpsql_ledger (at, dataset, analyst, fingerprint, epsilon, delta, rho, "
-                        "accounting, selection_delta) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                        (_ts(at), dataset, analyst, fingerprint, epsilon, delta, rho, accounting, selection_delta),
-                    )
-                    charge_id = cursor.lastrowid
-                    conn.execute(_UPSERT_TOTALS, (dataset, analyst, epsilon, delta, rho, _ts(at), selection_delta))
+                    yield conn.execute
                     conn.execute("COMMIT")
                 except BaseException:
                     if conn.in_transaction:
@@ -567,12 +612,14 @@ class SQLiteLedger(Ledger):
                     raise
             except sqlite3.Error as exc:
                 raise _unavailable(f"cannot record a charge in {self.path!r}", exc) from exc
+
+    def _insert_id(self, execute: Execute, sql: str, params: tuple[Any, ...]) -> int:
+        charge_id = execute(sql, params).lastrowid
         assert charge_id is not None
-        return (
-            charge_id,
-            analyst_spent.plus(epsilon, delta, rho, selection_delta),
-            dataset_spent.plus(epsilon, delta, rho, selection_delta),
-        )
+        return int(charge_id)
+
+    def _timestamp(self, at: dt.datetime) -> Any:
+        return _ts(at)
 
     def summary(self, dataset: str) -> list[AnalystSpent]:
         conn = self._conn()
@@ -717,7 +764,7 @@ ON CONFLICT (dataset, analyst) DO UPDATE SET
 """
 
 
-class PostgresLedger(Ledger):
+class PostgresLedger(_SQLLedger):
     """Ledger in a PostgreSQL table, in the DSN's schema; one connection per thread."""
 
     def __init__(self, conninfo: str) -> None:
@@ -779,20 +826,10 @@ class PostgresLedger(Ledger):
         with suppress(Exception):  # already failing closed
             conn.close()
 
-    def _reserve(
-        self,
-        *,
-        dataset: str,
-        analyst: str,
-        fingerprint: str,
-        epsilon: float,
-        delta: float,
-        rho: float,
-        selection_delta: float,
-        accounting: Accounting,
-        at: dt.datetime,
-        check: Callable[[Spent, Spent], None],
-    ) -> tuple[int, Spent, Spent]:
+    _UPSERT_TOTALS_SQL = _PG_UPSERT_TOTALS
+
+    @contextmanager
+    def _reservation(self, dataset: str) -> Iterator[Execute]:
         import psycopg
 
         conn = self._conn()
@@ -804,28 +841,18 @@ class PostgresLedger(Ledger):
                     "SELECT set_config('synchronous_commit', 'on', true), pg_advisory_xact_lock(%s, hashtext(%s))",
                     (_PG_LOCK_NAMESPACE, dataset),
                 )
-                rows = conn.execute(
-                    "SELECT analyst, epsilon, delta, rho, queries, selection_delta FROM dpsql_ledger_totals "
-                    "WHERE dataset = %s ORDER BY analyst",
-                    (dataset,),
-                ).fetchall()
-                analyst_spent, dataset_spent = _split_totals(rows, analyst)
-                check(analyst_spent, dataset_spent)
-                row = conn.execute(
-                    "INSERT INTO dpsql_ledger (at, dataset, analyst, fingerprint, epsilon, delta, rho, "
-                    "accounting, selection_delta) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) RETURNING id",
-                    (at, dataset, analyst, fingerprint, epsilon, delta, rho, accounting, selection_delta),
-                ).fetchone()
-                conn.execute(_PG_UPSERT_TOTALS, (dataset, analyst, epsilon, delta, rho, at, selection_delta))
+                yield conn.execute
         except psycopg.Error as exc:
             self._drop(conn)
             raise _unavailable("cannot record a charge", exc) from exc
+
+    def _sql(self, sql: str) -> str:
+        return sql.replace("?", "%s")
+
+    def _insert_id(self, execute: Execute, sql: str, params: tuple[Any, ...]) -> int:
+        row = execute(sql + " RETURNING id", params).fetchone()
         assert row is not None
-        return (
-            int(row[0]),
-            analyst_spent.plus(epsilon, delta, rho, selection_delta),
-            dataset_spent.plus(epsilon, delta, rho, selection_delta),
-        )
+        return int(row[0])
 
     def _fetch(self, sql: str, params: tuple[Any, ...]) -> list[Any]:
         import psycopg

@@ -1,26 +1,91 @@
 """Values that cross the engine boundary: who asks, with which settings, and what comes back.
 
 Front doors (DB-API driver, CLI, wire server) build a :class:`Session` and receive a
-:class:`Result`; they never see the rewritten SQL's raw output.
+:class:`Result`; they never see the rewritten SQL's raw output. The ``dpsql.*`` settings
+grammar lives here too (:data:`DPSQL_SETTINGS`, :func:`parse_setting`), so ``SET dpsql.epsilon``
+over the wire, ``connect(epsilon=…)`` and ``dpsql query --epsilon`` accept exactly the same values.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-PgType = Literal["bigint", "double precision", "text", "date", "timestamp", "boolean", "numeric"]
+from dpsql.errors import InvalidParameterValue, UndefinedObject
+from dpsql.pgtypes import PG_TYPE_OIDS, PgType, parse_bool
 
-#: PostgreSQL type OIDs for the types dpsql returns (wire protocol, DB-API type codes).
-PG_TYPE_OIDS: dict[str, int] = {
-    "boolean": 16,
-    "bigint": 20,
-    "text": 25,
-    "double precision": 701,
-    "date": 1082,
-    "timestamp": 1114,
-    "numeric": 1700,
+Mechanism = Literal["laplace", "gaussian"]
+MECHANISMS: tuple[Mechanism, ...] = ("laplace", "gaussian")
+
+#: ε accepted by SET dpsql.epsilon: below, no noise could be calibrated; above, no privacy is left.
+MIN_EPSILON, MAX_EPSILON = 1e-6, 1e6
+#: Smallest non-zero δ accepted by SET dpsql.delta (smaller ones overflow the Gaussian calibration).
+MIN_DELTA = 1e-30
+
+
+def _fraction(value: str, low_open: bool, high: float, high_open: bool, low: float = 0.0) -> float:
+    x = float(value)
+    if not math.isfinite(x) or x < 0 or (low_open and x == 0) or x > high or (high_open and x == high):
+        raise ValueError(value)
+    if 0 < x < low:
+        raise ValueError(value)
+    return x
+
+
+def _mechanism(value: str) -> Mechanism:
+    name = value.strip().lower()
+    for mechanism in MECHANISMS:
+        if name == mechanism:
+            return mechanism
+    raise ValueError(value)
+
+
+@dataclass(frozen=True, slots=True)
+class SettingSpec:
+    """One ``dpsql.*`` setting: its parser (ValueError when invalid) and the hint shown when it is."""
+
+    parse: Callable[[str], Any]
+    hint: str
+
+
+DPSQL_SETTINGS: dict[str, SettingSpec] = {
+    "dpsql.epsilon": SettingSpec(
+        lambda v: _fraction(v, True, MAX_EPSILON, False, MIN_EPSILON),
+        f"dpsql.epsilon must be between {MIN_EPSILON:g} and {MAX_EPSILON:g}, e.g. 0.5.",
+    ),
+    "dpsql.delta": SettingSpec(
+        lambda v: _fraction(v, False, 1.0, True, MIN_DELTA), f"dpsql.delta must be 0 or in [{MIN_DELTA:g}, 1)."
+    ),
+    "dpsql.confidence": SettingSpec(
+        lambda v: _fraction(v, True, 1.0 - 1e-9, False, 1e-9), "dpsql.confidence must be in (0, 1), e.g. 0.95."
+    ),
+    "dpsql.mechanism": SettingSpec(_mechanism, "dpsql.mechanism is 'laplace' or 'gaussian'."),
+    "dpsql.show_intervals": SettingSpec(parse_bool, "dpsql.show_intervals is on or off."),
 }
+#: The settings that are fields of :class:`Session` (the others only shape the wire output).
+SESSION_FIELDS = ("epsilon", "delta", "confidence", "mechanism")
+
+
+def parse_setting(name: str, value: str) -> Any:
+    """The value of ``SET <name> = <value>`` for a ``dpsql.*`` setting; 42704 or 22023 (with a hint)."""
+    key = name.lower()
+    spec = DPSQL_SETTINGS.get(key)
+    if spec is None:
+        raise UndefinedObject(f'unrecognized configuration parameter "{name}"')
+    try:
+        return spec.parse(value)
+    except (ValueError, KeyError):
+        raise InvalidParameterValue(f'invalid value for parameter "{key}": "{value}"', hint=spec.hint) from None
+
+
+def ci_label(confidence: float) -> str:
+    """``95`` for 0.95: how front doors name interval columns (``n_ci95``, ``n ±95%``)."""
+    return f"{round(confidence * 100):d}"
+
+
+__all__ = ["PG_TYPE_OIDS", "OutputColumn", "PgType", "Result", "Session"]  # the type tables: dpsql.pgtypes
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +94,8 @@ class OutputColumn:
 
     name: str
     type: PgType
+    #: Whether the value is released with noise (the plan's ``OutputItem.noisy``); None: not said.
+    noisy: bool | None = field(default=None, compare=False)
 
     @property
     def type_oid(self) -> int:
@@ -42,9 +109,39 @@ class Session:
     analyst: str
     epsilon: float | None = None
     delta: float | None = None
-    mechanism: Literal["laplace", "gaussian"] | None = None
+    mechanism: Mechanism | None = None
     confidence: float | None = None
     settings: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def configure(
+        cls,
+        analyst: str,
+        *,
+        epsilon: float | None = None,
+        delta: float | None = None,
+        mechanism: str | None = None,
+        confidence: float | None = None,
+    ) -> Session:
+        """A session whose settings went through the same checks as ``SET dpsql.…`` (22023 if invalid)."""
+        session = cls(analyst)
+        given = {"epsilon": epsilon, "delta": delta, "mechanism": mechanism, "confidence": confidence}
+        for name, value in given.items():
+            if value is not None:
+                key = f"dpsql.{name}"
+                text = str(value)
+                session.apply(key, parse_setting(key, text), text)
+        return session
+
+    def apply(self, key: str, parsed: Any, text: str | None) -> None:
+        """Record a parsed ``dpsql.*`` setting (None: back to the policy's default)."""
+        attr = key.removeprefix("dpsql.")
+        if attr in SESSION_FIELDS:
+            setattr(self, attr, parsed)
+        if parsed is None or text is None:
+            self.settings.pop(key, None)
+        else:
+            self.settings[key] = text
 
 
 @dataclass(slots=True)

@@ -319,3 +319,13 @@ def test_statement_hook_cancels_a_running_statement(loaded: Backend) -> None:
     assert not thread.is_alive() and time.monotonic() - started < 10
     assert isinstance(outcome[0], QueryCanceled) and outcome[0].sqlstate == "57014"
     assert loaded.execute("SELECT 1 AS one") == (["one"], [(1,)])  # the connection/pool is still usable
+
+
+def test_optional_capabilities_are_in_the_protocol(loaded_duckdb: Backend, loaded_pg: Backend) -> None:
+    """data_version, bounds_cells and proven_ranges exist on every backend: no getattr probing needed."""
+    for backend in (loaded_duckdb, loaded_pg):
+        assert isinstance(backend, Backend)
+        assert isinstance(backend.data_version, int) and isinstance(backend.bounds_cells, bool)
+        assert isinstance(backend.proven_ranges("t", ["x"]), dict)
+    assert loaded_duckdb.bounds_cells and not loaded_pg.bounds_cells
+    assert loaded_pg.data_version == 0 and loaded_pg.proven_ranges("t", ["x"]) == {}

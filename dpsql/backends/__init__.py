@@ -24,7 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from dpsql.errors import BackendError, QueryCanceled
 
-__all__ = ["Backend", "BackendError", "database_log", "open_backend", "redact_url"]
+__all__ = ["Backend", "BackendDefaults", "BackendError", "database_log", "open_backend", "redact_url"]
 
 QUERY_FAILED = "the database failed to run the query"
 #: Every statement dpsql sends is cancelled after this long unless the caller sets another timeout
@@ -86,8 +86,20 @@ _SQL_TYPE = re.compile(r"^[A-Za-z][A-Za-z0-9_ ]*(\(\s*\d+\s*(,\s*\d+\s*)?\))?(\[
 
 @runtime_checkable
 class Backend(Protocol):
+    """What the engine may ask of a database. The last three members are optional capabilities:
+    a backend that lacks one inherits :class:`BackendDefaults`' answer ("not offered")."""
+
     url: str
     dialect: str  # sqlglot dialect name: "duckdb", "postgres" or "spark"
+    #: A counter bumped before every write through this backend; 0 if it does not count writes
+    #: (then nothing is proven from statistics, so nothing depends on it).
+    data_version: int
+    #: Whether person-level grouped sums should be bounded per (unit, group) cell (``Plan.bound_cells``).
+    bounds_cells: bool
+
+    def proven_ranges(self, table: str, columns: list[str]) -> dict[str, tuple[Any, Any]]:
+        """(min, max) the database's exact statistics guarantee per column; {} when none are known."""
+        ...
 
     def execute(self, sql: str) -> tuple[list[str], list[tuple[Any, ...]]]:
         """Run one read-only statement; return (column names, rows)."""
@@ -109,6 +121,16 @@ class Backend(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class BackendDefaults:
+    """Base class of the backends: the optional capabilities of :class:`Backend`, not offered."""
+
+    data_version: int = 0
+    bounds_cells: bool = False
+
+    def proven_ranges(self, table: str, columns: list[str]) -> dict[str, tuple[Any, Any]]:
+        return {}
 
 
 def open_backend(

@@ -14,6 +14,7 @@ from sqlglot import exp
 
 from dpsql.backends import (
     QUERY_FAILED,
+    BackendDefaults,
     cancellable,
     column_defs,
     log_database_error,
@@ -44,7 +45,7 @@ def _database_path(url: str) -> str:
     return rest
 
 
-class DuckDBBackend:
+class DuckDBBackend(BackendDefaults):
     dialect = "duckdb"
     #: Person-level grouped sums run faster bounded by (unit, group) cells here (``Plan.bound_cells``):
     #: one aggregation and two hash joins beat an md5 and a sort of every row. PostgreSQL and Spark

@@ -21,6 +21,7 @@ from psycopg.types.datetime import DateBinaryLoader, TimestampBinaryLoader
 
 from dpsql.backends import (
     QUERY_FAILED,
+    BackendDefaults,
     cancellable,
     column_defs,
     log_database_error,
@@ -101,7 +102,7 @@ class _SaturatingTimestampLoader(TimestampBinaryLoader):
             return dt.datetime.min if int.from_bytes(data, "big", signed=True) < 0 else dt.datetime.max
 
 
-class PostgresBackend:
+class PostgresBackend(BackendDefaults):
     dialect = "postgres"
 
     def __init__(self, url: str, *, statement_timeout_ms: int | None = None, pool_size: int = 8) -> None:

@@ -40,8 +40,16 @@ from sqlglot import exp
 from sqlglot.dialects.dialect import Dialect
 from sqlglot.tokens import TokenType
 
-from dpsql.backends import _SQL_TYPE, QUERY_FAILED, cancellable, log_database_error, normalize_rows, redact_url
-from dpsql.errors import BackendError, Error
+from dpsql.backends import (
+    _SQL_TYPE,
+    QUERY_FAILED,
+    BackendDefaults,
+    cancellable,
+    log_database_error,
+    normalize_rows,
+    redact_url,
+)
+from dpsql.errors import BackendError, Error, InsufficientPrivilege, ReadOnlyViolation
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -158,10 +166,10 @@ def prepare_query(sql: str) -> PreparedQuery:
         raise BackendError("the database backend runs exactly one statement per query")
     tree = statements[0]
     if not isinstance(tree, exp.Query) or tree.find(*_NOT_READ_ONLY) is not None:
-        raise BackendError("the Spark backend runs only SELECT statements", sqlstate="25006")
+        raise ReadOnlyViolation("the Spark backend runs only SELECT statements")
     for func in tree.find_all(exp.Anonymous):
         if func.name.lower() in _FORBIDDEN_FUNCTIONS:
-            raise BackendError(f"function {func.name} is not allowed", sqlstate="42501")
+            raise InsufficientPrivilege(f"function {func.name} is not allowed")
     files = resolve_sources(tree)
     _postgres_date_parts(tree)
     _duckdb_double_text(tree)
@@ -449,7 +457,7 @@ def _start_local(target: SparkTarget) -> tuple[Any, str | None]:
 # --- The backend ------------------------------------------------------------------------------
 
 
-class SparkBackend:
+class SparkBackend(BackendDefaults):
     """Thread-safe: one Spark session per backend, each call tagged so a timeout cancels only its jobs."""
 
     dialect = DIALECT

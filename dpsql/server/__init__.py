@@ -11,6 +11,7 @@ session statements are answered locally, and catalog queries go to an empty shad
 """
 
 from .auth import make_verifier
-from .server import DEFAULT_PORT, Server, ServerOptions, ThreadedServer, run, serve
+from .protocol import DEFAULT_PORT
+from .server import Server, ServerOptions, ThreadedServer, run, serve
 
 __all__ = ["DEFAULT_PORT", "Server", "ServerOptions", "ThreadedServer", "make_verifier", "run", "serve"]

@@ -23,24 +23,13 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from dpsql.errors import Error
+from dpsql.errors import AuthFailed, ScramProtocolError
 
 MECHANISM = "SCRAM-SHA-256"
 DEFAULT_ITERATIONS = 4096
 
 
-class AuthFailed(Error):
-    """Wrong password or malformed SCRAM exchange (reported as 28P01, never saying which)."""
-
-    sqlstate = "28P01"
-    severity = "FATAL"
-
-
-class ScramProtocolError(Error):
-    """The client sent something that is not valid SCRAM (PostgreSQL reports 08P01)."""
-
-    sqlstate = "08P01"
-    severity = "FATAL"
+__all__ = ["AuthFailed", "ScramProtocolError"]  # defined in dpsql.errors, re-exported here
 
 
 @dataclass(frozen=True, slots=True)

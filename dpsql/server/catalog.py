@@ -41,7 +41,15 @@ import sqlglot
 from sqlglot import exp
 
 from dpsql.analyze.parse import too_complex
-from dpsql.errors import Error, FeatureNotSupported, ProgramLimitExceeded
+from dpsql.errors import (
+    CannotConnectNow,
+    CatalogUnavailable,
+    ConnectionFailure,
+    Error,
+    FeatureNotSupported,
+    ProgramLimitExceeded,
+    relay,
+)
 from dpsql.policy import PG_TYPE_NAMES, Policy, TablePolicy
 
 from .protocol import FieldDescription
@@ -54,14 +62,6 @@ Route = Literal["catalog", "engine", "mixed", "tableless"]
 CATALOG_SCHEMAS = frozenset({"pg_catalog", "information_schema"})
 _READ_ONLY_HEADS = frozenset({"select", "with", "values", "table"})
 _SHADOW_SUPERUSER = "postgres"
-
-
-class CatalogUnavailable(FeatureNotSupported):
-    def __init__(self) -> None:
-        super().__init__(
-            "catalog queries are not available: the metadata server could not be started",
-            hint="DP queries on the policy tables still work; start dpsql with a catalog_dsn.",
-        )
 
 
 # --- routing -------------------------------------------------------------------------------------
@@ -242,17 +242,15 @@ class ShadowResult:
 
 
 def connection_lost() -> Error:
-    return Error(
+    return ConnectionFailure(
         "connection to the catalog server was lost",
-        sqlstate="08006",
         hint="Retry the statement: dpsql reconnects to its catalog server (restarting it if needed).",
     )
 
 
 def catalog_restarting() -> Error:
-    return Error(
+    return CannotConnectNow(
         "the catalog server is restarting",
-        sqlstate="57P03",
         hint="Retry in a few seconds; DP queries on the policy tables are not affected.",
     )
 
@@ -437,9 +435,9 @@ def _shadow_error(res: Any) -> Error:
         return value.decode("utf-8", "replace") if value else None
 
     position = field(F.STATEMENT_POSITION)
-    return Error(
+    return relay(
+        field(F.SQLSTATE) or "58000",  # a client-side libpq failure: never XX000
         field(F.MESSAGE_PRIMARY) or "catalog query failed",
-        sqlstate=field(F.SQLSTATE) or "58000",  # a client-side libpq failure: never XX000
         detail=field(F.MESSAGE_DETAIL),
         hint=field(F.MESSAGE_HINT),
         position=int(position) if position and position.isdigit() else None,

@@ -1,10 +1,11 @@
-"""One client connection: startup, authentication, then the simple and extended query protocols.
+"""One client connection: the message loop, statement routing and execution, simple query.
 
-The connection is a small state machine: ``startup`` (SSL/GSSENC negotiation, cancel requests,
-StartupMessage, SCRAM or trust) → ``ready`` (message loop). Every statement is first
-*planned* (:class:`Statement`: empty / local / table-free / catalog / engine / mixed) and then
+A small state machine: :mod:`.startup` (SSL/GSSENC negotiation, cancel requests,
+StartupMessage, SCRAM or trust) → ready (message loop). Every statement is first *planned*
+(:class:`~.extended.Statement`: empty / local / table-free / catalog / engine / mixed) and then
 run; planning never runs a query, so Describe never spends budget. Engine and catalog work runs
-in the server's thread pool so the event loop keeps serving other clients.
+in the server's thread pool so the event loop keeps serving other clients. The extended protocol's
+stores live in :mod:`.extended`, session commands and the transaction status in :mod:`.commands`.
 """
 
 from __future__ import annotations
@@ -12,98 +13,48 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dpsql.analyze.parse import MAX_STATEMENT_CHARS
-from dpsql.errors import Error, FeatureNotSupported, ProgramLimitExceeded, QueryCanceled
-from dpsql.session import OutputColumn, Session
+from dpsql.errors import (
+    AdminShutdown,
+    ConnectionFailure,
+    Error,
+    FeatureNotSupported,
+    IdleInTransactionTimeout,
+    IdleSessionTimeout,
+    ProgramLimitExceeded,
+    QueryCanceled,
+)
+from dpsql.errors import ProtocolViolation as StartupTimeout
+from dpsql.session import Session
 
 from . import protocol as pq
-from .auth import AuthFailed, ScramExchange, ScramProtocolError, Verifier, mock_exchange, parse_sasl_initial
 from .catalog import CatalogUnavailable, classify, refuse_mixed
-from .limits import ConfigurationLimitExceeded, Job, is_broken
-from .local import (
-    REPORTED,
-    ActiveTransaction,
-    FailedTransaction,
-    LocalCommand,
-    LocalContext,
-    NoActiveTransaction,
-    Settings,
-    default_gucs,
-    evaluate_select,
-    parse_local,
-)
+from .commands import SessionCommands, TxStatus
+from .extended import ExtendedProtocol, Portal, Statement, expand_formats
+from .limits import Job, is_broken
+from .local import LocalContext, Settings, evaluate_select, parse_local
 from .protocol import Diagnostic, FieldDescription, ProtocolViolation
 from .results import Outcome, engine_fields, engine_rows, noisy_flags, result_notices
 from .sqltext import split_statements
-from .types import decode_param, encode_value, oid_for, type_size
+from .startup import startup
+from .types import decode_param, encode_value, type_size
 
 if TYPE_CHECKING:
     from .server import ServerContext
 
 log = logging.getLogger("dpsql.server")
 
-TEXT = 25
+__all__ = ["Connection", "Portal", "Statement"]
 
-
-class Fatal(Error):
-    severity = "FATAL"
-
-
-@dataclass(slots=True)
-class Statement:
-    """A planned statement (a prepared statement in the extended protocol)."""
-
-    sql: str
-    route: str  # empty | local | tableless | catalog | engine | mixed
-    command: LocalCommand | None = None
-    param_oids: list[int] = field(default_factory=list)
-    engine_columns: list[OutputColumn] | None = None
-    catalog_fields: list[FieldDescription] | None = None
-    noisy: list[bool] | None = None
-
-
-@dataclass(slots=True)
-class Portal:
-    statement: Statement
-    params: tuple[bytes | None, ...] = ()
-    param_formats: tuple[int, ...] = ()
-    result_formats: tuple[int, ...] = ()
-    show_intervals: bool = False
-    outcome: Outcome | None = None
-    sent: int = 0
-
-
-def _expand(formats: Sequence[int], n: int) -> list[int]:
-    if not formats:
-        return [0] * n
-    if len(formats) == 1:
-        return [formats[0]] * n
-    if len(formats) != n:
-        raise Error(f"bind message has {len(formats)} result formats but query has {n} columns", sqlstate="08P01")
-    return list(formats)
-
-
-def _check_formats(formats: Sequence[int]) -> None:
-    if any(f not in (0, 1) for f in formats):
-        raise ProtocolViolation("unsupported format code")
-
-
-_EXPLAIN_PREFIX = re.compile(r"^\s*explain\s+", re.IGNORECASE)
 #: Rows sent between two flushes of a large result (backpressure from slow clients).
 _STREAM_BATCH = 1024
 #: Statements longer than this are split, parsed and routed in the worker pool, not on the event loop.
 _INLINE_SQL = 4096
-
-
-class ShadowLost(Error):
-    sqlstate = "08006"
 
 
 def _too_long(sql: str) -> Error:
@@ -125,20 +76,18 @@ class Connection:
         self.session: Session | None = None
         self.settings: Settings | None = None
         self.user = ""
-        self.tx = "I"
-        self.savepoints: list[str] = []
-        self.statements: dict[str, Statement] = {}
-        self.portals: dict[str, Portal] = {}
+        self.extended = ExtendedProtocol(self)
+        self.commands = SessionCommands(self.extended.statements, self.extended.portals)
         self.ignore_till_sync = False
         self._cancel = asyncio.Event()
         #: Work of this connection still running in the pool (abandoned or not), interrupted on close.
         self._jobs: set[Job] = set()
-        self._admitted = False
+        self.admitted = False
         #: Set when the statement being executed was abandoned and will be logged when it ends.
         self._late = False
         #: When the current message's statement timeout expires (loop time), None: no timeout.
         self._deadline: float | None = None
-        self._tls = False
+        self.tls = False
 
     # -- plumbing ---------------------------------------------------------------------------------
 
@@ -264,24 +213,23 @@ class Connection:
         try:
             try:
                 async with asyncio.timeout(self.ctx.options.startup_timeout or None):
-                    started = await self.startup()
+                    started = await startup(self)
             except TimeoutError:
                 log.info("authentication timeout from %s", self.peer)
-                raise Fatal("canceling authentication due to timeout", sqlstate="08P01") from None
+                raise StartupTimeout("canceling authentication due to timeout").fatal() from None
             if started:
                 await self.message_loop()
         except ProtocolViolation as exc:
             log.info("protocol violation from %s: %s", self.peer, exc)
             self._send_fatal(exc)
-        except Fatal as exc:
-            self._send_fatal(exc)
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
             pass
         except asyncio.CancelledError:
-            self._send_fatal(Fatal("terminating connection due to administrator command", sqlstate="57P01"))
+            self._send_fatal(AdminShutdown("terminating connection due to administrator command"))
             raise
         except Exception as exc:  # the server must survive anything one client does
-            log.exception("connection error")
+            if not (isinstance(exc, Error) and exc.severity == "FATAL"):
+                log.exception("connection error")
             self._send_fatal(exc)
         finally:
             await self.close()
@@ -297,8 +245,8 @@ class Connection:
 
     async def close(self) -> None:
         self.ctx.unregister(self)
-        if self._admitted:
-            self._admitted = False
+        if self.admitted:
+            self.admitted = False
             self.ctx.leave(self.user)
         loop = asyncio.get_running_loop()
         for job in list(self._jobs):  # the client is gone: its statements need not finish
@@ -309,137 +257,16 @@ class Connection:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.writer.wait_closed(), 2)
 
-    # -- startup -----------------------------------------------------------------------------------
-
-    async def startup(self) -> bool:
-        """Negotiate encryption and authenticate; False when the connection only carried a cancel."""
-        while True:
-            payload = await pq.read_startup(self.reader)
-            msg = pq.parse_startup(payload)
-            if isinstance(msg, pq.SSLRequest):
-                await self._negotiate_tls()
-            elif isinstance(msg, pq.GSSEncRequest):
-                self.send(b"N")
-                await self.flush()
-            elif isinstance(msg, pq.CancelRequest):
-                self.ctx.cancel(msg.pid, msg.secret)
-                return False
-            else:
-                break
-        await self._start_session(msg)
-        return True
-
-    async def _negotiate_tls(self) -> None:
-        if self.ctx.ssl_context is None or self._tls:
-            self.send(b"N")
-            await self.flush()
-            return
-        # Data pipelined after SSLRequest would be read as if it came over TLS (CVE-2021-23214).
-        if len(getattr(self.reader, "_buffer", b"")):
-            raise ProtocolViolation("received unencrypted data after SSL request")
-        self.send(b"S")
-        await self.flush()
-        await self.writer.start_tls(self.ctx.ssl_context)
-        self._tls = True
-
-    async def _start_session(self, msg: pq.StartupMessage) -> None:
-        if msg.major != 3:
-            raise Fatal(
-                f"unsupported frontend protocol {msg.major}.{msg.minor}: server supports 3.0 to 3.0",
-                sqlstate="0A000",
-            )
-        params = msg.params
-        unknown_options = [k for k in params if k.startswith("_pq_.")]
-        if msg.minor > 0 or unknown_options:
-            self.send(pq.negotiate_protocol_version(0, unknown_options))
-        if params.get("replication", "false").lower() not in ("false", "off", "no", "0"):
-            raise Fatal("replication connections are not supported by dpsql", sqlstate="0A000")
-        user = params.get("user", "")
-        if not user:
-            raise Fatal("no PostgreSQL user name specified in startup packet", sqlstate="28000")
-        await self._authenticate(user)
-        try:
-            self.ctx.admit(user)  # 53300 beyond --max-connections / --max-connections-per-analyst
-        except Error as exc:
-            log.info("connection refused analyst=%s peer=%s: %s", user, self.peer, exc.message)
-            raise Fatal(exc.message, sqlstate=exc.sqlstate) from None
-        self._admitted = True
-        self.user = user
-        self.session = Session(analyst=user)
-        gucs = default_gucs(self.ctx.server_version, user, params.get("application_name", ""), self.ctx.defaults)
-        gucs["statement_timeout"] = str(self.ctx.default_statement_timeout_ms)
-        idle_tx = self.ctx.options.idle_in_transaction_timeout
-        gucs["idle_in_transaction_session_timeout"] = str(round((idle_tx or 0) * 1000))
-        opts = self.ctx.options
-        self.settings = Settings(self.session, gucs, max_custom=opts.max_settings, max_length=opts.max_setting_length)
-        self._apply_startup_settings(params)
-        for name in REPORTED:
-            self.send(pq.parameter_status(name, self.settings.values.get(name, "")))
-        self.pid = self.ctx.register(self)
-        self.send(pq.backend_key_data(self.pid, self.secret))
-        self.send(pq.ready_for_query(self.tx))
-        await self.flush()
-        log.info("connection analyst=%s pid=%d peer=%s tls=%s", user, self.pid, self.peer, self._tls)
-
-    def _apply_startup_settings(self, params: dict[str, str]) -> None:
-        assert self.settings is not None
-        skip = {"user", "database", "replication", "options", "application_name"}
-        pairs = [(k, v) for k, v in params.items() if k not in skip and not k.startswith("_pq_.")]
-        pairs += re.findall(r"(?:-c\s*|--)([A-Za-z_.]+)=(\S+)", params.get("options", ""))
-        for key, value in pairs:
-            try:
-                self.settings.set(key, value)
-            except Error as exc:
-                raise Fatal(exc.message, sqlstate=exc.sqlstate, hint=exc.hint) from None
-
-    async def _authenticate(self, user: str) -> None:
-        policy = self.ctx.policy
-        analyst = policy.analyst(user)
-        if policy.auth.trust:
-            # As PostgreSQL under trust: authentication succeeds, then the role lookup fails (a known
-            # name simply logs in, so no answer could hide which names exist).
-            self.send(pq.auth_ok())
-            if analyst is None:
-                raise Fatal(f'role "{user}" does not exist', sqlstate="28000")
-            return
-        failed = Fatal(f'password authentication failed for user "{user}"', sqlstate="28P01")
-        if analyst is not None and analyst.password is not None:
-            exchange = ScramExchange(Verifier.parse(analyst.password))
-            reason = "wrong password"
-        else:  # unknown role or no verifier: the same exchange, doomed to fail at the same point
-            exchange = mock_exchange(self.ctx.engine, user)
-            reason = "unknown role" if analyst is None else "no password set"
-        self.send(pq.auth_sasl(["SCRAM-SHA-256"]))
-        await self.flush()
-        try:
-            mechanism, first = parse_sasl_initial(await self._read_password())
-            if mechanism != "SCRAM-SHA-256":
-                raise ScramProtocolError("client selected an invalid SASL authentication mechanism")
-            self.send(pq.auth_sasl_continue(exchange.first(first)))
-            await self.flush()
-            final = exchange.final(await self._read_password())
-        except AuthFailed:
-            log.info("authentication failed analyst=%s peer=%s reason=%s", user, self.peer, reason)
-            raise failed from None
-        except ScramProtocolError as exc:
-            raise Fatal(exc.message, sqlstate="08P01", detail=exc.detail, hint=exc.hint) from None
-        self.send(pq.auth_sasl_final(final))
-        self.send(pq.auth_ok())
-
-    async def _read_password(self) -> bytes:
-        type_, payload = await asyncio.wait_for(
-            pq.read_message(self.reader, self.ctx.options.max_message_size), self.ctx.options.startup_timeout
-        )
-        if type_ != "p":
-            raise ProtocolViolation(f"expected SASL response, got message type {ord(type_)}")
-        return payload
-
     # -- message loop ------------------------------------------------------------------------------
 
     async def message_loop(self) -> None:
         idle = self.ctx.options.idle_timeout
         while True:
-            in_tx = self.tx != "I" and self.settings is not None and self.settings.idle_in_transaction_ms > 0
+            in_tx = (
+                self.commands.tx is not TxStatus.IDLE
+                and self.settings is not None
+                and self.settings.idle_in_transaction_ms > 0
+            )
             wait = self.settings.idle_in_transaction_ms / 1000 if in_tx and self.settings else idle
             try:
                 type_, payload = await asyncio.wait_for(
@@ -447,8 +274,10 @@ class Connection:
                 )
             except TimeoutError:
                 if in_tx:
-                    raise Fatal("terminating connection due to idle-in-transaction timeout", sqlstate="25P03") from None
-                raise Fatal("terminating connection due to idle-session timeout", sqlstate="57P05") from None
+                    raise IdleInTransactionTimeout(
+                        "terminating connection due to idle-in-transaction timeout"
+                    ).fatal() from None
+                raise IdleSessionTimeout("terminating connection due to idle-session timeout").fatal() from None
             msg = pq.parse_message(type_, payload)
             if isinstance(msg, pq.Terminate):
                 return
@@ -457,15 +286,14 @@ class Connection:
             await self.dispatch(msg)
 
     async def dispatch(self, msg: pq.FrontendMessage) -> None:
-        timeout = self._timeout_ms()
+        timeout = self.timeout_ms()
         self._deadline = asyncio.get_running_loop().time() + timeout / 1000 if timeout else None
         if isinstance(msg, pq.Query):
             await self.simple_query(msg.sql)
         elif isinstance(msg, pq.Sync):
             self.ignore_till_sync = False
-            if self.tx == "I":
-                self.portals.clear()
-            self.send(pq.ready_for_query(self.tx))
+            self.extended.sync(self.commands)
+            self.send(pq.ready_for_query(self.commands.tx))
             await self.flush()
         elif isinstance(msg, pq.Flush):
             await self.flush()
@@ -474,7 +302,12 @@ class Connection:
         elif isinstance(msg, pq.Unsupported):
             await self._extended_error(FeatureNotSupported("COPY and function calls are not supported by dpsql"))
         else:
-            await self.extended(msg)
+            try:
+                await self.extended.handle(msg)
+            except ProtocolViolation:
+                raise
+            except Exception as exc:
+                await self._extended_error(exc)
 
     # -- planning and running ----------------------------------------------------------------------
 
@@ -484,7 +317,7 @@ class Connection:
             raise _too_long(sql)
         if len(sql) <= _INLINE_SQL:
             return self.plan(sql)
-        stmt: Statement = await self.run_blocking(self.plan, sql, timeout_ms=self._timeout_ms(), pure=True)
+        stmt: Statement = await self.run_blocking(self.plan, sql, timeout_ms=self.timeout_ms(), pure=True)
         return stmt
 
     async def split(self, sql: str) -> list[str]:
@@ -492,10 +325,10 @@ class Connection:
             raise _too_long(sql)
         if len(sql) <= _INLINE_SQL:
             return split_statements(sql)
-        parts: list[str] = await self.run_blocking(split_statements, sql, timeout_ms=self._timeout_ms(), pure=True)
+        parts: list[str] = await self.run_blocking(split_statements, sql, timeout_ms=self.timeout_ms(), pure=True)
         return parts
 
-    def _evaluate_local(self, sql: str) -> Any:
+    def evaluate_local(self, sql: str) -> Any:
         """A table-free SELECT answered here; long ones go to the shadow (parsed off the event loop)."""
         if len(sql) > _INLINE_SQL:
             return None
@@ -510,11 +343,6 @@ class Connection:
             return Statement(sql, "local", command)
         return Statement(sql, classify(sql, self.ctx.policy))
 
-    def _check_failed_tx(self, stmt: Statement) -> None:
-        allowed = stmt.command is not None and stmt.command.action in ("commit", "rollback", "rollback_to")
-        if self.tx == "E" and not allowed:
-            raise FailedTransaction("current transaction is aborted, commands ignored until end of transaction block")
-
     async def execute(self, stmt: Statement, portal: Portal | None = None) -> Outcome:
         """Run a planned statement; logs one line with analyst, fingerprint, ε, outcome and latency."""
         started = time.monotonic()
@@ -522,7 +350,7 @@ class Connection:
         state = "ok"
         self._late = False
         try:
-            self._check_failed_tx(stmt)
+            self.commands.check_not_failed(stmt.command)
             outcome = await self._execute(stmt, portal)
             return outcome
         except asyncio.CancelledError:
@@ -554,11 +382,11 @@ class Connection:
             return Outcome(None, [], "")
         if stmt.route == "local":
             assert stmt.command is not None
-            return self.run_command(stmt.command)
+            return self.commands.run(stmt.command)
         if stmt.route == "mixed":
             raise refuse_mixed()
         if stmt.route == "tableless" and not (portal and portal.params):
-            values = self._evaluate_local(stmt.sql)
+            values = self.evaluate_local(stmt.sql)
             if values is not None:
                 fields = [FieldDescription(v.name, v.type_oid, type_size(v.type_oid)) for v in values]
                 return Outcome(fields, [tuple(v.value for v in values)], "SELECT 1")
@@ -570,7 +398,7 @@ class Connection:
         assert self.settings is not None
         return LocalContext(self.user, self.ctx.database, self.ctx.server_version, self.pid, self.settings.get)
 
-    async def _shadow_call(self, method: str, *args: Any, timeout_ms: int = 0) -> Any:
+    async def shadow_call(self, method: str, *args: Any, timeout_ms: int = 0) -> Any:
         """Run one call on a pooled shadow connection; it returns to the pool when the call has ended."""
         if not self.ctx.catalog_available:
             raise CatalogUnavailable()
@@ -582,7 +410,7 @@ class Connection:
             raise
         except Exception as exc:
             log.warning("cannot connect to the catalog server: %s", exc)
-            raise ShadowLost(
+            raise ConnectionFailure(
                 "could not connect to the catalog server", hint="DP queries still work; retry catalog queries later."
             ) from None
 
@@ -594,7 +422,7 @@ class Connection:
             except Exception as exc:
                 if is_broken(session):
                     log.warning("catalog server connection lost: %s", exc)
-                    raise ShadowLost(
+                    raise ConnectionFailure(
                         "the connection to the catalog server was lost",
                         hint="DP queries still work; retry catalog queries later.",
                     ) from None
@@ -607,28 +435,28 @@ class Connection:
             args: tuple[Any, ...] = (stmt.sql,)
         else:
             args = (stmt.sql, portal.params, stmt.param_oids, portal.param_formats, portal.result_formats)
-        res = await self._shadow_call("execute", *args, timeout_ms=self._timeout_ms())
+        res = await self.shadow_call("execute", *args, timeout_ms=self.timeout_ms())
         return Outcome(res.fields, res.rows, res.tag, encoded=True)
 
-    def _timeout_ms(self) -> int:
+    def timeout_ms(self) -> int:
         if self.settings is None:
             return self.ctx.default_statement_timeout_ms
         return self.ctx.statement_timeout_ms(self.settings.statement_timeout_ms)
 
-    def _decode_params(self, stmt: Statement, portal: Portal | None) -> list[Any] | None:
+    def decode_params(self, stmt: Statement, portal: Portal | None) -> list[Any] | None:
         if portal is None or not portal.params:
             return None
-        formats = _expand(portal.param_formats, len(portal.params))
+        formats = expand_formats(portal.param_formats, len(portal.params))
         oids = stmt.param_oids + [0] * (len(portal.params) - len(stmt.param_oids))
         return [decode_param(v, oid, fmt) for v, oid, fmt in zip(portal.params, oids, formats, strict=True)]
 
-    def _confidence(self) -> float:
+    def confidence(self) -> float:
         assert self.session is not None
         return self.session.confidence or self.ctx.defaults.confidence
 
     async def _run_engine(self, stmt: Statement, portal: Portal | None) -> Outcome:
         assert self.session is not None and self.settings is not None
-        params = self._decode_params(stmt, portal)
+        params = self.decode_params(stmt, portal)
         show = portal.show_intervals if portal is not None else self.settings.show_intervals
         engine, session, sql = self.ctx.engine, self.session, stmt.sql
 
@@ -649,114 +477,12 @@ class Connection:
             else:
                 self._log_query(stmt, f.result()[0].epsilon_spent, "ok", started, note)
 
-        result, flags = await self.run_blocking(work, timeout_ms=self._timeout_ms(), on_late=late)
-        fields = engine_fields(result.columns, flags, self._confidence())
+        result, flags = await self.run_blocking(work, timeout_ms=self.timeout_ms(), on_late=late)
+        fields = engine_fields(result.columns, flags, self.confidence())
         tag = f"SELECT {len(result.rows)}" if result.command_tag == "SELECT" else result.command_tag
         outcome = Outcome(fields, engine_rows(result, flags), tag, epsilon=result.epsilon_spent)
-        outcome.notices = result_notices(result, self._confidence())
+        outcome.notices = result_notices(result, self.confidence())
         return outcome
-
-    # -- local commands ----------------------------------------------------------------------------
-
-    def run_command(self, cmd: LocalCommand) -> Outcome:
-        assert self.settings is not None
-        handler = getattr(self, f"_cmd_{cmd.action}")
-        result: Outcome | None = handler(cmd)
-        return result or Outcome(None, [], cmd.tag)
-
-    def _cmd_noop(self, cmd: LocalCommand) -> None:
-        return None
-
-    def _cmd_set(self, cmd: LocalCommand) -> Outcome:
-        assert self.settings is not None
-        reported = self.settings.set(cmd.name, cmd.value)
-        out = Outcome(None, [], "SET")
-        if reported:
-            out.status.append((reported, self.settings.values[reported]))
-        return out
-
-    def _cmd_reset(self, cmd: LocalCommand) -> Outcome:
-        return self._cmd_set(LocalCommand("set", "RESET", cmd.name, None))
-
-    def _cmd_reset_all(self, cmd: LocalCommand) -> Outcome:
-        assert self.settings is not None
-        changed = self.settings.reset_all()
-        return Outcome(None, [], cmd.tag, status=[(k, self.settings.values[k]) for k in changed])
-
-    def _cmd_show(self, cmd: LocalCommand) -> Outcome:
-        assert self.settings is not None
-        value = self.settings.get(cmd.name)
-        name = self.settings.canonical(cmd.name)
-        return Outcome([FieldDescription(name, TEXT)], [(value,)], "SHOW")
-
-    def _cmd_show_all(self, cmd: LocalCommand) -> Outcome:
-        assert self.settings is not None
-        rows = [(k, v, "") for k, v in sorted(self.settings.values.items(), key=lambda kv: kv[0].lower())]
-        fields = [FieldDescription(n, TEXT) for n in ("name", "setting", "description")]
-        return Outcome(fields, rows, "SHOW")
-
-    def _cmd_discard_all(self, cmd: LocalCommand) -> Outcome:
-        if self.tx != "I":
-            raise ActiveTransaction("DISCARD ALL cannot run inside a transaction block")
-        out = self._cmd_reset_all(cmd)
-        self.statements.clear()
-        self.portals.clear()
-        return out
-
-    def _warn(self, sqlstate: str, text: str) -> Diagnostic:
-        return Diagnostic("WARNING", sqlstate, text)
-
-    def _cmd_begin(self, cmd: LocalCommand) -> Outcome:
-        out = Outcome(None, [], "BEGIN")
-        if self.tx != "I":
-            out.notices.append(self._warn("25001", "there is already a transaction in progress"))
-        else:
-            self.tx, self.savepoints = "T", []
-        return out
-
-    def _cmd_commit(self, cmd: LocalCommand) -> Outcome:
-        out = Outcome(None, [], "ROLLBACK" if self.tx == "E" else "COMMIT")
-        if self.tx == "I":
-            out.notices.append(self._warn("25P01", "there is no transaction in progress"))
-        self.tx, self.savepoints = "I", []
-        return out
-
-    def _cmd_rollback(self, cmd: LocalCommand) -> Outcome:
-        out = Outcome(None, [], "ROLLBACK")
-        if self.tx == "I":
-            out.notices.append(self._warn("25P01", "there is no transaction in progress"))
-        self.tx, self.savepoints = "I", []
-        return out
-
-    def _find_savepoint(self, name: str, verb: str) -> int:
-        if self.tx == "I":
-            raise NoActiveTransaction(f"{verb} can only be used in transaction blocks")
-        if name not in self.savepoints:
-            raise Error(f'savepoint "{name}" does not exist', sqlstate="3B001")
-        return len(self.savepoints) - 1 - self.savepoints[::-1].index(name)
-
-    def _cmd_rollback_to(self, cmd: LocalCommand) -> None:
-        index = self._find_savepoint(cmd.name, "ROLLBACK TO SAVEPOINT")
-        self.savepoints = self.savepoints[: index + 1]
-        self.tx = "T"
-
-    def _cmd_savepoint(self, cmd: LocalCommand) -> None:
-        if self.tx == "I":
-            raise NoActiveTransaction("SAVEPOINT can only be used in transaction blocks")
-        self.savepoints.append(cmd.name)
-
-    def _cmd_release(self, cmd: LocalCommand) -> None:
-        self.savepoints = self.savepoints[: self._find_savepoint(cmd.name, "RELEASE SAVEPOINT")]
-
-    def _cmd_close(self, cmd: LocalCommand) -> None:
-        if cmd.tag != "CLOSE CURSOR ALL":
-            raise Error(f'cursor "{cmd.name}" does not exist', sqlstate="34000")
-
-    def _cmd_deallocate(self, cmd: LocalCommand) -> None:
-        if cmd.tag == "DEALLOCATE ALL":
-            self.statements = {k: v for k, v in self.statements.items() if not k}
-        elif self.statements.pop(cmd.name, None) is None:
-            raise Error(f'prepared statement "{cmd.name}" does not exist', sqlstate="26000")
 
     # -- sending results ---------------------------------------------------------------------------
 
@@ -789,8 +515,7 @@ class Connection:
             statements = await self.split(sql)
         except Exception as exc:
             self.send_error(exc)
-            if self.tx == "T":
-                self.tx = "E"
+            self.commands.fail()
             statements = None
         if statements == []:
             self.send(pq.empty_query_response())
@@ -800,8 +525,7 @@ class Connection:
                 outcome = await self.execute(stmt)
             except Exception as exc:
                 self.send_error(exc)
-                if self.tx == "T":
-                    self.tx = "E"
+                self.commands.fail()
                 break
             self.send_side_effects(outcome)
             if outcome.fields is not None:
@@ -810,204 +534,15 @@ class Connection:
             self.send(pq.command_complete(outcome.tag))
             if len(outcome.rows) > 500:
                 await self.flush()
-        self.send(pq.ready_for_query(self.tx))
+        self.send(pq.ready_for_query(self.commands.tx))
         await self.flush()
 
     # -- extended query ----------------------------------------------------------------------------
 
     async def _extended_error(self, exc: BaseException) -> None:
         self.send_error(exc)
-        if self.tx == "T":
-            self.tx = "E"
+        self.commands.fail()
         self.ignore_till_sync = True
-
-    async def extended(self, msg: pq.FrontendMessage) -> None:
-        try:
-            if isinstance(msg, pq.Parse):
-                await self.on_parse(msg)
-            elif isinstance(msg, pq.Bind):
-                await self.on_bind(msg)
-            elif isinstance(msg, pq.Describe):
-                await self.on_describe(msg)
-            elif isinstance(msg, pq.Execute):
-                await self.on_execute(msg)
-            elif isinstance(msg, pq.Close):
-                self.on_close(msg)
-        except ProtocolViolation:
-            raise
-        except Exception as exc:
-            await self._extended_error(exc)
-
-    async def on_parse(self, msg: pq.Parse) -> None:
-        if msg.name and msg.name in self.statements:
-            raise Error(f'prepared statement "{msg.name}" already exists', sqlstate="42P05")
-        limit = self.ctx.options.max_prepared
-        if msg.name and len(self.statements) >= limit:
-            raise ConfigurationLimitExceeded(
-                f"too many prepared statements in this session (at most {limit})",
-                hint="Close (DEALLOCATE) prepared statements that are no longer needed.",
-            )
-        statements = await self.split(msg.sql)
-        if len(statements) > 1:
-            raise Error("cannot insert multiple commands into a prepared statement", sqlstate="42601")
-        stmt = await self.plan_async(statements[0] if statements else msg.sql)
-        stmt.param_oids = list(msg.param_oids)
-        self._check_failed_tx(stmt)
-        await self._describe_statement(stmt)
-        self.statements[msg.name] = stmt
-        self.send(pq.parse_complete())
-
-    async def _describe_statement(self, stmt: Statement) -> None:
-        """Fill parameter types and result columns without running the query (no budget spent)."""
-        if stmt.route in ("catalog", "tableless") and (
-            stmt.route == "catalog" or self._evaluate_local(stmt.sql) is None
-        ):
-            if not self.ctx.catalog_available:
-                if stmt.route == "catalog":
-                    raise CatalogUnavailable()
-                return
-            oids, fields = await self._shadow_call("describe", stmt.sql, stmt.param_oids, timeout_ms=self._timeout_ms())
-            stmt.route, stmt.param_oids, stmt.catalog_fields = "catalog", oids, fields
-        elif stmt.route == "engine":
-            await self._describe_engine(stmt)
-        elif stmt.route == "mixed":
-            raise refuse_mixed()
-
-    async def _describe_engine(self, stmt: Statement) -> None:
-        assert self.session is not None
-        target = stmt.sql
-        explain = _EXPLAIN_PREFIX.match(target) is not None
-        if explain:
-            target = _EXPLAIN_PREFIX.sub("", target, count=1)
-        engine, session = self.ctx.engine, self.session
-
-        def work() -> tuple[Any, list[bool] | None]:
-            description = engine.describe(target, session)
-            noisy = None if explain else noisy_flags(stmt.sql, description.columns)
-            return description, noisy
-
-        description, stmt.noisy = await self.run_blocking(work, timeout_ms=self._timeout_ms())
-        inferred = [oid_for(t) for t in description.param_types]
-        given = stmt.param_oids
-        oids = [given[i] if i < len(given) and given[i] else inferred[i] for i in range(len(inferred))]
-        stmt.param_oids = oids + given[len(oids) :]
-        stmt.engine_columns = [OutputColumn("QUERY PLAN", "text")] if explain else list(description.columns)
-
-    def _fields_for(self, stmt: Statement, show_intervals: bool) -> list[FieldDescription] | None:
-        if stmt.route == "engine":
-            if stmt.engine_columns is None:
-                return None
-            explain = _EXPLAIN_PREFIX.match(stmt.sql) is not None
-            flags = stmt.noisy if show_intervals and not explain else None
-            return engine_fields(stmt.engine_columns, flags, self._confidence())
-        if stmt.route == "catalog":
-            return stmt.catalog_fields
-        if stmt.route == "tableless":
-            values = self._evaluate_local(stmt.sql)
-            return [FieldDescription(v.name, v.type_oid, type_size(v.type_oid)) for v in values] if values else None
-        if stmt.route == "local" and stmt.command is not None:
-            if stmt.command.action == "show":
-                assert self.settings is not None
-                return [FieldDescription(self.settings.canonical(stmt.command.name), TEXT)]
-            if stmt.command.action == "show_all":
-                return [FieldDescription(n, TEXT) for n in ("name", "setting", "description")]
-        return None
-
-    async def on_bind(self, msg: pq.Bind) -> None:
-        stmt = self.statements.get(msg.statement)
-        if stmt is None:
-            raise Error(f'prepared statement "{msg.statement}" does not exist', sqlstate="26000")
-        if msg.portal and msg.portal in self.portals:
-            raise Error(f'portal "{msg.portal}" already exists', sqlstate="42P03")
-        limit = self.ctx.options.max_portals
-        if msg.portal and len(self.portals) >= limit:
-            raise ConfigurationLimitExceeded(
-                f"too many portals in this session (at most {limit})",
-                hint="Close portals, or Sync outside a transaction.",
-            )
-        _check_formats(msg.param_formats)
-        _check_formats(msg.result_formats)
-        if len(msg.param_formats) not in (0, 1, len(msg.params)):
-            raise ProtocolViolation("bind message has an invalid number of parameter formats")
-        expected = len(stmt.param_oids)
-        if len(msg.params) != expected:
-            raise Error(
-                f"bind message supplies {len(msg.params)} parameters, but prepared statement "
-                f'"{msg.statement}" requires {expected}',
-                sqlstate="08P01",
-            )
-        assert self.settings is not None
-        portal = Portal(stmt, msg.params, msg.param_formats, msg.result_formats, self.settings.show_intervals)
-        self._decode_params(stmt, portal)  # validate now: PostgreSQL reports bad input at Bind
-        self.portals[msg.portal] = portal
-        self.send(pq.bind_complete())
-
-    async def on_describe(self, msg: pq.Describe) -> None:
-        assert self.settings is not None
-        if msg.kind == "S":
-            stmt = self.statements.get(msg.name)
-            if stmt is None:
-                raise Error(f'prepared statement "{msg.name}" does not exist', sqlstate="26000")
-            self.send(pq.parameter_description(stmt.param_oids))
-            fields = self._fields_for(stmt, self.settings.show_intervals)
-        else:
-            portal = self._portal(msg.name)
-            fields = self._portal_fields(portal)
-        self.send(pq.row_description(fields) if fields is not None else pq.no_data())
-
-    def _portal(self, name: str) -> Portal:
-        portal = self.portals.get(name)
-        if portal is None:
-            raise Error(f'portal "{name}" does not exist', sqlstate="34000")
-        return portal
-
-    def _portal_fields(self, portal: Portal) -> list[FieldDescription] | None:
-        fields = portal.outcome.fields if portal.outcome else self._fields_for(portal.statement, portal.show_intervals)
-        if fields is None:
-            return None
-        formats = _expand(portal.result_formats, len(fields))
-        return [_with_format(f, fmt) for f, fmt in zip(fields, formats, strict=True)]
-
-    async def on_execute(self, msg: pq.Execute) -> None:
-        portal = self._portal(msg.portal)
-        if portal.outcome is None:
-            portal.outcome = await self.execute(portal.statement, portal)
-            self.send_side_effects(portal.outcome)
-        outcome = portal.outcome
-        if portal.statement.route == "empty":
-            self.send(pq.empty_query_response())
-            return
-        if outcome.fields is None:
-            self.send(pq.command_complete(outcome.tag))
-            return
-        formats = [f.format for f in outcome.fields] if outcome.encoded else self._formats(portal, outcome)
-        end = len(outcome.rows) if msg.max_rows <= 0 else min(len(outcome.rows), portal.sent + msg.max_rows)
-        batch = outcome.rows[portal.sent : end]
-        await self.send_rows(outcome, batch, formats)
-        portal.sent = end
-        if end < len(outcome.rows):
-            self.send(pq.portal_suspended())
-        else:
-            tag = outcome.tag
-            if tag.startswith("SELECT "):
-                tag = f"SELECT {len(batch)}"
-            self.send(pq.command_complete(tag))
-
-    @staticmethod
-    def _formats(portal: Portal, outcome: Outcome) -> list[int]:
-        assert outcome.fields is not None
-        return _expand(portal.result_formats, len(outcome.fields))
-
-    def on_close(self, msg: pq.Close) -> None:
-        if msg.kind == "S":
-            self.statements.pop(msg.name, None)
-        else:
-            self.portals.pop(msg.name, None)
-        self.send(pq.close_complete())
-
-
-def _with_format(f: FieldDescription, fmt: int) -> FieldDescription:
-    return FieldDescription(f.name, f.type_oid, f.type_size, f.type_mod, f.table_oid, f.column_attr, fmt)
 
 
 def _drop_admission(admission: asyncio.Future[None], slots: Any, user: str) -> None:

@@ -18,17 +18,9 @@ from concurrent.futures import Executor
 from typing import Any
 
 from dpsql.backends import statement_hook
-from dpsql.errors import Error, QueryCanceled
+from dpsql.errors import ConfigurationLimitExceeded, Error, QueryCanceled, TooManyConnections
 
 log = logging.getLogger("dpsql.server")
-
-
-class TooManyConnections(Error):
-    sqlstate = "53300"
-
-
-class ConfigurationLimitExceeded(Error):
-    sqlstate = "53400"
 
 
 def server_busy() -> Error:

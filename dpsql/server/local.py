@@ -7,21 +7,31 @@ I/T/E transaction status it expects, nothing else changes.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from decimal import Decimal
+from enum import StrEnum
 from typing import Any
 
 import sqlglot
 from sqlglot import exp
 
 from dpsql import __version__
-from dpsql.errors import Error, FeatureNotSupported, InvalidParameterValue, ProgramLimitExceeded
-from dpsql.session import Session
+from dpsql.errors import (
+    CantChangeRuntimeParam,
+    ConfigurationLimitExceeded,
+    FeatureNotSupported,
+    InsufficientPrivilege,
+    InvalidParameterValue,
+    ProgramLimitExceeded,
+    SyntaxError_,
+    UndefinedObject,
+)
+from dpsql.pgtypes import parse_bool
+from dpsql.session import DPSQL_SETTINGS, Session, parse_setting
 
-from .sqltext import strip_comments
+from .sqltext import Token, tokenize
 
 #: GUCs PostgreSQL reports to the client with ParameterStatus (canonical spelling).
 REPORTED = (
@@ -76,56 +86,7 @@ _STATIC_GUCS: dict[str, str] = {
 _UTF8_NAMES = {"utf8", "utf-8", "unicode"}
 
 
-class FailedTransaction(Error):
-    sqlstate = "25P02"
-
-
-class ActiveTransaction(Error):
-    sqlstate = "25001"
-
-
-class NoActiveTransaction(Error):
-    sqlstate = "25P01"
-
-
-class UndefinedObject(Error):
-    sqlstate = "42704"
-
-
 # --- settings -----------------------------------------------------------------------------------
-
-
-def _parse_bool(value: str) -> bool:
-    v = value.strip().lower()
-    if v in ("on", "true", "yes", "1", "t", "y"):
-        return True
-    if v in ("off", "false", "no", "0", "f", "n"):
-        return False
-    raise ValueError(value)
-
-
-def _parse_fraction(value: str, low_open: bool, high: float, high_open: bool, low: float = 0.0) -> float:
-    x = float(value)
-    if not math.isfinite(x) or x < 0 or (low_open and x == 0) or x > high or (high_open and x == high):
-        raise ValueError(value)
-    if 0 < x < low:
-        raise ValueError(value)
-    return x
-
-
-#: ε accepted by SET dpsql.epsilon: below, no noise could be calibrated; above, no privacy is left.
-MIN_EPSILON, MAX_EPSILON = 1e-6, 1e6
-#: Smallest non-zero δ accepted by SET dpsql.delta (smaller ones overflow the Gaussian calibration).
-MIN_DELTA = 1e-30
-
-
-_DPSQL_PARSERS: dict[str, Callable[[str], Any]] = {
-    "dpsql.epsilon": lambda v: _parse_fraction(v, True, MAX_EPSILON, False, MIN_EPSILON),
-    "dpsql.delta": lambda v: _parse_fraction(v, False, 1.0, True, MIN_DELTA),
-    "dpsql.confidence": lambda v: _parse_fraction(v, True, 1.0 - 1e-9, False, 1e-9),
-    "dpsql.mechanism": lambda v: {"laplace": "laplace", "gaussian": "gaussian"}[v.strip().lower()],
-    "dpsql.show_intervals": _parse_bool,
-}
 
 
 def parse_timeout_ms(value: str) -> int:
@@ -170,7 +131,7 @@ class Settings:
         """Set (or reset with None); return the canonical name if it must be reported to the client."""
         key = self.canonical(name)
         if key in ("server_version", "server_encoding", "integer_datetimes", "is_superuser", "block_size"):
-            raise Error(f'parameter "{key}" cannot be changed', sqlstate="55P02")
+            raise CantChangeRuntimeParam(f'parameter "{key}" cannot be changed')
         if value is not None and len(value) > self.max_length:
             raise ProgramLimitExceeded(
                 f'value for parameter "{key}" is too long ({len(value)} characters; at most {self.max_length})'
@@ -180,13 +141,12 @@ class Settings:
             and value is not None
             and (key == "role" or value.strip() != self.defaults.get("session_authorization"))
         ):
-            raise Error(f'permission denied to set parameter "{key}"', sqlstate="42501")
+            raise InsufficientPrivilege(f'permission denied to set parameter "{key}"')
         if value is not None and key not in self.values and not key.startswith("dpsql."):
             custom = sum(1 for k in self.values if k not in self.defaults)
             if custom >= self.max_custom:
-                raise Error(
+                raise ConfigurationLimitExceeded(
                     f"too many custom parameters in this session (at most {self.max_custom})",
-                    sqlstate="53400",
                     hint="RESET ALL or DISCARD ALL drops them.",
                 )
         if key.startswith("dpsql."):
@@ -213,32 +173,15 @@ class Settings:
         return value
 
     def _set_dpsql(self, key: str, value: str | None) -> None:
-        parser = _DPSQL_PARSERS.get(key)
-        if parser is None:
-            raise UndefinedObject(f'unrecognized configuration parameter "{key}"')
         if value is None:
+            if key not in DPSQL_SETTINGS:
+                raise UndefinedObject(f'unrecognized configuration parameter "{key}"')
             parsed = None
             self.values[key] = self.defaults.get(key, "")
         else:
-            try:
-                parsed = parser(value)
-            except (ValueError, KeyError):
-                raise InvalidParameterValue(
-                    f'invalid value for parameter "{key}": "{value}"',
-                    hint=_DPSQL_HINTS[key],
-                ) from None
+            parsed = parse_setting(key, value)
             self.values[key] = value.strip().lower() if isinstance(parsed, str | bool) else str(parsed)
-        self._mirror(key, parsed)
-
-    def _mirror(self, key: str, parsed: Any) -> None:
-        s = self.session
-        attr = key.removeprefix("dpsql.")
-        if attr in ("epsilon", "delta", "confidence", "mechanism"):
-            setattr(s, attr, parsed)
-        if parsed is None:
-            s.settings.pop(key, None)
-        else:
-            s.settings[key] = self.values[key]
+        self.session.apply(key, parsed, self.values[key])
 
     def reset_all(self) -> list[str]:
         """RESET ALL; returns the reported parameters whose value changed."""
@@ -253,7 +196,7 @@ class Settings:
 
     @property
     def show_intervals(self) -> bool:
-        return _parse_bool(self.values.get("dpsql.show_intervals", "off"))
+        return parse_bool(self.values.get("dpsql.show_intervals", "off"))
 
     @property
     def statement_timeout_ms(self) -> int:
@@ -263,15 +206,6 @@ class Settings:
     @property
     def idle_in_transaction_ms(self) -> int:
         return int(self.values.get("idle_in_transaction_session_timeout", "0") or 0)
-
-
-_DPSQL_HINTS = {
-    "dpsql.epsilon": f"dpsql.epsilon must be between {MIN_EPSILON:g} and {MAX_EPSILON:g}, e.g. 0.5.",
-    "dpsql.delta": f"dpsql.delta must be 0 or in [{MIN_DELTA:g}, 1).",
-    "dpsql.confidence": "dpsql.confidence must be in (0, 1), e.g. 0.95.",
-    "dpsql.mechanism": "dpsql.mechanism is 'laplace' or 'gaussian'.",
-    "dpsql.show_intervals": "dpsql.show_intervals is on or off.",
-}
 
 
 def default_gucs(server_version: str, user: str, application_name: str, policy_defaults: Any) -> dict[str, str]:
@@ -292,56 +226,32 @@ def default_gucs(server_version: str, user: str, application_name: str, policy_d
 
 # --- command recognition ------------------------------------------------------------------------
 
-_TOKEN = re.compile(
-    r"""\s*(?:
-      (?P<str>[eE]?'(?:[^']|'')*')
-    | (?P<qid>"(?:[^"]|"")*")
-    | (?P<word>[A-Za-z_][A-Za-z0-9_$.]*)
-    | (?P<num>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)
-    | (?P<sym>\S)
-    )""",
-    re.VERBOSE,
-)
 
+class Action(StrEnum):
+    """What a session statement does; :mod:`.commands` has one handler per action."""
 
-@dataclass(frozen=True, slots=True)
-class Token:
-    kind: str
-    text: str
-
-    @property
-    def word(self) -> str:
-        return self.text.lower() if self.kind == "word" else ""
-
-    @property
-    def value(self) -> str:
-        if self.kind == "str":
-            body = self.text[1:] if self.text[0] in "eE" else self.text
-            return body[1:-1].replace("''", "'")
-        if self.kind == "qid":
-            return self.text[1:-1].replace('""', '"')
-        return self.text
-
-
-def tokenize(sql: str) -> list[Token]:
-    text = strip_comments(sql).strip().rstrip(";").strip()
-    tokens: list[Token] = []
-    pos = 0
-    while pos < len(text):
-        m = _TOKEN.match(text, pos)
-        if not m or m.end() == pos:
-            break
-        kind = m.lastgroup or "sym"
-        tokens.append(Token(kind, m.group(kind)))
-        pos = m.end()
-    return tokens
+    NOOP = "noop"
+    SET = "set"
+    RESET = "reset"
+    RESET_ALL = "reset_all"
+    SHOW = "show"
+    SHOW_ALL = "show_all"
+    DISCARD_ALL = "discard_all"
+    BEGIN = "begin"
+    COMMIT = "commit"
+    ROLLBACK = "rollback"
+    ROLLBACK_TO = "rollback_to"
+    SAVEPOINT = "savepoint"
+    RELEASE = "release"
+    CLOSE = "close"
+    DEALLOCATE = "deallocate"
 
 
 @dataclass(frozen=True, slots=True)
 class LocalCommand:
-    """A recognised session/transaction statement. ``action`` is interpreted by the connection."""
+    """A recognised session/transaction statement. ``action`` is interpreted by :mod:`.commands`."""
 
-    action: str  # set, show, show_all, reset, reset_all, discard, begin, commit, rollback, ...
+    action: Action
     tag: str
     name: str = ""
     value: str | None = None
@@ -365,44 +275,44 @@ def _parse_set(tokens: list[Token]) -> LocalCommand:
         rest = rest[1:]
     words = _words(rest)
     if not rest or words[0] in ("transaction", "characteristics"):
-        return LocalCommand("noop", "SET")
+        return LocalCommand(Action.NOOP, "SET")
     if words[0] in ("role", "authorization") or words[:2] == ["session", "authorization"]:
-        raise Error("permission denied to set role", sqlstate="42501")
+        raise InsufficientPrivilege("permission denied to set role")
     if words[:2] == ["time", "zone"]:
-        return LocalCommand("set", "SET", "TimeZone", _setting_value(rest[2:]) or "UTC")
+        return LocalCommand(Action.SET, "SET", "TimeZone", _setting_value(rest[2:]) or "UTC")
     if words[0] == "names":
-        return LocalCommand("set", "SET", "client_encoding", _setting_value(rest[1:]))
+        return LocalCommand(Action.SET, "SET", "client_encoding", _setting_value(rest[1:]))
     if len(rest) < 3 or words[1] not in ("to", "="):
-        raise Error(f'syntax error at or near "{rest[-1].text}"', sqlstate="42601")
-    return LocalCommand("set", "SET", rest[0].value, _setting_value(rest[2:]))
+        raise SyntaxError_(f'syntax error at or near "{rest[-1].text}"')
+    return LocalCommand(Action.SET, "SET", rest[0].value, _setting_value(rest[2:]))
 
 
 def _parse_show(tokens: list[Token]) -> LocalCommand:
     words = _words(tokens[1:])
     if words == ["all"]:
-        return LocalCommand("show_all", "SHOW")
+        return LocalCommand(Action.SHOW_ALL, "SHOW")
     if words == ["transaction", "isolation", "level"]:
-        return LocalCommand("show", "SHOW", "transaction_isolation")
+        return LocalCommand(Action.SHOW, "SHOW", "transaction_isolation")
     if words == ["time", "zone"]:
-        return LocalCommand("show", "SHOW", "TimeZone")
+        return LocalCommand(Action.SHOW, "SHOW", "TimeZone")
     if words == ["session", "authorization"]:
-        return LocalCommand("show", "SHOW", "session_authorization")
+        return LocalCommand(Action.SHOW, "SHOW", "session_authorization")
     if len(tokens) != 2:
-        raise Error("syntax error in SHOW", sqlstate="42601")
-    return LocalCommand("show", "SHOW", tokens[1].value)
+        raise SyntaxError_("syntax error in SHOW")
+    return LocalCommand(Action.SHOW, "SHOW", tokens[1].value)
 
 
 def _parse_reset(tokens: list[Token]) -> LocalCommand:
     words = _words(tokens[1:])
     if words == ["all"]:
-        return LocalCommand("reset_all", "RESET")
+        return LocalCommand(Action.RESET_ALL, "RESET")
     if words in (["role"], ["session", "authorization"]):
-        return LocalCommand("noop", "RESET")
+        return LocalCommand(Action.NOOP, "RESET")
     if words == ["time", "zone"]:
-        return LocalCommand("reset", "RESET", "TimeZone")
+        return LocalCommand(Action.RESET, "RESET", "TimeZone")
     if len(tokens) != 2:
-        raise Error("syntax error in RESET", sqlstate="42601")
-    return LocalCommand("reset", "RESET", tokens[1].value)
+        raise SyntaxError_("syntax error in RESET")
+    return LocalCommand(Action.RESET, "RESET", tokens[1].value)
 
 
 def _parse_transaction(tokens: list[Token]) -> LocalCommand | None:
@@ -411,21 +321,21 @@ def _parse_transaction(tokens: list[Token]) -> LocalCommand | None:
     if head in ("begin", "start"):
         if head == "start" and words[1:2] != ["transaction"]:
             return None
-        return LocalCommand("begin", "BEGIN")
+        return LocalCommand(Action.BEGIN, "BEGIN")
     if head in ("commit", "end"):
         if words[1:2] == ["prepared"]:
             return None
-        return LocalCommand("commit", "COMMIT")
+        return LocalCommand(Action.COMMIT, "COMMIT")
     if head in ("rollback", "abort"):
         if words[1:2] == ["prepared"]:
             return None
         if "to" in words:
-            return LocalCommand("rollback_to", "ROLLBACK", words[-1])
-        return LocalCommand("rollback", "ROLLBACK")
+            return LocalCommand(Action.ROLLBACK_TO, "ROLLBACK", words[-1])
+        return LocalCommand(Action.ROLLBACK, "ROLLBACK")
     if head == "savepoint" and len(words) == 2:
-        return LocalCommand("savepoint", "SAVEPOINT", words[1])
+        return LocalCommand(Action.SAVEPOINT, "SAVEPOINT", words[1])
     if head == "release" and len(words) in (2, 3):
-        return LocalCommand("release", "RELEASE", words[-1])
+        return LocalCommand(Action.RELEASE, "RELEASE", words[-1])
     return None
 
 
@@ -447,16 +357,16 @@ def parse_local(sql: str) -> LocalCommand | None:
         return _parse_reset(tokens)
     if head == "discard" and len(words) == 2:
         tag = _DISCARD_TAGS.get(words[1], "DISCARD TEMP")
-        return LocalCommand("discard_all" if words[1] == "all" else "noop", tag)
+        return LocalCommand(Action.DISCARD_ALL if words[1] == "all" else Action.NOOP, tag)
     if head == "close":
-        return LocalCommand("close", "CLOSE CURSOR ALL" if words[1:] == ["all"] else "CLOSE CURSOR", words[-1])
+        return LocalCommand(Action.CLOSE, "CLOSE CURSOR ALL" if words[1:] == ["all"] else "CLOSE CURSOR", words[-1])
     if head in ("listen", "unlisten"):
-        return LocalCommand("noop", head.upper())
+        return LocalCommand(Action.NOOP, head.upper())
     if head == "deallocate":
         name = words[-1] if len(words) > 1 else ""
         if name in ("prepare", ""):
-            raise Error("syntax error in DEALLOCATE", sqlstate="42601")
-        return LocalCommand("deallocate", "DEALLOCATE ALL" if name == "all" else "DEALLOCATE", tokens[-1].value)
+            raise SyntaxError_("syntax error in DEALLOCATE")
+        return LocalCommand(Action.DEALLOCATE, "DEALLOCATE ALL" if name == "all" else "DEALLOCATE", tokens[-1].value)
     if head == "copy":
         raise FeatureNotSupported("COPY is not supported by dpsql", hint="Only differentially private SELECTs.")
     return _parse_transaction(tokens)

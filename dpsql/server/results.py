@@ -10,13 +10,12 @@ from typing import Any
 import sqlglot
 from sqlglot import exp
 
-from dpsql.session import OutputColumn, Result
+from dpsql.pgtypes import FLOAT8, type_size
+from dpsql.session import OutputColumn, Result, ci_label
 
 from .protocol import Diagnostic, FieldDescription
-from .types import type_size
 
 _NUMERIC_TYPES = {"bigint", "double precision", "numeric"}
-FLOAT8 = 701
 
 
 @dataclass(slots=True)
@@ -37,11 +36,14 @@ class Outcome:
 
 
 def noisy_flags(sql: str, columns: Sequence[OutputColumn]) -> list[bool]:
-    """Which output columns are noisy: those whose SELECT item contains an aggregate.
+    """Which output columns are noisy (get a ``_ci`` column), the same at Describe and Execute.
 
-    Decided from the SQL alone so that Describe (no execution) and Execute agree on the extra
-    ``_ci`` columns. If the projection cannot be matched to the columns, numeric columns count.
+    From the plan when the columns say so (``OutputColumn.noisy``, set from ``OutputItem.noisy``).
+    Otherwise, until the analyzer fills it in, from the SQL: the SELECT items holding an
+    aggregate; if the projection cannot be matched to the columns, numeric columns count.
     """
+    if columns and all(c.noisy is not None for c in columns):
+        return [bool(c.noisy) for c in columns]
     try:
         tree = sqlglot.parse_one(sql, read="postgres")
     except (sqlglot.errors.ParseError, sqlglot.errors.TokenError):
@@ -52,7 +54,7 @@ def noisy_flags(sql: str, columns: Sequence[OutputColumn]) -> list[bool]:
 
 
 def ci_suffix(confidence: float) -> str:
-    return f"_ci{round(confidence * 100):d}"
+    return f"_ci{ci_label(confidence)}"
 
 
 def engine_fields(

@@ -20,14 +20,13 @@ from . import protocol as pq
 from .catalog import CatalogShadow
 from .connection import Connection
 from .limits import ShadowPool, TooManyConnections, WorkSlots
-from .protocol import DEFAULT_MAX_MESSAGE, Diagnostic
+from .protocol import DEFAULT_MAX_MESSAGE, DEFAULT_PORT, Diagnostic
 
 if TYPE_CHECKING:
     from dpsql.engine import Engine
 
 log = logging.getLogger("dpsql.server")
 
-DEFAULT_PORT = 6543
 GIL_SWITCH_INTERVAL = 0.0005
 FALLBACK_SERVER_VERSION = "16.0"
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from dpsql.errors import Error
+from dpsql.errors import Error, InsufficientPrivilege
 
 from .sqltext import _scan
 
@@ -209,9 +209,8 @@ _HINT = (
 
 
 def refuse_function(name: str) -> Error:
-    return Error(
+    return InsufficientPrivilege(
         f"permission denied for function {name}",
-        sqlstate="42501",
         detail="dpsql's catalog connection allows catalog introspection and formatting functions only.",
         hint=_HINT,
     )
@@ -227,9 +226,8 @@ def check_catalog_sql(sql: str) -> None:
         is_call = i + 1 < len(toks) and toks[i + 1].kind == "punct" and toks[i + 1].text == "("
         if not is_call:
             if denied_relation(name.lower()):
-                raise Error(
+                raise InsufficientPrivilege(
                     f"permission denied for view {name}",
-                    sqlstate="42501",
                     detail="Other sessions and the server's activity are not visible through dpsql.",
                     hint=_HINT,
                 )
@@ -254,11 +252,10 @@ def check_catalog_sql(sql: str) -> None:
         if name == "set_config":
             setting = _string_value(toks[i + 2]) if i + 2 < len(toks) else None
             if setting is None or setting.lower() not in SAFE_SETTINGS:
-                raise Error(
+                raise InsufficientPrivilege(
                     f"permission denied to set parameter {setting!r} on the catalog connection"
                     if setting is not None
                     else "set_config() on the catalog connection needs a literal parameter name",
-                    sqlstate="42501",
                     hint="Only client-presentation settings (search_path, DateStyle, application_name…) "
                     "may be changed there.",
                 )

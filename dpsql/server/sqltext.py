@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 _DOLLAR_TAG = re.compile(r"\$(?:[A-Za-z_\x80-\uffff][A-Za-z0-9_\x80-\uffff]*)?\$")
 
@@ -129,3 +130,68 @@ def identifiers(sql: str) -> list[str]:
 def first_word(sql: str) -> str:
     match = _WORD.search(strip_comments(sql))
     return match.group(0).lower() if match else ""
+
+
+def after_keyword(sql: str, keyword: str) -> str | None:
+    """The text after a leading ``keyword`` (case-insensitive; comments before it skipped), else None.
+
+    ``after_keyword("/* app */ EXPLAIN SELECT 1", "explain")`` is ``" SELECT 1"``.
+    """
+    for kind, s, e in _scan(sql):
+        if kind == "comment" or sql[s:e].isspace():
+            continue
+        match = _WORD.match(sql, s)
+        if match is not None and match.group(0).lower() == keyword.lower():
+            return sql[match.end() :]
+        return None
+    return None
+
+
+# --- tokens of session statements (SET, SHOW, BEGIN, …: see server/local.py) ------------------------
+
+_TOKEN = re.compile(
+    r"""\s*(?:
+      (?P<str>[eE]?'(?:[^']|'')*')
+    | (?P<qid>"(?:[^"]|"")*")
+    | (?P<word>[A-Za-z_][A-Za-z0-9_$.]*)
+    | (?P<num>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)
+    | (?P<sym>\S)
+    )""",
+    re.VERBOSE,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    """A token of a session statement (:func:`tokenize`): str, qid, word, num or sym."""
+
+    kind: str
+    text: str
+
+    @property
+    def word(self) -> str:
+        return self.text.lower() if self.kind == "word" else ""
+
+    @property
+    def value(self) -> str:
+        if self.kind == "str":
+            body = self.text[1:] if self.text[0] in "eE" else self.text
+            return body[1:-1].replace("''", "'")
+        if self.kind == "qid":
+            return self.text[1:-1].replace('""', '"')
+        return self.text
+
+
+def tokenize(sql: str) -> list[Token]:
+    """Tokens of one comment-free statement (trailing semicolon dropped); stops at the first non-token."""
+    text = strip_comments(sql).strip().rstrip(";").strip()
+    tokens: list[Token] = []
+    pos = 0
+    while pos < len(text):
+        m = _TOKEN.match(text, pos)
+        if not m or m.end() == pos:
+            break
+        kind = m.lastgroup or "sym"
+        tokens.append(Token(kind, m.group(kind)))
+        pos = m.end()
+    return tokens

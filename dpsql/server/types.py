@@ -14,58 +14,20 @@ from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from dpsql.errors import DataError, FeatureNotSupported
+from dpsql.errors import (
+    DataError,
+    DatetimeFieldOverflow,
+    FeatureNotSupported,
+    InvalidBinaryRepresentation,
+    InvalidTextRepresentation,
+)
+from dpsql.pgtypes import OIDS, TYPE_SIZES, oid_for, parse_bool, type_size
 
-OIDS: dict[str, int] = {
-    "boolean": 16,
-    "bytea": 17,
-    "name": 19,
-    "bigint": 20,
-    "smallint": 21,
-    "integer": 23,
-    "text": 25,
-    "oid": 26,
-    "real": 700,
-    "double precision": 701,
-    "unknown": 705,
-    "character": 1042,
-    "character varying": 1043,
-    "date": 1082,
-    "timestamp": 1114,
-    "timestamp with time zone": 1184,
-    "numeric": 1700,
-}
-_ALIASES = {
-    "int8": "bigint",
-    "int4": "integer",
-    "int": "integer",
-    "int2": "smallint",
-    "float8": "double precision",
-    "float4": "real",
-    "float": "double precision",
-    "bool": "boolean",
-    "varchar": "character varying",
-    "timestamptz": "timestamp with time zone",
-    "decimal": "numeric",
-}
-TYPE_SIZES = {16: 1, 19: 64, 20: 8, 21: 2, 23: 4, 26: 4, 700: 4, 701: 8, 1082: 4, 1114: 8, 1184: 8}
+__all__ = ["OIDS", "TYPE_SIZES", "decode_param", "encode_value", "oid_for", "type_size"]  # OIDs: dpsql.pgtypes
 
 PG_EPOCH_DATE = dt.date(2000, 1, 1)
 PG_EPOCH = dt.datetime(2000, 1, 1)
 _NUMERIC_POS, _NUMERIC_NEG, _NUMERIC_NAN = 0x0000, 0x4000, 0xC000
-
-
-def oid_for(type_name: str) -> int:
-    """OID of a PostgreSQL type name (``text`` for anything unknown)."""
-    name = type_name.strip().lower()
-    return OIDS.get(_ALIASES.get(name, name), OIDS["text"])
-
-
-def type_size(oid: int) -> int:
-    return TYPE_SIZES.get(oid, -1)
-
-
-# --- output -------------------------------------------------------------------------------------
 
 
 def _float_text(value: float) -> str:
@@ -181,21 +143,12 @@ def encode_value(value: Any, oid: int, fmt: int) -> bytes | None:
 # --- input (Bind parameters) --------------------------------------------------------------------
 
 
-def _parse_bool(text: str) -> bool:
-    t = text.strip().lower()
-    if t in ("t", "true", "y", "yes", "on", "1"):
-        return True
-    if t in ("f", "false", "n", "no", "off", "0"):
-        return False
-    raise ValueError(text)
-
-
 def _parse_timestamp(text: str) -> dt.datetime:
     return dt.datetime.fromisoformat(text.strip())
 
 
 _TEXT_DECODERS: dict[int, Callable[[str], Any]] = {
-    16: _parse_bool,
+    16: parse_bool,
     20: int,
     21: int,
     23: int,
@@ -264,8 +217,8 @@ def decode_param(data: bytes | None, oid: int, fmt: int) -> Any:
         text_decoder = _TEXT_DECODERS.get(oid)
         return text_decoder(text) if text_decoder else text
     except OverflowError:
-        raise DataError("bind parameter out of range", sqlstate="22008") from None
+        raise DatetimeFieldOverflow("bind parameter out of range") from None
     except (ValueError, struct.error, InvalidOperation, UnicodeDecodeError):
         if fmt == 1:
-            raise DataError("incorrect binary data format in bind parameter", sqlstate="22P03") from None
-        raise DataError("invalid input syntax in bind parameter", sqlstate="22P02") from None
+            raise InvalidBinaryRepresentation("incorrect binary data format in bind parameter") from None
+        raise InvalidTextRepresentation("invalid input syntax in bind parameter") from None

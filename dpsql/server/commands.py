@@ -1,0 +1,196 @@
+"""Session commands the connection answers itself, and the transaction status they drive.
+
+dpsql is read-only, so a transaction is bookkeeping only: :class:`TxStatus` (PostgreSQL's
+ReadyForQuery I/T/E) plus the savepoint names. Each :class:`~.local.Action` has one handler in
+:data:`SessionCommands.handlers`; ``SET``/``SHOW`` go through the session's :class:`Settings`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+from dpsql.errors import (
+    ActiveTransaction,
+    FailedTransaction,
+    InvalidCursorName,
+    InvalidSavepoint,
+    InvalidStatementName,
+    NoActiveTransaction,
+)
+from dpsql.pgtypes import TEXT
+
+from .local import Action, LocalCommand
+from .protocol import Diagnostic, FieldDescription
+from .results import Outcome
+
+if TYPE_CHECKING:
+    from .extended import Portal, Statement
+    from .local import Settings
+
+SHOW_ALL_COLUMNS = ("name", "setting", "description")
+
+
+class TxStatus(StrEnum):
+    """The transaction status byte of ReadyForQuery."""
+
+    IDLE = "I"
+    IN_TRANSACTION = "T"
+    FAILED = "E"
+
+
+def _warning(sqlstate: str, text: str) -> Diagnostic:
+    return Diagnostic("WARNING", sqlstate, text)
+
+
+class SessionCommands:
+    """Transaction status, savepoints and the handlers of the statements in :mod:`.local`."""
+
+    def __init__(self, statements: dict[str, Statement], portals: dict[str, Portal]) -> None:
+        self.tx = TxStatus.IDLE
+        self.savepoints: list[str] = []
+        self.settings: Settings | None = None
+        #: The extended protocol's stores (DISCARD ALL and DEALLOCATE empty them).
+        self.statements = statements
+        self.portals = portals
+        self.handlers: dict[Action, Callable[[LocalCommand], Outcome | None]] = {
+            Action.NOOP: lambda cmd: None,
+            Action.SET: self.set,
+            Action.RESET: self.reset,
+            Action.RESET_ALL: self.reset_all,
+            Action.SHOW: self.show,
+            Action.SHOW_ALL: self.show_all,
+            Action.DISCARD_ALL: self.discard_all,
+            Action.BEGIN: self.begin,
+            Action.COMMIT: self.commit,
+            Action.ROLLBACK: self.rollback,
+            Action.ROLLBACK_TO: self.rollback_to,
+            Action.SAVEPOINT: self.savepoint,
+            Action.RELEASE: self.release,
+            Action.CLOSE: self.close,
+            Action.DEALLOCATE: self.deallocate,
+        }
+
+    # -- transaction status ------------------------------------------------------------------------
+
+    def fail(self) -> None:
+        """An error inside a transaction block aborts it (until ROLLBACK)."""
+        if self.tx is TxStatus.IN_TRANSACTION:
+            self.tx = TxStatus.FAILED
+
+    def _end(self) -> None:
+        self.tx, self.savepoints = TxStatus.IDLE, []
+
+    def check_not_failed(self, command: LocalCommand | None) -> None:
+        allowed = command is not None and command.action in (Action.COMMIT, Action.ROLLBACK, Action.ROLLBACK_TO)
+        if self.tx is TxStatus.FAILED and not allowed:
+            raise FailedTransaction("current transaction is aborted, commands ignored until end of transaction block")
+
+    # -- dispatch ------------------------------------------------------------------------------------
+
+    def run(self, cmd: LocalCommand) -> Outcome:
+        assert self.settings is not None
+        return self.handlers[cmd.action](cmd) or Outcome(None, [], cmd.tag)
+
+    @staticmethod
+    def fields(cmd: LocalCommand, settings: Settings) -> list[FieldDescription] | None:
+        """The columns a command returns (Describe), None for none."""
+        if cmd.action is Action.SHOW:
+            return [FieldDescription(settings.canonical(cmd.name), TEXT)]
+        if cmd.action is Action.SHOW_ALL:
+            return [FieldDescription(n, TEXT) for n in SHOW_ALL_COLUMNS]
+        return None
+
+    # -- settings ------------------------------------------------------------------------------------
+
+    def set(self, cmd: LocalCommand) -> Outcome:
+        assert self.settings is not None
+        reported = self.settings.set(cmd.name, cmd.value)
+        out = Outcome(None, [], "SET")
+        if reported:
+            out.status.append((reported, self.settings.values[reported]))
+        return out
+
+    def reset(self, cmd: LocalCommand) -> Outcome:
+        return self.set(LocalCommand(Action.SET, "RESET", cmd.name, None))
+
+    def reset_all(self, cmd: LocalCommand) -> Outcome:
+        assert self.settings is not None
+        changed = self.settings.reset_all()
+        return Outcome(None, [], cmd.tag, status=[(k, self.settings.values[k]) for k in changed])
+
+    def show(self, cmd: LocalCommand) -> Outcome:
+        assert self.settings is not None
+        value = self.settings.get(cmd.name)
+        return Outcome(self.fields(cmd, self.settings), [(value,)], "SHOW")
+
+    def show_all(self, cmd: LocalCommand) -> Outcome:
+        assert self.settings is not None
+        rows = [(k, v, "") for k, v in sorted(self.settings.values.items(), key=lambda kv: kv[0].lower())]
+        return Outcome(self.fields(cmd, self.settings), rows, "SHOW")
+
+    def discard_all(self, cmd: LocalCommand) -> Outcome:
+        if self.tx is not TxStatus.IDLE:
+            raise ActiveTransaction("DISCARD ALL cannot run inside a transaction block")
+        out = self.reset_all(cmd)
+        self.statements.clear()
+        self.portals.clear()
+        return out
+
+    # -- transactions --------------------------------------------------------------------------------
+
+    def begin(self, cmd: LocalCommand) -> Outcome:
+        out = Outcome(None, [], "BEGIN")
+        if self.tx is not TxStatus.IDLE:
+            out.notices.append(_warning("25001", "there is already a transaction in progress"))
+        else:
+            self.tx, self.savepoints = TxStatus.IN_TRANSACTION, []
+        return out
+
+    def commit(self, cmd: LocalCommand) -> Outcome:
+        out = Outcome(None, [], "ROLLBACK" if self.tx is TxStatus.FAILED else "COMMIT")
+        if self.tx is TxStatus.IDLE:
+            out.notices.append(_warning("25P01", "there is no transaction in progress"))
+        self._end()
+        return out
+
+    def rollback(self, cmd: LocalCommand) -> Outcome:
+        out = Outcome(None, [], "ROLLBACK")
+        if self.tx is TxStatus.IDLE:
+            out.notices.append(_warning("25P01", "there is no transaction in progress"))
+        self._end()
+        return out
+
+    def _find_savepoint(self, name: str, verb: str) -> int:
+        if self.tx is TxStatus.IDLE:
+            raise NoActiveTransaction(f"{verb} can only be used in transaction blocks")
+        if name not in self.savepoints:
+            raise InvalidSavepoint(f'savepoint "{name}" does not exist')
+        return len(self.savepoints) - 1 - self.savepoints[::-1].index(name)
+
+    def rollback_to(self, cmd: LocalCommand) -> None:
+        index = self._find_savepoint(cmd.name, "ROLLBACK TO SAVEPOINT")
+        self.savepoints = self.savepoints[: index + 1]
+        self.tx = TxStatus.IN_TRANSACTION
+
+    def savepoint(self, cmd: LocalCommand) -> None:
+        if self.tx is TxStatus.IDLE:
+            raise NoActiveTransaction("SAVEPOINT can only be used in transaction blocks")
+        self.savepoints.append(cmd.name)
+
+    def release(self, cmd: LocalCommand) -> None:
+        self.savepoints = self.savepoints[: self._find_savepoint(cmd.name, "RELEASE SAVEPOINT")]
+
+    # -- cursors and prepared statements ---------------------------------------------------------------
+
+    def close(self, cmd: LocalCommand) -> None:
+        if cmd.tag != "CLOSE CURSOR ALL":
+            raise InvalidCursorName(f'cursor "{cmd.name}" does not exist')
+
+    def deallocate(self, cmd: LocalCommand) -> None:
+        if cmd.tag == "DEALLOCATE ALL":
+            for name in [k for k in self.statements if k]:
+                del self.statements[name]
+        elif self.statements.pop(cmd.name, None) is None:
+            raise InvalidStatementName(f'prepared statement "{cmd.name}" does not exist')

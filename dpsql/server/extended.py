@@ -1,0 +1,287 @@
+"""The extended query protocol: Parse, Bind, Describe, Execute and Close over two stores.
+
+A :class:`Statement` is planned once at Parse (routed, its parameter types and columns
+described without running anything, so Describe never spends budget); a :class:`Portal` binds
+parameters to it and keeps its outcome while Execute pages through the rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from dpsql.errors import (
+    ConfigurationLimitExceeded,
+    DuplicateCursor,
+    DuplicatePreparedStatement,
+    InvalidCursorName,
+    InvalidStatementName,
+    SyntaxError_,
+)
+from dpsql.errors import ProtocolViolation as BindMismatch
+from dpsql.session import OutputColumn
+
+from . import protocol as pq
+from .catalog import CatalogUnavailable, refuse_mixed
+from .commands import SessionCommands
+from .local import LocalCommand
+from .protocol import FieldDescription, ProtocolViolation
+from .results import Outcome, engine_fields, noisy_flags
+from .sqltext import after_keyword
+from .types import oid_for, type_size
+
+if TYPE_CHECKING:
+    from .connection import Connection
+
+#: Where a statement goes: nowhere (empty), answered here (local, tableless), the shadow
+#: catalog, the DP engine, or refused (mixed).
+StatementRoute = Literal["empty", "local", "tableless", "catalog", "engine", "mixed"]
+
+
+@dataclass(slots=True)
+class Statement:
+    """A planned statement (a prepared statement in the extended protocol)."""
+
+    sql: str
+    route: StatementRoute
+    command: LocalCommand | None = None
+    param_oids: list[int] = field(default_factory=list)
+    engine_columns: list[OutputColumn] | None = None
+    catalog_fields: list[FieldDescription] | None = None
+    noisy: list[bool] | None = None
+
+    @property
+    def explain_target(self) -> str | None:
+        """The query of an ``EXPLAIN <query>`` routed to the engine (leading comments allowed)."""
+        return after_keyword(self.sql, "explain") if self.route == "engine" else None
+
+
+@dataclass(slots=True)
+class Portal:
+    statement: Statement
+    params: tuple[bytes | None, ...] = ()
+    param_formats: tuple[int, ...] = ()
+    result_formats: tuple[int, ...] = ()
+    show_intervals: bool = False
+    outcome: Outcome | None = None
+    sent: int = 0
+
+
+def expand_formats(formats: Sequence[int], n: int) -> list[int]:
+    """Per-column format codes from Bind's list (none: text; one: for all; else one each)."""
+    if not formats:
+        return [0] * n
+    if len(formats) == 1:
+        return [formats[0]] * n
+    if len(formats) != n:
+        raise BindMismatch(f"bind message has {len(formats)} result formats but query has {n} columns")
+    return list(formats)
+
+
+def _check_formats(formats: Sequence[int]) -> None:
+    if any(f not in (0, 1) for f in formats):
+        raise ProtocolViolation("unsupported format code")
+
+
+def _with_format(f: FieldDescription, fmt: int) -> FieldDescription:
+    return FieldDescription(f.name, f.type_oid, f.type_size, f.type_mod, f.table_oid, f.column_attr, fmt)
+
+
+class ExtendedProtocol:
+    """The prepared-statement and portal stores of one connection, and the messages over them."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.statements: dict[str, Statement] = {}
+        self.portals: dict[str, Portal] = {}
+
+    async def handle(self, msg: pq.FrontendMessage) -> None:
+        if isinstance(msg, pq.Parse):
+            await self.on_parse(msg)
+        elif isinstance(msg, pq.Bind):
+            await self.on_bind(msg)
+        elif isinstance(msg, pq.Describe):
+            await self.on_describe(msg)
+        elif isinstance(msg, pq.Execute):
+            await self.on_execute(msg)
+        elif isinstance(msg, pq.Close):
+            self.on_close(msg)
+
+    def sync(self, commands: SessionCommands) -> None:
+        """Unnamed and named portals live until the end of the transaction."""
+        if commands.tx == "I":
+            self.portals.clear()
+
+    # -- Parse ---------------------------------------------------------------------------------------
+
+    async def on_parse(self, msg: pq.Parse) -> None:
+        conn = self.conn
+        if msg.name and msg.name in self.statements:
+            raise DuplicatePreparedStatement(f'prepared statement "{msg.name}" already exists')
+        limit = conn.ctx.options.max_prepared
+        if msg.name and len(self.statements) >= limit:
+            raise ConfigurationLimitExceeded(
+                f"too many prepared statements in this session (at most {limit})",
+                hint="Close (DEALLOCATE) prepared statements that are no longer needed.",
+            )
+        statements = await conn.split(msg.sql)
+        if len(statements) > 1:
+            raise SyntaxError_("cannot insert multiple commands into a prepared statement")
+        stmt = await conn.plan_async(statements[0] if statements else msg.sql)
+        stmt.param_oids = list(msg.param_oids)
+        conn.commands.check_not_failed(stmt.command)
+        await self._describe_statement(stmt)
+        self.statements[msg.name] = stmt
+        conn.send(pq.parse_complete())
+
+    async def _describe_statement(self, stmt: Statement) -> None:
+        """Fill parameter types and result columns without running the query (no budget spent)."""
+        conn = self.conn
+        if stmt.route in ("catalog", "tableless") and (
+            stmt.route == "catalog" or conn.evaluate_local(stmt.sql) is None
+        ):
+            if not conn.ctx.catalog_available:
+                if stmt.route == "catalog":
+                    raise CatalogUnavailable()
+                return
+            oids, fields = await conn.shadow_call("describe", stmt.sql, stmt.param_oids, timeout_ms=conn.timeout_ms())
+            stmt.route, stmt.param_oids, stmt.catalog_fields = "catalog", oids, fields
+        elif stmt.route == "engine":
+            await self._describe_engine(stmt)
+        elif stmt.route == "mixed":
+            raise refuse_mixed()
+
+    async def _describe_engine(self, stmt: Statement) -> None:
+        conn = self.conn
+        assert conn.session is not None
+        explain = stmt.explain_target
+        target = stmt.sql if explain is None else explain
+        engine, session = conn.ctx.engine, conn.session
+
+        def work() -> tuple[Any, list[bool] | None]:
+            description = engine.describe(target, session)
+            noisy = None if explain is not None else noisy_flags(stmt.sql, description.columns)
+            return description, noisy
+
+        description, stmt.noisy = await conn.run_blocking(work, timeout_ms=conn.timeout_ms())
+        inferred = [oid_for(t) for t in description.param_types]
+        given = stmt.param_oids
+        oids = [given[i] if i < len(given) and given[i] else inferred[i] for i in range(len(inferred))]
+        stmt.param_oids = oids + given[len(oids) :]
+        explained = [OutputColumn("QUERY PLAN", "text")]
+        stmt.engine_columns = explained if explain is not None else list(description.columns)
+
+    def fields_for(self, stmt: Statement, show_intervals: bool) -> list[FieldDescription] | None:
+        conn = self.conn
+        if stmt.route == "engine":
+            if stmt.engine_columns is None:
+                return None
+            flags = stmt.noisy if show_intervals and stmt.explain_target is None else None
+            return engine_fields(stmt.engine_columns, flags, conn.confidence())
+        if stmt.route == "catalog":
+            return stmt.catalog_fields
+        if stmt.route == "tableless":
+            values = conn.evaluate_local(stmt.sql)
+            return [FieldDescription(v.name, v.type_oid, type_size(v.type_oid)) for v in values] if values else None
+        if stmt.route == "local" and stmt.command is not None:
+            assert conn.settings is not None
+            return SessionCommands.fields(stmt.command, conn.settings)
+        return None
+
+    # -- Bind ----------------------------------------------------------------------------------------
+
+    async def on_bind(self, msg: pq.Bind) -> None:
+        conn = self.conn
+        stmt = self.statements.get(msg.statement)
+        if stmt is None:
+            raise InvalidStatementName(f'prepared statement "{msg.statement}" does not exist')
+        if msg.portal and msg.portal in self.portals:
+            raise DuplicateCursor(f'portal "{msg.portal}" already exists')
+        limit = conn.ctx.options.max_portals
+        if msg.portal and len(self.portals) >= limit:
+            raise ConfigurationLimitExceeded(
+                f"too many portals in this session (at most {limit})",
+                hint="Close portals, or Sync outside a transaction.",
+            )
+        _check_formats(msg.param_formats)
+        _check_formats(msg.result_formats)
+        if len(msg.param_formats) not in (0, 1, len(msg.params)):
+            raise ProtocolViolation("bind message has an invalid number of parameter formats")
+        expected = len(stmt.param_oids)
+        if len(msg.params) != expected:
+            raise BindMismatch(
+                f"bind message supplies {len(msg.params)} parameters, but prepared statement "
+                f'"{msg.statement}" requires {expected}'
+            )
+        assert conn.settings is not None
+        portal = Portal(stmt, msg.params, msg.param_formats, msg.result_formats, conn.settings.show_intervals)
+        conn.decode_params(stmt, portal)  # validate now: PostgreSQL reports bad input at Bind
+        self.portals[msg.portal] = portal
+        conn.send(pq.bind_complete())
+
+    # -- Describe ------------------------------------------------------------------------------------
+
+    async def on_describe(self, msg: pq.Describe) -> None:
+        conn = self.conn
+        assert conn.settings is not None
+        if msg.kind == "S":
+            stmt = self.statements.get(msg.name)
+            if stmt is None:
+                raise InvalidStatementName(f'prepared statement "{msg.name}" does not exist')
+            conn.send(pq.parameter_description(stmt.param_oids))
+            fields = self.fields_for(stmt, conn.settings.show_intervals)
+        else:
+            fields = self._portal_fields(self._portal(msg.name))
+        conn.send(pq.row_description(fields) if fields is not None else pq.no_data())
+
+    def _portal(self, name: str) -> Portal:
+        portal = self.portals.get(name)
+        if portal is None:
+            raise InvalidCursorName(f'portal "{name}" does not exist')
+        return portal
+
+    def _portal_fields(self, portal: Portal) -> list[FieldDescription] | None:
+        fields = portal.outcome.fields if portal.outcome else self.fields_for(portal.statement, portal.show_intervals)
+        if fields is None:
+            return None
+        formats = expand_formats(portal.result_formats, len(fields))
+        return [_with_format(f, fmt) for f, fmt in zip(fields, formats, strict=True)]
+
+    # -- Execute and Close ---------------------------------------------------------------------------
+
+    async def on_execute(self, msg: pq.Execute) -> None:
+        conn = self.conn
+        portal = self._portal(msg.portal)
+        if portal.outcome is None:
+            portal.outcome = await conn.execute(portal.statement, portal)
+            conn.send_side_effects(portal.outcome)
+        outcome = portal.outcome
+        if portal.statement.route == "empty":
+            conn.send(pq.empty_query_response())
+            return
+        if outcome.fields is None:
+            conn.send(pq.command_complete(outcome.tag))
+            return
+        if outcome.encoded:
+            formats = [f.format for f in outcome.fields]
+        else:
+            formats = expand_formats(portal.result_formats, len(outcome.fields))
+        end = len(outcome.rows) if msg.max_rows <= 0 else min(len(outcome.rows), portal.sent + msg.max_rows)
+        batch = outcome.rows[portal.sent : end]
+        await conn.send_rows(outcome, batch, formats)
+        portal.sent = end
+        if end < len(outcome.rows):
+            conn.send(pq.portal_suspended())
+        else:
+            tag = outcome.tag
+            if tag.startswith("SELECT "):
+                tag = f"SELECT {len(batch)}"
+            conn.send(pq.command_complete(tag))
+
+    def on_close(self, msg: pq.Close) -> None:
+        if msg.kind == "S":
+            self.statements.pop(msg.name, None)
+        else:
+            self.portals.pop(msg.name, None)
+        self.conn.send(pq.close_complete())

@@ -1,0 +1,166 @@
+"""Connection startup: SSL/GSSENC negotiation, cancel requests, StartupMessage, SCRAM or trust.
+
+Every refusal here is FATAL (the session ends): PostgreSQL's own codes and wording, and the same
+SCRAM exchange for unknown roles as for wrong passwords so the answer never tells them apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from typing import TYPE_CHECKING
+
+from dpsql.errors import (
+    AuthFailed,
+    Error,
+    FeatureNotSupported,
+    InvalidAuthorization,
+    InvalidPassword,
+    ScramProtocolError,
+)
+from dpsql.session import Session
+
+from . import protocol as pq
+from .auth import ScramExchange, Verifier, mock_exchange, parse_sasl_initial
+from .local import REPORTED, Settings, default_gucs
+from .protocol import ProtocolViolation
+
+if TYPE_CHECKING:
+    from .connection import Connection
+
+log = logging.getLogger("dpsql.server")
+
+#: StartupMessage parameters that are not settings.
+_NOT_SETTINGS = frozenset({"user", "database", "replication", "options", "application_name"})
+
+
+async def startup(conn: Connection) -> bool:
+    """Negotiate encryption and authenticate; False when the connection only carried a cancel."""
+    while True:
+        payload = await pq.read_startup(conn.reader)
+        msg = pq.parse_startup(payload)
+        if isinstance(msg, pq.SSLRequest):
+            await _negotiate_tls(conn)
+        elif isinstance(msg, pq.GSSEncRequest):
+            conn.send(b"N")
+            await conn.flush()
+        elif isinstance(msg, pq.CancelRequest):
+            conn.ctx.cancel(msg.pid, msg.secret)
+            return False
+        else:
+            break
+    await _start_session(conn, msg)
+    return True
+
+
+async def _negotiate_tls(conn: Connection) -> None:
+    if conn.ctx.ssl_context is None or conn.tls:
+        conn.send(b"N")
+        await conn.flush()
+        return
+    # Data pipelined after SSLRequest would be read as if it came over TLS (CVE-2021-23214).
+    if len(getattr(conn.reader, "_buffer", b"")):
+        raise ProtocolViolation("received unencrypted data after SSL request")
+    conn.send(b"S")
+    await conn.flush()
+    await conn.writer.start_tls(conn.ctx.ssl_context)
+    conn.tls = True
+
+
+async def _start_session(conn: Connection, msg: pq.StartupMessage) -> None:
+    ctx = conn.ctx
+    if msg.major != 3:
+        raise FeatureNotSupported(
+            f"unsupported frontend protocol {msg.major}.{msg.minor}: server supports 3.0 to 3.0"
+        ).fatal()
+    params = msg.params
+    unknown_options = [k for k in params if k.startswith("_pq_.")]
+    if msg.minor > 0 or unknown_options:
+        conn.send(pq.negotiate_protocol_version(0, unknown_options))
+    if params.get("replication", "false").lower() not in ("false", "off", "no", "0"):
+        raise FeatureNotSupported("replication connections are not supported by dpsql").fatal()
+    user = params.get("user", "")
+    if not user:
+        raise InvalidAuthorization("no PostgreSQL user name specified in startup packet").fatal()
+    await _authenticate(conn, user)
+    try:
+        ctx.admit(user)  # 53300 beyond --max-connections / --max-connections-per-analyst
+    except Error as exc:
+        log.info("connection refused analyst=%s peer=%s: %s", user, conn.peer, exc.message)
+        exc.detail = exc.hint = None  # as before: the refusal's message only
+        raise exc.fatal() from None
+    conn.admitted = True
+    conn.user = user
+    conn.session = Session(analyst=user)
+    gucs = default_gucs(ctx.server_version, user, params.get("application_name", ""), ctx.defaults)
+    gucs["statement_timeout"] = str(ctx.default_statement_timeout_ms)
+    idle_tx = ctx.options.idle_in_transaction_timeout
+    gucs["idle_in_transaction_session_timeout"] = str(round((idle_tx or 0) * 1000))
+    opts = ctx.options
+    settings = Settings(conn.session, gucs, max_custom=opts.max_settings, max_length=opts.max_setting_length)
+    conn.settings = conn.commands.settings = settings
+    _apply_startup_settings(settings, params)
+    for name in REPORTED:
+        conn.send(pq.parameter_status(name, settings.values.get(name, "")))
+    conn.pid = ctx.register(conn)
+    conn.send(pq.backend_key_data(conn.pid, conn.secret))
+    conn.send(pq.ready_for_query(conn.commands.tx))
+    await conn.flush()
+    log.info("connection analyst=%s pid=%d peer=%s tls=%s", user, conn.pid, conn.peer, conn.tls)
+
+
+def _apply_startup_settings(settings: Settings, params: dict[str, str]) -> None:
+    pairs = [(k, v) for k, v in params.items() if k not in _NOT_SETTINGS and not k.startswith("_pq_.")]
+    pairs += re.findall(r"(?:-c\s*|--)([A-Za-z_.]+)=(\S+)", params.get("options", ""))
+    for key, value in pairs:
+        try:
+            settings.set(key, value)
+        except Error as exc:
+            exc.detail = None  # as before: message and hint only
+            raise exc.fatal() from None
+
+
+async def _authenticate(conn: Connection, user: str) -> None:
+    policy = conn.ctx.policy
+    analyst = policy.analyst(user)
+    if policy.auth.trust:
+        # As PostgreSQL under trust: authentication succeeds, then the role lookup fails (a known
+        # name simply logs in, so no answer could hide which names exist).
+        conn.send(pq.auth_ok())
+        if analyst is None:
+            raise InvalidAuthorization(f'role "{user}" does not exist').fatal()
+        return
+    failed = InvalidPassword(f'password authentication failed for user "{user}"').fatal()
+    if analyst is not None and analyst.password is not None:
+        exchange = ScramExchange(Verifier.parse(analyst.password))
+        reason = "wrong password"
+    else:  # unknown role or no verifier: the same exchange, doomed to fail at the same point
+        exchange = mock_exchange(conn.ctx.engine, user)
+        reason = "unknown role" if analyst is None else "no password set"
+    conn.send(pq.auth_sasl(["SCRAM-SHA-256"]))
+    await conn.flush()
+    try:
+        mechanism, first = parse_sasl_initial(await _read_password(conn))
+        if mechanism != "SCRAM-SHA-256":
+            raise ScramProtocolError("client selected an invalid SASL authentication mechanism")
+        conn.send(pq.auth_sasl_continue(exchange.first(first)))
+        await conn.flush()
+        final = exchange.final(await _read_password(conn))
+    except AuthFailed:
+        log.info("authentication failed analyst=%s peer=%s reason=%s", user, conn.peer, reason)
+        raise failed from None
+    except ScramProtocolError as exc:
+        raise exc.fatal() from None
+    conn.send(pq.auth_sasl_final(final))
+    conn.send(pq.auth_ok())
+
+
+async def _read_password(conn: Connection) -> bytes:
+    options = conn.ctx.options
+    type_, payload = await asyncio.wait_for(
+        pq.read_message(conn.reader, options.max_message_size), options.startup_timeout
+    )
+    if type_ != "p":
+        raise ProtocolViolation(f"expected SASL response, got message type {ord(type_)}")
+    return payload
