@@ -177,6 +177,11 @@ class ResultCache:
             raise LedgerUnavailable(f"result cache unavailable: {exc}") from None
 
     @classmethod
+    def beside(cls, ledger_url: str) -> ResultCache:
+        """The cache next to a ledger (:func:`default_cache_url`)."""
+        return cls.open(default_cache_url(ledger_url))
+
+    @classmethod
     def open(cls, url: str, *, ttl_seconds: float | None = None) -> ResultCache:
         if url in ("memory", "sqlite:///:memory:"):
             return cls(":memory:", ttl_seconds=ttl_seconds)

@@ -58,10 +58,8 @@ def open_engine(args: argparse.Namespace) -> Any:
         backend = open_backend(database, statement_timeout_ms=timeout_ms)
     ledger_url = args.ledger or default_ledger(policy.dataset)
     from dpsql.cache import default_cache_url
-    from dpsql.server.workers import share_secrets
 
-    engine = Engine(policy, backend, Ledger.open(ledger_url), ResultCache.open(default_cache_url(ledger_url)))
-    return share_secrets(engine)  # the row-selection salt of every process on this ledger
+    return Engine(policy, backend, Ledger.open(ledger_url), ResultCache.open(default_cache_url(ledger_url)))
 
 
 def _session(args: argparse.Namespace) -> Session:

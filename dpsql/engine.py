@@ -36,7 +36,7 @@ from dpsql.backends import DEFAULT_STATEMENT_TIMEOUT_MS, Backend, log_database_e
 from dpsql.cache import ResultCache, cache_key, data_stamp, database_identity, policy_hash, result_key
 from dpsql.errors import BackendError, Error, InvalidAuthorization
 from dpsql.explain import Explanation, explain, explain_target
-from dpsql.fingerprint import fingerprint_key, keyed, statement_shape
+from dpsql.fingerprint import fingerprint_key, keyed, row_selection_salt, statement_shape
 from dpsql.ledger import Ledger, resolve_ledger_url
 from dpsql.plan import Plan
 from dpsql.policy import Policy, load_policy
@@ -93,8 +93,9 @@ class Engine:
         self._database_identity: str | None = None
         self._plans: OrderedDict[tuple[Any, ...], Prepared] = OrderedDict()
         self._lock = threading.Lock()
-        #: Keys the per-row hash choosing which rows of a heavy unit are kept; never leaves the process.
-        self._salt = secrets.token_hex(16)
+        #: Keys the per-row hash choosing which rows of a heavy unit are kept (never shown to analysts;
+        #: derived from the ledger's installation key, so every process on one ledger keeps the same rows).
+        self._salt = row_selection_salt(ledger.installation_key())
         #: Keys the query fingerprints (log and ledger); derived from the ledger's installation key.
         self._fingerprint_key: bytes | None = None
         #: Refuses columns stored as text but declared typed (schema only, read once per data version).
@@ -116,15 +117,15 @@ class Engine:
         (:func:`dpsql.ledger.default_ledger`, SQLite under ``$DPSQL_HOME``), so every engine and
         connection of a dataset draws on one budget; a fresh in-memory budget only when asked for
         explicitly (``ledger="memory"`` or ``"sqlite:///:memory:"``). The result cache defaults to
-        the ledger's SQLite file (so it persists exactly as long as the budget it protects), or
-        memory when the ledger is not a SQLite file. Every statement sent to the database is
+        the ledger's own file or PostgreSQL database (it persists, and is shared, exactly as the
+        budget it protects), else memory. Every statement sent to the database is
         cancelled after ``statement_timeout_ms`` (57014; 0 = never).
         """
         loaded = policy if isinstance(policy, Policy) else load_policy(policy)
         ledger_url = resolve_ledger_url(ledger, loaded.dataset)
-        cache_url = cache or (ledger_url if ledger_url.startswith("sqlite:///") else "memory")
         backend = open_backend(database, statement_timeout_ms=statement_timeout_ms)
-        return cls(loaded, backend, Ledger.open(ledger_url), ResultCache.open(cache_url))
+        results = ResultCache.open(cache) if cache else ResultCache.beside(ledger_url)
+        return cls(loaded, backend, Ledger.open(ledger_url), results)
 
     def close(self) -> None:
         self.backend.close()

@@ -56,7 +56,7 @@ class Explanation:
                 lines.append(f"  Output {c['name']}: {c['measure']}")
         lines.append(f"  Backend SQL: {self.sql}")
         return Result(
-            columns=[OutputColumn("QUERY PLAN", "text")],
+            columns=[OutputColumn("QUERY PLAN", "text", noisy=False)],
             rows=[(line,) for line in lines],
             accuracy=[(None,) for _ in lines],
             epsilon_spent=0.0,

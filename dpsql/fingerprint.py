@@ -118,3 +118,10 @@ def _parsed_shape(sql: str) -> str:
 def keyed(key: bytes, shape_text: str) -> str:
     """HMAC-SHA256 of a shape under ``key``, truncated to :data:`FINGERPRINT_HEX` hex digits."""
     return hmac.new(key, shape_text.encode("utf-8"), hashlib.sha256).hexdigest()[:FINGERPRINT_HEX]
+
+
+def row_selection_salt(installation_key: bytes) -> str:
+    """The salt of the per-row hash that picks which rows of a heavy unit are kept, derived from the
+    installation key: the same in every process sharing a ledger (a repeated query sees the same
+    sample whichever worker answers it), different across installations."""
+    return hmac.new(installation_key, b"dpsql row selection salt v1", hashlib.sha256).hexdigest()[:32]

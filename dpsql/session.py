@@ -11,13 +11,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, cast
 
 from dpsql.errors import InvalidParameterValue, UndefinedObject
 from dpsql.pgtypes import PG_TYPE_OIDS, PgType, parse_bool
+from dpsql.release.mechanisms import Mechanism, mechanism_names
 
-Mechanism = Literal["laplace", "gaussian"]
-MECHANISMS: tuple[Mechanism, ...] = ("laplace", "gaussian")
+#: The registered noise mechanisms' names (one registry: :data:`dpsql.release.mechanisms.MECHANISMS`).
+MECHANISMS: tuple[str, ...] = mechanism_names()
 
 #: ε accepted by SET dpsql.epsilon: below, no noise could be calibrated; above, no privacy is left.
 MIN_EPSILON, MAX_EPSILON = 1e-6, 1e6
@@ -36,10 +37,9 @@ def _fraction(value: str, low_open: bool, high: float, high_open: bool, low: flo
 
 def _mechanism(value: str) -> Mechanism:
     name = value.strip().lower()
-    for mechanism in MECHANISMS:
-        if name == mechanism:
-            return mechanism
-    raise ValueError(value)
+    if name not in MECHANISMS:
+        raise ValueError(value)
+    return cast(Mechanism, name)
 
 
 @dataclass(frozen=True, slots=True)

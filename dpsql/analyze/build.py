@@ -18,11 +18,13 @@ from dpsql.aggregates import OUTPUTS
 from dpsql.analyze.expressions import bound
 from dpsql.analyze.sources import Sources, ident_name, qualified, resolve_ref, resolve_sources
 from dpsql.errors import (
-    DataError,
     DatatypeMismatch,
     FeatureNotSupported,
     GroupingError,
+    InvalidColumnReference,
+    InvalidEscapeSequence,
     InvalidParameterValue,
+    NumericValueOutOfRange,
     SyntaxError_,
     UndefinedFunction,
 )
@@ -108,7 +110,7 @@ def _require_finite(literal: exp.Expression) -> None:
     """Numbers too large for a double would overflow differently on each backend: refuse them."""
     node = literal.this if isinstance(literal, exp.Neg) else literal
     if isinstance(node, exp.Literal) and not math.isfinite(float(node.name)):
-        raise DataError(f'value out of range: "{node.name}"', sqlstate="22003")
+        raise NumericValueOutOfRange(f'value out of range: "{node.name}"')
 
 
 def _canonical_cast(cast: exp.Cast, kind: str) -> exp.Expression:
@@ -208,7 +210,7 @@ def canonical_like_pattern(pattern: str) -> str:
         if char == LIKE_ESCAPE:
             literal = next(chars, None)
             if literal is None:
-                raise DataError("LIKE pattern must not end with escape character", sqlstate="22025")
+                raise InvalidEscapeSequence("LIKE pattern must not end with escape character")
             out.append(LIKE_ESCAPE + literal if literal in "%_" + LIKE_ESCAPE else literal)
         else:
             out.append(char)
@@ -371,7 +373,7 @@ def resolve_group_keys(tree: exp.Select, scope: _Scope) -> None:
         if isinstance(item, exp.Literal) and not item.is_string:
             index = int(item.name)
             if not 1 <= index <= len(projections):
-                raise InvalidParameterValue(f"GROUP BY position {index} is not in select list", sqlstate="42P10")
+                raise InvalidColumnReference(f"GROUP BY position {index} is not in select list")
             target = projections[index - 1].unalias()
         elif isinstance(item, exp.Column) and not item.args.get("table"):
             name = _ident_name(item.this)
@@ -713,7 +715,9 @@ def build_outputs(tree: exp.Select, scope: _Scope) -> list[OutputItem]:
     for projection in tree.expressions:
         expr, kind, measures = convert_output(projection.unalias(), scope)
         clamp = OUTPUTS[kind].output_clamp(scope, measures)
-        column = OutputColumn(name=_output_name(projection), type=_output_type(kind, expr, scope, measures))
+        column = OutputColumn(
+            name=_output_name(projection), type=_output_type(kind, expr, scope, measures), noisy=bool(measures)
+        )
         kind = "quantile" if kind == "quantile_disc" else kind  # released like any quantile
         outputs.append(
             OutputItem(
@@ -739,7 +743,7 @@ def _order_terms(tree: exp.Select, scope: _Scope, outputs: list[OutputItem]) -> 
         if isinstance(node, exp.Literal) and not node.is_string:
             index = int(node.name)
             if not 1 <= index <= len(outputs):
-                raise InvalidParameterValue(f"ORDER BY position {index} is not in select list", sqlstate="42P10")
+                raise InvalidColumnReference(f"ORDER BY position {index} is not in select list")
             expr: exp.Expression = exp.var(f"o{index - 1}")
         elif isinstance(node, exp.Column) and not node.args.get("table") and _ident_name(node.this) in names:
             expr = exp.var(f"o{names[_ident_name(node.this)]}")

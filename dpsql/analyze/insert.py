@@ -76,7 +76,7 @@ def parse_insert(tree: exp.Expression, policy: Policy) -> tuple[TablePolicy, lis
     for row in values.expressions:
         cells = [_constant(v) for v in row.expressions]
         if len(cells) != len(columns):
-            raise SyntaxError_("INSERT has more expressions than target columns", sqlstate="42601")
+            raise SyntaxError_("INSERT has more expressions than target columns")
         for column, value in zip(columns, cells, strict=True):
             mechanism = table.columns[column].local_mechanism()
             if mechanism is not None and value not in mechanism.domain:

@@ -21,7 +21,13 @@ from sqlglot.dialects.dialect import Dialect
 from sqlglot.errors import ParseError, TokenError
 from sqlglot.tokens import TokenType
 
-from dpsql.errors import DataError, ProgramLimitExceeded, StatementTooComplex, SyntaxError_, UndefinedParameter
+from dpsql.errors import (
+    NumericValueOutOfRange,
+    ProgramLimitExceeded,
+    StatementTooComplex,
+    SyntaxError_,
+    UndefinedParameter,
+)
 
 logging.getLogger("sqlglot").setLevel(logging.ERROR)
 
@@ -198,7 +204,7 @@ def literal_for(value: Any) -> exp.Expression:
         return exp.Boolean(this=value)
     if isinstance(value, int | float | decimal.Decimal):
         if isinstance(value, float | decimal.Decimal) and not math.isfinite(value):
-            raise DataError(f'parameter value out of range: "{value}"', sqlstate="22003")
+            raise NumericValueOutOfRange(f'parameter value out of range: "{value}"')
         return exp.Literal.number(value) if value >= 0 else exp.Neg(this=exp.Literal.number(-value))
     if isinstance(value, dt.datetime):
         return exp.cast(exp.Literal.string(value.isoformat(sep=" ")), exp.DataType.Type.TIMESTAMP)

@@ -17,6 +17,7 @@ from sqlglot import exp
 
 from dpsql.errors import (
     AmbiguousColumn,
+    DuplicateAlias,
     FeatureNotSupported,
     InsufficientPrivilege,
     ProgramLimitExceeded,
@@ -283,7 +284,7 @@ def resolve_sources(tree: exp.Select, policy: Policy) -> Sources:
         _check_join_kind(join)
         source = _source(join.this, policy)
         if any(s.alias == source.alias for s in sources.sources):
-            raise FeatureNotSupported(f'table name "{source.alias}" specified more than once', sqlstate="42712")
+            raise DuplicateAlias(f'table name "{source.alias}" specified more than once')
         if any(s.name == source.name for s in sources.sources):
             if source.private:
                 raise FeatureNotSupported(

@@ -13,7 +13,7 @@ from __future__ import annotations
 from sqlglot import exp
 
 from dpsql.analyze.sources import ident_name
-from dpsql.errors import FeatureNotSupported, UndefinedColumn
+from dpsql.errors import FeatureNotSupported, SyntaxError_, UndefinedColumn
 
 _VIEW_REFUSED = {
     "group": "GROUP BY",
@@ -102,7 +102,7 @@ def inline_views(tree: exp.Expression) -> exp.Expression:
         if isinstance(node, exp.Subquery):
             alias = ident_name(node.args["alias"].this) if node.alias else ""
             if not alias:
-                raise FeatureNotSupported("a subquery in FROM must have an alias", sqlstate="42601")
+                raise SyntaxError_("a subquery in FROM must have an alias")
             body = inline_views(node.this) if isinstance(node.this, exp.Select) else node.this
             if not isinstance(body, exp.Select):
                 raise FeatureNotSupported(f'the subquery "{alias}" must be a plain SELECT')

@@ -15,7 +15,7 @@ from typing import Any
 
 from sqlglot import exp
 
-from dpsql.errors import DataError, FeatureNotSupported
+from dpsql.errors import DivisionByZero, FeatureNotSupported, InvalidParameterValue
 
 Env = Mapping[str, Any]
 
@@ -36,7 +36,7 @@ _COMPARISONS: dict[type[exp.Expression], Callable[[Any, Any], bool]] = {
 
 def _divide(left: Any, right: Any) -> Any:
     if right == 0:
-        raise DataError("division by zero", sqlstate="22012")
+        raise DivisionByZero("division by zero")
     if isinstance(left, int) and isinstance(right, int):
         quotient = abs(left) // abs(right)
         return quotient if (left >= 0) == (right >= 0) else -quotient
@@ -95,7 +95,7 @@ def evaluate(node: exp.Expression, env: Env) -> Any:
             return _divide(left, right)
         if isinstance(node, exp.Mod):
             if right == 0:
-                raise DataError("division by zero", sqlstate="22012")
+                raise DivisionByZero("division by zero")
             return math.fmod(left, right) if isinstance(left, float) or isinstance(right, float) else left % right
         if isinstance(node, exp.DPipe):
             return f"{left}{right}"
@@ -183,7 +183,7 @@ def _function(node: exp.Expression, env: Env) -> Any:
     if isinstance(node, exp.Round):
         digits = evaluate(node.args["decimals"], env) if node.args.get("decimals") else 0
         if not isinstance(digits, int):
-            raise DataError("round() needs an integer number of digits", sqlstate="22023")
+            raise InvalidParameterValue("round() needs an integer number of digits")
         if abs(digits) > 15:  # beyond a double's precision: nothing left to round, or everything
             return float(round(float(value), digits)) if isinstance(value, float) or digits < 0 else value
         scaled = value * 10**digits

@@ -17,21 +17,18 @@ from dpsql.plan import Measure, Physical, Plan
 def choose_physical(plan: Plan, backend: Backend, salt: str) -> Physical:
     """The backend-dependent choices for ``plan``: the engine's salt, the clamps the backend's statistics
     prove redundant, and whether grouped sums bound whole cells (backends that declare ``bounds_cells``)."""
-    return Physical(salt, proven_in_bounds(plan, backend), getattr(backend, "bounds_cells", False))
+    return Physical(salt, proven_in_bounds(plan, backend), backend.bounds_cells)
 
 
 def data_version(backend: Backend) -> int:
     """A counter the backend bumps before every write (0 for backends that prove nothing)."""
-    return int(getattr(backend, "data_version", 0))
+    return backend.data_version
 
 
 def proven_in_bounds(plan: Plan, backend: Backend) -> frozenset[int]:
     """Sum measures over a plain column whose every stored value the database's own statistics place
     inside the declared bounds. Clamping those is the identity, so releasing them unclamped gives the
     same numbers; only backends with exact (conservative) min/max statistics implement this."""
-    ranges = getattr(backend, "proven_ranges", None)
-    if ranges is None:
-        return frozenset()
     wanted: dict[int, tuple[str, str]] = {}
     for i, m in enumerate(plan.measures):
         if m.kind == "sum" and m.expr is None and m.column is not None and m.table is not None:
@@ -43,7 +40,9 @@ def proven_in_bounds(plan: Plan, backend: Backend) -> frozenset[int]:
     found = {
         (table, column): bounds
         for table in {t for t, _ in wanted.values()}
-        for column, bounds in ranges(table, sorted({c for t, c in wanted.values() if t == table})).items()
+        for column, bounds in backend.proven_ranges(
+            table, sorted({c for t, c in wanted.values() if t == table})
+        ).items()
     }
     return frozenset(i for i, where in wanted.items() if _inside(found.get(where), plan.measures[i]))
 

@@ -462,7 +462,7 @@ class Connection:
 
         def work() -> tuple[Any, list[bool] | None]:
             result = engine.execute(sql, session, params)
-            flags = noisy_flags(sql, result.columns) if show and result.command_tag == "SELECT" else None
+            flags = noisy_flags(result.columns) if show and result.command_tag == "SELECT" else None
             return result, flags
 
         started = time.monotonic()

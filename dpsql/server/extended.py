@@ -161,7 +161,7 @@ class ExtendedProtocol:
 
         def work() -> tuple[Any, list[bool] | None]:
             description = engine.describe(target, session)
-            noisy = None if explain is not None else noisy_flags(stmt.sql, description.columns)
+            noisy = None if explain is not None else noisy_flags(description.columns)
             return description, noisy
 
         description, stmt.noisy = await conn.run_blocking(work, timeout_ms=conn.timeout_ms())
@@ -169,7 +169,7 @@ class ExtendedProtocol:
         given = stmt.param_oids
         oids = [given[i] if i < len(given) and given[i] else inferred[i] for i in range(len(inferred))]
         stmt.param_oids = oids + given[len(oids) :]
-        explained = [OutputColumn("QUERY PLAN", "text")]
+        explained = [OutputColumn("QUERY PLAN", "text", noisy=False)]
         stmt.engine_columns = explained if explain is not None else list(description.columns)
 
     def fields_for(self, stmt: Statement, show_intervals: bool) -> list[FieldDescription] | None:

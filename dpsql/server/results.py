@@ -7,9 +7,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import sqlglot
-from sqlglot import exp
-
 from dpsql.pgtypes import FLOAT8, type_size
 from dpsql.session import OutputColumn, Result, ci_label
 
@@ -35,22 +32,10 @@ class Outcome:
     epsilon: float = 0.0
 
 
-def noisy_flags(sql: str, columns: Sequence[OutputColumn]) -> list[bool]:
-    """Which output columns are noisy (get a ``_ci`` column), the same at Describe and Execute.
-
-    From the plan when the columns say so (``OutputColumn.noisy``, set from ``OutputItem.noisy``).
-    Otherwise, until the analyzer fills it in, from the SQL: the SELECT items holding an
-    aggregate; if the projection cannot be matched to the columns, numeric columns count.
-    """
-    if columns and all(c.noisy is not None for c in columns):
-        return [bool(c.noisy) for c in columns]
-    try:
-        tree = sqlglot.parse_one(sql, read="postgres")
-    except (sqlglot.errors.ParseError, sqlglot.errors.TokenError):
-        tree = None
-    if isinstance(tree, exp.Select) and len(tree.expressions) == len(columns):
-        return [p.find(exp.AggFunc) is not None for p in tree.expressions]
-    return [c.type in _NUMERIC_TYPES for c in columns]
+def noisy_flags(columns: Sequence[OutputColumn]) -> list[bool]:
+    """Which output columns are noisy (get a ``_ci`` column), the same at Describe and Execute:
+    from the plan (``OutputColumn.noisy``, set from ``OutputItem.noisy``), never a re-parse."""
+    return [bool(c.noisy) for c in columns]
 
 
 def ci_suffix(confidence: float) -> str:

@@ -9,8 +9,9 @@ new connections across them. What must be the same in every worker lives in shar
 - the privacy budget: the ledger (use a PostgreSQL ledger; a SQLite file works on one host too);
 - released answers: the result cache, next to the ledger (the same PostgreSQL database or file);
 - the installation key (in the ledger), from which the query-fingerprint key, the mock SCRAM salts
-  and the row-selection salt (:func:`share_secrets`) are derived, so a repeated query sees the same
-  sample of a heavy person's rows whichever worker (or host) answers it.
+  and the row-selection salt (:func:`dpsql.fingerprint.row_selection_salt`, applied by every
+  Engine) are derived, so a repeated query sees the same sample of a heavy person's rows whichever
+  worker (or host) answers it.
 
 Limits: a CancelRequest arrives on a new connection, which the kernel may hand to another worker
 than the one running the statement; it is then ignored (the statement still ends at its statement
@@ -22,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
-import hmac
 import logging
 import multiprocessing
 import signal
@@ -33,20 +32,6 @@ import time
 from typing import Any
 
 log = logging.getLogger("dpsql.server.workers")
-
-_SALT_CONTEXT = b"dpsql row selection salt v1"
-
-
-def row_selection_salt(installation_key: bytes) -> str:
-    """The salt of the per-row hash that picks which rows of a heavy unit are kept, derived from the
-    installation key: the same in every process sharing a ledger, different across installations."""
-    return hmac.new(installation_key, _SALT_CONTEXT, hashlib.sha256).hexdigest()[:32]
-
-
-def share_secrets(engine: Any) -> Any:
-    """Give ``engine`` the installation's row-selection salt instead of its per-process random one."""
-    engine._salt = row_selection_salt(engine.ledger.installation_key())
-    return engine
 
 
 def _placeholder(host: str, port: int) -> socket.socket:
