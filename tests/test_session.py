@@ -52,8 +52,13 @@ def test_dbapi_refuses_what_set_refuses() -> None:
     assert info.value.sqlstate == "22023"
 
 
-def test_noisy_flags_come_from_the_plan_when_given() -> None:
+def test_noisy_flags_come_from_the_plan() -> None:
     columns = [OutputColumn("sex", "text", noisy=False), OutputColumn("n", "bigint", noisy=True)]
-    # the SQL would say otherwise: the plan wins
-    assert noisy_flags("SELECT COUNT(*), sex FROM patients GROUP BY sex", columns) == [False, True]
+    assert noisy_flags(columns) == [False, True]  # from the plan, never a re-parse of the SQL
+    engine = dpsql.Engine.open(demo_policy_path("health"), "duckdb://", "memory")
+    try:
+        described = engine.describe("SELECT sex, COUNT(*) AS n, AVG(age) FROM patients GROUP BY sex", Session("alice"))
+        assert noisy_flags(described.columns) == [False, True, True]
+    finally:
+        engine.close()
     assert OutputColumn("n", "bigint", noisy=True) == OutputColumn("n", "bigint")
