@@ -232,12 +232,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     database_log.propagate = True  # the operator's log is the one sink for the database's own text
     engine = open_engine(args)
-    print(
-        f'dpsql serving dataset "{engine.policy.dataset}" on {args.host}:{args.port} '
-        f"(try: psql -h {args.host} -p {args.port} -U analyst {engine.policy.dataset})",
-        file=sys.stderr,
-        flush=True,
-    )
+    from dpsql.backends import redact_url
+
+    ledger = redact_url(args.ledger or default_ledger(engine.policy.dataset))
+
+    def announce(port: int) -> None:  # called once the socket listens, not before
+        print(
+            f'dpsql serving dataset "{engine.policy.dataset}" on {args.host}:{port} '
+            f"(try: psql -h {args.host} -p {port} -U analyst {engine.policy.dataset}); "
+            f"ledger {ledger}; log on stderr",
+            file=sys.stderr,
+            flush=True,
+        )
+
     try:
         server.run(
             engine,
@@ -256,6 +263,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             analyst_workers=args.analyst_workers,
             catalog_pool=args.catalog_pool,
             reuse_port=getattr(args, "reuse_port", False),
+            on_listening=announce,
         )
     except OSError as exc:
         print(f"ERROR:  could not listen on {args.host}:{args.port}: {exc.strerror}", file=sys.stderr)

@@ -10,6 +10,7 @@ import signal
 import ssl
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -273,14 +274,20 @@ async def serve(
     tls_key: str | None = None,
     catalog_dsn: str | None = None,
     stop: asyncio.Event | None = None,
+    on_listening: Callable[[int], object] | None = None,
     **options: Any,
 ) -> None:
-    """Serve until ``stop`` is set (or the task is cancelled). See :class:`ServerOptions` for ``options``."""
+    """Serve until ``stop`` is set (or the task is cancelled). See :class:`ServerOptions` for ``options``.
+
+    ``on_listening`` is called with the bound port once the socket accepts connections (and the
+    shadow catalog is up), so a "serving" message never precedes the server."""
     server = Server(
         engine,
         ServerOptions(host=host, port=port, tls_cert=tls_cert, tls_key=tls_key, catalog_dsn=catalog_dsn, **options),
     )
-    await server.start()
+    bound = await server.start()
+    if on_listening is not None:
+        on_listening(bound)
     try:
         await (stop or asyncio.Event()).wait()
     finally:
