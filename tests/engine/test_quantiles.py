@@ -54,9 +54,12 @@ def test_median_of_100k_within_one_percent_of_range_95_percent_of_runs(big: tupl
 def test_grouped_quantiles_and_names(big: tuple[Policy, Backend]) -> None:
     policy, backend = big
     engine = Engine(policy, backend, Ledger.open("sqlite:///:memory:"))
+    # ε large enough that the check is about naming and grouping, not the mechanism's accuracy
+    # (tested statistically above): at ε = 1/3 per quantile, MAX lands in the empty bins above the
+    # data (701–1000, all of rank n) in about one run of three.
     result = engine.execute(
         "SELECT g, percentile_cont(0.25) WITHIN GROUP (ORDER BY x), min(x), max(x) FROM t GROUP BY g",
-        Session("alice"),
+        Session("alice", epsilon=1000.0),
     )
     assert [c.name for c in result.columns] == ["g", "percentile_cont", "min", "max"]
     assert [r[0] for r in result.rows] == ["a", "b", None]  # the public domain, NULL included
