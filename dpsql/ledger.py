@@ -266,7 +266,8 @@ class Ledger:
         """This installation's secret (32 random bytes), generated once and kept in the ledger's own
         database (``dpsql_ledger_meta``, key ``installation_key``), so every process sharing a ledger
         shares it and another installation has another. It keys the query fingerprints (log and
-        ledger) and the mock SCRAM salts of the server; it never leaves the process otherwise.
+        ledger), the mock SCRAM salts of the server and the row-selection salt of every Engine
+        (:mod:`dpsql.fingerprint`); it never leaves the process otherwise.
         An in-memory ledger gets a fresh one."""
         key: bytes | None = getattr(self, "_installation_key", None)
         if key is None:
