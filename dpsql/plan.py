@@ -9,7 +9,7 @@ measure and key references, evaluated after noise — pure post-processing).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from sqlglot import exp
 
@@ -20,7 +20,8 @@ from dpsql.session import OutputColumn
 if TYPE_CHECKING:
     from dpsql.aggregates import Aggregate
 
-MeasureKind = Literal["count_star", "count", "sum", "count_units", "quantile", "mode"]
+#: A key of :data:`dpsql.aggregates.MEASURES` (measures) or :data:`dpsql.aggregates.OUTPUTS` (outputs).
+AggregateKind = str
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +32,7 @@ class Measure:
     bounds' midpoint for AVG (halving sensitivity) and 0 for SUM.
     """
 
-    kind: MeasureKind
+    kind: AggregateKind
     column: str | None = None
     #: Alias of the table ``column`` belongs to, as the query names it.
     table: str | None = None
@@ -59,6 +60,16 @@ class Measure:
     def selected(self) -> bool:
         """Chosen from a histogram by the exponential mechanism (quantile, mode), not noised additively."""
         return self.aggregate.selected
+
+    @property
+    def clamped_sum(self) -> bool:
+        """A SUM of a value clamped to declared bounds (the clamp/centre/square/coalesce passes apply)."""
+        return self.aggregate.clamped_sum
+
+    @property
+    def star(self) -> bool:
+        """COUNT(*): reads no column."""
+        return self.kind == "count_star"
 
     @property
     def sensitivity(self) -> float:
@@ -96,7 +107,7 @@ class OutputItem:
     clamp: tuple[float, float] | None = None
     #: Which measures feed this output; used for confidence intervals.
     measures: tuple[int, ...] = ()
-    kind: Literal["key", "count", "sum", "avg", "variance", "quantile", "mode", "expr"] = "expr"
+    kind: AggregateKind = "expr"
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +149,7 @@ class Plan:
 
     def post_centred(self) -> list[int]:
         """Centred sums computed as Σx − centre·COUNT(x) after the query (cheaper in SQL than Σ(x − centre))."""
-        return [i for i, m in enumerate(self.measures) if m.kind == "sum" and m.centre and not m.square]
+        return [i for i, m in enumerate(self.measures) if m.clamped_sum and m.centre and not m.square]
 
     @property
     def public_keys(self) -> bool:

@@ -9,6 +9,8 @@ aggregate up by the kind the analyzer gave its measure (:data:`MEASURES`) or out
 
 from __future__ import annotations
 
+from sqlglot import exp
+
 from dpsql.aggregates.avg import Avg
 from dpsql.aggregates.base import Aggregate, Expression, Key, Selection
 from dpsql.aggregates.count import Count, CountStar
@@ -18,7 +20,7 @@ from dpsql.aggregates.sum import Sum
 from dpsql.aggregates.units import CountUnits
 from dpsql.aggregates.variance import Variance
 
-__all__ = ["MEASURES", "OUTPUTS", "Aggregate", "Key", "Selection"]
+__all__ = ["AGGREGATE_NODES", "MEASURES", "OUTPUTS", "Aggregate", "Key", "Selection", "recogniser"]
 
 #: Measure kind → the aggregate that labels, bounds, computes and converts it.
 MEASURES: dict[str, Aggregate] = {a.kind: a for a in (CountStar(), Count(), CountUnits(), Sum(), Quantile(), Mode())}
@@ -26,3 +28,17 @@ MEASURES: dict[str, Aggregate] = {a.kind: a for a in (CountStar(), Count(), Coun
 OUTPUTS: dict[str, Aggregate] = {
     a.kind: a for a in (Key(), Count(), Sum(), Avg(), Variance(), Quantile(), QuantileDisc(), Mode(), Expression())
 }
+
+#: sqlglot call type → the aggregate that recognises it (``f() WITHIN GROUP``: keyed by ``f``).
+RECOGNISERS: dict[type[exp.Expr], Aggregate] = {
+    node: aggregate for aggregate in OUTPUTS.values() for node in aggregate.recognises
+}
+#: Every aggregate call type: refused where aggregates are not allowed (WHERE, GROUP BY, nesting).
+AGGREGATE_NODES: tuple[type[exp.Expr], ...] = (*RECOGNISERS, exp.WithinGroup)
+
+
+def recogniser(node: exp.Expr) -> Aggregate | None:
+    """The registered aggregate for a call, or None when ``node`` is not an aggregate call."""
+    if isinstance(node, exp.WithinGroup):
+        return RECOGNISERS.get(type(node.this))
+    return RECOGNISERS.get(type(node))

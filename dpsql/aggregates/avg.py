@@ -5,9 +5,12 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from dpsql.aggregates.base import Aggregate
+from sqlglot import exp
+
+from dpsql.aggregates.base import Aggregate, Recognised, measure_var
 
 if TYPE_CHECKING:
+    from dpsql.analyze.scope import Scope
     from dpsql.plan import OutputItem, Plan
     from dpsql.release.calibrate import Budgeting
     from dpsql.session import PgType
@@ -15,6 +18,18 @@ if TYPE_CHECKING:
 
 class Avg(Aggregate):
     kind = "avg"
+    recognises = (exp.Avg,)
+
+    def recognise(self, node: exp.Expression, scope: Scope) -> Recognised:
+        """``dp_avg(Σ(x − c), N, c)``: centring on the bounds' midpoint halves the sum's sensitivity."""
+        from dpsql.aggregates import AGGREGATE_NODES
+
+        operand = scope.operand(node.this, AGGREGATE_NODES)
+        total = scope.measure(scope.bounded_sum(operand, "avg", centred=True))
+        count = scope.measure(scope.count_of(operand))
+        centre = exp.Literal.number(scope.measures[total].centre)
+        call = exp.Anonymous(this="dp_avg", expressions=[measure_var(total), measure_var(count), centre])
+        return Recognised(call, self.kind, (total, count))
 
     def output_type(self, scope: Any, measures: tuple[int, ...]) -> PgType | None:
         return "double precision"

@@ -10,18 +10,34 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from sqlglot import exp
 
 from dpsql.release.mechanisms import half_width
 
 if TYPE_CHECKING:
+    from dpsql.analyze.scope import Scope
     from dpsql.plan import Measure, OutputItem, Plan
     from dpsql.release.calibrate import Budgeting
     from dpsql.session import PgType
 
 Rows = list[tuple[Any, ...]]
+
+
+class Recognised(NamedTuple):
+    """An aggregate call, replaced: an output expression over measure variables ``m<i>``."""
+
+    expr: exp.Expression
+    #: The output kind (a key of :data:`dpsql.aggregates.OUTPUTS`).
+    kind: str
+    #: The measures the expression reads, in order.
+    measures: tuple[int, ...]
+
+
+def measure_var(index: int) -> exp.Var:
+    """The variable an output expression reads measure ``index`` through."""
+    return exp.var(f"m{index}")
 
 
 class Aggregate:
@@ -35,6 +51,21 @@ class Aggregate:
     direct: ClassVar[bool] = False
     #: EXPLAIN shows a CI for its output (one additive measure).
     explain_ci: ClassVar[bool] = False
+    #: Its measure is a SUM of a value clamped to declared bounds: the clamp, centre, square and
+    #: coalesce rewrite passes act on it.
+    clamped_sum: ClassVar[bool] = False
+    #: The sqlglot call types it recognises (for ``f(...) WITHIN GROUP``: the type of ``f``).
+    recognises: ClassVar[tuple[type[exp.Expr], ...]] = ()
+
+    # -- analysis -------------------------------------------------------------------------------
+
+    def recognise(self, node: exp.Expression, scope: Scope) -> Recognised:
+        """Turn one call of this aggregate into measures added to ``scope`` (refusing what is unsafe)."""
+        raise NotImplementedError(self.kind)
+
+    def output_name(self, node: exp.Expr) -> str | None:
+        """The column name PostgreSQL gives the call, when it is not the function's SQL name."""
+        return None
 
     # -- measures -------------------------------------------------------------------------------
 

@@ -7,9 +7,11 @@ from typing import TYPE_CHECKING, Any
 
 from sqlglot import exp
 
-from dpsql.aggregates.base import Aggregate
+from dpsql.aggregates.base import Aggregate, Recognised, measure_var
+from dpsql.errors import FeatureNotSupported
 
 if TYPE_CHECKING:
+    from dpsql.analyze.scope import Scope
     from dpsql.plan import Measure, OutputItem
     from dpsql.session import PgType
 
@@ -27,6 +29,21 @@ class Count(Aggregate):
     kind = "count"
     direct = True
     explain_ci = True
+    recognises = (exp.Count,)
+
+    def recognise(self, node: exp.Expression, scope: Scope) -> Recognised:
+        """COUNT(*), COUNT(col) (COUNT(*) when col is never NULL) and COUNT(DISTINCT unit)."""
+        from dpsql.aggregates import AGGREGATE_NODES
+        from dpsql.plan import Measure
+
+        if isinstance(node.this, exp.Distinct):
+            measure = _distinct_units(node, scope)
+        elif isinstance(node.this, exp.Star) or node.this is None:
+            measure = Measure(kind="count_star")
+        else:
+            measure = scope.count_of(scope.operand(node.this, AGGREGATE_NODES))
+        index = scope.measure(measure)
+        return Recognised(measure_var(index), self.kind, (index,))
 
     def label(self, measure: Measure) -> str:
         return f"COUNT({measure.column})"
@@ -45,3 +62,21 @@ class Count(Aggregate):
 
     def accuracy(self, out: OutputItem, env: dict[str, Any], widths: list[float | None]) -> float | None:
         return widths[out.measures[0]]
+
+
+def _distinct_units(node: exp.Expression, scope: Scope) -> Measure:
+    """COUNT(DISTINCT <privacy unit>): each unit adds at most 1 per group."""
+    from dpsql.analyze.sources import resolve_ref
+    from dpsql.plan import Measure
+
+    argument = node.this.expressions[0] if len(node.this.expressions) == 1 else None
+    unit = scope.sources.unit
+    if isinstance(argument, exp.Column) and unit is not None:
+        source, name, _ = resolve_ref(argument, scope.sources, identifiers=True)
+        if name == source.unit_column:
+            return Measure(kind="count_units", column=name, table=source.alias)
+    raise FeatureNotSupported(
+        "COUNT(DISTINCT ...) is supported only on the privacy unit",
+        hint="Distinct counts of other columns can change by more than one per person."
+        + (f" Count DISTINCT {unit.sql()} to count persons." if unit is not None else ""),
+    )

@@ -5,11 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from dpsql.aggregates.base import Rows, Selection
+from sqlglot import exp
+
+from dpsql.aggregates.base import Recognised, Rows, Selection, measure_var
+from dpsql.errors import FeatureNotSupported
 from dpsql.policy import PG_TYPE_NAMES
 from dpsql.release.selection import select_mode
 
 if TYPE_CHECKING:
+    from dpsql.analyze.scope import Scope
     from dpsql.plan import Measure, OutputItem, Plan
     from dpsql.release.calibrate import Budgeting
     from dpsql.session import PgType
@@ -17,6 +21,28 @@ if TYPE_CHECKING:
 
 class Mode(Selection):
     kind = "mode"
+    recognises = (exp.Mode,)
+
+    def recognise(self, node: exp.Expression, scope: Scope) -> Recognised:
+        """mode() WITHIN GROUP (ORDER BY col): report-noisy-max over the column's public domain."""
+        from dpsql.analyze.sources import resolve_ref
+        from dpsql.plan import Measure
+
+        order = node.expression if isinstance(node, exp.WithinGroup) else None
+        ordered = order.expressions[0] if isinstance(order, exp.Order) and len(order.expressions) == 1 else None
+        if ordered is None or not isinstance(ordered.this, exp.Column):
+            raise FeatureNotSupported("mode() needs exactly one ORDER BY column")
+        source, name, policy = resolve_ref(ordered.this, scope.sources)
+        domain = policy.release_domain()
+        if domain is None:
+            raise FeatureNotSupported(
+                f'mode() needs a public domain for column "{name}"',
+                hint=f'Declare the possible values of "{name}" (domain) in the policy: '
+                "the winner is chosen among them.",
+            )
+        measure = Measure(kind="mode", column=name, table=source.alias, domain=domain, integer=False)
+        index = scope.measure(measure)
+        return Recognised(measure_var(index), self.kind, (index,))
 
     def label(self, measure: Measure) -> str:
         return f"MODE({measure.column}) over {len(measure.domain or ())} public values"

@@ -4,19 +4,30 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from dpsql.aggregates.base import Rows, Selection
+from sqlglot import exp
+
+from dpsql.aggregates.base import Recognised, Rows, Selection, measure_var
+from dpsql.errors import FeatureNotSupported, InvalidParameterValue
 from dpsql.release.selection import QUANTILE_BINS, bin_midpoint, rank_error_bound, select_quantile_bin
 
 if TYPE_CHECKING:
+    from dpsql.analyze.scope import Scope
     from dpsql.plan import Measure, OutputItem, Plan
     from dpsql.release.calibrate import Budgeting
     from dpsql.session import PgType
 
 
 class Quantile(Selection):
+    """median and percentile_cont: a continuous quantile."""
+
     kind = "quantile"
+    recognises: ClassVar[tuple[type[exp.Expr], ...]] = (exp.Median, exp.PercentileCont)
+
+    def recognise(self, node: exp.Expression, scope: Scope) -> Recognised:
+        index = scope.measure(_quantile_measure(node, scope))
+        return Recognised(measure_var(index), self.kind, (index,))
 
     def label(self, measure: Measure) -> str:
         return f"QUANTILE({measure.q:g}) OF clamp({measure.column}, {measure.lower:g}, {measure.upper:g})"
@@ -68,6 +79,51 @@ class QuantileDisc(Quantile):
     """percentile_disc, MIN and MAX: a quantile released in the column's own type."""
 
     kind = "quantile_disc"
+    recognises = (exp.Min, exp.Max, exp.PercentileDisc)
 
     def output_type(self, scope: Any, measures: tuple[int, ...]) -> PgType | None:
         return "bigint" if scope.measures[measures[0]].integer else "double precision"
+
+
+def _quantile_measure(node: exp.Expression, scope: Scope) -> Measure:
+    """MIN/MAX/median/percentile_cont/percentile_disc → a quantile measure over the clamped column."""
+    from dpsql.analyze.scope import Operand
+    from dpsql.analyze.sources import resolve_ref
+    from dpsql.plan import Measure
+
+    if isinstance(node, exp.WithinGroup):
+        inner, order = node.this, node.expression
+        fraction = inner.this
+        if not (isinstance(fraction, exp.Literal) and not fraction.is_string and 0 <= float(fraction.name) <= 1):
+            raise InvalidParameterValue(
+                "percentile value must be a constant between 0 and 1", hint="Write e.g. percentile_cont(0.9)."
+            )
+        ordered = order.expressions[0] if isinstance(order, exp.Order) and len(order.expressions) == 1 else None
+        if ordered is None:
+            raise FeatureNotSupported("WITHIN GROUP needs exactly one ORDER BY column")
+        q = float(fraction.name)
+        if ordered.args.get("desc"):
+            q = 1.0 - q
+        argument, function = ordered.this, _sql_name(inner)
+    else:
+        q = {exp.Min: 0.0, exp.Max: 1.0, exp.Median: 0.5}[type(node)]  # type: ignore[index]  # a quantile node
+        argument, function = node.this, _sql_name(node)
+    while isinstance(argument, exp.Paren):
+        argument = argument.this
+    if not isinstance(argument, exp.Column):
+        raise FeatureNotSupported(f"{function} over an expression is not supported yet")
+    source, name, policy = resolve_ref(argument, scope.sources)
+    bounds = scope.bounded_sum(Operand(source.alias, name, policy), function, centred=False)
+    return Measure(
+        kind="quantile",
+        column=name,
+        table=source.alias,
+        lower=bounds.lower,
+        upper=bounds.upper,
+        integer=bounds.integer,
+        q=q,
+    )
+
+
+def _sql_name(node: exp.Expression) -> str:
+    return node.sql_name().lower() if isinstance(node, exp.Func) else node.key

@@ -7,9 +7,10 @@ from typing import TYPE_CHECKING, Any
 
 from sqlglot import exp
 
-from dpsql.aggregates.base import Aggregate
+from dpsql.aggregates.base import Aggregate, Recognised, measure_var
 
 if TYPE_CHECKING:
+    from dpsql.analyze.scope import Scope
     from dpsql.plan import Measure, OutputItem
     from dpsql.session import PgType
 
@@ -18,6 +19,14 @@ class Sum(Aggregate):
     kind = "sum"
     direct = True
     explain_ci = True
+    clamped_sum = True
+    recognises = (exp.Sum,)
+
+    def recognise(self, node: exp.Expression, scope: Scope) -> Recognised:
+        from dpsql.aggregates import AGGREGATE_NODES
+
+        index = scope.measure(scope.bounded_sum(scope.operand(node.this, AGGREGATE_NODES), "sum", centred=False))
+        return Recognised(measure_var(index), self.kind, (index,))
 
     def label(self, measure: Measure) -> str:
         centre = f" - {measure.centre:g}" if measure.centre else ""

@@ -2,18 +2,60 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING, Any
 
-from dpsql.aggregates.base import Aggregate
+from sqlglot import exp
+
+from dpsql.aggregates.base import Aggregate, Recognised, measure_var
 
 if TYPE_CHECKING:
+    from dpsql.analyze.scope import Scope
     from dpsql.plan import OutputItem
     from dpsql.session import PgType
 
 
+#: Variance family → (PostgreSQL's output name, sample variance?, square root?)
+_FAMILY: dict[type[exp.Expr], tuple[str, bool, bool]] = {
+    exp.Variance: ("variance", True, False),
+    exp.VariancePop: ("var_pop", False, False),
+    exp.Stddev: ("stddev", True, True),
+    exp.StddevSamp: ("stddev_samp", True, True),
+    exp.StddevPop: ("stddev_pop", False, True),
+}
+
+
 class Variance(Aggregate):
     kind = "variance"
+    recognises = tuple(_FAMILY)
+
+    def recognise(self, node: exp.Expression, scope: Scope) -> Recognised:
+        from dpsql.aggregates import AGGREGATE_NODES
+
+        function, sample, root = _FAMILY[type(node)]
+        operand = scope.operand(node.this, AGGREGATE_NODES)
+        centred = scope.bounded_sum(operand, function, centred=True)
+        square = dataclasses.replace(centred, square=True)
+        if square.sensitivity >= 2.0**62:  # squares beyond BIGINT: sum them as doubles
+            square = dataclasses.replace(square, integer=False)
+        squares = scope.measure(square)
+        total = scope.measure(centred)
+        count = scope.measure(scope.count_of(operand))
+        call = exp.Anonymous(
+            this="dp_variance",
+            expressions=[
+                measure_var(squares),
+                measure_var(total),
+                measure_var(count),
+                exp.Boolean(this=sample),
+                exp.Boolean(this=root),
+            ],
+        )
+        return Recognised(call, self.kind, (squares, total, count))
+
+    def output_name(self, node: exp.Expr) -> str | None:
+        return _FAMILY[type(node)][0]
 
     def output_type(self, scope: Any, measures: tuple[int, ...]) -> PgType | None:
         return "double precision"

@@ -7,23 +7,20 @@ oracle); every output is an aggregate, a GROUP BY key, or post-processing of tho
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import math
-from dataclasses import dataclass, field
 
 from sqlglot import exp
 
-from dpsql.aggregates import OUTPUTS
-from dpsql.analyze.expressions import bound
-from dpsql.analyze.sources import Sources, ident_name, qualified, resolve_ref, resolve_sources
+from dpsql.aggregates import AGGREGATE_NODES, OUTPUTS, recogniser
+from dpsql.analyze.scope import Scope
+from dpsql.analyze.sources import ident_name, qualified, resolve_ref, resolve_sources
 from dpsql.errors import (
     DatatypeMismatch,
     FeatureNotSupported,
     GroupingError,
     InvalidColumnReference,
     InvalidEscapeSequence,
-    InvalidParameterValue,
     NumericValueOutOfRange,
     SyntaxError_,
     UndefinedFunction,
@@ -32,16 +29,6 @@ from dpsql.plan import GroupKey, Measure, OutputItem, Plan
 from dpsql.policy import PG_TYPE_NAMES, ColumnPolicy, Policy
 from dpsql.session import OutputColumn, PgType
 
-#: Variance family → (PostgreSQL's output name, sample variance?, square root?)
-_VARIANCES: dict[type[exp.Expr], tuple[str, bool, bool]] = {
-    exp.Variance: ("variance", True, False),
-    exp.VariancePop: ("var_pop", False, False),
-    exp.Stddev: ("stddev", True, True),
-    exp.StddevSamp: ("stddev_samp", True, True),
-    exp.StddevPop: ("stddev_pop", False, True),
-}
-_AGGREGATES: tuple[type[exp.Expr], ...] = (exp.Count, exp.Sum, exp.Avg, *_VARIANCES)
-_QUANTILES = (exp.Min, exp.Max, exp.Median, exp.WithinGroup)
 _NOT_YET = {
     exp.ArrayAgg: "array_agg",
     exp.GroupConcat: "string_agg",
@@ -51,33 +38,13 @@ _PREDICATES = (exp.EQ, exp.NEQ, exp.GT, exp.GTE, exp.LT, exp.LTE)
 _OUTPUT_FUNCTIONS = (exp.Round, exp.Abs, exp.Coalesce, exp.Greatest, exp.Least, exp.Floor, exp.Ceil)
 
 
-@dataclass
-class _Scope:
-    """Name resolution state for one SELECT."""
-
-    policy: Policy
-    sources: Sources
-    keys: list[GroupKey] = field(default_factory=list)
-    measures: list[Measure] = field(default_factory=list)
-    #: measure → its index in ``measures`` (a list scan per aggregate made analysis quadratic).
-    _index: dict[Measure, int] = field(default_factory=dict)
-
-    def measure(self, measure: Measure) -> int:
-        """Index of ``measure``, adding it once: shared counts are computed and noised once."""
-        index = self._index.get(measure)
-        if index is None:
-            index = self._index[measure] = len(self.measures)
-            self.measures.append(measure)
-        return index
-
-
 _ident_name = ident_name
+_Scope = Scope
 
 
 def resolve_column(column: exp.Column, scope: _Scope) -> tuple[str, ColumnPolicy]:
     """A column reference → (name, policy); identifiers are never readable."""
-    _, name, policy = resolve_ref(column, scope.sources)
-    return name, policy
+    return scope.resolve(column)
 
 
 # --- WHERE ----------------------------------------------------------------------------
@@ -253,7 +220,7 @@ def check_where(node: exp.Expression, scope: _Scope) -> exp.Expression:
         return exp.Not(this=check_where(node.this, scope))
     if isinstance(node, exp.Boolean):
         return node.copy()
-    if isinstance(node, _AGGREGATES) or node.find(*_AGGREGATES):
+    if isinstance(node, AGGREGATE_NODES) or node.find(*AGGREGATE_NODES):
         raise GroupingError("aggregate functions are not allowed in WHERE", hint="Use HAVING to filter groups.")
     if isinstance(node, exp.Column):
         _, policy = resolve_column(node, scope)
@@ -382,7 +349,7 @@ def resolve_group_keys(tree: exp.Select, scope: _Scope) -> None:
                 if matches:
                     target = matches[0]
         if not isinstance(target, exp.Column):
-            if target.find(*_AGGREGATES):
+            if target.find(*AGGREGATE_NODES):
                 raise GroupingError("aggregate functions are not allowed in GROUP BY")
             raise FeatureNotSupported("GROUP BY expressions are not supported yet", hint="Group by declared columns.")
         source, name, policy = resolve_ref(target, scope.sources)
@@ -405,198 +372,6 @@ def _key_index(column: exp.Column, scope: _Scope) -> int:
     )
 
 
-@dataclass(frozen=True)
-class _Operand:
-    """What an aggregate reads: a declared column, or a bounded expression over columns."""
-
-    table: str | None
-    name: str
-    policy: ColumnPolicy
-    expr: exp.Expression | None = None
-
-
-def _aggregate_column(agg: exp.Expression, scope: _Scope) -> _Operand:
-    argument = agg.this
-    while isinstance(argument, exp.Paren):
-        argument = argument.this
-    if isinstance(argument, exp.Column):
-        source, name, policy = resolve_ref(argument, scope.sources)
-        return _Operand(source.alias, name, policy)
-    if argument is None or argument.find(*_AGGREGATES):
-        raise GroupingError("aggregate function calls cannot be nested")
-
-    def resolve(column: exp.Column) -> tuple[exp.Column, ColumnPolicy]:
-        source, name, policy = resolve_ref(column, scope.sources)
-        return qualified(source, name), policy
-
-    bounded = bound(argument, resolve, lambda predicate: check_where(predicate, scope))
-    return _Operand(None, argument.sql(dialect="postgres"), bounded.policy(), bounded.sql)
-
-
-def _distinct_units(agg: exp.Count, scope: _Scope) -> Measure:
-    """COUNT(DISTINCT <privacy unit>): each unit adds at most 1 per group."""
-    argument = agg.this.expressions[0] if len(agg.this.expressions) == 1 else None
-    unit = scope.sources.unit
-    if isinstance(argument, exp.Column) and unit is not None:
-        source, name, _ = resolve_ref(argument, scope.sources, identifiers=True)
-        if name == source.unit_column:
-            return Measure(kind="count_units", column=name, table=source.alias)
-    raise FeatureNotSupported(
-        "COUNT(DISTINCT ...) is supported only on the privacy unit",
-        hint="Distinct counts of other columns can change by more than one per person."
-        + (f" Count DISTINCT {unit.sql()} to count persons." if unit is not None else ""),
-    )
-
-
-def _sum_measure(operand: _Operand, function: str, *, centred: bool) -> Measure:
-    name, policy = operand.name, operand.policy
-    if not policy.numeric:
-        raise UndefinedFunction(
-            f"function {function}({PG_TYPE_NAMES[policy.type]}) does not exist",
-            hint=f"{function.upper()} needs a numeric column.",
-        )
-    if not policy.bounded:
-        raise FeatureNotSupported(
-            f'column "{name}" has no declared bounds',
-            hint=f'Declare lower/upper for "{name}" in the policy so {function.upper()} has a finite sensitivity.',
-        )
-    lower, upper = float(policy.lower), float(policy.upper)  # type: ignore[arg-type]
-    integer = policy.type == "int"
-    centre = 0.0
-    if centred:
-        centre = float((int(lower) + int(upper)) // 2) if integer else (lower + upper) / 2
-    return Measure(
-        kind="sum",
-        column=name,
-        table=operand.table,
-        lower=lower,
-        upper=upper,
-        centre=centre,
-        integer=integer,
-        expr=operand.expr,
-    )
-
-
-def _count_measure(operand: _Operand, scope: _Scope) -> Measure:
-    """COUNT(col) of a non-nullable column is COUNT(*): share one measurement (and its budget).
-
-    Not across joins: a LEFT JOIN can make a non-nullable column NULL.
-    """
-    if operand.policy.nullable or scope.sources.joins:
-        return Measure(kind="count", column=operand.name, table=operand.table, expr=operand.expr)
-    return Measure(kind="count_star")
-
-
-def _measure_expression(agg: exp.Expression, scope: _Scope) -> tuple[exp.Expression, str, tuple[int, ...]]:
-    """Replace one aggregate call by an expression over measure variables.
-
-    Returns the expression, its output kind and the measures it reads.
-    """
-    if agg.args.get("filter") or isinstance(agg.parent, exp.Filter):
-        raise FeatureNotSupported("aggregate FILTER clauses are not supported yet", hint="Move the filter to WHERE.")
-    if isinstance(agg.this, exp.Distinct):
-        if not isinstance(agg, exp.Count):
-            raise FeatureNotSupported(f"{agg.key.upper()}(DISTINCT ...) is not supported")
-        index = scope.measure(_distinct_units(agg, scope))
-        return exp.var(f"m{index}"), "count", (index,)
-    if isinstance(agg, exp.Count):
-        if isinstance(agg.this, exp.Star) or agg.this is None:
-            index = scope.measure(Measure(kind="count_star"))
-        else:
-            index = scope.measure(_count_measure(_aggregate_column(agg, scope), scope))
-        return exp.var(f"m{index}"), "count", (index,)
-    operand = _aggregate_column(agg, scope)
-    if isinstance(agg, exp.Sum):
-        index = scope.measure(_sum_measure(operand, "sum", centred=False))
-        return exp.var(f"m{index}"), "sum", (index,)
-    if type(agg) in _VARIANCES:
-        function, sample, root = _VARIANCES[type(agg)]
-        centred = _sum_measure(operand, function, centred=True)
-        square = dataclasses.replace(centred, square=True)
-        if square.sensitivity >= 2.0**62:  # squares beyond BIGINT: sum them as doubles
-            square = dataclasses.replace(square, integer=False)
-        squares = scope.measure(square)
-        total = scope.measure(centred)
-        count = scope.measure(_count_measure(operand, scope))
-        call = exp.Anonymous(
-            this="dp_variance",
-            expressions=[
-                exp.var(f"m{squares}"),
-                exp.var(f"m{total}"),
-                exp.var(f"m{count}"),
-                exp.Boolean(this=sample),
-                exp.Boolean(this=root),
-            ],
-        )
-        return call, "variance", (squares, total, count)
-    total = scope.measure(_sum_measure(operand, "avg", centred=True))
-    count = scope.measure(_count_measure(operand, scope))
-    measure = scope.measures[total]
-    call = exp.Anonymous(
-        this="dp_avg",
-        expressions=[exp.var(f"m{total}"), exp.var(f"m{count}"), exp.Literal.number(measure.centre)],
-    )
-    return call, "avg", (total, count)
-
-
-def _mode_measure(node: exp.WithinGroup, scope: _Scope) -> Measure:
-    """mode() WITHIN GROUP (ORDER BY col): report-noisy-max over the column's public domain."""
-    order = node.expression
-    ordered = order.expressions[0] if isinstance(order, exp.Order) and len(order.expressions) == 1 else None
-    if ordered is None or not isinstance(ordered.this, exp.Column):
-        raise FeatureNotSupported("mode() needs exactly one ORDER BY column")
-    source, name, policy = resolve_ref(ordered.this, scope.sources)
-    domain = policy.release_domain()
-    if domain is None:
-        raise FeatureNotSupported(
-            f'mode() needs a public domain for column "{name}"',
-            hint=f'Declare the possible values of "{name}" (domain) in the policy: the winner is chosen among them.',
-        )
-    return Measure(kind="mode", column=name, table=source.alias, domain=domain, integer=False)
-
-
-def _quantile_measure(node: exp.Expression, scope: _Scope) -> tuple[Measure, bool]:
-    """MIN/MAX/median/percentile_cont/percentile_disc → a quantile measure; also whether it is discrete."""
-    if isinstance(node, exp.WithinGroup):
-        inner, order = node.this, node.expression
-        if not isinstance(inner, exp.PercentileCont | exp.PercentileDisc):
-            name = inner.name.lower() if isinstance(inner, exp.Anonymous) else inner.sql_name().lower()
-            raise FeatureNotSupported(f"aggregate function {name} is not supported yet")
-        fraction = inner.this
-        if not (isinstance(fraction, exp.Literal) and not fraction.is_string and 0 <= float(fraction.name) <= 1):
-            raise InvalidParameterValue(
-                "percentile value must be a constant between 0 and 1", hint="Write e.g. percentile_cont(0.9)."
-            )
-        ordered = order.expressions[0] if isinstance(order, exp.Order) and len(order.expressions) == 1 else None
-        if ordered is None:
-            raise FeatureNotSupported("WITHIN GROUP needs exactly one ORDER BY column")
-        q = float(fraction.name)
-        if ordered.args.get("desc"):
-            q = 1.0 - q
-        argument, discrete = ordered.this, isinstance(inner, exp.PercentileDisc)
-    else:
-        q = {exp.Min: 0.0, exp.Max: 1.0, exp.Median: 0.5}[type(node)]  # type: ignore[index]  # a quantile node
-        argument, discrete = node.this, not isinstance(node, exp.Median)
-    function_node: exp.Func = node.this if isinstance(node, exp.WithinGroup) else node  # type: ignore[assignment]
-    function = function_node.sql_name().lower()
-    while isinstance(argument, exp.Paren):
-        argument = argument.this
-    if not isinstance(argument, exp.Column):
-        raise FeatureNotSupported(f"{function} over an expression is not supported yet")
-    source, name, policy = resolve_ref(argument, scope.sources)
-    bounds = _sum_measure(_Operand(source.alias, name, policy), function, centred=False)
-    measure = Measure(
-        kind="quantile",
-        column=name,
-        table=source.alias,
-        lower=bounds.lower,
-        upper=bounds.upper,
-        integer=bounds.integer,
-        q=q,
-    )
-    return measure, discrete
-
-
 def _require_numeric_operands(node: exp.Expression) -> None:
     """Arithmetic on released numbers takes numbers: refuse text constants and failing casts up front."""
     if isinstance(node, exp.Add | exp.Sub | exp.Mul | exp.Div | exp.Mod | exp.Neg):
@@ -611,23 +386,23 @@ def _require_numeric_operands(node: exp.Expression) -> None:
 
 def convert_output(node: exp.Expression, scope: _Scope) -> tuple[exp.Expression, str, tuple[int, ...]]:
     """Turn a select/HAVING/ORDER BY expression into post-processing over measures and keys."""
-    if isinstance(node, exp.WithinGroup) and isinstance(node.this, exp.Mode):
-        index = scope.measure(_mode_measure(node, scope))
-        return exp.var(f"m{index}"), "mode", (index,)
-    if isinstance(node, _QUANTILES):
-        measure, discrete = _quantile_measure(node, scope)
-        index = scope.measure(measure)
-        return exp.var(f"m{index}"), "quantile_disc" if discrete else "quantile", (index,)
+    if isinstance(node, exp.Filter) or node.args.get("filter") or isinstance(node.parent, exp.Filter):
+        raise FeatureNotSupported("aggregate FILTER clauses are not supported yet", hint="Move the filter to WHERE.")
+    aggregate = recogniser(node)
+    if aggregate is not None:
+        if isinstance(node.this, exp.Distinct) and not isinstance(node, exp.Count):
+            raise FeatureNotSupported(f"{node.key.upper()}(DISTINCT ...) is not supported")
+        return aggregate.recognise(node, scope)
+    if isinstance(node, exp.WithinGroup):
+        inner = node.this
+        name = inner.name.lower() if isinstance(inner, exp.Anonymous) else inner.sql_name().lower()
+        raise FeatureNotSupported(f"aggregate function {name} is not supported yet")
     for cls, name in _NOT_YET.items():
         if isinstance(node, cls):
             raise FeatureNotSupported(
                 f"aggregate function {name} is not supported yet",
                 hint="Supported aggregates: COUNT(*), COUNT(column), SUM(column), AVG(column).",
             )
-    if isinstance(node, exp.Filter):
-        raise FeatureNotSupported("aggregate FILTER clauses are not supported yet", hint="Move the filter to WHERE.")
-    if isinstance(node, _AGGREGATES):
-        return _measure_expression(node, scope)
     if isinstance(node, exp.Column):
         return exp.var(f"k{_key_index(node, scope)}"), "key", ()
     if isinstance(node, exp.Literal | exp.Null | exp.Boolean):
@@ -677,9 +452,11 @@ def _output_name(projection: exp.Expr) -> str:
         return _output_name(node.this) if isinstance(node.this, exp.Column | exp.Func) else node.to.sql().lower()
     if isinstance(node, exp.WithinGroup):
         return _output_name(node.this)
-    if type(node) in _VARIANCES:
-        return _VARIANCES[type(node)][0]
     if isinstance(node, exp.Func):
+        aggregate = recogniser(node)
+        name = aggregate.output_name(node) if aggregate is not None else None
+        if name is not None:
+            return name
         return node.sql_name().lower() if not isinstance(node, exp.Anonymous) else node.name.lower()
     return "?column?"
 
@@ -718,7 +495,6 @@ def build_outputs(tree: exp.Select, scope: _Scope) -> list[OutputItem]:
         column = OutputColumn(
             name=_output_name(projection), type=_output_type(kind, expr, scope, measures), noisy=bool(measures)
         )
-        kind = "quantile" if kind == "quantile_disc" else kind  # released like any quantile
         outputs.append(
             OutputItem(
                 column=column,
@@ -726,7 +502,7 @@ def build_outputs(tree: exp.Select, scope: _Scope) -> list[OutputItem]:
                 noisy=bool(measures),
                 clamp=clamp,
                 measures=measures,
-                kind=kind,  # type: ignore[arg-type]
+                kind=kind,
             )
         )
     return outputs
@@ -766,7 +542,9 @@ def _constant_int(node: exp.Expression | None, clause: str) -> int | None:
 
 def build_plan(tree: exp.Select, policy: Policy) -> Plan:
     """Resolve ``tree`` (already through the statement checks) into a :class:`Plan`."""
-    scope = _Scope(policy=policy, sources=resolve_sources(tree, policy))
+    scope = _Scope(
+        policy=policy, sources=resolve_sources(tree, policy), check_predicate=lambda p: check_where(p, scope)
+    )
     where = tree.args.get("where")
     checked_where = check_where(where.this, scope) if where else None
     resolve_group_keys(tree, scope)

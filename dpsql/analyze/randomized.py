@@ -50,7 +50,7 @@ def local_query(plan: Plan, dialect: str) -> LocalQuery | None:
     key_ok = all((k.table, k.column) == (source.alias, name) for k in plan.keys) and len(plan.keys) <= 1
     value = _equality_value(plan.where, source.alias, name)
     where_ok = plan.where is None or value is not None
-    only_counts = all(m.kind == "count_star" for m in plan.measures)
+    only_counts = all(m.star for m in plan.measures)
     shape_ok = key_ok and where_ok and only_counts
     if len(touched) > 1 or plan.sources.joins or used - {(source.alias, name)} or not shape_ok:
         raise FeatureNotSupported(
@@ -73,7 +73,7 @@ def local_query(plan: Plan, dialect: str) -> LocalQuery | None:
 
 def _columns_used(plan: Plan) -> set[tuple[str | None, str | None]]:
     used: set[tuple[str | None, str | None]] = {(k.table, k.column) for k in plan.keys}
-    used |= {(m.table, m.column) for m in plan.measures if m.kind != "count_star"}
+    used |= {(m.table, m.column) for m in plan.measures if not m.star}
     if plan.where is not None:
         used |= {(c.table, c.name) for c in plan.where.find_all(exp.Column)}
     return used

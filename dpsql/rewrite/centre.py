@@ -21,7 +21,7 @@ def centre_sums(select: exp.Select, plan: Plan) -> exp.Select:
     """
     offset = len(plan.keys)
     for i, measure in enumerate(plan.measures):
-        if measure.kind == "sum" and measure.centre and measure.square:
+        if measure.clamped_sum and measure.centre and measure.square:
             value = sum_argument(select, offset + i)
             value.replace(exp.Sub(this=value.copy(), expression=literal_number(measure.centre)))
     for i in plan.post_centred():

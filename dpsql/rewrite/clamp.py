@@ -16,7 +16,7 @@ def clamp_inputs(select: exp.Select, plan: Plan) -> exp.Select:
     """
     offset = len(plan.keys)
     for i, measure in enumerate(plan.measures):
-        if measure.kind != "sum":
+        if not measure.clamped_sum:
             continue
         aggregate = select.expressions[offset + i].this
         value = sum_argument(select, offset + i)

@@ -31,7 +31,7 @@ def proven_in_bounds(plan: Plan, backend: Backend) -> frozenset[int]:
     same numbers; only backends with exact (conservative) min/max statistics implement this."""
     wanted: dict[int, tuple[str, str]] = {}
     for i, m in enumerate(plan.measures):
-        if m.kind == "sum" and m.expr is None and m.column is not None and m.table is not None:
+        if m.clamped_sum and m.expr is None and m.column is not None and m.table is not None:
             source = next((s for s in plan.sources.sources if s.alias == m.table), None)
             if source is not None:
                 wanted[i] = (source.table.source or source.name, m.column)

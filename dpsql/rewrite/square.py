@@ -16,7 +16,7 @@ def square_sums(select: exp.Select, plan: Plan) -> exp.Select:
     """Variance reads the sum of squared centred values: its sensitivity is the squared half-range."""
     offset = len(plan.keys)
     for i, measure in enumerate(plan.measures):
-        if measure.kind == "sum" and measure.square:
+        if measure.clamped_sum and measure.square:
             value = sum_argument(select, offset + i)
             # BIGINT before multiplying: an int4 product could overflow only on some rows (an error oracle)
             copied = value.copy()
