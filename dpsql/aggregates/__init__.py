@@ -9,11 +9,16 @@ aggregate up by the kind the analyzer gave its measure (:data:`MEASURES`) or out
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from sqlglot import exp
 
 from dpsql.aggregates.avg import Avg
 from dpsql.aggregates.base import Aggregate, Expression, Key, Selection
+from dpsql.aggregates.bivariate import Bivariate
 from dpsql.aggregates.count import Count, CountStar
+from dpsql.aggregates.distinct import CountDistinct
 from dpsql.aggregates.mode import Mode
 from dpsql.aggregates.quantile import Quantile, QuantileDisc
 from dpsql.aggregates.sum import Sum
@@ -23,15 +28,22 @@ from dpsql.aggregates.variance import Variance
 __all__ = ["AGGREGATE_NODES", "MEASURES", "OUTPUTS", "Aggregate", "Key", "Selection", "recogniser"]
 
 #: Measure kind → the aggregate that labels, bounds, computes and converts it.
-MEASURES: dict[str, Aggregate] = {a.kind: a for a in (CountStar(), Count(), CountUnits(), Sum(), Quantile(), Mode())}
+MEASURES: dict[str, Aggregate] = {
+    a.kind: a for a in (CountStar(), Count(), CountUnits(), CountDistinct(), Sum(), Quantile(), Mode())
+}
 #: Output kind → the aggregate that coerces, bounds the error of, and explains it.
 OUTPUTS: dict[str, Aggregate] = {
-    a.kind: a for a in (Key(), Count(), Sum(), Avg(), Variance(), Quantile(), QuantileDisc(), Mode(), Expression())
+    a.kind: a
+    for a in (Key(), Count(), Sum(), Avg(), Variance(), Bivariate(), Quantile(), QuantileDisc(), Mode(), Expression())
 }
 
 #: sqlglot call type → the aggregate that recognises it (``f() WITHIN GROUP``: keyed by ``f``).
 RECOGNISERS: dict[type[exp.Expr], Aggregate] = {
     node: aggregate for aggregate in OUTPUTS.values() for node in aggregate.recognises
+}
+#: Name → function combining noisy measures in an output expression (``dp_avg(m0, m1, c)``).
+RELEASE_FUNCTIONS: dict[str, Callable[..., Any]] = {
+    name: fn for aggregate in OUTPUTS.values() for name, fn in aggregate.functions.items()
 }
 #: Every aggregate call type: refused where aggregates are not allowed (WHERE, GROUP BY, nesting).
 AGGREGATE_NODES: tuple[type[exp.Expr], ...] = (*RECOGNISERS, exp.WithinGroup)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from sqlglot import exp
 
@@ -16,9 +17,15 @@ if TYPE_CHECKING:
     from dpsql.session import PgType
 
 
+def dp_avg(total: Any, count: Any, centre: Any) -> float | None:
+    """AVG from a noisy centred sum and a noisy count (count floored at 1)."""
+    return float(centre) + float(total) / max(float(count), 1.0)
+
+
 class Avg(Aggregate):
     kind = "avg"
     recognises = (exp.Avg,)
+    functions: ClassVar[dict[str, Callable[..., Any]]] = {"dp_avg": dp_avg}
 
     def recognise(self, node: exp.Expression, scope: Scope) -> Recognised:
         """``dp_avg(Σ(x − c), N, c)``: centring on the bounds' midpoint halves the sum's sensitivity."""

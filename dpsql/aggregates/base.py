@@ -54,6 +54,13 @@ class Aggregate:
     #: Its measure is a SUM of a value clamped to declared bounds: the clamp, centre, square and
     #: coalesce rewrite passes act on it.
     clamped_sum: ClassVar[bool] = False
+    #: Per-unit partial results add up to the whole (COUNT, SUM): ungrouped queries may cap per-unit
+    #: partials instead of ranking rows. False for distinct counts.
+    decomposable: ClassVar[bool] = True
+    #: ``FILTER (WHERE p)`` is applied as ``CASE WHEN p THEN arg END`` on its argument.
+    filterable: ClassVar[bool] = True
+    #: Post-processing functions its output expression calls to combine noisy measures, by name.
+    functions: ClassVar[dict[str, Callable[..., Any]]] = {}
     #: The sqlglot call types it recognises (for ``f(...) WITHIN GROUP``: the type of ``f``).
     recognises: ClassVar[tuple[type[exp.Expr], ...]] = ()
 
@@ -131,6 +138,7 @@ class Selection(Aggregate):
     """Measures chosen per group from a histogram query rather than noised."""
 
     selected = True
+    filterable = False
 
     def sensitivities(self, measure: Measure, plan: Plan) -> tuple[float, float]:
         # utility sensitivity, composed over the groups a unit touches

@@ -65,18 +65,21 @@ class Count(Aggregate):
 
 
 def _distinct_units(node: exp.Expression, scope: Scope) -> Measure:
-    """COUNT(DISTINCT <privacy unit>): each unit adds at most 1 per group."""
+    """COUNT(DISTINCT <privacy unit>): each unit adds at most 1 per group; COUNT(DISTINCT col) of
+    another column: at most ``max_rows`` values in all (see :mod:`dpsql.aggregates.distinct`)."""
     from dpsql.analyze.sources import resolve_ref
     from dpsql.plan import Measure
 
     argument = node.this.expressions[0] if len(node.this.expressions) == 1 else None
-    unit = scope.sources.unit
-    if isinstance(argument, exp.Column) and unit is not None:
-        source, name, _ = resolve_ref(argument, scope.sources, identifiers=True)
-        if name == source.unit_column:
-            return Measure(kind="count_units", column=name, table=source.alias)
-    raise FeatureNotSupported(
-        "COUNT(DISTINCT ...) is supported only on the privacy unit",
-        hint="Distinct counts of other columns can change by more than one per person."
-        + (f" Count DISTINCT {unit.sql()} to count persons." if unit is not None else ""),
-    )
+    while isinstance(argument, exp.Paren):
+        argument = argument.this
+    if not isinstance(argument, exp.Column):
+        raise FeatureNotSupported(
+            "COUNT(DISTINCT ...) is supported on one column only",
+            hint="Count distinct values of a declared column, e.g. COUNT(DISTINCT department).",
+        )
+    source, name, _ = resolve_ref(argument, scope.sources, identifiers=True)
+    if scope.sources.unit is not None and name == source.unit_column:
+        return Measure(kind="count_units", column=name, table=source.alias)
+    source, name, _ = resolve_ref(argument, scope.sources)  # identifiers other than the unit: 42501
+    return Measure(kind="count_distinct", column=name, table=source.alias)

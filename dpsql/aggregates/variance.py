@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from sqlglot import exp
 
@@ -26,9 +27,22 @@ _FAMILY: dict[type[exp.Expr], tuple[str, bool, bool]] = {
 }
 
 
+def dp_variance(squares: Any, total: Any, count: Any, sample: bool, root: bool) -> float | None:
+    """Variance from noisy centred Σ(x−c)², Σ(x−c) and count: E[(x−c)²] − E[x−c]², floored at 0."""
+    n = max(float(count), 1.0)
+    if sample and n < 2:
+        return None  # PostgreSQL: var_samp of one value is NULL
+    mean = float(total) / n
+    variance = max(float(squares) / n - mean * mean, 0.0)
+    if sample:
+        variance *= n / (n - 1)
+    return math.sqrt(variance) if root else variance
+
+
 class Variance(Aggregate):
     kind = "variance"
     recognises = tuple(_FAMILY)
+    functions: ClassVar[dict[str, Callable[..., Any]]] = {"dp_variance": dp_variance}
 
     def recognise(self, node: exp.Expression, scope: Scope) -> Recognised:
         from dpsql.aggregates import AGGREGATE_NODES

@@ -386,8 +386,8 @@ def _require_numeric_operands(node: exp.Expression) -> None:
 
 def convert_output(node: exp.Expression, scope: _Scope) -> tuple[exp.Expression, str, tuple[int, ...]]:
     """Turn a select/HAVING/ORDER BY expression into post-processing over measures and keys."""
-    if isinstance(node, exp.Filter) or node.args.get("filter") or isinstance(node.parent, exp.Filter):
-        raise FeatureNotSupported("aggregate FILTER clauses are not supported yet", hint="Move the filter to WHERE.")
+    if isinstance(node, exp.Filter):
+        return convert_output(_filtered(node), scope)
     aggregate = recogniser(node)
     if aggregate is not None:
         if isinstance(node.this, exp.Distinct) and not isinstance(node, exp.Count):
@@ -438,6 +438,30 @@ def convert_output(node: exp.Expression, scope: _Scope) -> tuple[exp.Expression,
     return node, "expr", tuple(dict.fromkeys(measures))
 
 
+def _filtered(node: exp.Filter) -> exp.Expression:
+    """``agg(x) FILTER (WHERE p)`` → ``agg(CASE WHEN p THEN x END)`` (COUNT(*): ``CASE WHEN p THEN 1 END``).
+
+    Exactly PostgreSQL's meaning: rows failing ``p`` are NULL inputs, which every aggregate skips.
+    The predicate goes through the WHERE checks when the CASE operand is bounded, and the measure
+    keeps the per-row sensitivity of the aggregate: filtering only removes rows.
+    """
+    aggregate, where = node.this, node.expression
+    registered = recogniser(aggregate)
+    if registered is None or not registered.filterable or isinstance(aggregate, exp.WithinGroup | exp.Filter):
+        raise FeatureNotSupported("FILTER is supported on COUNT, SUM, AVG and variance aggregates")
+    if isinstance(aggregate.this, exp.Distinct):
+        raise FeatureNotSupported("FILTER on COUNT(DISTINCT ...) is not supported", hint="Move the filter to WHERE.")
+    condition = where.this if isinstance(where, exp.Where) else where
+    aggregate = aggregate.copy()
+    if aggregate.expression is not None:  # two-argument aggregates: both arguments filtered
+        aggregate.set("expression", exp.Case(ifs=[exp.If(this=condition.copy(), true=aggregate.expression)]))
+    argument = aggregate.this
+    if isinstance(argument, exp.Star) or argument is None:
+        argument = exp.Literal.number(1)
+    aggregate.set("this", exp.Case(ifs=[exp.If(this=condition.copy(), true=argument)]))
+    return aggregate
+
+
 def _output_name(projection: exp.Expr) -> str:
     """The column name PostgreSQL would give this select item."""
     alias = _projection_alias(projection)
@@ -450,7 +474,7 @@ def _output_name(projection: exp.Expr) -> str:
         return _ident_name(node.this)
     if isinstance(node, exp.Cast):
         return _output_name(node.this) if isinstance(node.this, exp.Column | exp.Func) else node.to.sql().lower()
-    if isinstance(node, exp.WithinGroup):
+    if isinstance(node, exp.WithinGroup | exp.Filter):
         return _output_name(node.this)
     if isinstance(node, exp.Func):
         aggregate = recogniser(node)

@@ -50,21 +50,13 @@ def _literal(node: exp.Literal) -> Any:
     return float(text) if any(c in text for c in ".eE") else int(text)
 
 
-def _dp_avg(total: Any, count: Any, centre: Any) -> float | None:
-    """AVG from a noisy centred sum and a noisy count (count floored at 1)."""
-    return float(centre) + float(total) / max(float(count), 1.0)
+def _release_function(node: exp.Expression) -> Callable[..., Any] | None:
+    """The function an aggregate registered for combining its measures (``dp_avg``, ``dp_variance``…)."""
+    if not isinstance(node, exp.Anonymous):
+        return None
+    from dpsql.aggregates import RELEASE_FUNCTIONS  # the aggregates import the release stage
 
-
-def _dp_variance(squares: Any, total: Any, count: Any, sample: bool, root: bool) -> float | None:
-    """Variance from noisy centred Σ(x−c)², Σ(x−c) and count: E[(x−c)²] − E[x−c]², floored at 0."""
-    n = max(float(count), 1.0)
-    if sample and n < 2:
-        return None  # PostgreSQL: var_samp of one value is NULL
-    mean = float(total) / n
-    variance = max(float(squares) / n - mean * mean, 0.0)
-    if sample:
-        variance *= n / (n - 1)
-    return math.sqrt(variance) if root else variance
+    return RELEASE_FUNCTIONS.get(node.name.lower())
 
 
 def evaluate(node: exp.Expression, env: Env) -> Any:
@@ -101,10 +93,9 @@ def evaluate(node: exp.Expression, env: Env) -> Any:
             return f"{left}{right}"
         fn = _ARITHMETIC.get(type(node)) or _COMPARISONS[type(node)]
         return fn(left, right)
-    if isinstance(node, exp.Anonymous) and node.name.lower() == "dp_avg":
-        return _dp_avg(*(evaluate(a, env) for a in node.expressions))
-    if isinstance(node, exp.Anonymous) and node.name.lower() == "dp_variance":
-        return _dp_variance(*(evaluate(a, env) for a in node.expressions))
+    combine = _release_function(node)
+    if combine is not None:
+        return combine(*(evaluate(a, env) for a in node.expressions))
     return _function(node, env)
 
 
@@ -142,8 +133,8 @@ def compile_expression(node: exp.Expression) -> Callable[[Env], Any]:
             return None if a is None or b is None else _divide(a, b)
 
         return divide
-    if isinstance(node, exp.Anonymous) and node.name.lower() in ("dp_avg", "dp_variance"):
-        helper = _dp_avg if node.name.lower() == "dp_avg" else _dp_variance
+    helper = _release_function(node)
+    if helper is not None:
         args = [compile_expression(a) for a in node.expressions]
         return lambda env: helper(*(arg(env) for arg in args))
     return lambda env: evaluate(node, env)

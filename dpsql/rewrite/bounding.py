@@ -84,7 +84,7 @@ def bound_contributions(select: exp.Select, plan: Plan) -> exp.Select:
     """
     if plan.unit is None:
         return select
-    if not plan.keys and not select.args.get("group"):
+    if not plan.keys and not select.args.get("group") and all(m.aggregate.decomposable for m in plan.measures):
         return _bound_per_unit(select, plan)
     columns: dict[str, exp.Column] = {}
     for node in [

@@ -307,10 +307,10 @@ REFUSALS = [
         "aggregate functions are not allowed in WHERE",
     ),
     Refusal(
-        "filter-clause",
-        "SELECT COUNT(*) FILTER (WHERE zip = 2138) FROM patients",
+        "filter-on-max",
+        "SELECT MAX(age) FILTER (WHERE zip = 2138) FROM patients",
         "0A000",
-        "aggregate FILTER clauses are not supported yet",
+        "FILTER is supported on COUNT, SUM, AVG and variance aggregates",
     ),
     # raw values and identifiers
     Refusal("select-star", "SELECT * FROM patients", "42803", "SELECT * would release individual rows"),
@@ -327,10 +327,18 @@ REFUSALS = [
         "array-agg", "SELECT array_agg(age) FROM patients", "0A000", "aggregate function array_agg is not supported yet"
     ),
     Refusal(
-        "count-distinct",
-        "SELECT COUNT(DISTINCT zip) FROM patients",
+        "count-distinct-expression",
+        "SELECT COUNT(DISTINCT zip + 1) FROM patients",
         "0A000",
-        "COUNT(DISTINCT ...) is supported only on the privacy unit",
+        "COUNT(DISTINCT ...) is supported on one column only",
+    ),
+    Refusal("count-distinct-identifier", "SELECT COUNT(DISTINCT ssn) FROM patients", "42501", None),
+    Refusal("sum-distinct", "SELECT SUM(DISTINCT age) FROM patients", "0A000", "SUM(DISTINCT ...) is not supported"),
+    Refusal(
+        "corr-expression",
+        "SELECT corr(age + 1, bmi) FROM patients",
+        "0A000",
+        "corr over an expression is not supported yet",
     ),
     Refusal("window", "SELECT COUNT(*) OVER () FROM patients", "0A000", "window functions are not supported"),
     Refusal(

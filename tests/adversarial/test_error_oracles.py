@@ -192,6 +192,20 @@ ATTACKS = [
     Attack("where-float", "SELECT COUNT(*) FROM t WHERE x > 0.5 OR cost BETWEEN 10 AND 3000 OR x IN (1, 2)"),
     Attack("where-dates", "SELECT COUNT(*) FROM t WHERE d > '2021-01-01' AND ts < '2023-01-01 00:00:00'"),
     Attack("where-column-compare", "SELECT COUNT(*) FROM t WHERE x < cost"),
+    # aggregates added as registered types: NaN, ±inf, huge stored values must not fail on any backend
+    Attack(
+        "bivariate-float", "SELECT corr(x, cost), covar_pop(cost, x), regr_slope(visits, x), regr_r2(x, visits) FROM t"
+    ),
+    Attack(
+        "bivariate-grouped", "SELECT problem, covar_samp(x, visits), regr_intercept(cost, x) FROM t GROUP BY problem"
+    ),
+    Attack("count-distinct-odd", "SELECT COUNT(DISTINCT x), COUNT(DISTINCT problem), COUNT(DISTINCT d) FROM t"),
+    Attack("count-distinct-grouped", "SELECT problem, COUNT(DISTINCT x) FROM t GROUP BY problem"),
+    Attack(
+        "filter-division",
+        "SELECT SUM(1.0 / (cost - 4999)) FILTER (WHERE x > 0), COUNT(*) FILTER (WHERE d > '2021-01-01') FROM t",
+    ),
+    Attack("filter-trailing-escape", "SELECT COUNT(*) FILTER (WHERE problem LIKE 'o\\') FROM t", expected="22025"),
 ]
 
 BACKENDS = ("duckdb", "postgres")
