@@ -11,8 +11,6 @@ calibration, release and accuracy in :mod:`dpsql.release`, EXPLAIN in :mod:`dpsq
 from __future__ import annotations
 
 import secrets
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -20,7 +18,7 @@ from typing import Any
 from sqlglot import exp
 
 from dpsql.accountant import remaining_budget
-from dpsql.analyze import analyze_tree, infer_parameter_types, parse_statement
+from dpsql.analyze import analyze_tree, infer_parameter_types
 from dpsql.analyze.insert import insert
 from dpsql.analyze.parse import (
     Params,
@@ -28,16 +26,17 @@ from dpsql.analyze.parse import (
     dialect,
     params_key,
     placeholder_value,
-    skip_comments,
     too_complex,
 )
 from dpsql.analyze.randomized import LocalQuery, local_query
+from dpsql.analyze.statement import Kind, Statements
 from dpsql.backends import DEFAULT_STATEMENT_TIMEOUT_MS, Backend, log_database_error, open_backend
 from dpsql.cache import ResultCache, cache_key, data_stamp, database_identity, policy_hash, result_key
 from dpsql.errors import BackendError, Error, InvalidAuthorization
-from dpsql.explain import Explanation, explain, explain_target
+from dpsql.explain import Explanation, explain
 from dpsql.fingerprint import fingerprint_key, keyed, row_selection_salt, statement_shape
 from dpsql.ledger import Ledger, resolve_ledger_url
+from dpsql.lru import LRU
 from dpsql.plan import Plan
 from dpsql.policy import Policy, load_policy
 from dpsql.postprocess.finish import finish, from_cache
@@ -91,8 +90,8 @@ class Engine:
         self.cache = cache
         self._policy_hash = policy_hash(policy)
         self._database_identity: str | None = None
-        self._plans: OrderedDict[tuple[Any, ...], Prepared] = OrderedDict()
-        self._lock = threading.Lock()
+        self._plans: LRU[tuple[Any, ...], Prepared] = LRU(_PLAN_CACHE_SIZE)
+        self._statements = Statements(_PLAN_CACHE_SIZE)
         #: Keys the per-row hash choosing which rows of a heavy unit are kept (never shown to analysts;
         #: derived from the ledger's installation key, so every process on one ledger keeps the same rows).
         self._salt = row_selection_salt(ledger.installation_key())
@@ -113,14 +112,10 @@ class Engine:
     ) -> Engine:
         """Open an engine from a policy (file or object), a database URL, a ledger URL and a cache URL.
 
-        Without ``ledger`` the engine uses the persistent per-dataset ledger the CLI uses
-        (:func:`dpsql.ledger.default_ledger`, SQLite under ``$DPSQL_HOME``), so every engine and
-        connection of a dataset draws on one budget; a fresh in-memory budget only when asked for
-        explicitly (``ledger="memory"`` or ``"sqlite:///:memory:"``). The result cache defaults to
-        the ledger's own file or PostgreSQL database (it persists, and is shared, exactly as the
-        budget it protects), else memory. Every statement sent to the database is
-        cancelled after ``statement_timeout_ms`` (57014; 0 = never).
-        """
+        Without ``ledger``: the persistent per-dataset ledger the CLI uses (one budget for every
+        engine of a dataset); in memory only when asked (``ledger="memory"``). The result cache lives
+        beside the ledger (persisted and shared exactly as the budget it protects). Database
+        statements are cancelled after ``statement_timeout_ms`` (57014; 0 = never)."""
         loaded = policy if isinstance(policy, Policy) else load_policy(policy)
         ledger_url = resolve_ledger_url(ledger, loaded.dataset)
         backend = open_backend(database, statement_timeout_ms=statement_timeout_ms)
@@ -135,24 +130,27 @@ class Engine:
 
     # -- planning ------------------------------------------------------------------------------
 
-    def prepare(self, sql: str, session: Session, params: Params = None) -> Prepared:
-        """Analyze, rewrite and budget ``sql``; cached on text, parameters and session settings."""
-        settings = (session.epsilon, session.delta, session.mechanism)
-        key = (sql, params_key(params), settings, data_version(self.backend))
-        with self._lock:
-            cached = self._plans.get(key)
-            if cached is not None:
-                self._plans.move_to_end(key)
-                return cached
+    def _plan_key(self, sql: str, session: Session, params: Params) -> tuple[Any, ...]:
+        return (
+            sql,
+            params_key(params),
+            (session.epsilon, session.delta, session.mechanism),
+            data_version(self.backend),
+        )
+
+    def prepare(
+        self, sql: str, session: Session, params: Params = None, tree: exp.Expression | None = None
+    ) -> Prepared:
+        """Analyze, rewrite and budget ``sql`` (``tree``: already parsed); cached on text, parameters and settings."""
+        key = self._plan_key(sql, session, params)
+        cached = self._plans.get(key)
+        if cached is not None:
+            return cached
         try:
-            prepared = self._prepare(sql, parse_statement(sql), session, params)
+            prepared = self._prepare(sql, self._statements.get(sql).tree if tree is None else tree, session, params)
         except RecursionError:
             raise too_complex() from None
-        with self._lock:
-            self._plans[key] = prepared
-            if len(self._plans) > _PLAN_CACHE_SIZE:
-                self._plans.popitem(last=False)
-        return prepared
+        return self._plans.put(key, prepared)
 
     def fingerprint(self, sql: str) -> str:
         """The keyed fingerprint of a statement's shape (constants removed): what the server logs and
@@ -183,7 +181,10 @@ class Engine:
 
     def describe(self, sql: str, session: Session) -> Description:
         """Output columns and parameter types, without running the query or spending budget."""
-        tree = parse_statement(sql)
+        statement = self._statements.get(sql)
+        if statement.kind is Kind.INSERT:  # stored at Execute; no result columns
+            return Description([], [])
+        tree = statement.tree
         param_types = infer_parameter_types(tree, self.policy)
         placeholders = [placeholder_value(t) for t in param_types]
         plan = analyze_tree(tree, self.policy, placeholders or None)
@@ -192,22 +193,22 @@ class Engine:
     def explain(self, sql: str, session: Session, params: Params = None) -> Explanation:
         """Cost, sensitivity, noise scale and expected error per output; spends nothing."""
         prepared = self.prepare(sql, session, params)
-        confidence = confidence_level(self.policy, session)
         # Every clamp shown, proven redundant or not: which ones the statistics prove is data-dependent.
         shown_sql = self._clamped_sql(prepared.plan).replace(self._salt, "<secret>")
-        return explain(prepared.plan, prepared.budgeting, confidence, shown_sql)
+        return explain(prepared.plan, prepared.budgeting, confidence_level(self.policy, session), shown_sql)
 
     def execute(self, sql: str, session: Session, params: Params = None) -> Result:
         """Answer one DP query: reserve the budget, run, noise, post-process."""
         if self.policy.analyst(session.analyst) is None:
             raise InvalidAuthorization(f'role "{session.analyst}" does not exist')
-        head = skip_comments(sql)
-        target = explain_target(head)
-        if target is not None:
-            return self.explain(target, session, params).as_result()
-        if head[:6].upper() == "INSERT":
-            return insert(self.backend, self.policy, bind_parameters(parse_statement(sql), params))
-        prepared = self.prepare(sql, session, params)
+        prepared = self._plans.get(self._plan_key(sql, session, params))
+        if prepared is None:
+            statement = self._statements.get(sql)  # parsed once per text; classified on the tree
+            if statement.kind is Kind.EXPLAIN:
+                return self.explain(statement.target, session, params).as_result()
+            if statement.kind is Kind.INSERT:
+                return insert(self.backend, self.policy, bind_parameters(statement.tree, params))
+            prepared = self.prepare(sql, session, params, statement.tree)
         budgeting = prepared.budgeting
         confidence = confidence_level(self.policy, session)  # validated before anything is charged
         if prepared.local is not None:

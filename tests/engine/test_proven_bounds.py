@@ -80,7 +80,7 @@ def test_a_write_after_planning_runs_the_clamped_query(engine: Engine) -> None:
 
     engine._run = write_then_run  # type: ignore[method-assign]
     engine._plans.clear()
-    engine._plans[(sql, None, (session.epsilon, session.delta, session.mechanism), backend.data_version)] = prepared
+    engine._plans.put((sql, None, (session.epsilon, session.delta, session.mechanism), backend.data_version), prepared)
     result = engine.execute(sql, session)
     assert seen[0] == prepared.sql and len(seen) == 2 and "CASE" in seen[1]
     # 9 rows of x = 100 (i % 101 = 100 for i = 100, 201, …, 908) and the new 1,000,000 clamped to 100

@@ -71,3 +71,16 @@ def test_commented_dp_query_gets_interval_columns(dp_server: Running) -> None:
         for prefix in ("", "/* app */ "):
             cur = conn.execute(f"{prefix}SELECT sex, COUNT(*) AS n FROM patients GROUP BY sex", prepare=True)
             assert [d.name for d in cur.description or []] == ["sex", "n", "n_ci95"]
+
+
+def test_prepared_insert_is_accepted(survey_server: Running) -> None:
+    """An INSERT through Parse/Bind/Execute (psycopg with parameters, ORMs) stores like the simple one."""
+    with psycopg.connect(survey_server.dsn("alice"), autocommit=True) as conn:
+        cur = conn.execute(
+            "INSERT INTO survey (region, age, smoker, drug_use) VALUES (%s, %s, %s, %s)",
+            ("West", 50, True, "current"),
+            prepare=True,
+        )
+        assert cur.statusmessage == "INSERT 0 1"
+        cur = conn.execute("/* app */ INSERT INTO survey " + ROW, prepare=True)
+        assert cur.statusmessage == "INSERT 0 1"

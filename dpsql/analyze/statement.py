@@ -1,0 +1,64 @@
+"""What a statement is, decided once on its parsed tree: a query, an EXPLAIN of one, or an INSERT.
+
+Routing by text prefix misread statements behind comments (ORMs and sqlcommenter prepend
+``/* … */``); sqlglot drops comments, so the tree says what the statement is. Each distinct text
+is parsed once per engine (:class:`Statements`, an LRU): later executions of the same text reuse the
+tree (copied, since analysis may rewrite it in place).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from sqlglot import exp
+
+from dpsql.analyze.parse import parse_statement, too_complex
+from dpsql.explain import explain_target
+from dpsql.lru import LRU
+
+
+class Kind(enum.Enum):
+    QUERY = "query"
+    EXPLAIN = "explain"
+    INSERT = "insert"
+
+
+@dataclass(frozen=True, slots=True)
+class Statement:
+    sql: str
+    kind: Kind
+    #: The parsed statement (for EXPLAIN: a bare ``EXPLAIN`` command).
+    tree: exp.Expression
+    #: For EXPLAIN: the text of the query it explains.
+    target: str = ""
+
+
+def classify(sql: str) -> Statement:
+    """Parse ``sql`` (42601 on a syntax error, 54001 when too deep) and say what it is.
+
+    EXPLAIN is recognised by its first keyword after any comments (sqlglot keeps it as an opaque
+    command); the explained query is classified when it is run.
+    """
+    target = explain_target(sql)
+    if target is not None:
+        return Statement(sql, Kind.EXPLAIN, exp.Command(this="EXPLAIN"), target)
+    try:
+        tree = parse_statement(sql)
+    except RecursionError:
+        raise too_complex() from None
+    if isinstance(tree, exp.Insert):
+        return Statement(sql, Kind.INSERT, tree)
+    return Statement(sql, Kind.QUERY, tree)
+
+
+class Statements:
+    """Classified statements by text, least recently used evicted first; thread-safe."""
+
+    def __init__(self, size: int = 1024) -> None:
+        self._items: LRU[str, Statement] = LRU(size)
+
+    def get(self, sql: str) -> Statement:
+        """The statement for ``sql``, its tree a private copy the caller may rewrite."""
+        statement = self._items.get(sql) or self._items.put(sql, classify(sql))
+        return Statement(statement.sql, statement.kind, statement.tree.copy(), statement.target)
