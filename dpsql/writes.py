@@ -41,17 +41,17 @@ def write_oracles(backend: Backend, table: str, written: list[str]) -> list[str]
         return [f"the {backend.dialect} backend's constraints cannot be checked"]
     found = list(triggers)
     lowered = {c.lower() for c in written}
-    for kind, columns in keys:
+    for constraint, columns in keys:
         if columns is None:
-            found.append(f"a {kind} over an expression")
+            found.append(f"a {constraint} over an expression")
             continue
-        if kind == "FOREIGN KEY" and any(c.lower() in lowered for c in columns):
+        if constraint == "FOREIGN KEY" and any(c.lower() in lowered for c in columns):
             found.append(f'a FOREIGN KEY on "{", ".join(columns)}"')
-        elif kind != "FOREIGN KEY":
+        elif constraint != "FOREIGN KEY":
             if any(c.lower() in lowered for c in columns):
-                found.append(f'a {kind} on "{", ".join(columns)}"')
+                found.append(f'a {constraint} on "{", ".join(columns)}"')
             elif any(defaults.get(c) is not None and not _GENERATED_DEFAULT.search(defaults[c] or "") for c in columns):
-                found.append(f'a {kind} on "{", ".join(columns)}" whose default is not generated')
+                found.append(f'a {constraint} on "{", ".join(columns)}" whose default is not generated')
     return found
 
 
@@ -63,7 +63,7 @@ def _duckdb_catalog(
         "SELECT constraint_type, constraint_column_names FROM duckdb_constraints() "
         f"WHERE table_name = '{name}' AND constraint_type IN ('PRIMARY KEY', 'UNIQUE', 'FOREIGN KEY')"
     )
-    keys: list[tuple[str, list[str] | None]] = [(kind, list(columns)) for kind, columns in rows]
+    keys: list[tuple[str, list[str] | None]] = [(constraint, list(columns)) for constraint, columns in rows]
     _, rows = backend.execute(f"SELECT expressions FROM duckdb_indexes() WHERE table_name = '{name}' AND is_unique")
     for (expressions,) in rows:
         text = str(expressions).strip("[]")
@@ -79,13 +79,13 @@ def _postgres_catalog(
 ) -> tuple[list[tuple[str, list[str] | None]], dict[str, str | None], list[str]]:
     regclass = quote_ident(table).replace("'", "''")
     relation = f"to_regclass('{regclass}')"
-    kinds = {"p": "PRIMARY KEY", "u": "UNIQUE", "f": "FOREIGN KEY", "x": "EXCLUDE constraint"}
+    names = {"p": "PRIMARY KEY", "u": "UNIQUE", "f": "FOREIGN KEY", "x": "EXCLUDE constraint"}
     _, rows = backend.execute(
         "SELECT c.contype::text, ARRAY(SELECT a.attname::text FROM unnest(c.conkey) k "
         "JOIN pg_attribute a ON a.attrelid = c.conrelid AND a.attnum = k) "
         f"FROM pg_constraint c WHERE c.conrelid = {relation} AND c.contype IN ('p', 'u', 'f', 'x')"
     )
-    keys: list[tuple[str, list[str] | None]] = [(kinds[kind], list(columns)) for kind, columns in rows]
+    keys: list[tuple[str, list[str] | None]] = [(names[contype], list(columns)) for contype, columns in rows]
     _, rows = backend.execute(
         "SELECT i.indexprs IS NOT NULL OR i.indpred IS NOT NULL, ARRAY(SELECT a.attname::text FROM unnest(i.indkey) k "
         "JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k) "

@@ -216,17 +216,17 @@ def _conjuncts(node: exp.Expression) -> list[exp.Expression]:
 
 
 def _check_join_kind(join: exp.Join) -> None:
-    kind, side = (join.args.get("kind") or "").upper(), (join.args.get("side") or "").upper()
-    if kind == "CROSS" or (not join.args.get("on") and not join.args.get("using")):
+    join_type, side = (join.args.get("kind") or "").upper(), (join.args.get("side") or "").upper()
+    if join_type == "CROSS" or (not join.args.get("on") and not join.args.get("using")):
         raise FeatureNotSupported(
             "cross joins are not supported",
             hint="A cross join pairs every person with every row; join on the privacy unit instead.",
         )
     if join.args.get("using"):
         raise FeatureNotSupported("JOIN ... USING is not supported", hint="Write the condition with ON.")
-    if kind not in ("", "INNER", "OUTER") or side not in ("", "LEFT"):
+    if join_type not in ("", "INNER", "OUTER") or side not in ("", "LEFT"):
         raise FeatureNotSupported(
-            f"{(side + ' ' + kind).strip() or kind} JOIN is not supported", hint="Use JOIN or LEFT JOIN."
+            f"{(side + ' ' + join_type).strip() or join_type} JOIN is not supported", hint="Use JOIN or LEFT JOIN."
         )
     if join.args.get("method"):  # NATURAL, ASOF, ...
         raise FeatureNotSupported(f"{join.args['method'].upper()} JOIN is not supported")

@@ -228,6 +228,6 @@ def stored_type_mismatches(backend: Backend, table: str, declared: Mapping[str, 
     stored = {str(c): str(t) for c, t in rows}
     return [
         (column, stored[column])
-        for column, kind in declared.items()
-        if kind != "text" and column in stored and _TEXTUAL.search(stored[column])
+        for column, declared_type in declared.items()
+        if declared_type != "text" and column in stored and _TEXTUAL.search(stored[column])
     ]

@@ -307,7 +307,7 @@ def spark_column_type(sql_type: str) -> tuple[str, str]:
         dtype = exp.DataType.build(sql_type.strip(), dialect="postgres")
     except (sqlglot.errors.SqlglotError, ValueError):
         raise BackendError(f"unsupported column type {sql_type!r}") from None
-    kind = dtype.this
+    type_ = dtype.this
     t = exp.DataType.Type
     simple = {
         t.TINYINT: ("TINYINT", "int8"),
@@ -328,9 +328,9 @@ def spark_column_type(sql_type: str) -> tuple[str, str]:
         t.VARBINARY: ("BINARY", "binary"),
         t.BINARY: ("BINARY", "binary"),
     }
-    if kind in simple:
-        return simple[kind]
-    if kind == t.DECIMAL:
+    if type_ in simple:
+        return simple[type_]
+    if type_ == t.DECIMAL:
         params = [int(p.name) for p in dtype.expressions]
         precision, scale = (params + [38, 10][len(params) :])[:2] if params else (38, 10)
         if len(params) == 1:

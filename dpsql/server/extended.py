@@ -225,7 +225,7 @@ class ExtendedProtocol:
     async def on_describe(self, msg: pq.Describe) -> None:
         conn = self.conn
         assert conn.settings is not None
-        if msg.kind == "S":
+        if msg.target == "S":
             stmt = self.statements.get(msg.name)
             if stmt is None:
                 raise InvalidStatementName(f'prepared statement "{msg.name}" does not exist')
@@ -280,7 +280,7 @@ class ExtendedProtocol:
             conn.send(pq.command_complete(tag))
 
     def on_close(self, msg: pq.Close) -> None:
-        if msg.kind == "S":
+        if msg.target == "S":
             self.statements.pop(msg.name, None)
         else:
             self.portals.pop(msg.name, None)

@@ -345,7 +345,7 @@ _DISCARD_TAGS = {"all": "DISCARD ALL", "plans": "DISCARD PLANS", "sequences": "D
 def parse_local(sql: str) -> LocalCommand | None:
     """Recognise a statement the server answers itself; None means "not a session statement"."""
     tokens = tokenize(sql)
-    if not tokens or tokens[0].kind != "word":
+    if not tokens or not tokens[0].word:
         return None
     head = tokens[0].word
     words = _words(tokens)

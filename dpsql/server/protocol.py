@@ -77,7 +77,7 @@ class Bind:
 
 @dataclass(frozen=True, slots=True)
 class Describe:
-    kind: str  # "S" or "P"
+    target: str  # "S" (a prepared statement) or "P" (a portal)
     name: str
 
 
@@ -89,7 +89,7 @@ class Execute:
 
 @dataclass(frozen=True, slots=True)
 class Close:
-    kind: str  # "S" or "P"
+    target: str  # "S" (a prepared statement) or "P" (a portal)
     name: str
 
 
@@ -216,11 +216,11 @@ def _parse_bind(c: Cursor) -> Bind:
     return Bind(portal, statement, param_formats, tuple(values), result_formats)
 
 
-def _parse_kind_name(c: Cursor) -> tuple[str, str]:
-    kind = c.byte()
-    if kind not in ("S", "P"):
-        raise ProtocolViolation(f"invalid DESCRIBE/CLOSE message subtype {ord(kind)}")
-    return kind, c.cstring()
+def _parse_target_name(c: Cursor) -> tuple[str, str]:
+    target = c.byte()
+    if target not in ("S", "P"):
+        raise ProtocolViolation(f"invalid DESCRIBE/CLOSE message subtype {ord(target)}")
+    return target, c.cstring()
 
 
 def parse_message(type_: str, payload: bytes) -> FrontendMessage:
@@ -235,11 +235,11 @@ def parse_message(type_: str, payload: bytes) -> FrontendMessage:
     elif type_ == "B":
         msg = _parse_bind(c)
     elif type_ == "D":
-        msg = Describe(*_parse_kind_name(c))
+        msg = Describe(*_parse_target_name(c))
     elif type_ == "E":
         msg = Execute(c.cstring(), c.int32())
     elif type_ == "C":
-        msg = Close(*_parse_kind_name(c))
+        msg = Close(*_parse_target_name(c))
     elif type_ == "S":
         msg = Sync()
     elif type_ == "H":

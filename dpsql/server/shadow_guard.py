@@ -18,14 +18,9 @@ a hint, the shadow's own permissions are the backstop.
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
-
 from dpsql.errors import Error, InsufficientPrivilege
 
-from .sqltext import _scan
-
-_WORD_CHAR = re.compile(r"[A-Za-z0-9_$\x80-\uffff]")
+from .sqltext import Lexeme, Token, catalog_tokens
 
 
 def _words(text: str) -> frozenset[str]:
@@ -137,67 +132,30 @@ def denied_relation(name: str) -> bool:
     return name.startswith(("pg_stat_", "pg_statio_")) and name not in _ALLOWED_STAT_VIEWS
 
 
-@dataclass(frozen=True, slots=True)
-class _Tok:
-    kind: str  # word | qident | string | punct
-    text: str
-
-
-def _tokens(sql: str) -> list[_Tok]:
-    out: list[_Tok] = []
-    word: list[str] = []
-
-    def flush() -> None:
-        if word:
-            out.append(_Tok("word", "".join(word).lower()))
-            word.clear()
-
-    for kind, s, e in _scan(sql):
-        chunk = sql[s:e]
-        if kind != "code":
-            flush()
-            continue
-        if len(chunk) == 1 and _WORD_CHAR.match(chunk):
-            word.append(chunk)
-            continue
-        flush()
-        if chunk.startswith('"'):
-            out.append(_Tok("qident", chunk[1:-1].replace('""', '"')))
-        elif chunk.startswith(("'", "$")) and len(chunk) > 1:
-            if out and out[-1].kind == "word" and out[-1].text in ("e", "b", "x", "n", "u"):
-                out.pop()  # E'…', B'…', X'…', N'…' prefixes
-            out.append(_Tok("string", chunk))
-        elif not chunk.isspace():
-            out.append(_Tok("punct", chunk))
-    flush()
-    return out
-
-
-def _string_value(tok: _Tok) -> str | None:
-    if tok.kind != "string" or not tok.text.startswith("'"):
+def _string_value(tok: Token) -> str | None:
+    if tok.type is not Lexeme.STRING or not tok.text.startswith("'"):
         return None
-    return tok.text[1:-1].replace("''", "'")
+    return tok.value
 
 
-def _closing(toks: list[_Tok], open_at: int) -> int:
+def _closing(toks: list[Token], open_at: int) -> int:
     depth = 0
     for j in range(open_at, len(toks)):
-        if toks[j].text == "(" and toks[j].kind == "punct":
+        if toks[j].symbol("("):
             depth += 1
-        elif toks[j].text == ")" and toks[j].kind == "punct":
+        elif toks[j].symbol(")"):
             depth -= 1
             if depth == 0:
                 return j
     return len(toks)
 
 
-def _is_cte_columns(toks: list[_Tok], open_at: int) -> bool:
+def _is_cte_columns(toks: list[Token], open_at: int) -> bool:
     """``name(a, b) AS (`` / ``AS MATERIALIZED`` / ``AS NOT MATERIALIZED``: a CTE's column list."""
     j = _closing(toks, open_at) + 1
     return (
         j + 1 < len(toks)
-        and toks[j].kind == "word"
-        and toks[j].text == "as"
+        and toks[j].word == "as"
         and (toks[j + 1].text == "(" or toks[j + 1].text in ("materialized", "not"))
     )
 
@@ -218,12 +176,12 @@ def refuse_function(name: str) -> Error:
 
 def check_catalog_sql(sql: str) -> None:
     """Raise a 42501 :class:`Error` unless ``sql`` only calls allowed functions on allowed relations."""
-    toks = _tokens(sql)
+    toks = catalog_tokens(sql)
     for i, tok in enumerate(toks):
-        if tok.kind not in ("word", "qident"):
+        if tok.type not in (Lexeme.WORD, Lexeme.QUOTED_IDENT):
             continue
-        name = tok.text
-        is_call = i + 1 < len(toks) and toks[i + 1].kind == "punct" and toks[i + 1].text == "("
+        name = tok.value
+        is_call = i + 1 < len(toks) and toks[i + 1].symbol("(")
         if not is_call:
             if denied_relation(name.lower()):
                 raise InsufficientPrivilege(
@@ -233,21 +191,21 @@ def check_catalog_sql(sql: str) -> None:
                 )
             continue
         prev = toks[i - 1] if i else None
-        qualified = prev is not None and prev.kind == "punct" and prev.text == "."
-        if tok.kind == "word" and not qualified and tok.text in _SYNTAX:
+        qualified = prev is not None and prev.symbol(".")
+        if tok.word and not qualified and tok.text in _SYNTAX:
             continue
         if prev is not None and not qualified:
-            if prev.kind == "word" and prev.text in ("as", "ordinality"):
+            if prev.word in ("as", "ordinality"):
                 continue  # alias column list, or a type modifier in CAST(x AS numeric(10, 2))
-            if prev.kind == "punct" and prev.text in (")", ":"):
+            if prev.symbol(")") or prev.symbol(":"):
                 continue  # f(x) alias(a, b), or x::varchar(10)
         if _is_cte_columns(toks, i + 1):
             continue
-        schema = toks[i - 2].text.lower() if qualified and i >= 2 else None
+        schema = toks[i - 2].value.lower() if qualified and i >= 2 else None
         if schema == "information_schema" and name.startswith("_pg_"):
             continue
         if schema not in (None, "pg_catalog") or name not in ALLOWED_FUNCTIONS:
-            shown = f"{toks[i - 2].text}.{name}" if qualified and i >= 2 else name
+            shown = f"{toks[i - 2].value}.{name}" if qualified and i >= 2 else name
             raise refuse_function(shown)
         if name == "set_config":
             setting = _string_value(toks[i + 2]) if i + 2 < len(toks) else None

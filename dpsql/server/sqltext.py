@@ -8,6 +8,7 @@ comments, nested /* block comments */ and $tag$ dollar quotes $tag$.
 
 from __future__ import annotations
 
+import enum
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -49,32 +50,51 @@ def _skip_block_comment(sql: str, i: int) -> int:
     return n
 
 
-def _scan(sql: str) -> Iterator[tuple[str, int, int]]:
-    """Yield (kind, start, end) spans: kind is 'comment', 'semicolon' or 'code'."""
+class Span(enum.Enum):
+    """What a stretch of SQL text is, for :func:`scan`."""
+
+    COMMENT = "comment"
+    SEMICOLON = "semicolon"
+    #: One character of code, or one whole quoted literal/identifier/dollar-quoted string.
+    CODE = "code"
+
+
+class Lexeme(enum.Enum):
+    """A token's class (:class:`Token`)."""
+
+    WORD = "word"
+    STRING = "string"
+    QUOTED_IDENT = "quoted identifier"
+    NUMBER = "number"
+    SYMBOL = "symbol"
+
+
+def scan(sql: str) -> Iterator[tuple[Span, int, int]]:
+    """Yield (span, start, end) over the whole text."""
     i, n = 0, len(sql)
     while i < n:
         ch = sql[i]
         if sql.startswith("--", i):
             end = sql.find("\n", i)
             end = n if end < 0 else end + 1
-            yield "comment", i, end
+            yield Span.COMMENT, i, end
         elif sql.startswith("/*", i):
             end = _skip_block_comment(sql, i)
-            yield "comment", i, end
+            yield Span.COMMENT, i, end
         elif ch == ";":
             end = i + 1
-            yield "semicolon", i, end
+            yield Span.SEMICOLON, i, end
         elif ch in "'\"":
             escape = ch == "'" and i > 0 and sql[i - 1] in "eE" and not _is_ident_char(sql, i - 2)
             end = _skip_quoted(sql, i, ch, escape)
-            yield "code", i, end
+            yield Span.CODE, i, end
         elif ch == "$" and not _is_ident_char(sql, i - 1) and (m := _DOLLAR_TAG.match(sql, i)):
             close = sql.find(m.group(0), m.end())
             end = n if close < 0 else close + len(m.group(0))
-            yield "code", i, end
+            yield Span.CODE, i, end
         else:
             end = i + 1
-            yield "code", i, end
+            yield Span.CODE, i, end
         i = end
 
 
@@ -86,12 +106,12 @@ def split_statements(sql: str) -> list[str]:
     """Split on top-level semicolons; drop statements that are empty or only comments."""
     statements: list[str] = []
     start, has_code = 0, False
-    for kind, s, e in _scan(sql):
-        if kind == "semicolon":
+    for span, s, e in scan(sql):
+        if span is Span.SEMICOLON:
             if has_code:
                 statements.append(sql[start:s].strip())
             start, has_code = e, False
-        elif kind == "code" and not sql[s:e].isspace():
+        elif span is Span.CODE and not sql[s:e].isspace():
             has_code = True
     if has_code:
         statements.append(sql[start:].strip())
@@ -100,7 +120,7 @@ def split_statements(sql: str) -> list[str]:
 
 def strip_comments(sql: str) -> str:
     """The SQL with comments replaced by a space (quoted text untouched)."""
-    return "".join(" " if kind == "comment" else sql[s:e] for kind, s, e in _scan(sql))
+    return "".join(" " if span is Span.COMMENT else sql[s:e] for span, s, e in scan(sql))
 
 
 def normalize(sql: str) -> str:
@@ -116,13 +136,13 @@ def identifiers(sql: str) -> list[str]:
     """Lower-cased bare words and "quoted identifiers" outside string literals and comments (unordered)."""
     quoted: list[str] = []
     bare: list[str] = []
-    for kind, s, e in _scan(sql):
+    for span, s, e in scan(sql):
         chunk = sql[s:e]
-        if kind == "code" and len(chunk) == 1:
+        if span is Span.CODE and len(chunk) == 1:
             bare.append(chunk)
             continue
         bare.append(" ")
-        if kind == "code" and chunk.startswith('"'):
+        if span is Span.CODE and chunk.startswith('"'):
             quoted.append(chunk[1:-1].replace('""', '"').lower())
     return [w.lower() for w in _WORD.findall("".join(bare))] + quoted
 
@@ -137,8 +157,8 @@ def after_keyword(sql: str, keyword: str) -> str | None:
 
     ``after_keyword("/* app */ EXPLAIN SELECT 1", "explain")`` is ``" SELECT 1"``.
     """
-    for kind, s, e in _scan(sql):
-        if kind == "comment" or sql[s:e].isspace():
+    for span, s, e in scan(sql):
+        if span is Span.COMMENT or sql[s:e].isspace():
             continue
         match = _WORD.match(sql, s)
         if match is not None and match.group(0).lower() == keyword.lower():
@@ -161,25 +181,37 @@ _TOKEN = re.compile(
 )
 
 
+_GROUPS = {
+    "str": Lexeme.STRING,
+    "qid": Lexeme.QUOTED_IDENT,
+    "word": Lexeme.WORD,
+    "num": Lexeme.NUMBER,
+    "sym": Lexeme.SYMBOL,
+}
+
+
 @dataclass(frozen=True, slots=True)
 class Token:
-    """A token of a session statement (:func:`tokenize`): str, qid, word, num or sym."""
+    """A token: its class and its text as written (see :func:`tokenize` and :func:`catalog_tokens`)."""
 
-    kind: str
+    type: Lexeme
     text: str
 
     @property
     def word(self) -> str:
-        return self.text.lower() if self.kind == "word" else ""
+        return self.text.lower() if self.type is Lexeme.WORD else ""
 
     @property
     def value(self) -> str:
-        if self.kind == "str":
+        if self.type is Lexeme.STRING:
             body = self.text[1:] if self.text[0] in "eE" else self.text
             return body[1:-1].replace("''", "'")
-        if self.kind == "qid":
+        if self.type is Lexeme.QUOTED_IDENT:
             return self.text[1:-1].replace('""', '"')
         return self.text
+
+    def symbol(self, text: str) -> bool:
+        return self.type is Lexeme.SYMBOL and self.text == text
 
 
 def tokenize(sql: str) -> list[Token]:
@@ -191,7 +223,43 @@ def tokenize(sql: str) -> list[Token]:
         m = _TOKEN.match(text, pos)
         if not m or m.end() == pos:
             break
-        kind = m.lastgroup or "sym"
-        tokens.append(Token(kind, m.group(kind)))
+        group = m.lastgroup or "sym"
+        tokens.append(Token(_GROUPS[group], m.group(group)))
         pos = m.end()
     return tokens
+
+
+_WORD_CHAR = re.compile(r"[A-Za-z0-9_$\x80-\uffff]")
+
+
+def catalog_tokens(sql: str) -> list[Token]:
+    """Tokens of any statement for the catalog guard: words lower-cased, quoted identifiers and strings
+    as written (E'…', B'…' prefixes dropped; ``.value`` unquotes), every other non-space character a
+    SYMBOL; comments dropped. Never fails."""
+    out: list[Token] = []
+    word: list[str] = []
+
+    def flush() -> None:
+        if word:
+            out.append(Token(Lexeme.WORD, "".join(word).lower()))
+            word.clear()
+
+    for span, s, e in scan(sql):
+        chunk = sql[s:e]
+        if span is not Span.CODE:
+            flush()
+            continue
+        if len(chunk) == 1 and _WORD_CHAR.match(chunk):
+            word.append(chunk)
+            continue
+        flush()
+        if chunk.startswith('"'):
+            out.append(Token(Lexeme.QUOTED_IDENT, chunk))
+        elif chunk.startswith(("'", "$")) and len(chunk) > 1:
+            if out and out[-1].type is Lexeme.WORD and out[-1].text in ("e", "b", "x", "n", "u"):
+                out.pop()  # E'…', B'…', X'…', N'…' prefixes
+            out.append(Token(Lexeme.STRING, chunk))
+        elif not chunk.isspace():
+            out.append(Token(Lexeme.SYMBOL, chunk))
+    flush()
+    return out
