@@ -38,6 +38,8 @@ from dpsql.errors import BackendError, Error, InvalidAuthorization
 from dpsql.explain import Explanation, explain, explain_target
 from dpsql.fingerprint import fingerprint_key, keyed, row_selection_salt, statement_shape
 from dpsql.ledger import Ledger, resolve_ledger_url
+from dpsql.outer import describe as describe_outer
+from dpsql.outer import route as route_outer
 from dpsql.plan import Plan
 from dpsql.policy import Policy, load_policy
 from dpsql.postprocess.finish import finish, from_cache
@@ -183,6 +185,9 @@ class Engine:
 
     def describe(self, sql: str, session: Session) -> Description:
         """Output columns and parameter types, without running the query or spending budget."""
+        described = describe_outer(self, sql, session)  # schema probes and post-processing over sub-queries
+        if described is not None:
+            return described
         tree = parse_statement(sql)
         param_types = infer_parameter_types(tree, self.policy)
         placeholders = [placeholder_value(t) for t in param_types]
@@ -207,6 +212,9 @@ class Engine:
             return self.explain(target, session, params).as_result()
         if head[:6].upper() == "INSERT":
             return insert(self.backend, self.policy, bind_parameters(parse_statement(sql), params))
+        routed = route_outer(self, sql, session, params)  # schema probes and post-processing over sub-queries
+        if routed is not None:
+            return routed
         prepared = self.prepare(sql, session, params)
         budgeting = prepared.budgeting
         confidence = confidence_level(self.policy, session)  # validated before anything is charged
