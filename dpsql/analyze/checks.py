@@ -102,7 +102,7 @@ def require_known_tables(tree: exp.Expression, policy: Policy) -> None:
         return
     ctes = {ident_name(c.args["alias"].this) for c in tree.find_all(exp.CTE) if c.args.get("alias")}
     for table in tree.find_all(exp.Table):
-        if not isinstance(table.this, exp.Identifier):
+        if not isinstance(table.this, exp.Identifier) or isinstance(table.parent, exp.Into):
             continue
         schema, name = ident_name(table.args.get("db")), ident_name(table.this)
         if not schema and name in ctes:

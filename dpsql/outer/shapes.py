@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from sqlglot import exp
 
 from dpsql.analyze.sources import ident_name
-from dpsql.errors import UndefinedTable
+from dpsql.errors import FeatureNotSupported, UndefinedTable
 from dpsql.policy import Policy
 
 #: Prefix of the sandbox tables holding released rows (a name no analyst's query can reach:
@@ -219,7 +219,8 @@ def split_windows(select: exp.Select, table: str) -> tuple[exp.Select, exp.Selec
             return exp.column(key_names[node.name.lower()])
         return node
 
-    outer = exp.select(*(_named(p).transform(replace) for p in projections)).from_(exp.to_table(table))
+    named = [p.copy() if isinstance(p, exp.Alias) else exp.alias_(p.copy(), pg_name(p), quoted=True) for p in projections]
+    outer = exp.select(*(p.transform(replace) for p in named)).from_(exp.to_table(table))
     if select.args.get("distinct"):
         outer.set("distinct", select.args["distinct"].copy())
     if select.args.get("order"):
@@ -260,7 +261,7 @@ def pg_name(projection: exp.Expression) -> str:
 
 def _named(projection: exp.Expression) -> exp.Expression:
     """``projection`` aliased with its PostgreSQL name (the sandbox would name it after its text)."""
-    if _is_star(projection) or isinstance(projection, exp.Alias):
+    if _is_star(projection) or isinstance(projection, exp.Alias | exp.Column):  # a column keeps its name
         return projection.copy()
     return exp.alias_(projection.copy(), pg_name(projection), quoted=True)
 
@@ -293,8 +294,10 @@ def decompose(tree: exp.Expression, policy: Policy) -> Composite | None:
         return None
     ctes = {ident_name(c.args["alias"].this) for c in tree.find_all(exp.CTE) if c.args.get("alias")}
     for table in tree.find_all(exp.Table):
-        name = ident_name(table.this) if isinstance(table.this, exp.Identifier) else ""
-        if not name or (not table.db and name in ctes):
+        if not isinstance(table.this, exp.Identifier):  # read_csv(…), range(…), generate_series(…)
+            raise FeatureNotSupported("FROM must name a table", hint="Subqueries and table functions are refused.")
+        name = ident_name(table.this)
+        if not table.db and name in ctes:
             continue
         if policy.table(name) is None or ident_name(table.args.get("db")) not in ("", "public"):
             schema = ident_name(table.args.get("db"))
