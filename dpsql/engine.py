@@ -35,7 +35,7 @@ from dpsql.analyze.randomized import LocalQuery, local_query
 from dpsql.backends import DEFAULT_STATEMENT_TIMEOUT_MS, Backend, log_database_error, open_backend
 from dpsql.cache import ResultCache, cache_key, data_stamp, database_identity, policy_hash, result_key
 from dpsql.errors import BackendError, Error, InvalidAuthorization
-from dpsql.explain import Explanation, explain, explain_target
+from dpsql.explain import Explanation, explain, explain_format, explain_target
 from dpsql.fingerprint import fingerprint_key, keyed, row_selection_salt, statement_shape
 from dpsql.ledger import Ledger, resolve_ledger_url
 from dpsql.outer import describe as describe_outer
@@ -209,7 +209,7 @@ class Engine:
         head = skip_comments(sql)
         target = explain_target(head)
         if target is not None:
-            return self.explain(target, session, params).as_result()
+            return self.explain(target, session, params).as_result(explain_format(head))
         if head[:6].upper() == "INSERT":
             return insert(self.backend, self.policy, bind_parameters(parse_statement(sql), params))
         routed = route_outer(self, sql, session, params)  # schema probes and post-processing over sub-queries

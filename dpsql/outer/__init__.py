@@ -279,9 +279,9 @@ def _read_public(engine: Engine, name: str) -> tuple[list[tuple[str, PgType]], l
     table = engine.policy.table(name)
     assert table is not None
     columns = _public_columns(engine, name)
-    select = exp.select(*(exp.column(c, quoted=True) for c, _ in columns)).from_(
-        exp.to_table(table.source or name, quoted=True) if "." not in (table.source or "") else table.source
-    )
+    source = table.source or name
+    where = exp.to_table(source) if "." in source else exp.to_table(source, quoted=True)
+    select = exp.select(*(exp.column(c, quoted=True) for c, _ in columns)).from_(where)
     rows = engine._run(select.limit(MAX_PUBLIC_ROWS + 1).sql(dialect=engine.backend.dialect))
     if len(rows) > MAX_PUBLIC_ROWS:
         raise ProgramLimitExceeded(f'public table "{name}" has more than {MAX_PUBLIC_ROWS} rows')

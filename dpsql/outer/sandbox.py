@@ -131,7 +131,7 @@ class Sandbox:
         return rows
 
 
-def outer_sql(tree: exp.Expression) -> str:
+def outer_sql(tree: exp.Expr) -> str:
     """The outer statement in DuckDB's dialect (PostgreSQL semantics kept by sqlglot's transpiler)."""
     return tree.sql(dialect=dialect("duckdb"))
 

@@ -38,7 +38,7 @@ class Composite:
 
     inners: list[Inner]
     #: The outer statement (PostgreSQL syntax) reading the released tables, CTEs and public tables.
-    outer: exp.Expression
+    outer: exp.Expr
     #: Public policy tables the outer statement reads (loaded into the sandbox from the backend).
     public: list[str] = field(default_factory=list)
     #: Output columns that are plain references to exact (non-noisy) columns, by name.
@@ -52,20 +52,20 @@ class Composite:
         return isinstance(value, exp.Literal) and value.is_int and int(value.name) == 0
 
 
-def _is_star(node: exp.Expression) -> bool:
+def _is_star(node: exp.Expr) -> bool:
     return isinstance(node, exp.Star) or (isinstance(node, exp.Column) and isinstance(node.this, exp.Star))
 
 
-def _nested(node: exp.Expression, root: exp.Expression) -> bool:
+def _nested(node: exp.Expr, root: exp.Expr) -> bool:
     return node is not root and isinstance(node, exp.Select | exp.Subquery | exp.SetOperation)
 
 
-def own_nodes(select: exp.Expression) -> list[exp.Expression]:
+def own_nodes(select: exp.Expr) -> list[exp.Expr]:
     """Nodes of ``select`` at its own level: nested SELECTs, sub-queries and CTE bodies left out."""
     return list(select.walk(prune=lambda n: _nested(n, select)))
 
 
-def _window_func(node: exp.Expression) -> bool:
+def _window_func(node: exp.Expr) -> bool:
     return isinstance(node.parent, exp.Window) and node.arg_key == "this"
 
 
@@ -80,9 +80,9 @@ def _own_windows(select: exp.Select) -> bool:
     return any(isinstance(n, exp.Window) for n in own_nodes(select))
 
 
-def _sources(select: exp.Select) -> list[exp.Expression]:
+def _sources(select: exp.Select) -> list[exp.Expr]:
     """The FROM item and the JOINed items of ``select``."""
-    items: list[exp.Expression] = []
+    items: list[exp.Expr] = []
     if select.args.get("from_"):
         items.append(select.args["from_"].this)
     items.extend(j.this for j in select.args.get("joins") or [])
@@ -119,7 +119,7 @@ class _Lifter:
                 return True
         return False
 
-    def take(self, select: exp.Select) -> exp.Expression:
+    def take(self, select: exp.Select) -> exp.Expr:
         """``select`` as an inner query; returns what replaces it in the statement."""
         self.took_plain = self.took_plain or not _own_windows(select)
         table = f"{RELEASED_PREFIX}{len(self.inners) + 1}"
@@ -135,7 +135,7 @@ class _Lifter:
         self.inners.append(Inner(table, inner.sql(dialect="postgres")))
         return outer
 
-    def lift(self, node: exp.Expression) -> exp.Expression:
+    def lift(self, node: exp.Expr) -> exp.Expr:
         """Lift inner queries out of ``node``; returns ``node`` or what replaced it."""
         if isinstance(node, exp.Subquery):
             node.set("this", self.lift(node.this))
@@ -155,7 +155,7 @@ class _Lifter:
                 self.lift(item)
         return node
 
-    def _lift_with(self, node: exp.Expression) -> None:
+    def _lift_with(self, node: exp.Expr) -> None:
         with_ = node.args.get("with_")
         for cte in with_.expressions if with_ else []:
             name = ident_name(cte.args["alias"].this) if cte.args.get("alias") else cte.alias_or_name
@@ -167,7 +167,7 @@ class _Lifter:
             self.ctes.add(name)
 
 
-def _constant(node: exp.Expression) -> bool:
+def _constant(node: exp.Expr) -> bool:
     return not isinstance(node, exp.Column) and node.find(exp.Column, exp.AggFunc, exp.Star, exp.Select) is None
 
 
@@ -178,8 +178,8 @@ def hoist_constants(select: exp.Select, table: str) -> tuple[exp.Select, exp.Sel
     inner = select.copy()
     if any(_is_star(p) for p in inner.expressions) or all(_constant(p.unalias()) for p in inner.expressions):
         return inner, exp.select("*").from_(exp.to_table(table))
-    kept: list[exp.Expression] = []
-    items: list[exp.Expression] = []
+    kept: list[exp.Expr] = []
+    items: list[exp.Expr] = []
     names: set[str] = set()
     for p in inner.expressions:
         shown = pg_name(p)
@@ -198,16 +198,16 @@ def split_windows(select: exp.Select, table: str) -> tuple[exp.Select, exp.Selec
     """``SELECT k, COUNT(*), RANK() OVER (ORDER BY COUNT(*)) … GROUP BY k`` as an inner grouped query
     (keys and aggregates) and an outer query computing the windows over its released rows."""
     projections = select.expressions
-    keys: list[exp.Expression] = []
+    keys: list[exp.Expr] = []
     for g in select.args["group"].expressions if select.args.get("group") else []:
         if isinstance(g, exp.Literal) and g.is_int and 1 <= int(g.name) <= len(projections):
             g = projections[int(g.name) - 1].unalias()
         keys.append(g)
     key_sql = {k.sql(dialect="postgres"): f"__k{i}" for i, k in enumerate(keys)}
     key_names = {k.name.lower(): f"__k{i}" for i, k in enumerate(keys) if isinstance(k, exp.Column)}
-    aggregates: dict[str, tuple[str, exp.Expression]] = {}
+    aggregates: dict[str, tuple[str, exp.Expr]] = {}
 
-    def replace(node: exp.Expression) -> exp.Expression:
+    def replace(node: exp.Expr) -> exp.Expr:
         if isinstance(node, exp.AggFunc) and not _window_func(node):
             text = node.sql(dialect="postgres")
             alias = aggregates.setdefault(text, (f"__a{len(aggregates)}", node.copy()))[0]
@@ -219,7 +219,9 @@ def split_windows(select: exp.Select, table: str) -> tuple[exp.Select, exp.Selec
             return exp.column(key_names[node.name.lower()])
         return node
 
-    named = [p.copy() if isinstance(p, exp.Alias) else exp.alias_(p.copy(), pg_name(p), quoted=True) for p in projections]
+    named = [
+        p.copy() if isinstance(p, exp.Alias) else exp.alias_(p.copy(), pg_name(p), quoted=True) for p in projections
+    ]
     outer = exp.select(*(p.transform(replace) for p in named)).from_(exp.to_table(table))
     if select.args.get("distinct"):
         outer.set("distinct", select.args["distinct"].copy())
@@ -237,7 +239,7 @@ def split_windows(select: exp.Select, table: str) -> tuple[exp.Select, exp.Selec
     return inner, outer
 
 
-def pg_name(projection: exp.Expression) -> str:
+def pg_name(projection: exp.Expr) -> str:
     """The column name PostgreSQL gives a select item (alias, column, function name, else ``?column?``)."""
     if isinstance(projection, exp.Alias):
         return ident_name(projection.args["alias"])
@@ -259,20 +261,20 @@ def pg_name(projection: exp.Expression) -> str:
     return "?column?"
 
 
-def _named(projection: exp.Expression) -> exp.Expression:
+def _named(projection: exp.Expr) -> exp.Expr:
     """``projection`` aliased with its PostgreSQL name (the sandbox would name it after its text)."""
     if _is_star(projection) or isinstance(projection, exp.Alias | exp.Column):  # a column keeps its name
         return projection.copy()
     return exp.alias_(projection.copy(), pg_name(projection), quoted=True)
 
 
-def _first_select(node: exp.Expression) -> exp.Select | None:
+def _first_select(node: exp.Expr) -> exp.Select | None:
     while isinstance(node, exp.SetOperation | exp.Subquery):
         node = node.this
     return node if isinstance(node, exp.Select) else None
 
 
-def needs_outer(tree: exp.Expression, policy: Policy) -> bool:
+def needs_outer(tree: exp.Expr, policy: Policy) -> bool:
     """Whether the statement wraps DP aggregates: a set operation, a window over aggregates, or a
     sub-query or CTE that aggregates a protected table (filter-only views are inlined by the engine)."""
     if isinstance(tree, exp.SetOperation):
@@ -281,13 +283,10 @@ def needs_outer(tree: exp.Expression, policy: Policy) -> bool:
         return False
     if _own_windows(tree) and own_aggregates(tree):
         return True
-    for node in tree.find_all(exp.Select):
-        if node is not tree and own_aggregates(node):
-            return True
-    return False
+    return any(node is not tree and own_aggregates(node) for node in tree.find_all(exp.Select))
 
 
-def decompose(tree: exp.Expression, policy: Policy) -> Composite | None:
+def decompose(tree: exp.Expr, policy: Policy) -> Composite | None:
     """Split a composite statement (parameters already bound), or None when it is not one or when its
     outer part would still read a protected table (the engine then refuses it as it always has)."""
     if not needs_outer(tree, policy):

@@ -23,7 +23,10 @@ from dpsql.session import Session
 from .test_error_oracles import BACKENDS, POLICY, VARIANTS, _script
 
 CASES: list[tuple[str, str]] = [
-    ("subquery-top-k", "SELECT * FROM (SELECT problem, COUNT(*) AS c FROM t GROUP BY problem) s ORDER BY c DESC LIMIT 2"),
+    (
+        "subquery-top-k",
+        "SELECT * FROM (SELECT problem, COUNT(*) AS c FROM t GROUP BY problem) s ORDER BY c DESC LIMIT 2",
+    ),
     ("count-released-rows", "SELECT COUNT(*) FROM (SELECT problem, COUNT(*) FROM t GROUP BY problem) s"),
     ("cte-arithmetic", "WITH s AS (SELECT AVG(x) AS a, SUM(cost) AS c FROM t) SELECT a * 2, c / 0 FROM s"),
     ("window-share", "SELECT problem, COUNT(*) * 100.0 / SUM(COUNT(*)) OVER () FROM t GROUP BY problem"),
@@ -31,7 +34,10 @@ CASES: list[tuple[str, str]] = [
     ("union-all", "SELECT 'n' AS k, COUNT(*) AS v FROM t UNION ALL SELECT 'cost', AVG(cost) FROM t"),
     ("divide-by-noisy", "SELECT 1 / (n - n) FROM (SELECT COUNT(*) AS n FROM t) s"),
     ("cast-noisy", "SELECT CAST(CAST(a AS TEXT) AS DOUBLE PRECISION) FROM (SELECT AVG(x) AS a FROM t) s"),
-    ("second-inner-fails", "SELECT * FROM (SELECT COUNT(*) AS n FROM t) a, (SELECT SUM(CAST(problem AS INT)) AS s FROM t) b"),
+    (
+        "second-inner-fails",
+        "SELECT * FROM (SELECT COUNT(*) AS n FROM t) a, (SELECT SUM(CAST(problem AS INT)) AS s FROM t) b",
+    ),
     ("outer-reads-table", "SELECT * FROM (SELECT COUNT(*) AS n FROM t) a JOIN t ON true"),
     ("outer-file", "SELECT * FROM (SELECT COUNT(*) AS n FROM t) a, read_csv('/etc/passwd')"),
     ("outer-unknown-column", "SELECT nope FROM (SELECT COUNT(*) AS n FROM t) a"),
@@ -67,7 +73,9 @@ def outer_outcomes(pg_new_database: Callable[[], str]) -> Iterator[dict[tuple[st
             for name, backend in backends.items():
                 backend.execute_script(_script(variant))
                 for case, sql in CASES:
-                    found[case, name, variant] = _outcome(Engine(policy, backend, Ledger.open("sqlite:///:memory:")), sql)
+                    found[case, name, variant] = _outcome(
+                        Engine(policy, backend, Ledger.open("sqlite:///:memory:")), sql
+                    )
         yield found
     finally:
         for backend in backends.values():

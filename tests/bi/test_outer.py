@@ -88,7 +88,9 @@ def test_shape_answered_and_charged_the_sum(health: Engine, sql: str, expected: 
 
 
 def test_window_shares_sum_to_100(health: Engine) -> None:
-    result = run(health, "SELECT problem, COUNT(*) * 100.0 / SUM(COUNT(*)) OVER () AS pct FROM patients GROUP BY problem")
+    result = run(
+        health, "SELECT problem, COUNT(*) * 100.0 / SUM(COUNT(*)) OVER () AS pct FROM patients GROUP BY problem"
+    )
     assert sum(r[1] for r in result.rows) == pytest.approx(100.0)
 
 
@@ -148,7 +150,11 @@ REFUSALS = [
         "0A000",
         'GROUP BY inside the subquery or CTE "t" is not supported',
     ),
-    ("SELECT * FROM (SELECT COUNT(*) AS n FROM patients) t, no_such_table", "42P01", 'relation "no_such_table" does not exist'),
+    (
+        "SELECT * FROM (SELECT COUNT(*) AS n FROM patients) t, no_such_table",
+        "42P01",
+        'relation "no_such_table" does not exist',
+    ),
     ("SELECT nope FROM (SELECT COUNT(*) AS n FROM patients) t", "42703", 'column "nope" does not exist'),
     (
         "SELECT * FROM (SELECT COUNT(*) AS n FROM patients) t, read_csv('/etc/passwd')",
@@ -179,7 +185,9 @@ def test_second_inner_over_budget_charges_nothing(health: Engine) -> None:
     """The total is reserved once: a sum beyond the budget refuses the whole statement, nothing charged."""
     session = Session("bob", epsilon=3.0)  # bob's budget is 5: one inner fits, two do not
     with pytest.raises(Error) as info:
-        health.execute("SELECT * FROM (SELECT COUNT(*) AS a FROM patients) x, (SELECT COUNT(*) AS b FROM patients) y", session)
+        health.execute(
+            "SELECT * FROM (SELECT COUNT(*) AS a FROM patients) x, (SELECT COUNT(*) AS b FROM patients) y", session
+        )
     assert info.value.sqlstate == "53P01"
     assert health.ledger.spent("health", "bob").epsilon == 0
 
@@ -200,6 +208,8 @@ def test_through_the_wire_with_psycopg(clinic_server: tuple[str, Engine]) -> Non
         cur = conn.execute("SELECT department, SUM(COUNT(*)) OVER () AS total FROM visits GROUP BY department")
         assert [d.type_code for d in cur.description] == [25, 1700]
         conn.execute("SET dpsql.show_intervals = on")
-        cur = conn.execute("WITH t AS (SELECT urgent, AVG(cost) AS a FROM visits GROUP BY urgent) SELECT urgent, a FROM t")
+        cur = conn.execute(
+            "WITH t AS (SELECT urgent, AVG(cost) AS a FROM visits GROUP BY urgent) SELECT urgent, a FROM t"
+        )
         assert [d.name for d in cur.description] == ["urgent", "a", "a_ci95"]
     assert engine.ledger.spent("clinic", "analyst").epsilon == pytest.approx(before + 3.0)

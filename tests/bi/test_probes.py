@@ -16,7 +16,10 @@ PROBES = [
     ("SELECT problem, COUNT(*) FROM patients GROUP BY problem LIMIT 0", [("problem", "text"), ("count", "bigint")]),
     ("SELECT COUNT(*) FROM patients WHERE 1 = 0", [("count", "bigint")]),
     ("SELECT sex, AVG(age) AS a FROM patients WHERE false GROUP BY sex", [("sex", "text"), ("a", "double precision")]),
-    ("SELECT * FROM (SELECT sex, COUNT(*) AS n FROM patients GROUP BY sex) AS t LIMIT 0", [("sex", "text"), ("n", "bigint")]),
+    (
+        "SELECT * FROM (SELECT sex, COUNT(*) AS n FROM patients GROUP BY sex) AS t LIMIT 0",
+        [("sex", "text"), ("n", "bigint")],
+    ),
 ]
 
 
@@ -61,3 +64,28 @@ def test_unknown_table_through_the_wire(clinic_server: tuple[str, object]) -> No
     with psycopg.connect(dsn, autocommit=True) as conn, pytest.raises(psycopg.errors.UndefinedTable) as info:
         conn.execute("SELECT * FROM no_such_table")
     assert info.value.diag.message_primary == 'relation "no_such_table" does not exist'
+
+
+def test_explain_format_json(health: Engine) -> None:
+    import json
+
+    result = health.execute("EXPLAIN (FORMAT JSON) SELECT sex, AVG(age) FROM patients GROUP BY sex", Session("alice"))
+    assert [(c.name, c.type) for c in result.columns] == [("QUERY PLAN", "text")]
+    (plan,) = json.loads(result.rows[0][0])
+    assert plan["Plan"]["Node Type"] == "DP Aggregate"
+    assert [o["name"] for o in plan["Plan"]["Outputs"]] == ["sex", "avg"]
+    assert result.epsilon_spent == 0 and health.ledger.charges("health", "alice") == []
+    with pytest.raises(Error) as info:
+        health.execute("EXPLAIN (ANALYZE, FORMAT JSON) SELECT COUNT(*) FROM patients", Session("alice"))
+    assert info.value.sqlstate == "0A000" and str(info.value).startswith("EXPLAIN options are not supported")
+
+
+def test_explain_format_json_through_the_wire(clinic_server: tuple[str, object]) -> None:
+    import json
+
+    dsn, _ = clinic_server
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        cur = conn.execute("EXPLAIN (FORMAT JSON) SELECT department, COUNT(*) FROM visits GROUP BY department")
+        assert [d.name for d in cur.description] == ["QUERY PLAN"]
+        rows = cur.fetchall()
+        assert len(rows) == 1 and json.loads(rows[0][0])[0]["Plan"]["Node Type"] == "DP Aggregate"
