@@ -44,7 +44,10 @@ if TYPE_CHECKING:
 __all__ = ["describe", "route"]
 
 #: Cheap text test before parsing: only statements with one of these can be composite or a probe.
-_MAYBE = re.compile(r"\b(with|union|intersect|except|over|limit|false|where)\b|\(\s*select\b", re.IGNORECASE)
+_MAYBE = re.compile(
+    r"\b(with|union|intersect|except|over|limit|false)\b|\(\s*select\b|\bwhere[(\s]+(?:[\d'.+-]|true\b|not\b)",
+    re.IGNORECASE,
+)
 
 POSTPROCESSED_NOTICE = "dpsql: confidence intervals are not computed for post-processed columns"
 PROBE_NOTICE = "dpsql: the query cannot return rows (LIMIT 0 or a false WHERE); nothing charged"
