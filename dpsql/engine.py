@@ -11,7 +11,7 @@ calibration, release and accuracy in :mod:`dpsql.release`, EXPLAIN in :mod:`dpsq
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,56 +28,31 @@ from dpsql.analyze.parse import (
     placeholder_value,
     too_complex,
 )
-from dpsql.analyze.randomized import LocalQuery, local_query
+from dpsql.analyze.randomized import local_query
 from dpsql.analyze.statement import Kind, Statements
 from dpsql.backends import DEFAULT_STATEMENT_TIMEOUT_MS, Backend, log_database_error, open_backend
 from dpsql.cache import ResultCache, cache_key, data_stamp, database_identity, policy_hash, result_key
 from dpsql.errors import BackendError, Error, InvalidAuthorization
-from dpsql.explain import Explanation, explain
+from dpsql.explain import Explanation, explain, explain_format
 from dpsql.fingerprint import fingerprint_key, keyed, row_selection_salt, statement_shape
 from dpsql.ledger import Ledger, resolve_ledger_url
 from dpsql.lru import LRU
+from dpsql.outer import describe as describe_outer
+from dpsql.outer import route as route_outer
 from dpsql.plan import Plan
 from dpsql.policy import Policy, load_policy
 from dpsql.postprocess.finish import finish, from_cache
+from dpsql.prepared import Description, Prepared
 from dpsql.release.accuracy import confidence as confidence_level
-from dpsql.release.apply import ReleaseCache, apply, apply_local
-from dpsql.release.calibrate import FREE, Budgeting, budget
+from dpsql.release.apply import apply, apply_local
+from dpsql.release.calibrate import FREE, budget
 from dpsql.rewrite import histogram_queries, rewrite
 from dpsql.rewrite.physical import StoredTypes, choose_physical, data_version
-from dpsql.session import OutputColumn, Result, Session
+from dpsql.session import Result, Session
 
 __all__ = ["Description", "Engine", "Explanation", "Prepared"]
 
 _PLAN_CACHE_SIZE = 1024
-
-
-@dataclass(frozen=True, slots=True)
-class Description:
-    """What a query would return, known without running it or spending budget."""
-
-    columns: list[OutputColumn]
-    param_types: list[str]
-
-
-@dataclass(slots=True)
-class Prepared:
-    """A planned query: its plan, generated SQL and budgeting, cached per text and settings."""
-
-    plan: Plan
-    sql: str
-    budgeting: Budgeting
-    fingerprint: str
-    #: (measure index, SQL) of the histogram each quantile measure is selected from.
-    histograms: list[tuple[int, str]] = field(default_factory=list)
-    #: Result-cache key: the normalised statement, its parameters and the session's privacy settings.
-    cache_key: str = ""
-    #: Set when the query only counts a randomized-response column: answered from stored values, at no cost.
-    local: LocalQuery | None = None
-    #: The backend's data version the clamp proofs (``plan.physical.proven``) were read at.
-    data_version: int = 0
-    #: Compiled post-processing and the public-key grid, built on first release.
-    cache: ReleaseCache = field(default_factory=ReleaseCache)
 
 
 class Engine:
@@ -147,7 +122,7 @@ class Engine:
         if cached is not None:
             return cached
         try:
-            prepared = self._prepare(sql, self._statements.get(sql).tree if tree is None else tree, session, params)
+            prepared = self._prepare(sql, (tree or self._statements.get(sql).tree).copy(), session, params)
         except RecursionError:
             raise too_complex() from None
         return self._plans.put(key, prepared)
@@ -184,7 +159,10 @@ class Engine:
         statement = self._statements.get(sql)
         if statement.kind is Kind.INSERT:  # stored at Execute; no result columns
             return Description([], [])
-        tree = statement.tree
+        described = describe_outer(self, sql, session, statement.tree)  # probes; post-processing over sub-queries
+        if described is not None:
+            return described
+        tree = statement.tree.copy()
         param_types = infer_parameter_types(tree, self.policy)
         placeholders = [placeholder_value(t) for t in param_types]
         plan = analyze_tree(tree, self.policy, placeholders or None)
@@ -201,14 +179,15 @@ class Engine:
         """Answer one DP query: reserve the budget, run, noise, post-process."""
         if self.policy.analyst(session.analyst) is None:
             raise InvalidAuthorization(f'role "{session.analyst}" does not exist')
-        prepared = self._plans.get(self._plan_key(sql, session, params))
-        if prepared is None:
-            statement = self._statements.get(sql)  # parsed once per text; classified on the tree
-            if statement.kind is Kind.EXPLAIN:
-                return self.explain(statement.target, session, params).as_result()
-            if statement.kind is Kind.INSERT:
-                return insert(self.backend, self.policy, bind_parameters(statement.tree, params))
-            prepared = self.prepare(sql, session, params, statement.tree)
+        statement = self._statements.get(sql)  # parsed once per text; classified on the tree
+        if statement.kind is Kind.EXPLAIN:
+            return self.explain(statement.target, session, params).as_result(explain_format(sql))
+        if statement.kind is Kind.INSERT:
+            return insert(self.backend, self.policy, bind_parameters(statement.tree.copy(), params))
+        routed = route_outer(self, sql, session, params, statement.tree)  # probes; queries over DP results
+        if routed is not None:
+            return routed
+        prepared = self.prepare(sql, session, params, statement.tree)
         budgeting = prepared.budgeting
         confidence = confidence_level(self.policy, session)  # validated before anything is charged
         if prepared.local is not None:

@@ -6,7 +6,9 @@ Everything shown is public: the policy's bounds, the calibrated scales, the gene
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +32,34 @@ class Explanation:
     keys: str = "none"
     unit: str = ""
 
-    def as_result(self) -> Result:
+    def as_json(self) -> str:
+        """PostgreSQL's ``EXPLAIN (FORMAT JSON)`` shape: an array holding one ``{"Plan": …}`` object."""
+
+        def finite(value: Any) -> Any:
+            return value if not isinstance(value, float) or math.isfinite(value) else None
+
+        plan = {
+            "Node Type": "DP Aggregate",
+            "Mechanism": self.mechanism,
+            "Epsilon": self.epsilon,
+            "Delta": self.delta,
+            "Privacy Unit": self.unit,
+            "Group Keys": self.keys,
+            "Outputs": [{k: finite(v) for k, v in c.items()} for c in self.columns],
+            "Backend SQL": self.sql,
+        }
+        return json.dumps([{"Plan": plan}], indent=2)
+
+    def as_result(self, format: str = "text") -> Result:
+        if format == "json":
+            return Result(
+                columns=[OutputColumn("QUERY PLAN", "text", noisy=False)],
+                rows=[(self.as_json(),)],
+                accuracy=[(None,)],
+                epsilon_spent=0.0,
+                delta_spent=0.0,
+                command_tag="EXPLAIN",
+            )
         lines = [
             f"DP Aggregate  (mechanism={self.mechanism} epsilon={self.epsilon:g} delta={self.delta:g})",
             f"  Privacy unit: {self.unit}",
@@ -85,7 +114,17 @@ def explain(plan: Plan, budgeting: Budgeting, confidence: float, shown_sql: str)
     if plan.unit is not None:
         unit += f" (at most {plan.max_rows} rows and {plan.max_groups} groups per unit)"
     return Explanation(shown_sql, budgeting.epsilon, budgeting.delta, budgeting.mechanism, columns, keys, unit)
-    return Explanation(shown_sql, budgeting.epsilon, budgeting.delta, budgeting.mechanism, columns, keys, unit)
+
+
+#: The one EXPLAIN option accepted: ``(FORMAT TEXT)`` or ``(FORMAT JSON)`` (pgcli sends the latter).
+_FORMAT = re.compile(r"\(\s*format\s+(text|json)\s*\)", re.IGNORECASE)
+
+
+def explain_format(sql: str) -> str:
+    """``json`` for ``EXPLAIN (FORMAT JSON) …``, else ``text``."""
+    stripped = skip_comments(sql)
+    options = _FORMAT.match(skip_comments(stripped[7:])) if stripped[:7].upper() == "EXPLAIN" else None
+    return options.group(1).lower() if options else "text"
 
 
 def explain_target(sql: str) -> str | None:
@@ -94,6 +133,8 @@ def explain_target(sql: str) -> str | None:
     if stripped[:7].upper() != "EXPLAIN" or stripped[7:8].isalnum() or stripped[7:8] == "_":
         return None
     rest = skip_comments(stripped[7:])
+    if (options := _FORMAT.match(rest)) is not None:
+        return rest[options.end() :]
     if rest[:1] == "(" or rest.split(None, 1)[0].upper() in ("ANALYZE", "ANALYSE", "VERBOSE"):
         raise FeatureNotSupported(
             "EXPLAIN options are not supported",

@@ -10,7 +10,7 @@ from __future__ import annotations
 from sqlglot import exp
 
 from dpsql.analyze.build import build_plan
-from dpsql.analyze.checks import STATEMENT_CHECKS
+from dpsql.analyze.checks import STATEMENT_CHECKS, require_known_tables
 from dpsql.analyze.parse import Params, bind_parameters, parse_statement, too_complex
 from dpsql.analyze.views import inline_views
 from dpsql.plan import Plan
@@ -22,6 +22,7 @@ __all__ = ["analyze", "analyze_tree", "infer_parameter_types", "parse_statement"
 def analyze_tree(tree: exp.Expression, policy: Policy, params: Params = None) -> Plan:
     """Check and plan an already parsed statement."""
     try:
+        require_known_tables(tree, policy)
         tree = inline_views(tree)
         for check in STATEMENT_CHECKS:
             check(tree)

@@ -11,7 +11,16 @@ from collections.abc import Callable
 
 from sqlglot import exp
 
-from dpsql.errors import FeatureNotSupported, GroupingError, ProgramLimitExceeded, ReadOnlyViolation, SyntaxError_
+from dpsql.analyze.sources import ident_name
+from dpsql.errors import (
+    FeatureNotSupported,
+    GroupingError,
+    ProgramLimitExceeded,
+    ReadOnlyViolation,
+    SyntaxError_,
+    UndefinedTable,
+)
+from dpsql.policy import Policy
 
 _WRITE_TAGS: dict[type[exp.Expression], str] = {
     exp.Insert: "INSERT",
@@ -83,6 +92,26 @@ def reject_unsupported_clauses(tree: exp.Expression) -> None:
             raise FeatureNotSupported(
                 "subqueries are not supported",
                 hint="A subquery can compute an exact aggregate; write one aggregate query instead.",
+            )
+
+
+def require_known_tables(tree: exp.Expression, policy: Policy) -> None:
+    """A SELECT naming a table the policy does not declare is 42P01 first, as PostgreSQL would say
+    (before ``SELECT *`` or any other shape is judged): the answer depends on the policy only."""
+    if not isinstance(tree, exp.Select):
+        return
+    ctes = {ident_name(c.args["alias"].this) for c in tree.find_all(exp.CTE) if c.args.get("alias")}
+    for table in tree.find_all(exp.Table):
+        if not isinstance(table.this, exp.Identifier) or isinstance(table.parent, exp.Into):
+            continue
+        schema, name = ident_name(table.args.get("db")), ident_name(table.this)
+        if not schema and name in ctes:
+            continue
+        if policy.tables.get(name) is None or schema not in ("", "public") or table.args.get("catalog"):
+            shown = f"{schema}.{name}" if schema else name
+            raise UndefinedTable(
+                f'relation "{shown}" does not exist',
+                hint=f'Tables in dataset "{policy.dataset}": {", ".join(sorted(policy.tables))}.',
             )
 
 

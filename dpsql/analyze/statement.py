@@ -3,7 +3,7 @@
 Routing by text prefix misread statements behind comments (ORMs and sqlcommenter prepend
 ``/* … */``); sqlglot drops comments, so the tree says what the statement is. Each distinct text
 is parsed once per engine (:class:`Statements`, an LRU): later executions of the same text reuse the
-tree (copied, since analysis may rewrite it in place).
+tree, which is shared (whoever rewrites it works on a copy).
 """
 
 from __future__ import annotations
@@ -59,6 +59,5 @@ class Statements:
         self._items: LRU[str, Statement] = LRU(size)
 
     def get(self, sql: str) -> Statement:
-        """The statement for ``sql``, its tree a private copy the caller may rewrite."""
-        statement = self._items.get(sql) or self._items.put(sql, classify(sql))
-        return Statement(statement.sql, statement.kind, statement.tree.copy(), statement.target)
+        """The statement for ``sql``, shared: copy its tree before rewriting it."""
+        return self._items.get(sql) or self._items.put(sql, classify(sql))

@@ -20,6 +20,7 @@ from dpsql.errors import (
     SyntaxError_,
 )
 from dpsql.errors import ProtocolViolation as BindMismatch
+from dpsql.explain import explain_target
 from dpsql.session import OutputColumn
 
 from . import protocol as pq
@@ -156,7 +157,7 @@ class ExtendedProtocol:
         conn = self.conn
         assert conn.session is not None
         explain = stmt.explain_target
-        target = stmt.sql if explain is None else explain
+        target = stmt.sql if explain is None else (explain_target(stmt.sql) or explain)  # past (FORMAT JSON)
         engine, session = conn.ctx.engine, conn.session
 
         def work() -> tuple[Any, list[bool] | None]:

@@ -49,7 +49,7 @@ def test_errors_carry_sqlstate(conn) -> None:  # type: ignore[no-untyped-def]
         cur.execute("SELECT name FROM patients")
     assert info.value.sqlstate == "42501" and info.value.pgcode == "42501"
     with pytest.raises(dpsql.NotSupportedError):
-        cur.execute("SELECT COUNT(*) FROM patients UNION SELECT COUNT(*) FROM patients")
+        cur.execute("SELECT COUNT(*) OVER () FROM patients")
     with pytest.raises(dpsql.ProgrammingError):
         cur.fetchall()
 

@@ -1,0 +1,294 @@
+"""Post-processing over DP sub-queries, and schema probes: the engine's one entry for composite statements.
+
+``SELECT * FROM (SELECT problem, COUNT(*) AS c FROM patients GROUP BY problem) t ORDER BY c DESC
+LIMIT 5``, CTEs over aggregates, ``UNION ALL`` of DP queries and windows over aggregates are split
+(:mod:`.shapes`) into inner DP queries and an outer statement. The privacy argument, in order:
+
+1. every inner query is validated and priced by the ordinary engine, and the outer statement is
+   bound against empty tables of the inner queries' declared columns, before anything is charged —
+   so every refusal depends on the SQL and the policy only, and costs nothing;
+2. the sum of the inner costs is reserved once, durably, before any inner query runs (sequential
+   composition; one reservation, so no inner answer can be charged without the others);
+3. each inner query is run and released with noise exactly as if it had been sent alone;
+4. the outer statement runs in a fresh sandbox (:mod:`.sandbox`) holding only the released rows and
+   public tables: post-processing, which cannot lose privacy. Its errors (a division by a noisy zero)
+   depend on noise, never on un-noised values.
+
+Schema probes (``LIMIT 0``, ``WHERE false``/``WHERE 1 = 0``) of an answerable query return its columns
+and no rows, charging nothing: that no row is returned is decided from the SQL alone.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from sqlglot import exp
+from sqlglot.optimizer.simplify import simplify
+
+from dpsql.accountant import Cost, remaining_budget
+from dpsql.analyze import analyze_tree, infer_parameter_types
+from dpsql.analyze.parse import Params, bind_parameters, parse_statement, placeholder_value
+from dpsql.errors import ProgramLimitExceeded
+from dpsql.outer.sandbox import MAX_PUBLIC_ROWS, Sandbox, outer_sql, pg_type, release_value
+from dpsql.outer.shapes import Composite, decompose, needs_outer
+from dpsql.pgtypes import PgType
+from dpsql.policy import PG_TYPE_NAMES
+from dpsql.release.accuracy import confidence as confidence_level
+from dpsql.session import OutputColumn, Result, Session
+
+if TYPE_CHECKING:
+    from dpsql.engine import Description, Engine, Prepared
+
+__all__ = ["describe", "route"]
+
+#: Cheap text test before parsing: only statements with one of these can be composite or a probe.
+_MAYBE = re.compile(
+    r"\b(with|union|intersect|except|over|limit|false)\b|\(\s*select\b|\bwhere[(\s]+(?:[\d'.+-]|true\b|not\b)",
+    re.IGNORECASE,
+)
+
+POSTPROCESSED_NOTICE = "dpsql: confidence intervals are not computed for post-processed columns"
+PROBE_NOTICE = "dpsql: the query cannot return rows (LIMIT 0 or a false WHERE); nothing charged"
+
+
+def _constant_false(where: exp.Expression) -> bool:
+    """A WHERE that is false whatever the data: no column, no sub-query, simplifies to FALSE."""
+    if where.find(exp.Column, exp.Select, exp.Subquery, exp.Func):
+        return False
+    try:
+        simplified = simplify(where.copy())
+    except Exception:  # sqlglot cannot fold it: not a probe
+        return False
+    return isinstance(simplified, exp.Boolean) and not simplified.this
+
+
+def _limit_zero(tree: exp.Expression) -> bool:
+    limit = tree.args.get("limit")
+    value = limit.expression if isinstance(limit, exp.Limit) else None
+    return isinstance(value, exp.Literal) and value.is_int and int(value.name) == 0
+
+
+def _probe(tree: exp.Expression) -> exp.Expression | None:
+    """The query a schema probe asks about (its false WHERE dropped), or None when it is no probe."""
+    if not isinstance(tree, exp.Select):
+        return None
+    where = tree.args.get("where")
+    if where is not None and _constant_false(where.this):
+        probe = tree.copy()
+        probe.set("where", None)
+        return probe
+    return tree if _limit_zero(tree) else None
+
+
+def _parse(sql: str, params: Params, tree: exp.Expression | None = None) -> exp.Expression | None:
+    if not _MAYBE.search(sql):
+        return None
+    tree = parse_statement(sql) if tree is None else tree.copy()
+    if not isinstance(tree, exp.Select | exp.SetOperation):
+        return None
+    return bind_parameters(tree, params)
+
+
+def route(
+    engine: Engine, sql: str, session: Session, params: Params = None, parsed: exp.Expression | None = None
+) -> Result | None:
+    """Answer ``sql`` (``parsed``: its tree, if already parsed) when it is a schema probe or a composite
+    statement; None: the engine's usual path."""
+    tree = _parse(sql, params, parsed)
+    if tree is None:
+        return None
+    probe = None if needs_outer(tree, engine.policy) else _probe(tree)
+    if probe is not None:
+        prepared = engine.prepare(probe.sql(dialect="postgres"), session)  # refused exactly as the query would be
+        confidence_level(engine.policy, session)
+        return _empty([o.column for o in prepared.plan.outputs])
+    if not needs_outer(tree, engine.policy):
+        return None
+    composite = decompose(tree, engine.policy)
+    if composite is None:
+        return None
+    return answer(engine, composite, session, sql)
+
+
+def describe(engine: Engine, sql: str, session: Session, parsed: exp.Expression | None = None) -> Description | None:
+    """Columns and parameter types of a probe or composite statement, spending nothing (None: not one)."""
+    from dpsql.engine import Description
+
+    if not _MAYBE.search(sql):
+        return None
+    tree = parse_statement(sql) if parsed is None else parsed.copy()
+    if not isinstance(tree, exp.Select | exp.SetOperation):
+        return None
+    param_types = infer_parameter_types(tree, engine.policy)
+    bound = bind_parameters(tree, [placeholder_value(t) for t in param_types] or None)
+    probe = None if needs_outer(bound, engine.policy) else _probe(bound)
+    if probe is not None:
+        plan = analyze_tree(probe, engine.policy)
+        return Description([o.column for o in plan.outputs], param_types)
+    if not needs_outer(bound, engine.policy):
+        return None
+    composite = decompose(bound, engine.policy)
+    if composite is None:
+        return None
+    inputs = [
+        _inner_columns([o.column for o in analyze_tree(parse_statement(i.sql), engine.policy).outputs])
+        for i in composite.inners
+    ]
+    return Description(_shape(engine, composite, inputs), param_types)
+
+
+def _empty(columns: list[OutputColumn]) -> Result:
+    return Result(columns, [], [], 0.0, 0.0, notices=[PROBE_NOTICE])
+
+
+def _inner_columns(columns: list[OutputColumn]) -> list[OutputColumn]:
+    """The inner query's columns with unique names (a sandbox table cannot have two ``count`` columns)."""
+    seen: dict[str, int] = {}
+    out = []
+    for c in columns:
+        n = seen.get(c.name, 0)
+        seen[c.name] = n + 1
+        out.append(c if n == 0 else replace(c, name=f"{c.name}_{n}"))
+    return out
+
+
+def _public_columns(engine: Engine, name: str) -> list[tuple[str, PgType]]:
+    table = engine.policy.table(name)
+    assert table is not None
+    return [(c, PG_TYPE_NAMES[col.type]) for c, col in table.columns.items() if not col.identifier]
+
+
+def _shape(engine: Engine, composite: Composite, inputs: list[list[OutputColumn]]) -> list[OutputColumn]:
+    """Bind the outer statement to empty tables of the inner and public columns: its output columns,
+    or its error, known from the SQL and the policy alone (nothing has been read or charged)."""
+    with Sandbox() as box:
+        for inner, columns in zip(composite.inners, inputs, strict=True):
+            box.load(inner.table, [(c.name, c.type) for c in columns], [])
+        for name in composite.public:
+            box.load(name, _public_columns(engine, name), [])
+        described = box.describe(outer_sql(composite.outer))
+    exact = {c.name for columns in inputs for c in columns if c.noisy is False}
+    for name in composite.public:
+        exact.update(c for c, _ in _public_columns(engine, name))
+    for alias in composite.outer.find_all(exp.Alias):  # renamings of exact columns stay exact
+        if isinstance(alias.this, exp.Column) and alias.this.name in exact:
+            exact.add(alias.alias)
+    first = composite.outer
+    while isinstance(first, exp.SetOperation | exp.Subquery):
+        first = first.this
+    computed = {
+        p.alias_or_name
+        for p in (first.expressions if isinstance(first, exp.Select) else [])
+        if not isinstance(p.unalias(), exp.Column)
+    }
+    out = []
+    for name, duck in described:
+        noisy = name not in exact or name in computed
+        out.append(OutputColumn(name, pg_type(duck) or "text", noisy=noisy))
+    return out
+
+
+def _total(prepared: list[Prepared]) -> Cost | None:
+    """The sum of the inner costs (sequential composition), None when every inner query is free."""
+    costs = [p.budgeting.cost for p in prepared if p.plan.measures and p.local is None]
+    if not costs:
+        return None
+    rho = 0.0
+    for c in costs:
+        try:
+            rho += c.zcdp_rho()
+        except ValueError:  # an (ε, δ) cost without ρ: the ledger composes ε and δ only
+            rho = 0.0
+            break
+    return Cost(
+        epsilon=sum(c.epsilon for c in costs),
+        delta=sum(c.delta for c in costs),
+        rho=rho,
+        selection_delta=sum(c.selection_delta for c in costs),
+    )
+
+
+def answer(engine: Engine, composite: Composite, session: Session, sql: str) -> Result:
+    """Validate and price every inner query and the outer statement, reserve the total once, release
+    every inner query, then post-process the released rows in the sandbox."""
+    prepared = [engine.prepare(inner.sql, session) for inner in composite.inners]
+    confidence = confidence_level(engine.policy, session)
+    inputs = [_inner_columns([o.column for o in p.plan.outputs]) for p in prepared]
+    columns = _shape(engine, composite, inputs)
+    if composite.limit_zero:
+        return _empty(columns)
+    cost = _total(prepared)
+    charge = None
+    if cost is not None:
+        charge = engine.ledger.reserve(
+            dataset=engine.policy.dataset,
+            analyst=session.analyst,
+            cost=cost,
+            dataset_budget=engine.policy.budget.dataset,
+            analyst_budget=engine.policy.analyst_budget(session.analyst),
+            fingerprint=engine.fingerprint(sql),
+            accounting=engine.policy.budget.accounting,
+        )
+    released = [_release(engine, p, confidence) for p in prepared]
+    text = outer_sql(composite.outer)
+    with Sandbox() as box:
+        for inner, cols, result in zip(composite.inners, inputs, released, strict=True):
+            box.load(inner.table, [(c.name, c.type) for c in cols], result.rows)
+        for name in composite.public:
+            box.load(name, *_read_public(engine, name))
+        rows = box.run(text)
+    kinds = [c.type for c in columns]
+    values = [tuple(release_value(v, k) for v, k in zip(row, kinds, strict=True)) for row in rows]
+    result = Result(
+        columns,
+        values,
+        [tuple(None for _ in columns) for _ in values],
+        cost.epsilon if cost else 0.0,
+        cost.delta if cost else 0.0,
+    )
+    if charge is not None and cost is not None:
+        result.remaining_epsilon = remaining_budget(
+            charge.analyst_spent, engine.policy.analyst_budget(session.analyst), engine.policy.budget.accounting
+        ).epsilon
+        result.notices.append(
+            f"dpsql: charged ε={cost.epsilon:g}"
+            + (f", δ={cost.delta:g}" if cost.delta else "")
+            + f" for {len(prepared)} DP sub-quer{'y' if len(prepared) == 1 else 'ies'}"
+            + f'; remaining ε={result.remaining_epsilon:g} for analyst "{session.analyst}"'
+        )
+    result.notices.append(POSTPROCESSED_NOTICE)
+    return result
+
+
+def _release(engine: Engine, prepared: Prepared, confidence: float) -> Result:
+    """One inner query run and noised exactly as :meth:`Engine.execute` does after its reservation."""
+    if prepared.local is not None:
+        return engine._release_local(prepared, confidence)
+    rows = engine._run(prepared.sql)
+    version = engine_data_version(engine)
+    if prepared.plan.physical.proven and version != prepared.data_version:
+        rows = engine._run(engine._clamped_sql(prepared.plan))
+    histograms = {i: engine._run(q) for i, q in prepared.histograms}
+    return engine._release(prepared, rows, confidence, histograms)
+
+
+def engine_data_version(engine: Engine) -> int:
+    from dpsql.rewrite.physical import data_version
+
+    return data_version(engine.backend)
+
+
+def _read_public(engine: Engine, name: str) -> tuple[list[tuple[str, PgType]], list[tuple[Any, ...]]]:
+    """A public table's declared columns, read from the backend (public by policy: no noise needed)."""
+    table = engine.policy.table(name)
+    assert table is not None
+    columns = _public_columns(engine, name)
+    source = table.source or name
+    where = exp.to_table(source) if "." in source else exp.to_table(source, quoted=True)
+    select = exp.select(*(exp.column(c, quoted=True) for c, _ in columns)).from_(where)
+    rows = engine._run(select.limit(MAX_PUBLIC_ROWS + 1).sql(dialect=engine.backend.dialect))
+    if len(rows) > MAX_PUBLIC_ROWS:
+        raise ProgramLimitExceeded(f'public table "{name}" has more than {MAX_PUBLIC_ROWS} rows')
+    return columns, rows

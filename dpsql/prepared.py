@@ -1,0 +1,43 @@
+"""A prepared statement: what the engine keeps per query text and settings, and what describing one yields.
+
+Planning (analysis, rewrite, calibration) happens once per text, parameters, privacy settings and
+data version; the :class:`Prepared` is then reused by every execution until evicted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dpsql.analyze.randomized import LocalQuery
+from dpsql.plan import Plan
+from dpsql.release.apply import ReleaseCache
+from dpsql.release.calibrate import Budgeting
+from dpsql.session import OutputColumn
+
+
+@dataclass(frozen=True, slots=True)
+class Description:
+    """What a query would return, known without running it or spending budget."""
+
+    columns: list[OutputColumn]
+    param_types: list[str]
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A planned query: its plan, generated SQL and budgeting, cached per text and settings."""
+
+    plan: Plan
+    sql: str
+    budgeting: Budgeting
+    fingerprint: str
+    #: (measure index, SQL) of the histogram each quantile measure is selected from.
+    histograms: list[tuple[int, str]] = field(default_factory=list)
+    #: Result-cache key: the normalised statement, its parameters and the session's privacy settings.
+    cache_key: str = ""
+    #: Set when the query only counts a randomized-response column: answered from stored values, at no cost.
+    local: LocalQuery | None = None
+    #: The backend's data version the clamp proofs (``plan.physical.proven``) were read at.
+    data_version: int = 0
+    #: Compiled post-processing and the public-key grid, built on first release.
+    cache: ReleaseCache = field(default_factory=ReleaseCache)
