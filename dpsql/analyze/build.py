@@ -25,9 +25,9 @@ from dpsql.errors import (
     SyntaxError_,
     UndefinedFunction,
 )
-from dpsql.plan import GroupKey, Measure, OutputItem, Plan
-from dpsql.release.selection import selection_count
+from dpsql.plan import GroupKey, OutputItem, Plan
 from dpsql.policy import PG_TYPE_NAMES, ColumnPolicy, Policy
+from dpsql.release.selection import selection_count
 from dpsql.session import OutputColumn, PgType
 
 _NOT_YET = {

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 dp.enable_features("contrib")
 
+
 def selection_count(sources: Sources) -> Measure:
     """The count partition selection thresholds: distinct privacy units per group.
 

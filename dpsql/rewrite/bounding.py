@@ -74,9 +74,9 @@ def bound_contributions(select: exp.Select, plan: Plan) -> exp.Select:
     """Keep at most ``max_groups`` groups and ``max_rows`` rows of each privacy unit.
 
     Ungrouped queries cap per-unit partial aggregates (:func:`_bound_per_unit`). Grouped ones that
-    read nothing but their keys and unit (counts, distinct-unit counts) collapse identical rows with their multiplicity and weigh
-    each distinct row by how many of its copies fit; grouped ones that read other columns (sums)
-    either keep whole (unit, group) cells and number rows only in the cell crossing the bound
+    read nothing but their keys and unit (counts, distinct-unit counts) collapse identical rows with
+    their multiplicity and weigh each distinct row by how many of its copies fit; grouped ones that
+    read other columns (sums) either keep whole (unit, group) cells and number rows only in the cell crossing the bound
     (:func:`_bound_by_cells`, when ``plan.physical.bound_cells``) or go rows (unit, used columns, row hash)
     → rank groups per unit → number rows per unit in hash order → aggregate the rows within both
     bounds. Bounding happens after the joins, so no join can multiply a unit's rows past the bound
@@ -100,7 +100,8 @@ def bound_contributions(select: exp.Select, plan: Plan) -> exp.Select:
     for column in list(outer.find_all(exp.Column)):
         column.replace(exp.column(names[column.sql()], quoted=True))
     # rows reading only keys (and the unit, for partition selection's distinct-unit count) collapse
-    collapse = set(columns) <= {plan.unit.sql(), *(key_column(plan, i).sql() for i in range(len(plan.keys)))}
+    keys_and_unit = {plan.unit.sql(), *(key_column(plan, i).sql() for i in range(len(plan.keys)))}
+    collapse = set(columns) <= keys_and_unit
     if not collapse and plan.physical.bound_cells and _cells_matchable(plan):
         return _bound_by_cells(select, plan, outer, columns, names)
     used = [exp.alias_(column.copy(), names[sql]) for sql, column in columns.items()]
@@ -114,7 +115,9 @@ def bound_contributions(select: exp.Select, plan: Plan) -> exp.Select:
         *used,
         *multiplicity,
         exp.alias_(
-            _hash([plan.unit.copy(), *(_hash_input(plan, c) for c in _besides_unit(plan, columns))], plan.physical.salt),
+            _hash(
+                [plan.unit.copy(), *(_hash_input(plan, c) for c in _besides_unit(plan, columns))], plan.physical.salt
+            ),
             "__h",
         ),
         *key_hash,
