@@ -15,7 +15,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from dpsql.accountant import Accounting
 from dpsql.errors import PolicyError
@@ -88,13 +97,24 @@ class DomainReference(_Strict):
     column: str
 
 
+def _domain_kind(value: Any) -> str:
+    return "tagged-reference" if isinstance(value, dict | DomainReference) else "tagged-values"
+
+
+#: A listed domain or a reference; errors name ``domain.table``/``domain.column`` (the tags are not shown).
+_Domain = Annotated[
+    Annotated[tuple[Scalar, ...], Tag("tagged-values")] | Annotated[DomainReference, Tag("tagged-reference")],
+    Discriminator(_domain_kind),
+]
+
+
 class ColumnPolicy(_Strict):
     """One column: its type, declared bounds and whether its values may be released."""
 
     type: ColumnType
     lower: Scalar = None
     upper: Scalar = None
-    domain: tuple[Scalar, ...] | DomainReference | None = Field(
+    domain: _Domain | None = Field(
         default=None,
         description="Public set of values: GROUP BY releases exactly these keys. Either listed, or "
         "{table, column}: the declared domain of a public table's column (resolved at load).",
