@@ -106,9 +106,10 @@ def explain(plan: Plan, budgeting: Budgeting, confidence: float, shown_sql: str)
     elif plan.public_keys:
         keys = "public domain: " + ", ".join(k.column for k in plan.keys)
     else:
+        counted = plan.measures[plan.selection_measure].label if plan.selection_measure is not None else "COUNT(*)"
         keys = (
             ", ".join(k.column for k in plan.keys)
-            + f" (partition selection: noisy COUNT(*) >= {budgeting.threshold}, δ={budgeting.selection_delta:g})"
+            + f" (partition selection: noisy {counted} >= {budgeting.threshold}, δ={budgeting.selection_delta:g})"
         )
     unit = plan.sources.unit_description
     if plan.unit is not None:

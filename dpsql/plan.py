@@ -141,7 +141,7 @@ class Plan:
     limit: int | None = None
     offset: int = 0
     distinct: bool = False
-    #: Index of the COUNT(*) measure used for partition selection (None when keys are public).
+    #: Index of the distinct-unit count partition selection thresholds (None when keys are public).
     selection_measure: int | None = None
     #: How this plan runs on one backend (salt, clamp proofs, cell bounding): set by the engine with
     #: ``dataclasses.replace``, never by mutation, so the analysed plan stays as the analyzer built it.

@@ -15,7 +15,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from dpsql.accountant import Accounting
 from dpsql.errors import PolicyError
@@ -67,14 +76,48 @@ class LocalPrivacy(_Strict):
     epsilon: Annotated[float, Field(gt=0, le=20)]
 
 
+class PolicyPathError(ValueError):
+    """A validation error about a key path other than the validator's own (reported at ``loc``)."""
+
+    def __init__(self, loc: tuple[str, ...], message: str) -> None:
+        super().__init__(message)
+        self.loc = loc
+
+
+class DomainReference(_Strict):
+    """``domain: {table: departments, column: name}``: borrow a public table column's declared domain.
+
+    Resolved once at load to that column's *declared* values, never to what the table holds: the
+    released key set then depends on the policy alone (no query, the same on every backend, and
+    nothing read at all, so nothing data-dependent on any table, protected or not). A value the
+    public table holds but does not declare is never released, as with any declared domain.
+    """
+
+    table: str
+    column: str
+
+
+def _domain_kind(value: Any) -> str:
+    return "tagged-reference" if isinstance(value, dict | DomainReference) else "tagged-values"
+
+
+#: A listed domain or a reference; errors name ``domain.table``/``domain.column`` (the tags are not shown).
+_Domain = Annotated[
+    Annotated[tuple[Scalar, ...], Tag("tagged-values")] | Annotated[DomainReference, Tag("tagged-reference")],
+    Discriminator(_domain_kind),
+]
+
+
 class ColumnPolicy(_Strict):
     """One column: its type, declared bounds and whether its values may be released."""
 
     type: ColumnType
     lower: Scalar = None
     upper: Scalar = None
-    domain: tuple[Scalar, ...] | None = Field(
-        default=None, description="Public set of values: GROUP BY releases exactly these keys."
+    domain: _Domain | None = Field(
+        default=None,
+        description="Public set of values: GROUP BY releases exactly these keys. Either listed, or "
+        "{table, column}: the declared domain of a public table's column (resolved at load).",
     )
     nullable: bool = True
     identifier: bool = Field(default=False, description="Direct identifier: never queryable.")
@@ -109,7 +152,7 @@ class ColumnPolicy(_Strict):
                     raise ValueError("an int column needs integer 'lower' and 'upper'")
             if self.lower > self.upper:  # type: ignore[operator]
                 raise ValueError(f"'lower' ({self.lower}) is greater than 'upper' ({self.upper})")
-        if self.domain is not None and len(set(self.domain)) != len(self.domain):
+        if isinstance(self.domain, tuple) and len(set(self.domain)) != len(self.domain):
             raise ValueError("'domain' lists a value twice")
         if self.writable and self.identifier:
             raise ValueError("an identifier column cannot be 'writable' (its presence would be an oracle)")
@@ -124,8 +167,15 @@ class ColumnPolicy(_Strict):
         """The randomized-response mechanism values of this column are stored through, if any."""
         if self.randomized_response is None:
             return None
-        domain = tuple(self.domain) if self.domain else (False, True)
-        return RandomizedResponse(self.randomized_response.epsilon, domain)
+        values = self.values
+        return RandomizedResponse(self.randomized_response.epsilon, values if values else (False, True))
+
+    @property
+    def values(self) -> tuple[Scalar, ...] | None:
+        """The declared domain's values (a reference is resolved when the policy loads)."""
+        if isinstance(self.domain, DomainReference):
+            raise ValueError(f"domain reference {self.domain.table}.{self.domain.column} was never resolved")
+        return self.domain
 
     @property
     def numeric(self) -> bool:
@@ -136,12 +186,14 @@ class ColumnPolicy(_Strict):
         return self.lower is not None
 
     def release_domain(self) -> tuple[Scalar, ...] | None:
-        """Group keys that may be released without partition selection (NULL if nullable)."""
-        if self.domain is None:
+        """Group keys that may be released without partition selection (NULL if nullable): the
+        declared domain, listed or borrowed from a public table's column."""
+        declared = self.values
+        if declared is None:
             if self.type == "boolean":
                 return (False, True, None) if self.nullable else (False, True)
             return None
-        values = tuple(self.domain)
+        values = tuple(declared)
         if self.nullable and None not in values:
             values = (*values, None)
         return values
@@ -259,7 +311,46 @@ class Policy(_Strict):
         names = [a.name for a in self.analysts]
         if len(set(names)) != len(names):
             raise ValueError("an analyst is declared twice")
+        self._resolve_domains()
         return self
+
+    def _resolve_domains(self) -> None:
+        """Replace every ``domain: {table, column}`` by the referenced column's declared values.
+
+        The target must be a declared column of a ``public`` table (a private column's values are
+        not public knowledge), not an identifier, of the same type, and declare a listed domain itself
+        (no chains). Errors name the referring key path.
+        """
+        for name, table in self.tables.items():
+            resolved: dict[str, ColumnPolicy] = {}
+            for column_name, column in table.columns.items():
+                ref = column.domain
+                if not isinstance(ref, DomainReference):
+                    continue
+                at = ("tables", name, "columns", column_name, "domain")
+                target = self.tables.get(ref.table)
+                if target is None:
+                    raise PolicyPathError((*at, "table"), f"table '{ref.table}' is not declared")
+                if not target.public:
+                    raise PolicyPathError(
+                        (*at, "table"),
+                        f"table '{ref.table}' is not public: only a public table's values may be a domain",
+                    )
+                source = target.columns.get(ref.column)
+                if source is None:
+                    raise PolicyPathError((*at, "column"), f"'{ref.column}' is not a column of '{ref.table}'")
+                where = f"'{ref.table}.{ref.column}'"
+                if source.identifier:
+                    raise PolicyPathError((*at, "column"), f"{where} is an identifier")
+                if source.type != column.type:
+                    raise PolicyPathError(
+                        (*at, "column"), f"{where} is {source.type} but '{name}.{column_name}' is {column.type}"
+                    )
+                if not isinstance(source.domain, tuple):
+                    raise PolicyPathError((*at, "column"), f"{where} declares no list of values ('domain: [...]')")
+                resolved[column_name] = column.model_copy(update={"domain": source.domain})
+            if resolved:
+                self.tables[name] = table.model_copy(update={"columns": {**table.columns, **resolved}})
 
     def table(self, name: str) -> TablePolicy | None:
         return self.tables.get(name.lower()) or self.tables.get(name)
@@ -291,7 +382,9 @@ def _line_index(node: yaml.Node, path: tuple[Any, ...] = ()) -> Iterator[tuple[t
 
 
 def _describe(error: Mapping[str, Any], where: str, lines: dict[tuple[Any, ...], int]) -> str:
-    loc = tuple(p for p in error["loc"] if not (isinstance(p, str) and p.startswith(("function-", "tagged-"))))
+    cause = (error.get("ctx") or {}).get("error")
+    raw_loc = (*error["loc"], *cause.loc) if isinstance(cause, PolicyPathError) else error["loc"]
+    loc = tuple(p for p in raw_loc if not (isinstance(p, str) and p.startswith(("function-", "tagged-"))))
     probe = loc
     while probe and tuple(map(str, probe)) not in lines:
         probe = probe[:-1]

@@ -25,8 +25,9 @@ from dpsql.errors import (
     SyntaxError_,
     UndefinedFunction,
 )
-from dpsql.plan import GroupKey, Measure, OutputItem, Plan
+from dpsql.plan import GroupKey, OutputItem, Plan
 from dpsql.policy import PG_TYPE_NAMES, ColumnPolicy, Policy
+from dpsql.release.selection import selection_count
 from dpsql.session import OutputColumn, PgType
 
 _NOT_YET = {
@@ -578,7 +579,7 @@ def build_plan(tree: exp.Select, policy: Policy) -> Plan:
     order = _order_terms(tree, scope, outputs)
     selection = None
     if scope.keys and any(k.domain is None for k in scope.keys):
-        selection = scope.measure(Measure(kind="count_star"))
+        selection = scope.measure(selection_count(scope.sources))
     if not scope.measures and not scope.keys:
         raise GroupingError(
             "a query must compute at least one aggregate",

@@ -2,9 +2,10 @@
 
 Additive measures get their calibrated noise (``release``); quantile and mode measures are
 chosen by the exponential mechanism / report-noisy-max over their histograms; with private
-keys, rows whose noisy COUNT(*) is under the partition-selection threshold are dropped; with
-public keys, every combination of the declared domains is released (zeros included), and keys
-outside the domains never are. What follows is post-processing (:mod:`dpsql.postprocess`).
+keys, rows whose noisy distinct-unit count is under the partition-selection threshold are dropped
+(:mod:`dpsql.release.selection`); with public keys, every combination of the declared domains is
+released (zeros included), and keys outside the domains never are. What follows is
+post-processing (:mod:`dpsql.postprocess`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ from dpsql.accountant import Cost
 from dpsql.errors import InvalidParameterValue
 from dpsql.plan import Plan, integer_valued
 from dpsql.policy import Policy
-from dpsql.release.mechanisms import MECHANISMS, NoiseSpec, check_samplable, mechanism_names, partition_threshold
+from dpsql.release.mechanisms import MECHANISMS, NoiseSpec, check_samplable, mechanism_names
+from dpsql.release.selection import selection_threshold
 from dpsql.session import Session
 
 
@@ -29,7 +30,7 @@ class Budgeting:
     cost: Cost
     #: Pure-ε share of each measure (what the exponential mechanism of a quantile uses).
     shares: list[float] = field(default_factory=list)
-    #: Partition-selection threshold on the COUNT(*) measure (None when keys are public).
+    #: Partition-selection threshold on the distinct-unit count (None when keys are public).
     threshold: int | None = None
     selection_delta: float = 0.0
 
@@ -92,9 +93,7 @@ def calibrate(plan: Plan, epsilon: float, delta: float, mechanism: str, selectin
         budgeting.selection_delta = split.selection_delta
         spec = specs[plan.selection_measure]
         assert spec is not None
-        budgeting.threshold = partition_threshold(
-            spec, budgeting.selection_delta, max_partitions=plan.max_groups, max_rows=plan.max_rows
-        )
+        budgeting.threshold = selection_threshold(plan, spec, budgeting.selection_delta)
     for calibrated in specs:
         if calibrated is not None:
             check_samplable(calibrated)

@@ -1,5 +1,13 @@
-"""Private selection: the exponential mechanism for quantiles (MIN, MAX, median, percentiles)
-and report-noisy-max for the mode.
+"""Private selection: which group keys are released (partition selection), the exponential
+mechanism for quantiles (MIN, MAX, median, percentiles) and report-noisy-max for the mode.
+
+Partition selection. A GROUP BY key without a public domain is released only when a noisy count
+of the *distinct privacy units* in its group reaches a threshold τ (:func:`selection_count`,
+:func:`selection_threshold`), as PipelineDP and Tumult do. After contribution bounding a unit
+touches at most L0 = ``plan.max_groups`` groups and adds at most 1 to each one's distinct-unit
+count, however many rows it holds there: the count's sensitivity is L0 (L1) or √L0 (L2), and a key
+held by the differing unit alone has count 1. So τ depends on L0, never on ``max_rows_per_unit``;
+counting rows instead made a person with 20 rows look like 20 people and τ 20× higher.
 
 Privacy argument. Values are clamped to the column bounds [L, U] and counted in B equal
 bins (in SQL, after contribution bounding, so one unit changes at most ``max_rows`` of
@@ -20,11 +28,54 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import opendp.prelude as dp
 
+from dpsql.release.mechanisms import NoiseSpec, partition_threshold
+
+if TYPE_CHECKING:
+    from dpsql.analyze.sources import Sources
+    from dpsql.plan import Measure, Plan
+
 dp.enable_features("contrib")
+
+
+def selection_count(sources: Sources) -> Measure:
+    """The count partition selection thresholds: distinct privacy units per group.
+
+    With a unit (rows bounded per unit) it is ``COUNT(DISTINCT unit)`` over the bounded rows: each unit
+    adds 1 to each of at most ``max_groups`` groups. Without one every row is a person, and with
+    ``max_rows`` = 1 a unit keeps one row: ``COUNT(*)`` then already counts units, and is shared with
+    the query's own ``COUNT(*)`` (one measure, no budget split).
+    """
+    from dpsql.plan import Measure  # the plan imports the analyzer, which imports this module
+
+    unit = sources.unit
+    if unit is None or sources.max_rows == 1:  # one row per unit: COUNT(*) counts units
+        return Measure(kind="count_star")
+    return Measure(kind="count_units", column=unit.name, table=unit.table)
+
+
+def selection_contribution(plan: Plan) -> int:
+    """What one unit adds at most to one group's selection count: 1 for a distinct-unit count; a
+    row count (a policy-less plan built by hand) gets ``max_rows``."""
+    assert plan.selection_measure is not None
+    return 1 if plan.measures[plan.selection_measure].kind == "count_units" else plan.max_rows
+
+
+def selection_threshold(plan: Plan, spec: NoiseSpec, delta: float) -> int:
+    """τ for the plan's selection count, calibrated exactly on its noise ``spec`` (Laplace or Gaussian).
+
+    Privacy argument. Keys present in both neighbours are covered by the count's own noise. A key
+    present in only one neighbour is held by the differing unit alone: its selection count is at
+    most c = :func:`selection_contribution` (1), and that unit holds at most L0 = ``max_groups`` such
+    keys. τ is the smallest integer with P(c + Z ≥ τ) ≤ δ/L0 for the exact discrete noise Z, so by a
+    union bound any of them is released with probability ≤ δ: the key set plus the counts is
+    (ε, δ + spec.δ)-DP, the same form of δ accounting as before.
+    """
+    return partition_threshold(spec, delta, max_partitions=plan.max_groups, max_rows=selection_contribution(plan))
+
 
 #: Bins per quantile: resolution (U − L)/512, well under the 1% of range analysts expect.
 QUANTILE_BINS = 512

@@ -74,9 +74,9 @@ def bound_contributions(select: exp.Select, plan: Plan) -> exp.Select:
     """Keep at most ``max_groups`` groups and ``max_rows`` rows of each privacy unit.
 
     Ungrouped queries cap per-unit partial aggregates (:func:`_bound_per_unit`). Grouped ones that
-    read nothing but their keys (counts) collapse identical rows with their multiplicity and weigh
-    each distinct row by how many of its copies fit; grouped ones that read other columns (sums)
-    either keep whole (unit, group) cells and number rows only in the cell crossing the bound
+    read nothing but their keys and unit (counts, distinct-unit counts) collapse identical rows with
+    their multiplicity and weigh each distinct row by how many of its copies fit; grouped ones that
+    read other columns (sums) either keep whole (unit, group) cells and number rows only in the cell crossing the bound
     (:func:`_bound_by_cells`, when ``plan.physical.bound_cells``) or go rows (unit, used columns, row hash)
     → rank groups per unit → number rows per unit in hash order → aggregate the rows within both
     bounds. Bounding happens after the joins, so no join can multiply a unit's rows past the bound
@@ -99,7 +99,9 @@ def bound_contributions(select: exp.Select, plan: Plan) -> exp.Select:
         outer.set(key, None)
     for column in list(outer.find_all(exp.Column)):
         column.replace(exp.column(names[column.sql()], quoted=True))
-    collapse = set(columns) <= {key_column(plan, i).sql() for i in range(len(plan.keys))}
+    # rows reading only keys (and the unit, for partition selection's distinct-unit count) collapse
+    keys_and_unit = {plan.unit.sql(), *(key_column(plan, i).sql() for i in range(len(plan.keys)))}
+    collapse = set(columns) <= keys_and_unit
     if not collapse and plan.physical.bound_cells and _cells_matchable(plan):
         return _bound_by_cells(select, plan, outer, columns, names)
     used = [exp.alias_(column.copy(), names[sql]) for sql, column in columns.items()]
@@ -113,12 +115,15 @@ def bound_contributions(select: exp.Select, plan: Plan) -> exp.Select:
         *used,
         *multiplicity,
         exp.alias_(
-            _hash([plan.unit.copy(), *(_hash_input(plan, c) for c in columns.values())], plan.physical.salt), "__h"
+            _hash(
+                [plan.unit.copy(), *(_hash_input(plan, c) for c in _besides_unit(plan, columns))], plan.physical.salt
+            ),
+            "__h",
         ),
         *key_hash,
     )
     if collapse:
-        rows = rows.group_by(plan.unit.copy(), *(c.copy() for c in columns.values()), copy=False)
+        rows = rows.group_by(plan.unit.copy(), *(c.copy() for c in _besides_unit(plan, columns)), copy=False)
     unit = exp.column("__unit", quoted=True)
     floats = [exp.column(names[sql], quoted=True) for sql, c in columns.items() if _is_float(plan, c)]
     row_order = _hash_order("__h", floats)
@@ -164,6 +169,14 @@ def bound_contributions(select: exp.Select, plan: Plan) -> exp.Select:
         .with_("__counted", as_=counted)
         .with_("__kept", as_=kept)
     )
+
+
+def _besides_unit(plan: Plan, columns: dict[str, exp.Column]) -> list[exp.Column]:
+    """The used columns other than the unit (read by a distinct-unit count): the unit is already
+    hashed and grouped on first, so rows are picked as if it were not read twice."""
+    assert plan.unit is not None
+    unit = plan.unit.sql()
+    return [c for sql, c in columns.items() if sql != unit]
 
 
 def _hash_order(hash_column: str, floats: list[exp.Column]) -> exp.Order:
@@ -328,7 +341,8 @@ def _rows_of_open_cells(
         )
 
     row_hash = _hash(
-        [exp.column("__unit", "__r", quoted=True), *(on_row(c) for c in columns.values())], plan.physical.salt
+        [exp.column("__unit", "__r", quoted=True), *(on_row(c) for c in _besides_unit(plan, columns))],
+        plan.physical.salt,
     )
     whole = joined(exp.GTE(this=room.copy(), expression=size.copy()))
     part = joined(
