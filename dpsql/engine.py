@@ -19,6 +19,7 @@ from typing import Any
 
 from sqlglot import exp
 
+from dpsql import budget_view
 from dpsql.accountant import remaining_budget
 from dpsql.analyze import analyze_tree, infer_parameter_types, parse_statement
 from dpsql.analyze.insert import insert
@@ -32,6 +33,7 @@ from dpsql.analyze.parse import (
     too_complex,
 )
 from dpsql.analyze.randomized import LocalQuery, local_query
+from dpsql.audit import AuditTrail, Trace
 from dpsql.backends import DEFAULT_STATEMENT_TIMEOUT_MS, Backend, log_database_error, open_backend
 from dpsql.cache import ResultCache, cache_key, data_stamp, database_identity, policy_hash, result_key
 from dpsql.errors import BackendError, Error, InvalidAuthorization
@@ -100,6 +102,8 @@ class Engine:
         self._fingerprint_key: bytes | None = None
         #: Refuses columns stored as text but declared typed (schema only, read once per data version).
         self._stored_types = StoredTypes(backend)
+        #: One audit row per statement (shape, cost, outcome), written to the ledger off the query's path.
+        self.audit = AuditTrail(ledger, policy.dataset, lambda sql: (self.fingerprint(sql), statement_shape(sql)))
 
     @classmethod
     def open(
@@ -128,6 +132,7 @@ class Engine:
         return cls(loaded, backend, Ledger.open(ledger_url), results)
 
     def close(self) -> None:
+        self.audit.close()
         self.backend.close()
         self.ledger.close()
         if self.cache is not None:
@@ -198,9 +203,16 @@ class Engine:
         return explain(prepared.plan, prepared.budgeting, confidence, shown_sql)
 
     def execute(self, sql: str, session: Session, params: Params = None) -> Result:
-        """Answer one DP query: reserve the budget, run, noise, post-process."""
+        """Answer one DP query: reserve the budget, run, noise, post-process; audited however it ends."""
+        with self.audit.recording(sql, session.analyst) as trace:
+            return self._answer(sql, session, params, trace)
+
+    def _answer(self, sql: str, session: Session, params: Params, trace: Trace) -> Result:
         if self.policy.analyst(session.analyst) is None:
             raise InvalidAuthorization(f'role "{session.analyst}" does not exist')
+        if budget_view.is_budget_query(sql, self.policy):  # the analyst's own budget: ledger only, free
+            return budget_view.answer(sql, budget_view.own_budget(self.ledger, self.policy, session.analyst))
+        self.ledger.check_not_frozen(self.policy.dataset, session.analyst)  # 42501 before anything runs
         head = skip_comments(sql)
         target = explain_target(head)
         if target is not None:
@@ -217,6 +229,7 @@ class Engine:
             stored_key = self._result_key(prepared)
             entry = self.cache.get_entry(stored_key)
             if entry is not None:
+                trace.cached = True
                 return from_cache(*entry)
         charge = None
         if prepared.plan.measures:
@@ -229,6 +242,7 @@ class Engine:
                 fingerprint=prepared.fingerprint,
                 accounting=self.policy.budget.accounting,
             )
+            trace.charge = charge
         rows = self._run(prepared.sql)
         if prepared.plan.physical.proven and data_version(self.backend) != prepared.data_version:
             # a write raced the proof: run it again with every clamp in place
@@ -238,7 +252,7 @@ class Engine:
         if charge is not None:
             result.remaining_epsilon = remaining_budget(
                 charge.analyst_spent,
-                self.policy.analyst_budget(session.analyst),
+                charge.analyst_limit,  # the policy's budget plus the curator's grants
                 self.policy.budget.accounting,
             ).epsilon  # the ledger's own accountant: Σε under pure, ε(Σρ, δ − Σδ_sel) under zcdp
             result.notices.append(
