@@ -13,7 +13,10 @@ zCDP cost of the noisy measurements (a pure ε-DP charge counts as ρ = ε²/2) 
 probability of the bad event of partition selection, which is not a zCDP quantity. Both add
 up, and the total converts to (ε(Σρ, δ_budget − Σδ_sel), δ_budget)-DP.
 
-Everything here is a pure function of budget figures: no data, no I/O.
+Budget figures are typed, immutable values: :class:`Cost` (one release; ``+`` composes two),
+:class:`Spent` (recorded sums; ``spent + cost`` is one more charge, ``spent + spent`` two analysts
+together), :class:`Allowance` (a limit: the policy's budget ``+`` the curator's grants) and
+:class:`Remaining`. Everything here is a pure function of budget figures: no data, no I/O.
 """
 
 from __future__ import annotations

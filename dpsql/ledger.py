@@ -22,6 +22,12 @@ Composition, conversion and the budget checks are :mod:`dpsql.accountant`'s; the
 what it needs (ε, δ, ρ and selection δ per charge) and runs its checks inside the reservation.
 Dataset totals sum *all* analysts, since analysts may collude.
 
+Schema 3 adds two append-only tables (new tables only, created on open): ``dpsql_ledger_levers``
+(the curator's grants, freezes and unfreezes: who, when, why; an analyst's limit is the policy's
+budget plus the sum of their grants, and both the limit and the freeze are read inside each
+reservation, so a running server obeys them at once) and ``dpsql_audit`` (one row per statement,
+see :mod:`dpsql.audit`).
+
 Ledgers written before ``selection_delta`` existed are migrated on open: the column is added,
 and existing totals take their recorded δ as selection δ (an upper bound: conservative).
 """
