@@ -13,12 +13,16 @@ zCDP cost of the noisy measurements (a pure ε-DP charge counts as ρ = ε²/2) 
 probability of the bad event of partition selection, which is not a zCDP quantity. Both add
 up, and the total converts to (ε(Σρ, δ_budget − Σδ_sel), δ_budget)-DP.
 
-Everything here is a pure function of budget figures: no data, no I/O.
+Budget figures are typed, immutable values: :class:`Cost` (one release; ``+`` composes two),
+:class:`Spent` (recorded sums; ``spent + cost`` is one more charge, ``spent + spent`` two analysts
+together), :class:`Allowance` (a limit: the policy's budget ``+`` the curator's grants) and
+:class:`Remaining`. Everything here is a pure function of budget figures: no data, no I/O.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal, Protocol
@@ -71,6 +75,17 @@ class Cost:
         if self.selection_delta > self.delta:
             raise ValueError(f"Cost.selection_delta must be <= delta, got {self.selection_delta!r}")
 
+    def __add__(self, other: Cost) -> Cost:
+        """Basic composition of two releases: every component adds."""
+        if not isinstance(other, Cost):
+            return NotImplemented
+        return Cost(
+            self.epsilon + other.epsilon,
+            self.delta + other.delta,
+            self.rho + other.rho,
+            self.selection_delta + other.selection_delta,
+        )
+
     def zcdp_rho(self) -> float:
         """ρ charged under zCDP accounting; an (ε, δ>0) cost without ρ cannot be composed there
         (unless its δ is only partition selection's, which is charged as ``selection_delta``)."""
@@ -92,14 +107,38 @@ class Spent:
     queries: int = 0
     selection_delta: float = 0.0
 
+    def __add__(self, other: Spent | Cost) -> Spent:
+        """``spent + cost``: one more recorded charge (its ρ as recorded); ``spent + spent``: the
+        spending of two analysts together (the dataset's total sums every analyst's: they may collude)."""
+        if isinstance(other, Cost):
+            return Spent(
+                self.epsilon + other.epsilon,
+                self.delta + other.delta,
+                self.rho + other.rho,
+                self.queries + 1,
+                self.selection_delta + other.selection_delta,
+            )
+        if isinstance(other, Spent):
+            return Spent(
+                self.epsilon + other.epsilon,
+                self.delta + other.delta,
+                self.rho + other.rho,
+                self.queries + other.queries,
+                self.selection_delta + other.selection_delta,
+            )
+        return NotImplemented
+
     def plus(self, epsilon: float, delta: float, rho: float, selection_delta: float = 0.0) -> Spent:
-        return Spent(
-            self.epsilon + epsilon,
-            self.delta + delta,
-            self.rho + rho,
-            self.queries + 1,
-            self.selection_delta + selection_delta,
-        )
+        """``self + Cost(epsilon, delta, rho, selection_delta)`` (kept for existing callers)."""
+        return self + Cost(epsilon, delta, rho, selection_delta)
+
+    @staticmethod
+    def total(parts: Iterable[Spent]) -> Spent:
+        """The sum of several spendings (``sum`` with the right zero)."""
+        result = Spent()
+        for part in parts:
+            result = result + part
+        return result
 
     def privacy_loss(
         self,
@@ -112,6 +151,45 @@ class Spent:
         if self.rho == 0:
             return 0.0, self.selection_delta
         return zcdp_epsilon(self.rho, self.selection_delta, delta), delta
+
+
+@dataclass(frozen=True)
+class Allowance:
+    """A total (ε, δ) budget as a value: the policy's budget for an analyst plus every curator grant.
+
+    ``+`` adds a grant (ε and δ add: a grant of (ε', δ') lets the analyst compose one more
+    (ε', δ')-DP release, by basic composition under pure accounting and through the one
+    conversion under zcdp). ``<=`` is the componentwise partial order (both ε and δ no larger).
+    Nothing ever subtracts from an allowance: budget given is never taken back.
+    """
+
+    epsilon: float
+    delta: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.epsilon) and self.epsilon >= 0):
+            raise ValueError(f"Allowance.epsilon must be a finite number >= 0, got {self.epsilon!r}")
+        if not (math.isfinite(self.delta) and 0 <= self.delta < 1):
+            raise ValueError(f"Allowance.delta must be in [0, 1), got {self.delta!r}")
+
+    @classmethod
+    def of(cls, budget: BudgetLike) -> Allowance:
+        return budget if isinstance(budget, Allowance) else cls(float(budget.epsilon), float(budget.delta))
+
+    def __add__(self, other: BudgetLike) -> Allowance:
+        if not (hasattr(other, "epsilon") and hasattr(other, "delta")):
+            return NotImplemented
+        return Allowance(self.epsilon + other.epsilon, self.delta + other.delta)
+
+    def __le__(self, other: BudgetLike) -> bool:
+        return self.epsilon <= other.epsilon and self.delta <= other.delta
+
+    def __ge__(self, other: BudgetLike) -> bool:
+        return self.epsilon >= other.epsilon and self.delta >= other.delta
+
+
+#: No grant at all.
+NO_GRANT = Allowance(0.0, 0.0)
 
 
 @dataclass(frozen=True)

@@ -137,14 +137,14 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_budget(args: argparse.Namespace) -> int:
-    from dpsql.accountant import Spent, remaining_budget
+    from dpsql.accountant import BudgetLike, Spent, remaining_budget
     from dpsql.ledger import Ledger
-    from dpsql.policy import Budget, load_policy
+    from dpsql.policy import load_policy
 
     policy = load_policy(args.policy or default_policy())
     accounting = policy.budget.accounting
 
-    def spent_and_left(used: Spent, total: Budget) -> tuple[float, float]:
+    def spent_and_left(used: Spent, total: BudgetLike) -> tuple[float, float]:
         # the ledger's accountant: Σε under pure, ε(Σρ, δ − Σδ_selection) under zcdp
         left = remaining_budget(used, total, accounting).epsilon
         return used.privacy_loss(accounting, total.delta)[0], left
@@ -157,7 +157,7 @@ def cmd_budget(args: argparse.Namespace) -> int:
             names = [args.analyst]
         rows = []
         for name in names:
-            total = policy.analyst_budget(name)
+            total = ledger.levers(policy.dataset, name).limit(policy.analyst_budget(name))  # policy + grants
             used = spent.get(name, Spent())
             eps, left = spent_and_left(used, total)
             rows.append((name, eps, total.epsilon, left, used.queries))
@@ -378,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--analyst")
     budget.add_argument("--json", action="store_true")
     budget.set_defaults(func=cmd_budget)
+    from dpsql import curator_cli
+
+    curator_cli.register(sub, budget)  # dpsql audit; dpsql budget grant|freeze|unfreeze
 
     demo = sub.add_parser("demo", help="replay the seeds' differencing attack on Igor")
     demo.add_argument("--runs", type=int, default=1000)

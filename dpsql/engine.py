@@ -17,7 +17,8 @@ from typing import Any
 
 from sqlglot import exp
 
-from dpsql.accountant import remaining_budget
+from dpsql import budget_view
+from dpsql.accountant import Cost, remaining_budget
 from dpsql.analyze import analyze_tree, infer_parameter_types
 from dpsql.analyze.insert import insert
 from dpsql.analyze.parse import (
@@ -30,12 +31,13 @@ from dpsql.analyze.parse import (
 )
 from dpsql.analyze.randomized import local_query
 from dpsql.analyze.statement import Kind, Statements
+from dpsql.audit import AuditTrail, note_cache_hit, note_charge
 from dpsql.backends import DEFAULT_STATEMENT_TIMEOUT_MS, Backend, log_database_error, open_backend
 from dpsql.cache import ResultCache, cache_key, data_stamp, database_identity, policy_hash, result_key
 from dpsql.errors import BackendError, Error, InvalidAuthorization
 from dpsql.explain import Explanation, explain, explain_format
 from dpsql.fingerprint import fingerprint_key, keyed, row_selection_salt, statement_shape
-from dpsql.ledger import Ledger, resolve_ledger_url
+from dpsql.ledger import Charge, Ledger, resolve_ledger_url
 from dpsql.lru import LRU
 from dpsql.outer import describe as describe_outer
 from dpsql.outer import route as route_outer
@@ -74,6 +76,8 @@ class Engine:
         self._fingerprint_key: bytes | None = None
         #: Refuses columns stored as text but declared typed (schema only, read once per data version).
         self._stored_types = StoredTypes(backend)
+        #: One audit row per statement (shape, cost, outcome), written to the ledger off the query's path.
+        self.audit = AuditTrail(ledger, policy.dataset, lambda sql: (self.fingerprint(sql), statement_shape(sql)))
 
     @classmethod
     def open(
@@ -98,6 +102,7 @@ class Engine:
         return cls(loaded, backend, Ledger.open(ledger_url), results)
 
     def close(self) -> None:
+        self.audit.close()
         self.backend.close()
         self.ledger.close()
         if self.cache is not None:
@@ -176,9 +181,30 @@ class Engine:
         return explain(prepared.plan, prepared.budgeting, confidence_level(self.policy, session), shown_sql)
 
     def execute(self, sql: str, session: Session, params: Params = None) -> Result:
-        """Answer one DP query: reserve the budget, run, noise, post-process."""
+        """Answer one DP query: reserve the budget, run, noise, post-process; audited however it ends."""
+        with self.audit.recording(sql, session.analyst):
+            return self._answer(sql, session, params)
+
+    def reserve(self, cost: Cost, session: Session, fingerprint: str) -> Charge:
+        """Charge ``cost`` to the analyst and the dataset, durably, before anything runs (audited)."""
+        return note_charge(
+            self.ledger.reserve(
+                dataset=self.policy.dataset,
+                analyst=session.analyst,
+                cost=cost,
+                dataset_budget=self.policy.budget.dataset,
+                analyst_budget=self.policy.analyst_budget(session.analyst),
+                fingerprint=fingerprint,
+                accounting=self.policy.budget.accounting,
+            )
+        )
+
+    def _answer(self, sql: str, session: Session, params: Params) -> Result:
         if self.policy.analyst(session.analyst) is None:
             raise InvalidAuthorization(f'role "{session.analyst}" does not exist')
+        if budget_view.is_budget_query(sql, self.policy):  # the analyst's own budget: ledger only, free
+            return budget_view.answer(sql, budget_view.own_budget(self.ledger, self.policy, session.analyst))
+        self.ledger.check_not_frozen(self.policy.dataset, session.analyst)  # 42501 before anything runs
         statement = self._statements.get(sql)  # parsed once per text; classified on the tree
         if statement.kind is Kind.EXPLAIN:
             return self.explain(statement.target, session, params).as_result(explain_format(sql))
@@ -197,18 +223,9 @@ class Engine:
             stored_key = self._result_key(prepared)
             entry = self.cache.get_entry(stored_key)
             if entry is not None:
+                note_cache_hit()
                 return from_cache(*entry)
-        charge = None
-        if prepared.plan.measures:
-            charge = self.ledger.reserve(
-                dataset=self.policy.dataset,
-                analyst=session.analyst,
-                cost=budgeting.cost,
-                dataset_budget=self.policy.budget.dataset,
-                analyst_budget=self.policy.analyst_budget(session.analyst),
-                fingerprint=prepared.fingerprint,
-                accounting=self.policy.budget.accounting,
-            )
+        charge = self.reserve(budgeting.cost, session, prepared.fingerprint) if prepared.plan.measures else None
         rows = self._run(prepared.sql)
         if prepared.plan.physical.proven and data_version(self.backend) != prepared.data_version:
             # a write raced the proof: run it again with every clamp in place
@@ -218,7 +235,7 @@ class Engine:
         if charge is not None:
             result.remaining_epsilon = remaining_budget(
                 charge.analyst_spent,
-                self.policy.analyst_budget(session.analyst),
+                charge.analyst_limit,  # the policy's budget plus the curator's grants
                 self.policy.budget.accounting,
             ).epsilon  # the ledger's own accountant: Σε under pure, ε(Σρ, δ − Σδ_sel) under zcdp
             result.notices.append(

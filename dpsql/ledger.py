@@ -22,6 +22,12 @@ Composition, conversion and the budget checks are :mod:`dpsql.accountant`'s; the
 what it needs (ε, δ, ρ and selection δ per charge) and runs its checks inside the reservation.
 Dataset totals sum *all* analysts, since analysts may collude.
 
+Schema 3 adds two append-only tables (new tables only, created on open): ``dpsql_ledger_levers``
+(the curator's grants, freezes and unfreezes: who, when, why; an analyst's limit is the policy's
+budget plus the sum of their grants, and both the limit and the freeze are read inside each
+reservation, so a running server obeys them at once) and ``dpsql_audit`` (one row per statement,
+see :mod:`dpsql.audit`).
+
 Ledgers written before ``selection_delta`` existed are migrated on open: the column is added,
 and existing totals take their recorded δ as selection δ (an upper bound: conservative).
 """
@@ -40,7 +46,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dpsql.accountant import (
+    NO_GRANT,
     Accounting,
+    Allowance,
     BudgetLike,
     Cost,
     Remaining,
@@ -50,10 +58,11 @@ from dpsql.accountant import (
     remaining_budget,
     zcdp_epsilon,
 )
-from dpsql.errors import LedgerUnavailable
+from dpsql.errors import InsufficientPrivilege, InvalidParameterValue, LedgerUnavailable
 
 __all__ = [  # the accountant's names, re-exported for the ledger's callers
     "Accounting",
+    "Allowance",
     "BudgetLike",
     "Cost",
     "Remaining",
@@ -93,6 +102,8 @@ class Charge:
     accounting: Accounting
     analyst_spent: Spent
     dataset_spent: Spent
+    #: The analyst's limit this charge was checked against: the policy's budget plus every grant.
+    analyst_limit: Allowance = NO_GRANT
 
 
 @dataclass(frozen=True)
@@ -115,6 +126,70 @@ class AnalystSpent:
     analyst: str
     spent: Spent
     last_at: dt.datetime | None
+
+
+@dataclass(frozen=True)
+class Levers:
+    """The curator's levers on one analyst: the sum of their grants and whether they are frozen."""
+
+    grant: Allowance = NO_GRANT
+    frozen: bool = False
+
+    def limit(self, budget: BudgetLike) -> Allowance:
+        """The analyst's limit: the policy's budget plus every grant (grants only ever add)."""
+        return Allowance.of(budget) + self.grant
+
+
+#: Kinds of curator rows in ``dpsql_ledger_levers``.
+LEVER_KINDS = ("grant", "freeze", "unfreeze")
+
+
+@dataclass(frozen=True)
+class LeverEvent:
+    """One curator action as stored (append-only): who did what to which analyst, when and why."""
+
+    id: int
+    at: dt.datetime
+    dataset: str
+    analyst: str
+    kind: str
+    epsilon: float
+    delta: float
+    by: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class AuditEntry:
+    """One audited statement: its shape (never a constant), what it cost and how it ended.
+
+    ``outcome`` is ``answered`` (released; charged unless free), ``cache hit`` (a free repeat),
+    ``refused`` (an error before any charge: nothing spent) or ``failed`` (an error after the
+    charge: spent, nothing released). ``sqlstate`` is ``00000`` unless refused or failed.
+    """
+
+    at: dt.datetime
+    dataset: str
+    analyst: str
+    fingerprint: str
+    shape: str
+    outcome: str
+    sqlstate: str
+    epsilon: float = 0.0
+    delta: float = 0.0
+    rho: float = 0.0
+    latency_ms: float = 0.0
+    charge_id: int | None = None
+    id: int | None = None
+
+
+def frozen_error(analyst: str) -> InsufficientPrivilege:
+    """42501 for a frozen analyst: fixed text, no curator reason (it may say what the curator suspects)."""
+    return InsufficientPrivilege(
+        f'the data curator froze the privacy budget of analyst "{analyst}"',
+        detail="No query is answered until the curator unfreezes it.",
+        hint="Ask the data curator.",
+    )
 
 
 #: Ledger URLs that ask explicitly for a throwaway in-memory ledger (a fresh budget per engine).
@@ -192,25 +267,29 @@ class Ledger:
         if accounting not in ("pure", "zcdp"):
             raise ValueError(f"unknown accounting {accounting!r}")
         rho = cost.zcdp_rho() if accounting == "zcdp" else self._recorded_rho(cost)
+        recorded = Cost(cost.epsilon, cost.delta, rho, cost.selection_delta)
         now = dt.datetime.now(dt.UTC)
+        limit = Allowance.of(analyst_budget)
 
-        def check(analyst_spent: Spent, dataset_spent: Spent) -> None:
+        def check(analyst_spent: Spent, dataset_spent: Spent, levers: Levers) -> None:
+            # Read in the reservation's transaction: a freeze or grant committed before it counts.
+            nonlocal limit
+            if levers.frozen:
+                raise frozen_error(analyst)
+            limit = levers.limit(analyst_budget)
             common: dict[str, Any] = {
                 "cost": cost,
                 "accounting": accounting,
                 "rho_delta": rho_delta,
             }
-            check_budget(who="analyst", name=analyst, spent=analyst_spent, budget=analyst_budget, **common)
+            check_budget(who="analyst", name=analyst, spent=analyst_spent, budget=limit, **common)
             check_budget(who="dataset", name=dataset, spent=dataset_spent, budget=dataset_budget, **common)
 
         charge_id, analyst_spent, dataset_spent = self._reserve(
             dataset=dataset,
             analyst=analyst,
             fingerprint=fingerprint,
-            epsilon=cost.epsilon,
-            delta=cost.delta,
-            rho=rho,
-            selection_delta=cost.selection_delta,
+            cost=recorded,
             accounting=accounting,
             at=now,
             check=check,
@@ -225,6 +304,7 @@ class Ledger:
             accounting=accounting,
             analyst_spent=analyst_spent,
             dataset_spent=dataset_spent,
+            analyst_limit=limit,
         )
 
     def spent(self, dataset: str, analyst: str | None = None) -> Spent:
@@ -232,7 +312,7 @@ class Ledger:
         rows = self.summary(dataset)
         if analyst is not None:
             rows = [row for row in rows if row.analyst == analyst]
-        return _sum_spent(row.spent for row in rows)
+        return Spent.total(row.spent for row in rows)
 
     def remaining(
         self,
@@ -243,7 +323,10 @@ class Ledger:
         accounting: Accounting = "pure",
         rho_delta: float | None = None,
     ) -> Remaining:
-        """What is left of ``budget`` given what the analyst (or the dataset) has spent."""
+        """What is left of ``budget`` (plus the analyst's grants) given what the analyst (or the
+        dataset) has spent."""
+        if analyst is not None:
+            budget = self.levers(dataset, analyst).limit(budget)
         return remaining_budget(
             self.spent(dataset, analyst),
             budget,
@@ -261,6 +344,111 @@ class Ledger:
 
     def close(self) -> None:
         raise NotImplementedError
+
+    # -- curator levers and the audit trail (append-only) ------------------------------------
+
+    def levers(self, dataset: str, analyst: str) -> Levers:
+        """The analyst's grants and freeze state, read now (no cache: a curator's change takes effect
+        on the next query of every running process)."""
+        rows = self._read(_LEVERS_SQL, (dataset, analyst, dataset, analyst))
+        return _levers(rows[0] if rows else None)
+
+    def check_not_frozen(self, dataset: str, analyst: str) -> None:
+        """Raise 42501 if the curator froze ``analyst``: called before a statement is even analysed."""
+        if self.levers(dataset, analyst).frozen:
+            raise frozen_error(analyst)
+
+    def grant(
+        self, *, dataset: str, analyst: str, epsilon: float, delta: float = 0.0, by: str, reason: str
+    ) -> LeverEvent:
+        """Add (ε, δ) to the analyst's limit, as a new row (grants are never changed or removed)."""
+        try:
+            grant = Allowance(epsilon, delta)
+        except (TypeError, ValueError):
+            raise InvalidParameterValue(
+                f"invalid grant: ε={epsilon!r}, δ={delta!r}",
+                hint="Grant a finite ε ≥ 0 and a δ in [0, 1).",
+            ) from None
+        if grant.epsilon == 0 and grant.delta == 0:
+            raise InvalidParameterValue("a grant must add some ε or δ")
+        if not reason.strip():
+            raise InvalidParameterValue("a grant needs a --reason")
+        return self._lever(dataset, analyst, "grant", grant, by, reason)
+
+    def freeze(self, *, dataset: str, analyst: str, by: str, reason: str = "") -> LeverEvent:
+        """Refuse (42501) every further query of ``analyst`` until :meth:`unfreeze`."""
+        return self._lever(dataset, analyst, "freeze", NO_GRANT, by, reason)
+
+    def unfreeze(self, *, dataset: str, analyst: str, by: str, reason: str = "") -> LeverEvent:
+        return self._lever(dataset, analyst, "unfreeze", NO_GRANT, by, reason)
+
+    def _lever(self, dataset: str, analyst: str, kind: str, amount: Allowance, by: str, reason: str) -> LeverEvent:
+        at = dt.datetime.now(dt.UTC)
+        row = (self._timestamp(at), dataset, analyst, kind, amount.epsilon, amount.delta, by, reason)
+        # Under the dataset's reservation lock: a grant or freeze is ordered with every charge.
+        with self._reservation(dataset) as execute:
+            event_id = self._insert_id(execute, self._sql(_INSERT_LEVER_SQL), row)
+        return LeverEvent(event_id, at, dataset, analyst, kind, amount.epsilon, amount.delta, by, reason)
+
+    def lever_events(
+        self, dataset: str, analyst: str | None = None, *, since: dt.datetime | None = None, limit: int = 100
+    ) -> list[LeverEvent]:
+        """Curator actions, most recent first."""
+        sql, params = _filtered(_SELECT_LEVERS_SQL, dataset, analyst, since, limit)
+        return [_lever_event(row) for row in self._read(sql, params)]
+
+    def record_audit(self, entries: list[AuditEntry]) -> None:
+        """Append audit rows in one transaction (written by :class:`dpsql.audit.AuditTrail`'s thread)."""
+        if not entries:
+            return
+        rows = [
+            (
+                self._timestamp(e.at),
+                e.dataset,
+                e.analyst,
+                e.fingerprint,
+                e.shape,
+                e.outcome,
+                e.sqlstate,
+                e.epsilon,
+                e.delta,
+                e.rho,
+                e.latency_ms,
+                e.charge_id,
+            )
+            for e in entries
+        ]
+        with self._append() as execute:
+            for row in rows:
+                execute(self._sql(_INSERT_AUDIT_SQL), row)
+
+    def audit(
+        self, dataset: str, analyst: str | None = None, *, since: dt.datetime | None = None, limit: int = 100
+    ) -> list[AuditEntry]:
+        """Audited statements, most recent first."""
+        sql, params = _filtered(_SELECT_AUDIT_SQL, dataset, analyst, since, limit)
+        return [_audit_entry(row) for row in self._read(sql, params)]
+
+    def _read(self, sql: str, params: tuple[Any, ...]) -> list[Any]:
+        """Run a read-only query (``?`` placeholders) and fetch every row; fail closed."""
+        raise NotImplementedError
+
+    def _append(self) -> AbstractContextManager[Execute]:
+        """A short write transaction without the dataset's reservation lock (audit rows)."""
+        raise NotImplementedError
+
+    def _reservation(self, dataset: str) -> AbstractContextManager[Execute]:
+        raise NotImplementedError
+
+    def _insert_id(self, execute: Execute, sql: str, params: tuple[Any, ...]) -> int:
+        raise NotImplementedError
+
+    def _sql(self, sql: str) -> str:
+        """``sql`` (written with ``?`` placeholders) in the store's paramstyle."""
+        return sql
+
+    def _timestamp(self, at: dt.datetime) -> Any:
+        return at
 
     def installation_key(self) -> bytes:
         """This installation's secret (32 random bytes), generated once and kept in the ledger's own
@@ -305,27 +493,12 @@ class Ledger:
         dataset: str,
         analyst: str,
         fingerprint: str,
-        epsilon: float,
-        delta: float,
-        rho: float,
-        selection_delta: float,
+        cost: Cost,
         accounting: Accounting,
         at: dt.datetime,
-        check: Callable[[Spent, Spent], None],
+        check: Callable[[Spent, Spent, Levers], None],
     ) -> tuple[int, Spent, Spent]:
         raise NotImplementedError
-
-
-def _sum_spent(parts: Iterator[Spent] | list[Spent]) -> Spent:
-    eps = delta = rho = selection_delta = 0.0
-    queries = 0
-    for part in parts:
-        eps += part.epsilon
-        delta += part.delta
-        rho += part.rho
-        queries += part.queries
-        selection_delta += part.selection_delta
-    return Spent(eps, delta, rho, queries, selection_delta)
 
 
 def _unavailable(reason: str, exc: BaseException | None = None) -> LedgerUnavailable:
@@ -374,8 +547,45 @@ BEGIN SELECT RAISE(ABORT, 'privacy ledger charges are never deleted'); END;
 CREATE TRIGGER IF NOT EXISTS dpsql_ledger_no_update BEFORE UPDATE ON dpsql_ledger
 BEGIN SELECT RAISE(ABORT, 'privacy ledger charges are never changed'); END;
 CREATE TABLE IF NOT EXISTS dpsql_ledger_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+-- Schema 3: the curator's levers and the audit trail (new tables only: nothing to migrate).
+CREATE TABLE IF NOT EXISTS dpsql_ledger_levers (
+    id       INTEGER PRIMARY KEY AUTOINCREMENT,
+    at       TEXT    NOT NULL,
+    dataset  TEXT    NOT NULL,
+    analyst  TEXT    NOT NULL,
+    kind     TEXT    NOT NULL CHECK (kind IN ('grant', 'freeze', 'unfreeze')),
+    epsilon  REAL    NOT NULL CHECK (epsilon >= 0),
+    delta    REAL    NOT NULL CHECK (delta >= 0 AND delta < 1),
+    by_user  TEXT    NOT NULL,
+    reason   TEXT    NOT NULL
+);
+CREATE INDEX IF NOT EXISTS dpsql_ledger_levers_by_owner ON dpsql_ledger_levers (dataset, analyst, id);
+CREATE TABLE IF NOT EXISTS dpsql_audit (
+    id          INTEGER PRIMARY KEY AUTOINCREMENT,
+    at          TEXT    NOT NULL,
+    dataset     TEXT    NOT NULL,
+    analyst     TEXT    NOT NULL,
+    fingerprint TEXT    NOT NULL,
+    shape       TEXT    NOT NULL,
+    outcome     TEXT    NOT NULL,
+    sqlstate    TEXT    NOT NULL,
+    epsilon     REAL    NOT NULL,
+    delta       REAL    NOT NULL,
+    rho         REAL    NOT NULL,
+    latency_ms  REAL    NOT NULL,
+    charge_id   INTEGER
+);
+CREATE INDEX IF NOT EXISTS dpsql_audit_by_time ON dpsql_audit (dataset, at);
+CREATE TRIGGER IF NOT EXISTS dpsql_levers_no_delete BEFORE DELETE ON dpsql_ledger_levers
+BEGIN SELECT RAISE(ABORT, 'curator actions are never deleted'); END;
+CREATE TRIGGER IF NOT EXISTS dpsql_levers_no_update BEFORE UPDATE ON dpsql_ledger_levers
+BEGIN SELECT RAISE(ABORT, 'curator actions are never changed'); END;
+CREATE TRIGGER IF NOT EXISTS dpsql_audit_no_delete BEFORE DELETE ON dpsql_audit
+BEGIN SELECT RAISE(ABORT, 'the audit trail is append-only'); END;
+CREATE TRIGGER IF NOT EXISTS dpsql_audit_no_update BEFORE UPDATE ON dpsql_audit
+BEGIN SELECT RAISE(ABORT, 'the audit trail is append-only'); END;
 -- A real write on every open: a read-only file or directory fails here, not mid-query.
-INSERT INTO dpsql_ledger_meta (key, value) VALUES ('schema', '2')
+INSERT INTO dpsql_ledger_meta (key, value) VALUES ('schema', '3')
     ON CONFLICT (key) DO UPDATE SET value = excluded.value;
 COMMIT;
 """
@@ -448,6 +658,73 @@ _INSERT_CHARGE_SQL = (
 #: ``execute(sql, params)`` inside a reservation's transaction: returns a DB-API cursor.
 Execute = Callable[[str, tuple[Any, ...]], Any]
 
+# Grants summed, and the latest freeze/unfreeze: curator rows are few, so no derived state to keep.
+_LEVERS_SQL = (
+    "SELECT COALESCE(SUM(epsilon), 0), COALESCE(SUM(delta), 0), "
+    "(SELECT kind FROM dpsql_ledger_levers WHERE dataset = ? AND analyst = ? "
+    "AND kind IN ('freeze', 'unfreeze') ORDER BY id DESC LIMIT 1) "
+    "FROM dpsql_ledger_levers WHERE dataset = ? AND analyst = ? AND kind = 'grant'"
+)
+_INSERT_LEVER_SQL = (
+    "INSERT INTO dpsql_ledger_levers (at, dataset, analyst, kind, epsilon, delta, by_user, reason) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+)
+_SELECT_LEVERS_SQL = (
+    "SELECT id, at, dataset, analyst, kind, epsilon, delta, by_user, reason FROM dpsql_ledger_levers WHERE dataset = ?"
+)
+_INSERT_AUDIT_SQL = (
+    "INSERT INTO dpsql_audit (at, dataset, analyst, fingerprint, shape, outcome, sqlstate, epsilon, delta, rho, "
+    "latency_ms, charge_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+_SELECT_AUDIT_SQL = (
+    "SELECT id, at, dataset, analyst, fingerprint, shape, outcome, sqlstate, epsilon, delta, rho, latency_ms, "
+    "charge_id FROM dpsql_audit WHERE dataset = ?"
+)
+
+
+def _filtered(
+    sql: str, dataset: str, analyst: str | None, since: dt.datetime | None, limit: int
+) -> tuple[str, tuple[Any, ...]]:
+    params: tuple[Any, ...] = (dataset,)
+    if analyst is not None:
+        sql += " AND analyst = ?"
+        params += (analyst,)
+    if since is not None:
+        sql += " AND at >= ?"
+        params += (since,)
+    return sql + " ORDER BY id DESC LIMIT ?", (*params, limit)
+
+
+def _levers(row: Any) -> Levers:
+    if row is None:
+        return Levers()
+    grant = Allowance(float(row[0]), float(row[1])) if row[0] or row[1] else NO_GRANT
+    return Levers(grant, row[2] == "freeze")
+
+
+def _lever_event(row: Any) -> LeverEvent:
+    return LeverEvent(
+        int(row[0]), _parse_ts(row[1]), row[2], row[3], row[4], float(row[5]), float(row[6]), row[7], row[8]
+    )
+
+
+def _audit_entry(row: Any) -> AuditEntry:
+    return AuditEntry(
+        at=_parse_ts(row[1]),
+        dataset=row[2],
+        analyst=row[3],
+        fingerprint=row[4],
+        shape=row[5],
+        outcome=row[6],
+        sqlstate=row[7],
+        epsilon=float(row[8]),
+        delta=float(row[9]),
+        rho=float(row[10]),
+        latency_ms=float(row[11]),
+        charge_id=None if row[12] is None else int(row[12]),
+        id=int(row[0]),
+    )
+
 
 class _SQLLedger(Ledger):
     """The reservation both stores share, over two small adapters.
@@ -461,47 +738,28 @@ class _SQLLedger(Ledger):
 
     _UPSERT_TOTALS_SQL: str
 
-    def _reservation(self, dataset: str) -> AbstractContextManager[Execute]:
-        raise NotImplementedError
-
-    def _sql(self, sql: str) -> str:
-        """``sql`` (written with ``?`` placeholders) in the store's paramstyle."""
-        return sql
-
-    def _insert_id(self, execute: Execute, sql: str, params: tuple[Any, ...]) -> int:
-        """Run the INSERT of a charge; its id."""
-        raise NotImplementedError
-
-    def _timestamp(self, at: dt.datetime) -> Any:
-        return at
-
     def _reserve(
         self,
         *,
         dataset: str,
         analyst: str,
         fingerprint: str,
-        epsilon: float,
-        delta: float,
-        rho: float,
-        selection_delta: float,
+        cost: Cost,
         accounting: Accounting,
         at: dt.datetime,
-        check: Callable[[Spent, Spent], None],
+        check: Callable[[Spent, Spent, Levers], None],
     ) -> tuple[int, Spent, Spent]:
         stamp = self._timestamp(at)
+        eps, delta, rho, sel = cost.epsilon, cost.delta, cost.rho, cost.selection_delta
         with self._reservation(dataset) as execute:
             rows = execute(self._sql(_TOTALS_SQL), (dataset,)).fetchall()
             analyst_spent, dataset_spent = _split_totals(rows, analyst)
-            check(analyst_spent, dataset_spent)  # refuses (53P01) before anything is written
-            charge = (stamp, dataset, analyst, fingerprint, epsilon, delta, rho, accounting, selection_delta)
+            levers = _levers(execute(self._sql(_LEVERS_SQL), (dataset, analyst, dataset, analyst)).fetchone())
+            check(analyst_spent, dataset_spent, levers)  # refuses (42501, 53P01) before anything is written
+            charge = (stamp, dataset, analyst, fingerprint, eps, delta, rho, accounting, sel)
             charge_id = self._insert_id(execute, self._sql(_INSERT_CHARGE_SQL), charge)
-            execute(self._UPSERT_TOTALS_SQL, (dataset, analyst, epsilon, delta, rho, stamp, selection_delta))
-        return (
-            charge_id,
-            analyst_spent.plus(epsilon, delta, rho, selection_delta),
-            dataset_spent.plus(epsilon, delta, rho, selection_delta),
-        )
+            execute(self._UPSERT_TOTALS_SQL, (dataset, analyst, eps, delta, rho, stamp, sel))
+        return charge_id, analyst_spent + cost, dataset_spent + cost
 
 
 class SQLiteLedger(_SQLLedger):
@@ -614,6 +872,21 @@ class SQLiteLedger(_SQLLedger):
             except sqlite3.Error as exc:
                 raise _unavailable(f"cannot record a charge in {self.path!r}", exc) from exc
 
+    @contextmanager
+    def _append(self) -> Iterator[Execute]:
+        # Same write lock as a reservation (SQLite has one writer); held for a few inserts only.
+        with self._reservation("") as execute:
+            yield execute
+
+    def _read(self, sql: str, params: tuple[Any, ...]) -> list[Any]:
+        conn = self._conn()
+        params = tuple(_ts(p) if isinstance(p, dt.datetime) else p for p in params)
+        with self._turn():
+            try:
+                return conn.execute(sql, params).fetchall()
+            except sqlite3.Error as exc:
+                raise _unavailable(f"cannot read {self.path!r}", exc) from exc
+
     def _insert_id(self, execute: Execute, sql: str, params: tuple[Any, ...]) -> int:
         charge_id = execute(sql, params).lastrowid
         assert charge_id is not None
@@ -680,7 +953,7 @@ def _split_totals(rows: list[Any], analyst: str) -> tuple[Spent, Spent]:
     per_analyst = {
         row[0]: Spent(float(row[1]), float(row[2]), float(row[3]), int(row[4]), float(row[5])) for row in rows
     }
-    return per_analyst.get(analyst, Spent()), _sum_spent(list(per_analyst.values()))
+    return per_analyst.get(analyst, Spent()), Spent.total(per_analyst.values())
 
 
 def _record(row: Any) -> ChargeRecord:
@@ -739,6 +1012,50 @@ BEGIN
     RAISE EXCEPTION 'privacy ledger charges are never changed or deleted';
 END
 $fn$;
+-- Schema 3: the curator's levers and the audit trail (new tables only: nothing to migrate).
+CREATE TABLE IF NOT EXISTS dpsql_ledger_levers (
+    id       bigserial        PRIMARY KEY,
+    at       timestamptz      NOT NULL,
+    dataset  text             NOT NULL,
+    analyst  text             NOT NULL,
+    kind     text             NOT NULL CHECK (kind IN ('grant', 'freeze', 'unfreeze')),
+    epsilon  double precision NOT NULL CHECK (epsilon >= 0),
+    delta    double precision NOT NULL CHECK (delta >= 0 AND delta < 1),
+    by_user  text             NOT NULL,
+    reason   text             NOT NULL
+);
+CREATE INDEX IF NOT EXISTS dpsql_ledger_levers_by_owner ON dpsql_ledger_levers (dataset, analyst, id);
+CREATE TABLE IF NOT EXISTS dpsql_audit (
+    id          bigserial        PRIMARY KEY,
+    at          timestamptz      NOT NULL,
+    dataset     text             NOT NULL,
+    analyst     text             NOT NULL,
+    fingerprint text             NOT NULL,
+    shape       text             NOT NULL,
+    outcome     text             NOT NULL,
+    sqlstate    text             NOT NULL,
+    epsilon     double precision NOT NULL,
+    delta       double precision NOT NULL,
+    rho         double precision NOT NULL,
+    latency_ms  double precision NOT NULL,
+    charge_id   bigint
+);
+CREATE INDEX IF NOT EXISTS dpsql_audit_by_time ON dpsql_audit (dataset, at);
+DO $do$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger
+                   WHERE tgname = 'dpsql_levers_append_only' AND tgrelid = 'dpsql_ledger_levers'::regclass) THEN
+        CREATE TRIGGER dpsql_levers_append_only BEFORE UPDATE OR DELETE ON dpsql_ledger_levers
+            FOR EACH ROW EXECUTE FUNCTION dpsql_ledger_append_only();
+        CREATE TRIGGER dpsql_levers_no_truncate BEFORE TRUNCATE ON dpsql_ledger_levers
+            FOR EACH STATEMENT EXECUTE FUNCTION dpsql_ledger_append_only();
+        CREATE TRIGGER dpsql_audit_append_only BEFORE UPDATE OR DELETE ON dpsql_audit
+            FOR EACH ROW EXECUTE FUNCTION dpsql_ledger_append_only();
+        CREATE TRIGGER dpsql_audit_no_truncate BEFORE TRUNCATE ON dpsql_audit
+            FOR EACH STATEMENT EXECUTE FUNCTION dpsql_ledger_append_only();
+    END IF;
+END
+$do$;
 DO $do$
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM pg_trigger
@@ -849,6 +1166,21 @@ class PostgresLedger(_SQLLedger):
 
     def _sql(self, sql: str) -> str:
         return sql.replace("?", "%s")
+
+    def _read(self, sql: str, params: tuple[Any, ...]) -> list[Any]:
+        return self._fetch(self._sql(sql), params)
+
+    @contextmanager
+    def _append(self) -> Iterator[Execute]:
+        import psycopg
+
+        conn = self._conn()
+        try:
+            with conn.transaction():
+                yield conn.execute
+        except psycopg.Error as exc:
+            self._drop(conn)
+            raise _unavailable("cannot write the audit trail", exc) from exc
 
     def _insert_id(self, execute: Execute, sql: str, params: tuple[Any, ...]) -> int:
         row = execute(sql + " RETURNING id", params).fetchone()

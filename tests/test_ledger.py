@@ -6,6 +6,7 @@ exercised with real threads and real processes racing for the last ε.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import math
 import os
@@ -21,10 +22,19 @@ from pathlib import Path
 
 import pytest
 
-from dpsql.errors import LedgerUnavailable, PrivacyBudgetExhausted
+from dpsql.errors import (
+    InsufficientPrivilege,
+    InvalidParameterValue,
+    LedgerUnavailable,
+    PrivacyBudgetExhausted,
+    UndefinedObject,
+)
 from dpsql.ledger import (
+    Allowance,
+    AuditEntry,
     Cost,
     Ledger,
+    Levers,
     PostgresLedger,
     Spent,
     max_rho,
@@ -488,3 +498,109 @@ def test_pg_installation_key_is_shared(pg_dsn: str, pg_ledger: PostgresLedger) -
         assert other.installation_key() == pg_ledger.installation_key() and len(pg_ledger.installation_key()) == 32
     finally:
         other.close()
+
+
+# --- typed budget values, curator levers and the audit trail (both stores) ---------------------
+
+
+def test_typed_budget_values_compose() -> None:
+    assert Cost(0.5, 1e-7, 0.1, 1e-7) + Cost(0.25) == Cost(0.75, 1e-7, 0.1, 1e-7)
+    spent = Spent() + Cost(0.5, 0.0, 0.125) + Cost(0.5, 0.0, 0.125)
+    assert spent == Spent(1.0, 0.0, 0.25, 2)
+    assert spent + Spent(1.0, 0.0, 0.5, 1) == Spent(2.0, 0.0, 0.75, 3)  # two analysts together
+    assert Spent.total([spent, spent]) == Spent(2.0, 0.0, 0.5, 4)
+    limit = Allowance.of(Budget(epsilon=5, delta=1e-6)) + Allowance(2, 1e-6)
+    assert limit == Allowance(7, 2e-6)
+    assert Allowance(1, 0) <= limit and not (Allowance(8, 0) <= limit) and limit >= Allowance(7, 0)
+    with pytest.raises(ValueError):
+        Allowance(1, 1.0)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def any_ledger(request: pytest.FixtureRequest, sqlite_url: str) -> Iterator[Ledger]:
+    url = sqlite_url if request.param == "sqlite" else request.getfixturevalue("pg_new_database")()
+    with Ledger.open(url) as opened:
+        yield opened
+
+
+def test_grant_raises_the_limit_checked_in_the_reservation(any_ledger: Ledger) -> None:
+    base = Budget(epsilon=1.0, delta=1e-6)
+    _reserve(any_ledger, Cost(1.0), analyst_budget=base)
+    with pytest.raises(PrivacyBudgetExhausted):
+        _reserve(any_ledger, Cost(0.5), analyst_budget=base)
+    any_ledger.grant(dataset="health", analyst="alice", epsilon=0.5, by="curator", reason="thesis")
+    charge = _reserve(any_ledger, Cost(0.5), analyst_budget=base)
+    assert charge.analyst_limit == Allowance(1.5, 1e-6)  # type: ignore[attr-defined]
+    with pytest.raises(PrivacyBudgetExhausted):
+        _reserve(any_ledger, Cost(0.1), analyst_budget=base)
+    assert any_ledger.remaining("health", "alice", budget=base).epsilon == 0.0
+    assert any_ledger.levers("health", "bob") == Levers()  # another analyst's limit is untouched
+
+
+def test_frozen_analyst_is_refused_before_any_charge(any_ledger: Ledger) -> None:
+    any_ledger.freeze(dataset="health", analyst="bob", by="curator", reason="probing")
+    for check in (
+        lambda: any_ledger.check_not_frozen("health", "bob"),
+        lambda: _reserve(any_ledger, Cost(0.1), analyst="bob"),
+    ):
+        with pytest.raises(InsufficientPrivilege) as refused:
+            check()
+        assert refused.value.sqlstate == "42501"
+        assert refused.value.message == 'the data curator froze the privacy budget of analyst "bob"'
+        assert "probing" not in str(refused.value.detail) + str(refused.value.hint)  # no curator reason
+    assert any_ledger.spent("health", "bob") == Spent()
+    any_ledger.check_not_frozen("health", "alice")
+    any_ledger.unfreeze(dataset="health", analyst="bob", by="curator")
+    _reserve(any_ledger, Cost(0.1), analyst="bob")
+    events = any_ledger.lever_events("health", "bob")
+    assert [(e.kind, e.by, e.reason) for e in events] == [("unfreeze", "curator", ""), ("freeze", "curator", "probing")]
+
+
+@pytest.mark.parametrize(
+    ("epsilon", "delta", "reason", "message"),
+    [
+        (-1.0, 0.0, "r", "invalid grant: ε=-1.0, δ=0.0"),
+        (math.inf, 0.0, "r", "invalid grant: ε=inf, δ=0.0"),
+        (1.0, 1.0, "r", "invalid grant: ε=1.0, δ=1.0"),
+        (0.0, 0.0, "r", "a grant must add some ε or δ"),
+        (1.0, 0.0, "", "a grant needs a --reason"),
+    ],
+)
+def test_invalid_grants_are_22023(ledger: Ledger, epsilon: float, delta: float, reason: str, message: str) -> None:
+    with pytest.raises(InvalidParameterValue) as refused:
+        ledger.grant(dataset="health", analyst="alice", epsilon=epsilon, delta=delta, by="c", reason=reason)
+    assert refused.value.sqlstate == "22023" and refused.value.message == message
+    assert ledger.lever_events("health") == []
+
+
+def test_unknown_analyst_lever_is_42704(sqlite_url: str) -> None:
+    from dpsql.cli import build_parser
+
+    args = build_parser().parse_args(["budget", "freeze", "--analyst", "nobody", "--ledger", sqlite_url])
+    with pytest.raises(UndefinedObject) as refused:
+        args.func(args)
+    assert refused.value.sqlstate == "42704"
+    assert refused.value.message == 'analyst "nobody" is not in the policy'
+
+
+def test_audit_trail_is_append_only(any_ledger: Ledger) -> None:
+    at = dt.datetime(2026, 11, 2, tzinfo=dt.UTC)
+    entries = [
+        AuditEntry(at - dt.timedelta(days=5), "health", "alice", "f1", "SELECT COUNT(*) FROM t", "answered", "00000"),
+        AuditEntry(at, "health", "bob", "f2", "SELECT x FROM t", "refused", "42803", latency_ms=0.5),
+    ]
+    any_ledger.record_audit(entries)
+    rows = any_ledger.audit("health")
+    assert [(r.analyst, r.outcome, r.sqlstate) for r in rows] == [
+        ("bob", "refused", "42803"),
+        ("alice", "answered", "00000"),
+    ]
+    assert [r.analyst for r in any_ledger.audit("health", since=at - dt.timedelta(days=1))] == ["bob"]
+    assert [r.analyst for r in any_ledger.audit("health", "alice")] == ["alice"]
+    assert any_ledger.audit("other") == []
+    any_ledger.grant(dataset="health", analyst="alice", epsilon=1, by="c", reason="r")
+    for table in ("dpsql_audit", "dpsql_ledger_levers"):
+        for sql in (f"DELETE FROM {table}", f"UPDATE {table} SET analyst = 'x'"):
+            with pytest.raises(Exception, match=r"never|append-only"), any_ledger._append() as execute:
+                execute(sql, ())
+    assert len(any_ledger.audit("health")) == 2 and len(any_ledger.lever_events("health")) == 1

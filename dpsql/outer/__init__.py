@@ -222,15 +222,7 @@ def answer(engine: Engine, composite: Composite, session: Session, sql: str) -> 
     cost = _total(prepared)
     charge = None
     if cost is not None:
-        charge = engine.ledger.reserve(
-            dataset=engine.policy.dataset,
-            analyst=session.analyst,
-            cost=cost,
-            dataset_budget=engine.policy.budget.dataset,
-            analyst_budget=engine.policy.analyst_budget(session.analyst),
-            fingerprint=engine.fingerprint(sql),
-            accounting=engine.policy.budget.accounting,
-        )
+        charge = engine.reserve(cost, session, engine.fingerprint(sql))
     released = [_release(engine, p, confidence) for p in prepared]
     text = outer_sql(composite.outer)
     with Sandbox() as box:

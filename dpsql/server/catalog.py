@@ -224,7 +224,23 @@ def schema_statements(policy: Policy) -> list[str]:
     ]
     for name, table in policy.tables.items():
         stmts.extend(_table_ddl(name, table))
+    stmts.extend(_budget_view_ddl(policy))
     return stmts
+
+
+def _budget_view_ddl(policy: Policy) -> list[str]:
+    """An empty ``dpsql_budget`` view, so BI tools' schema sync lists it; reading it goes to the engine,
+    which answers the analyst's own row (:mod:`dpsql.budget_view`)."""
+    from dpsql.budget_view import BUDGET_COLUMNS, BUDGET_RELATION
+
+    if policy.table(BUDGET_RELATION) is not None:
+        return []
+    cols = ", ".join(f"NULL::{type_} AS {_ident(name)}" for name, type_ in BUDGET_COLUMNS)
+    view = f"public.{_ident(BUDGET_RELATION)}"
+    return [
+        f"CREATE VIEW {view} AS SELECT {cols} WHERE false",
+        f"COMMENT ON VIEW {view} IS {_literal('Your own privacy budget: spent, remaining, total (dpsql)')}",
+    ]
 
 
 def _revocations(conn: Any) -> list[str]:

@@ -19,17 +19,21 @@ from dpsql.errors import (
     InvalidStatementName,
     NoActiveTransaction,
 )
-from dpsql.pgtypes import TEXT
+from dpsql.pgtypes import PG_TYPE_OIDS, TEXT
 
 from .local import Action, LocalCommand
 from .protocol import Diagnostic, FieldDescription
 from .results import Outcome
 
 if TYPE_CHECKING:
+    from dpsql.engine import Engine
+
     from .extended import Portal, Statement
     from .local import Settings
 
 SHOW_ALL_COLUMNS = ("name", "setting", "description")
+#: ``SHOW dpsql.budget``: the connected analyst's own budget row (see :mod:`dpsql.budget_view`).
+SHOW_BUDGET = "dpsql.budget"
 
 
 class TxStatus(StrEnum):
@@ -54,6 +58,8 @@ class SessionCommands:
         #: The extended protocol's stores (DISCARD ALL and DEALLOCATE empty them).
         self.statements = statements
         self.portals = portals
+        #: Set by the connection: ``SHOW dpsql.budget`` reads the analyst's own row from its ledger.
+        self.engine: Engine | None = None
         self.handlers: dict[Action, Callable[[LocalCommand], Outcome | None]] = {
             Action.NOOP: lambda cmd: None,
             Action.SET: self.set,
@@ -96,6 +102,10 @@ class SessionCommands:
     @staticmethod
     def fields(cmd: LocalCommand, settings: Settings) -> list[FieldDescription] | None:
         """The columns a command returns (Describe), None for none."""
+        if cmd.action is Action.SHOW and cmd.name.lower() == SHOW_BUDGET:
+            from dpsql.budget_view import BUDGET_COLUMNS
+
+            return [FieldDescription(name, PG_TYPE_OIDS[type_]) for name, type_ in BUDGET_COLUMNS]
         if cmd.action is Action.SHOW:
             return [FieldDescription(settings.canonical(cmd.name), TEXT)]
         if cmd.action is Action.SHOW_ALL:
@@ -122,6 +132,11 @@ class SessionCommands:
 
     def show(self, cmd: LocalCommand) -> Outcome:
         assert self.settings is not None
+        if cmd.name.lower() == SHOW_BUDGET and self.engine is not None:
+            from dpsql.budget_view import own_budget  # the analyst's own figures only; the ledger, not the data
+
+            row = own_budget(self.engine.ledger, self.engine.policy, self.settings.session.analyst)
+            return Outcome(self.fields(cmd, self.settings), [row], "SHOW")
         value = self.settings.get(cmd.name)
         return Outcome(self.fields(cmd, self.settings), [(value,)], "SHOW")
 

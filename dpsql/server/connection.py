@@ -78,6 +78,7 @@ class Connection:
         self.user = ""
         self.extended = ExtendedProtocol(self)
         self.commands = SessionCommands(self.extended.statements, self.extended.portals)
+        self.commands.engine = ctx.engine  # SHOW dpsql.budget
         self.ignore_till_sync = False
         self._cancel = asyncio.Event()
         #: Work of this connection still running in the pool (abandoned or not), interrupted on close.
