@@ -192,6 +192,7 @@ class ServerContext:
         if old_pool is not None:
             old_pool.close()
         old.stop()
+        log.info("catalog refreshed for the reloaded policy")
 
     def stop_catalog(self) -> None:
         if self.shadow_pool is not None:
