@@ -5,8 +5,9 @@ Each finding is reported like a policy load error, ``file:line: key.path: messag
 jumps to the line. Errors are what would make queries fail or protect less than the policy seems to
 say; warnings are what is legal but probably not intended.
 
-What is read from the database: its schema, and for each ``privacy_unit`` whether it has at least
-100 distinct values (``SELECT DISTINCT … LIMIT 100``: the exact number is never read or printed). The
+What is read from the database: its schema, and for each ``privacy_unit`` whether its first 100,000
+rows hold at least 100 distinct values (``SELECT DISTINCT … LIMIT 100``: the exact number is never
+read or printed). The
 result goes to the curator's terminal or the server's log only, never to an analyst.
 """
 
@@ -29,6 +30,8 @@ from . import introspect
 MIN_UNITS = 10
 #: … and with fewer than this a warning (few units: DP answers will be mostly noise).
 FEW_UNITS = 100
+#: The units are counted among this many rows (any rows): enough to tell a person from a department.
+SCAN_ROWS = 100_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,10 +161,11 @@ def database_findings(policy: Policy, backend: Any) -> Iterator[Finding]:
                 )
         unit = table.privacy_unit
         if unit is not None and (stored.get(unit) or lowered.get(unit.lower())) is not None:
-            # capped at FEW_UNITS: the curator learns "few" or "enough", never the exact number
+            # capped at FEW_UNITS: the curator learns "few" or "enough", never the exact number; and
+            # bounded to the first SCAN_ROWS rows, so a start or reload costs the same on any table size
             _, rows = backend.execute(
-                f"SELECT COUNT(*) FROM (SELECT DISTINCT {quote_ident(unit)} FROM {quote_ident(source)} "
-                f"LIMIT {FEW_UNITS}) AS units"
+                f"SELECT COUNT(*) FROM (SELECT DISTINCT u FROM (SELECT {quote_ident(unit)} AS u FROM "
+                f"{quote_ident(source)} LIMIT {SCAN_ROWS}) AS scanned LIMIT {FEW_UNITS}) AS units"
             )
             distinct = int(rows[0][0])
             if distinct < MIN_UNITS:
