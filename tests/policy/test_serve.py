@@ -154,3 +154,25 @@ def test_reload_refreshes_the_shadow_catalog(tmp_path: Path, servers: list[Serve
         with _connect(server, "carol") as carol:
             assert carol.execute(columns).fetchone()[0] == before - 1  # type: ignore[index]
         assert alice.execute(columns).fetchone()[0] == before - 1  # type: ignore[index]
+
+
+def test_reload_revokes_a_removed_analyst(tmp_path: Path, servers: list[Served]) -> None:
+    """An analyst removed by a reload cannot go on querying through a session opened before it (28000),
+    nor log in again; the others are unaffected."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(HEALTH)
+    server = Served("--policy", str(policy), home=tmp_path)
+    servers.append(server)
+    server.wait_for("dpsql serving")
+    with _connect(server, "bob") as bob, _connect(server, "alice") as alice:
+        assert bob.execute(COUNT).fetchone()[0] > 9000  # type: ignore[index]
+        start = HEALTH.index("  - name: bob")
+        end = HEALTH.index("  - name:", start + 1)
+        policy.write_text(HEALTH[:start] + HEALTH[end:])
+        server.hup()
+        server.wait_for("policy reloaded")
+        with pytest.raises(psycopg.errors.InvalidAuthorizationSpecification, match='role "bob" does not exist'):
+            bob.execute("SELECT AVG(age) FROM patients")
+        assert alice.execute("SELECT AVG(age) FROM patients").fetchone()[0] is not None  # type: ignore[index]
+    with pytest.raises(psycopg.OperationalError, match='role "bob" does not exist'):
+        _connect(server, "bob")
