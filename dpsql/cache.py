@@ -212,6 +212,11 @@ class ResultCache:
                 (key, time.time(), blob),
             )
 
+    def clear(self) -> int:
+        """Delete every entry (``dpsql cache clear``); returns how many. Repeats are then charged again."""
+        with self._lock:
+            return int(self._conn.execute("DELETE FROM dpsql_result_cache").rowcount)
+
     def close(self) -> None:
         with self._lock:
             self._conn.close()
@@ -324,6 +329,9 @@ class PostgresResultCache(ResultCache):
         except (psycopg.Error, LedgerUnavailable) as exc:
             log.warning("result cache write failed, answer not cached: %s", str(exc).strip())
             self._drop()
+
+    def clear(self) -> int:
+        return int(self._connection().execute("DELETE FROM dpsql_result_cache").rowcount)
 
     def close(self) -> None:
         with self._lock:

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -231,16 +232,40 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from dpsql.backends import database_log
 
     database_log.propagate = True  # the operator's log is the one sink for the database's own text
-    engine = open_engine(args)
-    from dpsql.backends import redact_url
+    from dpsql.curator import serve as curator
 
-    ledger = redact_url(args.ledger or default_ledger(engine.policy.dataset))
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the server handles it: a reload must not kill a start
+
+    if curator.refuse_missing_database(args.database):
+        return 1
+    engine = open_engine(args)
+    policy_path = args.policy or default_policy()
+    ledger_url = args.ledger or default_ledger(engine.policy.dataset)
+    if not curator.check_at_start(policy_path, engine):
+        engine.close()
+        return 1
+    if warning := curator.note_ledger(engine, ledger_url, at_start=True):
+        print(f"WARNING:  {warning}", file=sys.stderr)
+    from dpsql.backends import redact_url
+    from dpsql.curator.reload import default_pid_file, make_reloader, remove_pid_file, write_pid_file
+
+    ledger = redact_url(ledger_url)
+    pid_files = []
 
     def announce(port: int) -> None:  # called once the socket listens, not before
+        pid_file = getattr(args, "pid_file", None)
+        if pid_file != "":
+            pid_files.append(Path(pid_file) if pid_file else default_pid_file(port))
+            write_pid_file(pid_files[-1])
         print(
             f'dpsql serving dataset "{engine.policy.dataset}" on {args.host}:{port} '
             f"(try: psql -h {args.host} -p {port} -U analyst {engine.policy.dataset}); "
-            f"ledger {ledger}; log on stderr",
+            f"policy {policy_path}; ledger {ledger}; log on stderr"
+            + (
+                f"; pid file {pid_files[-1]} (reload the policy: kill -HUP {os.getpid()} or dpsql reload)"
+                if pid_files
+                else ""
+            ),
             file=sys.stderr,
             flush=True,
         )
@@ -264,12 +289,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
             catalog_pool=args.catalog_pool,
             reuse_port=getattr(args, "reuse_port", False),
             on_listening=announce,
+            reloader=make_reloader(policy_path),
         )
     except OSError as exc:
         print(f"ERROR:  could not listen on {args.host}:{args.port}: {exc.strerror}", file=sys.stderr)
         print("HINT:  Is another server running there? Choose another with --port.", file=sys.stderr)
         return 1
     finally:
+        for pid_file in pid_files:
+            remove_pid_file(pid_file)
+        curator.note_ledger(engine, ledger_url, at_start=False)
         engine.close()
     return 0
 
@@ -360,6 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--catalog-pool", type=int, default=10, help="shadow-catalog connections shared by all (default: %(default)s)"
     )
+    from dpsql.curator.serve import add_serve_options
+
+    add_serve_options(serve)
     serve.set_defaults(func=cmd_serve)
 
     query = sub.add_parser("query", help="run one DP query and print the noisy answer")
@@ -396,6 +428,10 @@ def build_parser() -> argparse.ArgumentParser:
     passwd = sub.add_parser("passwd", help="print a SCRAM-SHA-256 verifier for a policy's analysts list")
     passwd.add_argument("--password", help="(default: prompt)")
     passwd.set_defaults(func=cmd_passwd)
+
+    from dpsql.curator.cli import register
+
+    register(sub)  # policy draft/check, cache clear, reload
     return parser
 
 

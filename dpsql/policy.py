@@ -297,6 +297,30 @@ class Policy(_Strict):
     writes: Writes = Writes()
     tables: dict[str, TablePolicy]
 
+    @model_validator(mode="before")
+    @classmethod
+    def _inherit_delta(cls, data: Any) -> Any:
+        """A budget without ``delta`` inherits the enclosing one's: an analyst's from ``budget.analyst``,
+        ``budget.analyst`` from ``budget.dataset``. A δ budget silently 0 would refuse every
+        partition-selection and Gaussian query as exhausted; inheriting never exceeds the dataset's δ,
+        which caps all analysts together anyway."""
+        if not isinstance(data, dict) or not isinstance(data.get("budget"), dict):
+            return data
+        budget = dict(data["budget"])
+        dataset, default = budget.get("dataset"), budget.get("analyst")
+        if isinstance(default, dict) and "delta" not in default and isinstance(dataset, dict) and "delta" in dataset:
+            budget["analyst"] = default = {**default, "delta": dataset["delta"]}
+        data = {**data, "budget": budget}
+        analysts = data.get("analysts")
+        if isinstance(default, dict) and "delta" in default and isinstance(analysts, list | tuple):
+            data["analysts"] = [
+                {**a, "budget": {**a["budget"], "delta": default["delta"]}}
+                if isinstance(a, dict) and isinstance(a.get("budget"), dict) and "delta" not in a["budget"]
+                else a
+                for a in analysts
+            ]
+        return data
+
     @model_validator(mode="after")
     def _check_refs(self) -> Policy:
         for name, table in self.tables.items():

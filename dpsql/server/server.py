@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dpsql import __version__
+from dpsql.errors import Error
 
 from . import protocol as pq
 from .catalog import CatalogShadow
@@ -165,6 +166,34 @@ class ServerContext:
             # Clients pick catalog queries by server version, so advertise the shadow's own version.
             self.server_version = f"{shadow.server_version.split()[0]} (dpsql {__version__})"
 
+    def use_engine(self, engine: Engine) -> None:
+        """Serve a reloaded policy (``SIGHUP``): statements already running finish on the engine they
+        started with (one policy per statement, never a mix); logins and statements from now on use
+        ``engine``, which shares the backend, ledger and result cache (the budget carries on)."""
+        self.engine = engine
+        self.policy = engine.policy
+        self.defaults = engine.policy.defaults
+
+    def refresh_catalog(self) -> None:
+        """Blocking: after a reload that changed tables or analysts, a fresh shadow for the new policy.
+
+        The old shadow serves until the new one is ready; catalog queries running on it at the swap
+        may fail with 08006 (DP queries are not affected)."""
+        if self.shadow is None:
+            return
+        shadow = CatalogShadow(self.policy, self.options.catalog_dsn)
+        try:
+            shadow.start()
+        except Exception as exc:
+            log.warning("catalog server for the reloaded policy unavailable, keeping the previous one: %s", exc)
+            return
+        old_pool, old = self.shadow_pool, self.shadow
+        self.shadow, self.shadow_pool = shadow, None
+        if old_pool is not None:
+            old_pool.close()
+        old.stop()
+        log.info("catalog refreshed for the reloaded policy")
+
     def stop_catalog(self) -> None:
         if self.shadow_pool is not None:
             self.shadow_pool.close()
@@ -199,6 +228,9 @@ class Server:
         self.ctx = ServerContext(engine, options)
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        #: Builds the engine of a re-read policy from the current one (``SIGHUP``); raises to refuse it.
+        self.reloader: Callable[[Engine], Engine] | None = None
+        self._reloading: asyncio.Lock | None = None
 
     @property
     def port(self) -> int:
@@ -247,6 +279,41 @@ class Server:
             ctx.sockets -= 1
             self._tasks.discard(task)
 
+    async def reload(self) -> bool:
+        """Re-read the policy (``SIGHUP``) without dropping a connection; a bad one is logged and refused
+        and the previous policy keeps serving. Off the event loop; reloads never overlap."""
+        if self.reloader is None:
+            log.warning("reload requested, but this server has no policy file to re-read")
+            return False
+        if self._reloading is None:
+            self._reloading = asyncio.Lock()
+        loop = asyncio.get_running_loop()
+        async with self._reloading:
+            current = self.ctx.engine
+            try:
+                engine = await loop.run_in_executor(None, self.reloader, current)
+            except Error as exc:
+                detail = f"\n{exc.detail}" if exc.detail else ""
+                log.error("policy reload refused, still serving the previous policy: %s%s", exc.message, detail)
+                return False
+            except Exception:
+                log.exception("policy reload failed, still serving the previous policy")
+                return False
+            if engine is current:
+                log.info("policy reload: unchanged")
+                return True
+            old = current.policy
+            self.ctx.use_engine(engine)
+            new = engine.policy
+            log.info(
+                "policy reloaded: %d tables, %d analysts; cached plans and results of the old policy are not used",
+                len(new.tables),
+                len(new.analysts),
+            )
+            if old.tables != new.tables or old.analysts != new.analysts:
+                await loop.run_in_executor(None, self.ctx.refresh_catalog)
+            return True
+
     async def stop(self) -> None:
         """Stop listening, terminate connections, stop the catalog server and the thread pool."""
         if self._server is not None:
@@ -275,16 +342,30 @@ async def serve(
     catalog_dsn: str | None = None,
     stop: asyncio.Event | None = None,
     on_listening: Callable[[int], object] | None = None,
+    reloader: Callable[[Engine], Engine] | None = None,
     **options: Any,
 ) -> None:
     """Serve until ``stop`` is set (or the task is cancelled). See :class:`ServerOptions` for ``options``.
 
     ``on_listening`` is called with the bound port once the socket accepts connections (and the
-    shadow catalog is up), so a "serving" message never precedes the server."""
+    shadow catalog is up), so a "serving" message never precedes the server. ``reloader`` re-reads the
+    policy on ``SIGHUP`` (see :meth:`Server.reload`)."""
     server = Server(
         engine,
         ServerOptions(host=host, port=port, tls_cert=tls_cert, tls_key=tls_key, catalog_dsn=catalog_dsn, **options),
     )
+    server.reloader = reloader
+    if reloader is not None:
+        loop = asyncio.get_running_loop()
+        reloads: set[asyncio.Task[bool]] = set()
+
+        def on_hup() -> None:
+            task = loop.create_task(server.reload())
+            reloads.add(task)
+            task.add_done_callback(reloads.discard)
+
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(signal.SIGHUP, on_hup)
     bound = await server.start()
     if on_listening is not None:
         on_listening(bound)

@@ -25,10 +25,12 @@ import argparse
 import contextlib
 import logging
 import multiprocessing
+import os
 import signal
 import socket
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("dpsql.server.workers")
@@ -48,6 +50,7 @@ def _placeholder(host: str, port: int) -> socket.socket:
 
 def _worker_main(options: dict[str, Any], index: int) -> None:
     """One worker: ``dpsql serve`` on the shared port, its log lines tagged with its index and pid."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a reload before the server listens must not kill it
     logging.basicConfig(
         level=str(options["log_level"]).upper(),
         format=f"%(asctime)s %(levelname)s %(name)s [worker {index} pid %(process)d] %(message)s",
@@ -79,7 +82,7 @@ def supervise(args: argparse.Namespace) -> int:
         return 1
     port = int(placeholder.getsockname()[1])
     options = {k: v for k, v in vars(args).items() if k != "func"}
-    options.update(port=port, processes=1, reuse_port=True)
+    options.update(port=port, processes=1, reuse_port=True, pid_file="")  # the supervisor's pid is the one to signal
     ctx = multiprocessing.get_context("spawn")
     stopping = False
 
@@ -87,8 +90,20 @@ def supervise(args: argparse.Namespace) -> int:
         nonlocal stopping
         stopping = True
 
+    def forward_reload(signum: int, frame: Any) -> None:  # SIGHUP: every worker re-reads the policy
+        for proc in workers:
+            if proc.is_alive() and proc.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGHUP)
+
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    workers = []
+    previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, forward_reload)
+    workers: list[Any] = []
+    from dpsql.curator.reload import default_pid_file, remove_pid_file, write_pid_file
+
+    pid_file = Path(args.pid_file) if getattr(args, "pid_file", None) else default_pid_file(port)
+    if getattr(args, "pid_file", None) != "":
+        write_pid_file(pid_file)
     code = 0
     try:
         for index in range(count):
@@ -115,6 +130,7 @@ def supervise(args: argparse.Namespace) -> int:
                 proc.kill()
                 proc.join(5)
         placeholder.close()
+        remove_pid_file(pid_file)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return code

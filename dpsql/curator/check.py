@@ -1,0 +1,223 @@
+"""``dpsql policy check``: does a policy fit its database, and does it say what the curator meant?
+
+Run by hand, and by ``dpsql serve`` at start and on every reload (a policy with errors is refused).
+Each finding is reported like a policy load error, ``file:line: key.path: message``, so the curator
+jumps to the line. Errors are what would make queries fail or protect less than the policy seems to
+say; warnings are what is legal but probably not intended.
+
+What is read from the database: its schema, and for each ``privacy_unit`` whether its first 100,000
+rows hold at least 100 distinct values (``SELECT DISTINCT … LIMIT 100``: the exact number is never
+read or printed). The
+result goes to the curator's terminal or the server's log only, never to an analyst.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from dpsql.backends import quote_ident
+from dpsql.policy import ColumnPolicy, Policy, _line_index, parse_policy
+
+from . import introspect
+
+#: A privacy unit with fewer distinct values than this is an error (it is surely the wrong column) …
+MIN_UNITS = 10
+#: … and with fewer than this a warning (few units: DP answers will be mostly noise).
+FEW_UNITS = 100
+#: The units are counted among this many rows (any rows): enough to tell a person from a department.
+SCAN_ROWS = 100_000
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    severity: Literal["error", "warning"]
+    path: tuple[str, ...]
+    message: str
+
+    def render(self, where: str, line_of: Callable[[tuple[str, ...]], int]) -> str:
+        key = ".".join(self.path) or "<top>"
+        label = "" if self.severity == "error" else "warning: "
+        return f"{where}:{line_of(self.path)}: {key}: {label}{self.message}"
+
+
+def line_finder(text: str) -> Callable[[tuple[str, ...]], int]:
+    """The 1-based line of a key path in the policy text (of its nearest declared ancestor)."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        node = None
+    lines = {tuple(map(str, p)): n for p, n in _line_index(node)} if node is not None else {}
+
+    def line_of(path: tuple[str, ...]) -> int:
+        probe = path
+        while probe and probe not in lines:
+            probe = probe[:-1]
+        return lines.get(probe, 1)
+
+    return line_of
+
+
+def _domain_fits(column: ColumnPolicy, value: Any) -> bool:
+    if value is None:
+        return True
+    kind = column.type
+    if kind == "boolean":
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if kind == "int":
+        return isinstance(value, int)
+    if kind == "float":
+        return isinstance(value, int | float)
+    if kind == "text":
+        return isinstance(value, str)
+    if kind == "date":
+        return isinstance(value, dt.date) and not isinstance(value, dt.datetime)
+    return isinstance(value, dt.date)  # timestamp: a date or a datetime
+
+
+def policy_findings(policy: Policy) -> Iterator[Finding]:
+    """What is wrong or suspicious in the policy alone (no database needed)."""
+    for name, table in policy.tables.items():
+        for col_name, column in table.columns.items():
+            path = ("tables", name, "columns", col_name)
+            for i, value in enumerate(column.domain or ()):
+                if not _domain_fits(column, value):
+                    yield Finding(
+                        "error",
+                        (*path, "domain", str(i)),
+                        f"domain value {value!r} is not of type {column.type} (the column's type); "
+                        "GROUP BY would release a key that can never match",
+                    )
+        unit = table.privacy_unit
+        if unit is not None and not table.columns[unit].identifier:
+            yield Finding(
+                "error",
+                ("tables", name, "privacy_unit"),
+                f"privacy unit '{unit}' must be declared 'identifier: true' (else analysts could group or "
+                "filter on it and single people out)",
+            )
+        ref = table.references
+        if ref is not None and not table.columns[ref.column].identifier:
+            yield Finding(
+                "error",
+                ("tables", name, "references", "column"),
+                f"'{ref.column}' leads to the privacy unit: declare it 'identifier: true'",
+            )
+    if policy.budget.dataset.delta == 0:
+        yield Finding(
+            "warning",
+            ("budget", "dataset"),
+            "no δ budget (delta: 0): every GROUP BY on a key without a 'domain' (partition selection) and "
+            "every Gaussian query will be refused as exhausted (53P01); declare e.g. 'delta: 1.0e-5'",
+        )
+    if not policy.analysts:
+        yield Finding("warning", ("analysts",), "no analysts declared: nobody can connect")
+    elif not policy.auth.trust:
+        for i, analyst in enumerate(policy.analysts):
+            if analyst.password is None:
+                yield Finding(
+                    "warning",
+                    ("analysts", str(i), "name"),
+                    f"analyst '{analyst.name}' has no password and auth.trust is false: they cannot log in "
+                    "(generate a verifier with `dpsql passwd`)",
+                )
+
+
+def database_findings(policy: Policy, backend: Any) -> Iterator[Finding]:
+    """Tables and columns exist with compatible stored types; each privacy unit has many values."""
+    if not introspect.checkable(backend):
+        yield Finding(
+            "warning", ("tables",), f"tables not checked: the {backend.dialect} backend has no schema to read"
+        )
+        return
+    for name, table in policy.tables.items():
+        source = table.source or name
+        if source.startswith(("parquet:", "orc:")):
+            continue  # read by Spark only
+        stored = introspect.columns(backend, source)
+        if stored is None:
+            yield Finding("error", ("tables", name), f'table "{source}" does not exist in the database')
+            continue
+        lowered = {k.lower(): v for k, v in stored.items()}
+        for col_name, column in table.columns.items():
+            path = ("tables", name, "columns", col_name)
+            kind = stored.get(col_name) or lowered.get(col_name.lower())
+            if kind is None:
+                yield Finding("error", path, f'column "{col_name}" does not exist in table "{source}"')
+                continue
+            fam = introspect.family(kind)
+            if fam not in introspect.COMPATIBLE[column.type]:
+                yield Finding(
+                    "error",
+                    (*path, "type"),
+                    f"the database stores {kind} but the policy declares {column.type}",
+                )
+        unit = table.privacy_unit
+        if unit is not None and (stored.get(unit) or lowered.get(unit.lower())) is not None:
+            # capped at FEW_UNITS: the curator learns "few" or "enough", never the exact number; and
+            # bounded to the first SCAN_ROWS rows, so a start or reload costs the same on any table size
+            _, rows = backend.execute(
+                f"SELECT COUNT(*) FROM (SELECT DISTINCT u FROM (SELECT {quote_ident(unit)} AS u FROM "
+                f"{quote_ident(source)} LIMIT {SCAN_ROWS}) AS scanned LIMIT {FEW_UNITS}) AS units"
+            )
+            distinct = int(rows[0][0])
+            if distinct < MIN_UNITS:
+                yield Finding(
+                    "error",
+                    ("tables", name, "privacy_unit"),
+                    f"'{unit}' has fewer than {MIN_UNITS} distinct values: it cannot be who a person is "
+                    "(each unit would be a whole group, and DP answers would be noise)",
+                )
+            elif distinct < FEW_UNITS:
+                yield Finding(
+                    "warning",
+                    ("tables", name, "privacy_unit"),
+                    f"'{unit}' has fewer than {FEW_UNITS} distinct values: is it really who a person is?",
+                )
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """The outcome of checking one policy file: the policy (None if it does not load) and printed lines."""
+
+    policy: Policy | None
+    errors: list[str]
+    warnings: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return self.policy is not None and not self.errors
+
+
+def check_text(text: str, where: str, backend: Any | None = None) -> Report:
+    """Load and check a policy's text; ``backend`` (optional) for the database checks."""
+    from dpsql.errors import PolicyError
+
+    try:
+        policy = parse_policy(text, where)
+    except PolicyError as exc:
+        problems = [exc.message, *(exc.detail.splitlines() if exc.detail else [])]
+        return Report(None, problems, [])
+    findings = list(policy_findings(policy))
+    if backend is not None:
+        findings += database_findings(policy, backend)
+    line_of = line_finder(text)
+    errors = [f.render(where, line_of) for f in findings if f.severity == "error"]
+    warnings = [f.render(where, line_of) for f in findings if f.severity == "warning"]
+    return Report(policy, errors, warnings)
+
+
+def check_file(path: str | Path, backend: Any | None = None) -> Report:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        return Report(None, [f"{path}: cannot read policy file: {exc.strerror}"], [])
+    return check_text(text, str(path), backend)

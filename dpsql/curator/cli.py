@@ -1,0 +1,166 @@
+"""The curator's subcommands, registered on ``dpsql``'s parser: ``policy draft``, ``policy check``,
+``cache clear`` and ``reload``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _open_database(url: str | None, dataset: str | None) -> Any:
+    """The database to check against: a URL, or the demo (in-memory DuckDB with the demo tables)."""
+    from dpsql.backends import open_backend
+
+    if url is None or url == "demo":
+        from dpsql.demo import DEMO_TABLES, load_demo
+
+        backend = open_backend("duckdb://")
+        load_demo(backend, [dataset] if dataset in DEMO_TABLES else [])
+        return backend
+    from .serve import missing_database_file
+
+    path = missing_database_file(url)
+    if path is not None:
+        from dpsql.errors import BackendError
+
+        raise BackendError(f'database file "{path}" does not exist')
+    return open_backend(url)
+
+
+def cmd_policy_check(args: argparse.Namespace) -> int:
+    """Exit 0 when the policy loads and fits the database (warnings printed), 1 on any error."""
+    from dpsql.cli import default_policy
+
+    from .check import check_file
+
+    path = Path(args.policy or default_policy())
+    first = check_file(path)  # loads it first: the dataset decides which demo tables to load
+    if first.policy is None:
+        for error in first.errors:
+            print(error, file=sys.stderr)
+        return 1
+    backend = _open_database(args.database, first.policy.dataset)
+    try:
+        report = check_file(path, backend)
+    finally:
+        backend.close()
+    for warning in report.warnings:
+        print(warning, file=sys.stderr)
+    for error in report.errors:
+        print(error, file=sys.stderr)
+    if report.ok:
+        print(f"{path}: ok ({len(report.warnings)} warning{'s' if len(report.warnings) != 1 else ''})")
+        return 0
+    return 1
+
+
+def cmd_policy_draft(args: argparse.Namespace) -> int:
+    from dpsql.backends import open_backend
+
+    from . import introspect
+    from .draft import draft_policy
+    from .serve import missing_database_file
+
+    path = missing_database_file(args.database)
+    if path is not None:
+        print(f'ERROR:  database file "{path}" does not exist', file=sys.stderr)
+        return 1
+    backend = open_backend(args.database)
+    try:
+        tables = args.table or introspect.tables(backend)
+        if not tables:
+            print("ERROR:  the database has no tables to draft a policy for", file=sys.stderr)
+            return 1
+        dataset = args.dataset or Path(args.database.rstrip("/").split("/")[-1]).stem or "dataset"
+        text = draft_policy(backend, tables, dataset)
+    finally:
+        backend.close()
+    if args.out:
+        out = Path(args.out)
+        if out.exists() and not args.force:
+            print(f"ERROR:  {out} exists (use --force to overwrite)", file=sys.stderr)
+            return 1
+        out.write_text(text, encoding="utf-8")
+        print(f"wrote {out}: review it, then `dpsql policy check --policy {out} --database …`", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def cmd_cache_clear(args: argparse.Namespace) -> int:
+    """Delete every cached result next to the ledger (answers already released stay released: the
+    next repeat is simply charged again)."""
+    from dpsql.backends import redact_url
+    from dpsql.cache import ResultCache, default_cache_url
+    from dpsql.cli import default_policy
+    from dpsql.ledger import default_ledger
+    from dpsql.policy import load_policy
+
+    ledger = args.ledger or default_ledger(load_policy(args.policy or default_policy()).dataset)
+    url = default_cache_url(ledger)
+    cache = ResultCache.open(url)
+    try:
+        removed = cache.clear()
+    finally:
+        cache.close()
+    print(f"removed {removed} cached result{'s' if removed != 1 else ''} from {redact_url(url)}")
+    return 0
+
+
+def cmd_reload(args: argparse.Namespace) -> int:
+    """Signal a running ``dpsql serve`` to re-read its policy; with ``--policy``, check it first."""
+    from .check import check_file
+    from .reload import default_pid_file, signal_reload
+
+    if args.policy:
+        report = check_file(args.policy)
+        if not report.ok:
+            for error in report.errors:
+                print(error, file=sys.stderr)
+            print("HINT:  nothing was signalled; fix the policy first.", file=sys.stderr)
+            return 1
+    pid_file = Path(args.pid_file) if args.pid_file else default_pid_file(args.port)
+    try:
+        pid = signal_reload(pid_file)
+    except (OSError, ValueError, IndexError) as exc:
+        print(f"ERROR:  no running dpsql serve found through {pid_file}: {exc}", file=sys.stderr)
+        print("HINT:  give --pid-file (as passed to dpsql serve) or --port.", file=sys.stderr)
+        return 1
+    print(f"sent SIGHUP to dpsql serve (pid {pid}); the server's log says whether the policy was accepted")
+    return 0
+
+
+def register(sub: Any) -> None:
+    """Add the curator's subcommands to ``dpsql``'s subparsers."""
+    from dpsql.server.protocol import DEFAULT_PORT
+
+    policy = sub.add_parser("policy", help="draft a policy from a database, or check one against it")
+    psub = policy.add_subparsers(dest="policy_command", required=True)
+
+    draft = psub.add_parser("draft", help="write a starting policy from tables' schemas (review it!)")
+    draft.add_argument("--database", required=True, help="duckdb:///path or postgresql://…")
+    draft.add_argument("--table", action="append", help="a table to include (repeatable; default: all)")
+    draft.add_argument("--dataset", help="the dataset name (default: from the database URL)")
+    draft.add_argument("--out", help="write here instead of stdout")
+    draft.add_argument("--force", action="store_true", help="overwrite --out")
+    draft.set_defaults(func=cmd_policy_draft)
+
+    check = psub.add_parser("check", help="check a policy against its database (exit 1 on errors)")
+    check.add_argument("--policy", help="policy YAML (default: schemas/health.yaml)")
+    check.add_argument("--database", help="duckdb:///path, postgresql://… (default: demo)")
+    check.set_defaults(func=cmd_policy_check)
+
+    cache = sub.add_parser("cache", help="the result cache next to the ledger")
+    csub = cache.add_subparsers(dest="cache_command", required=True)
+    clear = csub.add_parser("clear", help="delete every cached result (repeats are charged again)")
+    clear.add_argument("--policy")
+    clear.add_argument("--ledger")
+    clear.set_defaults(func=cmd_cache_clear)
+
+    reload = sub.add_parser("reload", help="make a running dpsql serve re-read its policy (SIGHUP)")
+    reload.add_argument("--pid-file", help="as given to dpsql serve (default: $DPSQL_HOME/serve-<port>.pid)")
+    reload.add_argument("--port", type=int, default=DEFAULT_PORT)
+    reload.add_argument("--policy", help="check this policy file first; signal nothing if it has errors")
+    reload.set_defaults(func=cmd_reload)
