@@ -362,6 +362,19 @@ def resolve_group_keys(tree: exp.Select, scope: _Scope, where: exp.Expression | 
     add_group_keys(targets, scope, where)
 
 
+def _distinct_keys(tree: exp.Select) -> bool:
+    """``SELECT DISTINCT a, b`` without aggregates or GROUP BY means ``GROUP BY a, b``.
+
+    What is released is exactly what ``GROUP BY`` would release with no aggregate shown: the whole
+    (declared, derived, WHERE-narrowed) domain of public keys — a function of the policy and the SQL,
+    so free of any person's data —, or, for other keys, the values whose noisy count passes DP
+    partition selection (charged like a count).
+    """
+    return bool(tree.args.get("distinct")) and not tree.args.get("group") and not any(
+        p.find(*AGGREGATE_NODES) for p in tree.expressions
+    )
+
+
 def add_group_keys(targets: list[exp.Expression], scope: _Scope, where: exp.Expression | None) -> None:
     """Append a :class:`GroupKey` per distinct target (GROUP BY items, or SELECT DISTINCT's columns)."""
     narrowed = narrow_policies(where, lambda table, name: _source_policy(scope, table, name))
@@ -532,8 +545,16 @@ def _output_name(projection: exp.Expr) -> str:
         name = aggregate.output_name(node) if aggregate is not None else None
         if name is not None:
             return name
+        if isinstance(node, exp.TimestampTrunc | exp.DateTrunc):
+            return "date_trunc"
         return node.sql_name().lower() if not isinstance(node, exp.Anonymous) else node.name.lower()
     return "?column?"
+
+
+_TEMPORAL_TYPES: dict[exp.DataType.Type, PgType] = {
+    exp.DataType.Type.DATE: "date",
+    exp.DataType.Type.TIMESTAMP: "timestamp",
+}
 
 
 def _output_type(kind: str, expr: exp.Expression, scope: _Scope, measures: tuple[int, ...]) -> PgType:
@@ -551,6 +572,10 @@ def _output_type(kind: str, expr: exp.Expression, scope: _Scope, measures: tuple
             return "bigint"
         if target in exp.DataType.TEXT_TYPES:
             return "text"
+        if target == exp.DataType.Type.DECIMAL:
+            return "numeric"  # CAST(x AS numeric): what BI tools asked for, as PostgreSQL would type it
+        if target in _TEMPORAL_TYPES and isinstance(expr.this, exp.Var) and expr.this.name.startswith("k"):
+            return _TEMPORAL_TYPES[target]
         return "double precision"
     if isinstance(expr, exp.Var) and expr.name.startswith("k"):
         key = scope.keys[int(expr.name[1:])]
@@ -625,6 +650,8 @@ def build_plan(tree: exp.Select, policy: Policy) -> Plan:
     where = tree.args.get("where")
     checked_where = check_where(where.this, scope) if where else None
     resolve_group_keys(tree, scope, checked_where)
+    if _distinct_keys(tree):
+        add_group_keys([p.unalias() for p in tree.expressions], scope, checked_where)
     outputs = build_outputs(tree, scope)
     having = tree.args.get("having")
     having_expr = convert_output(having.this, scope)[0] if having else None

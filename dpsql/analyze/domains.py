@@ -420,6 +420,36 @@ def _column(node: exp.Column, resolve: Resolve) -> KeyExpr:
     return KeyExpr(clamped.sql, kind, None, policy.nullable, clamped.lower, clamped.upper)
 
 
+def _cast(node: exp.Cast, resolve: Resolve, check_predicate: CheckPredicate) -> KeyExpr:
+    """Casts that cannot fail and mean the same on every backend: time buckets to date/timestamp,
+    numbers to bigint (integers only), double precision or numeric."""
+    inner = derive(node.this, resolve, check_predicate)
+    target = node.to.this
+    values = inner.values
+    if inner.type in ("timestamp", "date") and target in (exp.DataType.Type.DATE, exp.DataType.Type.TIMESTAMP):
+        to_date = target == exp.DataType.Type.DATE
+        kind: PgType = "date" if to_date else "timestamp"
+        if values is not None:
+            values = _finite(node, (_to_day(v) if to_date else _as_datetime(v) for v in values), inner.nullable)
+        return KeyExpr(exp.cast(inner.sql, target), kind, values, inner.nullable)
+    if inner.numeric and target in exp.DataType.INTEGER_TYPES and inner.type == "bigint":
+        return inner
+    if inner.numeric and (target in exp.DataType.REAL_TYPES or target == exp.DataType.Type.DECIMAL):
+        kind = "numeric" if target == exp.DataType.Type.DECIMAL else "double precision"
+        if values is not None:
+            values = _finite(node, (float(v) for v in values if v is not None), inner.nullable)  # type: ignore[arg-type]
+        return KeyExpr(exp.cast(inner.sql, exp.DataType.Type.DOUBLE), kind, values, inner.nullable, inner.lower,
+                       inner.upper)  # fmt: skip
+    raise FeatureNotSupported(
+        f"CAST of a {inner.type} key to {node.to.sql(dialect='postgres')} is not supported in GROUP BY",
+        hint="Cast time buckets to date or timestamp, numbers to double precision or numeric.",
+    )
+
+
+def _to_day(value: object) -> dt.date:
+    return value.date() if isinstance(value, dt.datetime) else value  # type: ignore[return-value]
+
+
 def _case(node: exp.Case, resolve: Resolve, check_predicate: CheckPredicate) -> KeyExpr:
     subject = node.this
     result = exp.Case()
@@ -528,6 +558,8 @@ def derive(node: exp.Expression, resolve: Resolve, check_predicate: CheckPredica
                        negated.upper)  # fmt: skip
     if isinstance(node, exp.Add | exp.Sub | exp.Mul | exp.Div):
         return _arithmetic(node, resolve, check_predicate)
+    if isinstance(node, exp.Cast):
+        return _cast(node, resolve, check_predicate)
     if isinstance(node, exp.Case):
         return _case(node, resolve, check_predicate)
     if isinstance(node, exp.Coalesce):
@@ -596,7 +628,7 @@ def _constant(node: exp.Expression, policy: ColumnPolicy) -> object:
         except ValueError:
             return exp.Expression
         if policy.type == "date" and isinstance(value, dt.datetime):
-            return exp.Expression  # a date compared with a timestamp: not narrowed (still correct)
+            return _Stamp(value)  # a date compared with a timestamp: narrowed to whole days (a superset)
         if policy.type == "timestamp" and not isinstance(value, dt.datetime):
             return _as_datetime(value)
         return value
@@ -604,6 +636,13 @@ def _constant(node: exp.Expression, policy: ColumnPolicy) -> object:
     if policy.type == "int" and isinstance(value, float) and value.is_integer():
         return int(value)
     return value
+
+
+@dataclass(frozen=True)
+class _Stamp:
+    """A timestamp compared with a date column (``visit_date >= NOW() - INTERVAL '30 days'``)."""
+
+    value: dt.datetime
 
 
 @dataclass
@@ -722,14 +761,18 @@ def _bound_range(narrow: _Narrow, policy: ColumnPolicy, op: type, value: object)
     narrow.not_null = True
     if value is exp.Expression or value is None:
         return
-    if op is exp.EQ:
+    if op is exp.EQ and not isinstance(value, _Stamp):
         narrow.values = {value} if narrow.values is None else narrow.values & {value}
         return
-    if op is exp.NEQ:
+    if op is exp.NEQ and not isinstance(value, _Stamp):
         narrow.excluded = (narrow.excluded or set()) | {value}
         return
     if policy.type == "text" or isinstance(value, bool | str):
         return  # text order depends on the collation: never narrowed
+    if isinstance(value, _Stamp):  # the day it falls in: inclusive on both sides, a superset
+        if op in (exp.EQ, exp.NEQ):
+            return
+        value, op = value.value.date(), {exp.GT: exp.GTE, exp.LT: exp.LTE}.get(op, op)
     strict = op in (exp.GT, exp.LT)
     if policy.type == "int" and isinstance(value, int | float):
         value = (math.floor(value) + 1 if strict or not float(value).is_integer() else int(value)) if op in (
