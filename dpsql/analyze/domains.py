@@ -796,6 +796,9 @@ def _narrowed(policy: ColumnPolicy, narrow: _Narrow) -> ColumnPolicy:
     if narrow.not_null:
         update["nullable"] = False
     lower, upper = policy.lower, policy.upper
+    if policy.type == "timestamp":  # declared as dates or timestamps; constants are timestamps
+        lower = None if lower is None else _as_datetime(lower)
+        upper = None if upper is None else _as_datetime(upper)
     comparable = policy.type in ("int", "float", "date", "timestamp")
     if comparable and narrow.lower is not None:
         lower = narrow.lower if lower is None else max(lower, narrow.lower)  # type: ignore[call-overload]

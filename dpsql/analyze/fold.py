@@ -141,7 +141,7 @@ def _value(node: exp.Expression) -> object:
         if text is None:
             return None
         unit = node.args.get("unit")
-        return parse_interval(f"{text} {unit.name}" if unit is not None else text)
+        return parse_interval(f"{text} {unit.name.lower()}" if unit is not None else text)
     if isinstance(node, exp.Literal):
         if node.is_string:
             return node.name
