@@ -28,7 +28,7 @@ from dpsql.errors import (
     UndefinedFunction,
 )
 from dpsql.plan import GroupKey, Measure, OutputItem, Plan
-from dpsql.policy import PG_TYPE_NAMES, ColumnPolicy, Policy
+from dpsql.policy import PG_TYPE_NAMES, ColumnPolicy, ColumnType, Policy
 from dpsql.session import OutputColumn, PgType
 
 _NOT_YET = {
@@ -370,8 +370,10 @@ def _distinct_keys(tree: exp.Select) -> bool:
     so free of any person's data —, or, for other keys, the values whose noisy count passes DP
     partition selection (charged like a count).
     """
-    return bool(tree.args.get("distinct")) and not tree.args.get("group") and not any(
-        p.find(*AGGREGATE_NODES) for p in tree.expressions
+    return (
+        bool(tree.args.get("distinct"))
+        and not tree.args.get("group")
+        and not any(p.find(*AGGREGATE_NODES) for p in tree.expressions)
     )
 
 
@@ -404,7 +406,7 @@ def add_group_keys(targets: list[exp.Expression], scope: _Scope, where: exp.Expr
 
 
 #: The policy type family standing for each released type of an expression key.
-_POLICY_TYPES = {
+_POLICY_TYPES: dict[str, ColumnType] = {
     "bigint": "int",
     "double precision": "float",
     "numeric": "float",
@@ -551,7 +553,7 @@ def _output_name(projection: exp.Expr) -> str:
     return "?column?"
 
 
-_TEMPORAL_TYPES: dict[exp.DataType.Type, PgType] = {
+_TEMPORAL_TYPES: dict[exp.DType, PgType] = {
     exp.DataType.Type.DATE: "date",
     exp.DataType.Type.TIMESTAMP: "timestamp",
 }

@@ -27,6 +27,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from sqlglot import exp
 
@@ -80,8 +81,13 @@ def _finite(node: exp.Expression, values: Iterable[Scalar | None], nullable: boo
         out.append(value)
         if len(out) > MAX_DERIVED_GROUPS:
             raise _too_many(node, len(out))
-    out.sort(key=lambda v: (isinstance(v, str), v))  # type: ignore[arg-type, return-value]
+    out.sort(key=_order)
     return (*out, None) if nullable else tuple(out)
+
+
+def _order(value: Scalar) -> tuple[bool, Any]:
+    """Domain order: numbers, dates and booleans ascending, then text."""
+    return isinstance(value, str), value
 
 
 def _range(node: exp.Expression, low: int, high: int, nullable: bool) -> tuple[Scalar, ...]:
@@ -243,7 +249,7 @@ def _extract(node: exp.Extract, resolve: Resolve) -> KeyExpr:
 # --- numbers -------------------------------------------------------------------------
 
 
-def _literal(node: exp.Expression) -> Scalar | None | type[exp.Expression]:
+def _literal(node: exp.Expression) -> Scalar | type[exp.Expression] | None:
     """The Python value of a literal (``exp.Expression`` as a marker when ``node`` is none)."""
     while isinstance(node, exp.Paren):
         node = node.this
@@ -318,9 +324,15 @@ def _magnitude() -> FeatureNotSupported:
     )
 
 
+def _as_float(value: Scalar) -> float:
+    if not isinstance(value, int | float):
+        raise UndefinedFunction("operator does not exist: arithmetic on a non-numeric key")
+    return float(value)
+
+
 def _low(key: KeyExpr) -> float:
     if key.values is not None:
-        return float(min(v for v in key.values if v is not None))  # type: ignore[type-var]
+        return min(_as_float(v) for v in key.values if v is not None)
     if key.lower is None:
         raise FeatureNotSupported("a GROUP BY expression needs bounded columns", hint="Declare lower/upper bounds.")
     return key.lower
@@ -328,7 +340,7 @@ def _low(key: KeyExpr) -> float:
 
 def _high(key: KeyExpr) -> float:
     if key.values is not None:
-        return float(max(v for v in key.values if v is not None))  # type: ignore[type-var]
+        return max(_as_float(v) for v in key.values if v is not None)
     if key.upper is None:
         raise FeatureNotSupported("a GROUP BY expression needs bounded columns", hint="Declare lower/upper bounds.")
     return key.upper
@@ -375,7 +387,9 @@ def _width_bucket(node: exp.WidthBucket, resolve: Resolve, check_predicate: Chec
     value = exp.cast(inner.sql, exp.DataType.Type.DOUBLE)
     span = exp.Div(
         this=exp.paren(
-            exp.Mul(this=exp.paren(exp.Sub(this=value.copy(), expression=_number_sql(low))), expression=_number_sql(count))
+            exp.Mul(
+                this=exp.paren(exp.Sub(this=value.copy(), expression=_number_sql(low))), expression=_number_sql(count)
+            )
         ),
         expression=_number_sql(high - low),
     )
@@ -398,10 +412,12 @@ def _column(node: exp.Column, resolve: Resolve) -> KeyExpr:
     domain = policy.release_domain()
     if policy.type in ("text", "boolean"):
         kind: PgType = PG_TYPE_NAMES[policy.type]
-        return KeyExpr(column, kind, None if domain is None else _finite(node, domain, policy.nullable), policy.nullable)
+        return KeyExpr(
+            column, kind, None if domain is None else _finite(node, domain, policy.nullable), policy.nullable
+        )
     if policy.type in ("date", "timestamp"):
         raise FeatureNotSupported(
-            f'a bare {policy.type} column cannot be used inside a GROUP BY expression',
+            f"a bare {policy.type} column cannot be used inside a GROUP BY expression",
             hint="Wrap it in DATE_TRUNC or EXTRACT.",
         )
     if not policy.bounded and domain is None:
@@ -415,8 +431,8 @@ def _column(node: exp.Column, resolve: Resolve) -> KeyExpr:
         values = [v for v in domain if v is not None]
         return KeyExpr(clamped.sql, kind, _finite(node, values, policy.nullable), policy.nullable)
     if policy.type == "int" and clamped.upper - clamped.lower + 1 <= MAX_DERIVED_GROUPS:
-        values = range(int(clamped.lower), int(clamped.upper) + 1)
-        return KeyExpr(clamped.sql, kind, _finite(node, values, policy.nullable), policy.nullable)
+        every = range(int(clamped.lower), int(clamped.upper) + 1)
+        return KeyExpr(clamped.sql, kind, _finite(node, every, policy.nullable), policy.nullable)
     return KeyExpr(clamped.sql, kind, None, policy.nullable, clamped.lower, clamped.upper)
 
 
@@ -587,9 +603,7 @@ def _arithmetic(node: exp.Add | exp.Sub | exp.Mul | exp.Div, resolve: Resolve, c
         if _integral(left) and _integral(right):
             # PostgreSQL's integer division truncates toward zero: computed as such on every backend
             quotient = _pointwise(node, left, right, lambda a, b: float(math.trunc(a / b)))
-            sql = exp.cast(
-                exp.Anonymous(this="TRUNC", expressions=[quotient.sql]), exp.DataType.Type.BIGINT
-            )
+            sql = exp.cast(exp.Anonymous(this="TRUNC", expressions=[quotient.sql]), exp.DataType.Type.BIGINT)
             values = None if quotient.values is None else tuple(None if v is None else int(v) for v in quotient.values)  # type: ignore[arg-type]
             return KeyExpr(sql, "bigint", values, quotient.nullable, quotient.lower, quotient.upper)
         return _pointwise(node, left, right, lambda a, b: a / b)
@@ -649,8 +663,8 @@ class _Stamp:
 class _Narrow:
     values: set[object] | None = None
     excluded: set[object] | None = None
-    lower: object = None
-    upper: object = None
+    lower: Any = None
+    upper: Any = None
     not_null: bool = False
     only_null: bool = False
 
@@ -663,7 +677,14 @@ def _key(column: exp.Expression) -> tuple[str, str] | None:
     return None
 
 
-_FLIP = {exp.GT: exp.LT, exp.GTE: exp.LTE, exp.LT: exp.GT, exp.LTE: exp.GTE, exp.EQ: exp.EQ, exp.NEQ: exp.NEQ}
+_FLIP: dict[type[exp.Expression], type[exp.Expression]] = {
+    exp.GT: exp.LT,
+    exp.GTE: exp.LTE,
+    exp.LT: exp.GT,
+    exp.LTE: exp.GTE,
+    exp.EQ: exp.EQ,
+    exp.NEQ: exp.NEQ,
+}
 
 
 def narrow_policies(
@@ -741,7 +762,7 @@ def narrow_policies(
                 _bound_range(got[0], got[1], exp.LTE, _constant(conjunct.args["high"], got[1]))
             continue
         if isinstance(conjunct, tuple(_FLIP)):
-            op: type = type(conjunct)
+            op: type[exp.Expression] = type(conjunct)
             column, other = conjunct.this, conjunct.expression
             if _key(column) is None or (_key(other) is not None):
                 if _key(other) is not None and _key(column) is not None:
@@ -757,7 +778,7 @@ def narrow_policies(
     return {key: _narrowed(policies(*key), narrow) for key, narrow in found.items()}  # type: ignore[arg-type]
 
 
-def _bound_range(narrow: _Narrow, policy: ColumnPolicy, op: type, value: object) -> None:
+def _bound_range(narrow: _Narrow, policy: ColumnPolicy, op: type[exp.Expression], value: Any) -> None:
     narrow.not_null = True
     if value is exp.Expression or value is None:
         return
@@ -772,11 +793,15 @@ def _bound_range(narrow: _Narrow, policy: ColumnPolicy, op: type, value: object)
     if isinstance(value, _Stamp):  # the day it falls in: inclusive on both sides, a superset
         if op in (exp.EQ, exp.NEQ):
             return
-        value, op = value.value.date(), {exp.GT: exp.GTE, exp.LT: exp.LTE}.get(op, op)
+        inclusive: dict[type[exp.Expression], type[exp.Expression]] = {exp.GT: exp.GTE, exp.LT: exp.LTE}
+        value, op = value.value.date(), inclusive.get(op, op)
     strict = op in (exp.GT, exp.LT)
     if policy.type == "int" and isinstance(value, int | float):
-        value = (math.floor(value) + 1 if strict or not float(value).is_integer() else int(value)) if op in (
-            exp.GT, exp.GTE) else (math.ceil(value) - 1 if strict or not float(value).is_integer() else int(value))  # fmt: skip
+        exact = float(value).is_integer() and not strict  # x >= 2 keeps 2; x > 2, x >= 2.5 start at 3
+        if op in (exp.GT, exp.GTE):
+            value = int(value) if exact else math.floor(value) + 1
+        else:
+            value = int(value) if exact else math.ceil(value) - 1
     elif policy.type == "date" and isinstance(value, dt.date) and strict:
         step = dt.timedelta(days=1)
         try:
@@ -784,9 +809,9 @@ def _bound_range(narrow: _Narrow, policy: ColumnPolicy, op: type, value: object)
         except OverflowError:
             return
     if op in (exp.GT, exp.GTE):
-        narrow.lower = value if narrow.lower is None else max(narrow.lower, value)  # type: ignore[call-overload]
+        narrow.lower = value if narrow.lower is None else max(narrow.lower, value)
     else:
-        narrow.upper = value if narrow.upper is None else min(narrow.upper, value)  # type: ignore[call-overload]
+        narrow.upper = value if narrow.upper is None else min(narrow.upper, value)
 
 
 def _narrowed(policy: ColumnPolicy, narrow: _Narrow) -> ColumnPolicy:
@@ -795,15 +820,16 @@ def _narrowed(policy: ColumnPolicy, narrow: _Narrow) -> ColumnPolicy:
         return policy.model_copy(update={"domain": [], "nullable": policy.nullable and not narrow.not_null})
     if narrow.not_null:
         update["nullable"] = False
-    lower, upper = policy.lower, policy.upper
+    lower: Any = policy.lower
+    upper: Any = policy.upper
     if policy.type == "timestamp":  # declared as dates or timestamps; constants are timestamps
         lower = None if lower is None else _as_datetime(lower)
         upper = None if upper is None else _as_datetime(upper)
     comparable = policy.type in ("int", "float", "date", "timestamp")
     if comparable and narrow.lower is not None:
-        lower = narrow.lower if lower is None else max(lower, narrow.lower)  # type: ignore[call-overload]
+        lower = narrow.lower if lower is None else max(lower, narrow.lower)
     if comparable and narrow.upper is not None:
-        upper = narrow.upper if upper is None else min(upper, narrow.upper)  # type: ignore[call-overload]
+        upper = narrow.upper if upper is None else min(upper, narrow.upper)
     if lower is not None and upper is not None:
         update["lower"], update["upper"] = lower, upper
     values: list[object] | None = None
@@ -821,8 +847,8 @@ def _narrowed(policy: ColumnPolicy, narrow: _Narrow) -> ColumnPolicy:
         if narrow.excluded:
             values = [v for v in values if v not in narrow.excluded]
         if comparable:
-            values = [v for v in values if (lower is None or v >= lower) and (upper is None or v <= upper)]  # type: ignore[operator]
+            values = [v for v in values if (lower is None or v >= lower) and (upper is None or v <= upper)]
         update["domain"] = values
-    elif lower is not None and upper is not None and lower > upper:  # type: ignore[operator]
+    elif lower is not None and upper is not None and lower > upper:
         update["domain"] = []
     return policy.model_copy(update=update)

@@ -117,7 +117,7 @@ def _sql(value: object) -> exp.Expression:
 _TEMPORAL = (exp.DataType.Type.DATE, exp.DataType.Type.TIMESTAMP)
 
 
-def _parse_temporal(text: str, kind: exp.DataType.Type) -> dt.date | None:
+def _parse_temporal(text: str, kind: exp.DType) -> dt.date | None:
     """A ``CAST('…' AS DATE|TIMESTAMP)`` text, or None when it is not valid ISO (left for the analyzer)."""
     try:
         stamp = dt.datetime.fromisoformat(text.strip())
@@ -206,12 +206,12 @@ def _fold(node: exp.Expression, now: dt.datetime) -> exp.Expression | None:
                 f"date field value out of range: {parts[0]:04d}-{parts[1]:02d}-{parts[2]:02d}"
             ) from None
     if isinstance(node, exp.TimestampFromParts):
-        parts = _int_args(node, ("year", "month", "day", "hour", "min"))
+        fields = _int_args(node, ("year", "month", "day", "hour", "min"))
         second = _value(node.args["sec"]) if node.args.get("sec") is not None else None
-        if parts is None or not isinstance(second, int | float):
+        if fields is None or not isinstance(second, int | float):
             return None
         try:
-            base = dt.datetime(*parts)  # type: ignore[misc]
+            base = dt.datetime(fields[0], fields[1], fields[2], fields[3], fields[4])
             return _timestamp_literal(base + dt.timedelta(seconds=second))
         except (ValueError, OverflowError):
             raise DatetimeFieldOverflow("date/time field value out of range") from None
@@ -231,8 +231,8 @@ def _fold(node: exp.Expression, now: dt.datetime) -> exp.Expression | None:
     if isinstance(node, exp.Cast) and node.to.this in _TEMPORAL:
         value = _value(node.this)
         if isinstance(node.this, exp.Literal) and node.this.is_string:
-            parsed = _parse_temporal(node.this.name, node.to.this)
-            return None if parsed is None else _sql(parsed)  # canonical spelling; invalid: the analyzer's error
+            canonical = _parse_temporal(node.this.name, node.to.this)
+            return None if canonical is None else _sql(canonical)  # canonical spelling; invalid: the analyzer's error
         if isinstance(value, dt.datetime):
             return _sql(value.date() if node.to.this == exp.DataType.Type.DATE else value)
         if isinstance(value, dt.date):

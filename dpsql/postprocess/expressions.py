@@ -8,7 +8,6 @@ theorem it costs no privacy. Expressions are evaluated with PostgreSQL semantics
 from __future__ import annotations
 
 import datetime as dt
-
 import math
 import operator
 from collections.abc import Callable, Mapping

@@ -32,7 +32,7 @@ class KeyAttack:
     sql: str
     #: How many keys a public domain releases, NULL included (the test columns are nullable); None: partition
     #: selection (which keys pass is noisy); or the SQLSTATE of the refusal.
-    keys: int | None | str
+    keys: int | str | None
 
 
 ATTACKS = [

@@ -177,8 +177,11 @@ REFUSALS = [
         "0A000",
         "division by an expression that can be zero",
     ),
-    ("SELECT DATE_TRUNC('decade', visit_date), COUNT(*) FROM visits GROUP BY 1", "0A000",
-     'DATE_TRUNC("decade") is not supported in GROUP BY'),  # fmt: skip
+    (
+        "SELECT DATE_TRUNC('decade', visit_date), COUNT(*) FROM visits GROUP BY 1",
+        "0A000",
+        'DATE_TRUNC("decade") is not supported in GROUP BY',
+    ),
     ("SELECT COUNT(*) FROM visits GROUP BY 'a'", "0A000", "GROUP BY a constant is not supported"),
     ("SELECT COUNT(*) FROM visits GROUP BY COUNT(*)", "42803", "aggregate functions are not allowed in GROUP BY"),
     (
