@@ -396,7 +396,7 @@ REFUSALS = [
     ),
     Refusal(
         "now-in-where",
-        "SELECT COUNT(*) FROM patients WHERE dob > now()",
+        "SELECT COUNT(*) FROM patients WHERE dob > clock_timestamp()",
         "0A000",
         "only comparisons between a column and constants are supported in WHERE",
     ),
