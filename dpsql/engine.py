@@ -21,6 +21,7 @@ from sqlglot import exp
 
 from dpsql.accountant import remaining_budget
 from dpsql.analyze import analyze_tree, infer_parameter_types, parse_statement
+from dpsql.analyze.fold import reads_clock
 from dpsql.analyze.insert import insert
 from dpsql.analyze.parse import (
     Params,
@@ -145,9 +146,13 @@ class Engine:
                 self._plans.move_to_end(key)
                 return cached
         try:
-            prepared = self._prepare(sql, parse_statement(sql), session, params)
+            tree = parse_statement(sql)
+            clock = reads_clock(tree)  # NOW() is folded to this statement's start: never reuse its plan
+            prepared = self._prepare(sql, tree, session, params)
         except RecursionError:
             raise too_complex() from None
+        if clock:
+            return prepared
         with self._lock:
             self._plans[key] = prepared
             if len(self._plans) > _PLAN_CACHE_SIZE:

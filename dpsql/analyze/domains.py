@@ -31,7 +31,14 @@ from typing import Any
 
 from sqlglot import exp
 
-from dpsql.analyze.expressions import MAX_MAGNITUDE, _bound_literal, bound, clamp_sql
+from dpsql.analyze.expressions import (
+    MAX_MAGNITUDE,
+    UNDERFLOW_EXPONENT,
+    _bound_literal,
+    _exponent,
+    bound,
+    clamp_sql,
+)
 from dpsql.errors import DatatypeMismatch, FeatureNotSupported, ProgramLimitExceeded, UndefinedFunction
 from dpsql.pgtypes import PgType
 from dpsql.policy import PG_TYPE_NAMES, ColumnPolicy, Scalar
@@ -61,6 +68,9 @@ class KeyExpr:
     nullable: bool
     lower: float | None = None
     upper: float | None = None
+    #: log2 of a lower bound on every non-zero magnitude (doubles): products that could underflow are
+    #: refused, as inside aggregates (PostgreSQL raises "underflow" where DuckDB returns 0).
+    tiny: int = 0
 
     @property
     def numeric(self) -> bool:
@@ -226,10 +236,10 @@ def _extract(node: exp.Extract, resolve: Resolve) -> KeyExpr:
         if policy.type == "date" and policy.bounded:
             days = (high - low).days
             if days + 1 > MAX_DERIVED_GROUPS:
-                return KeyExpr(sql, "double precision", None, policy.nullable, lower, upper)
+                return KeyExpr(sql, "double precision", None, policy.nullable, lower, upper, _exponent(1e-6))
             values = (lower + 86400.0 * i for i in range(days + 1))
             return KeyExpr(sql, "double precision", _finite(node, values, policy.nullable), policy.nullable)
-        return KeyExpr(sql, "double precision", None, policy.nullable, lower, upper)
+        return KeyExpr(sql, "double precision", None, policy.nullable, lower, upper, _exponent(1e-6))
     if part not in _FIELDS:
         raise FeatureNotSupported(f'EXTRACT("{part}") is not supported in GROUP BY')
     field, low_value, high_value = _FIELDS[part]
@@ -279,7 +289,7 @@ def _numeric(node: exp.Expression, resolve: Resolve, check_predicate: CheckPredi
     constant = _literal(node)
     if isinstance(constant, int | float) and not isinstance(constant, bool):
         kind: PgType = "bigint" if isinstance(constant, int) else "double precision"
-        return KeyExpr(_number_sql(constant), kind, (constant,), False)
+        return KeyExpr(_number_sql(constant), kind, (constant,), False, tiny=_exponent(float(constant)))
     key = derive(node, resolve, check_predicate)
     if not key.numeric:
         raise UndefinedFunction(f"operator does not exist: arithmetic on {key.type}")
@@ -295,6 +305,7 @@ def _pointwise(node: exp.Expression, left: KeyExpr, right: KeyExpr, op: Callable
     in BIGINT or IEEE double), else an interval over the corners."""
     integral = _integral(left) and _integral(right) and not isinstance(node, exp.Div)
     nullable = left.nullable or right.nullable
+    tiny = _tiny(node, left, right, integral)
     kind: PgType = "bigint" if integral else "double precision"
     sql_left = left.sql if integral else exp.cast(left.sql, exp.DataType.Type.DOUBLE)
     sql = node.__class__(this=sql_left, expression=right.sql)
@@ -308,14 +319,32 @@ def _pointwise(node: exp.Expression, left: KeyExpr, right: KeyExpr, op: Callable
                 if not math.isfinite(value) or abs(value) > MAX_MAGNITUDE:
                     raise _magnitude()
                 results.append(int(value) if integral else float(value))
-            return KeyExpr(sql, kind, _finite(node, results, nullable), nullable)
+            return KeyExpr(sql, kind, _finite(node, results, nullable), nullable, tiny=tiny)
     lows = [_low(left), _high(left)]
     highs = [_low(right), _high(right)]
     corners = [op(a, b) for a in lows for b in highs]
     lower, upper = min(corners), max(corners)
     if not (math.isfinite(lower) and math.isfinite(upper)) or max(abs(lower), abs(upper)) > MAX_MAGNITUDE:
         raise _magnitude()
-    return KeyExpr(sql, kind, None, nullable, lower, upper)
+    return KeyExpr(sql, kind, None, nullable, lower, upper, tiny)
+
+
+def _tiny(node: exp.Expression, left: KeyExpr, right: KeyExpr, integral: bool) -> int:
+    """The underflow bound of ``left op right`` (expressions.py's rule), refused below 2^-1070."""
+    if integral:
+        return 0
+    if isinstance(node, exp.Mul):
+        tiny = left.tiny + right.tiny
+    elif isinstance(node, exp.Div):
+        tiny = left.tiny - _exponent(max(abs(_low(right)), abs(_high(right)))) - 1
+    else:
+        tiny = min(left.tiny, right.tiny) - 53
+    if tiny < UNDERFLOW_EXPONENT:
+        raise FeatureNotSupported(
+            "a GROUP BY expression can underflow",
+            hint="A product or quotient of these bounds can come within 2^-1070 of 0 without being 0; scale it up.",
+        )
+    return tiny
 
 
 def _magnitude() -> FeatureNotSupported:
@@ -382,7 +411,16 @@ def _width_bucket(node: exp.WidthBucket, resolve: Resolve, check_predicate: Chec
     if not isinstance(count, int) or count <= 0:
         raise FeatureNotSupported("count must be greater than zero")  # PostgreSQL's 2201G text
     if low >= high:
-        raise FeatureNotSupported("lower bound cannot equal upper bound" if low == high else "lower bound must be less")
+        raise FeatureNotSupported(
+            "lower bound cannot equal upper bound"
+            if low == high
+            else "width_bucket with descending bounds is not supported"
+        )
+    if not all(v == 0 or 2.0**-500 <= abs(v) <= 2.0**500 for v in (low, high, high - low)):
+        raise FeatureNotSupported(
+            "width_bucket bounds must be 0 or between 2^-500 and 2^500 in magnitude",
+            hint="Extreme bounds could overflow or underflow differently on each backend.",
+        )
     inner = _numeric(node.this, resolve, check_predicate)
     value = exp.cast(inner.sql, exp.DataType.Type.DOUBLE)
     span = exp.Div(
@@ -429,11 +467,11 @@ def _column(node: exp.Column, resolve: Resolve) -> KeyExpr:
     kind = "bigint" if policy.type == "int" else "double precision"
     if domain is not None:
         values = [v for v in domain if v is not None]
-        return KeyExpr(clamped.sql, kind, _finite(node, values, policy.nullable), policy.nullable)
+        return KeyExpr(clamped.sql, kind, _finite(node, values, policy.nullable), policy.nullable, tiny=clamped.tiny)
     if policy.type == "int" and clamped.upper - clamped.lower + 1 <= MAX_DERIVED_GROUPS:
         every = range(int(clamped.lower), int(clamped.upper) + 1)
         return KeyExpr(clamped.sql, kind, _finite(node, every, policy.nullable), policy.nullable)
-    return KeyExpr(clamped.sql, kind, None, policy.nullable, clamped.lower, clamped.upper)
+    return KeyExpr(clamped.sql, kind, None, policy.nullable, clamped.lower, clamped.upper, clamped.tiny)
 
 
 def _cast(node: exp.Cast, resolve: Resolve, check_predicate: CheckPredicate) -> KeyExpr:
@@ -455,7 +493,7 @@ def _cast(node: exp.Cast, resolve: Resolve, check_predicate: CheckPredicate) -> 
         if values is not None:
             values = _finite(node, (float(v) for v in values if v is not None), inner.nullable)  # type: ignore[arg-type]
         return KeyExpr(exp.cast(inner.sql, exp.DataType.Type.DOUBLE), kind, values, inner.nullable, inner.lower,
-                       inner.upper)  # fmt: skip
+                       inner.upper, inner.tiny)  # fmt: skip
     raise FeatureNotSupported(
         f"CAST of a {inner.type} key to {node.to.sql(dialect='postgres')} is not supported in GROUP BY",
         hint="Cast time buckets to date or timestamp, numbers to double precision or numeric.",
@@ -493,7 +531,8 @@ def _case(node: exp.Case, resolve: Resolve, check_predicate: CheckPredicate) -> 
     else:
         raise DatatypeMismatch("CASE types text and numeric cannot be matched")
     nullable = None in values
-    return KeyExpr(result, kind, _finite(node, present, nullable), nullable)
+    tiny = min((_exponent(float(v)) for v in present if isinstance(v, float)), default=0)
+    return KeyExpr(result, kind, _finite(node, present, nullable), nullable, tiny=tiny)
 
 
 def _case_literal(node: exp.Expression) -> Scalar | None:
@@ -516,7 +555,8 @@ def _coalesce(node: exp.Coalesce, resolve: Resolve, check_predicate: CheckPredic
         else:
             kind: PgType = "text" if isinstance(constant, str) else "boolean" if isinstance(constant, bool) else (
                 "bigint" if isinstance(constant, int) else "double precision")  # fmt: skip
-            parts.append(KeyExpr(argument.copy(), kind, (constant,), False))  # type: ignore[arg-type]
+            tiny = _exponent(constant) if isinstance(constant, float) else 0
+            parts.append(KeyExpr(argument.copy(), kind, (constant,), False, tiny=tiny))  # type: ignore[arg-type]
     kinds = {p.type for p in parts if p.values != (None,)}
     numeric = kinds <= {"bigint", "double precision"}
     if len(kinds) > 1 and not numeric:
@@ -534,9 +574,10 @@ def _coalesce(node: exp.Coalesce, resolve: Resolve, check_predicate: CheckPredic
             nullable = False
             break
     sql = exp.Coalesce(this=parts[0].sql, expressions=[p.sql for p in parts[1:]])
+    tiny = min(p.tiny for p in parts)
     if not finite:
-        return KeyExpr(sql, kind, None, nullable)
-    return KeyExpr(sql, kind, _finite(node, values, nullable), nullable)
+        return KeyExpr(sql, kind, None, nullable, tiny=tiny)
+    return KeyExpr(sql, kind, _finite(node, values, nullable), nullable, tiny=tiny)
 
 
 _PREDICATES = (exp.Predicate, exp.Connector, exp.Not)
@@ -550,7 +591,8 @@ def derive(node: exp.Expression, resolve: Resolve, check_predicate: CheckPredica
     """
     if isinstance(node, exp.Paren):
         inner = derive(node.this, resolve, check_predicate)
-        return KeyExpr(exp.paren(inner.sql), inner.type, inner.values, inner.nullable, inner.lower, inner.upper)
+        return KeyExpr(exp.paren(inner.sql), inner.type, inner.values, inner.nullable, inner.lower, inner.upper,
+                       inner.tiny)  # fmt: skip
     constant = _literal(node)
     if constant is not exp.Expression:
         raise FeatureNotSupported("GROUP BY a constant is not supported", hint="Remove the constant from GROUP BY.")
@@ -571,7 +613,7 @@ def derive(node: exp.Expression, resolve: Resolve, check_predicate: CheckPredica
         zero = KeyExpr(exp.Literal.number(0), "bigint", (0,), False)
         negated = _pointwise(exp.Sub(), zero, inner, lambda a, b: a - b)
         return KeyExpr(exp.Neg(this=inner.sql), negated.type, negated.values, negated.nullable, negated.lower,
-                       negated.upper)  # fmt: skip
+                       negated.upper, inner.tiny)  # fmt: skip
     if isinstance(node, exp.Add | exp.Sub | exp.Mul | exp.Div):
         return _arithmetic(node, resolve, check_predicate)
     if isinstance(node, exp.Cast):

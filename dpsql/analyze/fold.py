@@ -24,7 +24,15 @@ from sqlglot import exp
 
 from dpsql.errors import DatetimeFieldOverflow, InvalidDatetimeFormat
 
-__all__ = ["fold_constants"]
+__all__ = ["fold_constants", "reads_clock"]
+
+#: Nodes whose value is the statement's start time.
+_CLOCK_NODES = (exp.CurrentTimestamp, exp.Localtimestamp, exp.CurrentDate)
+
+
+def reads_clock(tree: exp.Expression) -> bool:
+    """Whether the statement's meaning depends on when it runs (``NOW()``…): its plan must not be reused."""
+    return tree.find(*_CLOCK_NODES) is not None
 
 
 @dataclass(frozen=True, slots=True)

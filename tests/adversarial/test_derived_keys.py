@@ -62,6 +62,7 @@ ATTACKS = [
     KeyAttack("trunc-unbounded-selection", "SELECT DATE_TRUNC('month', d2), COUNT(*) FROM t GROUP BY 1", None),
     KeyAttack("float-key-selection", "SELECT cost * 2, COUNT(*) FROM t GROUP BY 1", None),
     KeyAttack("domain-cap", "SELECT DATE_TRUNC('hour', ts), COUNT(*) FROM t GROUP BY 1", "54000"),
+    KeyAttack("floor-underflow", "SELECT floor(x * 1e-300), COUNT(*) FROM t GROUP BY 1", "0A000"),
     KeyAttack("case-column-result", "SELECT CASE WHEN x > 0 THEN problem END, COUNT(*) FROM t GROUP BY 1", "0A000"),
 ]
 

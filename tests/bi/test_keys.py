@@ -160,6 +160,13 @@ def test_bi_types(clinic: Engine) -> None:
     assert result.rows[0][0] == dt.date(2024, 12, 1) and result.rows[0][2] == 2024
 
 
+def test_now_is_each_statements_start(clinic: Engine) -> None:
+    """A plan with NOW() folded is never reused: the next run folds its own start time."""
+    sql = "SELECT COUNT(*) FROM visits WHERE visit_date < NOW() - INTERVAL '1 day'"
+    first, second = clinic.prepare(sql, SESSION), clinic.prepare(sql, SESSION)
+    assert first is not second and first.cache_key != second.cache_key
+
+
 REFUSALS = [
     (
         "SELECT DATE_TRUNC('hour', visit_date), COUNT(*) FROM visits GROUP BY 1",
