@@ -20,6 +20,7 @@ from sqlglot import exp
 from dpsql import budget_view
 from dpsql.accountant import Cost, remaining_budget
 from dpsql.analyze import analyze_tree, infer_parameter_types
+from dpsql.analyze.fold import reads_clock
 from dpsql.analyze.insert import insert
 from dpsql.analyze.parse import (
     Params,
@@ -127,10 +128,12 @@ class Engine:
         if cached is not None:
             return cached
         try:
-            prepared = self._prepare(sql, (tree or self._statements.get(sql).tree).copy(), session, params)
+            tree = (tree or self._statements.get(sql).tree).copy()
+            clock = reads_clock(tree)  # NOW() is folded to this statement's start: never reuse its plan
+            prepared = self._prepare(sql, tree, session, params)
         except RecursionError:
             raise too_complex() from None
-        return self._plans.put(key, prepared)
+        return prepared if clock else self._plans.put(key, prepared)
 
     def fingerprint(self, sql: str) -> str:
         """The keyed fingerprint of a statement's shape (constants removed): what the server logs and

@@ -198,6 +198,10 @@ class DatetimeFieldOverflow(DataError, code="22008"):
     pass
 
 
+class InvalidDatetimeFormat(DataError, code="22007"):
+    """A date/time constant that does not parse (constant folding, before anything runs)."""
+
+
 class DivisionByZero(DataError, code="22012"):
     pass
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from sqlglot import exp
 
 from dpsql.analyze.sources import Sources
+from dpsql.pgtypes import PgType
 from dpsql.policy import ColumnPolicy, Scalar
 from dpsql.session import OutputColumn
 
@@ -88,12 +89,20 @@ def integer_valued(measure: Measure) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class GroupKey:
-    """A GROUP BY key column and, when the policy declares one, its public domain."""
+    """A GROUP BY key and, when it is public, its domain (declared, or derived from the policy and WHERE).
+
+    A plain column has ``expr`` None. An expression key (``DATE_TRUNC('month', d)``) has ``expr``, the SQL
+    computing it from clamped columns (see :mod:`dpsql.analyze.domains`), ``column`` its canonical text
+    (columns qualified; how select items are matched to it), ``table`` empty, a virtual ``policy`` and
+    its released ``type``.
+    """
 
     column: str
     table: str
     policy: ColumnPolicy
     domain: tuple[Scalar, ...] | None
+    expr: exp.Expression | None = None
+    type: PgType | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,9 @@
 """Analyze: SQL text + policy → a typed :class:`~dpsql.plan.Plan`, or one precise refusal.
 
-The order of passes is written down here and nowhere else: parse, inline simple views
-(``views.inline_views``), statement-shape checks (``checks.STATEMENT_CHECKS``), bind
-parameters, then resolution and plan building.
+The order of passes is written down here and nowhere else: parse, fold constant date/time
+expressions (``fold.fold_constants``), inline simple views (``views.inline_views``),
+statement-shape checks (``checks.STATEMENT_CHECKS``), bind parameters (then fold again: a bound
+parameter can complete a constant), then resolution and plan building.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from sqlglot import exp
 
 from dpsql.analyze.build import build_plan
 from dpsql.analyze.checks import STATEMENT_CHECKS, require_known_tables
+from dpsql.analyze.fold import fold_constants
 from dpsql.analyze.parse import Params, bind_parameters, parse_statement, too_complex
 from dpsql.analyze.views import inline_views
 from dpsql.plan import Plan
@@ -23,10 +25,10 @@ def analyze_tree(tree: exp.Expression, policy: Policy, params: Params = None) ->
     """Check and plan an already parsed statement."""
     try:
         require_known_tables(tree, policy)
-        tree = inline_views(tree)
+        tree = inline_views(fold_constants(tree))
         for check in STATEMENT_CHECKS:
             check(tree)
-        bound = bind_parameters(tree, params)
+        bound = fold_constants(bind_parameters(tree, params))
         assert isinstance(bound, exp.Select)
         return build_plan(bound, policy)
     except RecursionError:

@@ -13,10 +13,12 @@ import math
 from sqlglot import exp
 
 from dpsql.aggregates import AGGREGATE_NODES, OUTPUTS, recogniser
+from dpsql.analyze.domains import derive, narrow_policies
 from dpsql.analyze.scope import Scope
 from dpsql.analyze.sources import ident_name, qualified, resolve_ref, resolve_sources
 from dpsql.errors import (
     DatatypeMismatch,
+    Error,
     FeatureNotSupported,
     GroupingError,
     InvalidColumnReference,
@@ -26,7 +28,7 @@ from dpsql.errors import (
     UndefinedFunction,
 )
 from dpsql.plan import GroupKey, OutputItem, Plan
-from dpsql.policy import PG_TYPE_NAMES, ColumnPolicy, Policy
+from dpsql.policy import PG_TYPE_NAMES, ColumnPolicy, ColumnType, Policy
 from dpsql.release.selection import selection_count
 from dpsql.session import OutputColumn, PgType
 
@@ -325,8 +327,13 @@ def _projection_alias(projection: exp.Expr) -> str | None:
     return _ident_name(projection.args["alias"].this) if isinstance(projection, exp.Alias) else None
 
 
-def resolve_group_keys(tree: exp.Select, scope: _Scope) -> None:
-    """GROUP BY columns, ordinals or output aliases; each becomes a :class:`GroupKey`."""
+def resolve_group_keys(tree: exp.Select, scope: _Scope, where: exp.Expression | None = None) -> None:
+    """GROUP BY columns, expressions, ordinals or output aliases; each becomes a :class:`GroupKey`.
+
+    An expression key gets its SQL over clamped columns and, when finite, a domain derived from the
+    policy (:mod:`dpsql.analyze.domains`); every key's domain is narrowed by WHERE's constant
+    constraints (``where``: the checked predicate). Neither reads data.
+    """
     group = tree.args.get("group")
     if not group:
         return
@@ -336,6 +343,7 @@ def resolve_group_keys(tree: exp.Select, scope: _Scope) -> None:
     ):
         raise FeatureNotSupported("ROLLUP, CUBE and GROUPING SETS are not supported")
     projections = tree.expressions
+    targets = []
     for item in group.expressions:
         target = item
         if isinstance(item, exp.Literal) and not item.is_string:
@@ -349,14 +357,93 @@ def resolve_group_keys(tree: exp.Select, scope: _Scope) -> None:
                 matches = [p.unalias() for p in projections if _projection_alias(p) == name]
                 if matches:
                     target = matches[0]
-        if not isinstance(target, exp.Column):
-            if target.find(*AGGREGATE_NODES):
-                raise GroupingError("aggregate functions are not allowed in GROUP BY")
-            raise FeatureNotSupported("GROUP BY expressions are not supported yet", hint="Group by declared columns.")
-        source, name, policy = resolve_ref(target, scope.sources)
-        if any(k.column == name and k.table == source.alias for k in scope.keys):
+        if target.find(*AGGREGATE_NODES):
+            raise GroupingError("aggregate functions are not allowed in GROUP BY")
+        targets.append(target)
+    add_group_keys(targets, scope, where)
+
+
+def _distinct_keys(tree: exp.Select) -> bool:
+    """``SELECT DISTINCT a, b`` without aggregates or GROUP BY means ``GROUP BY a, b``.
+
+    What is released is exactly what ``GROUP BY`` would release with no aggregate shown: the whole
+    (declared, derived, WHERE-narrowed) domain of public keys — a function of the policy and the SQL,
+    so free of any person's data —, or, for other keys, the values whose noisy count passes DP
+    partition selection (charged like a count).
+    """
+    return (
+        bool(tree.args.get("distinct"))
+        and not tree.args.get("group")
+        and not any(p.find(*AGGREGATE_NODES) for p in tree.expressions)
+    )
+
+
+def add_group_keys(targets: list[exp.Expression], scope: _Scope, where: exp.Expression | None) -> None:
+    """Append a :class:`GroupKey` per distinct target (GROUP BY items, or SELECT DISTINCT's columns)."""
+    narrowed = narrow_policies(where, lambda table, name: _source_policy(scope, table, name))
+
+    def resolve(column: exp.Column) -> tuple[exp.Column, ColumnPolicy]:
+        source, name, policy = resolve_ref(column, scope.sources)
+        return qualified(source, name), narrowed.get((source.alias, name), policy)
+
+    for target in targets:
+        while isinstance(target, exp.Paren):
+            target = target.this
+        if isinstance(target, exp.Column):
+            source, name, policy = resolve_ref(target, scope.sources)
+            if any(k.column == name and k.table == source.alias for k in scope.keys):
+                continue
+            domain = narrowed.get((source.alias, name), policy).release_domain()
+            scope.keys.append(GroupKey(column=name, table=source.alias, policy=policy, domain=domain))
             continue
-        scope.keys.append(GroupKey(column=name, table=source.alias, policy=policy, domain=policy.release_domain()))
+        text = _canonical(target, scope)
+        if any(k.expr is not None and k.column == text for k in scope.keys):
+            continue
+        key = derive(target, resolve, scope.check_predicate)
+        virtual = ColumnPolicy(type=_POLICY_TYPES[key.type], nullable=key.nullable)
+        scope.keys.append(
+            GroupKey(column=text, table="", policy=virtual, domain=key.values, expr=key.sql, type=key.type)
+        )
+
+
+#: The policy type family standing for each released type of an expression key.
+_POLICY_TYPES: dict[str, ColumnType] = {
+    "bigint": "int",
+    "double precision": "float",
+    "numeric": "float",
+    "text": "text",
+    "boolean": "boolean",
+    "date": "date",
+    "timestamp": "timestamp",
+}
+
+
+def _source_policy(scope: _Scope, table: str, name: str) -> ColumnPolicy | None:
+    source = next((s for s in scope.sources.sources if s.alias == table), None)
+    return source.table.columns.get(name) if source is not None else None
+
+
+def _canonical(node: exp.Expression, scope: _Scope) -> str:
+    """An expression's text with every column qualified: equal for ``date_trunc('month', d)`` in
+    GROUP BY and ``DATE_TRUNC('month', visits.d)`` in the select list."""
+    node = node.copy()
+    for column in list(node.find_all(exp.Column)):
+        source, name, _ = resolve_ref(column, scope.sources)
+        column.replace(qualified(source, name))
+    while isinstance(node, exp.Paren):
+        node = node.this
+    return node.sql(dialect="postgres")
+
+
+def _expression_key(node: exp.Expression, scope: _Scope) -> int | None:
+    """Index of the expression key ``node`` spells, if any (select items, HAVING, ORDER BY)."""
+    if isinstance(node, exp.Column | exp.Literal) or not any(k.expr is not None for k in scope.keys):
+        return None
+    try:
+        text = _canonical(node, scope)
+    except Error:
+        return None
+    return next((i for i, k in enumerate(scope.keys) if k.expr is not None and k.column == text), None)
 
 
 # --- outputs: aggregates and post-processing -----------------------------------------
@@ -389,6 +476,9 @@ def convert_output(node: exp.Expression, scope: _Scope) -> tuple[exp.Expression,
     """Turn a select/HAVING/ORDER BY expression into post-processing over measures and keys."""
     if isinstance(node, exp.Filter):
         return convert_output(_filtered(node), scope)
+    key = _expression_key(node, scope)
+    if key is not None:
+        return exp.var(f"k{key}"), "key", ()
     aggregate = recogniser(node)
     if aggregate is not None:
         if isinstance(node.this, exp.Distinct) and not isinstance(node, exp.Count):
@@ -482,13 +572,22 @@ def _output_name(projection: exp.Expr) -> str:
         name = aggregate.output_name(node) if aggregate is not None else None
         if name is not None:
             return name
+        if isinstance(node, exp.TimestampTrunc | exp.DateTrunc):
+            return "date_trunc"
         return node.sql_name().lower() if not isinstance(node, exp.Anonymous) else node.name.lower()
     return "?column?"
 
 
+_TEMPORAL_TYPES: dict[exp.DType, PgType] = {
+    exp.DataType.Type.DATE: "date",
+    exp.DataType.Type.TIMESTAMP: "timestamp",
+}
+
+
 def _output_type(kind: str, expr: exp.Expression, scope: _Scope, measures: tuple[int, ...]) -> PgType:
     if kind == "key":
-        return PG_TYPE_NAMES[scope.keys[int(expr.name[1:])].policy.type]
+        key = scope.keys[int(expr.name[1:])]
+        return key.type or PG_TYPE_NAMES[key.policy.type]
     typed = OUTPUTS[kind].output_type(scope, measures)
     if typed is not None:
         return typed
@@ -500,9 +599,14 @@ def _output_type(kind: str, expr: exp.Expression, scope: _Scope, measures: tuple
             return "bigint"
         if target in exp.DataType.TEXT_TYPES:
             return "text"
+        if target == exp.DataType.Type.DECIMAL:
+            return "numeric"  # CAST(x AS numeric): what BI tools asked for, as PostgreSQL would type it
+        if target in _TEMPORAL_TYPES and isinstance(expr.this, exp.Var) and expr.this.name.startswith("k"):
+            return _TEMPORAL_TYPES[target]
         return "double precision"
     if isinstance(expr, exp.Var) and expr.name.startswith("k"):
-        return PG_TYPE_NAMES[scope.keys[int(expr.name[1:])].policy.type]
+        key = scope.keys[int(expr.name[1:])]
+        return key.type or PG_TYPE_NAMES[key.policy.type]
     integral = all(scope.measures[m].integer and scope.measures[m].centre == 0 for m in measures) and not expr.find(
         exp.Anonymous
     )
@@ -572,7 +676,9 @@ def build_plan(tree: exp.Select, policy: Policy) -> Plan:
     )
     where = tree.args.get("where")
     checked_where = check_where(where.this, scope) if where else None
-    resolve_group_keys(tree, scope)
+    resolve_group_keys(tree, scope, checked_where)
+    if _distinct_keys(tree):
+        add_group_keys([p.unalias() for p in tree.expressions], scope, checked_where)
     outputs = build_outputs(tree, scope)
     having = tree.args.get("having")
     having_expr = convert_output(having.this, scope)[0] if having else None

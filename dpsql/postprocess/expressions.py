@@ -7,6 +7,7 @@ theorem it costs no privacy. Expressions are evaluated with PostgreSQL semantics
 
 from __future__ import annotations
 
+import datetime as dt
 import math
 import operator
 from collections.abc import Callable, Mapping
@@ -193,6 +194,10 @@ def _cast(value: Any, to: exp.DataType) -> Any:
         return float(value)
     if target in exp.DataType.TEXT_TYPES:
         return str(value)
+    if target == exp.DataType.Type.DATE and isinstance(value, dt.datetime):  # a time-bucket key as a date
+        return value.date()
+    if target == exp.DataType.Type.TIMESTAMP and type(value) is dt.date:
+        return dt.datetime(value.year, value.month, value.day)
     return value
 
 

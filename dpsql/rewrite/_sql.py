@@ -14,9 +14,17 @@ def measure_input(measure: Measure) -> exp.Expression:
     return exp.column(measure.column, table=measure.table, quoted=True)  # type: ignore[arg-type]
 
 
-def key_column(plan: Plan, index: int) -> exp.Column:
+def key_column(plan: Plan, index: int) -> exp.Expression:
+    """The SQL of group key ``index``: its column, or its expression over clamped columns."""
     key = plan.keys[index]
+    if key.expr is not None:
+        return key.expr.copy()
     return exp.column(key.column, table=key.table, quoted=True)
+
+
+def key_input_columns(plan: Plan) -> set[str]:
+    """SQL of every column the keys read (the columns themselves, or those inside key expressions)."""
+    return {column.sql() for i in range(len(plan.keys)) for column in key_column(plan, i).find_all(exp.Column)}
 
 
 def sum_argument(select: exp.Select, index: int) -> exp.Expression:

@@ -11,25 +11,28 @@ from sqlglot import exp
 from dpsql.analyze.expressions import clamp_sql
 from dpsql.plan import Plan
 from dpsql.policy import ColumnPolicy
-from dpsql.rewrite._sql import key_column, literal_number
+from dpsql.rewrite._sql import key_column, key_input_columns, literal_number
 
 
 def _as_text(value: exp.Expression) -> exp.Expression:
     return exp.Coalesce(this=exp.cast(value, exp.DataType.Type.TEXT), expressions=[exp.Literal.string("~")])
 
 
-def _float_policy(plan: Plan, column: exp.Column) -> ColumnPolicy | None:
-    """The policy of a float column of a source (None otherwise, e.g. a hidden unit-join column)."""
+def _float_policy(plan: Plan, column: exp.Expression) -> ColumnPolicy | None:
+    """The policy of a float column of a source (None otherwise, e.g. a hidden unit-join column or an
+    expression key)."""
+    if not isinstance(column, exp.Column):
+        return None
     source = next((s for s in plan.sources.sources if s.alias == column.table), None)
     policy = source.table.columns.get(column.name) if source is not None else None
     return policy if policy is not None and policy.type == "float" else None
 
 
-def _is_float(plan: Plan, column: exp.Column) -> bool:
+def _is_float(plan: Plan, column: exp.Expression) -> bool:
     return _float_policy(plan, column) is not None
 
 
-def _hash_input(plan: Plan, column: exp.Column) -> exp.Expression:
+def _hash_input(plan: Plan, column: exp.Expression) -> exp.Expression:
     """What a column contributes to the row hash, as text every backend renders alike.
 
     Doubles print differently (DuckDB ``4999.0``, PostgreSQL ``4999``, Spark ``1.0E15``), so a
@@ -100,8 +103,7 @@ def bound_contributions(select: exp.Select, plan: Plan) -> exp.Select:
     for column in list(outer.find_all(exp.Column)):
         column.replace(exp.column(names[column.sql()], quoted=True))
     # rows reading only keys (and the unit, for partition selection's distinct-unit count) collapse
-    keys_and_unit = {plan.unit.sql(), *(key_column(plan, i).sql() for i in range(len(plan.keys)))}
-    collapse = set(columns) <= keys_and_unit
+    collapse = set(columns) <= {plan.unit.sql(), *key_input_columns(plan)}
     if not collapse and plan.physical.bound_cells and _cells_matchable(plan):
         return _bound_by_cells(select, plan, outer, columns, names)
     used = [exp.alias_(column.copy(), names[sql]) for sql, column in columns.items()]
@@ -223,6 +225,8 @@ def _unit_policy(plan: Plan) -> ColumnPolicy | None:
 def _cells_matchable(plan: Plan) -> bool:
     """Whether rows can be joined back to their (unit, keys) cell by plain, hashable equality."""
     policies = [_unit_policy(plan), *(k.policy for k in plan.keys)]
+    if any(k.expr is not None for k in plan.keys):  # cells are matched on key columns, not expressions
+        return False
     return bool(plan.keys) and all(p is not None and (not p.nullable or p.type in _NULL_STAND_INS) for p in policies)
 
 

@@ -315,7 +315,7 @@ REFUSALS = [
         "42803",
         'column "patients.age" must appear in the GROUP BY clause or be used in an aggregate function',
     ),
-    Refusal("distinct-raw", "SELECT DISTINCT sex FROM patients", "42803", None),
+    Refusal("distinct-raw", "SELECT DISTINCT name FROM patients", "42501", 'permission denied for column "name"'),
     Refusal("string-agg", "SELECT string_agg(name, ',') FROM patients", "0A000", None),
     Refusal(
         "array-agg", "SELECT array_agg(age) FROM patients", "0A000", "aggregate function array_agg is not supported yet"
@@ -398,7 +398,7 @@ REFUSALS = [
     ),
     Refusal(
         "now-in-where",
-        "SELECT COUNT(*) FROM patients WHERE dob > now()",
+        "SELECT COUNT(*) FROM patients WHERE dob > clock_timestamp()",
         "0A000",
         "only comparisons between a column and constants are supported in WHERE",
     ),

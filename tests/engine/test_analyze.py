@@ -135,7 +135,7 @@ REFUSALS = [
     ),
     ("SELECT COUNT(*) FROM patients FOR UPDATE", "0A000", "SELECT ... FOR UPDATE/SHARE is not supported"),
     ("SELECT 1", "0A000", "a query without FROM is not answered by the privacy engine"),
-    ("SELECT COUNT(*) FROM patients GROUP BY age + 1", "0A000", "GROUP BY expressions are not supported yet"),
+    ("SELECT COUNT(*) FROM patients GROUP BY lower(sex)", "0A000", "LOWER is not supported in GROUP BY"),
     ("SELECT COUNT(*) FROM patients GROUP BY 5", "42P10", "GROUP BY position 5 is not in select list"),
     ("SELECT COUNT(*) FROM patients ORDER BY 3", "42P10", "ORDER BY position 3 is not in select list"),
     (

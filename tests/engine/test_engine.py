@@ -58,10 +58,10 @@ def test_engine_on_postgres_answers(health_policy: Policy, health_pg: Backend) -
 
 
 def test_public_domain_releases_every_value(engine: Engine, alice: Session) -> None:
-    result = engine.execute("SELECT problem, COUNT(*) FROM patients WHERE problem = 'Obesity' GROUP BY problem", alice)
+    result = engine.execute("SELECT problem, COUNT(*) FROM patients WHERE age > 108 GROUP BY problem", alice)
     problems = [r[0] for r in result.rows]
     assert problems == list(engine.policy.tables["patients"].columns["problem"].domain or ())
-    zero_cells = [r[1] for r in result.rows if r[0] != "Obesity"]
+    zero_cells = [r[1] for r in result.rows]
     assert all(c >= 0 for c in zero_cells) and statistics.mean(zero_cells) < 5
 
 
@@ -74,7 +74,8 @@ def test_partition_selection_hides_rare_keys(health_policy: Policy, health_duckd
     for _ in range(30):
         engine.ledger = Ledger.open("sqlite:///:memory:")
         rows = engine.execute(
-            "SELECT zip, COUNT(*) FROM patients WHERE zip = 2138 AND ethnicity = 'White' AND "
+            # a range, not zip = 2138: an equality pins the key (public: it is in the query text)
+            "SELECT zip, COUNT(*) FROM patients WHERE zip BETWEEN 2138 AND 2138 AND ethnicity = 'White' AND "
             "marital_status = 'Single' AND sex = 'Male' GROUP BY zip",
             session,
         ).rows

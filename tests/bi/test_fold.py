@@ -1,0 +1,72 @@
+"""Constant folding (dpsql/analyze/fold.py): PostgreSQL's results, and its errors before anything runs."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+import sqlglot
+
+from dpsql.analyze.fold import Interval, add_interval, fold_constants, parse_interval
+from dpsql.errors import Error
+
+pytestmark = pytest.mark.unit
+
+NOW = dt.datetime(2024, 3, 31, 12, 30, 15, 250000)
+
+CASES = [
+    ("TO_DATE('2022-01-05', 'YYYY-MM-DD')", "CAST('2022-01-05' AS DATE)"),
+    ("TO_TIMESTAMP('2022-01-05 10:20', 'YYYY-MM-DD HH24:MI')", "CAST('2022-01-05 10:20:00' AS TIMESTAMP)"),
+    ("TO_TIMESTAMP(0)", "CAST('1970-01-01 00:00:00' AS TIMESTAMP)"),
+    ("MAKE_DATE(2024, 2, 29)", "CAST('2024-02-29' AS DATE)"),
+    ("make_timestamp(2024, 2, 29, 23, 59, 30.5)", "CAST('2024-02-29 23:59:30.500000' AS TIMESTAMP)"),
+    ("NOW()", "CAST('2024-03-31 12:30:15.250000' AS TIMESTAMP)"),
+    ("CURRENT_TIMESTAMP - INTERVAL '7 days'", "CAST('2024-03-24 12:30:15.250000' AS TIMESTAMP)"),
+    ("LOCALTIMESTAMP + INTERVAL '1 hour'", "CAST('2024-03-31 13:30:15.250000' AS TIMESTAMP)"),
+    ("CURRENT_DATE", "CAST('2024-03-31' AS DATE)"),
+    ("CURRENT_DATE - INTERVAL '1 month'", "CAST('2024-02-29 00:00:00' AS TIMESTAMP)"),  # day clamped
+    ("DATE '2022-01-31' + INTERVAL '1 month'", "CAST('2022-02-28 00:00:00' AS TIMESTAMP)"),
+    ("DATE '2022-01-01' + INTERVAL '1 year 2 months 3 days'", "CAST('2023-03-04 00:00:00' AS TIMESTAMP)"),
+    ("DATE '2022-01-01' + 31", "CAST('2022-02-01' AS DATE)"),
+    ("'2022-01-01'::date", "CAST('2022-01-01' AS DATE)"),
+    ("CAST(TIMESTAMP '2022-01-01 10:00' AS DATE)", "CAST('2022-01-01' AS DATE)"),
+    ("CAST(DATE '2022-01-01' AS TIMESTAMP)", "CAST('2022-01-01 00:00:00' AS TIMESTAMP)"),
+    ("INTERVAL '1 day' + DATE '2022-01-01'", "CAST('2022-01-02 00:00:00' AS TIMESTAMP)"),
+]
+
+
+@pytest.mark.parametrize(("sql", "expected"), CASES, ids=[c[0] for c in CASES])
+def test_folds_to_a_literal(sql: str, expected: str) -> None:
+    tree = sqlglot.parse_one(f"SELECT COUNT(*) FROM t WHERE d > {sql}", read="postgres")
+    folded = fold_constants(tree, NOW)
+    assert folded.args["where"].this.expression.sql(dialect="postgres") == expected
+
+
+def test_columns_are_left_alone() -> None:
+    tree = sqlglot.parse_one("SELECT COUNT(*) FROM t WHERE d + INTERVAL '1 day' > NOW()", read="postgres")
+    assert fold_constants(tree, NOW).sql(dialect="postgres") == (
+        "SELECT COUNT(*) FROM t WHERE d + INTERVAL '1 DAY' > CAST('2024-03-31 12:30:15.250000' AS TIMESTAMP)"
+    )
+
+
+ERRORS = [
+    ("MAKE_DATE(2022, 13, 1)", "22008", "date field value out of range: 2022-13-01"),
+    ("TO_DATE('2022-13-45', 'YYYY-MM-DD')", "22007", 'invalid input syntax for type date: "2022-13-45"'),
+    ("TO_TIMESTAMP('yesterday', 'YYYY-MM-DD')", "22007", 'invalid input syntax for type timestamp: "yesterday"'),
+    ("DATE '9999-12-01' + INTERVAL '1 month'", "22008", "timestamp out of range"),
+    ("DATE '2022-01-01' + INTERVAL '1 fortnight'", "22007", 'invalid input syntax for type interval: "1 fortnight"'),
+]
+
+
+@pytest.mark.parametrize(("sql", "sqlstate", "message"), ERRORS, ids=[e[0] for e in ERRORS])
+def test_invalid_constants_raise_postgres_errors(sql: str, sqlstate: str, message: str) -> None:
+    tree = sqlglot.parse_one(f"SELECT COUNT(*) FROM t WHERE d > {sql}", read="postgres")
+    with pytest.raises(Error) as info:
+        fold_constants(tree, NOW)
+    assert (info.value.sqlstate, info.value.message) == (sqlstate, message)
+
+
+def test_interval_arithmetic_is_postgres() -> None:
+    assert parse_interval("1 mon 2 days 03:00:00") == Interval(1, 2, 3 * 3_600_000_000)
+    assert add_interval(dt.datetime(2024, 1, 31), Interval(months=1)) == dt.datetime(2024, 2, 29)
+    assert add_interval(dt.datetime(2024, 3, 31), -Interval(months=1, days=1)) == dt.datetime(2024, 2, 28)

@@ -1,0 +1,221 @@
+"""GROUP BY expressions with derived domains, WHERE narrowing, SELECT DISTINCT and BI types (issue #17),
+engine-level on the clinic and health demos, on DuckDB and on PostgreSQL."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterator
+
+import pytest
+
+from dpsql.analyze import analyze
+from dpsql.backends import Backend, open_backend
+from dpsql.demo import demo_policy_path, load_demo
+from dpsql.engine import Engine
+from dpsql.errors import Error
+from dpsql.ledger import Ledger
+from dpsql.policy import load_policy
+from dpsql.session import Session
+
+
+@pytest.fixture(scope="module", params=["duckdb", "postgres"])
+def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
+    if request.param == "duckdb":
+        opened = open_backend("duckdb://")
+    else:
+        opened = open_backend(request.getfixturevalue("pg_new_database")())
+    load_demo(opened, ["clinic", "health"])
+    yield opened
+    opened.close()
+
+
+@pytest.fixture
+def clinic(backend: Backend) -> Engine:
+    return Engine(load_policy(demo_policy_path("clinic")), backend, Ledger.open("sqlite:///:memory:"))
+
+
+@pytest.fixture
+def health(backend: Backend) -> Engine:
+    return Engine(load_policy(demo_policy_path("health")), backend, Ledger.open("sqlite:///:memory:"))
+
+
+SESSION = Session("analyst", epsilon=1.0, delta=1e-6)
+
+
+def _months(first: dt.datetime, last: dt.datetime) -> list[dt.datetime]:
+    out, current = [], first
+    while current <= last:
+        out.append(current)
+        current = dt.datetime(current.year + current.month // 12, current.month % 12 + 1, 1)
+    return out
+
+
+def test_monthly_series_releases_sixty_timestamp_rows(clinic: Engine) -> None:
+    result = clinic.execute(
+        "SELECT DATE_TRUNC('month', visit_date) AS m, COUNT(*) FROM visits GROUP BY 1 ORDER BY 1", SESSION
+    )
+    assert [c.type for c in result.columns] == ["timestamp", "bigint"]
+    assert [r[0] for r in result.rows] == _months(dt.datetime(2020, 1, 1), dt.datetime(2024, 12, 1))
+    assert result.delta_spent == 0  # a public (derived) domain: no partition selection
+
+
+def test_date_filter_keeps_only_its_months(clinic: Engine) -> None:
+    result = clinic.execute(
+        "SELECT DATE_TRUNC('month', visit_date) AS m, COUNT(*) FROM visits "
+        "WHERE visit_date >= '2023-03-15' AND visit_date < DATE '2023-06-01' GROUP BY m ORDER BY m",
+        SESSION,
+    )
+    assert [r[0] for r in result.rows] == _months(dt.datetime(2023, 3, 1), dt.datetime(2023, 5, 1))
+
+
+def test_folded_now_filter_narrows_the_domain(clinic: Engine) -> None:
+    result = clinic.execute(
+        "SELECT DATE_TRUNC('year', visit_date) AS y, COUNT(*) FROM visits "
+        "WHERE visit_date >= MAKE_DATE(2022, 1, 1) + INTERVAL '1 year' GROUP BY 1 ORDER BY 1",
+        SESSION,
+    )
+    assert [r[0] for r in result.rows] == [dt.datetime(2023, 1, 1), dt.datetime(2024, 1, 1)]
+
+
+def test_unmatched_case_literal_and_empty_bucket_still_appear(clinic: Engine) -> None:
+    result = clinic.execute(
+        "SELECT CASE WHEN cost > 5000 THEN 'impossible' WHEN cost > 1000 THEN 'high' ELSE 'low' END AS band, "
+        "COUNT(*) FROM visits GROUP BY band ORDER BY band",
+        SESSION,
+    )
+    assert [r[0] for r in result.rows] == ["high", "impossible", "low"]
+
+
+def test_extract_and_width_bucket_domains(clinic: Engine) -> None:
+    result = clinic.execute(
+        "SELECT EXTRACT(dow FROM visit_date) AS d, width_bucket(cost, 0, 2000, 4) AS b, COUNT(*) "
+        "FROM visits GROUP BY 1, 2 ORDER BY 1, 2",
+        SESSION,
+    )
+    assert {(r[0], r[1]) for r in result.rows} == {(d, b) for d in range(7) for b in range(1, 6)}
+
+
+def test_grafana_epoch_buckets(clinic: Engine) -> None:
+    result = clinic.execute(
+        "SELECT floor(extract(epoch from visit_date)/86400)*86400 AS time, COUNT(*) FROM visits "
+        "WHERE visit_date BETWEEN '2024-12-01' AND '2024-12-07' GROUP BY 1 ORDER BY 1",
+        SESSION,
+    )
+    start = (dt.datetime(2024, 12, 1) - dt.datetime(1970, 1, 1)).total_seconds()
+    assert [r[0] for r in result.rows] == [int(start) + 86400 * i for i in range(7)]
+
+
+def test_where_equality_releases_one_row(health: Engine) -> None:
+    result = health.execute("SELECT problem, COUNT(*) FROM patients WHERE problem = 'Asthma' GROUP BY problem", SESSION)
+    assert [r[0] for r in result.rows] == ["Asthma"]
+    result = health.execute(
+        "SELECT problem, COUNT(*) FROM patients WHERE problem IN ('Asthma', 'Diabetes', 'Gout') GROUP BY 1", SESSION
+    )
+    assert sorted(r[0] for r in result.rows) == ["Asthma", "Diabetes"]
+
+
+def test_is_not_null_drops_the_null_group(health: Engine) -> None:
+    both = health.execute("SELECT bmi > 30 AS obese, COUNT(*) FROM patients GROUP BY 1", SESSION)
+    assert [r[0] for r in both.rows] == [False, True, None]
+    kept = health.execute("SELECT bmi > 30 AS obese, COUNT(*) FROM patients WHERE bmi IS NOT NULL GROUP BY 1", SESSION)
+    assert [r[0] for r in kept.rows] == [False, True]
+
+
+def test_coalesce_over_a_declared_domain(health: Engine) -> None:
+    result = health.execute("SELECT COALESCE(problem, 'unknown') AS p, COUNT(*) FROM patients GROUP BY 1", SESSION)
+    assert len(result.rows) == 7  # problem is not nullable: 'unknown' cannot occur, and is not added
+
+
+def test_decades_from_integer_division(health: Engine) -> None:
+    result = health.execute(
+        "SELECT floor(age / 10) * 10 AS decade, SUM(visits) FROM patients GROUP BY decade ORDER BY 1", SESSION
+    )
+    assert [r[0] for r in result.rows] == list(range(0, 120, 10))
+
+
+def test_unknown_domain_falls_back_to_partition_selection(health: Engine) -> None:
+    result = health.execute("SELECT bmi * 2 AS b, COUNT(*) FROM patients GROUP BY 1", SESSION)
+    assert result.delta_spent > 0
+
+
+def test_select_distinct_public_keys_release_the_domain_free(health: Engine) -> None:
+    result = health.execute("SELECT DISTINCT sex FROM patients ORDER BY 1", SESSION)
+    assert result.rows == [("Female",), ("Male",)]
+    assert result.epsilon_spent == 0
+
+
+def test_select_distinct_private_keys_go_through_partition_selection(health: Engine) -> None:
+    result = health.execute("SELECT DISTINCT zip FROM patients", SESSION)
+    assert result.epsilon_spent == 1.0 and result.delta_spent > 0
+    assert all(2100 <= r[0] <= 2199 for r in result.rows)
+
+
+def test_bi_types(clinic: Engine) -> None:
+    result = clinic.execute(
+        "SELECT CAST(DATE_TRUNC('month', visit_date) AS date) AS m, CAST(COUNT(*) AS numeric) AS n, "
+        "EXTRACT(year FROM visit_date) AS y FROM visits WHERE visit_date >= '2024-12-01' GROUP BY 1, 3",
+        SESSION,
+    )
+    assert [(c.name, c.type) for c in result.columns] == [("m", "date"), ("n", "numeric"), ("y", "bigint")]
+    assert result.rows[0][0] == dt.date(2024, 12, 1) and result.rows[0][2] == 2024
+
+
+def test_now_is_each_statements_start(clinic: Engine) -> None:
+    """A plan with NOW() folded is never reused: the next run folds its own start time."""
+    sql = "SELECT COUNT(*) FROM visits WHERE visit_date < NOW() - INTERVAL '1 day'"
+    first, second = clinic.prepare(sql, SESSION), clinic.prepare(sql, SESSION)
+    assert first is not second and first.cache_key != second.cache_key
+
+
+REFUSALS = [
+    (
+        "SELECT DATE_TRUNC('hour', visit_date), COUNT(*) FROM visits GROUP BY 1",
+        "54000",
+        "GROUP BY key \"DATE_TRUNC('HOUR', visit_date)\" would release 43825 groups (more than 10000)",
+    ),
+    ("SELECT lower(department), COUNT(*) FROM visits GROUP BY 1", "0A000", "LOWER is not supported in GROUP BY"),
+    (
+        "SELECT CASE WHEN cost > 1 THEN department END, COUNT(*) FROM visits GROUP BY 1",
+        "0A000",
+        "CASE results in GROUP BY must be constants",
+    ),
+    (
+        "SELECT floor(cost / (cost - 10)), COUNT(*) FROM visits GROUP BY 1",
+        "0A000",
+        "division by an expression that can be zero",
+    ),
+    (
+        "SELECT DATE_TRUNC('decade', visit_date), COUNT(*) FROM visits GROUP BY 1",
+        "0A000",
+        'DATE_TRUNC("decade") is not supported in GROUP BY',
+    ),
+    ("SELECT COUNT(*) FROM visits GROUP BY 'a'", "0A000", "GROUP BY a constant is not supported"),
+    ("SELECT COUNT(*) FROM visits GROUP BY COUNT(*)", "42803", "aggregate functions are not allowed in GROUP BY"),
+    (
+        "SELECT COUNT(*) FROM visits WHERE visit_date > MAKE_DATE(2022, 2, 30)",
+        "22008",
+        "date field value out of range: 2022-02-30",
+    ),
+    (
+        "SELECT COUNT(*) FROM visits WHERE visit_date > TO_DATE('2022-xx-01', 'YYYY-MM-DD')",
+        "22007",
+        'invalid input syntax for type date: "2022-xx-01"',
+    ),
+    ("SELECT DISTINCT patient_id FROM visits", "42501", 'permission denied for column "patient_id"'),
+]
+
+
+@pytest.mark.parametrize(("sql", "sqlstate", "message"), REFUSALS, ids=[r[0][:50] for r in REFUSALS])
+def test_refusals(sql: str, sqlstate: str, message: str, clinic: Engine) -> None:
+    with pytest.raises(Error) as info:
+        clinic.execute(sql, SESSION)
+    assert (info.value.sqlstate, info.value.message) == (sqlstate, message)
+    assert clinic.ledger.charges("clinic", "analyst") == []
+
+
+def test_derived_domain_is_a_function_of_policy_and_sql_only(backend: Backend) -> None:
+    """Analysis never touches the backend: the released grid is fixed before any row is read."""
+    policy = load_policy(demo_policy_path("clinic"))
+    plan = analyze("SELECT DATE_TRUNC('quarter', visit_date), COUNT(*) FROM visits GROUP BY 1", policy)
+    assert plan.keys[0].domain == tuple(dt.datetime(y, m, 1) for y in range(2020, 2025) for m in (1, 4, 7, 10))
+    assert plan.public_keys and plan.selection_measure is None
