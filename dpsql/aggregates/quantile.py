@@ -16,7 +16,7 @@ from sqlglot import exp
 
 from dpsql.aggregates.base import Recognised, Rows, Selection, measure_var
 from dpsql.errors import FeatureNotSupported, InvalidParameterValue
-from dpsql.release.selection import quantile_grid, quantile_rank_error, select_quantile
+from dpsql.release.selection import STAGE2_REACH, quantile_grid, quantile_rank_error, select_quantile
 
 if TYPE_CHECKING:
     from dpsql.analyze.scope import Scope
@@ -84,7 +84,7 @@ class Quantile(Selection):
         elif extreme:
             stages = f" grouped in {grid.runs} runs"
         else:
-            stages = f" in two stages ({grid.runs} runs, then {grid.stride} cells)"
+            stages = f" in two stages ({grid.runs} runs, then a cell of the chosen run ±{STAGE2_REACH})"
         return {
             "measure": f"{measure.label}: exponential mechanism over {cells}{stages}",
             "sensitivity": sensitivity,

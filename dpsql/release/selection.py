@@ -16,16 +16,18 @@ exponential noise = the exponential mechanism, [MS20]) with scale 2Δu/ε select
 it samples exactly from the OS CSPRNG.
 
 Two stages (:func:`select_quantile`). Over more than :data:`QUANTILE_BINS` cells an interior
-quantile (0 < q < 1) is chosen by two exponential mechanisms: stage 1 picks one of at most :data:`QUANTILE_BINS` runs of
-consecutive cells with ε₁ = :data:`STAGE1_SHARE`·ε, stage 2 picks a cell inside that run with
-ε₂ = ε − ε₁, its utilities using the same global ranks (counts below the run included). Each stage
-is an ε_i-DP exponential mechanism whatever the other's outcome (stage 2's candidate set is a
-function of stage 1's released run only), so by adaptive sequential composition the pair is
-(ε₁ + ε₂) = ε-DP. Both stages read the same histogram: one query, whose shape depends only on the
-public bounds. MIN and MAX (q = 0, 1) use one stage over the runs at full ε (their error is the
-rank depth they must aim at, which a split would double). The released value is the cell's value (the integer itself, or the cell's
-midpoint): post-processing. Across groups the caller passes Δ = max_rows·max_groups, so the
-mechanisms of all groups one unit touches compose to ε.
+quantile (0 < q < 1) is chosen by two exponential mechanisms: stage 1 picks one of at most
+:data:`QUANTILE_BINS` runs of consecutive cells with ε₁ = :data:`STAGE1_SHARE`·ε, stage 2 picks a
+cell in that run or the :data:`STAGE2_REACH` runs either side with ε₂ = ε − ε₁, its utilities using
+the same global ranks (counts below the window included, so Δu is unchanged). Each stage is an
+ε_i-DP exponential mechanism whatever the other's outcome (stage 2's candidate set is a function of
+stage 1's released run only), so by adaptive sequential composition the pair is (ε₁ + ε₂) = ε-DP.
+Both stages read the same histogram: one query, whose shape depends only on the public bounds.
+MIN and MAX (q = 0, 1) use one stage over the runs at full ε (their error is the rank depth they
+must aim at, which a split would double), released at the run's middle. Otherwise the released
+value is the cell's (the integer itself, or the cell's midpoint): post-processing. Across groups
+the caller passes Δ = max_rows·max_groups, so the mechanisms of all groups one unit touches
+compose to ε.
 """
 
 from __future__ import annotations
@@ -77,7 +79,6 @@ class QuantileGrid:
         if self.integer:
             return self.lower + cell
         return min(self.upper, self.lower + (cell + 0.5) * (self.upper - self.lower) / self.cells)
-
 
     def run_value(self, run: int) -> float:
         """The released value of a stage-1 run: its middle."""
@@ -197,8 +198,9 @@ def quantile_rank_error(
 ) -> float:
     """The rank error bound of :func:`select_quantile` at ``confidence``.
 
-    Two stages: the run is within E₁ ranks of the best (probability 1 − β/2), and the run's best
-    cell is as good as the run, so the cell is within E₁ + E₂ (probability ≥ 1 − β by a union bound).
+    Two stages: the run is within E₁ ranks of the best (probability 1 − β/2), and the best cell
+    of stage 2's window (which holds the run) is as good as the run, so the cell is within E₁ + E₂
+    (probability ≥ 1 − β by a union bound).
     """
     if grid.stride == 1:
         return rank_error_bound(epsilon, sensitivity, confidence, grid.cells)
@@ -206,8 +208,9 @@ def quantile_rank_error(
         return rank_error_bound(epsilon, sensitivity, confidence, grid.runs)
     half = (1.0 + confidence) / 2.0
     epsilon1 = epsilon * STAGE1_SHARE
+    window = (2 * STAGE2_REACH + 1) * grid.stride
     return rank_error_bound(epsilon1, sensitivity, half, grid.runs) + rank_error_bound(
-        epsilon - epsilon1, sensitivity, half, grid.stride
+        epsilon - epsilon1, sensitivity, half, window
     )
 
 

@@ -10,7 +10,7 @@ from sqlglot import exp
 
 from dpsql.analyze.expressions import clamp_sql
 from dpsql.analyze.sources import from_node
-from dpsql.plan import Measure, Plan
+from dpsql.plan import Plan
 from dpsql.release.selection import QuantileGrid, quantile_grid
 from dpsql.rewrite._sql import key_column, literal_number, measure_input
 
