@@ -57,6 +57,8 @@ class Aggregate:
     #: Per-unit partial results add up to the whole (COUNT, SUM): ungrouped queries may cap per-unit
     #: partials instead of ranking rows. False for distinct counts.
     decomposable: ClassVar[bool] = True
+    #: A unit adds at most 1 to each group's value, however many rows it holds (distinct-unit counts).
+    once_per_unit: ClassVar[bool] = False
     #: ``FILTER (WHERE p)`` is applied as ``CASE WHEN p THEN arg END`` on its argument.
     filterable: ClassVar[bool] = True
     #: Post-processing functions its output expression calls to combine noisy measures, by name.

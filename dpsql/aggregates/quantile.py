@@ -1,4 +1,10 @@
-"""Quantiles (MIN, MAX, median, percentile_cont/disc): the exponential mechanism over binned counts."""
+"""Quantiles (MIN, MAX, median, percentile_cont/disc): the exponential mechanism over binned counts.
+
+The histogram's cells are those of :func:`~dpsql.release.selection.quantile_grid` (exact integers
+for an int column of at most 65,536 values, else 65,536 equal cells); the value is chosen by one
+exponential mechanism, or two (run, then cell) over a larger grid — privacy argument in
+:mod:`dpsql.release.selection`.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,7 @@ from sqlglot import exp
 
 from dpsql.aggregates.base import Recognised, Rows, Selection, measure_var
 from dpsql.errors import FeatureNotSupported, InvalidParameterValue
-from dpsql.release.selection import QUANTILE_BINS, bin_midpoint, rank_error_bound, select_quantile_bin
+from dpsql.release.selection import STAGE2_REACH, quantile_grid, quantile_rank_error, select_quantile
 
 if TYPE_CHECKING:
     from dpsql.analyze.scope import Scope
@@ -36,23 +42,26 @@ class Quantile(Selection):
         return float
 
     def select(self, plan: Plan, index: int, rows: Rows, histogram: Rows, epsilon: float) -> list[Any]:
-        """The exponential mechanism, once per released group, over that group's bin counts."""
+        """The exponential mechanism(s), once per released group, over that group's cell counts.
+
+        Groups without any value (and keys released without a histogram row) are chosen from an
+        empty histogram like the others: whether a group has data changes nothing but utilities.
+        """
         nkeys = len(plan.keys)
         measure = plan.measures[index]
         assert measure.lower is not None and measure.upper is not None and measure.q is not None
+        grid = quantile_grid(measure.lower, measure.upper, measure.integer)
         counts: dict[tuple[Any, ...], dict[int, int]] = {}
         for row in histogram:
-            bin_ = row[nkeys]
-            if bin_ is not None:
+            cell = row[nkeys]
+            if cell is not None:
                 group = counts.setdefault(tuple(row[:nkeys]), {})
-                clamped = min(max(int(bin_), 0), QUANTILE_BINS - 1)  # the upper bound itself falls in bin B
+                clamped = min(max(int(cell), 0), grid.cells - 1)  # the upper bound itself falls in cell `cells`
                 group[clamped] = group.get(clamped, 0) + int(row[nkeys + 1])
         sensitivity = plan.sensitivities(measure)[0]
-        values = []
-        for row in rows:
-            chosen = select_quantile_bin(counts.get(tuple(row[:nkeys]), {}), measure.q, epsilon, sensitivity)
-            values.append(bin_midpoint(chosen, measure.lower, measure.upper))
-        return values
+        return [
+            select_quantile(counts.get(tuple(row[:nkeys]), {}), measure.q, epsilon, sensitivity, grid) for row in rows
+        ]
 
     def output_type(self, scope: Any, measures: tuple[int, ...]) -> PgType | None:
         return "double precision"
@@ -64,14 +73,25 @@ class Quantile(Selection):
 
     def explain(self, out: OutputItem, plan: Plan, budgeting: Budgeting, confidence: float) -> dict[str, Any]:
         i = out.measures[0]
-        sensitivity = plan.sensitivities(plan.measures[i])[0]
+        measure = plan.measures[i]
+        assert measure.lower is not None and measure.upper is not None
+        sensitivity = plan.sensitivities(measure)[0]
+        grid = quantile_grid(measure.lower, measure.upper, measure.integer)
+        cells = f"{grid.cells} integers" if grid.integer else f"{grid.cells} cells"
+        extreme = measure.q in (0.0, 1.0)
+        if grid.stride == 1:
+            stages = ""
+        elif extreme:
+            stages = f" grouped in {grid.runs} runs"
+        else:
+            stages = f" in two stages ({grid.runs} runs, then a cell of the chosen run ±{STAGE2_REACH})"
         return {
-            "measure": f"{plan.measures[i].label}: exponential mechanism over {QUANTILE_BINS} bins",
+            "measure": f"{measure.label}: exponential mechanism over {cells}{stages}",
             "sensitivity": sensitivity,
             "scale": 2 * sensitivity / budgeting.shares[i],
             "epsilon": budgeting.shares[i],
             "ci": float("nan"),
-            "rank_error95": rank_error_bound(budgeting.shares[i], sensitivity, confidence),
+            "rank_error95": quantile_rank_error(budgeting.shares[i], sensitivity, grid, confidence, extreme=extreme),
         }
 
 

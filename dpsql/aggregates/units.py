@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 class CountUnits(Aggregate):
     kind = "count_units"
+    once_per_unit = True
 
     def label(self, measure: Measure) -> str:
         return f"COUNT(DISTINCT {measure.column})"

@@ -9,24 +9,40 @@ count, however many rows it holds there: the count's sensitivity is L0 (L1) or �
 held by the differing unit alone has count 1. So τ depends on L0, never on ``max_rows_per_unit``;
 counting rows instead made a person with 20 rows look like 20 people and τ 20× higher.
 
-Privacy argument. Values are clamped to the column bounds [L, U] and counted in B equal
-bins (in SQL, after contribution bounding, so one unit changes at most ``max_rows`` of
-the counts by one each). For a target rank t = q·n, bin j gets utility
+Privacy argument. Values are clamped to the column bounds [L, U] and counted in the cells of a
+public grid (:func:`quantile_grid`: one cell per integer for an int column of at most
+:data:`FINE_CELLS` values, else :data:`FINE_CELLS` equal cells), in SQL, after contribution
+bounding, so one unit changes at most ``max_rows`` of the counts by one each. For a target rank
+t = q·n, a candidate (a cell, or a run of cells) covering ranks (C_j, C_{j+1}] gets utility
 
-    u_j = −max(0, C_j − t, t − C_{j+1})      (C_j = number of values below bin j)
+    u_j = −max(0, C_j − t, t − C_{j+1})      (C_j = number of values below candidate j)
 
-i.e. minus the distance from the target rank to the ranks the bin covers. Adding or
-removing one value changes every C_j by at most 1 and t by at most q ≤ 1, so every
-u_j moves by at most 1 (``max_rows`` for a unit): Δu = max_rows. OpenDP's
-``make_noisy_max`` (report-noisy-max with exponential noise = the exponential
-mechanism, [MS20]) with scale 2Δu/ε selects a bin ε-DP; it samples exactly from the
-OS CSPRNG. The released value is the bin's midpoint — post-processing.
+i.e. minus the distance from the target rank to the ranks it covers. Adding or removing one
+value changes every C_j by at most 1 and t by at most q ≤ 1, so every u_j moves by at most 1
+(``max_rows`` for a unit): Δu = max_rows. OpenDP's ``make_noisy_max`` (report-noisy-max with
+exponential noise = the exponential mechanism, [MS20]) with scale 2Δu/ε selects a candidate ε-DP;
+it samples exactly from the OS CSPRNG.
+
+Two stages (:func:`select_quantile`). Over more than :data:`QUANTILE_BINS` cells an interior
+quantile (0 < q < 1) is chosen by two exponential mechanisms: stage 1 picks one of at most
+:data:`QUANTILE_BINS` runs of consecutive cells with ε₁ = :data:`STAGE1_SHARE`·ε, stage 2 picks a
+cell in that run or the :data:`STAGE2_REACH` runs either side with ε₂ = ε − ε₁, its utilities using
+the same global ranks (counts below the window included, so Δu is unchanged). Each stage is an
+ε_i-DP exponential mechanism whatever the other's outcome (stage 2's candidate set is a function of
+stage 1's released run only), so by adaptive sequential composition the pair is (ε₁ + ε₂) = ε-DP.
+Both stages read the same histogram: one query, whose shape depends only on the public bounds.
+MIN and MAX (q = 0, 1) use one stage over the runs at full ε (their error is the rank depth they
+must aim at, which a split would double), released at the run's middle. Otherwise the released
+value is the cell's (the integer itself, or the cell's midpoint): post-processing. Across groups
+the caller passes Δ = max_rows·max_groups, so the mechanisms of all groups one unit touches
+compose to ε.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
@@ -61,7 +77,7 @@ def selection_contribution(plan: Plan) -> int:
     """What one unit adds at most to one group's selection count: 1 for a distinct-unit count; a
     row count (a policy-less plan built by hand) gets ``max_rows``."""
     assert plan.selection_measure is not None
-    return 1 if plan.measures[plan.selection_measure].kind == "count_units" else plan.max_rows
+    return 1 if plan.measures[plan.selection_measure].aggregate.once_per_unit else plan.max_rows
 
 
 def selection_threshold(plan: Plan, spec: NoiseSpec, delta: float) -> int:
@@ -77,14 +93,83 @@ def selection_threshold(plan: Plan, spec: NoiseSpec, delta: float) -> int:
     return partition_threshold(spec, delta, max_partitions=plan.max_groups, max_rows=selection_contribution(plan))
 
 
-#: Bins per quantile: resolution (U − L)/512, well under the 1% of range analysts expect.
+#: Candidates of one exponential mechanism (a stage): at most 512, which keeps one selection at
+#: ~2 ms (OpenDP's exact sampler costs ~3 µs a candidate) and its rank error at (2Δ/ε)·ln(512/β).
 QUANTILE_BINS = 512
+#: Cells of the finest grid: 512 runs of 128 cells, resolution (U − L)/65536.
+FINE_CELLS = QUANTILE_BINS * 128
+#: Share of ε spent choosing the run (stage 1); the rest chooses the cell inside it (stage 2).
+STAGE1_SHARE = 0.5
+#: Stage 2 chooses among the cells of the chosen run and of this many runs on either side, so a
+#: stage-1 choice one run off (likely at ε₁ when the data are sparse) is corrected at the cell level.
+STAGE2_REACH = 1
+
+
+@dataclass(frozen=True)
+class QuantileGrid:
+    """The public cells a quantile is released from, a function of the bounds and column type only."""
+
+    lower: float
+    upper: float
+    #: Number of cells (histogram bins 0 … cells − 1).
+    cells: int
+    #: Cell j is the integer lower + j (an int column with few enough values); else equal widths.
+    integer: bool
+
+    @property
+    def stride(self) -> int:
+        """Cells per stage-1 run: 1 means a single exponential mechanism over the cells."""
+        return -(-self.cells // QUANTILE_BINS)
+
+    @property
+    def runs(self) -> int:
+        return -(-self.cells // self.stride)
+
+    def value(self, cell: int) -> float:
+        """The released value of a cell: the integer itself, or the cell's midpoint."""
+        if self.integer:
+            return self.lower + cell
+        return min(self.upper, self.lower + (cell + 0.5) * (self.upper - self.lower) / self.cells)
+
+    def run_value(self, run: int) -> float:
+        """The released value of a stage-1 run: its middle."""
+        first, last = run * self.stride, min((run + 1) * self.stride, self.cells) - 1
+        return (self.value(first) + self.value(last)) / 2
+
+
+def quantile_grid(lower: float, upper: float, integer: bool) -> QuantileGrid:
+    """The grid of a quantile over [lower, upper]: exact integers when the int column has at most
+    :data:`FINE_CELLS` values (MIN/MAX/percentile_disc of an int column land on a possible value,
+    and nothing is lost to rounding), else :data:`FINE_CELLS` equal cells."""
+    if integer and float(lower).is_integer() and float(upper).is_integer() and upper - lower < FINE_CELLS:
+        return QuantileGrid(lower, upper, int(upper - lower) + 1, True)
+    return QuantileGrid(lower, upper, FINE_CELLS, False)
 
 
 @lru_cache(maxsize=256)
 def _noisy_max(scale: float) -> Any:
     domain = dp.vector_domain(dp.atom_domain(T=float, nan=False))
     return dp.m.make_noisy_max(domain, dp.linf_distance(T=float), dp.max_divergence(), scale=scale)
+
+
+def rank_utilities(counts: Sequence[int], q: float, total: int, before: int, target: float) -> list[float]:
+    """Utilities of consecutive candidates with ``counts`` values each, ``before`` values lying
+    before the first one (below it; above the last one when q = 1, the candidates then read from
+    the top). ``target`` is the rank aimed at, counted from the same end.
+
+    For MIN and MAX (q = 0 or 1) a candidate starting exactly at the target rank is half a rank
+    worse than one covering it, so the extreme is approached from the inside.
+    """
+    extreme = q in (0.0, 1.0)
+    ordered = list(reversed(counts)) if q == 1.0 else list(counts)
+    utilities = []
+    below = float(before)
+    for count in ordered:
+        above = below + count
+        start = below + 0.5 if extreme else below
+        utilities.append(-max(0.0, start - target, target - above))
+        below = above
+    return utilities[::-1] if q == 1.0 else utilities
 
 
 def quantile_utilities(
@@ -100,27 +185,49 @@ def quantile_utilities(
     Either way each utility changes by at most 1 per added or removed value.
     """
     total = sum(counts.values())
-    flip = q == 1.0
     target = extreme_rank if q in (0.0, 1.0) else q * total
-    ordered = range(bins - 1, -1, -1) if flip else range(bins)
-    utilities = [0.0] * bins
-    below = 0.0
-    for j in ordered:
-        above = below + counts.get(j, 0)
-        utilities[j] = (
-            -max(0.0, below + 0.5 - target, target - above)
-            if q in (0.0, 1.0)
-            else -max(0.0, below - target, target - above)
-        )
-        below = above
-    return utilities
+    return rank_utilities([counts.get(j, 0) for j in range(bins)], q, total, 0, target)
+
+
+def _extreme_rank(epsilon: float, sensitivity: float, candidates: int) -> float:
+    """The rank MIN/MAX aim at: empty candidates beyond the data then weigh at most β = 5% in all."""
+    return max(1.0, rank_error_bound(epsilon, sensitivity, bins=candidates))
+
+
+def _choose(counts: Sequence[int], q: float, total: int, before: int, epsilon: float, sensitivity: float) -> int:
+    """One ε-DP exponential mechanism over consecutive candidates (see :func:`rank_utilities`)."""
+    target = _extreme_rank(epsilon, sensitivity, len(counts)) if q in (0.0, 1.0) else q * total
+    utilities = rank_utilities(counts, q, total, before, target)
+    return int(_noisy_max(2.0 * sensitivity / epsilon)(utilities))
+
+
+def select_quantile(
+    counts: Mapping[int, int], q: float, epsilon: float, sensitivity: float, grid: QuantileGrid
+) -> float:
+    """An ε-DP q-quantile of the histogram ``counts`` (cell → count) on ``grid``: one exponential
+    mechanism over at most :data:`QUANTILE_BINS` cells, else two (run, then cell: module docstring)."""
+    total = sum(counts.values())
+    stride = grid.stride
+    if stride == 1:
+        return grid.value(_choose([counts.get(j, 0) for j in range(grid.cells)], q, total, 0, epsilon, sensitivity))
+    runs = [0] * grid.runs
+    for cell, count in counts.items():
+        runs[cell // stride] += count
+    if q in (0.0, 1.0):
+        # MIN/MAX aim (2Δ/ε)·ln(B/β) ranks inside the data: splitting ε would double that depth
+        # and cost more than the run's width, so one stage at full ε, released at the run's middle.
+        return grid.run_value(_choose(runs, q, total, 0, epsilon, sensitivity))
+    epsilon1 = epsilon * STAGE1_SHARE
+    run = _choose(runs, q, total, 0, epsilon1, sensitivity)
+    first, last = max(0, run - STAGE2_REACH), min(grid.runs - 1, run + STAGE2_REACH)
+    start, stop = first * stride, min((last + 1) * stride, grid.cells)
+    cells = [counts.get(j, 0) for j in range(start, stop)]
+    return grid.value(start + _choose(cells, q, total, sum(runs[:first]), epsilon - epsilon1, sensitivity))
 
 
 def select_quantile_bin(counts: Mapping[int, int], q: float, epsilon: float, sensitivity: float) -> int:
-    """The exponential mechanism: an ε-DP choice of the bin holding the q-quantile."""
-    extreme = max(1.0, rank_error_bound(epsilon, sensitivity))
-    utilities = quantile_utilities(counts, q, extreme_rank=extreme)
-    return int(_noisy_max(2.0 * sensitivity / epsilon)(utilities))
+    """The exponential mechanism: an ε-DP choice of the bin holding the q-quantile (one stage)."""
+    return _choose([counts.get(j, 0) for j in range(QUANTILE_BINS)], q, sum(counts.values()), 0, epsilon, sensitivity)
 
 
 def bin_midpoint(index: int, lower: float, upper: float, bins: int = QUANTILE_BINS) -> float:
@@ -135,6 +242,27 @@ def rank_error_bound(epsilon: float, sensitivity: float, confidence: float = 0.9
     reported per cell (it would depend on private data).
     """
     return 2.0 * sensitivity / epsilon * math.log(bins / (1.0 - confidence))
+
+
+def quantile_rank_error(
+    epsilon: float, sensitivity: float, grid: QuantileGrid, confidence: float = 0.95, *, extreme: bool = False
+) -> float:
+    """The rank error bound of :func:`select_quantile` at ``confidence``.
+
+    Two stages: the run is within E₁ ranks of the best (probability 1 − β/2), and the best cell
+    of stage 2's window (which holds the run) is as good as the run, so the cell is within E₁ + E₂
+    (probability ≥ 1 − β by a union bound).
+    """
+    if grid.stride == 1:
+        return rank_error_bound(epsilon, sensitivity, confidence, grid.cells)
+    if extreme:
+        return rank_error_bound(epsilon, sensitivity, confidence, grid.runs)
+    half = (1.0 + confidence) / 2.0
+    epsilon1 = epsilon * STAGE1_SHARE
+    window = (2 * STAGE2_REACH + 1) * grid.stride
+    return rank_error_bound(epsilon1, sensitivity, half, grid.runs) + rank_error_bound(
+        epsilon - epsilon1, sensitivity, half, window
+    )
 
 
 @lru_cache(maxsize=256)

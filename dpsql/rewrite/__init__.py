@@ -17,7 +17,6 @@ from sqlglot import exp
 from sqlglot.dialects.dialect import DialectType
 
 from dpsql.plan import Plan
-from dpsql.release.selection import QUANTILE_BINS
 from dpsql.rewrite.bounding import bound_contributions
 from dpsql.rewrite.centre import centre_rows, centre_sums
 from dpsql.rewrite.clamp import clamp_inputs
@@ -57,7 +56,7 @@ def rewrite(plan: Plan) -> exp.Select:
     return select
 
 
-def histogram_query(plan: Plan, index: int, bins: int = QUANTILE_BINS) -> exp.Select:
+def histogram_query(plan: Plan, index: int, bins: int | None = None) -> exp.Select:
     """The histogram a selection measure is chosen from, filtered, grouped and bounded like the main query."""
     select = select_histogram(plan, index, bins)
     for rewrite_pass in ROW_PASSES:

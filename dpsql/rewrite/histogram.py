@@ -10,35 +10,46 @@ from sqlglot import exp
 
 from dpsql.analyze.expressions import clamp_sql
 from dpsql.analyze.sources import from_node
-from dpsql.plan import Measure, Plan
-from dpsql.release.selection import QUANTILE_BINS
+from dpsql.plan import Plan
+from dpsql.release.selection import QuantileGrid, quantile_grid
 from dpsql.rewrite._sql import key_column, literal_number, measure_input
 
 
-def _bin(column: exp.Expression, measure: Measure, bins: int) -> exp.Expression:
-    """The bin (0..bins) of a value clamped to the measure's bounds, computed identically on every backend."""
-    assert measure.lower is not None and measure.upper is not None
-    value = clamp_sql(
-        exp.cast(column, exp.DataType.Type.DOUBLE), literal_number(measure.lower), literal_number(measure.upper)
-    )
-    offset = exp.paren(exp.Sub(this=value, expression=literal_number(measure.lower)), copy=False)
-    scaled = exp.Div(
-        this=exp.paren(exp.Mul(this=offset, expression=exp.Literal.number(bins)), copy=False),
-        expression=literal_number(measure.upper - measure.lower),
-    )
-    return exp.cast(exp.Floor(this=scaled), exp.DataType.Type.BIGINT)
+def _cell(column: exp.Expression, grid: QuantileGrid) -> exp.Expression:
+    """The cell (0..cells) of a value clamped to the grid's bounds, computed identically on every backend.
+
+    Integer cells are ``value − lower`` (exact in double precision for the int columns the grid
+    admits); equal cells ``floor((value − lower)·cells / (upper − lower))``.
+    """
+    lower = literal_number(grid.lower)
+    value = clamp_sql(exp.cast(column, exp.DataType.Type.DOUBLE), lower, literal_number(grid.upper))
+    offset: exp.Expression = exp.paren(exp.Sub(this=value, expression=lower), copy=False)
+    if not grid.integer:
+        offset = exp.Div(
+            this=exp.paren(exp.Mul(this=offset, expression=exp.Literal.number(grid.cells)), copy=False),
+            expression=literal_number(grid.upper - grid.lower),
+        )
+    return exp.cast(exp.Floor(this=offset), exp.DataType.Type.BIGINT)
 
 
-def select_histogram(plan: Plan, index: int, bins: int = QUANTILE_BINS) -> exp.Select:
-    """Counts per group key of a quantile measure's clamped values in ``bins`` equal bins, or of a
-    mode measure's values: keys ``k<i>``, bin ``b`` and count ``n`` over the sources.
+def select_histogram(plan: Plan, index: int, bins: int | None = None) -> exp.Select:
+    """Counts per group key of a quantile measure's clamped values in the cells of its
+    :func:`~dpsql.release.selection.quantile_grid` (or ``bins`` equal cells when given), or of a
+    mode measure's values: keys ``k<i>``, cell ``b`` and count ``n`` over the sources.
 
     The row passes then filter, group and bound it per unit like the main query; the exponential
     mechanism reads only these counts.
     """
     measure = plan.measures[index]
     column = measure_input(measure)
-    bin_ = column if measure.kind == "mode" else _bin(column, measure, bins)
+    if measure.kind == "mode":
+        bin_ = column
+    else:
+        assert measure.lower is not None and measure.upper is not None
+        grid = quantile_grid(measure.lower, measure.upper, measure.integer)
+        if bins is not None:
+            grid = QuantileGrid(measure.lower, measure.upper, bins, False)
+        bin_ = _cell(column, grid)
     keys = [key_column(plan, i) for i in range(len(plan.keys))]
     select = exp.select(
         *(exp.alias_(k, f"k{i}") for i, k in enumerate(keys)),
