@@ -13,12 +13,18 @@ from typing import Any
 #: Chart time range (Superset's "Custom" range, start inclusive, end exclusive).
 TIME_RANGE = "2021-01-01T00:00:00 : 2022-01-01T00:00:00"
 
+VIRTUAL_ROWS_SQL = "SELECT department, cost, visit_date FROM visits WHERE cost > 50"
+
 #: Datasets registered in Superset: a physical table and two virtual (SQL) datasets.
 DATASETS: dict[str, dict[str, Any]] = {
     "visits": {"temporal": ["visit_date"], "main_dttm_col": "visit_date"},
-    # a virtual dataset that only selects and renames columns: Superset wraps it as a FROM-subquery
-    "visits_sql": {"sql": "SELECT department, cost, visit_date FROM visits WHERE urgent", "temporal": ["visit_date"]},
+    # a virtual dataset that only selects and filters rows: Superset wraps it as a FROM-subquery, and
+    # learns its columns by running it with LIMIT 1 (PostgresEngineSpec.get_column_description_limit_size)
+    "visits_sql": {"sql": VIRTUAL_ROWS_SQL, "temporal": ["visit_date"]},
+    # the same, synced as an engine spec returning 0 there would make Superset do it: "<sql> LIMIT 0"
+    "visits_sql_limit0": {"sql": VIRTUAL_ROWS_SQL, "temporal": ["visit_date"], "column_probe_limit": 0},
     # a virtual dataset that is itself a DP aggregate: charts over it are outer queries over DP results
+    # (its LIMIT 1 column probe is an aggregate query, answered and charged)
     "department_counts": {"sql": "SELECT department, COUNT(*) AS visits FROM visits GROUP BY department"},
 }
 
@@ -197,8 +203,24 @@ CASES: list[dict[str, Any]] = [
     },
     {
         "name": "virtual_rows",
-        "chart": "Bar chart on a virtual dataset (SELECT … FROM visits WHERE urgent)",
+        "chart": "Bar chart on a virtual dataset (SELECT … FROM visits WHERE cost > 50)",
         "dataset": "visits_sql",
+        "kind": "chart",
+        "queries": [
+            {
+                "columns": ["department"],
+                "metrics": ["count"],
+                "orderby": [["count", False]],
+                "filters": [],
+                "extras": _EXTRAS,
+                "row_limit": 10000,
+            }
+        ],
+    },
+    {
+        "name": "virtual_rows_limit0",
+        "chart": "The same bar chart, the virtual dataset synced with a LIMIT 0 column probe (engine spec)",
+        "dataset": "visits_sql_limit0",
         "kind": "chart",
         "queries": [
             {

@@ -130,7 +130,16 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
             )
             db.session.add(table)
             db.session.commit()
-            step(f"sync columns: {name}", table.fetch_metadata)
+            if "column_probe_limit" in spec:
+                # what an engine spec overriding get_column_description_limit_size() would make Superset send
+                original, limit = Database.get_column_description_limit_size, int(spec["column_probe_limit"])
+                Database.get_column_description_limit_size = lambda self, n=limit: n  # type: ignore[method-assign]
+                try:
+                    step(f"sync columns: {name}", table.fetch_metadata)
+                finally:
+                    Database.get_column_description_limit_size = original  # type: ignore[method-assign]
+            else:
+                step(f"sync columns: {name}", table.fetch_metadata)
             for column in table.columns:
                 if column.column_name in spec.get("temporal", []):
                     column.is_dttm = True

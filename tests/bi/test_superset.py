@@ -53,7 +53,7 @@ class Expect:
     """What dpsql answers today: "answered", a refusal (SQLSTATE + message), or a feature it waits for."""
 
     outcome: str
-    sqlstate: str = "00000"
+    sqlstate: str | None = "00000"
     message: str | None = None
     waiting_for: str | None = None
 
@@ -78,9 +78,13 @@ EXPECTED: dict[str, Expect] = {
         "answered", waiting_for="GROUP BY a numeric bucket expression (FLOOR(cost / 200) * 200)"
     ),
     "filter_values": Expect("answered", waiting_for="SELECT DISTINCT of a column (released as DP-selected keys)"),
+    # Superset's LIMIT 1 column probe of a row-level SQL dataset is refused (test below), so the dataset has
+    # no columns and Superset stops before sending anything: only an engine spec sending LIMIT 0 helps.
     "virtual_rows": Expect(
-        "answered",
-        waiting_for="LIMIT 0 column probes in dpsql, and an engine spec making Superset send LIMIT 0, not LIMIT 1",
+        "failed", sqlstate=None, message="ChartDataQueryFailedError: Error: Columns missing in dataset: ['department']"
+    ),
+    "virtual_rows_limit0": Expect(
+        "answered", waiting_for="LIMIT 0 column probes (and a Superset engine spec that sends LIMIT 0, not LIMIT 1)"
     ),
     "virtual_aggregate": Expect("answered", waiting_for="outer queries over DP results (SUM over a grouped subquery)"),
 }
@@ -175,6 +179,7 @@ def _report(record: dict[str, Any], config: pytest.Config) -> None:
     for case in record["cases"]:
         rows.append({"case": case["name"], "chart": case["chart"], **_summary(case)})
         rows[-1]["superset_sql"] = case.get("sql")
+        rows[-1]["superset_error"] = case.get("exception")
     for row in rows:
         expect = EXPECTED.get(row["case"])
         row["waiting_for"] = expect.waiting_for if expect else None
@@ -191,7 +196,7 @@ def _report(record: dict[str, Any], config: pytest.Config) -> None:
             f"Superset 6.1.0 against dpsql serve (clinic demo, ε={EPSILON} per query) → tests/bi/{RESULTS.name}"
         )
         for row in rows:
-            status = row["outcome"] + (f" {row['sqlstate']}" if row["outcome"] != "answered" else "")
+            status = row["outcome"] + (f" {row['sqlstate']}" if row["outcome"] == "refused" else "")
             cost = f"ε={sum(row['epsilon_charged']):g}"
             out.write_line(f"  {row['case']:<34} {status:<15} {cost:<8} {(row['message'] or '')[:70]}")
 
@@ -235,6 +240,16 @@ def test_virtual_dataset_of_rows_is_refused_before_charging(superset: dict[str, 
     assert _epsilons(step["wire"]) == []
 
 
+@pytest.mark.xfail(strict=False, reason="waiting for: LIMIT 0 column probes (answered from the plan, free)")
+def test_limit0_column_probe_is_answered_free(superset: dict[str, Any]) -> None:
+    """With LIMIT 0 (what a dpsql engine spec for Superset would send) a SQL dataset's columns need no data."""
+    step = next(s for s in superset["setup"] if s["step"] == "sync columns: visits_sql_limit0")
+    assert step["wire"][-1]["sql"].rstrip().endswith("LIMIT 0")
+    assert step["outcome"] == "answered", (step["sqlstate"], step["message"])
+    assert _epsilons(step["wire"]) == []
+    assert superset["columns"]["visits_sql_limit0"] == ["cost", "department", "visit_date"]
+
+
 @pytest.mark.parametrize(
     "name",
     [
@@ -250,6 +265,10 @@ def test_chart(superset: dict[str, Any], name: str) -> None:
     case = _case(superset, name)
     expect = EXPECTED[name]
     assert case["outcome"] == expect.outcome, (case["sqlstate"], case["message"], case.get("wire"))
+    if expect.outcome == "failed":
+        assert case["message"] == expect.message
+        assert _epsilons(case["wire"]) == []
+        return
     if expect.outcome == "refused":
         assert (case["sqlstate"], case["message"]) == (expect.sqlstate, expect.message)
         assert _epsilons(case["wire"]) == [], "a refusal before the run must not be charged"
