@@ -117,6 +117,14 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         database = Database(database_name="dpsql", sqlalchemy_uri=job["uri"], expose_in_sqllab=True)
         db.session.add(database)
         db.session.commit()
+
+        def test_connection() -> bool:  # what "Test connection" in the database dialog runs
+            from superset.commands.database.utils import ping
+
+            with database.get_sqla_engine() as engine:
+                return bool(ping(engine))
+
+        step("test connection", test_connection)
         step("connect: dialect probes", lambda: database.get_all_table_names_in_schema(None, "public"))
 
         tables: dict[str, SqlaTable] = {}

@@ -221,7 +221,7 @@ def _case(record: dict[str, Any], name: str) -> dict[str, Any]:
 def test_connect_and_sync_columns(superset: dict[str, Any]) -> None:
     """The dialect's probes (version(), SHOW …, current_schema()) and the column sync are answered, free."""
     steps = {s["step"]: s for s in superset["setup"]}
-    for name in ("connect: dialect probes", "sync columns: visits"):
+    for name in ("test connection", "connect: dialect probes", "sync columns: visits"):
         assert steps[name]["outcome"] == "answered", steps[name]
         assert _epsilons(steps[name]["wire"]) == []
     # the catalog Superset syncs lists only what may be aggregated: identifiers are not columns at all
