@@ -27,6 +27,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -96,8 +97,15 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+@dataclass
+class Served:
+    port: int
+    home: Path
+    log: list[str]
+
+
 @pytest.fixture(scope="module")
-def dpsql_serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, Path]]:
+def dpsql_serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """`dpsql serve --policy schemas/clinic.yaml` as a user starts it, with a ledger of its own."""
     home = tmp_path_factory.mktemp("dpsql-home")
     port = _free_port()
@@ -109,15 +117,16 @@ def dpsql_serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int,
         stderr=subprocess.PIPE,
         text=True,
     )
+    log: list[str] = []
     try:
         assert server.stderr is not None
         deadline = time.monotonic() + 90
-        line = ""
-        while "dpsql serving" not in line:
-            line = server.stderr.readline()
-            assert line or server.poll() is None, "dpsql serve exited before serving"
+        while not log or "dpsql serving" not in log[-1]:
+            log.append(server.stderr.readline())
+            assert log[-1] or server.poll() is None, "dpsql serve exited before serving:\n" + "".join(log)
             assert time.monotonic() < deadline, "dpsql serve did not start within 90 s"
-        yield port, home
+        threading.Thread(target=lambda: log.extend(server.stderr or ()), daemon=True).start()  # keep draining
+        yield Served(port, home, log)
     finally:
         server.terminate()
         server.wait(30)
@@ -125,13 +134,13 @@ def dpsql_serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int,
 
 @pytest.fixture(scope="module")
 def superset(
-    dpsql_serve: tuple[int, Path], tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+    dpsql_serve: Served, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> dict[str, Any]:
     """Run every dataset sync and chart request through Superset once; the tests below read the record."""
     python = VENV / "bin" / "python"
     if not python.exists() or not TEMPLATE.exists():
         pytest.fail(f"Superset is not installed in {VENV}: run `bash scripts/superset.sh` first (~4 min)")
-    port, _ = dpsql_serve
+    port = dpsql_serve.port
     work = tmp_path_factory.mktemp("superset")
     shutil.copy(TEMPLATE, work / "superset.db")
     metadata = "sqlite:///" + str(work / "superset.db")
@@ -279,9 +288,9 @@ def test_chart(superset: dict[str, Any], name: str) -> None:
     assert all(r is not None and r > 0 for r in case["rows"]), case["rows"]
 
 
-def test_ledger_matches_what_superset_was_told(superset: dict[str, Any], dpsql_serve: tuple[int, Path]) -> None:
+def test_ledger_matches_what_superset_was_told(superset: dict[str, Any], dpsql_serve: Served) -> None:
     """Every ε in a NOTICE Superset's connections received is in the ledger, and nothing else is."""
-    _, home = dpsql_serve
+    home = dpsql_serve.home
     noticed = sum(sum(_epsilons(s["wire"])) for s in [*superset["setup"], *superset["cases"]])
     budget = subprocess.run(
         [
@@ -304,3 +313,10 @@ def test_ledger_matches_what_superset_was_told(superset: dict[str, Any], dpsql_s
     spent = next(row for row in json.loads(budget.stdout) if row["analyst"] == ANALYST)["epsilon_spent"]
     assert spent == pytest.approx(noticed)
     assert noticed > 0
+
+
+def test_server_log_has_no_internal_error(superset: dict[str, Any], dpsql_serve: Served) -> None:
+    """Whatever Superset sent, dpsql answered or refused it on purpose: no XX000, no traceback."""
+    text = "".join(dpsql_serve.log)
+    assert "XX000" not in text and "Traceback" not in text, text[-3000:]
+    assert any("alice" in line for line in dpsql_serve.log), "the per-query log lines are missing"
