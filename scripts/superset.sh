@@ -7,17 +7,21 @@
 #                                  metadata template (superset db upgrade + init + an admin user)
 #
 # Idempotent: pip runs only when the requirements below changed, the template is rebuilt only then.
-# Measured on the development machine (2 cores, PyPI cache cold): ~2 min for pip, ~1 min for the
-# template; a re-run with nothing to do takes ~3 s (one import of superset.cli).
+# Measured on the development machine (2 cores): ~2 min for pip with a cold cache (40 s warm), 20–60 s
+# for the template; a re-run with nothing to do takes ~2 s (one import of superset.cli).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 venv="${DPSQL_SUPERSET_VENV:-.superset-venv}"
 say() { echo "superset: $*"; }
 
-# Superset 6.1.0's own metadata leaves these out or lets pip pick versions that fail at import
-# (rich and cachetools are imported by superset.cli; flask-caching 2.4 removed what Superset uses);
-# psycopg2 is the driver Superset's PostgreSQL engine spec expects for postgresql:// URIs.
+# Superset 6.1.0's published metadata is looser than what it runs with: it imports rich
+# (superset/cli/test_db.py, loaded by every `superset` command) and cachetools
+# (db_engine_specs/aws_iam.py, loaded whenever Superset lists its engine specs) without declaring
+# them, and allows flask-caching<3 although 2.5 breaks app creation (SupersetMetastoreCache gets
+# an unexpected `ignore_delete_many_errors`; apache/superset#43860; Superset's own requirements
+# files pin 2.4.1). The versions below are the ones the tests ran with. psycopg2 is the driver of
+# Superset's postgresql:// URIs.
 requirements=(
   "apache-superset==6.1.0"
   "rich==15.0.0"
