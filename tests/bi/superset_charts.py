@@ -68,6 +68,13 @@ CASES: list[dict[str, Any]] = [
         "queries": [{"metrics": ["count"], "columns": [], "filters": [], "extras": _EXTRAS, "row_limit": 10000}],
     },
     {
+        "name": "big_number_reload",
+        "chart": "The same Big Number again (a dashboard reload): the exact repeat of its SQL",
+        "dataset": "visits",
+        "kind": "chart",
+        "queries": [{"metrics": ["count"], "columns": [], "filters": [], "extras": _EXTRAS, "row_limit": 10000}],
+    },
+    {
         "name": "bar",
         "chart": "Bar chart (echarts_timeseries_bar): COUNT(*) by department",
         "dataset": "visits",
