@@ -1,0 +1,1 @@
+"""Real BI tools (Apache Superset) against `dpsql serve`; optional, marker ``bi``."""

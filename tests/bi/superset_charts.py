@@ -1,0 +1,258 @@
+"""The Superset datasets and chart-data requests tests/bi/test_superset.py sends through Superset.
+
+Each query object is what the Superset 6.1 frontend's ``buildQuery`` for that chart type posts to
+``/api/v1/chart/data`` (x-axis as a BASE_AXIS column, the TEMPORAL_RANGE filter of a time range, the
+pivot/contribution/histogram post-processing that Superset applies to the rows dpsql returns). Kept as
+plain data so the probe (Superset's venv) and the test (dpsql's venv) share one definition.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: Chart time range (Superset's "Custom" range, start inclusive, end exclusive).
+TIME_RANGE = "2021-01-01T00:00:00 : 2022-01-01T00:00:00"
+
+VIRTUAL_ROWS_SQL = "SELECT department, cost, visit_date FROM visits WHERE cost > 50"
+
+#: Datasets registered in Superset: a physical table and two virtual (SQL) datasets.
+DATASETS: dict[str, dict[str, Any]] = {
+    "visits": {"temporal": ["visit_date"], "main_dttm_col": "visit_date"},
+    # a virtual dataset that only selects and filters rows: Superset wraps it as a FROM-subquery, and
+    # learns its columns by running it with LIMIT 1 (PostgresEngineSpec.get_column_description_limit_size)
+    "visits_sql": {"sql": VIRTUAL_ROWS_SQL, "temporal": ["visit_date"]},
+    # the same, synced as an engine spec returning 0 there would make Superset do it: "<sql> LIMIT 0"
+    "visits_sql_limit0": {"sql": VIRTUAL_ROWS_SQL, "temporal": ["visit_date"], "column_probe_limit": 0},
+    # a virtual dataset that is itself a DP aggregate: charts over it are outer queries over DP results
+    # (its LIMIT 1 column probe is an aggregate query, answered and charged)
+    "department_counts": {"sql": "SELECT department, COUNT(*) AS visits FROM visits GROUP BY department"},
+}
+
+_EXTRAS: dict[str, Any] = {"having": "", "where": ""}
+
+
+def _axis(column: str, grain: str | None = None) -> dict[str, Any]:
+    axis: dict[str, Any] = {
+        "columnType": "BASE_AXIS",
+        "sqlExpression": column,
+        "label": column,
+        "expressionType": "SQL",
+    }
+    if grain:
+        axis["timeGrain"] = grain
+    return axis
+
+
+def _pivot(index: str, metric: str = "count") -> list[dict[str, Any]]:
+    return [
+        {
+            "operation": "pivot",
+            "options": {
+                "index": [index],
+                "columns": [],
+                "aggregates": {metric: {"operator": "mean"}},
+                "drop_missing_columns": False,
+            },
+        },
+        {"operation": "flatten"},
+    ]
+
+
+#: name, Superset chart type, dataset, and either chart-data ``queries`` or a filter-values request.
+CASES: list[dict[str, Any]] = [
+    {
+        "name": "big_number",
+        "chart": "Big Number (big_number_total): COUNT(*)",
+        "dataset": "visits",
+        "kind": "chart",
+        "queries": [{"metrics": ["count"], "columns": [], "filters": [], "extras": _EXTRAS, "row_limit": 10000}],
+    },
+    {
+        "name": "big_number_reload",
+        "chart": "The same Big Number again (a dashboard reload): the exact repeat of its SQL",
+        "dataset": "visits",
+        "kind": "chart",
+        "queries": [{"metrics": ["count"], "columns": [], "filters": [], "extras": _EXTRAS, "row_limit": 10000}],
+    },
+    {
+        "name": "bar",
+        "chart": "Bar chart (echarts_timeseries_bar): COUNT(*) by department",
+        "dataset": "visits",
+        "kind": "chart",
+        "queries": [
+            {
+                "columns": [_axis("department")],
+                "metrics": ["count"],
+                "orderby": [["count", False]],
+                "filters": [],
+                "extras": _EXTRAS,
+                "row_limit": 10000,
+                "series_columns": [],
+                "series_limit": 0,
+                "order_desc": True,
+                "post_processing": _pivot("department"),
+            }
+        ],
+    },
+    {
+        "name": "line_monthly",
+        "chart": "Line chart (echarts_timeseries_line): COUNT(*) by month of visit_date, 2021",
+        "dataset": "visits",
+        "kind": "chart",
+        "queries": [
+            {
+                "time_range": TIME_RANGE,
+                "columns": [_axis("visit_date", "P1M")],
+                "metrics": ["count"],
+                "orderby": [["count", False]],
+                "filters": [{"col": "visit_date", "op": "TEMPORAL_RANGE", "val": TIME_RANGE}],
+                "extras": {**_EXTRAS, "time_grain_sqla": "P1M"},
+                "row_limit": 10000,
+                "series_columns": [],
+                "series_limit": 0,
+                "order_desc": True,
+                "post_processing": _pivot("visit_date"),
+            }
+        ],
+    },
+    {
+        "name": "pie",
+        "chart": "Pie chart (pie): COUNT(*) by department",
+        "dataset": "visits",
+        "kind": "chart",
+        "queries": [
+            {
+                "columns": ["department"],
+                "metrics": ["count"],
+                "orderby": [["count", False]],
+                "filters": [],
+                "extras": _EXTRAS,
+                "row_limit": 100,
+            }
+        ],
+    },
+    {
+        "name": "table_percent",
+        "chart": "Table (table): COUNT(*) and % of total by department",
+        "dataset": "visits",
+        "kind": "chart",
+        "queries": [
+            {
+                "columns": ["department"],
+                "metrics": ["count"],
+                "orderby": [["count", False]],
+                "filters": [],
+                "extras": _EXTRAS,
+                "row_limit": 1000,
+                "post_processing": [
+                    {"operation": "contribution", "options": {"columns": ["count"], "rename_columns": ["%count"]}}
+                ],
+            }
+        ],
+    },
+    {
+        "name": "histogram",
+        "chart": "Histogram (histogram_v2): distribution of cost",
+        "dataset": "visits",
+        "kind": "chart",
+        "queries": [
+            {
+                "columns": ["cost"],
+                "filters": [],
+                "extras": _EXTRAS,
+                "row_limit": 10000,
+                "post_processing": [
+                    {
+                        "operation": "histogram",
+                        "options": {"column": "cost", "groupby": [], "bins": 10, "cumulative": False},
+                    }
+                ],
+            }
+        ],
+    },
+    {
+        "name": "histogram_buckets",
+        "chart": "Histogram as a bar chart over a bucket expression: COUNT(*) by FLOOR(cost / 200)",
+        "dataset": "visits",
+        "kind": "chart",
+        "queries": [
+            {
+                "columns": [_axis("FLOOR(cost / 200) * 200")],
+                "metrics": ["count"],
+                "filters": [],
+                "extras": _EXTRAS,
+                "row_limit": 10000,
+            }
+        ],
+    },
+    {
+        "name": "filter_values",
+        "chart": "Filter value list (datasource column values, adhoc filter dropdown): SELECT DISTINCT",
+        "dataset": "visits",
+        "kind": "values",
+        "column": "department",
+    },
+    {
+        "name": "native_filter",
+        "chart": "Native select filter (filter_select): department values, GROUP BY without a metric",
+        "dataset": "visits",
+        "kind": "chart",
+        "queries": [
+            {
+                "columns": ["department"],
+                "metrics": [],
+                "orderby": [["department", True]],
+                "filters": [],
+                "extras": _EXTRAS,
+                "row_limit": 1000,
+            }
+        ],
+    },
+    {
+        "name": "virtual_rows",
+        "chart": "Bar chart on a virtual dataset (SELECT … FROM visits WHERE cost > 50)",
+        "dataset": "visits_sql",
+        "kind": "chart",
+        "queries": [
+            {
+                "columns": ["department"],
+                "metrics": ["count"],
+                "orderby": [["count", False]],
+                "filters": [],
+                "extras": _EXTRAS,
+                "row_limit": 10000,
+            }
+        ],
+    },
+    {
+        "name": "virtual_rows_limit0",
+        "chart": "The same bar chart, the virtual dataset synced with a LIMIT 0 column probe (engine spec)",
+        "dataset": "visits_sql_limit0",
+        "kind": "chart",
+        "queries": [
+            {
+                "columns": ["department"],
+                "metrics": ["count"],
+                "orderby": [["count", False]],
+                "filters": [],
+                "extras": _EXTRAS,
+                "row_limit": 10000,
+            }
+        ],
+    },
+    {
+        "name": "virtual_aggregate",
+        "chart": "Table on a virtual dataset that is a DP aggregate (SUM(visits) by department)",
+        "dataset": "department_counts",
+        "kind": "chart",
+        "queries": [
+            {
+                "columns": ["department"],
+                "metrics": [{"expressionType": "SQL", "sqlExpression": "SUM(visits)", "label": "visits"}],
+                "filters": [],
+                "extras": _EXTRAS,
+                "row_limit": 1000,
+            }
+        ],
+    },
+]
