@@ -98,6 +98,7 @@ class AuditTrail:
         self._lock = threading.Lock()
         self._dropped = 0
         self._closed = False
+        ledger.on_close(self.close)
 
     @contextmanager
     def recording(self, sql: str, analyst: str) -> Iterator[Trace]:

@@ -39,6 +39,7 @@ import os
 import secrets
 import sqlite3
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import dataclass
@@ -344,6 +345,18 @@ class Ledger:
 
     def close(self) -> None:
         raise NotImplementedError
+
+    def on_close(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` first when the ledger closes (the audit writer flushes and stops: a thread still
+        writing on a connection being closed under it could crash the process). Held weakly."""
+        self.__dict__.setdefault("_close_hooks", []).append(weakref.WeakMethod(hook))
+
+    def _before_close(self) -> None:
+        for ref in self.__dict__.pop("_close_hooks", []):
+            hook = ref()
+            if hook is not None:
+                with suppress(Exception):
+                    hook()
 
     # -- curator levers and the audit trail (append-only) ------------------------------------
 
@@ -940,6 +953,7 @@ class SQLiteLedger(_SQLLedger):
         return [_record(row) for row in rows]
 
     def close(self) -> None:
+        self._before_close()
         with self._lock:
             self._closed = True
             connections, self._connections = self._connections, []
@@ -1232,6 +1246,7 @@ class PostgresLedger(_SQLLedger):
         return [_record(row) for row in self._fetch(sql, (*params, limit))]
 
     def close(self) -> None:
+        self._before_close()
         with self._lock:
             self._closed = True
             connections, self._connections = self._connections, []

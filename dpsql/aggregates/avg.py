@@ -38,7 +38,7 @@ class Avg(Aggregate):
         call = exp.Anonymous(this="dp_avg", expressions=[measure_var(total), measure_var(count), centre])
         return Recognised(call, self.kind, (total, count))
 
-    def output_type(self, scope: Any, measures: tuple[int, ...]) -> PgType | None:
+    def output_type(self, scope: Any, measures: tuple[int, ...], expr: exp.Expression | None = None) -> PgType | None:
         return "double precision"
 
     def output_clamp(self, scope: Any, measures: tuple[int, ...]) -> tuple[float, float] | None:

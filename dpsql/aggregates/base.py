@@ -100,9 +100,9 @@ class Aggregate:
 
     # -- outputs --------------------------------------------------------------------------------
 
-    def output_type(self, scope: Any, measures: tuple[int, ...]) -> PgType | None:
+    def output_type(self, scope: Any, measures: tuple[int, ...], expr: exp.Expression | None = None) -> PgType | None:
         """The output column's PostgreSQL type (None: typed from its expression by the analyzer).
-        ``scope`` is the analyzer's (keys, measures, sources)."""
+        ``scope`` is the analyzer's (keys, measures, sources); ``expr`` the output's expression."""
         return None
 
     def output_clamp(self, scope: Any, measures: tuple[int, ...]) -> tuple[float, float] | None:
@@ -159,8 +159,13 @@ class Key(Aggregate):
     kind = "key"
     direct = True
 
-    def output_type(self, scope: Any, measures: tuple[int, ...]) -> PgType | None:
-        return None  # typed from the key's policy column by the analyzer
+    def output_type(self, scope: Any, measures: tuple[int, ...], expr: exp.Expression | None = None) -> PgType | None:
+        """The key's own type: a derived key's (a time bucket is a timestamp), else its column's."""
+        from dpsql.policy import PG_TYPE_NAMES
+
+        assert isinstance(expr, exp.Var)
+        key = scope.keys[int(expr.name[1:])]
+        return key.type or PG_TYPE_NAMES[key.policy.type]
 
     def accuracy(self, out: OutputItem, env: dict[str, Any], widths: list[float | None]) -> float | None:
         return None

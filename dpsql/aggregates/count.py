@@ -51,7 +51,7 @@ class Count(Aggregate):
     def raw_sql(self, measure: Measure, value: Callable[[], exp.Expression]) -> exp.Expression:
         return exp.Count(this=value(), big_int=True)
 
-    def output_type(self, scope: Any, measures: tuple[int, ...]) -> PgType | None:
+    def output_type(self, scope: Any, measures: tuple[int, ...], expr: exp.Expression | None = None) -> PgType | None:
         return "bigint"
 
     def coerce(self, out: OutputItem, value: Any) -> Any:

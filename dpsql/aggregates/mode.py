@@ -65,7 +65,7 @@ class Mode(Selection):
         empty = [0] * len(candidates)
         return [candidates[select_mode(counts.get(tuple(row[:nkeys]), empty), epsilon, sensitivity)] for row in rows]
 
-    def output_type(self, scope: Any, measures: tuple[int, ...]) -> PgType | None:
+    def output_type(self, scope: Any, measures: tuple[int, ...], expr: exp.Expression | None = None) -> PgType | None:
         measure = scope.measures[measures[0]]
         return PG_TYPE_NAMES[scope.sources.column_policy(measure.table, measure.column).type]
 

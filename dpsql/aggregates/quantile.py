@@ -63,7 +63,7 @@ class Quantile(Selection):
             select_quantile(counts.get(tuple(row[:nkeys]), {}), measure.q, epsilon, sensitivity, grid) for row in rows
         ]
 
-    def output_type(self, scope: Any, measures: tuple[int, ...]) -> PgType | None:
+    def output_type(self, scope: Any, measures: tuple[int, ...], expr: exp.Expression | None = None) -> PgType | None:
         return "double precision"
 
     def coerce(self, out: OutputItem, value: Any) -> Any:
@@ -101,7 +101,7 @@ class QuantileDisc(Quantile):
     kind = "quantile_disc"
     recognises = (exp.Min, exp.Max, exp.PercentileDisc)
 
-    def output_type(self, scope: Any, measures: tuple[int, ...]) -> PgType | None:
+    def output_type(self, scope: Any, measures: tuple[int, ...], expr: exp.Expression | None = None) -> PgType | None:
         return "bigint" if scope.measures[measures[0]].integer else "double precision"
 
 

@@ -42,7 +42,7 @@ class Sum(Aggregate):
     def raw_sql(self, measure: Measure, value: Callable[[], exp.Expression]) -> exp.Expression:
         return exp.Sum(this=value())
 
-    def output_type(self, scope: Any, measures: tuple[int, ...]) -> PgType | None:
+    def output_type(self, scope: Any, measures: tuple[int, ...], expr: exp.Expression | None = None) -> PgType | None:
         return "bigint" if scope.measures[measures[0]].integer else "double precision"
 
     def accuracy(self, out: OutputItem, env: dict[str, Any], widths: list[float | None]) -> float | None:

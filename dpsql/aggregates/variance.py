@@ -71,7 +71,7 @@ class Variance(Aggregate):
     def output_name(self, node: exp.Expr) -> str | None:
         return _FAMILY[type(node)][0]
 
-    def output_type(self, scope: Any, measures: tuple[int, ...]) -> PgType | None:
+    def output_type(self, scope: Any, measures: tuple[int, ...], expr: exp.Expression | None = None) -> PgType | None:
         return "double precision"
 
     def accuracy(self, out: OutputItem, env: dict[str, Any], widths: list[float | None]) -> float | None:

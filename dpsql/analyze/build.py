@@ -83,7 +83,7 @@ def _require_finite(literal: exp.Expression) -> None:
         raise NumericValueOutOfRange(f'value out of range: "{node.name}"')
 
 
-def _canonical_cast(cast: exp.Cast, kind: str) -> exp.Expression:
+def _canonical_cast(cast: exp.Cast, family: str) -> exp.Expression:
     """Validate ``CAST('<text>' AS <type>)`` here, so the backend never evaluates a cast that could fail.
 
     A failing cast is only evaluated when some row reaches it, so its error would tell whether
@@ -91,39 +91,39 @@ def _canonical_cast(cast: exp.Cast, kind: str) -> exp.Expression:
     """
     text = cast.this.name
     try:
-        if kind == "number":
+        if family == "number":
             number = float(text)
             if number != number or number in (float("inf"), float("-inf")):
                 raise ValueError(text)
             return exp.Literal.number(text.strip())
-        if kind == "date":
+        if family == "date":
             return exp.cast(exp.Literal.string(dt.date.fromisoformat(text.strip()).isoformat()), exp.DataType.Type.DATE)
-        if kind == "timestamp":
+        if family == "timestamp":
             value = dt.datetime.fromisoformat(text.strip()).isoformat(sep=" ")
             return exp.cast(exp.Literal.string(value), exp.DataType.Type.TIMESTAMP)
     except ValueError:
-        shown = {"number": "numeric"}.get(kind, kind)
+        shown = {"number": "numeric"}.get(family, family)
         raise DatatypeMismatch(f'invalid input syntax for type {shown}: "{text}"') from None
-    return cast.this.copy() if kind == "text" else cast
+    return cast.this.copy() if family == "text" else cast
 
 
 def _check_literal_for(column: str, policy: ColumnPolicy, literal: exp.Expression) -> exp.Expression:
     """Type-check a constant against a column, so no comparison can fail on a data value."""
-    kind = _literal_type(literal)
-    if kind is None:
+    family = _literal_type(literal)
+    if family is None:
         raise FeatureNotSupported(
             "only comparisons between a column and constants are supported in WHERE",
             hint=f'Compare "{column}" with a literal value.',
         )
-    if kind == "null":
+    if family == "null":
         return literal
     if isinstance(literal, exp.Cast):
-        literal = _canonical_cast(literal, kind)
+        literal = _canonical_cast(literal, family)
     if policy.type in ("int", "float"):
-        if kind == "number":
+        if family == "number":
             _require_finite(literal)
             return literal
-        if kind == "text":
+        if family == "text":
             try:
                 if not math.isfinite(float(literal.name)):
                     raise ValueError(literal.name)
@@ -134,9 +134,9 @@ def _check_literal_for(column: str, policy: ColumnPolicy, literal: exp.Expressio
                 ) from None
             return exp.Literal.number(literal.name)
     elif policy.type in ("date", "timestamp"):
-        if kind in ("date", "timestamp"):
+        if family in ("date", "timestamp"):
             return literal
-        if kind == "text":
+        if family == "text":
             try:
                 value = dt.datetime.fromisoformat(literal.name)
             except ValueError:
@@ -147,15 +147,15 @@ def _check_literal_for(column: str, policy: ColumnPolicy, literal: exp.Expressio
             text = value.date().isoformat() if policy.type == "date" else value.isoformat(sep=" ")
             return exp.cast(exp.Literal.string(text), policy.type)
     elif policy.type == "text":
-        if kind == "text":
+        if family == "text":
             return literal
     elif policy.type == "boolean":
-        if kind == "boolean":
+        if family == "boolean":
             return literal
-        if kind == "text" and literal.name.lower() in ("true", "false", "t", "f"):
+        if family == "text" and literal.name.lower() in ("true", "false", "t", "f"):
             return exp.Boolean(this=literal.name.lower() in ("true", "t"))
     raise DatatypeMismatch(
-        f"operator does not exist: {PG_TYPE_NAMES[policy.type]} compared with {kind}",
+        f"operator does not exist: {PG_TYPE_NAMES[policy.type]} compared with {family}",
         hint=f'"{column}" is of type {PG_TYPE_NAMES[policy.type]}; compare it with a value of that type.',
     )
 
@@ -467,9 +467,9 @@ def _require_numeric_operands(node: exp.Expression) -> None:
             if isinstance(operand, exp.Literal) and operand.is_string:
                 raise DatatypeMismatch(f'invalid input syntax for type double precision: "{operand.name}"')
     if isinstance(node, exp.Cast) and isinstance(node.this, exp.Literal) and node.this.is_string:
-        kind = _literal_type(node)
-        if kind in ("number", "date", "timestamp"):
-            _canonical_cast(node, kind)
+        family = _literal_type(node)
+        if family in ("number", "date", "timestamp"):
+            _canonical_cast(node, family)
 
 
 def convert_output(node: exp.Expression, scope: _Scope) -> tuple[exp.Expression, str, tuple[int, ...]]:
@@ -585,10 +585,7 @@ _TEMPORAL_TYPES: dict[exp.DType, PgType] = {
 
 
 def _output_type(kind: str, expr: exp.Expression, scope: _Scope, measures: tuple[int, ...]) -> PgType:
-    if kind == "key":
-        key = scope.keys[int(expr.name[1:])]
-        return key.type or PG_TYPE_NAMES[key.policy.type]
-    typed = OUTPUTS[kind].output_type(scope, measures)
+    typed = OUTPUTS[kind].output_type(scope, measures, expr)
     if typed is not None:
         return typed
     if isinstance(expr, exp.Predicate | exp.Connector | exp.Not | exp.Boolean):

@@ -288,8 +288,8 @@ def _number_sql(value: float | int) -> exp.Expression:
 def _numeric(node: exp.Expression, resolve: Resolve, check_predicate: CheckPredicate) -> KeyExpr:
     constant = _literal(node)
     if isinstance(constant, int | float) and not isinstance(constant, bool):
-        kind: PgType = "bigint" if isinstance(constant, int) else "double precision"
-        return KeyExpr(_number_sql(constant), kind, (constant,), False, tiny=_exponent(float(constant)))
+        pg_type: PgType = "bigint" if isinstance(constant, int) else "double precision"
+        return KeyExpr(_number_sql(constant), pg_type, (constant,), False, tiny=_exponent(float(constant)))
     key = derive(node, resolve, check_predicate)
     if not key.numeric:
         raise UndefinedFunction(f"operator does not exist: arithmetic on {key.type}")
@@ -306,7 +306,7 @@ def _pointwise(node: exp.Expression, left: KeyExpr, right: KeyExpr, op: Callable
     integral = _integral(left) and _integral(right) and not isinstance(node, exp.Div)
     nullable = left.nullable or right.nullable
     tiny = _tiny(node, left, right, integral)
-    kind: PgType = "bigint" if integral else "double precision"
+    pg_type: PgType = "bigint" if integral else "double precision"
     sql_left = left.sql if integral else exp.cast(left.sql, exp.DataType.Type.DOUBLE)
     sql = node.__class__(this=sql_left, expression=right.sql)
     if left.values is not None and right.values is not None:
@@ -319,14 +319,14 @@ def _pointwise(node: exp.Expression, left: KeyExpr, right: KeyExpr, op: Callable
                 if not math.isfinite(value) or abs(value) > MAX_MAGNITUDE:
                     raise _magnitude()
                 results.append(int(value) if integral else float(value))
-            return KeyExpr(sql, kind, _finite(node, results, nullable), nullable, tiny=tiny)
+            return KeyExpr(sql, pg_type, _finite(node, results, nullable), nullable, tiny=tiny)
     lows = [_low(left), _high(left)]
     highs = [_low(right), _high(right)]
     corners = [op(a, b) for a in lows for b in highs]
     lower, upper = min(corners), max(corners)
     if not (math.isfinite(lower) and math.isfinite(upper)) or max(abs(lower), abs(upper)) > MAX_MAGNITUDE:
         raise _magnitude()
-    return KeyExpr(sql, kind, None, nullable, lower, upper, tiny)
+    return KeyExpr(sql, pg_type, None, nullable, lower, upper, tiny)
 
 
 def _tiny(node: exp.Expression, left: KeyExpr, right: KeyExpr, integral: bool) -> int:
@@ -449,9 +449,9 @@ def _column(node: exp.Column, resolve: Resolve) -> KeyExpr:
     column, policy = resolve(node)
     domain = policy.release_domain()
     if policy.type in ("text", "boolean"):
-        kind: PgType = PG_TYPE_NAMES[policy.type]
+        pg_type: PgType = PG_TYPE_NAMES[policy.type]
         return KeyExpr(
-            column, kind, None if domain is None else _finite(node, domain, policy.nullable), policy.nullable
+            column, pg_type, None if domain is None else _finite(node, domain, policy.nullable), policy.nullable
         )
     if policy.type in ("date", "timestamp"):
         raise FeatureNotSupported(
@@ -464,14 +464,14 @@ def _column(node: exp.Column, resolve: Resolve) -> KeyExpr:
             hint=f'Declare lower/upper for "{node.name}" so expressions over it have a finite range.',
         )
     clamped = bound(node, resolve, lambda p: p)
-    kind = "bigint" if policy.type == "int" else "double precision"
+    pg_type = "bigint" if policy.type == "int" else "double precision"
     if domain is not None:
         values = [v for v in domain if v is not None]
-        return KeyExpr(clamped.sql, kind, _finite(node, values, policy.nullable), policy.nullable, tiny=clamped.tiny)
+        return KeyExpr(clamped.sql, pg_type, _finite(node, values, policy.nullable), policy.nullable, tiny=clamped.tiny)
     if policy.type == "int" and clamped.upper - clamped.lower + 1 <= MAX_DERIVED_GROUPS:
         every = range(int(clamped.lower), int(clamped.upper) + 1)
-        return KeyExpr(clamped.sql, kind, _finite(node, every, policy.nullable), policy.nullable)
-    return KeyExpr(clamped.sql, kind, None, policy.nullable, clamped.lower, clamped.upper, clamped.tiny)
+        return KeyExpr(clamped.sql, pg_type, _finite(node, every, policy.nullable), policy.nullable)
+    return KeyExpr(clamped.sql, pg_type, None, policy.nullable, clamped.lower, clamped.upper, clamped.tiny)
 
 
 def _cast(node: exp.Cast, resolve: Resolve, check_predicate: CheckPredicate) -> KeyExpr:
@@ -482,17 +482,17 @@ def _cast(node: exp.Cast, resolve: Resolve, check_predicate: CheckPredicate) -> 
     values = inner.values
     if inner.type in ("timestamp", "date") and target in (exp.DataType.Type.DATE, exp.DataType.Type.TIMESTAMP):
         to_date = target == exp.DataType.Type.DATE
-        kind: PgType = "date" if to_date else "timestamp"
+        pg_type: PgType = "date" if to_date else "timestamp"
         if values is not None:
             values = _finite(node, (_to_day(v) if to_date else _as_datetime(v) for v in values), inner.nullable)
-        return KeyExpr(exp.cast(inner.sql, target), kind, values, inner.nullable)
+        return KeyExpr(exp.cast(inner.sql, target), pg_type, values, inner.nullable)
     if inner.numeric and target in exp.DataType.INTEGER_TYPES and inner.type == "bigint":
         return inner
     if inner.numeric and (target in exp.DataType.REAL_TYPES or target == exp.DataType.Type.DECIMAL):
-        kind = "numeric" if target == exp.DataType.Type.DECIMAL else "double precision"
+        pg_type = "numeric" if target == exp.DataType.Type.DECIMAL else "double precision"
         if values is not None:
             values = _finite(node, (float(v) for v in values if v is not None), inner.nullable)  # type: ignore[arg-type]
-        return KeyExpr(exp.cast(inner.sql, exp.DataType.Type.DOUBLE), kind, values, inner.nullable, inner.lower,
+        return KeyExpr(exp.cast(inner.sql, exp.DataType.Type.DOUBLE), pg_type, values, inner.nullable, inner.lower,
                        inner.upper, inner.tiny)  # fmt: skip
     raise FeatureNotSupported(
         f"CAST of a {inner.type} key to {node.to.sql(dialect='postgres')} is not supported in GROUP BY",
@@ -517,22 +517,22 @@ def _case(node: exp.Case, resolve: Resolve, check_predicate: CheckPredicate) -> 
     if default is not None:
         result = result.else_(default.copy())
     present = [v for v in values if v is not None]
-    kinds = {type(v) for v in present}
-    if kinds <= {str}:
-        kind: PgType = "text"
-    elif kinds <= {bool}:
-        kind = "boolean"
-    elif kinds <= {int}:
-        kind = "bigint"
-    elif kinds <= {int, float}:
-        kind = "double precision"
+    pg_types = {type(v) for v in present}
+    if pg_types <= {str}:
+        pg_type: PgType = "text"
+    elif pg_types <= {bool}:
+        pg_type = "boolean"
+    elif pg_types <= {int}:
+        pg_type = "bigint"
+    elif pg_types <= {int, float}:
+        pg_type = "double precision"
         present = [float(v) for v in present]  # type: ignore[arg-type]
         result = exp.cast(result, exp.DataType.Type.DOUBLE)  # type: ignore[assignment]
     else:
         raise DatatypeMismatch("CASE types text and numeric cannot be matched")
     nullable = None in values
     tiny = min((_exponent(float(v)) for v in present if isinstance(v, float)), default=0)
-    return KeyExpr(result, kind, _finite(node, present, nullable), nullable, tiny=tiny)
+    return KeyExpr(result, pg_type, _finite(node, present, nullable), nullable, tiny=tiny)
 
 
 def _case_literal(node: exp.Expression) -> Scalar | None:
@@ -553,15 +553,15 @@ def _coalesce(node: exp.Coalesce, resolve: Resolve, check_predicate: CheckPredic
         elif constant is None:
             parts.append(KeyExpr(exp.Null(), "text", (None,), True))
         else:
-            kind: PgType = "text" if isinstance(constant, str) else "boolean" if isinstance(constant, bool) else (
+            pg_type: PgType = "text" if isinstance(constant, str) else "boolean" if isinstance(constant, bool) else (
                 "bigint" if isinstance(constant, int) else "double precision")  # fmt: skip
             tiny = _exponent(constant) if isinstance(constant, float) else 0
-            parts.append(KeyExpr(argument.copy(), kind, (constant,), False, tiny=tiny))  # type: ignore[arg-type]
-    kinds = {p.type for p in parts if p.values != (None,)}
-    numeric = kinds <= {"bigint", "double precision"}
-    if len(kinds) > 1 and not numeric:
-        raise DatatypeMismatch(f"COALESCE types {' and '.join(sorted(kinds))} cannot be matched")
-    kind = "double precision" if len(kinds) > 1 else (next(iter(kinds)) if kinds else "text")
+            parts.append(KeyExpr(argument.copy(), pg_type, (constant,), False, tiny=tiny))  # type: ignore[arg-type]
+    pg_types = {p.type for p in parts if p.values != (None,)}
+    numeric = pg_types <= {"bigint", "double precision"}
+    if len(pg_types) > 1 and not numeric:
+        raise DatatypeMismatch(f"COALESCE types {' and '.join(sorted(pg_types))} cannot be matched")
+    pg_type = "double precision" if len(pg_types) > 1 else (next(iter(pg_types)) if pg_types else "text")
     values: list[Scalar] = []
     finite = True
     nullable = True
@@ -569,15 +569,15 @@ def _coalesce(node: exp.Coalesce, resolve: Resolve, check_predicate: CheckPredic
         if part.values is None:
             finite = False
         else:
-            values.extend(float(v) if kind == "double precision" else v for v in part.values if v is not None)  # type: ignore[arg-type]
+            values.extend(float(v) if pg_type == "double precision" else v for v in part.values if v is not None)  # type: ignore[arg-type]
         if not part.nullable:
             nullable = False
             break
     sql = exp.Coalesce(this=parts[0].sql, expressions=[p.sql for p in parts[1:]])
     tiny = min(p.tiny for p in parts)
     if not finite:
-        return KeyExpr(sql, kind, None, nullable, tiny=tiny)
-    return KeyExpr(sql, kind, _finite(node, values, nullable), nullable, tiny=tiny)
+        return KeyExpr(sql, pg_type, None, nullable, tiny=tiny)
+    return KeyExpr(sql, pg_type, _finite(node, values, nullable), nullable, tiny=tiny)
 
 
 _PREDICATES = (exp.Predicate, exp.Connector, exp.Not)

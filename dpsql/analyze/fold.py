@@ -125,7 +125,7 @@ def _sql(value: object) -> exp.Expression:
 _TEMPORAL = (exp.DataType.Type.DATE, exp.DataType.Type.TIMESTAMP)
 
 
-def _parse_temporal(text: str, kind: exp.DType) -> dt.date | None:
+def _parse_temporal(text: str, type_name: exp.DType) -> dt.date | None:
     """A ``CAST('…' AS DATE|TIMESTAMP)`` text, or None when it is not valid ISO (left for the analyzer)."""
     try:
         stamp = dt.datetime.fromisoformat(text.strip())
@@ -133,7 +133,7 @@ def _parse_temporal(text: str, kind: exp.DType) -> dt.date | None:
         return None
     if stamp.tzinfo is not None:
         return None
-    return stamp.date() if kind == exp.DataType.Type.DATE else stamp
+    return stamp.date() if type_name == exp.DataType.Type.DATE else stamp
 
 
 def _value(node: exp.Expression) -> object:
@@ -171,7 +171,7 @@ def _int_args(node: exp.Expression, names: tuple[str, ...]) -> list[int] | None:
     return values
 
 
-def _strptime(node: exp.Expression, kind: str) -> dt.datetime | None:
+def _strptime(node: exp.Expression, type_name: str) -> dt.datetime | None:
     text, fmt = _value(node.this), _value(node.args["format"]) if node.args.get("format") else None
     if not isinstance(text, str) or not isinstance(fmt, str):
         return None
@@ -179,7 +179,7 @@ def _strptime(node: exp.Expression, kind: str) -> dt.datetime | None:
         return dt.datetime.strptime(text.strip(), fmt)
     except ValueError as exc:
         if "unconverted data" in str(exc) or "does not match" in str(exc):
-            raise InvalidDatetimeFormat(f'invalid input syntax for type {kind}: "{text}"') from None
+            raise InvalidDatetimeFormat(f'invalid input syntax for type {type_name}: "{text}"') from None
         raise DatetimeFieldOverflow(f'date/time field value out of range: "{text}"') from None
 
 

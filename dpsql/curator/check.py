@@ -66,18 +66,18 @@ def line_finder(text: str) -> Callable[[tuple[str, ...]], int]:
 def _domain_fits(column: ColumnPolicy, value: Any) -> bool:
     if value is None:
         return True
-    kind = column.type
-    if kind == "boolean":
+    type_name = column.type
+    if type_name == "boolean":
         return isinstance(value, bool)
     if isinstance(value, bool):
         return False
-    if kind == "int":
+    if type_name == "int":
         return isinstance(value, int)
-    if kind == "float":
+    if type_name == "float":
         return isinstance(value, int | float)
-    if kind == "text":
+    if type_name == "text":
         return isinstance(value, str)
-    if kind == "date":
+    if type_name == "date":
         return isinstance(value, dt.date) and not isinstance(value, dt.datetime)
     return isinstance(value, dt.date)  # timestamp: a date or a datetime
 
@@ -148,16 +148,16 @@ def database_findings(policy: Policy, backend: Any) -> Iterator[Finding]:
         lowered = {k.lower(): v for k, v in stored.items()}
         for col_name, column in table.columns.items():
             path = ("tables", name, "columns", col_name)
-            kind = stored.get(col_name) or lowered.get(col_name.lower())
-            if kind is None:
+            type_name = stored.get(col_name) or lowered.get(col_name.lower())
+            if type_name is None:
                 yield Finding("error", path, f'column "{col_name}" does not exist in table "{source}"')
                 continue
-            fam = introspect.family(kind)
+            fam = introspect.family(type_name)
             if fam not in introspect.COMPATIBLE[column.type]:
                 yield Finding(
                     "error",
                     (*path, "type"),
-                    f"the database stores {kind} but the policy declares {column.type}",
+                    f"the database stores {type_name} but the policy declares {column.type}",
                 )
         unit = table.privacy_unit
         if unit is not None and (stored.get(unit) or lowered.get(unit.lower())) is not None:

@@ -56,21 +56,21 @@ def _domain(backend: Any, table: str, column: str) -> list[Any] | None:
 
 
 def _column_lines(backend: Any, table: str, column: str, stored: str) -> list[str]:
-    kind = introspect.family(stored)
-    policy_type = kind if kind != "other" else "text"
+    type_name = introspect.family(stored)
+    policy_type = type_name if type_name != "other" else "text"
     key = _scalar(column)
     if looks_like_identifier(column):
         return [f"      {key}: {{type: {policy_type}, identifier: true}}   # looks like an identifier: never queryable"]
-    if kind == "other":
+    if type_name == "other":
         return [f"      {key}: {{type: text}}   # TODO: stored as {stored}; check the type, or remove the column"]
-    if kind in ("int", "float", "date", "timestamp"):
-        example = {"int": "0, upper: 100", "float": "0.0, upper: 100.0"}.get(kind, "2000-01-01, upper: 2030-12-31")
+    if type_name in ("int", "float", "date", "timestamp"):
+        example = {"int": "0, upper: 100", "float": "0.0, upper: 100.0"}.get(type_name, "2000-01-01, upper: 2030-12-31")
         return [
             f"      {key}: {{type: {policy_type}}}",
             f"        # TODO bounds: e.g. {{type: {policy_type}, lower: {example}}} — from domain knowledge, not",
             "        # from the data's min/max (those are someone's exact values); SUM/AVG/quantiles need them",
         ]
-    if kind == "text":
+    if type_name == "text":
         values = _domain(backend, table, column)
         if values is not None:
             listed = ", ".join(_scalar(v) for v in values)
@@ -125,7 +125,7 @@ def draft_policy(backend: Any, tables: list[str], dataset: str) -> str:
             "    max_rows_per_unit: 1",
             "    columns:",
         ]
-        for column, kind in stored.items():
-            out += _column_lines(backend, table, column, kind)
+        for column, type_name in stored.items():
+            out += _column_lines(backend, table, column, type_name)
         out.append("")
     return "\n".join(out).rstrip("\n") + "\n"

@@ -69,7 +69,7 @@ def columns(backend: Any, table: str) -> dict[str, str] | None:
     )
     if not rows:
         return None
-    return {str(name): str(kind) for name, kind in rows}
+    return {str(name): str(type_name) for name, type_name in rows}
 
 
 def checkable(backend: Any) -> bool:

@@ -179,14 +179,14 @@ def translate(exc: duckdb.Error) -> Error:
     return FeatureNotSupported("the post-processing query is not supported")
 
 
-def release_value(value: Any, kind: PgType | None) -> Any:
+def release_value(value: Any, type_name: PgType | None) -> Any:
     """A sandbox value as the released Python value of its PostgreSQL type."""
     if value is None:
         return None
-    if kind is None:
+    if type_name is None:
         return str(value)
-    if kind == "numeric" and isinstance(value, int):
+    if type_name == "numeric" and isinstance(value, int):
         return decimal.Decimal(value)
-    if kind == "timestamp" and isinstance(value, dt.datetime):
+    if type_name == "timestamp" and isinstance(value, dt.datetime):
         return value.replace(tzinfo=None)
     return value

@@ -42,7 +42,7 @@ def select_histogram(plan: Plan, index: int, bins: int | None = None) -> exp.Sel
     """
     measure = plan.measures[index]
     column = measure_input(measure)
-    if measure.kind == "mode":
+    if measure.domain is not None:  # chosen among public candidates (mode): the values are the bins
         bin_ = column
     else:
         assert measure.lower is not None and measure.upper is not None
