@@ -72,26 +72,37 @@ def _compare(
     *,
     reps: tuple[int, float] | None = None,
     warmup: int = 2,
+    floors: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """DP, raw and rewritten SQL timed round-robin per query; ``reps`` = (max repetitions, seconds budget)."""
+    """DP, raw and rewritten SQL timed round-robin per query; ``reps`` = (max repetitions, seconds budget).
+
+    With ``floors`` (label → SQL), each query's floor runs in the same round-robin, so DP/floor is a
+    ratio of medians measured side by side (``dp_over_floor_p50``).
+    """
     session = Session(ANALYST)
     reps_, budget = reps or _reps(n, quick)
     out = []
     for label, sql in queries.items():
         released = engine.execute(sql, session)
         rewritten = engine.prepare(sql, session).sql
-        dp, raw, rw = time_interleaved(
-            [
-                lambda sql=sql: engine.execute(sql, session),
-                lambda sql=sql: engine.backend.execute(sql),
-                lambda rewritten=rewritten: engine.backend.execute(rewritten),
-            ],
-            reps=reps_,
-            warmup=warmup,
-            budget_s=budget,
-        )
+        calls = [
+            lambda sql=sql: engine.execute(sql, session),
+            lambda sql=sql: engine.backend.execute(sql),
+            lambda rewritten=rewritten: engine.backend.execute(rewritten),
+        ]
+        if floors is not None:
+            calls.append(lambda floor=floors[label]: engine.backend.execute(floor))
+        dp, raw, rw, *floor = time_interleaved(calls, reps=reps_, warmup=warmup, budget_s=budget)
+        extra: dict[str, Any] = {}
+        if floor:
+            extra = {
+                "floor": floor[0].as_dict(),
+                "floor_over_raw_p50": floor[0].p50_us / raw.p50_us,
+                "dp_over_floor_p50": dp.p50_us / floor[0].p50_us,
+            }
         out.append(
             {
+                **extra,
                 "query": label,
                 "sql": sql,
                 "rows": n,

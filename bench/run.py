@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -27,6 +28,7 @@ import noise  # noqa: E402
 import overhead  # noqa: E402
 import peers  # noqa: E402
 import person  # noqa: E402
+import quantiles  # noqa: E402
 import wire  # noqa: E402
 
 SPARK_ROWS = 10**7
@@ -64,6 +66,7 @@ BENCHMARKS: dict[str, Callable[[bool], common.Section]] = {
     "e2e": e2e.run_end_to_end,
     "person": person.run,
     "noise": noise.run,
+    "quantiles": quantiles.run,
     "groups": e2e.run_groups,
     "peers": peers.run,
     "wire": wire.run,
@@ -73,6 +76,73 @@ BENCHMARKS: dict[str, Callable[[bool], common.Section]] = {
 #: Left out of --quick unless named with --only: the peer comparison installs a venv and runs 200×, and
 #: Spark starts a JVM over 10^7 rows.
 QUICK_SKIPS = {"peers", "spark"}
+
+
+#: Issue #19's out-of-bounds bar: DP/raw of a SUM whose data lie half outside the declared bounds.
+OUT_OF_BOUNDS_QUERY = "SUM, data outside bounds"
+OUT_OF_BOUNDS_BAR = 1.3
+
+#: Issue #19's bars that are properties, not timings: checked by tests (run them with pytest).
+TESTED_BARS: list[tuple[str, str]] = [
+    (
+        "scale-out: processes sharing one ledger spend exactly the budget, share the result cache and salt",
+        "tests/trust/test_scale_out.py",
+    ),
+    (
+        "Spark Connect: same pre-noise numbers as DuckDB/PostgreSQL, core checks through a standalone server",
+        "tests/test_spark.py::test_spark_connect tests/test_spark.py -k standalone_connect",
+    ),
+]
+
+
+def bars(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every bar of issue #19 with its measured value and PASS/FAIL (or where a test checks it).
+
+    A bar whose section was not run (``--only``/``--skip``) or failed is ``not measured``, never PASS.
+    """
+    sections: dict[str, Any] = report["benchmarks"]  # type: ignore[assignment]
+    out: list[dict[str, Any]] = []
+
+    def measured(name: str, value: float | None, bar: float, where: str) -> None:
+        verdict = "not measured" if value is None else ("PASS" if value <= bar else "FAIL")
+        out.append({"bar": name, "value": value, "limit": bar, "verdict": verdict, "where": where})
+
+    person_data = sections.get("person", {})
+    for backend in ("duckdb", "postgresql"):
+        data = person_data.get(backend, {})
+        largest = data.get("bar_rows")
+        found = {r["query"]: r for r in data.get("results", []) if r["rows"] == largest}
+        size = f"10^{len(str(largest)) - 1}" if largest else "?"
+        for label in person.QUERIES:
+            r = found.get(label)
+            measured(
+                f"person-level DP/floor, {label}, {backend} {size}",
+                r["dp_over_floor_p50"] if r else None,
+                person.BAR_RATIO,
+                "bench person",
+            )
+    e2e_data = sections.get("e2e", {})
+    for backend in ("duckdb", "postgresql"):
+        results = [r for r in e2e_data.get(backend, {}).get("results", []) if r["query"] == OUT_OF_BOUNDS_QUERY]
+        r = max(results, key=lambda r: r["rows"]) if results else None
+        size = f"10^{len(str(r['rows'])) - 1}" if r else "?"
+        measured(
+            f"out-of-bounds SUM, DP/raw, {backend} {size}",
+            r["ratio_p50"] if r else None,
+            OUT_OF_BOUNDS_BAR,
+            "bench e2e",
+        )
+    for name, test in TESTED_BARS:
+        out.append({"bar": name, "value": None, "limit": None, "verdict": "test", "where": test})
+    return out
+
+
+def _print_bars(rows: list[dict[str, Any]]) -> None:
+    print("\n== bars (issue #19) ==")
+    common.print_table(
+        ["bar", "value", "limit", "verdict", "checked by"],
+        [[b["bar"], b["value"], b["limit"], b["verdict"], b["where"]] for b in rows],
+    )
 
 
 def _versions() -> dict[str, str]:
@@ -139,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
             "extra_tables": section.extra_tables,
             **section.data,
         }
+    report["bars"] = bars(report)
+    _print_bars(report["bars"])  # type: ignore[arg-type]
     report["seconds"] = round(time.perf_counter() - started, 1)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2, default=_json_default) + "\n")
