@@ -20,8 +20,10 @@ import yaml
 
 from dpsql.demo import demo_policy_path, load_demo
 from dpsql.engine import Engine
+from dpsql.errors import Error
 from dpsql.pgtypes import OIDS
 from dpsql.server import ThreadedServer
+from dpsql.session import Session
 
 CORPUS: list[dict[str, Any]] = yaml.safe_load(Path(__file__).with_name("corpus.yaml").read_text())
 EPSILON = 0.05  # per query, set in the startup options as docs/bi.md shows
@@ -96,3 +98,53 @@ def test_corpus_covers_the_tools_and_mostly_answers(request: pytest.FixtureReque
             f"\nBI corpus: {answered} of {len(CORPUS)} shapes answered; {answered} of {askable} that are not "
             f"refused by design (raw rows, identifiers, > 10,000 groups)"
         )
+
+
+@pytest.mark.parametrize(
+    ("sql", "message"),
+    [
+        (
+            "SELECT DATE_TRUNC('day', CAST(zip AS DATE)), COUNT(*) FROM patients GROUP BY 1",
+            "DATE_TRUNC in GROUP BY needs a date or timestamp column",
+        ),
+        (
+            "SELECT EXTRACT(year FROM CAST(visit_date AS TIMESTAMPTZ)), COUNT(*) FROM visits GROUP BY 1",
+            "EXTRACT in GROUP BY needs a date or timestamp column",
+        ),
+        (
+            "SELECT CAST(department AS VARCHAR(3)), COUNT(*) FROM visits GROUP BY 1",
+            "CAST of a text key to VARCHAR(3) is not supported in GROUP BY",
+        ),
+    ],
+)
+def test_only_casts_that_keep_every_value_are_identity(clinic: Engine, sql: str, message: str) -> None:
+    """Tableau's casts of a key to its own type are the identity; a cast that could change or fail on
+    some values (a length, a time zone, a number to a date) is refused before anything is charged."""
+    with pytest.raises(Error) as info:
+        clinic.execute(sql, Session(ANALYST))
+    assert (info.value.sqlstate, str(info.value).split("\n")[0]) == ("0A000", message)
+    assert clinic.ledger.charges("clinic", ANALYST) == []
+
+
+def test_column_probe_of_a_row_level_dataset_is_free(servers: dict[str, tuple[str, Engine]]) -> None:
+    """Superset's column probe of a SQL dataset, with LIMIT 0: the columns from the policy, no row, no charge;
+    an identifier in it is refused as in the query itself (42501), a star as raw rows (42803)."""
+    dsn, engine = servers["clinic"]
+    before = _spent(engine)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        cur = conn.execute("SELECT department, cost, visit_date FROM visits WHERE cost > %s LIMIT 0", (50,))
+        assert cur.description is not None
+        assert [(d.name, d.type_code) for d in cur.description] == [
+            ("department", OIDS["text"]),
+            ("cost", OIDS["double precision"]),
+            ("visit_date", OIDS["date"]),
+        ]
+        assert cur.fetchall() == []
+        for sql, state, message in (
+            ("SELECT patient_id, cost FROM visits LIMIT 0", "42501", 'permission denied for column "patient_id"'),
+            ("SELECT * FROM visits LIMIT 0", "42803", "SELECT * would release individual rows"),
+        ):
+            with pytest.raises(psycopg.Error) as info:
+                conn.execute(sql)
+            assert (info.value.sqlstate, info.value.diag.message_primary) == (state, message)
+    assert _spent(engine) == before
