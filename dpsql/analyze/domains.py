@@ -490,7 +490,7 @@ def _column(node: exp.Column, resolve: Resolve) -> KeyExpr:
 
 
 #: Casts of a key to its own type (no length modifier): the identity on every backend.
-_SAME_TYPE: dict[PgType, tuple[exp.DataType.Type, ...]] = {
+_SAME_TYPE: dict[PgType, tuple[exp.DType, ...]] = {
     "text": (exp.DataType.Type.TEXT, exp.DataType.Type.VARCHAR),
     "boolean": (exp.DataType.Type.BOOLEAN,),
 }

@@ -8,9 +8,10 @@ Superset's own ``ChartDataCommand``. Every statement Superset's connections put 
 with the SQLSTATE dpsql answered.
 
 What this shows about privacy: Superset sees only what any client sees — its schema sync reaches the
-shadow catalog (identifier columns are not even listed), its row-level requests (histogram, distinct
-values, a raw virtual dataset's column probe) are refused before anything runs or is charged, and every
-chart that is answered is charged its ε in the ledger before the noisy rows reach Superset.
+shadow catalog (identifier columns are not even listed), its row-level requests (histogram, a raw virtual
+dataset's LIMIT 1 column probe) are refused before anything runs or is charged, what follows from the
+policy alone (a LIMIT 0 probe's columns, filter values of a public domain) is answered free, and every
+other chart that is answered is charged its ε in the ledger before the noisy rows reach Superset.
 
 Marked ``bi`` (deselected by default, see pyproject's addopts): run with
 ``CI=true .venv/bin/python -m pytest -m bi tests/bi``. The summary (chart → answered/refused + SQLSTATE,
