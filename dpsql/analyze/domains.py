@@ -166,9 +166,7 @@ def _trunc(node: exp.Expression, unit: str, target: exp.Expression, resolve: Res
         raise FeatureNotSupported(
             f'DATE_TRUNC("{unit}") is not supported in GROUP BY', hint="Use year, quarter, month, week, day or hour."
         )
-    if not isinstance(target, exp.Column):
-        raise FeatureNotSupported("DATE_TRUNC in GROUP BY needs a date or timestamp column")
-    column, policy = resolve(target)
+    column, policy = _time_column("DATE_TRUNC", target, resolve)
     if policy.type not in ("date", "timestamp"):
         raise UndefinedFunction(f"function date_trunc(unknown, {PG_TYPE_NAMES[policy.type]}) does not exist")
     truncated = exp.TimestampTrunc(this=_clamped_date(column, policy), unit=exp.var(unit.upper()))
@@ -187,6 +185,25 @@ def _trunc(node: exp.Expression, unit: str, target: exp.Expression, resolve: Res
             raise _too_many(node, _count_buckets(unit, current, last, len(values)))
         current = _next(unit, current)
     return KeyExpr(sql, "timestamp", _finite(node, values, policy.nullable), policy.nullable)
+
+
+def _time_column(function: str, target: exp.Expression, resolve: Resolve) -> tuple[exp.Column, ColumnPolicy]:
+    """The column under DATE_TRUNC or EXTRACT, through a cast that keeps every value (Tableau's
+    ``CAST(visit_date AS DATE)`` of a date column, a date or timestamp cast to timestamp): the key is
+    computed on the clamped column itself, so the cast cannot fail on some rows only."""
+    cast_to = None
+    if isinstance(target, exp.Cast) and isinstance(target.this, exp.Column) and not target.to.expressions:
+        cast_to, target = target.to.this, target.this
+    if not isinstance(target, exp.Column):
+        raise FeatureNotSupported(f"{function} in GROUP BY needs a date or timestamp column")
+    column, policy = resolve(target)
+    keeps = cast_to is None or (
+        policy.type in ("date", "timestamp")
+        and (cast_to == exp.DataType.Type.TIMESTAMP or (cast_to == exp.DataType.Type.DATE and policy.type == "date"))
+    )
+    if not keeps:
+        raise FeatureNotSupported(f"{function} in GROUP BY needs a date or timestamp column")
+    return column, policy
 
 
 def _count_buckets(unit: str, current: dt.datetime, last: dt.datetime, seen: int) -> int:
@@ -217,9 +234,7 @@ _FIELDS: dict[str, tuple[Callable[[dt.datetime], int], int, int]] = {
 def _extract(node: exp.Extract, resolve: Resolve) -> KeyExpr:
     part = node.this.name.lower() if isinstance(node.this, exp.Var | exp.Identifier) else str(node.this).lower()
     part = {"dayofweek": "dow", "dayofyear": "doy"}.get(part, part)
-    if not isinstance(node.expression, exp.Column):
-        raise FeatureNotSupported("EXTRACT in GROUP BY needs a date or timestamp column")
-    column, policy = resolve(node.expression)
+    column, policy = _time_column("EXTRACT", node.expression, resolve)
     if policy.type not in ("date", "timestamp"):
         raise UndefinedFunction(f"function extract(unknown, {PG_TYPE_NAMES[policy.type]}) does not exist")
     clamped = _clamped_date(column, policy)
@@ -474,6 +489,13 @@ def _column(node: exp.Column, resolve: Resolve) -> KeyExpr:
     return KeyExpr(clamped.sql, pg_type, None, policy.nullable, clamped.lower, clamped.upper, clamped.tiny)
 
 
+#: Casts of a key to its own type (no length modifier): the identity on every backend.
+_SAME_TYPE: dict[PgType, tuple[exp.DType, ...]] = {
+    "text": (exp.DataType.Type.TEXT, exp.DataType.Type.VARCHAR),
+    "boolean": (exp.DataType.Type.BOOLEAN,),
+}
+
+
 def _cast(node: exp.Cast, resolve: Resolve, check_predicate: CheckPredicate) -> KeyExpr:
     """Casts that cannot fail and mean the same on every backend: time buckets to date/timestamp,
     numbers to bigint (integers only), double precision or numeric."""
@@ -487,6 +509,8 @@ def _cast(node: exp.Cast, resolve: Resolve, check_predicate: CheckPredicate) -> 
             values = _finite(node, (_to_day(v) if to_date else _as_datetime(v) for v in values), inner.nullable)
         return KeyExpr(exp.cast(inner.sql, target), pg_type, values, inner.nullable)
     if inner.numeric and target in exp.DataType.INTEGER_TYPES and inner.type == "bigint":
+        return inner
+    if target in _SAME_TYPE.get(inner.type, ()) and not node.to.expressions:  # Tableau's CAST(text_col AS TEXT)
         return inner
     if inner.numeric and (target in exp.DataType.REAL_TYPES or target == exp.DataType.Type.DECIMAL):
         pg_type = "numeric" if target == exp.DataType.Type.DECIMAL else "double precision"

@@ -32,7 +32,7 @@ from dpsql.analyze import analyze_tree, infer_parameter_types
 from dpsql.analyze.parse import Params, bind_parameters, parse_statement, placeholder_value
 from dpsql.errors import ProgramLimitExceeded
 from dpsql.outer.sandbox import MAX_PUBLIC_ROWS, Sandbox, outer_sql, pg_type, release_value
-from dpsql.outer.shapes import Composite, decompose, needs_outer
+from dpsql.outer.shapes import Composite, decompose, needs_outer, own_aggregates
 from dpsql.pgtypes import PgType
 from dpsql.policy import PG_TYPE_NAMES
 from dpsql.release.accuracy import confidence as confidence_level
@@ -71,15 +71,26 @@ def _limit_zero(tree: exp.Expression) -> bool:
 
 
 def _probe(tree: exp.Expression) -> exp.Expression | None:
-    """The query a schema probe asks about (its false WHERE dropped), or None when it is no probe."""
+    """The query a schema probe asks about (its false WHERE dropped), or None when it is no probe.
+
+    A probe of named rows (``SELECT department, cost FROM visits WHERE cost > 50 LIMIT 0``: Superset's
+    column probe of a SQL dataset, with an engine spec sending LIMIT 0) is analysed as its ``SELECT
+    DISTINCT``: the same columns and types, identifiers and bad predicates refused alike, and no row
+    leaves either way, so its answer depends on the SQL and the policy only. ``SELECT *`` stays refused."""
     if not isinstance(tree, exp.Select):
         return None
     where = tree.args.get("where")
     if where is not None and _constant_false(where.this):
         probe = tree.copy()
         probe.set("where", None)
-        return probe
-    return tree if _limit_zero(tree) else None
+    elif _limit_zero(tree):
+        probe = tree
+    else:
+        return None
+    if not own_aggregates(probe) and not probe.args.get("distinct") and not probe.find(exp.Star):
+        probe = probe.copy()
+        probe.set("distinct", exp.Distinct())
+    return probe
 
 
 def _parse(sql: str, params: Params, tree: exp.Expression | None = None) -> exp.Expression | None:

@@ -208,6 +208,8 @@ def split_windows(select: exp.Select, table: str) -> tuple[exp.Select, exp.Selec
     aggregates: dict[str, tuple[str, exp.Expr]] = {}
 
     def replace(node: exp.Expr) -> exp.Expr:
+        if isinstance(node, exp.Identifier):  # an alias named like a key (`department AS department`) stays
+            return node
         if isinstance(node, exp.AggFunc) and not _window_func(node):
             text = node.sql(dialect="postgres")
             alias = aggregates.setdefault(text, (f"__a{len(aggregates)}", node.copy()))[0]

@@ -59,6 +59,18 @@ ATTACKS = [
     KeyAttack("predicate-key", "SELECT x > 0, COUNT(*) FROM t GROUP BY 1", 3),
     KeyAttack("where-equality", "SELECT visits, COUNT(*) FROM t WHERE visits IN (3, 1000000) GROUP BY visits", 1),
     KeyAttack("distinct-derived", "SELECT DISTINCT DATE_TRUNC('year', d) FROM t", 6),
+    KeyAttack(
+        "tableau-quarter-cast",
+        "SELECT CAST(DATE_TRUNC('QUARTER', CAST(d AS DATE)) AS DATE), SUM(x) FROM t GROUP BY 1",
+        21,
+    ),
+    KeyAttack(
+        "extract-cast-timestamp", "SELECT EXTRACT(year FROM CAST(d AS TIMESTAMP)), COUNT(*) FROM t GROUP BY 1", 6
+    ),
+    KeyAttack(
+        "trunc-cast-ts-to-date", "SELECT DATE_TRUNC('day', CAST(ts AS DATE)), COUNT(*) FROM t GROUP BY 1", "0A000"
+    ),
+    KeyAttack("cast-text-selection", "SELECT CAST(problem AS TEXT), COUNT(*) FROM t GROUP BY 1", None),
     KeyAttack("trunc-unbounded-selection", "SELECT DATE_TRUNC('month', d2), COUNT(*) FROM t GROUP BY 1", None),
     KeyAttack("float-key-selection", "SELECT cost * 2, COUNT(*) FROM t GROUP BY 1", None),
     KeyAttack("domain-cap", "SELECT DATE_TRUNC('hour', ts), COUNT(*) FROM t GROUP BY 1", "54000"),

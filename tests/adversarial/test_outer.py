@@ -44,14 +44,17 @@ CASES: list[tuple[str, str]] = [
     ("probe-limit-0", "SELECT problem, SUM(cost) FROM t GROUP BY problem LIMIT 0"),
     ("probe-false-where", "SELECT COUNT(*), AVG(x) FROM t WHERE 1 = 0"),
     ("probe-composite", "SELECT * FROM (SELECT problem, COUNT(*) AS c FROM t GROUP BY problem) s LIMIT 0"),
+    ("probe-raw-rows", "SELECT problem, cost, d FROM t WHERE cost > 50 LIMIT 0"),
+    ("probe-raw-identifier", "SELECT id, cost FROM t WHERE 1 = 0"),
 ]
 EXPECTED = {
     "second-inner-fails": "0A000",
     "outer-reads-table": "0A000",
     "outer-file": "0A000",
     "outer-unknown-column": "42703",
+    "probe-raw-identifier": "42501",
 }
-FREE = {"probe-limit-0", "probe-false-where", "probe-composite"}
+FREE = {"probe-limit-0", "probe-false-where", "probe-composite", "probe-raw-rows"}
 
 
 def _outcome(engine: Engine, sql: str) -> tuple[Any, ...]:

@@ -56,30 +56,30 @@ SUPERSET_SQL: list[tuple[str, str, str | None]] = [
         "SELECT\n  DATE_TRUNC('MONTH', visit_date) AS visit_date,\n  COUNT(*) AS count\nFROM public.visits\nWHERE\n"
         "  visit_date >= TO_DATE('2021-01-01', 'YYYY-MM-DD')\n  AND visit_date < TO_DATE('2022-01-01', 'YYYY-MM-DD')\n"
         "GROUP BY\n  DATE_TRUNC('MONTH', visit_date)\nORDER BY\n  count DESC\nLIMIT 10000",
-        None,
+        "answered",
     ),
     (
         "superset-bucket-expression",
         'SELECT\n  FLOOR(cost / 200) * 200 AS "FLOOR(cost / 200) * 200",\n  COUNT(*) AS count\nFROM public.visits\n'
         "GROUP BY\n  FLOOR(cost / 200) * 200\nLIMIT 10000",
-        None,
+        "answered",
     ),
     (
         "superset-distinct-values",
         "SELECT DISTINCT department AS column_values \nFROM public.visits \n LIMIT 1000",
-        None,
+        "answered",
     ),
     (
         "superset-virtual-dataset-limit0",
         "SELECT\n  department,\n  cost,\n  visit_date\nFROM visits\nWHERE\n  cost > 50\nLIMIT 0",
-        None,
+        "answered",
     ),
     (
         "superset-over-aggregate",
         "SELECT\n  department AS department,\n  SUM(visits) AS visits\nFROM (\n  SELECT\n    department,\n"
         "    COUNT(*) AS visits\n  FROM visits\n  GROUP BY\n    department\n) AS virtual_table\nGROUP BY\n"
         "  department\nLIMIT 1000",
-        None,
+        "answered",
     ),
 ]
 
