@@ -413,6 +413,9 @@ def build_parser() -> argparse.ArgumentParser:
     from dpsql import curator_cli
 
     curator_cli.register(sub, budget)  # dpsql audit; dpsql budget grant|freeze|unfreeze
+    from dpsql import dashboard
+
+    dashboard.register(sub)  # dpsql dashboard: the curator's web view of the ledger
 
     demo = sub.add_parser("demo", help="replay the seeds' differencing attack on Igor")
     demo.add_argument("--runs", type=int, default=1000)
