@@ -9,7 +9,7 @@ Security posture (an analyst may reach the port; only the curator has the passwo
   with a request's text: no traversal).
 * Every POST needs its CSRF token, and a foreign ``Origin`` is refused (403); cookies are
   ``HttpOnly; SameSite=Strict`` (``Secure`` under TLS). Responses forbid framing, sniffing,
-  caching and referrers; the CSP allows no script at all.
+  caching and cross-site referrers; the CSP allows no script at all.
 * Bound to 127.0.0.1 unless ``--host`` says otherwise; TLS with ``--tls-cert/--tls-key`` (the
   handshake runs in the request's thread, so a slow client blocks no one else).
 * It opens the ledger, never the data. It writes only the curator's levers (the same append-only
@@ -158,7 +158,7 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Security-Policy", self.app.csp)
         self.send_header("X-Content-Type-Options", "nosniff")
         self.send_header("X-Frame-Options", "DENY")
-        self.send_header("Referrer-Policy", "no-referrer")
+        self.send_header("Referrer-Policy", "same-origin")  # "no-referrer" makes browsers send Origin: null
         self.send_header("Cache-Control", "no-store")
         for key, value in headers:
             self.send_header(key, value)
@@ -444,14 +444,14 @@ class Handler(BaseHTTPRequestHandler):
         )
         cells = [
             (
-                views.esc(r["at"]),
+                f'<span class="at">{views.esc(r["at"])}</span>',
                 f'<span class="analyst">{views.esc(r["analyst"])}</span>',
                 f'<span class="event">{views.esc(r["event"])}</span>',
                 views.esc(r["sqlstate"]),
                 f'<span class="eps">{views.esc(r["epsilon"])}</span>',
                 views.esc(r["delta"]),
                 views.esc(r["rho"]),
-                views.esc(r["latency_ms"]),
+                f'<span class="latency">{views.esc(r["latency_ms"])}</span>',
                 f"<code>{views.esc((r['fingerprint'] or '')[:16])}</code>",
                 f'<span class="shape">{views.esc(r["shape"] if r["shape"] is not None else r["reason"])}</span>',
                 views.esc(r["by"]),
