@@ -62,7 +62,13 @@ def chrome() -> Iterator[Any]:
         _unavailable("Debian's chromium and chromium-driver are not installed (bash scripts/setup.sh test)")
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1400,1000"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--window-size=1400,1000",
+    ):
         options.add_argument(arg)
     try:
         driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
