@@ -260,7 +260,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(
             f'dpsql serving dataset "{engine.policy.dataset}" on {args.host}:{port} '
             f"(try: psql -h {args.host} -p {port} -U analyst {engine.policy.dataset}); "
-            f"policy {policy_path}; ledger {ledger}; log on stderr"
+            f"policy {policy_path}; ledger {ledger}; log on stderr; curator dashboard: "
+            f"dpsql dashboard --policy {policy_path} --ledger {ledger} (http://127.0.0.1:8080/)"
             + (
                 f"; pid file {pid_files[-1]} (reload the policy: kill -HUP {os.getpid()} or dpsql reload)"
                 if pid_files

@@ -153,6 +153,7 @@ def test_audit_filter_refusals(live: Live, query: str, error: str) -> None:
 def test_no_path_traversal(live: Live) -> None:
     _, _, cookies = live.login()
     response, css = live.request("GET", "/static/dashboard.css", cookies=cookies)
+    assert "font-family" in css
     assert response.status == 200 and response.getheader("Content-Type") == "text/css; charset=utf-8"
     for path in (
         "/static/../../../../etc/passwd",

@@ -99,6 +99,7 @@ def test_dashboard_in_chromium(
         conn.execute("SELECT name FROM patients WHERE zip = 2138")
     assert refused.value.sqlstate == "42501"
 
+    assert "curator dashboard: dpsql dashboard --policy" in serve.banner  # serve says where it is
     dashboard = start_dashboard()
     assert f"at http://127.0.0.1:{dashboard.port}/" in dashboard.banner
     base = dashboard.url
