@@ -260,7 +260,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(
             f'dpsql serving dataset "{engine.policy.dataset}" on {args.host}:{port} '
             f"(try: psql -h {args.host} -p {port} -U analyst {engine.policy.dataset}); "
-            f"policy {policy_path}; ledger {ledger}; log on stderr"
+            f"policy {policy_path}; ledger {ledger}; log on stderr; curator dashboard: "
+            f"dpsql dashboard --policy {policy_path} --ledger {ledger} (http://127.0.0.1:8080/)"
             + (
                 f"; pid file {pid_files[-1]} (reload the policy: kill -HUP {os.getpid()} or dpsql reload)"
                 if pid_files
@@ -413,6 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
     from dpsql import curator_cli
 
     curator_cli.register(sub, budget)  # dpsql audit; dpsql budget grant|freeze|unfreeze
+    from dpsql import dashboard
+
+    dashboard.register(sub)  # dpsql dashboard: the curator's web view of the ledger
 
     demo = sub.add_parser("demo", help="replay the seeds' differencing attack on Igor")
     demo.add_argument("--runs", type=int, default=1000)

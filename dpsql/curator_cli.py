@@ -110,35 +110,18 @@ def cmd_lever(args: argparse.Namespace) -> int:
 
     policy, ledger = _open(args)
     try:
-        if policy.analyst(args.analyst) is None:
-            raise UndefinedObject(
-                f'analyst "{args.analyst}" is not in the policy',
-                hint="Name one of the policy's analysts (see dpsql budget).",
-            )
         by = args.by or _os_user()
+        apply_lever(
+            ledger,
+            policy,
+            args.lever,
+            args.analyst,
+            by=by,
+            reason=args.reason,
+            epsilon=getattr(args, "epsilon", 0.0),
+            delta=getattr(args, "delta", 0.0),
+        )
         base = policy.analyst_budget(args.analyst)
-        if args.lever == "grant":
-            if not (math.isfinite(args.epsilon) and math.isfinite(args.delta)) or args.epsilon < 0 or args.delta < 0:
-                raise InvalidParameterValue(
-                    f"invalid grant: ε={args.epsilon:g}, δ={args.delta:g}", hint="Grant a finite ε ≥ 0 and δ ≥ 0."
-                )
-            limit = ledger.levers(policy.dataset, args.analyst).limit(base)
-            if limit.delta + args.delta >= 1:
-                raise InvalidParameterValue(
-                    f"invalid grant: δ would reach {limit.delta + args.delta:g}", hint="An analyst's δ stays below 1."
-                )
-            ledger.grant(
-                dataset=policy.dataset,
-                analyst=args.analyst,
-                epsilon=args.epsilon,
-                delta=args.delta,
-                by=by,
-                reason=args.reason,
-            )
-        elif args.lever == "freeze":
-            ledger.freeze(dataset=policy.dataset, analyst=args.analyst, by=by, reason=args.reason)
-        else:
-            ledger.unfreeze(dataset=policy.dataset, analyst=args.analyst, by=by, reason=args.reason)
         levers = ledger.levers(policy.dataset, args.analyst)
         limit = levers.limit(base)
         remaining = ledger.remaining(policy.dataset, args.analyst, budget=base, accounting=policy.budget.accounting)
@@ -162,6 +145,46 @@ def cmd_lever(args: argparse.Namespace) -> int:
             f"ε={remaining.epsilon:g} remaining{' (frozen)' if levers.frozen else ''}"
         )
     return 0
+
+
+def apply_lever(
+    ledger: Any,
+    policy: Any,
+    lever: str,
+    analyst: str,
+    *,
+    by: str,
+    reason: str,
+    epsilon: float = 0.0,
+    delta: float = 0.0,
+) -> None:
+    """Validate and append one curator lever (``grant``, ``freeze``, ``unfreeze``) to the ledger.
+
+    The one home of the levers' checks, shared by ``dpsql budget`` and ``dpsql dashboard``: an
+    unknown analyst is 42704, a non-finite or negative grant, or one taking δ to 1, is 22023."""
+    if policy.analyst(analyst) is None:
+        raise UndefinedObject(
+            f'analyst "{analyst}" is not in the policy',
+            hint="Name one of the policy's analysts (see dpsql budget).",
+        )
+    base = policy.analyst_budget(analyst)
+    if lever == "grant":
+        if not (math.isfinite(epsilon) and math.isfinite(delta)) or epsilon < 0 or delta < 0:
+            raise InvalidParameterValue(
+                f"invalid grant: ε={epsilon:g}, δ={delta:g}", hint="Grant a finite ε ≥ 0 and δ ≥ 0."
+            )
+        limit = ledger.levers(policy.dataset, analyst).limit(base)
+        if limit.delta + delta >= 1:
+            raise InvalidParameterValue(
+                f"invalid grant: δ would reach {limit.delta + delta:g}", hint="An analyst's δ stays below 1."
+            )
+        ledger.grant(dataset=policy.dataset, analyst=analyst, epsilon=epsilon, delta=delta, by=by, reason=reason)
+    elif lever == "freeze":
+        ledger.freeze(dataset=policy.dataset, analyst=analyst, by=by, reason=reason)
+    elif lever == "unfreeze":
+        ledger.unfreeze(dataset=policy.dataset, analyst=analyst, by=by, reason=reason)
+    else:
+        raise InvalidParameterValue(f"unknown lever {lever!r}", hint="Use grant, freeze or unfreeze.")
 
 
 def _os_user() -> str:

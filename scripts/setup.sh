@@ -4,7 +4,7 @@
 #   scripts/setup.sh        runtime: psql, .venv + `pip install -e '.[serve]'`
 #   scripts/setup.sh test   also test extras (and the spark extra) and the Debian packages the tests
 #                           use (PostgreSQL server + psql, a JDK, Java 17+ for Spark, the PostgreSQL
-#                           JDBC driver)
+#                           JDBC driver, Chromium and its WebDriver for tests/dashboard)
 #
 # Re-running is cheap: pip is skipped while pyproject.toml is unchanged, apt while everything is present.
 set -euo pipefail
@@ -75,6 +75,9 @@ if [ "$mode" = test ]; then
     need_pkg openjdk-17-jre-headless
   fi
   installed libpostgresql-jdbc-java || need_pkg libpostgresql-jdbc-java
+  # tests/dashboard drive the curator's dashboard in a real headless Chromium (Selenium + chromedriver)
+  installed chromium || need_pkg chromium
+  installed chromium-driver || need_pkg chromium-driver
 fi
 apt_install
 

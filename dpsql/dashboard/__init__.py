@@ -1,0 +1,98 @@
+"""``dpsql dashboard``: the data curator's web view of the privacy ledger.
+
+Pages: the analysts' budgets (spent / total / remaining ε as bars, δ, frozen, the dataset's
+total), ε spent over time per analyst (an SVG plot of the charges), the audit trail with filters
+(analyst, since, outcome) and the policy (tables, columns, bounds, units, domains). A form applies
+the curator's levers (grant, freeze, unfreeze) as the same append-only, audited ledger rows as
+``dpsql budget grant|freeze|unfreeze``.
+
+Privacy argument: the dashboard opens the ledger and the policy, never the data, so nothing it
+shows can depend on one person's record beyond what the ledger already holds (the charges, which
+depend on the queries only, and the audit rows, curator-only by design: see :mod:`dpsql.audit`).
+It is the curator's: every page needs the curator's password (:mod:`dpsql.dashboard.auth`); an
+analyst who reaches the port gets the login page and nothing else (:mod:`dpsql.dashboard.server`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import logging
+import ssl
+import sys
+from typing import Any
+
+DEFAULT_PORT = 8080
+
+
+def register(sub: Any) -> None:
+    """Add ``dpsql dashboard`` to the command parsers."""
+    p = sub.add_parser("dashboard", help="the curator's web dashboard: budgets, spend, audit trail, policy, levers")
+    p.add_argument("--policy", help="policy YAML (default: schemas/health.yaml)")
+    p.add_argument("--ledger", help="sqlite:///abs/path or postgresql://… (default: the dataset's ledger)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine only)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s; 0: any free port)")
+    p.add_argument("--tls-cert", help="PEM certificate: serve HTTPS (with --tls-key)")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument(
+        "--password-file",
+        help="file holding the curator's SCRAM-SHA-256 verifier (from `dpsql passwd`); "
+        "else $DPSQL_CURATOR_VERIFIER or $DPSQL_CURATOR_PASSWORD",
+    )
+    p.add_argument("--by", help="who the levers applied from the dashboard are recorded as (default: the OS user)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_dashboard)
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from dpsql.backends import redact_url
+    from dpsql.cli import default_policy
+    from dpsql.dashboard.auth import Curator, load_verifier
+    from dpsql.dashboard.server import Dashboard, make_server
+    from dpsql.errors import PolicyError
+    from dpsql.ledger import Ledger, default_ledger
+    from dpsql.policy import load_policy
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr
+    )
+    verifier = load_verifier(args.password_file)  # before anything listens: never an open dashboard
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise PolicyError("--tls-cert and --tls-key go together")
+    tls = None
+    if args.tls_cert:
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        tls.minimum_version = ssl.TLSVersion.TLSv1_2
+        tls.load_cert_chain(args.tls_cert, args.tls_key)
+    policy = load_policy(args.policy or default_policy())
+    ledger_url = args.ledger or default_ledger(policy.dataset)
+    ledger = Ledger.open(ledger_url)
+    try:
+        by = args.by or _os_user()
+        app = Dashboard(policy, ledger, Curator(verifier), by=f"{by} (dashboard)", tls=tls is not None)
+        server = make_server(app, args.host, args.port, tls)
+        host, port = str(server.server_address[0]), int(server.server_address[1])
+        scheme = "https" if tls else "http"
+        shown = f"[{host}]" if ":" in str(host) else host
+        print(
+            f'dpsql dashboard for dataset "{policy.dataset}" at {scheme}://{shown}:{port}/ '
+            f"(curator login; ledger {redact_url(ledger_url)}; reads the ledger only, never the data)",
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            server.serve_forever()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            server.server_close()
+    finally:
+        ledger.close()
+    return 0
+
+
+def _os_user() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # no login name (containers): still record something
+        return "unknown"

@@ -1,0 +1,514 @@
+"""The dashboard's HTTP server: standard library only (``http.server``), one thread per request.
+
+Security posture (an analyst may reach the port; only the curator has the password):
+
+* Every path but ``/login`` needs a session: a page without one is redirected to ``/login`` (303),
+  anything else (assets, POSTs, unknown paths) gets 401 with an empty body — routes are not even
+  told apart before login.
+* Static files come from a fixed allow-list read into memory at start (no path is ever joined
+  with a request's text: no traversal).
+* Every POST needs its CSRF token, and a foreign ``Origin`` is refused (403); cookies are
+  ``HttpOnly; SameSite=Strict`` (``Secure`` under TLS). Responses forbid framing, sniffing,
+  caching and cross-site referrers; the CSP allows no script at all.
+* Bound to 127.0.0.1 unless ``--host`` says otherwise; TLS with ``--tls-cert/--tls-key`` (the
+  handshake runs in the request's thread, so a slow client blocks no one else).
+* It opens the ledger, never the data. It writes only the curator's levers (the same append-only
+  rows as ``dpsql budget grant|freeze|unfreeze``, through :func:`dpsql.curator_cli.apply_lever`).
+* Request lines are logged without their query string; no cookie, token or password is logged.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import logging
+import secrets
+import socket
+import ssl
+import threading
+import urllib.parse
+from collections.abc import Callable
+from http import HTTPStatus
+from http.cookies import CookieError, SimpleCookie
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
+from typing import Any
+
+from dpsql.dashboard import views
+from dpsql.dashboard.auth import Curator, tokens_equal
+from dpsql.errors import (
+    ConfigurationLimitExceeded,
+    Error,
+    InsufficientPrivilege,
+    InvalidParameterValue,
+    InvalidPassword,
+)
+from dpsql.ledger import Ledger
+from dpsql.policy import Policy
+
+log = logging.getLogger("dpsql.dashboard")
+
+SESSION_COOKIE = "dpsql_session"
+LOGIN_COOKIE = "dpsql_login"
+MAX_BODY = 64 * 1024
+#: Static assets, by URL: the only files ever served (read at start).
+STATIC = {"/static/dashboard.css": ("dashboard.css", "text/css; charset=utf-8")}
+LOGIN_STYLE = (
+    "body{font-family:system-ui,sans-serif;background:#1f2d3d;color:#222}"
+    "main.login{max-width:340px;margin:80px auto;background:#fff;padding:24px;border-radius:6px}"
+    "label,input,button{display:block;width:100%;margin:6px 0}"
+    ".error{background:#fdd;border:1px solid #c66;padding:8px}"
+)
+PAGES = (("/", "Analysts"), ("/spend", "Spend over time"), ("/audit", "Audit trail"), ("/policy", "Policy"))
+
+
+def _csp() -> str:
+    digest = base64.b64encode(hashlib.sha256(LOGIN_STYLE.encode()).digest()).decode()
+    return (
+        f"default-src 'none'; style-src 'self' 'sha256-{digest}'; img-src 'self'; form-action 'self'; "
+        "frame-ancestors 'none'; base-uri 'none'"
+    )
+
+
+class Dashboard:
+    """What the handlers share: the policy, the ledger (behind one lock) and the curator's sessions."""
+
+    def __init__(self, policy: Policy, ledger: Ledger, curator: Curator, *, by: str, tls: bool) -> None:
+        self.policy = policy
+        self.ledger = ledger
+        self.curator = curator
+        self.by = by
+        self.tls = tls
+        self.lock = threading.Lock()
+        self.csp = _csp()
+        root = resources.files("dpsql.dashboard").joinpath("static")
+        self.static = {url: (root.joinpath(name).read_bytes(), ctype) for url, (name, ctype) in STATIC.items()}
+        self.page = views.template("page.html")
+        self.login_page = views.template("login.html")
+
+
+class DashboardServer(ThreadingHTTPServer):
+    daemon_threads = True
+    # The port is this process's alone: no SO_REUSEADDR takeover of a live dashboard's port.
+    allow_reuse_address = False
+
+    def __init__(self, address: tuple[str, int], app: Dashboard, tls: ssl.SSLContext | None) -> None:
+        self.app = app
+        self.tls = tls
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        super().__init__(address, Handler)
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        if self.tls is not None:
+            request.settimeout(Handler.timeout)
+            try:
+                request = self.tls.wrap_socket(request, server_side=True)
+            except (OSError, ssl.SSLError):
+                return
+        super().finish_request(request, client_address)
+
+
+class Handler(BaseHTTPRequestHandler):
+    server: DashboardServer
+    server_version = "dpsql-dashboard"
+    sys_version = ""
+    timeout = 30
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    @property
+    def app(self) -> Dashboard:
+        return self.server.app
+
+    def log_message(self, format: str, *args: Any) -> None:  # no query strings, cookies or bodies
+        log.info("%s %s %s", self.client_address[0], self.command, urllib.parse.urlsplit(self.path).path)
+
+    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+        log.info("%s %s %s %s", self.client_address[0], self.command, urllib.parse.urlsplit(self.path).path, code)
+
+    def _cookies(self) -> SimpleCookie:
+        cookies: SimpleCookie = SimpleCookie()
+        with contextlib.suppress(CookieError):  # a malformed header is no session
+            cookies.load(self.headers.get("Cookie", ""))
+        return cookies
+
+    def _cookie(self, name: str) -> str | None:
+        morsel = self._cookies().get(name)
+        return morsel.value if morsel is not None else None
+
+    def _set_cookie(self, name: str, value: str, max_age: int | None = None) -> str:
+        parts = [f"{name}={value}", "Path=/", "HttpOnly", "SameSite=Strict"]
+        if max_age is not None:
+            parts.append(f"Max-Age={max_age}")
+        if self.app.tls:
+            parts.append("Secure")
+        return "; ".join(parts)
+
+    def _send(
+        self,
+        status: int,
+        body: bytes = b"",
+        ctype: str = "text/html; charset=utf-8",
+        headers: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Content-Security-Policy", self.app.csp)
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.send_header("X-Frame-Options", "DENY")
+        self.send_header("Referrer-Policy", "same-origin")  # "no-referrer" makes browsers send Origin: null
+        self.send_header("Cache-Control", "no-store")
+        for key, value in headers:
+            self.send_header(key, value)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _redirect(self, where: str, headers: tuple[tuple[str, str], ...] = ()) -> None:
+        self._send(HTTPStatus.SEE_OTHER, headers=(("Location", where), *headers))
+
+    def _form(self) -> dict[str, str] | None:
+        try:
+            length = int(self.headers.get("Content-Length", "0"))
+        except ValueError:
+            length = -1
+        if length < 0 or length > MAX_BODY:
+            self._send(HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+            return None
+        raw = self.rfile.read(length).decode("utf-8", "replace")
+        return {k: v[-1] for k, v in urllib.parse.parse_qs(raw, keep_blank_values=True).items()}
+
+    def _same_origin(self) -> bool:
+        """No ``Origin`` (not a browser's cross-site request) or this very host; ``null`` is foreign."""
+        origin = self.headers.get("Origin")
+        if origin is None:
+            return True
+        return urllib.parse.urlsplit(origin).netloc == self.headers.get("Host", "")
+
+    # -- routing --------------------------------------------------------------------------------
+
+    def do_HEAD(self) -> None:
+        self.do_GET()
+
+    def do_GET(self) -> None:
+        url = urllib.parse.urlsplit(self.path)
+        if url.path == "/login":
+            if self.app.curator.session(self._cookie(SESSION_COOKIE)) is not None:
+                return self._redirect("/")
+            return self._login_page()
+        session = self.app.curator.session(self._cookie(SESSION_COOKIE))
+        if session is None:
+            if url.path in dict(PAGES):
+                return self._redirect("/login")
+            return self._send(HTTPStatus.UNAUTHORIZED)
+        if url.path in self.app.static:
+            asset, ctype = self.app.static[url.path]
+            return self._send(HTTPStatus.OK, asset, ctype)
+        pages: dict[str, Callable[[dict[str, list[str]]], tuple[str, str]]] = {
+            "/": self._analysts,
+            "/spend": self._spend,
+            "/audit": self._audit,
+            "/policy": self._policy,
+        }
+        render = pages.get(url.path)
+        if render is None:
+            return self._send(HTTPStatus.NOT_FOUND, b"not found", "text/plain; charset=utf-8")
+        query = urllib.parse.parse_qs(url.query)
+        status, message = HTTPStatus.OK, ""
+        try:
+            with self.app.lock:
+                title, body = render(query)
+        except Error as exc:
+            status, message = HTTPStatus.BAD_REQUEST, _error(exc)
+            title, body = dict(PAGES)[url.path], ""
+        self._page(status, url.path, title, body, session.csrf, message)
+
+    def do_POST(self) -> None:
+        path = urllib.parse.urlsplit(self.path).path
+        if path == "/login":
+            return self._login()
+        session = self.app.curator.session(self._cookie(SESSION_COOKIE))
+        if session is None:
+            return self._send(HTTPStatus.UNAUTHORIZED)
+        form = self._form()
+        if form is None:
+            return
+        if not self._same_origin() or not tokens_equal(form.get("csrf"), session.csrf):
+            return self._forbidden()
+        if path == "/logout":
+            self.app.curator.logout(self._cookie(SESSION_COOKIE))
+            return self._redirect("/login", (("Set-Cookie", self._set_cookie(SESSION_COOKIE, "", 0)),))
+        if path != "/levers":
+            return self._send(HTTPStatus.NOT_FOUND, b"not found", "text/plain; charset=utf-8")
+        status, message = HTTPStatus.OK, ""
+        try:
+            message = self._lever(form)
+        except Error as exc:
+            status, message = HTTPStatus.BAD_REQUEST, _error(exc)
+        with self.app.lock:
+            title, body = self._analysts({})
+        self._page(status, "/", title, body, session.csrf, message)
+
+    def do_PUT(self) -> None:
+        self._send(HTTPStatus.UNAUTHORIZED if self.app.curator.session(self._cookie(SESSION_COOKIE)) is None else 405)
+
+    do_DELETE = do_PATCH = do_OPTIONS = do_PUT
+
+    # -- login ------------------------------------------------------------------------------------
+
+    def _login_page(self, status: int = HTTPStatus.OK, error: str = "") -> None:
+        token = secrets.token_urlsafe(32)
+        body = self.app.login_page.substitute(style=LOGIN_STYLE, error=error, csrf=token)
+        self._send(status, body.encode(), headers=(("Set-Cookie", self._set_cookie(LOGIN_COOKIE, token)),))
+
+    def _login(self) -> None:
+        client = self.client_address[0]
+        if self.app.curator.throttled(client):
+            exc: Error = ConfigurationLimitExceeded(
+                "too many failed logins from this address", hint="Wait a few minutes before trying again."
+            )
+            return self._login_page(HTTPStatus.TOO_MANY_REQUESTS, _error(exc))
+        form = self._form()
+        if form is None:
+            return
+        if not self._same_origin() or not tokens_equal(form.get("csrf"), self._cookie(LOGIN_COOKIE)):
+            return self._login_page(HTTPStatus.FORBIDDEN, _error(_csrf_error()))
+        token = self.app.curator.login(client, form.get("password", ""))
+        if token is None:
+            log.warning("failed dashboard login from %s", client)
+            return self._login_page(
+                HTTPStatus.UNAUTHORIZED, _error(InvalidPassword("password authentication failed for the curator"))
+            )
+        log.info("curator logged in from %s", client)
+        self._redirect("/", (("Set-Cookie", self._set_cookie(SESSION_COOKIE, token)),))
+
+    def _forbidden(self) -> None:
+        session = self.app.curator.session(self._cookie(SESSION_COOKIE))
+        with self.app.lock:
+            title, body = self._analysts({})
+        self._page(HTTPStatus.FORBIDDEN, "/", title, body, session.csrf if session else "", _error(_csrf_error()))
+
+    # -- pages ------------------------------------------------------------------------------------
+
+    def _page(self, status: int, path: str, title: str, body: str, csrf: str, message: str = "") -> None:
+        current = ' class="current"'
+        nav = "".join(
+            f'<a href="{href}"{current if href == path else ""}>{views.esc(name)}</a>' for href, name in PAGES
+        )
+        html = self.app.page.substitute(
+            title=views.esc(title),
+            dataset=views.esc(self.app.policy.dataset),
+            nav=nav,
+            csrf=views.esc(csrf),
+            message=message,
+            body=body,
+        )
+        self._send(status, html.encode())
+
+    def _analysts(self, query: dict[str, list[str]]) -> tuple[str, str]:
+        policy, ledger = self.app.policy, self.app.ledger
+        rows, dataset = views.budget_rows(ledger, policy)
+        columns = (
+            "analyst",
+            "ε spent",
+            "ε total",
+            "of which granted",
+            "ε remaining",
+            "spent / total",
+            "δ spent",
+            "δ total",
+            "queries",
+            "state",
+            "last charge",
+        )
+
+        def cells(r: views.BudgetRow) -> tuple[str, ...]:
+            return (
+                f'<span class="analyst">{views.esc(r.name)}</span>',
+                f'<span class="eps-spent">{views.esc(r.spent)}</span>',
+                views.esc(r.total),
+                views.esc(r.granted),
+                f'<span class="eps-remaining">{views.esc(r.remaining)}</span>',
+                views.bar(r.spent, r.total),
+                views.esc(r.delta_spent),
+                views.esc(r.delta_total),
+                views.esc(r.queries),
+                '<span class="frozen">frozen</span>' if r.frozen else "active",
+                views.esc(r.last_at),
+            )
+
+        body_rows = [(f'<tr id="analyst-{views.esc(r.name)}">', cells(r)) for r in rows]
+        tbody = "".join(f"{tr}{''.join(f'<td>{c}</td>' for c in cs)}</tr>" for tr, cs in body_rows)
+        tbody += '<tr id="dataset" class="dataset">' + "".join(f"<td>{c}</td>" for c in cells(dataset)) + "</tr>"
+        head = "".join(f"<th>{views.esc(c)}</th>" for c in columns)
+        names = "".join(f'<option value="{views.esc(a.name)}">{views.esc(a.name)}</option>' for a in policy.analysts)
+        csrf = views.esc(self.app.curator.session(self._cookie(SESSION_COOKIE)).csrf)  # type: ignore[union-attr]
+        accounting = policy.budget.accounting
+        body = (
+            f'<table id="analysts"><thead><tr>{head}</tr></thead><tbody>{tbody}</tbody></table>'
+            f"<p>Accounting: <code>{views.esc(accounting)}</code>. An analyst's total is the policy's budget plus "
+            "every grant; grants never raise the dataset's total.</p>"
+            '<h2>Curator levers</h2><form method="post" action="/levers" class="lever" id="lever-form">'
+            f'<input type="hidden" name="csrf" value="{csrf}">'
+            f'<label>analyst<select name="analyst" id="lever-analyst">{names}</select></label>'
+            '<label>action<select name="lever" id="lever-action"><option value="grant">grant</option>'
+            '<option value="freeze">freeze</option><option value="unfreeze">unfreeze</option></select></label>'
+            '<label>ε<input name="epsilon" id="lever-epsilon" value="0" inputmode="decimal"></label>'
+            '<label>δ<input name="delta" id="lever-delta" value="0" inputmode="decimal"></label>'
+            '<label>reason<input name="reason" id="lever-reason" required></label>'
+            '<button type="submit" id="lever-submit">Apply</button></form>'
+            "<p>Every action is a new, append-only ledger row with who, when and why (shown in the audit trail).</p>"
+        )
+        return "Analysts", body
+
+    def _lever(self, form: dict[str, str]) -> str:
+        lever = form.get("lever", "")
+        analyst = form.get("analyst", "")
+
+        def number(key: str) -> float:
+            text = form.get(key, "0").strip() or "0"
+            try:
+                return float(text)
+            except ValueError:
+                raise InvalidParameterValue(f'invalid {key}: "{text}"', hint="Give a number, e.g. 0.5.") from None
+
+        epsilon, delta = (number("epsilon"), number("delta")) if lever == "grant" else (0.0, 0.0)
+        from dpsql.curator_cli import apply_lever
+
+        with self.app.lock:
+            apply_lever(
+                self.app.ledger,
+                self.app.policy,
+                lever,
+                analyst,
+                by=self.app.by,
+                reason=form.get("reason", ""),
+                epsilon=epsilon,
+                delta=delta,
+            )
+        log.info("curator %s analyst %s from the dashboard", lever, analyst)
+        done = f"{lever} ε={epsilon:g} δ={delta:g}" if lever == "grant" else lever
+        return (
+            f'<p class="ok" id="message">{views.esc(done)}: analyst “{views.esc(analyst)}”, recorded in the ledger.</p>'
+        )
+
+    def _spend(self, query: dict[str, list[str]]) -> tuple[str, str]:
+        analyst = (query.get("analyst") or [""])[-1].strip() or None
+        series = views.spend_series(self.app.ledger, self.app.policy, analyst)
+        names = sorted({a.name for a in self.app.policy.analysts} | set(series))
+        options = '<option value="">all analysts</option>' + "".join(
+            f'<option value="{views.esc(n)}"{" selected" if n == analyst else ""}>{views.esc(n)}</option>'
+            for n in names
+        )
+        body = (
+            f'<form method="get" action="/spend" class="filters"><label>analyst<select name="analyst">{options}'
+            '</select></label><button type="submit">Show</button></form>'
+            f'<div id="spend-plot">{views.spend_plot(series)}</div>'
+            f"<p>ε spent after each charge (the ledger's composition: "
+            f"<code>{views.esc(self.app.policy.budget.accounting)}</code>), "
+            f"newest {views.MAX_ROWS} charges at most.</p>"
+        )
+        return "Spend over time", body
+
+    def _audit(self, query: dict[str, list[str]]) -> tuple[str, str]:
+        f = views.AuditFilter.parse(query)
+        rows = views.audit_page_rows(self.app.ledger, self.app.policy, f)
+        outcomes = '<option value="">any</option>' + "".join(
+            f'<option value="{views.esc(o)}"{" selected" if o == f.outcome else ""}>{views.esc(o)}</option>'
+            for o in views.OUTCOMES
+        )
+        since = f.since.strftime("%Y-%m-%d") if f.since else ""
+        form = (
+            '<form method="get" action="/audit" class="filters" id="audit-filters">'
+            f'<label>analyst<input name="analyst" id="filter-analyst" value="{views.esc(f.analyst)}"></label>'
+            f'<label>since<input name="since" id="filter-since" value="{views.esc(since)}" '
+            'placeholder="2026-11-01"></label>'
+            f'<label>outcome<select name="outcome" id="filter-outcome">{outcomes}</select></label>'
+            f'<label>limit<input name="limit" value="{f.limit}"></label>'
+            '<button type="submit" id="filter-submit">Filter</button></form>'
+        )
+        columns = (
+            "at",
+            "analyst",
+            "event",
+            "SQLSTATE",
+            "ε",
+            "δ",
+            "ρ",
+            "latency ms",
+            "fingerprint",
+            "shape / reason",
+            "by",
+        )
+        cells = [
+            (
+                f'<span class="at">{views.esc(r["at"])}</span>',
+                f'<span class="analyst">{views.esc(r["analyst"])}</span>',
+                f'<span class="event">{views.esc(r["event"])}</span>',
+                views.esc(r["sqlstate"]),
+                f'<span class="eps">{views.esc(r["epsilon"])}</span>',
+                views.esc(r["delta"]),
+                views.esc(r["rho"]),
+                f'<span class="latency">{views.esc(r["latency_ms"])}</span>',
+                f"<code>{views.esc((r['fingerprint'] or '')[:16])}</code>",
+                f'<span class="shape">{views.esc(r["shape"] if r["shape"] is not None else r["reason"])}</span>',
+                views.esc(r["by"]),
+            )
+            for r in rows
+        ]
+        body = (
+            form
+            + f"<p>{len(rows)} row{'s' if len(rows) != 1 else ''}, newest first.</p>"
+            + views.table(columns, cells, "audit").replace("<table ", '<table id="audit" ', 1)
+        )
+        return "Audit trail", body
+
+    def _policy(self, query: dict[str, list[str]]) -> tuple[str, str]:
+        p = self.app.policy
+        b = p.budget
+        analysts = [
+            (
+                views.esc(a.name),
+                views.esc(p.analyst_budget(a.name).epsilon),
+                views.esc(p.analyst_budget(a.name).delta),
+                "yes" if a.password else "no",
+            )
+            for a in p.analysts
+        ]
+        body = (
+            (f"<p>{views.esc(p.description)}</p>" if p.description else "")
+            + "<h2>Budgets</h2>"
+            + views.table(
+                ("", "ε", "δ"),
+                [
+                    ("dataset (all analysts)", views.esc(b.dataset.epsilon), views.esc(b.dataset.delta)),
+                    ("each analyst (default)", views.esc(b.analyst.epsilon), views.esc(b.analyst.delta)),
+                ],
+            )
+            + f"<p>Accounting <code>{views.esc(b.accounting)}</code>; per query by default "
+            f"ε={views.esc(p.defaults.epsilon)}, δ={views.esc(p.defaults.delta)}, {views.esc(p.defaults.mechanism)}; "
+            f"authentication {'trust (no passwords)' if p.auth.trust else 'SCRAM-SHA-256'}.</p>"
+            + "<h2>Analysts</h2>"
+            + views.table(("analyst", "ε budget", "δ budget", "password set"), analysts)
+            + "<h2>Tables</h2>"
+            + views.policy_tables(p)
+        )
+        return "Policy", body
+
+
+def _error(exc: Error) -> str:
+    hint = f"<br>HINT: {views.esc(exc.hint)}" if exc.hint else ""
+    return f'<p class="error" id="error">ERROR: {views.esc(exc.sqlstate)}: {views.esc(exc.message)}{hint}</p>'
+
+
+def _csrf_error() -> InsufficientPrivilege:
+    return InsufficientPrivilege("invalid or missing CSRF token", hint="Reload the page and submit the form again.")
+
+
+def make_server(
+    app: Dashboard, host: str = "127.0.0.1", port: int = 8080, tls: ssl.SSLContext | None = None
+) -> DashboardServer:
+    """A listening dashboard server (``port`` 0: any free port); call ``serve_forever``."""
+    return DashboardServer((host, port), app, tls)
