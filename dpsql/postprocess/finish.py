@@ -58,7 +58,7 @@ def finish(
                 value = min(max(value, out.clamp[0]), out.clamp[1])
             env[f"o{o}"] = value
             out_values.append(value)
-            out_acc.append(accuracy(out, env, widths[j]))
+            out_acc.append(None if value is None else accuracy(out, env, widths[j]))  # NULL: no interval
         if having is not None and _evaluate_released(having, env) is not True:
             continue
         sort_key = tuple(_evaluate_released(term, env) for term in order)
