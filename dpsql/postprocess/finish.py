@@ -146,7 +146,8 @@ def converter(measure: Measure) -> Any:
 
 
 def from_cache(cached: Result, created: float) -> Result:
-    """A stored answer, re-released: same values, nothing charged."""
+    """A stored answer, re-released: same values, nothing charged; its accuracy notes are kept
+    (the cache notice takes the place of the charge notice)."""
     when = dt.datetime.fromtimestamp(created, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     return Result(
         columns=cached.columns,
@@ -156,6 +157,7 @@ def from_cache(cached: Result, created: float) -> Result:
         delta_spent=0.0,
         notices=[
             f"dpsql: answered from the result cache (first computed at {when}; this exact query was already "
-            "released on this database and data); no budget charged"
+            "released on this database and data); no budget charged",
+            *(text for text in cached.notices if "charged" not in text),
         ],
     )
