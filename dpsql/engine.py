@@ -46,6 +46,7 @@ from dpsql.plan import Plan
 from dpsql.policy import Policy, load_policy
 from dpsql.postprocess.finish import finish, from_cache
 from dpsql.prepared import Description, Prepared
+from dpsql.release.accuracy import accuracy_notes
 from dpsql.release.accuracy import confidence as confidence_level
 from dpsql.release.apply import apply, apply_local
 from dpsql.release.calibrate import FREE, budget
@@ -296,4 +297,5 @@ class Engine:
         plan, budgeting = prepared.plan, prepared.budgeting
         result = finish(plan, *apply(plan, budgeting, rows, confidence, histograms, prepared.cache), prepared.cache)
         result.epsilon_spent, result.delta_spent = budgeting.epsilon, budgeting.delta
+        result.notices.extend(accuracy_notes(plan, budgeting, confidence, result))  # what ± cannot say
         return result

@@ -66,24 +66,9 @@ class Explanation:
             f"  Group keys: {self.keys}",
         ]
         for c in self.columns:
-            if "rank_error95" in c:
-                lines.append(
-                    f"  Output {c['name']}: {c['measure']}  epsilon={c['epsilon']:g} "
-                    f"rank error <= {c['rank_error95']:.4g} at 95%"
-                )
-            elif c["noisy"] and math.isnan(c["ci"]):
-                lines.append(
-                    f"  Output {c['name']}: {c['measure']}  sensitivity={c['sensitivity']:g} "
-                    f"scale={c['scale']:g} epsilon={c['epsilon']:g}"
-                )
-            elif c["noisy"]:
-                lines.append(
-                    f"  Output {c['name']}: {c['measure']}  sensitivity={c['sensitivity']:g} "
-                    f"scale={c['scale']:g} epsilon={c['epsilon']:g} ci95=±{c['ci']:.4g}"
-                )
-            else:
-                lines.append(f"  Output {c['name']}: {c['measure']}")
-        lines.append(f"  Backend SQL: {self.sql}")
+            lines.append(f"  Output {c['name']}: {c['measure']}" + _figures(c))
+        lines.append("  ->  Backend SQL:")
+        lines.extend(sql_lines(self.sql, indent=8))
         return Result(
             columns=[OutputColumn("QUERY PLAN", "text", noisy=False)],
             rows=[(line,) for line in lines],
@@ -92,6 +77,95 @@ class Explanation:
             delta_spent=0.0,
             command_tag="EXPLAIN",
         )
+
+
+def _figures(c: dict[str, Any]) -> str:
+    """An output's figures on its EXPLAIN line: sensitivity, scale, ε, then its accuracy — a CI,
+    a rank error bound (quantiles), or why the CI is per row (it depends on released values)."""
+    if "rank_error95" in c:
+        return f"  epsilon={c['epsilon']:g} rank error <= {c['rank_error95']:.4g} at 95%"
+    if not c["noisy"]:
+        return ""
+    text = f"  sensitivity={c['sensitivity']:g} scale={c['scale']:g} epsilon={c['epsilon']:g}"
+    if not math.isnan(c["ci"]):
+        return text + f" ci95=±{c['ci']:.4g}"
+    if c["measure"].startswith("AVG"):
+        return text + " ci95 per row (depends on the noisy count)"
+    return text
+
+
+#: Where EXPLAIN starts a new line of the backend SQL: before these clause keywords (as sqlglot
+#: writes them, upper case, outside quotes), at the top and inside subqueries, never inside a
+#: function's or window's parentheses.
+_CLAUSES: tuple[str, ...] = ("WITH", "SELECT", "FROM", "WHERE", "GROUP BY", "HAVING", "ORDER BY", "LIMIT", "OFFSET")
+_CLAUSES += ("UNION ALL", "LEFT JOIN", "INNER JOIN", "JOIN")
+#: Lines longer than this are wrapped at a space outside quotes.
+_WIDTH = 100
+_CTE = re.compile(r'[\w"]+ AS \(')
+
+
+def sql_lines(sql: str, indent: int = 0) -> list[str]:
+    """The backend SQL as PostgreSQL-style plan text: one clause per line, indented by parenthesis
+    depth, long lines wrapped. Only whitespace changes: the statement's text stays as generated."""
+    pieces: list[tuple[int, str]] = []
+    line_depth = start = 0
+    quote = ""
+    subquery: list[bool] = []  # per open parenthesis: does a SELECT start inside it?
+    for i, c in enumerate(sql):
+        if quote:
+            quote = "" if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c == "(":
+            subquery.append(sql.startswith("SELECT ", i + 1))
+            if subquery[-1]:
+                pieces.append((line_depth, sql[start : i + 1]))
+                start, line_depth = i + 1, len(subquery)
+        elif c == ")" and subquery:
+            subquery.pop()
+        elif c == " " and i > start and (not subquery or subquery[-1]) and _breaks_before(sql, i + 1, len(subquery)):
+            pieces.append((line_depth, sql[start:i]))
+            start, line_depth = i + 1, len(subquery)
+    pieces.append((line_depth, sql[start:]))
+    lines: list[str] = []
+    for level, text in pieces:
+        lines.extend(_wrap(text, " " * (indent + 2 * level)))
+    return lines
+
+
+def _breaks_before(sql: str, at: int, depth: int) -> bool:
+    """A clause keyword starts at ``at``, or (at the top) the next CTE (``, name AS (``)."""
+    if depth == 0 and sql[at - 2] == "," and _CTE.match(sql, at):
+        return True
+    for keyword in _CLAUSES:
+        if sql.startswith(keyword, at):
+            after = sql[at + len(keyword) : at + len(keyword) + 1]
+            if after in ("", " ", "("):
+                return True
+    return False
+
+
+def _wrap(text: str, prefix: str) -> list[str]:
+    """Greedy wrap at spaces outside quotes; continuation lines indented four more."""
+    lines, current, quote, word_start = [], prefix, "", 0
+    words: list[str] = []
+    for i, c in enumerate(text):
+        if quote:
+            quote = "" if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c == " ":
+            words.append(text[word_start:i])
+            word_start = i + 1
+    words.append(text[word_start:])
+    for word in words:
+        if current.strip() and len(current) + 1 + len(word) > _WIDTH:
+            lines.append(current)
+            current = prefix + "    " + word
+        else:
+            current = current + (" " if current.strip() else "") + word
+    lines.append(current)
+    return lines
 
 
 def explain(plan: Plan, budgeting: Budgeting, confidence: float, shown_sql: str) -> Explanation:

@@ -18,7 +18,13 @@ if TYPE_CHECKING:
 
 
 def dp_avg(total: Any, count: Any, centre: Any) -> float | None:
-    """AVG from a noisy centred sum and a noisy count (count floored at 1)."""
+    """AVG from a noisy centred sum and a noisy count; NULL when the *noisy* count is ≤ 0.
+
+    An empty group's AVG is NULL in PostgreSQL. Deciding emptiness from the noisy count (never the
+    true one) is post-processing of a released value, so the NULL costs no privacy.
+    """
+    if float(count) <= 0:
+        return None
     return float(centre) + float(total) / max(float(count), 1.0)
 
 

@@ -29,6 +29,8 @@ _FAMILY: dict[type[exp.Expr], tuple[str, bool, bool]] = {
 
 def dp_variance(squares: Any, total: Any, count: Any, sample: bool, root: bool) -> float | None:
     """Variance from noisy centred Σ(x−c)², Σ(x−c) and count: E[(x−c)²] − E[x−c]², floored at 0."""
+    if float(count) <= 0:
+        return None  # an empty group, judged from the noisy count only (post-processing), like AVG
     n = max(float(count), 1.0)
     if sample and n < 2:
         return None  # PostgreSQL: var_samp of one value is NULL

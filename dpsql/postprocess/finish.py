@@ -58,7 +58,7 @@ def finish(
                 value = min(max(value, out.clamp[0]), out.clamp[1])
             env[f"o{o}"] = value
             out_values.append(value)
-            out_acc.append(accuracy(out, env, widths[j]))
+            out_acc.append(None if value is None else accuracy(out, env, widths[j]))  # NULL: no interval
         if having is not None and _evaluate_released(having, env) is not True:
             continue
         sort_key = tuple(_evaluate_released(term, env) for term in order)
@@ -146,7 +146,8 @@ def converter(measure: Measure) -> Any:
 
 
 def from_cache(cached: Result, created: float) -> Result:
-    """A stored answer, re-released: same values, nothing charged."""
+    """A stored answer, re-released: same values, nothing charged; its accuracy notes are kept
+    (the cache notice takes the place of the charge notice)."""
     when = dt.datetime.fromtimestamp(created, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     return Result(
         columns=cached.columns,
@@ -156,6 +157,7 @@ def from_cache(cached: Result, created: float) -> Result:
         delta_spent=0.0,
         notices=[
             f"dpsql: answered from the result cache (first computed at {when}; this exact query was already "
-            "released on this database and data); no budget charged"
+            "released on this database and data); no budget charged",
+            *(text for text in cached.notices if "charged" not in text),
         ],
     )

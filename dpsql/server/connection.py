@@ -482,7 +482,7 @@ class Connection:
         fields = engine_fields(result.columns, flags, self.confidence())
         tag = f"SELECT {len(result.rows)}" if result.command_tag == "SELECT" else result.command_tag
         outcome = Outcome(fields, engine_rows(result, flags), tag, epsilon=result.epsilon_spent)
-        outcome.notices = result_notices(result, self.confidence())
+        outcome.notices = result_notices(result, self.confidence(), per_row=flags is None)
         return outcome
 
     # -- sending results ---------------------------------------------------------------------------

@@ -72,31 +72,80 @@ def _fmt(x: float) -> str:
     return f"{x:.4g}"
 
 
-def interval_summary(result: Result, confidence: float) -> str | None:
-    """``95% CI half-widths: n ±3.0, avg_age ±0.4–0.9`` (a range when cells differ)."""
-    parts = []
+def _value(x: Any) -> str:
+    """A released value as the per-row detail shows it (NULL spelled out)."""
+    if x is None:
+        return "NULL"
+    if isinstance(x, float):
+        return f"{x:.6g}"
+    return str(x)
+
+
+#: At most this many rows are listed in the per-row DETAIL of the interval NOTICE.
+DETAIL_ROWS = 20
+
+
+def _widths(result: Result, i: int) -> list[float | None]:
+    """Column ``i``'s finite half-widths per row (None where the cell has none: a key, a NULL)."""
+    return [
+        float(w) if i < len(acc) and isinstance(w := acc[i], int | float) and math.isfinite(w) else None
+        for acc in result.accuracy
+    ]
+
+
+def interval_summary(result: Result, confidence: float, per_row: bool = True) -> Diagnostic | None:
+    """``95% CI half-widths: n ±3, avg ±0.33–0.66 (differs by row: DETAIL)`` and, when some column's
+    half-width differs between rows (AVG per group), a DETAIL giving each row's value ± half-width.
+
+    Everything shown is a released value or a half-width computed from public scales and released
+    values (post-processing); the DETAIL is left out when the ``_ci95`` columns already carry it.
+    """
+    parts, varying = [], []
     for i, col in enumerate(result.columns):
-        widths = [
-            float(w)
-            for acc in result.accuracy
-            if i < len(acc) and isinstance(w := acc[i], int | float) and math.isfinite(w)
-        ]
+        widths = [w for w in _widths(result, i) if w is not None]
         if not widths:
             continue
         low, high = min(widths), max(widths)
-        parts.append(f"{col.name} ±{_fmt(low)}" if _fmt(low) == _fmt(high) else f"{col.name} ±{_fmt(low)}–{_fmt(high)}")
+        if _fmt(low) == _fmt(high):
+            parts.append(f"{col.name} ±{_fmt(low)}")
+        else:
+            parts.append(f"{col.name} ±{_fmt(low)}–{_fmt(high)}")
+            varying.append(i)
     if not parts:
         return None
-    return f"dpsql: {round(confidence * 100):d}% CI half-widths: " + ", ".join(parts)
+    label = ci_label(confidence)
+    message = f"dpsql: {label}% CI half-widths: " + ", ".join(parts)
+    if not varying:
+        return Diagnostic("NOTICE", "00000", message)
+    if not per_row:
+        return Diagnostic("NOTICE", "00000", message + f" (per row in the _ci{label} columns)")
+    keys = [i for i, col in enumerate(result.columns) if not col.noisy]
+    per_column = {i: _widths(result, i) for i in varying}
+    lines = []
+    for j, row in enumerate(result.rows[:DETAIL_ROWS]):
+        name = ", ".join(_value(row[i]) for i in keys) if keys else f"row {j + 1}"
+        cells = []
+        for i in varying:
+            w = per_column[i][j]
+            cells.append(f"{result.columns[i].name} {_value(row[i])}" + ("" if w is None else f" ±{_fmt(w)}"))
+        lines.append(f"{name}: " + ", ".join(cells))
+    if len(result.rows) > DETAIL_ROWS:
+        lines.append(
+            f"… {len(result.rows) - DETAIL_ROWS} more rows (SET dpsql.show_intervals = on: a _ci{label} column per row)"
+        )
+    return Diagnostic("NOTICE", "00000", message + " (differs by row: DETAIL)", detail="\n".join(lines))
 
 
-def result_notices(result: Result, confidence: float) -> list[Diagnostic]:
-    """NOTICEs after a DP query: the charge and remaining budget, then the interval half-widths."""
-    texts = list(result.notices)
-    if result.epsilon_spent and not any("charged" in t for t in texts):
+def result_notices(result: Result, confidence: float, per_row: bool = True) -> list[Diagnostic]:
+    """NOTICEs after a DP query: the charge and remaining budget (or the cache hit), the interval
+    half-widths (per row in a DETAIL when they differ), then what ± cannot say (quantiles, modes, NULLs)."""
+    accounting = [t for t in result.notices if "charged" in t]
+    others = [t for t in result.notices if "charged" not in t]
+    if result.epsilon_spent and not accounting:
         remaining = "" if result.remaining_epsilon is None else f"; remaining ε={result.remaining_epsilon:g}"
-        texts.append(f"dpsql: charged ε={result.epsilon_spent:g}{remaining}")
-    summary = interval_summary(result, confidence)
-    if summary:
-        texts.append(summary)
-    return [Diagnostic("NOTICE", "00000", t) for t in texts]
+        accounting.append(f"dpsql: charged ε={result.epsilon_spent:g}{remaining}")
+    notices = [Diagnostic("NOTICE", "00000", t) for t in accounting]
+    summary = interval_summary(result, confidence, per_row)
+    if summary is not None:
+        notices.append(summary)
+    return notices + [Diagnostic("NOTICE", "00000", t) for t in others]
