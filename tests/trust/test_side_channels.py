@@ -49,7 +49,7 @@ REFUSED = (
     "SELECT COUNT(*) FROM patients WHERE age / 0 > 1",
     "SELECT COUNT(*) FROM patients WHERE age > 'old'",
     "SELECT COUNT(*) FROM patients a JOIN patients b ON a.zip = b.zip",
-    "SELECT COUNT(*) FROM patients WHERE zip = 2150 UNION SELECT COUNT(*) FROM patients",
+    "SELECT COUNT(*) FROM patients WHERE zip = 2150 UNION SELECT age FROM patients",
     "SELEC COUNT(*) FROM patients",
     "SELECT COUNT(*) FROM patients WHERE name = 'Outlier'",
 )
