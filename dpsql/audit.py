@@ -85,6 +85,10 @@ def note_cache_hit() -> None:
         trace.cached = True
 
 
+#: The writer thread exits after this long without rows (and restarts with the next one).
+_IDLE_SECONDS = 2.0
+
+
 class AuditTrail:
     """Queue of audit rows and the thread that appends them to the ledger (best effort, never raises)."""
 
@@ -153,26 +157,35 @@ class AuditTrail:
         )
 
     def _enqueue(self, entry: AuditEntry) -> None:
-        with self._lock:
+        with self._lock:  # put under the lock: the writer decides to exit idle under it too
             if self._closed:
                 return
-            if self._thread is None or os.getpid() != self._pid:  # first row, or a forked worker
+            if os.getpid() != self._pid:  # a forked worker: its own queue and writer
                 self._pid = os.getpid()
                 self._queue = queue.Queue(MAX_PENDING)
-                self._thread = threading.Thread(target=self._write_loop, name="dpsql-audit", daemon=True)
-                self._thread.start()
-        try:
-            self._queue.put_nowait(entry)
-        except queue.Full:
-            with self._lock:
+                self._thread = None
+            try:
+                self._queue.put_nowait(entry)
+            except queue.Full:
                 self._dropped += 1
                 if self._dropped in (1, 10, 100) or self._dropped % 1000 == 0:
                     log.warning("audit queue full: %d audit rows dropped so far", self._dropped)
+                return
+            if self._thread is None:  # started on demand; it exits when idle (no thread per idle engine)
+                self._thread = threading.Thread(target=self._write_loop, name="dpsql-audit", daemon=True)
+                self._thread.start()
 
     def _write_loop(self) -> None:
         pending = self._queue
         while True:
-            first = pending.get()
+            try:
+                first = pending.get(timeout=_IDLE_SECONDS)
+            except queue.Empty:
+                with self._lock:
+                    if pending.empty():
+                        self._thread = None
+                        return
+                continue
             batch: list[AuditEntry] = []
             stop = first is None
             if first is not None:
