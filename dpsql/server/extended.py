@@ -289,6 +289,6 @@ class ExtendedProtocol:
     def on_close(self, msg: pq.Close) -> None:
         if msg.target == "S":
             self.statements.pop(msg.name, None)
-        else:
-            self.portals.pop(msg.name, None)
+        elif self.portals.pop(msg.name, None) is None:
+            self.conn.commands.cursors.pop(msg.name, None)  # a DECLAREd cursor is a portal too
         self.conn.send(pq.close_complete())

@@ -96,8 +96,9 @@ def cursor_outcomes(pg_new_database: Callable[[], str]) -> Iterator[dict[tuple[s
                     session = _session(server.port)
                 finally:
                     server.stop()
-                charges = engine.ledger.charges(policy.dataset, "alice")
-                found[name, neighbour] = (session, len(charges), round(engine.ledger.spent(policy.dataset, "alice").epsilon, 9))
+                charges = len(engine.ledger.charges(policy.dataset, "alice"))
+                spent = round(engine.ledger.spent(policy.dataset, "alice").epsilon, 9)
+                found[name, neighbour] = (session, charges, spent)
         finally:
             backend.close()
     yield found

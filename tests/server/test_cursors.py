@@ -255,3 +255,19 @@ def test_asyncpg_cursor(dp_server: Running) -> None:
             await conn.close()
 
     assert asyncio.run(run()) == PROBLEMS
+
+
+def test_protocol_close_and_describe_of_a_cursor(dp_server: Running) -> None:
+    """Cursors share the portal namespace: Describe and Close (portal) messages reach them by name."""
+    from psycopg.generators import execute
+
+    with psycopg.connect(dp_server.dsn("carol")) as conn:
+        _simple(conn, "DECLARE pc CURSOR FOR SELECT 1 AS x")
+        stolen = conn.cursor(name="pc")  # psycopg Describes the portal "pc", then FETCHes
+        assert stolen.fetchall() == [(1,)] and [d.name for d in stolen.description or ()] == ["x"]
+        if not hasattr(conn.pgconn, "send_close_portal"):
+            pytest.skip("libpq without PQsendClosePortal")
+        conn.pgconn.send_close_portal(b"pc")
+        conn.wait(execute(conn.pgconn))
+        assert _error(conn, "FETCH pc") == ("34000", 'cursor "pc" does not exist')
+        conn.rollback()
