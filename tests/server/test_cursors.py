@@ -6,6 +6,8 @@ query sent alone) and keeps the released rows; FETCH and MOVE page through them 
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from collections.abc import Iterator
 
 import psycopg
@@ -271,3 +273,22 @@ def test_protocol_close_and_describe_of_a_cursor(dp_server: Running) -> None:
         conn.wait(execute(conn.pgconn))
         assert _error(conn, "FETCH pc") == ("34000", 'cursor "pc" does not exist')
         conn.rollback()
+
+
+def test_psql_cursor_script_and_fetch_count(dp_server: Running) -> None:
+    """The real psql: an explicit cursor script, and FETCH_COUNT (psql < 17 pages a SELECT through a cursor)."""
+    psql = shutil.which("psql")
+    assert psql is not None, "psql must be installed (scripts/setup.sh installs postgresql-client)"
+    base = [psql, "-X", "-At", "-v", "ON_ERROR_STOP=1", "-h", dp_server.host, "-p", str(dp_server.port), "-U", "carol"]
+    env = {"PGCONNECT_TIMEOUT": "10", "PATH": "/usr/bin:/bin"}
+    declare = f"DECLARE c CURSOR FOR {BY_PROBLEM.format(10)}"
+    script = f"BEGIN; {declare}; FETCH 3 FROM c; MOVE 1 IN c; FETCH ALL FROM c; COMMIT"
+    done = subprocess.run([*base, "health", "-c", script], capture_output=True, text=True, timeout=30, env=env)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert [line.split("|")[0] for line in lines if "|" in line] == PROBLEMS[:3] + PROBLEMS[4:]
+    assert [line for line in lines if "|" not in line] == ["BEGIN", "DECLARE CURSOR", "MOVE 1", "COMMIT"]
+    paged = [*base, "-v", "FETCH_COUNT=2", "health", "-c", BY_PROBLEM.format(11)]
+    done = subprocess.run(paged, capture_output=True, text=True, timeout=30, env=env)
+    assert done.returncode == 0, done.stderr
+    assert [line.split("|")[0] for line in done.stdout.splitlines()] == PROBLEMS
