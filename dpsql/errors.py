@@ -361,6 +361,10 @@ class StatementTooComplex(OperationalError, code="54001"):
     """Nesting deeper than the analyzer's recursion allows (PostgreSQL's 54001)."""
 
 
+class ObjectNotInPrerequisiteState(OperationalError, code="55000"):
+    """E.g. a backward FETCH from a cursor declared NO SCROLL (PostgreSQL's 55000)."""
+
+
 class CantChangeRuntimeParam(OperationalError, code="55P02"):
     pass
 

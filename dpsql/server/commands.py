@@ -3,13 +3,18 @@
 dpsql is read-only, so a transaction is bookkeeping only: :class:`TxStatus` (PostgreSQL's
 ReadyForQuery I/T/E) plus the savepoint names. Each :class:`~.local.Action` has one handler in
 :data:`SessionCommands.handlers`; ``SET``/``SHOW`` go through the session's :class:`Settings`.
+
+Cursors (``DECLARE``, run by the connection) are the *released* rows of one query, kept here:
+FETCH, MOVE and CLOSE only page through numbers that were already charged for and noised, so
+they are post-processing and spend nothing, whatever they ask for and however often.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dpsql.errors import (
     ActiveTransaction,
@@ -18,12 +23,14 @@ from dpsql.errors import (
     InvalidSavepoint,
     InvalidStatementName,
     NoActiveTransaction,
+    ObjectNotInPrerequisiteState,
 )
 from dpsql.pgtypes import PG_TYPE_OIDS, TEXT
 
-from .local import Action, LocalCommand
+from .local import Action, FetchSpec, LocalCommand
 from .protocol import Diagnostic, FieldDescription
 from .results import Outcome
+from .types import encode_value
 
 if TYPE_CHECKING:
     from dpsql.engine import Engine
@@ -48,6 +55,54 @@ def _warning(sqlstate: str, text: str) -> Diagnostic:
     return Diagnostic("WARNING", sqlstate, text)
 
 
+@dataclass(slots=True)
+class Cursor:
+    """A declared cursor: the released rows and their columns, and PostgreSQL's position in them
+    (0: before the first row, 1..n: on a row, n+1: after the last).
+
+    ``encoded`` rows hold wire bytes already (catalog answers, BINARY cursors); ``depth`` is the
+    number of savepoints when it was declared (ROLLBACK TO closes the younger ones); a ``hold``
+    cursor survives COMMIT (``committed`` once it has).
+    """
+
+    fields: list[FieldDescription]
+    rows: list[tuple[Any, ...]]
+    encoded: bool = False
+    scroll: bool | None = None
+    hold: bool = False
+    depth: int = 0
+    committed: bool = False
+    pos: int = 0
+
+    def step(self, spec: FetchSpec) -> list[tuple[Any, ...]]:
+        """The rows FETCH returns (MOVE skips them), moving the position as PostgreSQL does."""
+        n, count = len(self.rows), spec.count
+        below = self.pos if spec.direction == "absolute" else 0  # absolute/relative targets behind us
+        backward = spec.direction == "backward" or (spec.direction != "forward" and (count or 0) < below)
+        if backward and self.scroll is False:
+            raise ObjectNotInPrerequisiteState(
+                "cursor can only scan forward", hint="Declare it with SCROLL option to enable backward scan."
+            )
+        if spec.direction in ("absolute", "relative"):
+            assert count is not None
+            target = (count if count >= 0 else n + 1 + count) if spec.direction == "absolute" else self.pos + count
+            self.pos = min(max(target, 0), n + 1)
+            return [self.rows[self.pos - 1]] if 0 < self.pos <= n else []
+        if spec.direction == "forward":
+            if count == 0:  # FETCH 0: the current row again
+                return [self.rows[self.pos - 1]] if 0 < self.pos <= n else []
+            avail = max(n - self.pos, 0)
+            taken = avail if count is None else min(count, avail)
+            rows = self.rows[self.pos : self.pos + taken]
+            self.pos = self.pos + taken if count is not None and taken == count else n + 1
+            return rows
+        avail = max(min(self.pos, n + 1) - 1, 0)
+        taken = avail if count is None else min(count, avail)
+        rows = self.rows[self.pos - 1 - taken : self.pos - 1][::-1]
+        self.pos = self.pos - taken if count is not None and taken == count else 0
+        return rows
+
+
 class SessionCommands:
     """Transaction status, savepoints and the handlers of the statements in :mod:`.local`."""
 
@@ -60,6 +115,8 @@ class SessionCommands:
         self.portals = portals
         #: Set by the connection: ``SHOW dpsql.budget`` reads the analyst's own row from its ledger.
         self.engine: Engine | None = None
+        #: Open cursors by name (DECLARE: the connection runs the query and adds them here).
+        self.cursors: dict[str, Cursor] = {}
         self.handlers: dict[Action, Callable[[LocalCommand], Outcome | None]] = {
             Action.NOOP: lambda cmd: None,
             Action.SET: self.set,
@@ -76,6 +133,8 @@ class SessionCommands:
             Action.RELEASE: self.release,
             Action.CLOSE: self.close,
             Action.DEALLOCATE: self.deallocate,
+            Action.FETCH: self.fetch,
+            Action.MOVE: self.move,
         }
 
     # -- transaction status ------------------------------------------------------------------------
@@ -85,8 +144,14 @@ class SessionCommands:
         if self.tx is TxStatus.IN_TRANSACTION:
             self.tx = TxStatus.FAILED
 
-    def _end(self) -> None:
+    def _end(self, commit: bool = False) -> None:
+        """End the transaction block: WITHOUT HOLD cursors close; WITH HOLD ones survive a COMMIT."""
         self.tx, self.savepoints = TxStatus.IDLE, []
+        for name, cursor in list(self.cursors.items()):
+            if cursor.hold and (commit or cursor.committed):
+                cursor.committed, cursor.depth = True, 0
+            else:
+                del self.cursors[name]
 
     def check_not_failed(self, command: LocalCommand | None) -> None:
         allowed = command is not None and command.action in (Action.COMMIT, Action.ROLLBACK, Action.ROLLBACK_TO)
@@ -99,9 +164,11 @@ class SessionCommands:
         assert self.settings is not None
         return self.handlers[cmd.action](cmd) or Outcome(None, [], cmd.tag)
 
-    @staticmethod
-    def fields(cmd: LocalCommand, settings: Settings) -> list[FieldDescription] | None:
+    def fields(self, cmd: LocalCommand, settings: Settings) -> list[FieldDescription] | None:
         """The columns a command returns (Describe), None for none."""
+        if cmd.action is Action.FETCH:
+            cursor = self.cursors.get(cmd.name)
+            return cursor.fields if cursor is not None else None
         if cmd.action is Action.SHOW and cmd.name.lower() == SHOW_BUDGET:
             from dpsql.budget_view import BUDGET_COLUMNS
 
@@ -151,6 +218,7 @@ class SessionCommands:
         out = self.reset_all(cmd)
         self.statements.clear()
         self.portals.clear()
+        self.cursors.clear()
         return out
 
     # -- transactions --------------------------------------------------------------------------------
@@ -167,7 +235,7 @@ class SessionCommands:
         out = Outcome(None, [], "ROLLBACK" if self.tx is TxStatus.FAILED else "COMMIT")
         if self.tx is TxStatus.IDLE:
             out.notices.append(_warning("25P01", "there is no transaction in progress"))
-        self._end()
+        self._end(commit=self.tx is TxStatus.IN_TRANSACTION)
         return out
 
     def rollback(self, cmd: LocalCommand) -> Outcome:
@@ -188,6 +256,8 @@ class SessionCommands:
         index = self._find_savepoint(cmd.name, "ROLLBACK TO SAVEPOINT")
         self.savepoints = self.savepoints[: index + 1]
         self.tx = TxStatus.IN_TRANSACTION
+        for name in [n for n, c in self.cursors.items() if c.depth > index]:  # declared after the savepoint
+            del self.cursors[name]
 
     def savepoint(self, cmd: LocalCommand) -> None:
         if self.tx is TxStatus.IDLE:
@@ -200,8 +270,47 @@ class SessionCommands:
     # -- cursors and prepared statements ---------------------------------------------------------------
 
     def close(self, cmd: LocalCommand) -> None:
-        if cmd.tag != "CLOSE CURSOR ALL":
+        if cmd.tag == "CLOSE CURSOR ALL":
+            self.cursors.clear()
+        elif self.cursors.pop(cmd.name, None) is None:
             raise InvalidCursorName(f'cursor "{cmd.name}" does not exist')
+
+    def cursor(self, name: str) -> Cursor:
+        cursor = self.cursors.get(name)
+        if cursor is None:
+            raise InvalidCursorName(f'cursor "{name}" does not exist')
+        return cursor
+
+    def fetch(self, cmd: LocalCommand) -> Outcome:
+        assert cmd.fetch is not None
+        cursor = self.cursor(cmd.name)
+        rows = cursor.step(cmd.fetch)
+        return Outcome(cursor.fields, rows, f"FETCH {len(rows)}", encoded=cursor.encoded)
+
+    def move(self, cmd: LocalCommand) -> Outcome:
+        assert cmd.fetch is not None
+        return Outcome(None, [], f"MOVE {len(self.cursor(cmd.name).step(cmd.fetch))}")
+
+    def declared(self, name: str, outcome: Outcome, cmd: LocalCommand) -> Outcome:
+        """Keep a DECLAREd query's released rows as cursor ``name``; BINARY cursors hold them encoded."""
+        assert outcome.fields is not None and cmd.declare is not None
+        fields, rows = outcome.fields, outcome.rows
+        if cmd.declare.binary and not outcome.encoded:
+            fields = [
+                FieldDescription(f.name, f.type_oid, f.type_size, f.type_mod, f.table_oid, f.column_attr, 1)
+                for f in fields
+            ]
+            rows = [tuple(encode_value(v, f.type_oid, 1) for v, f in zip(r, fields, strict=True)) for r in rows]
+        self.cursors[name] = Cursor(
+            fields,
+            rows,
+            encoded=outcome.encoded or cmd.declare.binary,
+            scroll=cmd.declare.scroll,
+            hold=cmd.declare.hold,
+            depth=len(self.savepoints),
+            committed=self.tx is TxStatus.IDLE,  # WITH HOLD outside a block: its implicit transaction commits
+        )
+        return Outcome(None, [], "DECLARE CURSOR", notices=outcome.notices, epsilon=0.0)
 
     def deallocate(self, cmd: LocalCommand) -> None:
         if cmd.tag == "DEALLOCATE ALL":

@@ -21,13 +21,17 @@ from typing import TYPE_CHECKING, Any
 from dpsql.analyze.parse import MAX_STATEMENT_CHARS
 from dpsql.errors import (
     AdminShutdown,
+    ConfigurationLimitExceeded,
     ConnectionFailure,
+    DuplicateCursor,
     Error,
     FeatureNotSupported,
     IdleInTransactionTimeout,
     IdleSessionTimeout,
+    NoActiveTransaction,
     ProgramLimitExceeded,
     QueryCanceled,
+    SyntaxError_,
 )
 from dpsql.errors import ProtocolViolation as StartupTimeout
 from dpsql.session import Session
@@ -37,7 +41,7 @@ from .catalog import CatalogUnavailable, classify, refuse_mixed
 from .commands import SessionCommands, TxStatus
 from .extended import ExtendedProtocol, Portal, Statement, expand_formats
 from .limits import Job, is_broken
-from .local import LocalContext, Settings, evaluate_select, parse_local
+from .local import Action, LocalCommand, LocalContext, Settings, evaluate_select, parse_local
 from .protocol import Diagnostic, FieldDescription, ProtocolViolation
 from .results import Outcome, engine_fields, engine_rows, noisy_flags, result_notices
 from .sqltext import split_statements
@@ -383,6 +387,8 @@ class Connection:
             return Outcome(None, [], "")
         if stmt.route == "local":
             assert stmt.command is not None
+            if stmt.command.action is Action.DECLARE:
+                return await self._declare(stmt, portal)
             return self.commands.run(stmt.command)
         if stmt.route == "mixed":
             raise refuse_mixed()
@@ -394,6 +400,67 @@ class Connection:
         if stmt.route in ("tableless", "catalog"):
             return await self._run_catalog(stmt, portal)
         return await self._run_engine(stmt, portal)
+
+    # -- cursors -----------------------------------------------------------------------------------
+
+    def _cursor_query(self, stmt: Statement) -> Statement:
+        """The query of ``DECLARE … FOR <query>``, planned like any statement (same routes, same refusals)."""
+        assert stmt.command is not None and stmt.command.value is not None
+        inner = self.plan(stmt.command.value)
+        if inner.route in ("local", "empty"):
+            raise SyntaxError_("DECLARE CURSOR needs a query")
+        inner.param_oids = list(stmt.param_oids)
+        return inner
+
+    async def describe_local(self, stmt: Statement) -> None:
+        """Parse of a session statement: DECLARE describes its query (parameter types), nothing runs."""
+        if stmt.command is not None and stmt.command.action is Action.DECLARE:
+            inner = self._cursor_query(stmt)
+            await self.extended.describe_statement(inner)
+            stmt.param_oids = inner.param_oids
+
+    def _check_declare(self, cmd: LocalCommand) -> None:
+        """Everything DECLARE refuses, checked before its query runs (so before any charge)."""
+        assert cmd.declare is not None
+        if self.commands.tx is TxStatus.IDLE and not cmd.declare.hold:
+            raise NoActiveTransaction("DECLARE CURSOR can only be used in transaction blocks")
+        if cmd.name in self.commands.cursors:
+            raise DuplicateCursor(f'cursor "{cmd.name}" already exists')
+        limit = self.ctx.options.max_cursors
+        if len(self.commands.cursors) >= limit:
+            raise ConfigurationLimitExceeded(
+                f"too many open cursors in this session (at most {limit})",
+                hint="CLOSE cursors that are no longer needed; COMMIT or ROLLBACK closes them all.",
+            )
+
+    async def _declare(self, stmt: Statement, portal: Portal | None) -> Outcome:
+        """``DECLARE name CURSOR FOR <query>``: run the query once, exactly as if sent alone (same
+        analysis, refusals, single charge, audit row and log line), and keep its released rows.
+
+        Privacy: the cursor holds only released (noised, charged) values, so FETCH and MOVE are
+        post-processing. The refusals here depend on the session and the policy only; the
+        buffered-rows cap depends on the number of released rows, itself a DP output.
+        """
+        cmd = stmt.command
+        assert cmd is not None and cmd.declare is not None
+        self._check_declare(cmd)
+        inner = self._cursor_query(stmt)
+        if cmd.declare.binary and inner.route in ("catalog", "tableless") and self.evaluate_local(inner.sql) is None:
+            raise FeatureNotSupported("DECLARE BINARY is not supported for catalog queries")
+        inner_portal = None
+        if portal is not None and portal.params:
+            inner_portal = Portal(inner, portal.params, portal.param_formats, (), portal.show_intervals)
+        outcome = await self.execute(inner, inner_portal)
+        if outcome.fields is None:
+            raise SyntaxError_("DECLARE CURSOR needs a query that returns rows")
+        held = sum(len(c.rows) for c in self.commands.cursors.values()) + len(outcome.rows)
+        limit = self.ctx.options.max_cursor_rows
+        if held > limit:
+            raise ConfigurationLimitExceeded(
+                f"cursors would hold too many rows ({held}; at most {limit} in all open cursors of a session)",
+                hint="The query was answered and charged; add LIMIT, or CLOSE other cursors first.",
+            )
+        return self.commands.declared(cmd.name, outcome, cmd)
 
     def _local_context(self) -> LocalContext:
         assert self.settings is not None

@@ -152,6 +152,10 @@ class ExtendedProtocol:
             await self._describe_engine(stmt)
         elif stmt.route == "mixed":
             raise refuse_mixed()
+        elif stmt.route == "local":
+            await conn.describe_local(stmt)  # DECLARE: its query's parameter types
+
+    describe_statement = _describe_statement
 
     async def _describe_engine(self, stmt: Statement) -> None:
         conn = self.conn
@@ -187,7 +191,7 @@ class ExtendedProtocol:
             return [FieldDescription(v.name, v.type_oid, type_size(v.type_oid)) for v in values] if values else None
         if stmt.route == "local" and stmt.command is not None:
             assert conn.settings is not None
-            return SessionCommands.fields(stmt.command, conn.settings)
+            return conn.commands.fields(stmt.command, conn.settings)
         return None
 
     # -- Bind ----------------------------------------------------------------------------------------
@@ -232,6 +236,8 @@ class ExtendedProtocol:
                 raise InvalidStatementName(f'prepared statement "{msg.name}" does not exist')
             conn.send(pq.parameter_description(stmt.param_oids))
             fields = self.fields_for(stmt, conn.settings.show_intervals)
+        elif msg.name not in self.portals and msg.name in conn.commands.cursors:  # cursors are portals too
+            fields = conn.commands.cursors[msg.name].fields
         else:
             fields = self._portal_fields(self._portal(msg.name))
         conn.send(pq.row_description(fields) if fields is not None else pq.no_data())
@@ -283,6 +289,6 @@ class ExtendedProtocol:
     def on_close(self, msg: pq.Close) -> None:
         if msg.target == "S":
             self.statements.pop(msg.name, None)
-        else:
-            self.portals.pop(msg.name, None)
+        elif self.portals.pop(msg.name, None) is None:
+            self.conn.commands.cursors.pop(msg.name, None)  # a DECLAREd cursor is a portal too
         self.conn.send(pq.close_complete())

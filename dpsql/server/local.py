@@ -31,7 +31,7 @@ from dpsql.errors import (
 from dpsql.pgtypes import parse_bool
 from dpsql.session import DPSQL_SETTINGS, Session, parse_setting
 
-from .sqltext import Token, tokenize
+from .sqltext import Lexeme, Token, first_word, strip_comments, tokenize
 
 #: GUCs PostgreSQL reports to the client with ParameterStatus (canonical spelling).
 REPORTED = (
@@ -245,6 +245,9 @@ class Action(StrEnum):
     RELEASE = "release"
     CLOSE = "close"
     DEALLOCATE = "deallocate"
+    DECLARE = "declare"
+    FETCH = "fetch"
+    MOVE = "move"
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,6 +258,27 @@ class LocalCommand:
     tag: str
     name: str = ""
     value: str | None = None
+    #: DECLARE: the cursor's options; FETCH/MOVE: where to go.
+    declare: DeclareOptions | None = None
+    fetch: FetchSpec | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DeclareOptions:
+    """``DECLARE name [BINARY] [[NO] SCROLL] CURSOR [WITH[OUT] HOLD] FOR query``; ``scroll`` None: unspecified."""
+
+    binary: bool = False
+    scroll: bool | None = None
+    hold: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class FetchSpec:
+    """A FETCH/MOVE direction: ``forward``/``backward`` ``count`` rows (None: ALL), or ``absolute``/``relative``
+    to one row."""
+
+    direction: str
+    count: int | None
 
 
 def _words(tokens: list[Token]) -> list[str]:
@@ -339,6 +363,82 @@ def _parse_transaction(tokens: list[Token]) -> LocalCommand | None:
     return None
 
 
+_DECLARE = re.compile(
+    r"""declare\s+(?P<name>"(?:[^"]|"")*"|[A-Za-z_][A-Za-z0-9_$]*)
+        (?P<options>(?:\s+[A-Za-z]+)*?)\s+cursor
+        (?:\s+(?P<hold>with|without)\s+hold)?
+        \s+for\s(?P<query>.*)""",
+    re.IGNORECASE | re.DOTALL | re.VERBOSE,
+)
+_DECLARE_OPTIONS = {"binary", "insensitive", "asensitive", "no", "scroll"}
+#: What may follow ``DECLARE … FOR``: a query (PostgreSQL's grammar: SelectStmt).
+_QUERY_HEADS = {"select", "with", "values", "table"}
+
+
+def _identifier(text: str) -> str:
+    """A cursor name as PostgreSQL folds it: quoted as written, bare lower-cased."""
+    return text[1:-1].replace('""', '"') if text.startswith('"') else text.lower()
+
+
+def _parse_declare(sql: str) -> LocalCommand:
+    text = strip_comments(sql).strip().rstrip(";").strip()
+    match = _DECLARE.fullmatch(text)
+    if match is None:
+        raise SyntaxError_("syntax error in DECLARE")
+    options = match.group("options").lower().split()
+    for i, word in enumerate(options):
+        if word not in _DECLARE_OPTIONS or (word == "no" and options[i + 1 : i + 2] != ["scroll"]):
+            raise SyntaxError_(f'syntax error at or near "{word}"')
+    scroll = None if "scroll" not in options else "no" not in options
+    query = match.group("query").strip()
+    if first_word(query.lstrip("(")) not in _QUERY_HEADS:
+        raise SyntaxError_(f'syntax error at or near "{query.split(None, 1)[0] if query else "FOR"}"')
+    declare = DeclareOptions("binary" in options, scroll, (match.group("hold") or "").lower() == "with")
+    return LocalCommand(Action.DECLARE, "DECLARE CURSOR", _identifier(match.group("name")), query, declare=declare)
+
+
+def _fetch_count(token: Token) -> int:
+    if token.type is not Lexeme.NUMBER or not re.fullmatch(r"[-+]?\d+", token.text):
+        raise SyntaxError_(f'syntax error at or near "{token.text}"')
+    return int(token.text)
+
+
+def _parse_fetch(tokens: list[Token]) -> LocalCommand:
+    """``FETCH|MOVE [direction] [FROM|IN] name``, PostgreSQL's directions; FORWARD -n is BACKWARD n."""
+    verb = tokens[0].word.upper()
+    if len(tokens) < 2:
+        raise SyntaxError_("syntax error at end of input")
+    if tokens[-1].type not in (Lexeme.WORD, Lexeme.QUOTED_IDENT):
+        raise SyntaxError_(f'syntax error at or near "{tokens[-1].text}"')
+    name = tokens[-1].value if tokens[-1].type is Lexeme.QUOTED_IDENT else tokens[-1].word
+    rest = tokens[1:-1]
+    if rest and rest[-1].word in ("from", "in"):
+        rest = rest[:-1]
+    words = _words(rest)
+    spec: FetchSpec
+    if words in ([], ["next"], ["forward"]):
+        spec = FetchSpec("forward", 1)
+    elif words in (["prior"], ["backward"]):
+        spec = FetchSpec("backward", 1)
+    elif words == ["first"]:
+        spec = FetchSpec("absolute", 1)
+    elif words == ["last"]:
+        spec = FetchSpec("absolute", -1)
+    elif words in (["all"], ["forward", "all"]):
+        spec = FetchSpec("forward", None)
+    elif words == ["backward", "all"]:
+        spec = FetchSpec("backward", None)
+    elif len(rest) == 1:
+        spec = FetchSpec("forward", _fetch_count(rest[0]))
+    elif len(rest) == 2 and words[0] in ("forward", "backward", "absolute", "relative"):
+        spec = FetchSpec(words[0], _fetch_count(rest[1]))
+    else:
+        raise SyntaxError_(f'syntax error at or near "{rest[0].text}"')
+    if spec.direction in ("forward", "backward") and spec.count is not None and spec.count < 0:
+        spec = FetchSpec("backward" if spec.direction == "forward" else "forward", -spec.count)
+    return LocalCommand(Action.FETCH if verb == "FETCH" else Action.MOVE, verb, name, fetch=spec)
+
+
 _DISCARD_TAGS = {"all": "DISCARD ALL", "plans": "DISCARD PLANS", "sequences": "DISCARD SEQUENCES"}
 
 
@@ -359,7 +459,16 @@ def parse_local(sql: str) -> LocalCommand | None:
         tag = _DISCARD_TAGS.get(words[1], "DISCARD TEMP")
         return LocalCommand(Action.DISCARD_ALL if words[1] == "all" else Action.NOOP, tag)
     if head == "close":
-        return LocalCommand(Action.CLOSE, "CLOSE CURSOR ALL" if words[1:] == ["all"] else "CLOSE CURSOR", words[-1])
+        if len(tokens) != 2 or tokens[1].type not in (Lexeme.WORD, Lexeme.QUOTED_IDENT):
+            raise SyntaxError_("syntax error in CLOSE")
+        if words[1:] == ["all"]:
+            return LocalCommand(Action.CLOSE, "CLOSE CURSOR ALL")
+        name = tokens[1].value if tokens[1].type is Lexeme.QUOTED_IDENT else tokens[1].word
+        return LocalCommand(Action.CLOSE, "CLOSE CURSOR", name)
+    if head == "declare":
+        return _parse_declare(sql)
+    if head in ("fetch", "move"):
+        return _parse_fetch(tokens)
     if head in ("listen", "unlisten"):
         return LocalCommand(Action.NOOP, head.upper())
     if head == "deallocate":

@@ -63,6 +63,9 @@ class ServerOptions:
     catalog_wait: float = 10.0
     max_prepared: int = 1000
     max_portals: int = 1000
+    #: Open cursors (DECLARE) per session, and the released rows all of them may hold together.
+    max_cursors: int = 100
+    max_cursor_rows: int = 1_000_000
     max_settings: int = 1000
     max_setting_length: int = 8192
     #: At shutdown, how long statements still running may finish (their charge is logged when they do).
