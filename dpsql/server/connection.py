@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from dpsql.analyze.parse import MAX_STATEMENT_CHARS
+from dpsql.audit import Trace
 from dpsql.errors import (
     AdminShutdown,
     ConfigurationLimitExceeded,
@@ -368,7 +369,14 @@ class Connection:
             if not self._late:  # else logged when the engine work ends, with what it really charged
                 self._log_query(stmt, outcome.epsilon if outcome else 0.0, state, started)
 
+    def audit_refusal(self, sql: str, sqlstate: str, started: float) -> None:
+        """Record a statement refused before the engine saw it (catalog guard, mixed routes, Parse):
+        free, but a curator spotting a probing analyst needs it in the audit. Never raises."""
+        self.ctx.engine.audit.record(Trace(sql, self.user, started), sqlstate)
+
     def _log_query(self, stmt: Statement, epsilon: float, state: str, started: float, note: str = "") -> None:
+        if state != "ok" and stmt.route in ("catalog", "mixed", "tableless"):  # the engine audits its own
+            self.audit_refusal(stmt.sql, state, started)
         level = logging.DEBUG if stmt.route in ("local", "empty", "tableless") else logging.INFO
         log.log(
             level,

@@ -7,6 +7,7 @@ parameters to it and keeps its outcome while Execute pages through the rows.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -15,6 +16,7 @@ from dpsql.errors import (
     ConfigurationLimitExceeded,
     DuplicateCursor,
     DuplicatePreparedStatement,
+    Error,
     InvalidCursorName,
     InvalidStatementName,
     SyntaxError_,
@@ -132,7 +134,12 @@ class ExtendedProtocol:
         stmt = await conn.plan_async(statements[0] if statements else msg.sql)
         stmt.param_oids = list(msg.param_oids)
         conn.commands.check_not_failed(stmt.command)
-        await self._describe_statement(stmt)
+        started = time.monotonic()
+        try:
+            await self._describe_statement(stmt)
+        except Error as exc:  # refused at Parse (drivers' extended protocol): no Execute will audit it
+            conn.audit_refusal(stmt.sql, exc.sqlstate, started)
+            raise
         self.statements[msg.name] = stmt
         conn.send(pq.parse_complete())
 

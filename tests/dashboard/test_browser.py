@@ -65,6 +65,8 @@ def _submit(driver: Any, element_id: str) -> None:
     page = driver.find_element(By.TAG_NAME, "html")
     driver.find_element(By.ID, element_id).click()
     WebDriverWait(driver, 15).until(expected_conditions.staleness_of(page))
+    # the POST's 303 and the next page's load may still be replacing the document: wait it out
+    WebDriverWait(driver, 15).until(lambda d: d.execute_script("return document.readyState") == "complete")
 
 
 def _wait_audit(driver: Any, base: str, count: int) -> list[Any]:
@@ -88,6 +90,7 @@ def test_dashboard_in_chromium(
     ledger_url: str,
     artifacts: Path,
 ) -> None:
+    from selenium.common.exceptions import WebDriverException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
@@ -115,7 +118,10 @@ def test_dashboard_in_chromium(
     driver.find_element(By.ID, "password").send_keys("not the password")
     _submit(driver, "login")
     assert driver.current_url == f"{base}/login"
-    assert driver.find_element(By.ID, "error").text == "ERROR: 28P01: password authentication failed for the curator"
+    refused = "ERROR: 28P01: password authentication failed for the curator"
+    WebDriverWait(driver, 15, ignored_exceptions=(WebDriverException,)).until(
+        lambda d: d.find_element(By.ID, "error").text == refused
+    )
     driver.save_screenshot(str(artifacts / "login-refused.png"))
 
     driver.find_element(By.ID, "password").send_keys(PASSWORD)
