@@ -57,16 +57,34 @@ def _cell(driver: Any, row_id: str, css: str) -> str:
 
 
 def _submit(driver: Any, element_id: str) -> None:
-    """Click a submit button and wait for the next page to replace this one."""
+    """Click a submit button and wait for the next page to replace this one and finish loading.
+
+    Chromium's driver sometimes resolves an element against a document it is still replacing
+    ("Node with given id does not belong to the document") on a busy machine: the lookup and click are
+    retried (the error comes from resolving the node, before any click is sent)."""
+    from selenium.common.exceptions import WebDriverException
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support import expected_conditions
     from selenium.webdriver.support.ui import WebDriverWait
 
-    page = driver.find_element(By.TAG_NAME, "html")
-    driver.find_element(By.ID, element_id).click()
-    WebDriverWait(driver, 15).until(expected_conditions.staleness_of(page))
-    # the POST's 303 and the next page's load may still be replacing the document: wait it out
-    WebDriverWait(driver, 15).until(lambda d: d.execute_script("return document.readyState") == "complete")
+    def loaded(d: Any) -> bool:
+        return bool(d.execute_script("return document.readyState") == "complete")
+
+    def click(d: Any) -> Any:
+        page = d.find_element(By.TAG_NAME, "html")
+        d.find_element(By.ID, element_id).click()
+        return page
+
+    def replaced(d: Any) -> bool:
+        try:
+            page.is_enabled()
+        except WebDriverException:  # stale, or Chromium's "does not belong to the document": gone
+            return True
+        return False
+
+    WebDriverWait(driver, 15).until(loaded)
+    page = WebDriverWait(driver, 15, ignored_exceptions=(WebDriverException,)).until(click)
+    WebDriverWait(driver, 15).until(replaced)
+    WebDriverWait(driver, 15).until(loaded)
 
 
 def _wait_audit(driver: Any, base: str, count: int) -> list[Any]:
