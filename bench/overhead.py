@@ -18,7 +18,6 @@ from dpsql.analyze import parse_statement
 from dpsql.backends import open_backend
 from dpsql.engine import Engine, Prepared
 from dpsql.ledger import Ledger
-from dpsql.release import rho_to_epsilon
 from dpsql.session import Session
 
 QUERIES: dict[str, str] = {
@@ -58,14 +57,13 @@ def _reserve(engine: Engine, ledger: Ledger, prepared: Prepared) -> None:
         analyst_budget=policy.analyst_budget(ANALYST),
         fingerprint=prepared.fingerprint,
         accounting=policy.budget.accounting,
-        rho_to_epsilon=rho_to_epsilon,
     )
 
 
 def _measure_query(engine: Engine, file_ledger: Ledger, sql: str, reps: int) -> dict[str, Any]:
     session = Session(ANALYST)
     engine.prepare(sql, session)  # warm the plan cache for the cached-prepare stage
-    prepared = engine._prepare(parse_statement(sql), session, None)
+    prepared = engine._prepare(sql, parse_statement(sql), session, None)
     rows = engine._run(prepared.sql)
     # Trees are copied up front: analysis may annotate the tree, and the copy is not dpsql's cost.
     template = parse_statement(sql)
@@ -79,7 +77,7 @@ def _measure_query(engine: Engine, file_ledger: Ledger, sql: str, reps: int) -> 
         t0 = time.perf_counter_ns()
         parse_statement(sql)
         t1 = time.perf_counter_ns()
-        engine._prepare(tree, session, None)
+        engine._prepare(sql, tree, session, None)
         t2 = time.perf_counter_ns()
         engine.prepare(sql, session)
         t3 = time.perf_counter_ns()

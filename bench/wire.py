@@ -126,10 +126,10 @@ def _serve_main(pg_dsn: str, port: int, ledger: str = "sqlite:///:memory:") -> i
     from dpsql.engine import Engine
     from dpsql.ledger import Ledger
     from dpsql.server import run
-    from dpsql.server.workers import share_secrets
 
     cache = ResultCache.open(default_cache_url(ledger))
-    engine = share_secrets(Engine(bench_policy(), open_backend(pg_dsn), Ledger.open(ledger), cache))
+    # every Engine derives its salt and keys from the ledger's installation key: workers agree
+    engine = Engine(bench_policy(), open_backend(pg_dsn), Ledger.open(ledger), cache)
     try:
         run(engine, host="127.0.0.1", port=port, catalog_dsn="", reuse_port=True)
     finally:
