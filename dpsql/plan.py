@@ -9,7 +9,7 @@ measure and key references, evaluated after noise — pure post-processing).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from sqlglot import exp
 
@@ -126,14 +126,15 @@ class Physical:
     ``salt`` is the secret mixed into the per-row hash that picks which rows of a heavy unit are kept
     (per engine, never shown). ``proven`` lists sum measures whose inputs the database's own
     statistics prove inside the bounds: clamping them is the identity, so the rewrite leaves the
-    CASE out. ``bound_cells``: grouped sums bound whole (unit, group) cells, then rows of the one
-    cell per unit crossing the bound (for backends whose hash joins make that the faster plan:
-    DuckDB). Either way a unit keeps at most ``max_rows`` rows; the two keep different ones.
+    CASE out. ``hash`` names the salted order (``md5``, the same on every backend, or ``duckdb``,
+    DuckDB's cheaper HASH); ``top_rows``: counts over many public groups keep each unit's first rows
+    with one ``MIN_BY`` aggregation (DuckDB). Either way a unit keeps at most ``max_rows`` rows.
     """
 
     salt: str = ""
     proven: frozenset[int] = frozenset()
-    bound_cells: bool = False
+    hash: Literal["md5", "duckdb"] = "md5"
+    top_rows: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ import re
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from decimal import Decimal
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from dpsql.errors import BackendError, QueryCanceled
 
@@ -94,8 +94,10 @@ class Backend(Protocol):
     #: A counter bumped before every write through this backend; 0 if it does not count writes
     #: (then nothing is proven from statistics, so nothing depends on it).
     data_version: int
-    #: Whether person-level grouped sums should be bounded per (unit, group) cell (``Plan.bound_cells``).
-    bounds_cells: bool
+    #: The salted order that picks a heavy unit's rows (``Physical.hash``): "md5" or "duckdb".
+    row_hash: Literal["md5", "duckdb"]
+    #: Whether counts over many groups keep each unit's first rows with ``MIN_BY`` (``Physical.top_rows``).
+    top_rows: bool
 
     def proven_ranges(self, table: str, columns: list[str]) -> dict[str, tuple[Any, Any]]:
         """(min, max) the database's exact statistics guarantee per column; {} when none are known."""
@@ -127,7 +129,8 @@ class BackendDefaults:
     """Base class of the backends: the optional capabilities of :class:`Backend`, not offered."""
 
     data_version: int = 0
-    bounds_cells: bool = False
+    row_hash: Literal["md5", "duckdb"] = "md5"
+    top_rows: bool = False
 
     def proven_ranges(self, table: str, columns: list[str]) -> dict[str, tuple[Any, Any]]:
         return {}

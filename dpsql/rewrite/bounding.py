@@ -1,7 +1,8 @@
 """Pass 8, ``bound_contributions``: at most ``max_groups`` groups and ``max_rows`` rows per privacy unit.
 
-Four strategies: per-unit partial aggregates (ungrouped), collapsed counts (grouped counts),
-row numbering in a salted hash order, and whole (unit, group) cells (``plan.physical.bound_cells``).
+Four strategies: per-unit partial aggregates (ungrouped), (unit, group) cells kept whole in a salted
+order (grouped counts and sums), each unit's first rows by ``MIN_BY`` (counts over many groups, where
+the backend has it), and row numbering in a salted order (everything else).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from sqlglot import exp
 from dpsql.analyze.expressions import clamp_sql
 from dpsql.plan import Plan
 from dpsql.policy import ColumnPolicy
-from dpsql.rewrite._sql import key_column, key_input_columns, literal_number
+from dpsql.rewrite._sql import key_column, literal_number
 
 
 def _as_text(value: exp.Expression) -> exp.Expression:
@@ -54,12 +55,22 @@ def _hash_input(plan: Plan, column: exp.Expression) -> exp.Expression:
     return exp.cast(exp.Floor(this=scaled), exp.DataType.Type.BIGINT)
 
 
-def _hash(values: list[exp.Expression], salt: str) -> exp.Expression:
-    """md5 of the salt and the values as text: a per-row order that is the same on every backend
-    and not the database's RANDOM() (whose seed an analyst could set)."""
-    text: exp.Expression = exp.Literal.string(salt)
+def _hash(plan: Plan, values: list[exp.Expression]) -> exp.Expression:
+    """A salted order of rows or cells that is not the database's RANDOM() (whose seed an analyst could
+    set) and does not depend on the analyst's query.
+
+    ``md5`` (default): md5 of the salt and the values as text, the same on every backend, so every
+    backend keeps the same rows. ``duckdb``: DuckDB's own HASH of the salt and the values, an order of
+    magnitude cheaper per row; a different order, kept within the same bounds.
+    """
+    salt = exp.Literal.string(plan.physical.salt)
+    if plan.physical.hash == "duckdb":
+        return exp.Anonymous(this="HASH", expressions=[salt, *values])
+    text: exp.Expression = salt
     for value in values:
-        text = exp.DPipe(this=text, expression=exp.DPipe(this=exp.Literal.string("|"), expression=_as_text(value)))
+        text = exp.DPipe(
+            this=text, expression=exp.DPipe(this=exp.Literal.string("|"), expression=_as_text(_hash_input(plan, value)))
+        )
     return exp.MD5(this=text)
 
 
@@ -76,14 +87,14 @@ def _over_sources(select: exp.Select, *projections: exp.Expr) -> exp.Select:
 def bound_contributions(select: exp.Select, plan: Plan) -> exp.Select:
     """Keep at most ``max_groups`` groups and ``max_rows`` rows of each privacy unit.
 
-    Ungrouped queries cap per-unit partial aggregates (:func:`_bound_per_unit`). Grouped ones that
-    read nothing but their keys and unit (counts, distinct-unit counts) collapse identical rows with
-    their multiplicity and weigh each distinct row by how many of its copies fit; grouped ones that
-    read other columns (sums) either keep whole (unit, group) cells and number rows only in the cell crossing the bound
-    (:func:`_bound_by_cells`, when ``plan.physical.bound_cells``) or go rows (unit, used columns, row hash)
-    → rank groups per unit → number rows per unit in hash order → aggregate the rows within both
-    bounds. Bounding happens after the joins, so no join can multiply a unit's rows past the bound
-    the noise assumes.
+    Ungrouped queries cap per-unit partial aggregates (:func:`_bound_per_unit`). Grouped ones whose
+    aggregates are counts and sums (everything but a distinct count of a non-unit column) aggregate
+    (unit, group) cells once and keep whole cells in a salted order, scaling the one cell per unit that
+    crosses the bound (:func:`_bound_by_cells`); on backends that keep the top rows of each unit in one
+    aggregation, counts over many public groups take those rows instead (:func:`_bound_by_top_rows`).
+    Everything else goes rows (unit, used columns, row hash) → rank groups per unit → number rows per
+    unit in hash order → aggregate the rows within both bounds. Bounding happens after the joins, so no
+    join can multiply a unit's rows past the bound the noise assumes.
     """
     if plan.unit is None:
         return select
@@ -102,75 +113,32 @@ def bound_contributions(select: exp.Select, plan: Plan) -> exp.Select:
         outer.set(key, None)
     for column in list(outer.find_all(exp.Column)):
         column.replace(exp.column(names[column.sql()], quoted=True))
-    # rows reading only keys (and the unit, for partition selection's distinct-unit count) collapse
-    collapse = set(columns) <= {plan.unit.sql(), *key_input_columns(plan)}
-    if not collapse and plan.physical.bound_cells and _cells_matchable(plan):
+    if select.args.get("group") and _scalable(outer, plan, names):
+        if _top_rows_apply(select, outer, plan, names):
+            return _bound_by_top_rows(select, plan, outer, columns, names)
         return _bound_by_cells(select, plan, outer, columns, names)
     used = [exp.alias_(column.copy(), names[sql]) for sql, column in columns.items()]
-    multiplicity = [exp.alias_(exp.Count(this=exp.Star(), big_int=True), "__n")] if collapse else []
     rank_groups = bool(plan.keys) and plan.max_groups < plan.max_rows
-    keys = [_hash_input(plan, key_column(plan, i)) for i in range(len(plan.keys))]
-    key_hash = [exp.alias_(_hash(keys, plan.physical.salt), "__kh")] if rank_groups else []
+    keys = [key_column(plan, i) for i in range(len(plan.keys))]
+    key_hash = [exp.alias_(_hash(plan, keys), "__kh")] if rank_groups else []
     rows = _over_sources(
         select,
         exp.alias_(plan.unit.copy(), "__unit"),
         *used,
-        *multiplicity,
-        exp.alias_(
-            _hash(
-                [plan.unit.copy(), *(_hash_input(plan, c) for c in _besides_unit(plan, columns))], plan.physical.salt
-            ),
-            "__h",
-        ),
+        exp.alias_(_hash(plan, [plan.unit.copy(), *(c.copy() for c in _besides_unit(plan, columns))]), "__h"),
         *key_hash,
     )
-    if collapse:
-        rows = rows.group_by(plan.unit.copy(), *(c.copy() for c in _besides_unit(plan, columns)), copy=False)
     unit = exp.column("__unit", quoted=True)
     floats = [exp.column(names[sql], quoted=True) for sql, c in columns.items() if _is_float(plan, c)]
-    row_order = _hash_order("__h", floats)
     groups, filter_rows_ = _rank_groups(plan, "__rows", rank_groups)
-    if not collapse:
-        number = exp.Window(this=exp.RowNumber(), partition_by=[unit.copy()], order=row_order.copy())
-        bounded = exp.select(exp.Star(), exp.alias_(number, "__rn")).from_("__groups")
-        if filter_rows_ is not None:
-            bounded = bounded.where(filter_rows_)
-        outer = outer.from_("__bounded").where(
-            exp.LTE(this=exp.column("__rn"), expression=exp.Literal.number(plan.max_rows))
-        )
-        return outer.with_("__rows", as_=rows).with_("__groups", as_=groups).with_("__bounded", as_=bounded)
-    running = exp.Window(
-        this=exp.Sum(this=exp.column("__n")),
-        partition_by=[unit.copy()],
-        order=row_order,
-        spec=exp.WindowSpec(kind="ROWS", start="UNBOUNDED", start_side="PRECEDING", end="CURRENT ROW"),
-    )
-    counted = exp.select(exp.Star(), exp.alias_(exp.cast(running, exp.DataType.Type.BIGINT), "__upto")).from_(
-        "__groups"
-    )
+    number = exp.Window(this=exp.RowNumber(), partition_by=[unit.copy()], order=_hash_order("__h", floats))
+    bounded = exp.select(exp.Star(), exp.alias_(number, "__rn")).from_("__groups")
     if filter_rows_ is not None:
-        counted = counted.where(filter_rows_)
-    k = exp.Literal.number(plan.max_rows)
-    before = exp.paren(exp.Sub(this=exp.column("__upto"), expression=exp.column("__n")), copy=False)
-    keep = (
-        exp.Case()
-        .when(exp.LTE(this=exp.column("__upto"), expression=k), exp.column("__n"))
-        .else_(exp.Sub(this=k.copy(), expression=before))
+        bounded = bounded.where(filter_rows_)
+    outer = outer.from_("__bounded").where(
+        exp.LTE(this=exp.column("__rn"), expression=exp.Literal.number(plan.max_rows))
     )
-    kept = (
-        exp.select(exp.Star(), exp.alias_(keep, "__keep"))
-        .from_("__counted")
-        .where(exp.LT(this=before.copy(), expression=k.copy()))
-    )
-    for projection in outer.expressions:
-        projection.set("this", projection.this.transform(_weigh_by_kept_copies, copy=False))
-    outer = outer.from_("__kept")
-    return (
-        outer.with_("__rows", as_=rows)
-        .with_("__groups", as_=groups)
-        .with_("__counted", as_=counted)
-        .with_("__kept", as_=kept)
-    )
+    return outer.with_("__rows", as_=rows).with_("__groups", as_=groups).with_("__bounded", as_=bounded)
 
 
 def _besides_unit(plan: Plan, columns: dict[str, exp.Column]) -> list[exp.Column]:
@@ -201,187 +169,203 @@ def _rank_groups(plan: Plan, source: str, rank_groups: bool) -> tuple[exp.Select
     return groups, exp.LTE(this=exp.column("__g"), expression=exp.Literal.number(plan.max_groups))
 
 
-#: A value of each policy type standing in for NULL when cells are matched by equality (a NULL flag
-#: is compared alongside, so a real value equal to it is never confused with NULL).
-_NULL_STAND_INS: dict[str, exp.Expression] = {
-    "int": exp.Literal.number(0),
-    "float": exp.Literal.number(0),
-    "text": exp.Literal.string(""),
-    "boolean": exp.false(),
-    "date": exp.cast(exp.Literal.string("1970-01-01"), exp.DataType.Type.DATE),
-    "timestamp": exp.cast(exp.Literal.string("1970-01-01 00:00:00"), exp.DataType.Type.TIMESTAMP),
-}
+def _aggregates(outer: exp.Select) -> list[exp.AggFunc]:
+    """The outermost aggregate calls of ``outer``'s projections."""
+    found: list[exp.AggFunc] = []
+    for projection in outer.expressions:
+        found += [a for a in projection.find_all(exp.AggFunc) if a.find_ancestor(exp.AggFunc) is None]
+    return found
 
 
-def _unit_policy(plan: Plan) -> ColumnPolicy | None:
-    unit = plan.unit
-    assert unit is not None
-    try:
-        return plan.sources.column_policy(unit.table, unit.name)
-    except (KeyError, StopIteration):
-        return None
+def _unit_name(plan: Plan, names: dict[str, str]) -> str | None:
+    assert plan.unit is not None
+    return names.get(plan.unit.sql())
 
 
-def _cells_matchable(plan: Plan) -> bool:
-    """Whether rows can be joined back to their (unit, keys) cell by plain, hashable equality."""
-    policies = [_unit_policy(plan), *(k.policy for k in plan.keys)]
-    if any(k.expr is not None for k in plan.keys):  # cells are matched on key columns, not expressions
-        return False
-    return bool(plan.keys) and all(p is not None and (not p.nullable or p.type in _NULL_STAND_INS) for p in policies)
+def _distinct_unit(node: exp.Expression, unit: str | None) -> bool:
+    """``COUNT(DISTINCT unit)``: 1 in each kept cell of the unit, whatever rows are kept."""
+    inner = node.this.expressions if isinstance(node, exp.Count) and isinstance(node.this, exp.Distinct) else []
+    return len(inner) == 1 and isinstance(inner[0], exp.Column) and inner[0].name == unit
 
 
-def _same_cell(row: exp.Column, cell: exp.Column, policy: ColumnPolicy) -> exp.Expr:
-    """``row`` and ``cell`` hold the same value, NULL included, as an equality a hash join can use
-    (PostgreSQL cannot hash ``IS NOT DISTINCT FROM``)."""
-    if not policy.nullable:
-        return exp.EQ(this=row, expression=cell)
-    stand_in = _NULL_STAND_INS[policy.type]
-    same_value = exp.EQ(
-        this=exp.Coalesce(this=row.copy(), expressions=[stand_in.copy()]),
-        expression=exp.Coalesce(this=cell.copy(), expressions=[stand_in.copy()]),
-    )
-    null = exp.Null()
-    same_nullness = exp.EQ(
-        this=exp.paren(exp.Is(this=row, expression=null), copy=False),
-        expression=exp.paren(exp.Is(this=cell, expression=null.copy()), copy=False),
-    )
-    return exp.and_(same_value, same_nullness, copy=False)
+def _scalable(outer: exp.Select, plan: Plan, names: dict[str, str]) -> bool:
+    """Whether every aggregate is a count or a sum: additive over a cell's rows, so a cell's partial
+    aggregate stands for its rows (a distinct count of the unit counts 1 per kept cell)."""
+    unit = _unit_name(plan, names)
+    for node in _aggregates(outer):
+        if isinstance(node, exp.Count):
+            if isinstance(node.this, exp.Distinct) and not _distinct_unit(node, unit):
+                return False
+        elif not isinstance(node, exp.Sum):
+            return False
+    return True
+
+
+def _group_inputs(select: exp.Select, plan: Plan, columns: dict[str, exp.Column]) -> list[str]:
+    """SQL of the columns the GROUP BY reads, other than the unit: with the unit, they name a cell."""
+    assert plan.unit is not None
+    read = {c.sql() for g in select.args["group"].expressions for c in g.find_all(exp.Column)}
+    return [sql for sql in columns if sql in read and sql != plan.unit.sql()]
 
 
 def _bound_by_cells(
     select: exp.Select, plan: Plan, outer: exp.Select, columns: dict[str, exp.Column], names: dict[str, str]
 ) -> exp.Select:
-    """Grouped queries that read more than their keys (sums): bound whole cells, rows only where needed.
+    """Grouped counts and sums: aggregate each (unit, group) cell once, keep whole cells, scale one.
 
-    A cell is one unit's rows in one group. A unit's cells are ordered by a salted hash and kept
-    whole while its running row count stays within ``max_rows``; the one cell that crosses the bound
-    (at most one per unit) keeps ``room`` of its rows, the first in row-hash order. So a unit keeps at
-    most ``max_rows`` rows, chosen from its own rows alone, but only the rows of crossing cells are
-    hashed and sorted: one aggregation over (unit, keys) and two hash joins instead of an md5 and a
-    sort of every row. The cells kept whole are the ones the collapsed path for counts keeps.
+    A cell is one unit's rows in one group. Its partial aggregates (count, sums of clamped values) are
+    computed in one aggregation over (unit, group columns); a unit's cells are ordered by a salted hash
+    and kept whole while the unit's running row count stays within ``max_rows``; the one cell that
+    crosses the bound (at most one per unit) contributes ``room / n`` of each partial (its rows, ``room``
+    of ``n`` of them, weighted equally; integer partials truncated toward zero). So each unit adds at
+    most ``max_rows`` rows' worth to the counts and at most ``max_rows`` clamped values to each sum
+    (|partial · room / n| ≤ room · max |bound|), over at most ``max_groups`` groups, all computed from
+    its own rows: the sensitivity the noise assumes. No row is hashed, sorted or joined back: the
+    per-row work is the cell aggregation itself.
     """
-    ctes = _open_cells(select, plan, names) + _rows_of_open_cells(select, plan, columns, names)
-    outer = outer.from_("__bounded")
-    for name, query in ctes:
-        outer = outer.with_(name, as_=query)
-    return outer
-
-
-def _open_cells(select: exp.Select, plan: Plan, names: dict[str, str]) -> list[tuple[str, exp.Select]]:
-    """CTEs ending in ``__open``: each unit's cells that keep rows, with their size ``__n`` and ``__room``."""
     assert plan.unit is not None
-    k = exp.Literal.number(plan.max_rows)
+    inputs = _group_inputs(select, plan, columns)
+    source = {names[sql]: columns[sql] for sql in columns}
+    unit = _unit_name(plan, names)
+    room, size = exp.column("__room", quoted=True), exp.column("__n", quoted=True)
+    partials: list[exp.Expression] = []
+    for j, node in enumerate(_aggregates(outer)):
+        partial = node.copy().transform(
+            lambda n: source[n.name].copy() if isinstance(n, exp.Column) and n.name in source else n, copy=False
+        )
+        partials.append(exp.alias_(partial, f"__p{j}", quoted=True))
+        value = exp.column(f"__p{j}", quoted=True)
+        if _distinct_unit(node, unit):
+            node.replace(exp.Sum(this=value))
+            continue
+        scaled = _scaled(node, value, room, size, _integer_sum(node, plan))
+        whole = exp.GTE(this=room.copy(), expression=size.copy())
+        node.replace(exp.Sum(this=exp.Case().when(whole, value.copy()).else_(scaled)))
+    rank_groups = bool(plan.keys) and plan.max_groups < plan.max_rows
     key_columns = [key_column(plan, i) for i in range(len(plan.keys))]
-    key_names = [names[c.sql()] for c in key_columns]
-    rank_groups = plan.max_groups < plan.max_rows
-    key_hash = [_hash([_hash_input(plan, c) for c in key_columns], plan.physical.salt)] if rank_groups else []
     cells = _over_sources(
         select,
         exp.alias_(plan.unit.copy(), "__unit"),
-        *(exp.alias_(c.copy(), n) for c, n in zip(key_columns, key_names, strict=True)),
+        *(exp.alias_(columns[sql].copy(), names[sql]) for sql in inputs),
         exp.alias_(exp.Count(this=exp.Star(), big_int=True), "__n"),
-        exp.alias_(_hash([plan.unit.copy(), *(_hash_input(plan, c) for c in key_columns)], plan.physical.salt), "__ch"),
-        *(exp.alias_(h, "__kh") for h in key_hash),
-    ).group_by(plan.unit.copy(), *(c.copy() for c in key_columns), copy=False)
+        *partials,
+        exp.alias_(_hash(plan, [plan.unit.copy(), *(columns[sql].copy() for sql in inputs)]), "__ch"),
+        *([exp.alias_(_hash(plan, key_columns), "__kh")] if rank_groups else []),
+    ).group_by(plan.unit.copy(), *(columns[sql].copy() for sql in inputs), copy=False)
     groups, within_groups = _rank_groups(plan, "__cells", rank_groups)
-    float_keys = [exp.column(n, quoted=True) for c, n in zip(key_columns, key_names, strict=True) if _is_float(plan, c)]
+    floats = [exp.column(names[sql], quoted=True) for sql in inputs if _is_float(plan, columns[sql])]
     running = exp.Window(
-        this=exp.Sum(this=exp.column("__n")),
+        this=exp.Sum(this=size.copy()),
         partition_by=[exp.column("__unit", quoted=True)],
-        order=_hash_order("__ch", float_keys),
+        order=_hash_order("__ch", floats),
         spec=exp.WindowSpec(kind="ROWS", start="UNBOUNDED", start_side="PRECEDING", end="CURRENT ROW"),
     )
-    upto = exp.alias_(exp.cast(running, exp.DataType.Type.BIGINT), "__upto")
-    counted = exp.select(exp.Star(), upto).from_("__groups")
+    counted = exp.select(exp.Star(), exp.alias_(exp.cast(running, exp.DataType.Type.BIGINT), "__upto")).from_(
+        "__groups"
+    )
     if within_groups is not None:
         counted = counted.where(within_groups)
-    before = exp.paren(exp.Sub(this=exp.column("__upto"), expression=exp.column("__n")), copy=False)
-    open_cells = (
+    k = exp.Literal.number(plan.max_rows)
+    before = exp.paren(exp.Sub(this=exp.column("__upto"), expression=size.copy()), copy=False)
+    kept = (
         exp.select(exp.Star(), exp.alias_(exp.Sub(this=k.copy(), expression=before), "__room"))
         .from_("__counted")
         .where(exp.LT(this=before.copy(), expression=k.copy()))
     )
-    return [("__cells", cells), ("__groups", groups), ("__counted", counted), ("__open", open_cells)]
+    return (
+        outer.from_("__kept")
+        .with_("__cells", as_=cells)
+        .with_("__groups", as_=groups)
+        .with_("__counted", as_=counted)
+        .with_("__kept", as_=kept)
+    )
 
 
-def _rows_of_open_cells(
-    select: exp.Select, plan: Plan, columns: dict[str, exp.Column], names: dict[str, str]
-) -> list[tuple[str, exp.Query]]:
-    """CTEs ending in ``__bounded``: every row of a cell with room for all of it, and the first
-    ``__room`` rows in row-hash order of the cell crossing the bound."""
+def _integer_sum(node: exp.Expression, plan: Plan) -> bool:
+    """Whether a SUM adds integers (its measure is released as an integer, not centred or squared)."""
+    if not isinstance(node, exp.Sum):
+        return True  # counts
+    alias = node.find_ancestor(exp.Alias)
+    name = alias.alias if alias is not None else ""
+    if not (name.startswith("m") and name[1:].isdigit()):
+        return False
+    measure = plan.measures[int(name[1:])]
+    return measure.integer and measure.centre == 0 and not measure.square
+
+
+def _scaled(
+    node: exp.Expression, value: exp.Column, room: exp.Column, size: exp.Column, integer: bool
+) -> exp.Expression:
+    """``room / n`` of a crossing cell's partial: exact for COUNT(*), truncated toward zero for other
+    integers (so never beyond ``room`` rows' worth), in double precision for float sums. The integer
+    form ``(p DIV n)·room + ((p MOD n)·room) DIV n`` equals ``trunc(p·room / n)`` without forming p·room."""
+    if isinstance(node, exp.Count) and isinstance(node.this, exp.Star):
+        return room.copy()
+    if isinstance(node, exp.Count):  # COUNT(x) ≤ n: the product is at most n · max_rows
+        return exp.IntDiv(this=exp.Mul(this=value.copy(), expression=room.copy()), expression=size.copy())
+    if integer:
+        whole = exp.Mul(this=exp.IntDiv(this=value.copy(), expression=size.copy()), expression=room.copy())
+        rest = exp.Mul(
+            this=exp.paren(exp.Mod(this=value.copy(), expression=size.copy()), copy=False), expression=room.copy()
+        )
+        return exp.Add(this=whole, expression=exp.IntDiv(this=rest, expression=size.copy()))
+    share = exp.Mul(this=exp.cast(value.copy(), exp.DataType.Type.DOUBLE), expression=room.copy())
+    return exp.Div(this=share, expression=size.copy())
+
+
+def _top_rows_apply(select: exp.Select, outer: exp.Select, plan: Plan, names: dict[str, str]) -> bool:
+    """Counts over public, non-NULL key columns whose domains hold more groups than ``max_rows``, on
+    a backend that keeps a unit's top rows in one aggregation (``plan.physical.top_rows``): there most
+    cells hold one row, so ordering cells costs what ordering rows does, and one aggregation per unit
+    beats it. Decided from the plan and the policy only (never the data)."""
+    if not plan.physical.top_rows or plan.max_groups < plan.max_rows or not plan.keys:
+        return False
+    unit = _unit_name(plan, names)
+    counts = all(
+        isinstance(n, exp.Count) and (isinstance(n.this, exp.Star) or _distinct_unit(n, unit))
+        for n in _aggregates(outer)
+    )
+    plain = all(k.expr is None and k.domain is not None and not k.policy.nullable for k in plan.keys)
+    if not counts or not plain or len(select.args["group"].expressions) != len(plan.keys):
+        return False
+    groups = 1
+    for key in plan.keys:
+        groups *= len(key.domain or ())
+    return groups > plan.max_rows
+
+
+def _bound_by_top_rows(
+    select: exp.Select, plan: Plan, outer: exp.Select, columns: dict[str, exp.Column], names: dict[str, str]
+) -> exp.Select:
+    """Each unit's first ``max_rows`` rows in the salted order of their cell, in one aggregation per unit.
+
+    The order is the cell hash of :func:`_bound_by_cells`, so the rows kept are whole cells and part of
+    the crossing cell: for counts (rows of one cell are alike) the same counts that path keeps. DuckDB's
+    ``MIN_BY(x, order, n)`` keeps the n smallest in a bounded heap per unit; it skips NULL values, so
+    only non-NULL key columns come here (:func:`_top_rows_apply`).
+    """
     assert plan.unit is not None
-    rows = _over_sources(
+    keys = [key_column(plan, i) for i in range(len(plan.keys))]
+    order = _hash(plan, [plan.unit.copy(), *(k.copy() for k in keys)])
+    unit = _unit_name(plan, names)
+    top = _over_sources(
         select,
-        exp.alias_(plan.unit.copy(), "__unit"),
-        *(exp.alias_(c.copy(), names[sql]) for sql, c in columns.items()),
-    )
-    unit_policy = _unit_policy(plan)
-    assert unit_policy is not None
-    matched = [
-        ("__unit", unit_policy),
-        *((names[key_column(plan, i).sql()], k.policy) for i, k in enumerate(plan.keys)),
-    ]
-    match = exp.and_(
+        *([exp.alias_(plan.unit.copy(), unit)] if unit is not None else []),
         *(
-            _same_cell(exp.column(name, "__r", quoted=True), exp.column(name, "__o", quoted=True), policy)
-            for name, policy in matched
+            exp.alias_(
+                exp.Unnest(
+                    expressions=[
+                        exp.Anonymous(
+                            this="MIN_BY", expressions=[k.copy(), order.copy(), exp.Literal.number(plan.max_rows)]
+                        )
+                    ]
+                ),
+                names[k.sql()],
+            )
+            for k in keys
         ),
-        copy=False,
-    )
-    room, size = exp.column("__room", "__o"), exp.column("__n", "__o")
-
-    def joined(condition: exp.Expr, *extra: exp.Expr) -> exp.Select:
-        return (
-            exp.select(*(exp.column(n, "__r", quoted=True) for n in names.values()), *extra)
-            .from_(rows.copy().subquery("__r", copy=False), copy=False)
-            .join(exp.alias_(exp.to_table("__open"), "__o", table=True), on=match.copy(), copy=False)
-            .where(condition, copy=False)
-        )
-
-    def on_row(column: exp.Column) -> exp.Expression:
-        name = names[column.sql()]
-        return _hash_input(plan, column).transform(
-            lambda node: exp.column(name, "__r", quoted=True) if isinstance(node, exp.Column) else node, copy=False
-        )
-
-    row_hash = _hash(
-        [exp.column("__unit", "__r", quoted=True), *(on_row(c) for c in _besides_unit(plan, columns))],
-        plan.physical.salt,
-    )
-    whole = joined(exp.GTE(this=room.copy(), expression=size.copy()))
-    part = joined(
-        exp.LT(this=room.copy(), expression=size.copy()),
-        exp.column("__unit", "__r", quoted=True),
-        room.copy(),
-        exp.alias_(row_hash, "__h"),
-    )
-    floats = [exp.column(names[sql], quoted=True) for sql, c in columns.items() if _is_float(plan, c)]
-    number = exp.Window(
-        this=exp.RowNumber(), partition_by=[exp.column("__unit", quoted=True)], order=_hash_order("__h", floats)
-    )
-    ranked = exp.select(exp.Star(), exp.alias_(number, "__rn")).from_("__part")
-    kept = [exp.column(n, quoted=True) for n in names.values()]
-    bounded = exp.union(
-        exp.select(*(c.copy() for c in kept)).from_("__whole"),
-        exp.select(*(c.copy() for c in kept))
-        .from_("__ranked")
-        .where(exp.LTE(this=exp.column("__rn"), expression=exp.column("__room"))),
-        distinct=False,
-    )
-    return [("__whole", whole), ("__part", part), ("__ranked", ranked), ("__bounded", bounded)]
-
-
-def _weigh_by_kept_copies(node: exp.Expression) -> exp.Expression:
-    """An aggregate over distinct rows that counts each row ``__keep`` times."""
-    keep = exp.column("__keep", quoted=True)
-    if isinstance(node, exp.Count) and not isinstance(node.this, exp.Distinct):  # DISTINCT: rows kept at all
-        if isinstance(node.this, exp.Star):
-            return exp.Sum(this=keep)
-        present = exp.Case().when(exp.Not(this=exp.Is(this=node.this.copy(), expression=exp.Null())), keep)
-        return exp.Sum(this=present.else_(exp.Literal.number(0)))
-    if isinstance(node, exp.Sum) and not (isinstance(node.this, exp.Column) and node.this.name == "__keep"):
-        return exp.Sum(this=exp.Mul(this=exp.paren(node.this.copy(), copy=False), expression=keep))
-    return node
+    ).group_by(plan.unit.copy(), copy=False)
+    return outer.from_("__top").with_("__top", as_=top)
 
 
 def _bound_per_unit(select: exp.Select, plan: Plan) -> exp.Select:

@@ -2,7 +2,7 @@
 
 These depend on the backend and its data, not on the query: the clamp proofs read from the
 database's own statistics (``proven``) and whether grouped sums bound whole cells
-(``bound_cells``). They change the SQL the backend runs, never the released distribution.
+(``hash``, ``top_rows``). They change the SQL the backend runs, never the released distribution.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from dpsql.plan import Measure, Physical, Plan
 
 def choose_physical(plan: Plan, backend: Backend, salt: str) -> Physical:
     """The backend-dependent choices for ``plan``: the engine's salt, the clamps the backend's statistics
-    prove redundant, and whether grouped sums bound whole cells (backends that declare ``bounds_cells``)."""
-    return Physical(salt, proven_in_bounds(plan, backend), backend.bounds_cells)
+    prove redundant, and the backend's cheapest salted order and top-rows aggregation."""
+    return Physical(salt, proven_in_bounds(plan, backend), backend.row_hash, backend.top_rows)
 
 
 def data_version(backend: Backend) -> int:

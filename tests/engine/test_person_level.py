@@ -68,9 +68,17 @@ QUERIES = [
 ]
 
 
-def _plan(sql: str, policy: Policy, *, cells: bool = False) -> Plan:
-    """``cells``: bound grouped sums by (unit, group) cells, as the engine does on DuckDB."""
-    return replace(analyze(sql, policy), physical=Physical("fixed-salt-for-the-test", bound_cells=cells))
+#: Physical choices: md5 order (every backend), DuckDB's HASH order, and HASH with MIN_BY top rows.
+PHYSICAL = {
+    "md5": Physical("fixed-salt-for-the-test"),
+    "duckdb": Physical("fixed-salt-for-the-test", hash="duckdb"),
+    "top": Physical("fixed-salt-for-the-test", hash="duckdb", top_rows=True),
+}
+
+
+def _plan(sql: str, policy: Policy, *, physical: str = "md5") -> Plan:
+    """``physical``: a key of :data:`PHYSICAL` (the engine picks "top" on DuckDB, "md5" elsewhere)."""
+    return replace(analyze(sql, policy), physical=PHYSICAL[physical])
 
 
 def _cells(backend: Backend, plan: Plan, dialect: str) -> dict[tuple, tuple]:
@@ -80,13 +88,13 @@ def _cells(backend: Backend, plan: Plan, dialect: str) -> dict[tuple, tuple]:
     return {tuple(r[:n]): tuple(0 if v is None else v for v in r[n:]) for r in rows}
 
 
-@pytest.mark.parametrize("cells", [False, True], ids=["rows", "cells"])
+@pytest.mark.parametrize("physical", ["md5", "top"])
 @pytest.mark.parametrize("sql", QUERIES)
 def test_neighbours_differ_by_at_most_the_sensitivity(
-    sql: str, cells: bool, clinic_policy: Policy, clinic_duckdb: tuple[Backend, Backend]
+    sql: str, physical: str, clinic_policy: Policy, clinic_duckdb: tuple[Backend, Backend]
 ) -> None:
     """Remove *all* rows of a patient with hundreds of rows: each measure moves ≤ its L1 sensitivity."""
-    plan = _plan(sql, clinic_policy, cells=cells)
+    plan = _plan(sql, clinic_policy, physical=physical)
     full, neighbour = (_cells(b, plan, "duckdb") for b in clinic_duckdb)
     zeros = (0,) * len(plan.measures)
     for i, measure in enumerate(plan.measures):
@@ -117,12 +125,12 @@ def test_heavy_person_bounded_by_max_rows_and_explain_matches(
     assert "<secret>" in grouped.sql and engine._salt not in grouped.sql  # the row-selection salt stays hidden
 
 
-@pytest.mark.parametrize("cells", [False, True], ids=["rows", "cells"])
 @pytest.mark.parametrize("sql", QUERIES)
 def test_identical_pre_noise_results_on_duckdb_and_postgres(
-    sql: str, cells: bool, clinic_policy: Policy, clinic_duckdb: tuple[Backend, Backend], clinic_pg: Backend
+    sql: str, clinic_policy: Policy, clinic_duckdb: tuple[Backend, Backend], clinic_pg: Backend
 ) -> None:
-    plan = _plan(sql, clinic_policy, cells=cells)
+    """In md5 order (the portable one) every backend keeps the same rows and cells."""
+    plan = _plan(sql, clinic_policy)
     duck, pg = _cells(clinic_duckdb[0], plan, "duckdb"), _cells(clinic_pg, plan, "postgres")
     assert duck.keys() == pg.keys()
     for key in duck:
@@ -319,13 +327,13 @@ def _cell_rows() -> list[tuple[int | None, str | None, float]]:
     return rows
 
 
-@pytest.mark.parametrize("cells", [False, True], ids=["rows", "cells"])
+@pytest.mark.parametrize("physical", ["md5", "duckdb"])
 @pytest.mark.parametrize("max_groups", [5, 2])
 def test_grouped_sums_keep_max_rows_of_each_unit(
-    max_groups: int, cells: bool, pg_new_database: Callable[[], str]
+    max_groups: int, physical: str, pg_new_database: Callable[[], str]
 ) -> None:
-    """Grouped sums keep at most max_rows rows and max_groups groups of each unit, both ways of bounding:
-    rows numbered per unit, or whole cells (one unit in one group) and rows of the crossing cell.
+    """Grouped sums keep at most max_rows rows and max_groups groups of each unit: whole cells (one unit
+    in one group) in salted order and a share of the crossing cell, in md5 or DuckDB HASH order.
 
     With x = 1, SUM(x) counts the rows kept. Restricted to one unit by WHERE (on ``w``, a copy of the
     unit), the query must keep at most min(max_rows, rows in its largest max_groups groups) rows of
@@ -336,16 +344,16 @@ def test_grouped_sums_keep_max_rows_of_each_unit(
     rows = _cell_rows()
     units = sorted({r[0] for r in rows}, key=lambda u: -1 if u is None else u)
     sql = "SELECT k, SUM(x) FROM ev {where} GROUP BY k"
-    assert ("__cells" in to_sql(_plan(sql.format(where=""), policy, cells=cells), "duckdb")) == cells
+    assert "__cells" in to_sql(_plan(sql.format(where=""), policy, physical=physical), "duckdb")
     results: list[dict[tuple, tuple]] = []
-    for url in ("duckdb://", pg_new_database()):
+    for url in ("duckdb://", pg_new_database()) if physical == "md5" else ("duckdb://",):
         backend = open_backend(url)
         columns = [("u", "bigint"), ("w", "bigint"), ("k", "text"), ("x", "double precision")]
         backend.load_rows("ev", columns, [(u, u, k, x) for u, k, x in rows])
         total = 0.0
         for unit in units:
             where = "WHERE w IS NULL" if unit is None else f"WHERE w = {unit}"
-            kept = _cells(backend, _plan(sql.format(where=where), policy, cells=cells), backend.dialect)
+            kept = _cells(backend, _plan(sql.format(where=where), policy, physical=physical), backend.dialect)
             per_key: dict[str | None, int] = {}
             for u, k, _ in rows:
                 if u == unit:
@@ -357,20 +365,58 @@ def test_grouped_sums_keep_max_rows_of_each_unit(
             if len(per_key) <= max_groups:  # no group ranked out: exactly min(max_rows, rows) kept
                 assert sum(v[0] for v in kept.values()) == min(5, sum(per_key.values())), (url, unit)
             total += sum(v[0] for v in kept.values())
-        everyone = _cells(backend, _plan(sql.format(where=""), policy, cells=cells), backend.dialect)
+        everyone = _cells(backend, _plan(sql.format(where=""), policy, physical=physical), backend.dialect)
         assert sum(v[0] for v in everyone.values()) == total
         results.append(everyone)
         backend.close()
-    assert results[0] == results[1]  # the same rows kept on DuckDB and PostgreSQL
+    if physical == "md5":
+        assert results[0] == results[1]  # the same rows kept on DuckDB and PostgreSQL
 
 
-def test_engine_bounds_cells_on_duckdb_only(
+def test_engine_orders_cells_by_the_backends_cheapest_hash(
     clinic_policy: Policy, clinic_duckdb: tuple[Backend, Backend], clinic_pg: Backend
 ) -> None:
-    """DuckDB runs grouped person-level sums by cells (faster there); PostgreSQL numbers rows (faster there)."""
+    """DuckDB orders a heavy unit's cells by its own HASH (an order of magnitude cheaper than md5 per
+    cell); PostgreSQL by md5. Both keep whole cells and scale the crossing one."""
     sql = "SELECT department, SUM(cost) FROM visits GROUP BY department"
-    for backend, cells in ((clinic_duckdb[0], True), (clinic_pg, False)):
+    for backend, order in ((clinic_duckdb[0], "HASH("), (clinic_pg, "MD5(")):
         engine = Engine(clinic_policy, backend, Ledger.open("sqlite:///:memory:"))
-        assert ("__cells" in engine.prepare(sql, Session("alice")).sql) == cells, backend.dialect
+        text = engine.prepare(sql, Session("alice")).sql
+        assert "__cells" in text and order in text, backend.dialect
         assert len(engine.execute(sql, Session("alice")).rows) <= 6
         engine.ledger.close()
+
+
+TOP_POLICY = """
+dataset: top
+budget: {dataset: {epsilon: 10}, analyst: {epsilon: 10}}
+analysts: [{name: alice}]
+tables:
+  ev:
+    privacy_unit: u
+    max_rows_per_unit: 5
+    columns:
+      u: {type: int, identifier: true}
+      w: {type: int}
+      k: {type: text, domain: [a, b, c, d, e, f, g, h], nullable: false}
+"""
+
+
+def test_top_rows_keep_what_cells_keep() -> None:
+    """Counts over a public domain larger than max_rows (8 keys, 5 rows) take each unit's first rows in
+    cell-hash order with MIN_BY on DuckDB: the very counts the cells path keeps in that order, each
+    unit exactly min(max_rows, its rows); a distinct-unit count adds 1 per group a unit keeps rows in."""
+    policy = parse_policy(TOP_POLICY)
+    rows = [(u, u, "abcdefgh"[(u * i) % 8]) for u in range(1, 30) for i in range(u)] + [(0, 0, "a")] * 9
+    backend = open_backend("duckdb://")
+    backend.load_rows("ev", [("u", "bigint"), ("w", "bigint"), ("k", "text")], rows)
+    sql = "SELECT k, COUNT(*), COUNT(DISTINCT u) FROM ev {where} GROUP BY k"
+    assert "MIN_BY" in to_sql(_plan(sql.format(where=""), policy, physical="top"), "duckdb")
+    assert "MIN_BY" not in to_sql(_plan("SELECT k, COUNT(w) FROM ev GROUP BY k", policy, physical="top"), "duckdb")
+    top, cells = (_cells(backend, _plan(sql.format(where=""), policy, physical=p), "duckdb") for p in ("top", "duckdb"))
+    assert top == cells
+    for unit in range(30):
+        kept = _cells(backend, _plan(sql.format(where=f"WHERE w = {unit}"), policy, physical="top"), "duckdb")
+        assert sum(v[0] for v in kept.values()) == min(5, sum(1 for r in rows if r[0] == unit)), unit
+        assert all(v[1] == 1 for v in kept.values()), unit
+    backend.close()

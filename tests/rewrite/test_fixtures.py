@@ -1,7 +1,7 @@
 """Golden files, one per rewrite pass (sqlglot's ``tests/fixtures/optimizer/<rule>.sql`` style).
 
 Each ``fixtures/<pass>.sql`` holds cases: optional ``-- key: value`` option lines (``policy``,
-``bound_cells``, ``proven``, ``histogram``), the analyst's query, then the query the rewrite has
+``hash``, ``top_rows``, ``proven``, ``histogram``), the analyst's query, then the query the rewrite has
 built once that pass has run (every earlier pass applied too, in ``REWRITE_PASSES`` order), in
 PostgreSQL's dialect with the row-selection salt fixed to ``salt``. Cases are separated by a blank
 line; each statement ends with ``;``. ``histogram.sql`` holds a selection measure's histogram
@@ -44,7 +44,8 @@ def _policy(name: str) -> Policy:
 def _plan(options: dict[str, str], query: str) -> Plan:
     plan = analyze(query, _policy(options.get("policy", "health")))
     proven = frozenset(int(i) for i in options.get("proven", "").split(",") if i.strip())
-    return replace(plan, physical=Physical("salt", proven, options.get("bound_cells") == "true"))
+    hash_ = "duckdb" if options.get("hash") == "duckdb" else "md5"
+    return replace(plan, physical=Physical("salt", proven, hash_, options.get("top_rows") == "true"))
 
 
 def render(name: str, options: dict[str, str], query: str) -> str:
