@@ -238,7 +238,17 @@ def _engine_specs() -> dict[str, Any]:
         return f"{spec.__module__}.{spec.__qualname__}"
 
     available = {name(spec): sorted(drivers) for spec, drivers in get_available_engine_specs().items()}
+    uris: dict[str, Any] = {}  # the dialect's ?epsilon=: what psycopg2 would be given, or the refusal
+    for uri in ("dpsql://a@h/db?epsilon=0.5", "dpsql://a@h/db?epsilon=0.5%20-c%20dpsql.mechanism%3Dgaussian"):
+        from sqlalchemy.engine import make_url
+
+        url = make_url(uri)
+        try:
+            uris[uri] = url.get_dialect()().create_connect_args(url)[1].get("options")
+        except ValueError as exc:
+            uris[uri] = f"ValueError: {exc}"
     return {
+        "dialect_options": uris,
         "get_engine_spec(dpsql)": name(get_engine_spec("dpsql")),
         "get_engine_spec(dpsql, psycopg2)": name(get_engine_spec("dpsql", "psycopg2")),
         "get_engine_spec(postgresql, psycopg2)": name(get_engine_spec("postgresql", "psycopg2")),

@@ -413,6 +413,12 @@ def test_engine_spec_found_through_its_entry_point(superset: dict[str, Any]) -> 
     assert (specs["dpsql"]["column_probe_limit"], specs["postgresql"]["column_probe_limit"]) == (0, 1)
     # only the DATE_TRUNC grains dpsql answers are offered (no second/minute arithmetic)
     assert specs["dpsql"]["time_grains"] == ["PT1H", "P1D", "P1W", "P1M", "P3M", "P1Y", "1969-12-29T00:00:00Z/P1W"]
+    # ?epsilon= becomes a startup option; a value that is not one number is refused before connecting
+    assert specs["dialect_options"] == {
+        "dpsql://a@h/db?epsilon=0.5": "-c dpsql.epsilon=0.5",
+        "dpsql://a@h/db?epsilon=0.5%20-c%20dpsql.mechanism%3Dgaussian": "ValueError: dpsql URI parameter "
+        "epsilon='0.5 -c dpsql.mechanism=gaussian' is not a number",
+    }
     steps = {s["step"]: s for s in superset["setup"]}
     for prefix in ("dpsql: ", "dpsql_exhausted: "):
         for name in ("test connection", "connect: dialect probes"):
