@@ -357,6 +357,28 @@ CASES: list[dict[str, Any]] = [
         ],
     },
     {
+        "name": "dpsql_hourly",
+        "chart": "Line chart through dpsql:// by hour over the whole date range: 54000, the spec's message",
+        "dataset": "dpsql_visits",
+        "kind": "chart",
+        "queries": [
+            {
+                "columns": [_axis("visit_date", "PT1H")],
+                "metrics": ["count"],
+                "filters": [],
+                "extras": {**_EXTRAS, "time_grain_sqla": "PT1H"},
+                "row_limit": 10000,
+            }
+        ],
+    },
+    {
+        "name": "dpsql_minute_sqllab",
+        "chart": "A minute bucket typed in SQL Lab (a grain the spec does not offer): 0A000, the spec's message",
+        "dataset": "dpsql_visits",
+        "kind": "sqllab",
+        "sql": "SELECT DATE_TRUNC('minute', visit_date) AS t, COUNT(*) FROM visits GROUP BY 1",
+    },
+    {
         "name": "dpsql_budget_exhausted",
         "chart": "Big Number for an analyst whose budget cannot cover the query: 53P01, the spec's message",
         "dataset": "exhausted_visits",

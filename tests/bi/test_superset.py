@@ -108,6 +108,13 @@ EXPECTED: dict[str, Expect] = {
         '"visits.cost" must appear in the GROUP BY clause or be used in an aggregate function). Give the chart '
         "a metric (COUNT, SUM, AVG, …)",
     ),
+    "dpsql_hourly": Expect(
+        "refused",
+        "54000",
+        "GROUP BY key \"DATE_TRUNC('HOUR', visit_date)\" would release 43825 groups (more than 10000)",
+        says="Error: This chart would have 43825 groups for \"DATE_TRUNC('HOUR', visit_date)\", more than dpsql "
+        "releases in one answer (SQLSTATE 54000). Choose a coarser time grain or bucket, or narrow the time range.",
+    ),
     "dpsql_budget_exhausted": Expect(
         "refused",
         "53P01",
@@ -465,4 +472,18 @@ def test_dpsql_budget_refusal_as_sql_lab_reports_it(superset: dict[str, Any]) ->
     (error,) = case["sqllab_errors"]
     assert error["type"] == "QUERY_SECURITY_ACCESS_ERROR"
     assert error["message"].startswith(f'The privacy budget of analyst "{BROKE}" cannot cover this query'), error
+    assert _epsilons(case["wire"]) == []
+
+
+def test_dpsql_unsupported_shape_as_sql_lab_reports_it(superset: dict[str, Any]) -> None:
+    """A 0A000 (a minute bucket) in SQL Lab: the spec's message around dpsql's own, nothing charged."""
+    case = _case(superset, "dpsql_minute_sqllab")
+    assert (case["sqlstate"], case["message"]) == ("0A000", 'DATE_TRUNC("minute") is not supported in GROUP BY')
+    (error,) = case["sqllab_errors"]
+    assert error == {
+        "type": "GENERIC_DB_ENGINE_ERROR",
+        "message": 'dpsql does not answer this query shape (SQLSTATE 0A000: DATE_TRUNC("minute") is not supported '
+        "in GROUP BY). Simplify the chart: no series limit, simple metrics over declared columns, time grains "
+        "from hour to year.",
+    }
     assert _epsilons(case["wire"]) == []
