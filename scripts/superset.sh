@@ -3,10 +3,12 @@
 # trying Superset against `dpsql serve` by hand. Superset pins its own SQLAlchemy 1.4, pandas and sqlglot,
 # so it never shares dpsql's .venv.
 #
-#   scripts/superset.sh            install into .superset-venv (or $DPSQL_SUPERSET_VENV) and prepare a
-#                                  metadata template (superset db upgrade + init + an admin user)
+#   scripts/superset.sh            install into .superset-venv (or $DPSQL_SUPERSET_VENV) with dpsql's
+#                                  engine spec (contrib/superset: `pip install ./contrib/superset`) and
+#                                  prepare a metadata template (superset db upgrade + init + an admin user)
 #
-# Idempotent: pip runs only when the requirements below changed, the template is rebuilt only then.
+# Idempotent: pip runs only when the requirements below changed, the template is rebuilt only then;
+# contrib/superset is reinstalled whenever one of its files changed.
 # Measured on the development machine (2 cores): ~2 min for pip with a cold cache (40 s warm), 20–60 s
 # for the template; a re-run with nothing to do takes ~2 s (one import of superset.cli).
 set -euo pipefail
@@ -47,6 +49,18 @@ if [ "$(cat "$stamp" 2> /dev/null)" != "$wanted" ]; then
   say "pip done in $((SECONDS - start)) s"
 fi
 
+# dpsql's Superset package (dialect `dpsql://` + DpsqlEngineSpec, found through entry points). It does
+# not depend on dpsql (Superset's sqlglot is too old for it); its own dependency, psycopg2, is above.
+contrib_stamp="$venv/.dpsql-superset-contrib"
+contrib_hash="$(find contrib/superset -type f \( -name '*.py' -o -name '*.toml' -o -name '*.md' \) \
+  -not -path '*/build/*' -not -path '*.egg-info/*' | LC_ALL=C sort | xargs sha256sum | sha256sum)"
+if [ "$(cat "$contrib_stamp" 2> /dev/null)" != "$contrib_hash" ]; then
+  say "installing ./contrib/superset (dpsql-superset)"
+  "$venv/bin/python" -m pip install -q --force-reinstall --no-deps ./contrib/superset
+  rm -rf contrib/superset/build contrib/superset/*.egg-info # setuptools builds in the tree
+  printf '%s\n' "$contrib_hash" > "$contrib_stamp"
+fi
+
 # A metadata database (SQLite) with Superset's schema, roles and an `admin` user: the tests copy it
 # into a temporary directory instead of spending ~80 s on `db upgrade` + `init` every run.
 mkdir -p "$venv/dpsql"
@@ -70,5 +84,5 @@ EOF
   say "template ready in $((SECONDS - start)) s"
 fi
 
-"$venv/bin/python" -c 'import importlib.metadata as m, superset.cli.main; print("superset:", m.version("apache-superset"), "imports")'
+"$venv/bin/python" -c 'import importlib.metadata as m, superset.cli.main; print("superset:", m.version("apache-superset"), "imports, dpsql-superset", m.version("dpsql-superset"))'
 say "ready: $venv/bin/superset (metadata template $template)"

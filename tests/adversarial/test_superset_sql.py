@@ -81,6 +81,22 @@ SUPERSET_SQL: list[tuple[str, str, str | None]] = [
         "  department\nLIMIT 1000",
         "answered",
     ),
+    # what contrib/superset's DpsqlEngineSpec makes Superset send instead (besides the LIMIT 0 probe above)
+    (
+        "superset-spec-aggregate-dataset-probe",
+        "SELECT\n  department,\n  COUNT(*) AS visits\nFROM visits\nGROUP BY\n  department\nLIMIT 0",
+        "answered",
+    ),
+    (
+        "superset-spec-table-preview",
+        "SELECT\n  department,\n  visit_date,\n  cost,\n  urgent\nFROM public.visits\nLIMIT 0",
+        "answered",
+    ),
+    (
+        "superset-spec-cost-estimate",
+        "EXPLAIN SELECT\n  department,\n  COUNT(*) AS count\nFROM public.visits\nGROUP BY\n  department",
+        "answered",
+    ),
 ]
 
 #: Applied in this order to the loaded demo: each neighbour differs from the first in patient 42 only.

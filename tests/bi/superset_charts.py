@@ -1,5 +1,11 @@
 """The Superset datasets and chart-data requests tests/bi/test_superset.py sends through Superset.
 
+Two Superset databases point at the same ``dpsql serve``: ``postgresql`` (Superset's PostgreSQL engine
+spec, ``postgresql+psycopg2://``) and ``dpsql`` (contrib/superset's ``DpsqlEngineSpec``, ``dpsql://``),
+plus ``dpsql_exhausted``, an analyst whose ε per query exceeds its whole budget (53P01). A dataset
+names its database (default ``postgresql``) and, when physical, its table (default: its name); a case
+names its dataset.
+
 Each query object is what the Superset 6.1 frontend's ``buildQuery`` for that chart type posts to
 ``/api/v1/chart/data`` (x-axis as a BASE_AXIS column, the TEMPORAL_RANGE filter of a time range, the
 pivot/contribution/histogram post-processing that Superset applies to the rows dpsql returns). Kept as
@@ -26,9 +32,19 @@ DATASETS: dict[str, dict[str, Any]] = {
     # a virtual dataset that is itself a DP aggregate: charts over it are outer queries over DP results
     # (its LIMIT 1 column probe is an aggregate query, answered and charged)
     "department_counts": {"sql": "SELECT department, COUNT(*) AS visits FROM visits GROUP BY department"},
+    # through dpsql:// (DpsqlEngineSpec): the physical table, the row-level SQL dataset synced as Superset
+    # does it (the spec makes the probe LIMIT 0), and the table for an analyst without budget left
+    "dpsql_visits": {"database": "dpsql", "table": "visits", "temporal": ["visit_date"], "main_dttm_col": "visit_date"},
+    "dpsql_visits_sql": {"database": "dpsql", "sql": VIRTUAL_ROWS_SQL, "temporal": ["visit_date"]},
+    # a row-level SQL dataset (Superset keeps one physical "visits" per metadata database): its LIMIT 0
+    # column probe is answered even without budget left, since it spends nothing
+    "exhausted_visits": {"database": "dpsql_exhausted", "sql": VIRTUAL_ROWS_SQL, "temporal": ["visit_date"]},
 }
 
 _EXTRAS: dict[str, Any] = {"having": "", "where": ""}
+
+#: An ad-hoc SQL metric (a SQL dataset has no saved "count" metric).
+_COUNT: dict[str, Any] = {"expressionType": "SQL", "sqlExpression": "COUNT(*)", "label": "count"}
 
 
 def _axis(column: str, grain: str | None = None) -> dict[str, Any]:
@@ -254,5 +270,139 @@ CASES: list[dict[str, Any]] = [
                 "row_limit": 1000,
             }
         ],
+    },
+    # --- the same charts through dpsql:// and DpsqlEngineSpec ---------------------------------------
+    {
+        "name": "dpsql_big_number",
+        "chart": "Big Number through dpsql:// (DpsqlEngineSpec)",
+        "dataset": "dpsql_visits",
+        "kind": "chart",
+        "queries": [{"metrics": ["count"], "columns": [], "filters": [], "extras": _EXTRAS, "row_limit": 10000}],
+    },
+    {
+        "name": "dpsql_bar",
+        "chart": "Bar chart through dpsql://: COUNT(*) by department",
+        "dataset": "dpsql_visits",
+        "kind": "chart",
+        "queries": [
+            {
+                "columns": [_axis("department")],
+                "metrics": ["count"],
+                "orderby": [["count", False]],
+                "filters": [],
+                "extras": _EXTRAS,
+                "row_limit": 10000,
+                "series_columns": [],
+                "series_limit": 0,
+                "order_desc": True,
+                "post_processing": _pivot("department"),
+            }
+        ],
+    },
+    {
+        "name": "dpsql_line_monthly",
+        "chart": "Line chart through dpsql://: COUNT(*) by month (the spec's DATE_TRUNC grain), 2021",
+        "dataset": "dpsql_visits",
+        "kind": "chart",
+        "queries": [
+            {
+                "time_range": TIME_RANGE,
+                "columns": [_axis("visit_date", "P1M")],
+                "metrics": ["count"],
+                "orderby": [["count", False]],
+                "filters": [{"col": "visit_date", "op": "TEMPORAL_RANGE", "val": TIME_RANGE}],
+                "extras": {**_EXTRAS, "time_grain_sqla": "P1M"},
+                "row_limit": 10000,
+                "series_columns": [],
+                "series_limit": 0,
+                "order_desc": True,
+                "post_processing": _pivot("visit_date"),
+            }
+        ],
+    },
+    {
+        "name": "dpsql_virtual_rows",
+        "chart": "Bar chart on the row-level virtual dataset through dpsql:// (synced by Superset: LIMIT 0)",
+        "dataset": "dpsql_visits_sql",
+        "kind": "chart",
+        "queries": [
+            {
+                "columns": ["department"],
+                "metrics": ["count"],
+                "orderby": [["count", False]],
+                "filters": [],
+                "extras": _EXTRAS,
+                "row_limit": 10000,
+            }
+        ],
+    },
+    {
+        "name": "dpsql_histogram",
+        "chart": "Histogram through dpsql:// (raw values): refused, with the spec's message",
+        "dataset": "dpsql_visits",
+        "kind": "chart",
+        "queries": [
+            {
+                "columns": ["cost"],
+                "filters": [],
+                "extras": _EXTRAS,
+                "row_limit": 10000,
+                "post_processing": [
+                    {
+                        "operation": "histogram",
+                        "options": {"column": "cost", "groupby": [], "bins": 10, "cumulative": False},
+                    }
+                ],
+            }
+        ],
+    },
+    {
+        "name": "dpsql_hourly",
+        "chart": "Line chart through dpsql:// by hour over the whole date range: 54000, the spec's message",
+        "dataset": "dpsql_visits",
+        "kind": "chart",
+        "queries": [
+            {
+                "columns": [_axis("visit_date", "PT1H")],
+                "metrics": ["count"],
+                "filters": [],
+                "extras": {**_EXTRAS, "time_grain_sqla": "PT1H"},
+                "row_limit": 10000,
+            }
+        ],
+    },
+    {
+        "name": "dpsql_minute_sqllab",
+        "chart": "A minute bucket typed in SQL Lab (a grain the spec does not offer): 0A000, the spec's message",
+        "dataset": "dpsql_visits",
+        "kind": "sqllab",
+        "sql": "SELECT DATE_TRUNC('minute', visit_date) AS t, COUNT(*) FROM visits GROUP BY 1",
+    },
+    {
+        "name": "dpsql_budget_exhausted",
+        "chart": "Big Number for an analyst whose budget cannot cover the query: 53P01, the spec's message",
+        "dataset": "exhausted_visits",
+        "kind": "chart",
+        "queries": [{"metrics": [_COUNT], "columns": [], "filters": [], "extras": _EXTRAS, "row_limit": 10000}],
+    },
+    {
+        "name": "dpsql_budget_exhausted_sqllab",
+        "chart": "The same refusal as SQL Lab reports it (engine spec's extract_errors / custom_errors)",
+        "dataset": "exhausted_visits",
+        "kind": "sqllab",
+        "sql": "SELECT COUNT(*) AS count FROM visits",
+    },
+    {
+        "name": "dpsql_preview",
+        "chart": "SQL Lab's table preview (engine spec's select_star): the synced columns, LIMIT 0",
+        "dataset": "dpsql_visits",
+        "kind": "select_star",
+    },
+    {
+        "name": "dpsql_estimate",
+        "chart": "SQL Lab's estimate cost (QueryEstimationCommand): dpsql's EXPLAIN, free",
+        "dataset": "dpsql_visits",
+        "kind": "estimate",
+        "sql": "SELECT department, COUNT(*) AS count FROM public.visits GROUP BY department",
     },
 ]

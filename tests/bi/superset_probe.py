@@ -1,13 +1,16 @@
 """Drive Apache Superset's own Python code against a running `dpsql serve`; run with the Superset venv.
 
 Imported by nothing in dpsql: tests/bi/test_superset.py runs ``.superset-venv/bin/python
-tests/bi/superset_probe.py`` with a JSON job on stdin (the SQLAlchemy URI of the dpsql server, the
-datasets and chart cases, an output path) and reads the JSON written there. Superset's metadata
-database is a copy of the SQLite file scripts/superset.sh prepared (``superset db upgrade`` + ``init``
-+ an admin user); SUPERSET_CONFIG_PATH points at it. Everything goes through Superset's own code:
-``Database``, ``SqlaTable.fetch_metadata`` ("Sync columns from source"), ``QueryContextFactory`` +
-``ChartDataCommand`` (what ``POST /api/v1/chart/data`` runs) and ``values_for_column`` (the filter-value
-dropdown), so the SQL dpsql sees is the SQL a Superset user's chart sends.
+tests/bi/superset_probe.py`` with a JSON job on stdin (the Superset databases — name, SQLAlchemy URI of
+the dpsql server, a prefix for their setup steps —, the datasets and chart cases, an output path) and
+reads the JSON written there. Superset's metadata database is a copy of the SQLite file
+scripts/superset.sh prepared (``superset db upgrade`` + ``init`` + an admin user); SUPERSET_CONFIG_PATH
+points at it. Everything goes through Superset's own code: ``Database``, ``SqlaTable.fetch_metadata``
+("Sync columns from source"), ``QueryContextFactory`` + ``ChartDataCommand`` (what ``POST
+/api/v1/chart/data`` runs), ``values_for_column`` (the filter-value dropdown), ``Database.select_star``
+(SQL Lab's table preview), ``QueryEstimationCommand`` (SQL Lab's "estimate cost") and the engine spec's
+``extract_errors`` (how SQL Lab reports an error), so the SQL dpsql sees is the SQL a Superset user's
+chart sends.
 
 Only observation is added: psycopg2 connections get a cursor class that records every statement on the
 wire with the SQLSTATE (``pgcode``) and primary message the server sent, since Superset replaces the
@@ -114,23 +117,41 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         return value
 
     with override_user(admin):
-        database = Database(database_name="dpsql", sqlalchemy_uri=job["uri"], expose_in_sqllab=True)
-        db.session.add(database)
-        db.session.commit()
+        out["engine_specs"] = _engine_specs()
+        databases: dict[str, Database] = {}
+        for entry in job["databases"]:
+            database = Database(database_name=entry["name"], sqlalchemy_uri=entry["uri"], expose_in_sqllab=True)
+            db.session.add(database)
+            db.session.commit()
+            databases[entry["name"]] = database
+            spec = database.db_engine_spec
+            out["engine_specs"][entry["name"]] = {
+                "backend": database.backend,
+                "spec": f"{spec.__module__}.{spec.__qualname__}",
+                "engine_name": spec.engine_name,
+                "time_grains": [g.duration for g in spec.get_time_grains()],
+                "column_probe_limit": database.get_column_description_limit_size(),
+            }
+            prefix = entry.get("prefix", "")
 
-        def test_connection() -> bool:  # what "Test connection" in the database dialog runs
-            from superset.commands.database.utils import ping
+            def test_connection(database: Database = database) -> bool:  # "Test connection" in the dialog
+                from superset.commands.database.utils import ping
 
-            with database.get_sqla_engine() as engine:
-                return bool(ping(engine))
+                with database.get_sqla_engine() as engine:
+                    return bool(ping(engine))
 
-        step("test connection", test_connection)
-        step("connect: dialect probes", lambda: database.get_all_table_names_in_schema(None, "public"))
+            step(f"{prefix}test connection", test_connection)
+            step(
+                f"{prefix}connect: dialect probes",
+                lambda database=database: database.get_all_table_names_in_schema(None, "public"),
+            )
 
         tables: dict[str, SqlaTable] = {}
         for name, spec in job["datasets"].items():
+            database = databases[spec.get("database", job["databases"][0]["name"])]
+            prefix = next(e.get("prefix", "") for e in job["databases"] if e["name"] == database.database_name)
             table = SqlaTable(
-                table_name=name,
+                table_name=spec.get("table", name),  # a physical dataset is named after its table
                 schema=None if spec.get("sql") else "public",
                 sql=spec.get("sql"),
                 database=database,
@@ -143,11 +164,11 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
                 original, limit = Database.get_column_description_limit_size, int(spec["column_probe_limit"])
                 Database.get_column_description_limit_size = lambda self, n=limit: n  # type: ignore[method-assign]
                 try:
-                    step(f"sync columns: {name}", table.fetch_metadata)
+                    step(f"{prefix}sync columns: {name}", table.fetch_metadata)
                 finally:
                     Database.get_column_description_limit_size = original  # type: ignore[method-assign]
             else:
-                step(f"sync columns: {name}", table.fetch_metadata)
+                step(f"{prefix}sync columns: {name}", table.fetch_metadata)
             for column in table.columns:
                 if column.column_name in spec.get("temporal", []):
                     column.is_dttm = True
@@ -165,6 +186,26 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
                     values = table.values_for_column(case["column"], limit=case.get("limit", 1000))
                     record["rows"] = len(values)
                     record["sql"] = [w["sql"] for w in WIRE if w["sqlstate"] is not None][-1:]
+                elif case["kind"] == "select_star":  # SQL Lab's data preview of a table
+                    from superset.sql.parse import Table
+
+                    sql = table.database.select_star(Table(table.table_name, table.schema), show_cols=False)
+                    record["sql"] = [sql]
+                    record["rows"] = [len(table.database.get_df(sql, None, table.schema))]
+                elif case["kind"] == "estimate":  # SQL Lab's "estimate cost" button
+                    from superset.commands.sql_lab.estimate import QueryEstimationCommand
+
+                    params = {"database_id": table.database.id, "sql": case["sql"], "template_params": {}}
+                    record["estimate"] = QueryEstimationCommand({**params, "catalog": None, "schema": "public"}).run()
+                    record["sql"] = [case["sql"]]
+                    record["rows"] = [len(record["estimate"])]
+                elif case["kind"] == "sqllab":  # a statement run as SQL Lab runs it; errors as SQL Lab reports them
+                    record["sql"] = [case["sql"]]
+                    try:
+                        record["rows"] = [len(table.database.get_df(case["sql"], None, table.schema))]
+                    except Exception as exc:
+                        errors = table.database.db_engine_spec.extract_errors(exc)
+                        record["sqllab_errors"] = [{"type": str(e.error_type), "message": e.message} for e in errors]
                 else:
                     context = QueryContextFactory().create(
                         datasource={"id": table.id, "type": "table"},
@@ -187,6 +228,32 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
                 record.update(outcome="failed", sqlstate=None, message=record.get("exception"))
             out["cases"].append(record)
     return out
+
+
+def _engine_specs() -> dict[str, Any]:
+    """How Superset finds dpsql's engine spec: by its entry point, for the backend of dpsql:// URIs."""
+    from superset.db_engine_specs import get_available_engine_specs, get_engine_spec
+
+    def name(spec: Any) -> str:
+        return f"{spec.__module__}.{spec.__qualname__}"
+
+    available = {name(spec): sorted(drivers) for spec, drivers in get_available_engine_specs().items()}
+    uris: dict[str, Any] = {}  # the dialect's ?epsilon=: what psycopg2 would be given, or the refusal
+    for uri in ("dpsql://a@h/db?epsilon=0.5", "dpsql://a@h/db?epsilon=0.5%20-c%20dpsql.mechanism%3Dgaussian"):
+        from sqlalchemy.engine import make_url
+
+        url = make_url(uri)
+        try:
+            uris[uri] = url.get_dialect()().create_connect_args(url)[1].get("options")
+        except ValueError as exc:
+            uris[uri] = f"ValueError: {exc}"
+    return {
+        "dialect_options": uris,
+        "get_engine_spec(dpsql)": name(get_engine_spec("dpsql")),
+        "get_engine_spec(dpsql, psycopg2)": name(get_engine_spec("dpsql", "psycopg2")),
+        "get_engine_spec(postgresql, psycopg2)": name(get_engine_spec("postgresql", "psycopg2")),
+        "available": {k: v for k, v in available.items() if "dpsql" in k or k.endswith(".PostgresEngineSpec")},
+    }
 
 
 if __name__ == "__main__":

@@ -2,9 +2,11 @@
 
 Superset runs in its own venv (``bash scripts/superset.sh``; it pins SQLAlchemy 1.4 and cannot share
 dpsql's). tests/bi/superset_probe.py is run with that venv's Python: it creates Superset's Flask app
-on a copy of a prepared SQLite metadata database, registers ``postgresql+psycopg2://alice@…/clinic``,
-syncs the tables' columns and sends each chart-data request of tests/bi/superset_charts.py through
-Superset's own ``ChartDataCommand``. Every statement Superset's connections put on the wire is recorded
+on a copy of a prepared SQLite metadata database, registers ``postgresql+psycopg2://alice@…/clinic``
+(Superset's PostgreSQL engine spec) and ``dpsql://alice@…/clinic`` (contrib/superset's
+``DpsqlEngineSpec``, installed by scripts/superset.sh and found through its entry point), syncs the
+tables' columns and sends each chart-data request of tests/bi/superset_charts.py through Superset's
+own ``ChartDataCommand``. Every statement Superset's connections put on the wire is recorded
 with the SQLSTATE dpsql answered.
 
 What this shows about privacy: Superset sees only what any client sees — its schema sync reaches the
@@ -47,7 +49,9 @@ TEMPLATE = VENV / "dpsql" / "superset.db"
 PROBE = Path(__file__).with_name("superset_probe.py")
 RESULTS = Path(__file__).with_name("superset_results.json")
 EPSILON = 0.5  # per query, set through the connection's startup options as docs/bi.md shows
+DPSQL_EPSILON = 0.25  # per query through dpsql://…?epsilon=0.25 (another ε: no cache hit on the same SQL)
 ANALYST = "alice"
+BROKE = "analyst"  # the dpsql_exhausted database: its ε per query (25) exceeds its whole budget (20)
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,8 @@ class Expect:
     waiting_for: str | None = None
     cached: bool = False  # answered from dpsql's result cache: nothing charged
     free: bool = False  # answered from the policy alone (keys with a public domain, no measurement): nothing charged
+    epsilon: float = EPSILON  # charged per answered statement
+    says: str | None = None  # what Superset shows for a refused chart (DpsqlEngineSpec's message)
 
 
 EXPECTED: dict[str, Expect] = {
@@ -88,6 +94,34 @@ EXPECTED: dict[str, Expect] = {
     # and its charts are aggregates over a filter-only sub-query, inlined
     "virtual_rows_limit0": Expect("answered"),
     "virtual_aggregate": Expect("answered"),  # post-processing over the DP sub-query in the sandbox
+    # through dpsql:// and DpsqlEngineSpec
+    "dpsql_big_number": Expect("answered", epsilon=DPSQL_EPSILON),
+    "dpsql_bar": Expect("answered", epsilon=DPSQL_EPSILON),
+    "dpsql_line_monthly": Expect("answered", epsilon=DPSQL_EPSILON),
+    # the row-level SQL dataset: Superset's own sync got its columns (LIMIT 0 probe), so its chart works
+    "dpsql_virtual_rows": Expect("answered", epsilon=DPSQL_EPSILON),
+    "dpsql_histogram": Expect(
+        "refused",
+        "42803",
+        'column "visits.cost" must appear in the GROUP BY clause or be used in an aggregate function',
+        says="Error: dpsql releases aggregates only, never individual rows (SQLSTATE 42803: column "
+        '"visits.cost" must appear in the GROUP BY clause or be used in an aggregate function). Give the chart '
+        "a metric (COUNT, SUM, AVG, …)",
+    ),
+    "dpsql_hourly": Expect(
+        "refused",
+        "54000",
+        "GROUP BY key \"DATE_TRUNC('HOUR', visit_date)\" would release 43825 groups (more than 10000)",
+        says="Error: This chart would have 43825 groups for \"DATE_TRUNC('HOUR', visit_date)\", more than dpsql "
+        "releases in one answer (SQLSTATE 54000). Choose a coarser time grain or bucket, or narrow the time range.",
+    ),
+    "dpsql_budget_exhausted": Expect(
+        "refused",
+        "53P01",
+        f'privacy budget exhausted for analyst "{BROKE}"',
+        says=f'Error: The privacy budget of analyst "{BROKE}" cannot cover this query, so dpsql did not run it '
+        "and charged nothing (SQLSTATE 53P01).",
+    ),
 }
 
 
@@ -136,29 +170,59 @@ def dpsql_serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 def superset(
     dpsql_serve: Served, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> dict[str, Any]:
-    """Run every dataset sync and chart request through Superset once; the tests below read the record."""
+    """Run every dataset sync and chart request through Superset once; the tests below read the record.
+
+    One Superset (metadata database) per group of Superset databases: Superset's SQLite metadata schema
+    keeps a UNIQUE(table_name) on datasets, so the physical ``visits`` can be a dataset of only one
+    database per metadata file. Both groups talk to the same ``dpsql serve`` and ledger.
+    """
     python = VENV / "bin" / "python"
     if not python.exists() or not TEMPLATE.exists():
         pytest.fail(f"Superset is not installed in {VENV}: run `bash scripts/superset.sh` first (~4 min)")
     port = dpsql_serve.port
-    work = tmp_path_factory.mktemp("superset")
+    options = f"-c dpsql.epsilon={EPSILON}".replace(" ", "%20").replace("=", "%3D")
+    databases = [
+        {"name": "postgresql", "uri": f"postgresql+psycopg2://{ANALYST}@127.0.0.1:{port}/clinic?options={options}"},
+        {
+            "name": "dpsql",
+            "uri": f"dpsql://{ANALYST}@127.0.0.1:{port}/clinic?epsilon={DPSQL_EPSILON}",
+            "prefix": "dpsql: ",
+        },
+        {
+            "name": "dpsql_exhausted",
+            "uri": f"dpsql://{BROKE}@127.0.0.1:{port}/clinic?epsilon=25",
+            "prefix": "dpsql_exhausted: ",
+        },
+    ]
+    record: dict[str, Any] = {"setup": [], "cases": [], "columns": {}, "metrics": {}, "engine_specs": {}}
+    for group in (["postgresql"], ["dpsql", "dpsql_exhausted"]):
+        datasets = {k: v for k, v in DATASETS.items() if v.get("database", "postgresql") in group}
+        job = {
+            "databases": [d for d in databases if d["name"] in group],
+            "datasets": datasets,
+            "cases": [c for c in CASES if c["dataset"] in datasets],
+        }
+        part = _run_probe(python, job, tmp_path_factory.mktemp("superset"))
+        for key in ("setup", "cases"):
+            record[key].extend(part[key])
+        for key in ("columns", "metrics", "engine_specs"):
+            record[key].update(part[key])
+    _report(record, request.config)
+    return record
+
+
+def _run_probe(python: Path, job: dict[str, Any], work: Path) -> dict[str, Any]:
+    """tests/bi/superset_probe.py with Superset's venv, on a fresh copy of the metadata template."""
     shutil.copy(TEMPLATE, work / "superset.db")
     metadata = "sqlite:///" + str(work / "superset.db")
     (work / "superset_config.py").write_text(
         f"SECRET_KEY = {secrets.token_hex(32)!r}\nSQLALCHEMY_DATABASE_URI = {metadata!r}\n"
     )
-    options = f"-c dpsql.epsilon={EPSILON}".replace(" ", "%20").replace("=", "%3D")
-    job = {
-        "uri": f"postgresql+psycopg2://{ANALYST}@127.0.0.1:{port}/clinic?options={options}",
-        "datasets": DATASETS,
-        "cases": CASES,
-        "output": str(work / "out.json"),
-    }
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(SUPERSET_CONFIG_PATH=str(work / "superset_config.py"), SUPERSET_HOME=str(work))
     done = subprocess.run(
         [str(python), str(PROBE)],
-        input=json.dumps(job),
+        input=json.dumps({**job, "output": str(work / "out.json")}),
         env=env,
         cwd=work,
         capture_output=True,
@@ -166,9 +230,8 @@ def superset(
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-5000:]
-    record: dict[str, Any] = json.loads((work / "out.json").read_text())
-    _report(record, request.config)
-    return record
+    result: dict[str, Any] = json.loads((work / "out.json").read_text())
+    return result
 
 
 def _epsilons(wire: list[dict[str, Any]]) -> list[float]:
@@ -192,9 +255,17 @@ def _report(record: dict[str, Any], config: pytest.Config) -> None:
     for row in rows:
         expect = EXPECTED.get(row["case"])
         row["waiting_for"] = expect.waiting_for if expect else None
-    RESULTS.write_text(
-        json.dumps({"superset": "6.1.0", "epsilon_per_query": EPSILON, "results": rows}, indent=1) + "\n"
-    )
+    for row, case in zip(rows[len(record["setup"]) :], record["cases"], strict=True):
+        for key in ("estimate", "sqllab_errors"):
+            if key in case:
+                row[key] = case[key]
+    summary = {
+        "superset": "6.1.0",
+        "epsilon_per_query": {"postgresql": EPSILON, "dpsql": DPSQL_EPSILON},
+        "engine_specs": record["engine_specs"],
+        "results": rows,
+    }
+    RESULTS.write_text(json.dumps(summary, indent=1) + "\n")
     out = config.pluginmanager.get_plugin("terminalreporter")
     capture = config.pluginmanager.get_plugin("capturemanager")
     if out is None or capture is None:
@@ -202,7 +273,8 @@ def _report(record: dict[str, Any], config: pytest.Config) -> None:
     with capture.global_and_fixture_disabled():
         out.write_line("")
         out.write_line(
-            f"Superset 6.1.0 against dpsql serve (clinic demo, ε={EPSILON} per query) → tests/bi/{RESULTS.name}"
+            f"Superset 6.1.0 against dpsql serve (clinic demo, ε={EPSILON} per query through postgresql://, "
+            f"{DPSQL_EPSILON} through dpsql://) → tests/bi/{RESULTS.name}"
         )
         for row in rows:
             status = row["outcome"] + (f" {row['sqlstate']}" if row["outcome"] == "refused" else "")
@@ -281,6 +353,8 @@ def test_chart(superset: dict[str, Any], name: str) -> None:
     if expect.outcome == "refused":
         assert (case["sqlstate"], case["message"]) == (expect.sqlstate, expect.message)
         assert _epsilons(case["wire"]) == [], "a refusal before the run must not be charged"
+        if expect.says:  # what the chart shows in Superset: DpsqlEngineSpec's text, dpsql's message kept
+            assert case["exception"].startswith(f"ChartDataQueryFailedError: {expect.says}"), case["exception"]
         return
     assert case.get("superset_errors") in (None, [])
     charged = _epsilons(case["wire"])
@@ -291,7 +365,7 @@ def test_chart(superset: dict[str, Any], name: str) -> None:
         notices = [n for w in case["wire"] for n in w.get("notices") or []]
         assert any("answered from the result cache" in n for n in notices), notices
     else:
-        assert charged and all(e == EPSILON for e in charged), charged
+        assert charged and all(e == expect.epsilon for e in charged), charged
     rows = case["rows"] if isinstance(case["rows"], list) else [case["rows"]]  # a values request: one count
     assert all(r is not None and r > 0 for r in rows), case["rows"]
 
@@ -328,3 +402,88 @@ def test_server_log_has_no_internal_error(superset: dict[str, Any], dpsql_serve:
     text = "".join(dpsql_serve.log)
     assert "XX000" not in text and "Traceback" not in text, text[-3000:]
     assert any("alice" in line for line in dpsql_serve.log), "the per-query log lines are missing"
+
+
+DPSQL_SPEC = "dpsql_superset.engine_spec.DpsqlEngineSpec"
+
+
+def test_engine_spec_found_through_its_entry_point(superset: dict[str, Any]) -> None:
+    """Superset resolves dpsql:// to DpsqlEngineSpec (entry point), postgresql:// still to PostgreSQL's."""
+    specs = superset["engine_specs"]
+    assert specs["get_engine_spec(dpsql)"] == DPSQL_SPEC
+    assert specs["get_engine_spec(dpsql, psycopg2)"] == DPSQL_SPEC
+    assert specs["get_engine_spec(postgresql, psycopg2)"].endswith(".postgres.PostgresEngineSpec")
+    assert specs["available"][DPSQL_SPEC] == ["psycopg2"]  # listed in "+ Database", through its dialect
+    assert specs["dpsql"]["backend"] == "dpsql"
+    assert (specs["dpsql"]["spec"], specs["dpsql"]["engine_name"]) == (DPSQL_SPEC, "dpsql (differential privacy)")
+    assert specs["postgresql"]["spec"].endswith(".PostgresEngineSpec")
+    assert (specs["dpsql"]["column_probe_limit"], specs["postgresql"]["column_probe_limit"]) == (0, 1)
+    # only the DATE_TRUNC grains dpsql answers are offered (no second/minute arithmetic)
+    assert specs["dpsql"]["time_grains"] == ["PT1H", "P1D", "P1W", "P1M", "P3M", "P1Y", "1969-12-29T00:00:00Z/P1W"]
+    # ?epsilon= becomes a startup option; a value that is not one number is refused before connecting
+    assert specs["dialect_options"] == {
+        "dpsql://a@h/db?epsilon=0.5": "-c dpsql.epsilon=0.5",
+        "dpsql://a@h/db?epsilon=0.5%20-c%20dpsql.mechanism%3Dgaussian": "ValueError: dpsql URI parameter "
+        "epsilon='0.5 -c dpsql.mechanism=gaussian' is not a number",
+    }
+    steps = {s["step"]: s for s in superset["setup"]}
+    for prefix in ("dpsql: ", "dpsql_exhausted: "):
+        for name in ("test connection", "connect: dialect probes"):
+            assert steps[prefix + name]["outcome"] == "answered", steps[prefix + name]
+            assert _epsilons(steps[prefix + name]["wire"]) == []
+
+
+def test_dpsql_virtual_dataset_synced_by_superset_with_limit0(superset: dict[str, Any]) -> None:
+    """Superset's own sync of a row-level SQL dataset through dpsql:// sends LIMIT 0: columns, free."""
+    step = next(s for s in superset["setup"] if s["step"] == "dpsql: sync columns: dpsql_visits_sql")
+    assert step["outcome"] == "answered", (step["sqlstate"], step["message"])
+    probes = [w["sql"].rstrip() for w in step["wire"] if "FROM visits" in w["sql"]]
+    assert probes and all(p.endswith("LIMIT 0") for p in probes), step["wire"]
+    assert _epsilons(step["wire"]) == []
+    assert superset["columns"]["dpsql_visits_sql"] == ["cost", "department", "visit_date"]
+
+
+def test_dpsql_table_preview_is_limit0_and_free(superset: dict[str, Any]) -> None:
+    """SQL Lab's table preview lists the synced columns with LIMIT 0 (SELECT * would be refused, 42803)."""
+    case = _case(superset, "dpsql_preview")
+    assert case["outcome"] == "answered", (case["sqlstate"], case["message"], case.get("exception"))
+    sql = " ".join(case["sql"][0].split())
+    assert sql == "SELECT department, visit_date, cost, urgent FROM public.visits LIMIT 0", sql  # catalog order
+    assert case["rows"] == [0]
+    assert _epsilons(case["wire"]) == []
+
+
+def test_dpsql_cost_estimate_is_dpsqls_explain(superset: dict[str, Any]) -> None:
+    """SQL Lab's "estimate cost" shows the ε the query would be charged, from EXPLAIN, which spends nothing."""
+    case = _case(superset, "dpsql_estimate")
+    assert case["outcome"] == "answered", (case["sqlstate"], case["message"], case.get("exception"))
+    explained = [" ".join(w["sql"].split()) for w in case["wire"] if w["sql"].startswith("EXPLAIN")]
+    assert explained == [f"EXPLAIN {case['sql'][0]}"]
+    (estimate,) = case["estimate"]
+    assert (estimate["epsilon"], estimate["delta"], estimate["mechanism"]) == (str(DPSQL_EPSILON), "0", "laplace")
+    assert estimate["ci95"].startswith("count ci95=±")
+    assert _epsilons(case["wire"]) == []
+
+
+def test_dpsql_budget_refusal_as_sql_lab_reports_it(superset: dict[str, Any]) -> None:
+    """SQL Lab turns the 53P01 into the spec's friendly error (custom_errors), nothing charged."""
+    case = _case(superset, "dpsql_budget_exhausted_sqllab")
+    assert (case["sqlstate"], case["message"]) == ("53P01", f'privacy budget exhausted for analyst "{BROKE}"')
+    (error,) = case["sqllab_errors"]
+    assert error["type"] == "QUERY_SECURITY_ACCESS_ERROR"
+    assert error["message"].startswith(f'The privacy budget of analyst "{BROKE}" cannot cover this query'), error
+    assert _epsilons(case["wire"]) == []
+
+
+def test_dpsql_unsupported_shape_as_sql_lab_reports_it(superset: dict[str, Any]) -> None:
+    """A 0A000 (a minute bucket) in SQL Lab: the spec's message around dpsql's own, nothing charged."""
+    case = _case(superset, "dpsql_minute_sqllab")
+    assert (case["sqlstate"], case["message"]) == ("0A000", 'DATE_TRUNC("minute") is not supported in GROUP BY')
+    (error,) = case["sqllab_errors"]
+    assert error == {
+        "type": "GENERIC_DB_ENGINE_ERROR",
+        "message": 'dpsql does not answer this query shape (SQLSTATE 0A000: DATE_TRUNC("minute") is not supported '
+        "in GROUP BY). Simplify the chart: no series limit, simple metrics over declared columns, time grains "
+        "from hour to year.",
+    }
+    assert _epsilons(case["wire"]) == []
