@@ -6,7 +6,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 import duckdb
 import numpy as np
@@ -49,7 +49,7 @@ class DuckDBBackend(BackendDefaults):
     dialect = "duckdb"
     #: DuckDB's HASH orders a heavy unit's cells an order of magnitude cheaper than md5, and MIN_BY
     #: keeps a unit's first rows in one aggregation (measured with bench/person.py).
-    row_hash = "duckdb"
+    row_hash: Literal["md5", "duckdb"] = "duckdb"
     top_rows = True
 
     def __init__(self, url: str, *, statement_timeout_ms: int | None = None) -> None:

@@ -182,7 +182,7 @@ def _unit_name(plan: Plan, names: dict[str, str]) -> str | None:
     return names.get(plan.unit.sql())
 
 
-def _distinct_unit(node: exp.Expression, unit: str | None) -> bool:
+def _distinct_unit(node: exp.Expr, unit: str | None) -> bool:
     """``COUNT(DISTINCT unit)``: 1 in each kept cell of the unit, whatever rows are kept."""
     inner = node.this.expressions if isinstance(node, exp.Count) and isinstance(node.this, exp.Distinct) else []
     return len(inner) == 1 and isinstance(inner[0], exp.Column) and inner[0].name == unit
@@ -228,7 +228,7 @@ def _bound_by_cells(
     source = {names[sql]: columns[sql] for sql in columns}
     unit = _unit_name(plan, names)
     room, size = exp.column("__room", quoted=True), exp.column("__n", quoted=True)
-    partials: list[exp.Expression] = []
+    partials: list[exp.Expr] = []
     for j, node in enumerate(_aggregates(outer)):
         partial = node.copy().transform(
             lambda n: source[n.name].copy() if isinstance(n, exp.Column) and n.name in source else n, copy=False
@@ -281,7 +281,7 @@ def _bound_by_cells(
     )
 
 
-def _integer_sum(node: exp.Expression, plan: Plan) -> bool:
+def _integer_sum(node: exp.Expr, plan: Plan) -> bool:
     """Whether a SUM adds integers (its measure is released as an integer, not centred or squared)."""
     if not isinstance(node, exp.Sum):
         return True  # counts
@@ -294,7 +294,7 @@ def _integer_sum(node: exp.Expression, plan: Plan) -> bool:
 
 
 def _scaled(
-    node: exp.Expression, value: exp.Column, room: exp.Column, size: exp.Column, integer: bool
+    node: exp.Expr, value: exp.Column, room: exp.Column, size: exp.Column, integer: bool
 ) -> exp.Expression:
     """``room / n`` of a crossing cell's partial: exact for COUNT(*), truncated toward zero for other
     integers (so never beyond ``room`` rows' worth), in double precision for float sums. The integer
