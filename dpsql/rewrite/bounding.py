@@ -293,9 +293,7 @@ def _integer_sum(node: exp.Expr, plan: Plan) -> bool:
     return measure.integer and measure.centre == 0 and not measure.square
 
 
-def _scaled(
-    node: exp.Expr, value: exp.Column, room: exp.Column, size: exp.Column, integer: bool
-) -> exp.Expression:
+def _scaled(node: exp.Expr, value: exp.Column, room: exp.Column, size: exp.Column, integer: bool) -> exp.Expression:
     """``room / n`` of a crossing cell's partial: exact for COUNT(*), truncated toward zero for other
     integers (so never beyond ``room`` rows' worth), in double precision for float sums. The integer
     form ``(p DIV n)·room + ((p MOD n)·room) DIV n`` equals ``trunc(p·room / n)`` without forming p·room."""
