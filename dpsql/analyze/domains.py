@@ -31,6 +31,7 @@ from typing import Any
 
 from sqlglot import exp
 
+from dpsql.analyze.fold import Interval, parse_interval
 from dpsql.analyze.expressions import (
     MAX_MAGNITUDE,
     UNDERFLOW_EXPONENT,
@@ -39,7 +40,13 @@ from dpsql.analyze.expressions import (
     bound,
     clamp_sql,
 )
-from dpsql.errors import DatatypeMismatch, FeatureNotSupported, ProgramLimitExceeded, UndefinedFunction
+from dpsql.errors import (
+    DatatypeMismatch,
+    DatetimeFieldOverflow,
+    FeatureNotSupported,
+    ProgramLimitExceeded,
+    UndefinedFunction,
+)
 from dpsql.pgtypes import PgType
 from dpsql.policy import PG_TYPE_NAMES, ColumnPolicy, Scalar
 
@@ -214,6 +221,112 @@ def _count_buckets(unit: str, current: dt.datetime, last: dt.datetime, seen: int
         return seen + int(span.total_seconds() // per)
     months = (last.year - current.year) * 12 + last.month - current.month
     return seen + months // {"year": 12, "quarter": 3, "month": 1}[unit]
+
+
+def _bin_stride(node: exp.Expression) -> int:
+    """date_bin's stride in microseconds, refused as PostgreSQL refuses it (months: 0A000, ≤ 0: 22008)."""
+    value: object = None
+    if isinstance(node, exp.Interval) and isinstance(node.this, exp.Literal):
+        unit = node.args.get("unit")
+        value = parse_interval(f"{node.this.name} {unit.name.lower()}" if unit is not None else node.this.name)
+    elif isinstance(node, exp.Literal) and node.is_string:
+        value = parse_interval(node.name)
+    elif (
+        isinstance(node, exp.Cast) and isinstance(node.this, exp.Literal) and node.to.this == exp.DataType.Type.INTERVAL
+    ):
+        value = parse_interval(node.this.name)
+    if not isinstance(value, Interval):
+        raise FeatureNotSupported(
+            "date_bin in GROUP BY needs a constant stride", hint="Write date_bin('15 minutes', column, origin)."
+        )
+    if value.months:
+        raise FeatureNotSupported("timestamps cannot be binned into intervals containing months or years")
+    micros = value.days * 86_400_000_000 + value.micros
+    if micros <= 0:
+        raise DatetimeFieldOverflow("stride must be greater than zero")
+    return micros
+
+
+def _bin_origin(node: exp.Expression | None) -> tuple[dt.datetime, str]:
+    """date_bin's origin and how PostgreSQL types it: ``timestamp``, ``date`` or ``unknown`` (a bare string,
+    which sqlglot reads as a Var). Anything but a constant is refused: the bins must follow from the query."""
+    if node is None:
+        raise UndefinedFunction("function date_bin(unknown, timestamp without time zone) does not exist")
+    text, kind = None, "unknown"
+    if isinstance(node, exp.Var) or (isinstance(node, exp.Literal) and node.is_string):
+        text = node.name
+    elif isinstance(node, exp.Cast) and isinstance(node.this, exp.Literal) and node.this.is_string:
+        if node.to.this in (exp.DataType.Type.DATE, exp.DataType.Type.TIMESTAMP):
+            text, kind = node.this.name, "date" if node.to.this == exp.DataType.Type.DATE else "timestamp"
+    try:
+        origin = dt.datetime.fromisoformat(text.strip()) if text is not None else None
+    except ValueError:
+        origin = None
+    if origin is None or origin.tzinfo is not None:
+        raise FeatureNotSupported(
+            "date_bin in GROUP BY needs a constant origin without time zone",
+            hint="Write date_bin('15 minutes', column, TIMESTAMP '2000-01-01').",
+        )
+    return origin, kind
+
+
+def date_bin(stride: int, value: dt.datetime, origin: dt.datetime) -> dt.datetime:
+    """PostgreSQL's ``date_bin(stride, value, origin)`` (stride in µs): floors toward −∞, before the origin too."""
+    diff = (value - origin) // dt.timedelta(microseconds=1)
+    return origin + dt.timedelta(microseconds=diff - diff % stride)
+
+
+def _date_bin(node: exp.DateBin, resolve: Resolve) -> KeyExpr:
+    """``date_bin(stride, column, origin)`` over a clamped date/timestamp column (Grafana, Superset time grains).
+
+    Computed as DATE_BIN on PostgreSQL and TIME_BUCKET on DuckDB over timestamps, with the stride in
+    microseconds (both floor toward −∞ from the origin, as PostgreSQL ≥ 14.2 does); the domain is every
+    bin from bin(lower) to bin(upper), from the policy's (WHERE-narrowed) bounds: no data. Typed as
+    PostgreSQL types it: ``timestamp with time zone`` for a date column and an untyped or date origin
+    (PostgreSQL then resolves ``date_bin(interval, timestamptz, timestamptz)``; the session is UTC, so
+    the bins are the same instants), ``timestamp`` otherwise.
+    """
+    stride = _bin_stride(node.this)
+    given = node.args.get("origin") or node.args.get("unit")  # sqlglot reads the third argument as a unit
+    origin, origin_kind = _bin_origin(given)
+    if isinstance(given, exp.Var):  # shown as written ('2001-01-01') in messages
+        node = node.copy()
+        node.set("unit", None)
+        node.set("origin", exp.Literal.string(given.name))
+    target = node.expression
+    cast_to_timestamp = isinstance(target, exp.Cast) and target.to.this == exp.DataType.Type.TIMESTAMP
+    column, policy = _time_column("date_bin", target, resolve)
+    if policy.type not in ("date", "timestamp"):
+        raise UndefinedFunction(f"function date_bin(unknown, {PG_TYPE_NAMES[policy.type]}, unknown) does not exist")
+    source_date = policy.type == "date" and not cast_to_timestamp
+    pg_type: PgType = "timestamp with time zone" if source_date and origin_kind != "timestamp" else "timestamp"
+    stamp = exp.DataType.Type.TIMESTAMP
+    binned = exp.DateBin(
+        this=exp.cast(exp.Literal.string(f"{stride} microseconds"), exp.DataType.Type.INTERVAL),
+        expression=exp.cast(_clamped_date(column, policy), stamp),
+        origin=exp.cast(exp.Literal.string(origin.isoformat(sep=" ")), stamp),
+    )
+    sql = exp.cast(binned, stamp)
+    pinned = _date_values(policy)
+    try:
+        if pinned is not None:
+            bins = (date_bin(stride, v, origin) for v in pinned)
+            return KeyExpr(sql, pg_type, _finite(node, bins, policy.nullable), False)
+        low, high = _date_bounds(policy)
+        first, last = date_bin(stride, low, origin), date_bin(stride, high, origin)
+    except OverflowError:
+        raise FeatureNotSupported(
+            "date_bin in GROUP BY would produce bins outside years 1 to 9999",
+            hint="Bound the column or move the origin closer to its values.",
+        ) from None
+    if not policy.bounded:
+        return KeyExpr(sql, pg_type, None, policy.nullable)
+    count = (last - first) // dt.timedelta(microseconds=stride) + 1
+    if count > MAX_DERIVED_GROUPS:
+        raise _too_many(node, count)
+    step = dt.timedelta(microseconds=stride)
+    return KeyExpr(sql, pg_type, _finite(node, (first + step * i for i in range(count)), policy.nullable),
+                   policy.nullable)  # fmt: skip
 
 
 #: EXTRACT fields, PostgreSQL's value for a timestamp, and their range.
@@ -628,6 +741,8 @@ def derive(node: exp.Expression, resolve: Resolve, check_predicate: CheckPredica
         return _trunc(node, name, node.this, resolve)
     if isinstance(node, exp.Extract):
         return _extract(node, resolve)
+    if isinstance(node, exp.DateBin):
+        return _date_bin(node, resolve)
     if isinstance(node, exp.Floor | exp.Ceil):
         return _rounded(node, resolve, check_predicate)
     if isinstance(node, exp.WidthBucket):
