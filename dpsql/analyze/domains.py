@@ -23,6 +23,7 @@ than :data:`MAX_DERIVED_GROUPS` is refused (54000): coarsen the key or narrow it
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import itertools
 import math
 from collections.abc import Callable, Iterable
@@ -31,7 +32,6 @@ from typing import Any
 
 from sqlglot import exp
 
-from dpsql.analyze.fold import Interval, parse_interval
 from dpsql.analyze.expressions import (
     MAX_MAGNITUDE,
     UNDERFLOW_EXPONENT,
@@ -40,6 +40,7 @@ from dpsql.analyze.expressions import (
     bound,
     clamp_sql,
 )
+from dpsql.analyze.fold import Interval, parse_interval
 from dpsql.errors import (
     DatatypeMismatch,
     DatetimeFieldOverflow,
@@ -81,7 +82,7 @@ class KeyExpr:
 
     @property
     def numeric(self) -> bool:
-        return self.type in ("bigint", "double precision", "numeric")
+        return self.type in ("bigint", "integer", "smallint", "double precision", "numeric")
 
 
 def _too_many(node: exp.Expression, size: int) -> ProgramLimitExceeded:
@@ -173,16 +174,19 @@ def _trunc(node: exp.Expression, unit: str, target: exp.Expression, resolve: Res
         raise FeatureNotSupported(
             f'DATE_TRUNC("{unit}") is not supported in GROUP BY', hint="Use year, quarter, month, week, day or hour."
         )
+    cast_to_timestamp = isinstance(target, exp.Cast) and target.to.this == exp.DataType.Type.TIMESTAMP
     column, policy = _time_column("DATE_TRUNC", target, resolve)
     if policy.type not in ("date", "timestamp"):
         raise UndefinedFunction(f"function date_trunc(unknown, {PG_TYPE_NAMES[policy.type]}) does not exist")
     truncated = exp.TimestampTrunc(this=_clamped_date(column, policy), unit=exp.var(unit.upper()))
     sql = exp.cast(truncated, exp.DataType.Type.TIMESTAMP)
+    # PostgreSQL resolves date_trunc(text, date) to its timestamptz form (midnight UTC in dpsql's UTC session)
+    pg_type: PgType = "timestamp with time zone" if policy.type == "date" and not cast_to_timestamp else "timestamp"
     pinned = _date_values(policy)
     if pinned is not None:
-        return KeyExpr(sql, "timestamp", _finite(node, (truncate(unit, v) for v in pinned), policy.nullable), False)
+        return KeyExpr(sql, pg_type, _finite(node, (truncate(unit, v) for v in pinned), policy.nullable), False)
     if not policy.bounded:
-        return KeyExpr(sql, "timestamp", None, policy.nullable)
+        return KeyExpr(sql, pg_type, None, policy.nullable)
     low, high = _date_bounds(policy)
     values: list[dt.datetime] = []
     current, last = truncate(unit, low), truncate(unit, high)
@@ -191,7 +195,7 @@ def _trunc(node: exp.Expression, unit: str, target: exp.Expression, resolve: Res
         if len(values) > MAX_DERIVED_GROUPS:
             raise _too_many(node, _count_buckets(unit, current, last, len(values)))
         current = _next(unit, current)
-    return KeyExpr(sql, "timestamp", _finite(node, values, policy.nullable), policy.nullable)
+    return KeyExpr(sql, pg_type, _finite(node, values, policy.nullable), policy.nullable)
 
 
 def _time_column(function: str, target: exp.Expression, resolve: Resolve) -> tuple[exp.Column, ColumnPolicy]:
@@ -353,34 +357,34 @@ def _extract(node: exp.Extract, resolve: Resolve) -> KeyExpr:
     clamped = _clamped_date(column, policy)
     pinned = _date_values(policy)
     if part == "epoch":
-        # a double on every backend (PostgreSQL's numeric, DuckDB's double): exact below 2^53
+        # computed as a double on every backend (exact below 2^53), typed numeric as PostgreSQL ≥ 14 types EXTRACT
         sql = exp.cast(exp.Extract(this=exp.var("EPOCH"), expression=clamped), exp.DataType.Type.DOUBLE)
         epoch = dt.datetime(1970, 1, 1)
         if pinned is not None:
-            return KeyExpr(sql, "double precision", _finite(node, ((v - epoch).total_seconds() for v in pinned),
+            return KeyExpr(sql, "numeric", _finite(node, ((v - epoch).total_seconds() for v in pinned),
                                                             policy.nullable), False)  # fmt: skip
         low, high = _date_bounds(policy)
         lower, upper = (low - epoch).total_seconds(), (high - epoch).total_seconds()
         if policy.type == "date" and policy.bounded:
             days = (high - low).days
             if days + 1 > MAX_DERIVED_GROUPS:
-                return KeyExpr(sql, "double precision", None, policy.nullable, lower, upper, _exponent(1e-6))
+                return KeyExpr(sql, "numeric", None, policy.nullable, lower, upper, _exponent(1e-6))
             values = (lower + 86400.0 * i for i in range(days + 1))
-            return KeyExpr(sql, "double precision", _finite(node, values, policy.nullable), policy.nullable)
-        return KeyExpr(sql, "double precision", None, policy.nullable, lower, upper, _exponent(1e-6))
+            return KeyExpr(sql, "numeric", _finite(node, values, policy.nullable), policy.nullable)
+        return KeyExpr(sql, "numeric", None, policy.nullable, lower, upper, _exponent(1e-6))
     if part not in _FIELDS:
         raise FeatureNotSupported(f'EXTRACT("{part}") is not supported in GROUP BY')
     field, low_value, high_value = _FIELDS[part]
     sql = exp.cast(exp.Extract(this=exp.var(part.upper()), expression=clamped), exp.DataType.Type.BIGINT)
     if pinned is not None:
-        return KeyExpr(sql, "bigint", _finite(node, map(field, pinned), policy.nullable), False)
+        return KeyExpr(sql, "numeric", _finite(node, map(field, pinned), policy.nullable), False)
     if part == "year":
         low, high = _date_bounds(policy)
         low_value, high_value = low.year, high.year
     elif part in ("hour", "minute") and policy.type == "date":
         low_value = high_value = 0
     return KeyExpr(
-        sql, "bigint", _range(node, low_value, high_value, policy.nullable), policy.nullable, low_value, high_value
+        sql, "numeric", _range(node, low_value, high_value, policy.nullable), policy.nullable, low_value, high_value
     )
 
 
@@ -413,10 +417,49 @@ def _number_sql(value: float | int) -> exp.Expression:
     return exp.Neg(this=literal) if value < 0 else literal
 
 
+#: PostgreSQL's integer types, narrowest first, with their ranges.
+_INTEGERS: dict[str, tuple[int, int]] = {
+    "smallint": (-(2**15), 2**15 - 1),
+    "integer": (-(2**31), 2**31 - 1),
+    "bigint": (-(2**63), 2**63 - 1),
+}
+
+
+def _literal_type(value: int | float) -> PgType:
+    """How PostgreSQL types a numeric literal: integer when it fits in 32 bits, bigint, else numeric (``2.5``)."""
+    if isinstance(value, float):
+        return "numeric"
+    return "integer" if _INTEGERS["integer"][0] <= value <= _INTEGERS["integer"][1] else "bigint"
+
+
+def _promote(left: PgType, right: PgType) -> PgType:
+    """PostgreSQL's result type of ``left op right``: the wider integer, numeric over integers, double over all."""
+    if "double precision" in (left, right):
+        return "double precision"
+    if left in _INTEGERS and right in _INTEGERS:
+        return max(left, right, key=list(_INTEGERS).index)
+    return "numeric"
+
+
+def _fits(node: exp.Expression, key: KeyExpr) -> KeyExpr:
+    """Refuses a smallint/integer key whose derived range exceeds its type (PostgreSQL raises 22003 on the rows
+    that overflow, which would depend on data; the key is computed in bigint, so it is refused up front)."""
+    if key.type not in ("smallint", "integer"):
+        return key
+    low, high = _INTEGERS[key.type]
+    values = [v for v in key.values if v is not None] if key.values is not None else [key.lower, key.upper]
+    if any(v is None or not low <= v <= high for v in values):  # type: ignore[operator]
+        raise FeatureNotSupported(
+            f'GROUP BY key "{node.sql(dialect="postgres")}" can exceed the {key.type} range',
+            hint="Cast it to bigint, or narrow the column's bounds.",
+        )
+    return key
+
+
 def _numeric(node: exp.Expression, resolve: Resolve, check_predicate: CheckPredicate) -> KeyExpr:
     constant = _literal(node)
     if isinstance(constant, int | float) and not isinstance(constant, bool):
-        pg_type: PgType = "bigint" if isinstance(constant, int) else "double precision"
+        pg_type = _literal_type(constant)
         return KeyExpr(_number_sql(constant), pg_type, (constant,), False, tiny=_exponent(float(constant)))
     key = derive(node, resolve, check_predicate)
     if not key.numeric:
@@ -425,7 +468,7 @@ def _numeric(node: exp.Expression, resolve: Resolve, check_predicate: CheckPredi
 
 
 def _integral(key: KeyExpr) -> bool:
-    return key.type == "bigint"
+    return key.type in _INTEGERS
 
 
 def _pointwise(node: exp.Expression, left: KeyExpr, right: KeyExpr, op: Callable[[float, float], float]) -> KeyExpr:
@@ -434,7 +477,7 @@ def _pointwise(node: exp.Expression, left: KeyExpr, right: KeyExpr, op: Callable
     integral = _integral(left) and _integral(right) and not isinstance(node, exp.Div)
     nullable = left.nullable or right.nullable
     tiny = _tiny(node, left, right, integral)
-    pg_type: PgType = "bigint" if integral else "double precision"
+    pg_type = _promote(left.type, right.type)
     sql_left = left.sql if integral else exp.cast(left.sql, exp.DataType.Type.DOUBLE)
     sql = node.__class__(this=sql_left, expression=right.sql)
     if left.values is not None and right.values is not None:
@@ -447,14 +490,14 @@ def _pointwise(node: exp.Expression, left: KeyExpr, right: KeyExpr, op: Callable
                 if not math.isfinite(value) or abs(value) > MAX_MAGNITUDE:
                     raise _magnitude()
                 results.append(int(value) if integral else float(value))
-            return KeyExpr(sql, pg_type, _finite(node, results, nullable), nullable, tiny=tiny)
+            return _fits(node, KeyExpr(sql, pg_type, _finite(node, results, nullable), nullable, tiny=tiny))
     lows = [_low(left), _high(left)]
     highs = [_low(right), _high(right)]
     corners = [op(a, b) for a in lows for b in highs]
     lower, upper = min(corners), max(corners)
     if not (math.isfinite(lower) and math.isfinite(upper)) or max(abs(lower), abs(upper)) > MAX_MAGNITUDE:
         raise _magnitude()
-    return KeyExpr(sql, pg_type, None, nullable, lower, upper, tiny)
+    return _fits(node, KeyExpr(sql, pg_type, None, nullable, lower, upper, tiny))
 
 
 def _tiny(node: exp.Expression, left: KeyExpr, right: KeyExpr, integral: bool) -> int:
@@ -512,14 +555,18 @@ def _rounded(node: exp.Floor | exp.Ceil, resolve: Resolve, check_predicate: Chec
         raise FeatureNotSupported(f"{node.key.upper()} with a scale is not supported in GROUP BY")
     inner = _numeric(node.this, resolve, check_predicate)
     fn = math.floor if isinstance(node, exp.Floor) else math.ceil
-    sql = exp.cast(node.__class__(this=inner.sql), exp.DataType.Type.BIGINT)
+    # PostgreSQL has floor(double precision) and floor(numeric): integers resolve to the double one
+    pg_type: PgType = "numeric" if inner.type == "numeric" else "double precision"
+    double = exp.DataType.Type.DOUBLE
+    sql = exp.cast(node.__class__(this=exp.cast(inner.sql, double)), double)
     if inner.values is not None:
-        return KeyExpr(sql, "bigint", _finite(node, (fn(v) for v in inner.values if v is not None), inner.nullable),  # type: ignore[arg-type]
-                       inner.nullable)  # fmt: skip
+        values = (float(fn(v)) for v in inner.values if v is not None)  # type: ignore[arg-type]
+        return KeyExpr(sql, pg_type, _finite(node, values, inner.nullable), inner.nullable)
     low, high = fn(_low(inner)), fn(_high(inner))
     if high - low + 1 > MAX_DERIVED_GROUPS:
-        return KeyExpr(sql, "bigint", None, inner.nullable, float(low), float(high))
-    return KeyExpr(sql, "bigint", _range(node, low, high, inner.nullable), inner.nullable)
+        return KeyExpr(sql, pg_type, None, inner.nullable, float(low), float(high))
+    every = _range(node, low, high, inner.nullable)
+    return KeyExpr(sql, pg_type, tuple(None if v is None else float(v) for v in every), inner.nullable)  # type: ignore[arg-type]
 
 
 def width_bucket(value: float, low: float, high: float, count: int) -> int:
@@ -568,9 +615,9 @@ def _width_bucket(node: exp.WidthBucket, resolve: Resolve, check_predicate: Chec
     )
     if inner.values is not None:
         buckets = (width_bucket(float(v), low, high, count) for v in inner.values if v is not None)  # type: ignore[arg-type]
-        return KeyExpr(sql, "bigint", _finite(node, buckets, inner.nullable), inner.nullable)
+        return _fits(node, KeyExpr(sql, "integer", _finite(node, buckets, inner.nullable), inner.nullable))
     first, last = width_bucket(_low(inner), low, high, count), width_bucket(_high(inner), low, high, count)
-    return KeyExpr(sql, "bigint", _range(node, first, last, inner.nullable), inner.nullable)
+    return _fits(node, KeyExpr(sql, "integer", _range(node, first, last, inner.nullable), inner.nullable))
 
 
 def _column(node: exp.Column, resolve: Resolve) -> KeyExpr:
@@ -602,6 +649,13 @@ def _column(node: exp.Column, resolve: Resolve) -> KeyExpr:
     return KeyExpr(clamped.sql, pg_type, None, policy.nullable, clamped.lower, clamped.upper, clamped.tiny)
 
 
+#: Integer casts a key may take, and the PostgreSQL type each gives (computed in bigint, range-checked).
+_INTEGER_CASTS: dict[exp.DType, PgType] = {
+    exp.DataType.Type.BIGINT: "bigint",
+    exp.DataType.Type.INT: "integer",
+    exp.DataType.Type.SMALLINT: "smallint",
+}
+
 #: Casts of a key to its own type (no length modifier): the identity on every backend.
 _SAME_TYPE: dict[PgType, tuple[exp.DType, ...]] = {
     "text": (exp.DataType.Type.TEXT, exp.DataType.Type.VARCHAR),
@@ -615,14 +669,19 @@ def _cast(node: exp.Cast, resolve: Resolve, check_predicate: CheckPredicate) -> 
     inner = derive(node.this, resolve, check_predicate)
     target = node.to.this
     values = inner.values
-    if inner.type in ("timestamp", "date") and target in (exp.DataType.Type.DATE, exp.DataType.Type.TIMESTAMP):
+    if inner.type in ("timestamp", "timestamp with time zone", "date") and target in (
+        exp.DataType.Type.DATE,
+        exp.DataType.Type.TIMESTAMP,
+    ):
         to_date = target == exp.DataType.Type.DATE
         pg_type: PgType = "date" if to_date else "timestamp"
         if values is not None:
             values = _finite(node, (_to_day(v) if to_date else _as_datetime(v) for v in values), inner.nullable)
         return KeyExpr(exp.cast(inner.sql, target), pg_type, values, inner.nullable)
-    if inner.numeric and target in exp.DataType.INTEGER_TYPES and inner.type == "bigint":
-        return inner
+    whole = inner.values is not None and all(isinstance(v, int) for v in inner.values if v is not None)
+    if inner.numeric and target in _INTEGER_CASTS and (_integral(inner) or whole):  # EXTRACT's numeric: whole numbers
+        cast = KeyExpr(inner.sql, _INTEGER_CASTS[target], values, inner.nullable, inner.lower, inner.upper)
+        return _fits(node, cast)
     if target in _SAME_TYPE.get(inner.type, ()) and not node.to.expressions:  # Tableau's CAST(text_col AS TEXT)
         return inner
     if inner.numeric and (target in exp.DataType.REAL_TYPES or target == exp.DataType.Type.DECIMAL):
@@ -660,9 +719,9 @@ def _case(node: exp.Case, resolve: Resolve, check_predicate: CheckPredicate) -> 
     elif pg_types <= {bool}:
         pg_type = "boolean"
     elif pg_types <= {int}:
-        pg_type = "bigint"
+        pg_type = "integer" if all(_literal_type(v) == "integer" for v in present) else "bigint"  # type: ignore[arg-type]
     elif pg_types <= {int, float}:
-        pg_type = "double precision"
+        pg_type = "numeric"  # PostgreSQL types 2.5 as numeric; computed as a double
         present = [float(v) for v in present]  # type: ignore[arg-type]
         result = exp.cast(result, exp.DataType.Type.DOUBLE)  # type: ignore[assignment]
     else:
@@ -691,14 +750,15 @@ def _coalesce(node: exp.Coalesce, resolve: Resolve, check_predicate: CheckPredic
             parts.append(KeyExpr(exp.Null(), "text", (None,), True))
         else:
             pg_type: PgType = "text" if isinstance(constant, str) else "boolean" if isinstance(constant, bool) else (
-                "bigint" if isinstance(constant, int) else "double precision")  # fmt: skip
+                _literal_type(constant))  # type: ignore[arg-type]  # fmt: skip
             tiny = _exponent(constant) if isinstance(constant, float) else 0
             parts.append(KeyExpr(argument.copy(), pg_type, (constant,), False, tiny=tiny))  # type: ignore[arg-type]
     pg_types = {p.type for p in parts if p.values != (None,)}
-    numeric = pg_types <= {"bigint", "double precision"}
+    numeric = pg_types <= {"bigint", "integer", "smallint", "double precision", "numeric"}
     if len(pg_types) > 1 and not numeric:
         raise DatatypeMismatch(f"COALESCE types {' and '.join(sorted(pg_types))} cannot be matched")
-    pg_type = "double precision" if len(pg_types) > 1 else (next(iter(pg_types)) if pg_types else "text")
+    pg_type = functools.reduce(_promote, sorted(pg_types)) if len(pg_types) > 1 else (
+        next(iter(pg_types)) if pg_types else "text")  # fmt: skip
     values: list[Scalar] = []
     finite = True
     nullable = True
@@ -749,7 +809,7 @@ def derive(node: exp.Expression, resolve: Resolve, check_predicate: CheckPredica
         return _width_bucket(node, resolve, check_predicate)
     if isinstance(node, exp.Neg):
         inner = _numeric(node.this, resolve, check_predicate)
-        zero = KeyExpr(exp.Literal.number(0), "bigint", (0,), False)
+        zero = KeyExpr(exp.Literal.number(0), "integer", (0,), False)
         negated = _pointwise(exp.Sub(), zero, inner, lambda a, b: a - b)
         return KeyExpr(exp.Neg(this=inner.sql), negated.type, negated.values, negated.nullable, negated.lower,
                        negated.upper, inner.tiny)  # fmt: skip
@@ -786,7 +846,8 @@ def _arithmetic(node: exp.Add | exp.Sub | exp.Mul | exp.Div, resolve: Resolve, c
             quotient = _pointwise(node, left, right, lambda a, b: float(math.trunc(a / b)))
             sql = exp.cast(exp.Anonymous(this="TRUNC", expressions=[quotient.sql]), exp.DataType.Type.BIGINT)
             values = None if quotient.values is None else tuple(None if v is None else int(v) for v in quotient.values)  # type: ignore[arg-type]
-            return KeyExpr(sql, "bigint", values, quotient.nullable, quotient.lower, quotient.upper)
+            quotient_type = _promote(left.type, right.type)
+            return _fits(node, KeyExpr(sql, quotient_type, values, quotient.nullable, quotient.lower, quotient.upper))
         return _pointwise(node, left, right, lambda a, b: a / b)
     ops: dict[type, Callable[[float, float], float]] = {
         exp.Add: lambda a, b: a + b,

@@ -10,7 +10,7 @@ import pytest
 
 from dpsql.demo import demo_policy_path, load_demo
 from dpsql.engine import Engine
-from dpsql.pgtypes import DATE, INT8, NUMERIC, TIMESTAMP
+from dpsql.pgtypes import DATE, INT8, NUMERIC, TIMESTAMPTZ
 from dpsql.policy import load_policy
 from dpsql.server import ThreadedServer
 
@@ -35,9 +35,12 @@ def test_monthly_series_over_psycopg(clinic_dsn: str, binary: bool) -> None:
         )
         rows = cur.fetchall()
         assert cur.description is not None
-        assert [(d.name, d.type_code) for d in cur.description] == [("m", TIMESTAMP), ("count", INT8)]
+        # PostgreSQL types date_trunc(text, date) as timestamptz; the session is UTC
+        assert [(d.name, d.type_code) for d in cur.description] == [("m", TIMESTAMPTZ), ("count", INT8)]
     assert len(rows) == 60
-    assert rows[0][0] == dt.datetime(2020, 1, 1) and rows[-1][0] == dt.datetime(2024, 12, 1)
+    assert rows[0][0] == dt.datetime(2020, 1, 1, tzinfo=dt.UTC) and rows[-1][0] == dt.datetime(
+        2024, 12, 1, tzinfo=dt.UTC
+    )
     assert all(isinstance(r[1], int) for r in rows)
 
 
