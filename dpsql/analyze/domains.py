@@ -678,9 +678,12 @@ def _cast(node: exp.Cast, resolve: Resolve, check_predicate: CheckPredicate) -> 
         if values is not None:
             values = _finite(node, (_to_day(v) if to_date else _as_datetime(v) for v in values), inner.nullable)
         return KeyExpr(exp.cast(inner.sql, target), pg_type, values, inner.nullable)
-    whole = inner.values is not None and all(isinstance(v, int) for v in inner.values if v is not None)
-    if inner.numeric and target in _INTEGER_CASTS and (_integral(inner) or whole):  # EXTRACT's numeric: whole numbers
-        cast = KeyExpr(inner.sql, _INTEGER_CASTS[target], values, inner.nullable, inner.lower, inner.upper)
+    if inner.numeric and target in _INTEGER_CASTS and (_integral(inner) or _whole(node.this, inner)):
+        # whole numbers (EXTRACT's numeric, FLOOR/CEIL's double: ibis's CAST(FLOOR(x) AS BIGINT)) cast exactly
+        sql = inner.sql if _integral(inner) else exp.cast(inner.sql, exp.DataType.Type.BIGINT)
+        if values is not None:
+            values = tuple(None if v is None else int(v) for v in values)  # type: ignore[arg-type]
+        cast = KeyExpr(sql, _INTEGER_CASTS[target], values, inner.nullable, inner.lower, inner.upper)
         return _fits(node, cast)
     if target in _SAME_TYPE.get(inner.type, ()) and not node.to.expressions:  # Tableau's CAST(text_col AS TEXT)
         return inner
@@ -694,6 +697,15 @@ def _cast(node: exp.Cast, resolve: Resolve, check_predicate: CheckPredicate) -> 
         f"CAST of a {inner.type} key to {node.to.sql(dialect='postgres')} is not supported in GROUP BY",
         hint="Cast time buckets to date or timestamp, numbers to double precision or numeric.",
     )
+
+
+def _whole(node: exp.Expression, key: KeyExpr) -> bool:
+    """Whether every value of a numeric key is a whole number: a finite domain of them, or FLOOR/CEIL."""
+    while isinstance(node, exp.Paren):
+        node = node.this
+    if isinstance(node, exp.Floor | exp.Ceil):
+        return True
+    return key.values is not None and all(float(v).is_integer() for v in key.values if v is not None)  # type: ignore[arg-type]
 
 
 def _to_day(value: object) -> dt.date:

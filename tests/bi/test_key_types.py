@@ -29,6 +29,8 @@ KEYS = [
     "floor(visits / 10) * 10",
     "floor(cost / 100) * 100",
     "ceil(x * 4)",
+    "CAST(FLOOR(cost / 200) AS BIGINT) * 200",
+    "CAST(EXTRACT(year FROM d) AS INTEGER)",
     "floor(CAST(cost AS numeric) / 100)",
     "visits * 2.5",
     "cost * 2",
