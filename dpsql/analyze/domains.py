@@ -259,9 +259,13 @@ def _bin_origin(node: exp.Expression | None) -> tuple[dt.datetime, str]:
     text, kind = None, "unknown"
     if isinstance(node, exp.Var) or (isinstance(node, exp.Literal) and node.is_string):
         text = node.name
-    elif isinstance(node, exp.Cast) and isinstance(node.this, exp.Literal) and node.this.is_string:
-        if node.to.this in (exp.DataType.Type.DATE, exp.DataType.Type.TIMESTAMP):
-            text, kind = node.this.name, "date" if node.to.this == exp.DataType.Type.DATE else "timestamp"
+    elif (
+        isinstance(node, exp.Cast)
+        and isinstance(node.this, exp.Literal)
+        and node.this.is_string
+        and node.to.this in (exp.DataType.Type.DATE, exp.DataType.Type.TIMESTAMP)
+    ):
+        text, kind = node.this.name, "date" if node.to.this == exp.DataType.Type.DATE else "timestamp"
     try:
         origin = dt.datetime.fromisoformat(text.strip()) if text is not None else None
     except ValueError:

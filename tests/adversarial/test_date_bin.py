@@ -45,7 +45,9 @@ ATTACKS = [
         6,
     ),
     KeyAttack("bin-distinct", "SELECT DISTINCT date_bin('100 days', d::timestamp, '2020-01-01') FROM t", 20),
-    KeyAttack("bin-unbounded-selection", "SELECT date_bin('365 days', d2, '0001-01-01'), COUNT(*) FROM t GROUP BY 1", None),
+    KeyAttack(
+        "bin-unbounded-selection", "SELECT date_bin('365 days', d2, '0001-01-01'), COUNT(*) FROM t GROUP BY 1", None
+    ),
     # unbounded: clamped to year 1, whose bin would fall before year 1 (BC) — refused from the policy alone
     KeyAttack("bin-unbounded-bc", "SELECT date_bin('365 days', d2, '2001-01-01'), COUNT(*) FROM t GROUP BY 1", "0A000"),
     KeyAttack("bin-months", "SELECT date_bin('1 month', ts, '2001-01-01'), COUNT(*) FROM t GROUP BY 1", "0A000"),

@@ -53,22 +53,28 @@ def expressions(con: Any) -> list[tuple[str, Callable[[], Any]]]:
         ),
         (
             "aggregate then join public",
-            lambda: v.group_by("department")
-            .aggregate(n=v.count())
-            .join(d, ibis._.department == d.name)
-            ,
+            lambda: v.group_by("department").aggregate(n=v.count()).join(d, ibis._.department == d.name),
         ),
         (
             "truncate('M')",
             lambda: v.group_by(m=v.visit_date.truncate("M")).aggregate(n=v.count()),
         ),
-        ("truncate('Y') + order", lambda: v.group_by(y=v.visit_date.truncate("Y")).aggregate(n=v.count()).order_by("y")),
+        (
+            "truncate('Y') + order",
+            lambda: v.group_by(y=v.visit_date.truncate("Y")).aggregate(n=v.count()).order_by("y"),
+        ),
         ("year()", lambda: v.group_by(y=v.visit_date.year()).aggregate(n=v.count())),
         ("bucket/histogram", lambda: v.group_by(b=(v.cost / 200).floor() * 200).aggregate(n=v.count())),
-        ("case bands", lambda: v.group_by(band=ibis.cases((v.cost > 1000, "high"), else_="low")).aggregate(n=v.count())),
+        (
+            "case bands",
+            lambda: v.group_by(band=ibis.cases((v.cost > 1000, "high"), else_="low")).aggregate(n=v.count()),
+        ),
         ("to_pyarrow", lambda: v.group_by("department").aggregate(n=v.count())),
         ("patients sex counts", lambda: p.group_by("sex").aggregate(n=p.count())),
-        ("percent of total (window)", lambda: v.group_by("department").aggregate(n=v.count()).mutate(pct=ibis._.n / ibis._.n.sum())),
+        (
+            "percent of total (window)",
+            lambda: v.group_by("department").aggregate(n=v.count()).mutate(pct=ibis._.n / ibis._.n.sum()),
+        ),
     ]
 
 
@@ -96,7 +102,7 @@ def main() -> int:
         expr = run()
         try:
             expr.to_pyarrow() if name == "to_pyarrow" else expr.execute()
-        except Exception as exc:  # noqa: BLE001 - a survey: every failure is reported
+        except Exception as exc:  # a survey: every failure is reported
             state = getattr(getattr(exc, "diag", None), "sqlstate", None) or type(exc).__name__
             message = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else repr(exc)
             print(f"FAIL  {name:32} {state}: {message}")

@@ -86,7 +86,10 @@ def test_date_bin_over_psycopg(clinic_dsn: str, binary: bool) -> None:
         rows = cur.fetchall()
         assert cur.description is not None
         assert [d.type_code for d in cur.description] == [TIMESTAMP, INT8]
-        tz = conn.execute("SELECT date_bin('1 day', visit_date, '2000-01-01') AS d, count(*) FROM visits "
-                          "WHERE visit_date >= '2024-12-30' GROUP BY 1", binary=binary).fetchall()  # fmt: skip
+        tz = conn.execute(
+            "SELECT date_bin('1 day', visit_date, '2000-01-01') AS d, count(*) FROM visits "
+            "WHERE visit_date >= '2024-12-30' GROUP BY 1",
+            binary=binary,
+        ).fetchall()
     assert [r[0] for r in rows] == [dt.datetime(2024, 1, 1) + dt.timedelta(days=7 * i) for i in range(13)]
     assert [r[0] for r in tz] == [dt.datetime(2024, 12, 30, tzinfo=dt.UTC), dt.datetime(2024, 12, 31, tzinfo=dt.UTC)]
