@@ -348,3 +348,19 @@ def test_date_bin_refusals(sql: str, sqlstate: str, message: str, clinic: Engine
         clinic.execute(sql, SESSION)
     assert (info.value.sqlstate, info.value.message) == (sqlstate, message)
     assert clinic.ledger.charges("clinic", "analyst") == []
+
+
+def test_integer_key_that_can_overflow_is_refused(health: Engine) -> None:
+    """PostgreSQL would raise 22003 on the rows that overflow smallint (data-dependent): refused from the bounds."""
+    with pytest.raises(Error) as info:
+        health.execute(
+            "SELECT CAST(age AS SMALLINT) * CAST(age AS SMALLINT) * CAST(age AS SMALLINT), COUNT(*) FROM patients "
+            "GROUP BY 1",
+            SESSION,
+        )
+    assert (info.value.sqlstate, info.value.message) == (
+        "0A000",
+        'GROUP BY key "CAST(age AS SMALLINT) * CAST(age AS SMALLINT) * CAST(age AS SMALLINT)" can exceed the '
+        "smallint range",
+    )
+    assert health.ledger.charges("health", "analyst") == []
