@@ -72,8 +72,8 @@ class _TypeSet(frozenset[int]):
 
 
 STRING = _TypeSet({PG_TYPE_OIDS["text"]})
-NUMBER = _TypeSet({PG_TYPE_OIDS["bigint"], PG_TYPE_OIDS["double precision"], PG_TYPE_OIDS["numeric"]})
-DATETIME = _TypeSet({PG_TYPE_OIDS["date"], PG_TYPE_OIDS["timestamp"]})
+NUMBER = _TypeSet({PG_TYPE_OIDS[t] for t in ("bigint", "integer", "smallint", "double precision", "numeric")})
+DATETIME = _TypeSet({PG_TYPE_OIDS["date"], PG_TYPE_OIDS["timestamp"], PG_TYPE_OIDS["timestamp with time zone"]})
 BINARY = _TypeSet({BYTEA})
 ROWID = _TypeSet({OID})
 Date, Time, Timestamp = dt.date, dt.time, dt.datetime

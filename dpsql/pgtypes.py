@@ -1,6 +1,7 @@
 """PostgreSQL type names and OIDs: the one table the wire server, the DB-API and the engine share.
 
-dpsql releases seven types (:data:`PgType`); parameters may arrive in any of :data:`OIDS`.
+dpsql releases ten types (:data:`PgType`, keys typed as PostgreSQL types them: ``CAST(x AS integer)`` is
+int4, ``date_trunc`` of a date is ``timestamp with time zone``); parameters may arrive in any of :data:`OIDS`.
 Also PostgreSQL's boolean input syntax (:func:`parse_bool`), used by Bind parameters and by
 ``SET`` alike.
 """
@@ -10,7 +11,18 @@ from __future__ import annotations
 from typing import Literal
 
 #: The types dpsql releases (an :class:`~dpsql.session.OutputColumn`'s ``type``).
-PgType = Literal["bigint", "double precision", "text", "date", "timestamp", "boolean", "numeric"]
+PgType = Literal[
+    "bigint",
+    "integer",
+    "smallint",
+    "double precision",
+    "text",
+    "date",
+    "timestamp",
+    "timestamp with time zone",
+    "boolean",
+    "numeric",
+]
 
 BOOL, BYTEA, NAME, INT8, INT2, INT4, TEXT, OID = 16, 17, 19, 20, 21, 23, 25, 26
 FLOAT4, FLOAT8, UNKNOWN = 700, 701, 705
@@ -54,7 +66,19 @@ ALIASES: dict[str, str] = {
 
 #: OIDs of the types dpsql releases (wire RowDescription, DB-API type codes).
 PG_TYPE_OIDS: dict[str, int] = {
-    name: OIDS[name] for name in ("boolean", "bigint", "text", "double precision", "date", "timestamp", "numeric")
+    name: OIDS[name]
+    for name in (
+        "boolean",
+        "bigint",
+        "integer",
+        "smallint",
+        "text",
+        "double precision",
+        "date",
+        "timestamp",
+        "timestamp with time zone",
+        "numeric",
+    )
 }
 
 #: typlen of the fixed-size types (RowDescription); -1 (variable) for the others.

@@ -409,12 +409,15 @@ def add_group_keys(targets: list[exp.Expression], scope: _Scope, where: exp.Expr
 #: The policy type family standing for each released type of an expression key.
 _POLICY_TYPES: dict[str, ColumnType] = {
     "bigint": "int",
+    "integer": "int",
+    "smallint": "int",
     "double precision": "float",
     "numeric": "float",
     "text": "text",
     "boolean": "boolean",
     "date": "date",
     "timestamp": "timestamp",
+    "timestamp with time zone": "timestamp",
 }
 
 

@@ -23,6 +23,7 @@ than :data:`MAX_DERIVED_GROUPS` is refused (54000): coarsen the key or narrow it
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import itertools
 import math
 from collections.abc import Callable, Iterable
@@ -39,7 +40,14 @@ from dpsql.analyze.expressions import (
     bound,
     clamp_sql,
 )
-from dpsql.errors import DatatypeMismatch, FeatureNotSupported, ProgramLimitExceeded, UndefinedFunction
+from dpsql.analyze.fold import Interval, parse_interval
+from dpsql.errors import (
+    DatatypeMismatch,
+    DatetimeFieldOverflow,
+    FeatureNotSupported,
+    ProgramLimitExceeded,
+    UndefinedFunction,
+)
 from dpsql.pgtypes import PgType
 from dpsql.policy import PG_TYPE_NAMES, ColumnPolicy, Scalar
 
@@ -74,7 +82,7 @@ class KeyExpr:
 
     @property
     def numeric(self) -> bool:
-        return self.type in ("bigint", "double precision", "numeric")
+        return self.type in ("bigint", "integer", "smallint", "double precision", "numeric")
 
 
 def _too_many(node: exp.Expression, size: int) -> ProgramLimitExceeded:
@@ -166,16 +174,19 @@ def _trunc(node: exp.Expression, unit: str, target: exp.Expression, resolve: Res
         raise FeatureNotSupported(
             f'DATE_TRUNC("{unit}") is not supported in GROUP BY', hint="Use year, quarter, month, week, day or hour."
         )
+    cast_to_timestamp = isinstance(target, exp.Cast) and target.to.this == exp.DataType.Type.TIMESTAMP
     column, policy = _time_column("DATE_TRUNC", target, resolve)
     if policy.type not in ("date", "timestamp"):
         raise UndefinedFunction(f"function date_trunc(unknown, {PG_TYPE_NAMES[policy.type]}) does not exist")
     truncated = exp.TimestampTrunc(this=_clamped_date(column, policy), unit=exp.var(unit.upper()))
     sql = exp.cast(truncated, exp.DataType.Type.TIMESTAMP)
+    # PostgreSQL resolves date_trunc(text, date) to its timestamptz form (midnight UTC in dpsql's UTC session)
+    pg_type: PgType = "timestamp with time zone" if policy.type == "date" and not cast_to_timestamp else "timestamp"
     pinned = _date_values(policy)
     if pinned is not None:
-        return KeyExpr(sql, "timestamp", _finite(node, (truncate(unit, v) for v in pinned), policy.nullable), False)
+        return KeyExpr(sql, pg_type, _finite(node, (truncate(unit, v) for v in pinned), policy.nullable), False)
     if not policy.bounded:
-        return KeyExpr(sql, "timestamp", None, policy.nullable)
+        return KeyExpr(sql, pg_type, None, policy.nullable)
     low, high = _date_bounds(policy)
     values: list[dt.datetime] = []
     current, last = truncate(unit, low), truncate(unit, high)
@@ -184,7 +195,7 @@ def _trunc(node: exp.Expression, unit: str, target: exp.Expression, resolve: Res
         if len(values) > MAX_DERIVED_GROUPS:
             raise _too_many(node, _count_buckets(unit, current, last, len(values)))
         current = _next(unit, current)
-    return KeyExpr(sql, "timestamp", _finite(node, values, policy.nullable), policy.nullable)
+    return KeyExpr(sql, pg_type, _finite(node, values, policy.nullable), policy.nullable)
 
 
 def _time_column(function: str, target: exp.Expression, resolve: Resolve) -> tuple[exp.Column, ColumnPolicy]:
@@ -216,6 +227,116 @@ def _count_buckets(unit: str, current: dt.datetime, last: dt.datetime, seen: int
     return seen + months // {"year": 12, "quarter": 3, "month": 1}[unit]
 
 
+def _bin_stride(node: exp.Expression) -> int:
+    """date_bin's stride in microseconds, refused as PostgreSQL refuses it (months: 0A000, ≤ 0: 22008)."""
+    value: object = None
+    if isinstance(node, exp.Interval) and isinstance(node.this, exp.Literal):
+        unit = node.args.get("unit")
+        value = parse_interval(f"{node.this.name} {unit.name.lower()}" if unit is not None else node.this.name)
+    elif isinstance(node, exp.Literal) and node.is_string:
+        value = parse_interval(node.name)
+    elif (
+        isinstance(node, exp.Cast) and isinstance(node.this, exp.Literal) and node.to.this == exp.DataType.Type.INTERVAL
+    ):
+        value = parse_interval(node.this.name)
+    if not isinstance(value, Interval):
+        raise FeatureNotSupported(
+            "date_bin in GROUP BY needs a constant stride", hint="Write date_bin('15 minutes', column, origin)."
+        )
+    if value.months:
+        raise FeatureNotSupported("timestamps cannot be binned into intervals containing months or years")
+    micros = value.days * 86_400_000_000 + value.micros
+    if micros <= 0:
+        raise DatetimeFieldOverflow("stride must be greater than zero")
+    return micros
+
+
+def _bin_origin(node: exp.Expression | None) -> tuple[dt.datetime, str]:
+    """date_bin's origin and how PostgreSQL types it: ``timestamp``, ``date`` or ``unknown`` (a bare string,
+    which sqlglot reads as a Var). Anything but a constant is refused: the bins must follow from the query."""
+    if node is None:
+        raise UndefinedFunction("function date_bin(unknown, timestamp without time zone) does not exist")
+    text, kind = None, "unknown"
+    if isinstance(node, exp.Var) or (isinstance(node, exp.Literal) and node.is_string):
+        text = node.name
+    elif (
+        isinstance(node, exp.Cast)
+        and isinstance(node.this, exp.Literal)
+        and node.this.is_string
+        and node.to.this in (exp.DataType.Type.DATE, exp.DataType.Type.TIMESTAMP)
+    ):
+        text, kind = node.this.name, "date" if node.to.this == exp.DataType.Type.DATE else "timestamp"
+    try:
+        origin = dt.datetime.fromisoformat(text.strip()) if text is not None else None
+    except ValueError:
+        origin = None
+    if origin is None or origin.tzinfo is not None:
+        raise FeatureNotSupported(
+            "date_bin in GROUP BY needs a constant origin without time zone",
+            hint="Write date_bin('15 minutes', column, TIMESTAMP '2000-01-01').",
+        )
+    return origin, kind
+
+
+def date_bin(stride: int, value: dt.datetime, origin: dt.datetime) -> dt.datetime:
+    """PostgreSQL's ``date_bin(stride, value, origin)`` (stride in µs): floors toward −∞, before the origin too."""
+    diff = (value - origin) // dt.timedelta(microseconds=1)
+    return origin + dt.timedelta(microseconds=diff - diff % stride)
+
+
+def _date_bin(node: exp.DateBin, resolve: Resolve) -> KeyExpr:
+    """``date_bin(stride, column, origin)`` over a clamped date/timestamp column (Grafana, Superset time grains).
+
+    Computed as DATE_BIN on PostgreSQL and TIME_BUCKET on DuckDB over timestamps, with the stride in
+    microseconds (both floor toward −∞ from the origin, as PostgreSQL ≥ 14.2 does); the domain is every
+    bin from bin(lower) to bin(upper), from the policy's (WHERE-narrowed) bounds: no data. Typed as
+    PostgreSQL types it: ``timestamp with time zone`` for a date column and an untyped or date origin
+    (PostgreSQL then resolves ``date_bin(interval, timestamptz, timestamptz)``; the session is UTC, so
+    the bins are the same instants), ``timestamp`` otherwise.
+    """
+    stride = _bin_stride(node.this)
+    given = node.args.get("origin") or node.args.get("unit")  # sqlglot reads the third argument as a unit
+    origin, origin_kind = _bin_origin(given)
+    if isinstance(given, exp.Var):  # shown as written ('2001-01-01') in messages
+        node = node.copy()
+        node.set("unit", None)
+        node.set("origin", exp.Literal.string(given.name))
+    target = node.expression
+    cast_to_timestamp = isinstance(target, exp.Cast) and target.to.this == exp.DataType.Type.TIMESTAMP
+    column, policy = _time_column("date_bin", target, resolve)
+    if policy.type not in ("date", "timestamp"):
+        raise UndefinedFunction(f"function date_bin(unknown, {PG_TYPE_NAMES[policy.type]}, unknown) does not exist")
+    source_date = policy.type == "date" and not cast_to_timestamp
+    pg_type: PgType = "timestamp with time zone" if source_date and origin_kind != "timestamp" else "timestamp"
+    stamp = exp.DataType.Type.TIMESTAMP
+    binned = exp.DateBin(
+        this=exp.cast(exp.Literal.string(f"{stride} microseconds"), exp.DataType.Type.INTERVAL),
+        expression=exp.cast(_clamped_date(column, policy), stamp),
+        origin=exp.cast(exp.Literal.string(origin.isoformat(sep=" ")), stamp),
+    )
+    sql = exp.cast(binned, stamp)
+    pinned = _date_values(policy)
+    try:
+        if pinned is not None:
+            bins = (date_bin(stride, v, origin) for v in pinned)
+            return KeyExpr(sql, pg_type, _finite(node, bins, policy.nullable), False)
+        low, high = _date_bounds(policy)
+        first, last = date_bin(stride, low, origin), date_bin(stride, high, origin)
+    except OverflowError:
+        raise FeatureNotSupported(
+            "date_bin in GROUP BY would produce bins outside years 1 to 9999",
+            hint="Bound the column or move the origin closer to its values.",
+        ) from None
+    if not policy.bounded:
+        return KeyExpr(sql, pg_type, None, policy.nullable)
+    count = (last - first) // dt.timedelta(microseconds=stride) + 1
+    if count > MAX_DERIVED_GROUPS:
+        raise _too_many(node, count)
+    step = dt.timedelta(microseconds=stride)
+    return KeyExpr(sql, pg_type, _finite(node, (first + step * i for i in range(count)), policy.nullable),
+                   policy.nullable)  # fmt: skip
+
+
 #: EXTRACT fields, PostgreSQL's value for a timestamp, and their range.
 _FIELDS: dict[str, tuple[Callable[[dt.datetime], int], int, int]] = {
     "month": (lambda v: v.month, 1, 12),
@@ -240,34 +361,34 @@ def _extract(node: exp.Extract, resolve: Resolve) -> KeyExpr:
     clamped = _clamped_date(column, policy)
     pinned = _date_values(policy)
     if part == "epoch":
-        # a double on every backend (PostgreSQL's numeric, DuckDB's double): exact below 2^53
+        # computed as a double on every backend (exact below 2^53), typed numeric as PostgreSQL ≥ 14 types EXTRACT
         sql = exp.cast(exp.Extract(this=exp.var("EPOCH"), expression=clamped), exp.DataType.Type.DOUBLE)
         epoch = dt.datetime(1970, 1, 1)
         if pinned is not None:
-            return KeyExpr(sql, "double precision", _finite(node, ((v - epoch).total_seconds() for v in pinned),
+            return KeyExpr(sql, "numeric", _finite(node, ((v - epoch).total_seconds() for v in pinned),
                                                             policy.nullable), False)  # fmt: skip
         low, high = _date_bounds(policy)
         lower, upper = (low - epoch).total_seconds(), (high - epoch).total_seconds()
         if policy.type == "date" and policy.bounded:
             days = (high - low).days
             if days + 1 > MAX_DERIVED_GROUPS:
-                return KeyExpr(sql, "double precision", None, policy.nullable, lower, upper, _exponent(1e-6))
+                return KeyExpr(sql, "numeric", None, policy.nullable, lower, upper, _exponent(1e-6))
             values = (lower + 86400.0 * i for i in range(days + 1))
-            return KeyExpr(sql, "double precision", _finite(node, values, policy.nullable), policy.nullable)
-        return KeyExpr(sql, "double precision", None, policy.nullable, lower, upper, _exponent(1e-6))
+            return KeyExpr(sql, "numeric", _finite(node, values, policy.nullable), policy.nullable)
+        return KeyExpr(sql, "numeric", None, policy.nullable, lower, upper, _exponent(1e-6))
     if part not in _FIELDS:
         raise FeatureNotSupported(f'EXTRACT("{part}") is not supported in GROUP BY')
     field, low_value, high_value = _FIELDS[part]
     sql = exp.cast(exp.Extract(this=exp.var(part.upper()), expression=clamped), exp.DataType.Type.BIGINT)
     if pinned is not None:
-        return KeyExpr(sql, "bigint", _finite(node, map(field, pinned), policy.nullable), False)
+        return KeyExpr(sql, "numeric", _finite(node, map(field, pinned), policy.nullable), False)
     if part == "year":
         low, high = _date_bounds(policy)
         low_value, high_value = low.year, high.year
     elif part in ("hour", "minute") and policy.type == "date":
         low_value = high_value = 0
     return KeyExpr(
-        sql, "bigint", _range(node, low_value, high_value, policy.nullable), policy.nullable, low_value, high_value
+        sql, "numeric", _range(node, low_value, high_value, policy.nullable), policy.nullable, low_value, high_value
     )
 
 
@@ -300,10 +421,49 @@ def _number_sql(value: float | int) -> exp.Expression:
     return exp.Neg(this=literal) if value < 0 else literal
 
 
+#: PostgreSQL's integer types, narrowest first, with their ranges.
+_INTEGERS: dict[str, tuple[int, int]] = {
+    "smallint": (-(2**15), 2**15 - 1),
+    "integer": (-(2**31), 2**31 - 1),
+    "bigint": (-(2**63), 2**63 - 1),
+}
+
+
+def _literal_type(value: int | float) -> PgType:
+    """How PostgreSQL types a numeric literal: integer when it fits in 32 bits, bigint, else numeric (``2.5``)."""
+    if isinstance(value, float):
+        return "numeric"
+    return "integer" if _INTEGERS["integer"][0] <= value <= _INTEGERS["integer"][1] else "bigint"
+
+
+def _promote(left: PgType, right: PgType) -> PgType:
+    """PostgreSQL's result type of ``left op right``: the wider integer, numeric over integers, double over all."""
+    if "double precision" in (left, right):
+        return "double precision"
+    if left in _INTEGERS and right in _INTEGERS:
+        return max(left, right, key=list(_INTEGERS).index)
+    return "numeric"
+
+
+def _fits(node: exp.Expression, key: KeyExpr) -> KeyExpr:
+    """Refuses a smallint/integer key whose derived range exceeds its type (PostgreSQL raises 22003 on the rows
+    that overflow, which would depend on data; the key is computed in bigint, so it is refused up front)."""
+    if key.type not in ("smallint", "integer"):
+        return key
+    low, high = _INTEGERS[key.type]
+    values = [v for v in key.values if v is not None] if key.values is not None else [key.lower, key.upper]
+    if any(v is None or not low <= v <= high for v in values):  # type: ignore[operator]
+        raise FeatureNotSupported(
+            f'GROUP BY key "{node.sql(dialect="postgres")}" can exceed the {key.type} range',
+            hint="Cast it to bigint, or narrow the column's bounds.",
+        )
+    return key
+
+
 def _numeric(node: exp.Expression, resolve: Resolve, check_predicate: CheckPredicate) -> KeyExpr:
     constant = _literal(node)
     if isinstance(constant, int | float) and not isinstance(constant, bool):
-        pg_type: PgType = "bigint" if isinstance(constant, int) else "double precision"
+        pg_type = _literal_type(constant)
         return KeyExpr(_number_sql(constant), pg_type, (constant,), False, tiny=_exponent(float(constant)))
     key = derive(node, resolve, check_predicate)
     if not key.numeric:
@@ -312,7 +472,7 @@ def _numeric(node: exp.Expression, resolve: Resolve, check_predicate: CheckPredi
 
 
 def _integral(key: KeyExpr) -> bool:
-    return key.type == "bigint"
+    return key.type in _INTEGERS
 
 
 def _pointwise(node: exp.Expression, left: KeyExpr, right: KeyExpr, op: Callable[[float, float], float]) -> KeyExpr:
@@ -321,7 +481,7 @@ def _pointwise(node: exp.Expression, left: KeyExpr, right: KeyExpr, op: Callable
     integral = _integral(left) and _integral(right) and not isinstance(node, exp.Div)
     nullable = left.nullable or right.nullable
     tiny = _tiny(node, left, right, integral)
-    pg_type: PgType = "bigint" if integral else "double precision"
+    pg_type = _promote(left.type, right.type)
     sql_left = left.sql if integral else exp.cast(left.sql, exp.DataType.Type.DOUBLE)
     sql = node.__class__(this=sql_left, expression=right.sql)
     if left.values is not None and right.values is not None:
@@ -334,14 +494,14 @@ def _pointwise(node: exp.Expression, left: KeyExpr, right: KeyExpr, op: Callable
                 if not math.isfinite(value) or abs(value) > MAX_MAGNITUDE:
                     raise _magnitude()
                 results.append(int(value) if integral else float(value))
-            return KeyExpr(sql, pg_type, _finite(node, results, nullable), nullable, tiny=tiny)
+            return _fits(node, KeyExpr(sql, pg_type, _finite(node, results, nullable), nullable, tiny=tiny))
     lows = [_low(left), _high(left)]
     highs = [_low(right), _high(right)]
     corners = [op(a, b) for a in lows for b in highs]
     lower, upper = min(corners), max(corners)
     if not (math.isfinite(lower) and math.isfinite(upper)) or max(abs(lower), abs(upper)) > MAX_MAGNITUDE:
         raise _magnitude()
-    return KeyExpr(sql, pg_type, None, nullable, lower, upper, tiny)
+    return _fits(node, KeyExpr(sql, pg_type, None, nullable, lower, upper, tiny))
 
 
 def _tiny(node: exp.Expression, left: KeyExpr, right: KeyExpr, integral: bool) -> int:
@@ -399,14 +559,18 @@ def _rounded(node: exp.Floor | exp.Ceil, resolve: Resolve, check_predicate: Chec
         raise FeatureNotSupported(f"{node.key.upper()} with a scale is not supported in GROUP BY")
     inner = _numeric(node.this, resolve, check_predicate)
     fn = math.floor if isinstance(node, exp.Floor) else math.ceil
-    sql = exp.cast(node.__class__(this=inner.sql), exp.DataType.Type.BIGINT)
+    # PostgreSQL has floor(double precision) and floor(numeric): integers resolve to the double one
+    pg_type: PgType = "numeric" if inner.type == "numeric" else "double precision"
+    double = exp.DataType.Type.DOUBLE
+    sql = exp.cast(node.__class__(this=exp.cast(inner.sql, double)), double)
     if inner.values is not None:
-        return KeyExpr(sql, "bigint", _finite(node, (fn(v) for v in inner.values if v is not None), inner.nullable),  # type: ignore[arg-type]
-                       inner.nullable)  # fmt: skip
+        values = (float(fn(v)) for v in inner.values if v is not None)  # type: ignore[arg-type]
+        return KeyExpr(sql, pg_type, _finite(node, values, inner.nullable), inner.nullable)
     low, high = fn(_low(inner)), fn(_high(inner))
     if high - low + 1 > MAX_DERIVED_GROUPS:
-        return KeyExpr(sql, "bigint", None, inner.nullable, float(low), float(high))
-    return KeyExpr(sql, "bigint", _range(node, low, high, inner.nullable), inner.nullable)
+        return KeyExpr(sql, pg_type, None, inner.nullable, float(low), float(high))
+    every = _range(node, low, high, inner.nullable)
+    return KeyExpr(sql, pg_type, tuple(None if v is None else float(v) for v in every), inner.nullable)  # type: ignore[arg-type]
 
 
 def width_bucket(value: float, low: float, high: float, count: int) -> int:
@@ -455,9 +619,9 @@ def _width_bucket(node: exp.WidthBucket, resolve: Resolve, check_predicate: Chec
     )
     if inner.values is not None:
         buckets = (width_bucket(float(v), low, high, count) for v in inner.values if v is not None)  # type: ignore[arg-type]
-        return KeyExpr(sql, "bigint", _finite(node, buckets, inner.nullable), inner.nullable)
+        return _fits(node, KeyExpr(sql, "integer", _finite(node, buckets, inner.nullable), inner.nullable))
     first, last = width_bucket(_low(inner), low, high, count), width_bucket(_high(inner), low, high, count)
-    return KeyExpr(sql, "bigint", _range(node, first, last, inner.nullable), inner.nullable)
+    return _fits(node, KeyExpr(sql, "integer", _range(node, first, last, inner.nullable), inner.nullable))
 
 
 def _column(node: exp.Column, resolve: Resolve) -> KeyExpr:
@@ -489,6 +653,13 @@ def _column(node: exp.Column, resolve: Resolve) -> KeyExpr:
     return KeyExpr(clamped.sql, pg_type, None, policy.nullable, clamped.lower, clamped.upper, clamped.tiny)
 
 
+#: Integer casts a key may take, and the PostgreSQL type each gives (computed in bigint, range-checked).
+_INTEGER_CASTS: dict[exp.DType, PgType] = {
+    exp.DataType.Type.BIGINT: "bigint",
+    exp.DataType.Type.INT: "integer",
+    exp.DataType.Type.SMALLINT: "smallint",
+}
+
 #: Casts of a key to its own type (no length modifier): the identity on every backend.
 _SAME_TYPE: dict[PgType, tuple[exp.DType, ...]] = {
     "text": (exp.DataType.Type.TEXT, exp.DataType.Type.VARCHAR),
@@ -502,14 +673,22 @@ def _cast(node: exp.Cast, resolve: Resolve, check_predicate: CheckPredicate) -> 
     inner = derive(node.this, resolve, check_predicate)
     target = node.to.this
     values = inner.values
-    if inner.type in ("timestamp", "date") and target in (exp.DataType.Type.DATE, exp.DataType.Type.TIMESTAMP):
+    if inner.type in ("timestamp", "timestamp with time zone", "date") and target in (
+        exp.DataType.Type.DATE,
+        exp.DataType.Type.TIMESTAMP,
+    ):
         to_date = target == exp.DataType.Type.DATE
         pg_type: PgType = "date" if to_date else "timestamp"
         if values is not None:
             values = _finite(node, (_to_day(v) if to_date else _as_datetime(v) for v in values), inner.nullable)
         return KeyExpr(exp.cast(inner.sql, target), pg_type, values, inner.nullable)
-    if inner.numeric and target in exp.DataType.INTEGER_TYPES and inner.type == "bigint":
-        return inner
+    if inner.numeric and target in _INTEGER_CASTS and (_integral(inner) or _whole(node.this, inner)):
+        # whole numbers (EXTRACT's numeric, FLOOR/CEIL's double: ibis's CAST(FLOOR(x) AS BIGINT)) cast exactly
+        sql = inner.sql if _integral(inner) else exp.cast(inner.sql, exp.DataType.Type.BIGINT)
+        if values is not None:
+            values = tuple(None if v is None else int(v) for v in values)  # type: ignore[arg-type]
+        cast = KeyExpr(sql, _INTEGER_CASTS[target], values, inner.nullable, inner.lower, inner.upper)
+        return _fits(node, cast)
     if target in _SAME_TYPE.get(inner.type, ()) and not node.to.expressions:  # Tableau's CAST(text_col AS TEXT)
         return inner
     if inner.numeric and (target in exp.DataType.REAL_TYPES or target == exp.DataType.Type.DECIMAL):
@@ -522,6 +701,15 @@ def _cast(node: exp.Cast, resolve: Resolve, check_predicate: CheckPredicate) -> 
         f"CAST of a {inner.type} key to {node.to.sql(dialect='postgres')} is not supported in GROUP BY",
         hint="Cast time buckets to date or timestamp, numbers to double precision or numeric.",
     )
+
+
+def _whole(node: exp.Expression, key: KeyExpr) -> bool:
+    """Whether every value of a numeric key is a whole number: a finite domain of them, or FLOOR/CEIL."""
+    while isinstance(node, exp.Paren):
+        node = node.this
+    if isinstance(node, exp.Floor | exp.Ceil):
+        return True
+    return key.values is not None and all(float(v).is_integer() for v in key.values if v is not None)  # type: ignore[arg-type]
 
 
 def _to_day(value: object) -> dt.date:
@@ -547,9 +735,9 @@ def _case(node: exp.Case, resolve: Resolve, check_predicate: CheckPredicate) -> 
     elif pg_types <= {bool}:
         pg_type = "boolean"
     elif pg_types <= {int}:
-        pg_type = "bigint"
+        pg_type = "integer" if all(_literal_type(v) == "integer" for v in present) else "bigint"  # type: ignore[arg-type]
     elif pg_types <= {int, float}:
-        pg_type = "double precision"
+        pg_type = "numeric"  # PostgreSQL types 2.5 as numeric; computed as a double
         present = [float(v) for v in present]  # type: ignore[arg-type]
         result = exp.cast(result, exp.DataType.Type.DOUBLE)  # type: ignore[assignment]
     else:
@@ -578,14 +766,15 @@ def _coalesce(node: exp.Coalesce, resolve: Resolve, check_predicate: CheckPredic
             parts.append(KeyExpr(exp.Null(), "text", (None,), True))
         else:
             pg_type: PgType = "text" if isinstance(constant, str) else "boolean" if isinstance(constant, bool) else (
-                "bigint" if isinstance(constant, int) else "double precision")  # fmt: skip
+                _literal_type(constant))  # type: ignore[arg-type]  # fmt: skip
             tiny = _exponent(constant) if isinstance(constant, float) else 0
             parts.append(KeyExpr(argument.copy(), pg_type, (constant,), False, tiny=tiny))  # type: ignore[arg-type]
     pg_types = {p.type for p in parts if p.values != (None,)}
-    numeric = pg_types <= {"bigint", "double precision"}
+    numeric = pg_types <= {"bigint", "integer", "smallint", "double precision", "numeric"}
     if len(pg_types) > 1 and not numeric:
         raise DatatypeMismatch(f"COALESCE types {' and '.join(sorted(pg_types))} cannot be matched")
-    pg_type = "double precision" if len(pg_types) > 1 else (next(iter(pg_types)) if pg_types else "text")
+    pg_type = functools.reduce(_promote, sorted(pg_types)) if len(pg_types) > 1 else (
+        next(iter(pg_types)) if pg_types else "text")  # fmt: skip
     values: list[Scalar] = []
     finite = True
     nullable = True
@@ -628,13 +817,15 @@ def derive(node: exp.Expression, resolve: Resolve, check_predicate: CheckPredica
         return _trunc(node, name, node.this, resolve)
     if isinstance(node, exp.Extract):
         return _extract(node, resolve)
+    if isinstance(node, exp.DateBin):
+        return _date_bin(node, resolve)
     if isinstance(node, exp.Floor | exp.Ceil):
         return _rounded(node, resolve, check_predicate)
     if isinstance(node, exp.WidthBucket):
         return _width_bucket(node, resolve, check_predicate)
     if isinstance(node, exp.Neg):
         inner = _numeric(node.this, resolve, check_predicate)
-        zero = KeyExpr(exp.Literal.number(0), "bigint", (0,), False)
+        zero = KeyExpr(exp.Literal.number(0), "integer", (0,), False)
         negated = _pointwise(exp.Sub(), zero, inner, lambda a, b: a - b)
         return KeyExpr(exp.Neg(this=inner.sql), negated.type, negated.values, negated.nullable, negated.lower,
                        negated.upper, inner.tiny)  # fmt: skip
@@ -671,7 +862,8 @@ def _arithmetic(node: exp.Add | exp.Sub | exp.Mul | exp.Div, resolve: Resolve, c
             quotient = _pointwise(node, left, right, lambda a, b: float(math.trunc(a / b)))
             sql = exp.cast(exp.Anonymous(this="TRUNC", expressions=[quotient.sql]), exp.DataType.Type.BIGINT)
             values = None if quotient.values is None else tuple(None if v is None else int(v) for v in quotient.values)  # type: ignore[arg-type]
-            return KeyExpr(sql, "bigint", values, quotient.nullable, quotient.lower, quotient.upper)
+            quotient_type = _promote(left.type, right.type)
+            return _fits(node, KeyExpr(sql, quotient_type, values, quotient.nullable, quotient.lower, quotient.upper))
         return _pointwise(node, left, right, lambda a, b: a / b)
     ops: dict[type, Callable[[float, float], float]] = {
         exp.Add: lambda a, b: a + b,

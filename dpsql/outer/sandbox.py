@@ -55,6 +55,9 @@ MAX_OUTPUT_ROWS = 1_000_000
 
 _TO_DUCKDB: dict[str, str] = {
     "bigint": "BIGINT",
+    "integer": "INTEGER",
+    "smallint": "SMALLINT",
+    "timestamp with time zone": "TIMESTAMP",  # UTC instants, released again as timestamp
     "double precision": "DOUBLE",
     "numeric": "DECIMAL(38,10)",
     "text": "VARCHAR",

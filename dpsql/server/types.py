@@ -137,6 +137,8 @@ def encode_binary(value: Any, oid: int) -> bytes | None:
 
 
 def encode_value(value: Any, oid: int, fmt: int) -> bytes | None:
+    if fmt == 0 and oid == 1184 and isinstance(value, dt.datetime) and value.tzinfo is None:
+        return value.isoformat(sep=" ").encode() + b"+00"  # timestamptz keys: UTC instants (the session is UTC)
     return encode_binary(value, oid) if fmt == 1 else encode_text(value)
 
 

@@ -54,7 +54,8 @@ def test_monthly_series_releases_sixty_timestamp_rows(clinic: Engine) -> None:
     result = clinic.execute(
         "SELECT DATE_TRUNC('month', visit_date) AS m, COUNT(*) FROM visits GROUP BY 1 ORDER BY 1", SESSION
     )
-    assert [c.type for c in result.columns] == ["timestamp", "bigint"]
+    # date_trunc(text, date) is PostgreSQL's timestamptz form (released as UTC instants)
+    assert [c.type for c in result.columns] == ["timestamp with time zone", "bigint"]
     assert [r[0] for r in result.rows] == _months(dt.datetime(2020, 1, 1), dt.datetime(2024, 12, 1))
     assert result.delta_spent == 0  # a public (derived) domain: no partition selection
 
@@ -156,7 +157,7 @@ def test_bi_types(clinic: Engine) -> None:
         "EXTRACT(year FROM visit_date) AS y FROM visits WHERE visit_date >= '2024-12-01' GROUP BY 1, 3",
         SESSION,
     )
-    assert [(c.name, c.type) for c in result.columns] == [("m", "date"), ("n", "numeric"), ("y", "bigint")]
+    assert [(c.name, c.type) for c in result.columns] == [("m", "date"), ("n", "numeric"), ("y", "numeric")]
     assert result.rows[0][0] == dt.date(2024, 12, 1) and result.rows[0][2] == 2024
 
 
@@ -219,3 +220,147 @@ def test_derived_domain_is_a_function_of_policy_and_sql_only(backend: Backend) -
     plan = analyze("SELECT DATE_TRUNC('quarter', visit_date), COUNT(*) FROM visits GROUP BY 1", policy)
     assert plan.keys[0].domain == tuple(dt.datetime(y, m, 1) for y in range(2020, 2025) for m in (1, 4, 7, 10))
     assert plan.public_keys and plan.selection_measure is None
+
+
+# --- date_bin (Grafana/Superset time grains) -------------------------------------------------------
+
+#: Timestamps before, at and after the origins below (PostgreSQL floors toward −∞ before the origin).
+BIN_VALUES = [
+    "1999-12-31 23:59:59.999999",
+    "1999-12-31 23:45:00",
+    "1999-12-31 23:44:59",
+    "1999-12-25 03:00:00",
+    "2000-01-01 00:00:00",
+    "2000-01-01 00:07:00",
+    "2000-01-01 00:15:00",
+    "2000-01-03 13:30:00",
+    "2001-01-01 00:00:00",
+    "2024-02-29 23:59:59",
+]
+BIN_CASES = [
+    ("15 minutes", "2000-01-01 00:00:00"),
+    ("1 hour", "2000-01-01 00:10:00"),
+    ("90 minutes", "2000-01-01 00:10:00"),
+    ("1 day", "2000-01-01 12:00:00"),
+    ("7 days", "2001-01-01 00:00:00"),
+    ("1 day 1 hour", "2000-01-01 00:00:00"),
+    ("1.5 seconds", "2000-01-01 00:00:00"),
+]
+
+
+@pytest.mark.parametrize(("stride", "origin"), BIN_CASES)
+def test_date_bin_sql_equals_postgres_and_python(backend: Backend, stride: str, origin: str) -> None:
+    """The generated key SQL, run raw on each backend, equals :func:`date_bin` (and PostgreSQL's own
+    date_bin on PostgreSQL) before, at and after the origin."""
+    from sqlglot import exp, parse_one
+
+    from dpsql.analyze.domains import date_bin, derive
+    from dpsql.analyze.fold import parse_interval
+    from dpsql.policy import ColumnPolicy
+
+    table = f"bins_{abs(hash((stride, origin))) % 10**8}"
+    values = ", ".join(f"(CAST('{v}' AS TIMESTAMP))" for v in BIN_VALUES)
+    backend.execute_script(
+        f"DROP TABLE IF EXISTS {table}; CREATE TABLE {table} (ts TIMESTAMP); INSERT INTO {table} VALUES {values}"
+    )
+    stamps = [dt.datetime.fromisoformat(v) for v in BIN_VALUES]
+    policy = ColumnPolicy(type="timestamp", lower=min(stamps), upper=max(stamps), domain=stamps)  # as WHERE pins it
+    node = parse_one(f"date_bin('{stride}', ts, TIMESTAMP '{origin}')", read="postgres")
+    key = derive(node, lambda c: (exp.column("ts", table=table), policy), lambda p: p)
+    assert key.type == "timestamp"
+    sql = f"SELECT ts, {key.sql.sql(dialect=backend.dialect)} FROM {table} ORDER BY ts"
+    if backend.dialect == "postgres":
+        sql = sql.replace(" FROM", f", date_bin('{stride}', ts, TIMESTAMP '{origin}') FROM")
+    interval = parse_interval(stride)
+    micros = interval.days * 86_400_000_000 + interval.micros
+    for row in backend.execute(sql)[1]:
+        expected = date_bin(micros, row[0], dt.datetime.fromisoformat(origin))
+        assert all(v == expected for v in row[1:]), (row, expected)
+        assert key.values is not None and expected in key.values
+
+
+def test_date_bin_releases_every_bin_of_the_where_range(clinic: Engine) -> None:
+    result = clinic.execute(
+        "SELECT date_bin(INTERVAL '7 days', visit_date, '2001-01-01') AS w, COUNT(*) FROM visits "
+        "WHERE visit_date >= '2024-11-01' AND visit_date < '2024-12-01' GROUP BY 1 ORDER BY 1",
+        SESSION,
+    )
+    # 2001-01-01 is a Monday: weekly bins from the Monday on or before Nov 1 to the one before Nov 30
+    assert [r[0] for r in result.rows] == [dt.datetime(2024, 10, 28) + dt.timedelta(days=7 * i) for i in range(5)]
+    assert [c.type for c in result.columns] == ["timestamp with time zone", "bigint"]
+    assert result.delta_spent == 0
+
+
+def test_date_bin_of_a_timestamp_cast_is_timestamp(clinic: Engine) -> None:
+    result = clinic.execute(
+        "SELECT date_bin('36 hours', visit_date::timestamp, TIMESTAMP '2024-12-30 06:00') AS b, COUNT(*) "
+        "FROM visits WHERE visit_date >= '2024-12-25' GROUP BY 1 ORDER BY 1",
+        SESSION,
+    )
+    assert [c.type for c in result.columns] == ["timestamp", "bigint"]
+    first = dt.datetime(2024, 12, 30, 6) - dt.timedelta(hours=36 * 4)
+    assert [r[0] for r in result.rows] == [first + dt.timedelta(hours=36 * i) for i in range(5)]
+
+
+DATE_BIN_REFUSALS = [
+    (
+        "SELECT date_bin('1 month', visit_date, '2001-01-01'), COUNT(*) FROM visits GROUP BY 1",
+        "0A000",
+        "timestamps cannot be binned into intervals containing months or years",
+    ),
+    (
+        "SELECT date_bin(INTERVAL '1 year', visit_date, '2001-01-01'), COUNT(*) FROM visits GROUP BY 1",
+        "0A000",
+        "timestamps cannot be binned into intervals containing months or years",
+    ),
+    (
+        "SELECT date_bin('0 minutes', visit_date, '2001-01-01'), COUNT(*) FROM visits GROUP BY 1",
+        "22008",
+        "stride must be greater than zero",
+    ),
+    (
+        "SELECT date_bin('-1 day', visit_date, '2001-01-01'), COUNT(*) FROM visits GROUP BY 1",
+        "22008",
+        "stride must be greater than zero",
+    ),
+    (
+        "SELECT date_bin('1 hour', visit_date, '2001-01-01'), COUNT(*) FROM visits GROUP BY 1",
+        "54000",
+        "GROUP BY key \"DATE_BIN('1 hour', visit_date, '2001-01-01')\" would release 43825 groups (more than 10000)",
+    ),
+    (
+        "SELECT date_bin('1 day', visit_date, visit_date), COUNT(*) FROM visits GROUP BY 1",
+        "0A000",
+        "date_bin in GROUP BY needs a constant origin without time zone",
+    ),
+    (
+        "SELECT date_bin('1 day', cost, '2001-01-01'), COUNT(*) FROM visits GROUP BY 1",
+        "42883",
+        "function date_bin(unknown, double precision, unknown) does not exist",
+    ),
+]
+
+
+@pytest.mark.parametrize(("sql", "sqlstate", "message"), DATE_BIN_REFUSALS, ids=[r[0][:60] for r in DATE_BIN_REFUSALS])
+def test_date_bin_refusals(sql: str, sqlstate: str, message: str, clinic: Engine) -> None:
+    """PostgreSQL's own SQLSTATE and message (checked against PostgreSQL 15), before anything runs or is charged."""
+    with pytest.raises(Error) as info:
+        clinic.execute(sql, SESSION)
+    assert (info.value.sqlstate, info.value.message) == (sqlstate, message)
+    assert clinic.ledger.charges("clinic", "analyst") == []
+
+
+def test_integer_key_that_can_overflow_is_refused(health: Engine) -> None:
+    """PostgreSQL would raise 22003 on the rows that overflow smallint (data-dependent): refused from the bounds."""
+    with pytest.raises(Error) as info:
+        health.execute(
+            "SELECT CAST(age AS SMALLINT) * CAST(age AS SMALLINT) * CAST(age AS SMALLINT), COUNT(*) FROM patients "
+            "GROUP BY 1",
+            SESSION,
+        )
+    assert (info.value.sqlstate, info.value.message) == (
+        "0A000",
+        'GROUP BY key "CAST(age AS SMALLINT) * CAST(age AS SMALLINT) * CAST(age AS SMALLINT)" can exceed the '
+        "smallint range",
+    )
+    assert health.ledger.charges("health", "analyst") == []
