@@ -69,13 +69,17 @@ class _View:
 
 
 def _requalify(node: exp.Expression, inner_aliases: set[str], alias: str) -> exp.Expression:
-    """Columns of the view's table, re-pointed at the alias the outer query uses."""
-    node = node.copy()
-    for column in list(node.find_all(exp.Column)):
-        qualifier = ident_name(column.args.get("table"))
-        if not qualifier or qualifier in inner_aliases:
-            column.replace(exp.column(column.this.copy(), table=alias))
-    return node
+    """Columns of the view's table, re-pointed at the alias the outer query uses (a bare column as the
+    whole condition too: ``WHERE t0.urgent``)."""
+
+    def repoint(column: exp.Expression) -> exp.Expression:
+        if isinstance(column, exp.Column) and not isinstance(column.this, exp.Star):
+            qualifier = ident_name(column.args.get("table"))
+            if not qualifier or qualifier in inner_aliases:
+                return exp.column(column.this.copy(), table=alias)
+        return column
+
+    return node.transform(repoint)
 
 
 def inline_views(tree: exp.Expression) -> exp.Expression:
@@ -111,6 +115,11 @@ def inline_views(tree: exp.Expression) -> exp.Expression:
             body = ctes[ident_name(node.this)]
         else:
             continue
+        if body.args.get("joins") and tree.args.get("from_") and node is tree.args["from_"].this:
+            where = _flatten_joins(tree, body, alias)
+            if where is not None:
+                conditions.append(where)
+            continue
         view = _View(body, alias)
         views[alias] = view
         table = view.table.copy()
@@ -124,6 +133,55 @@ def inline_views(tree: exp.Expression) -> exp.Expression:
         outer = tree.args.get("where")
         tree.set("where", exp.Where(this=exp.and_(outer.this, condition) if outer else condition))
     return tree
+
+
+def _flatten_joins(tree: exp.Select, body: exp.Select, alias: str) -> exp.Expression | None:
+    """A FROM-subquery that joins tables and names their columns (ibis, Looker derived tables) becomes
+    those joins in the outer query: ``SELECT t4.building, COUNT(*) FROM (SELECT t2.cost, t3.building
+    FROM visits t2 JOIN departments t3 ON …) t4 GROUP BY 1`` is the same query as the flat join, so
+    every join check (public tables, unit joins, join limits) applies unchanged. Returns the view's WHERE.
+    """
+    for arg, clause in _VIEW_REFUSED.items():
+        if arg != "joins" and body.args.get(arg):
+            raise FeatureNotSupported(
+                f'{clause} inside the subquery or CTE "{alias}" is not supported',
+                hint="Views may only filter (WHERE), join and select or rename columns; aggregate in the outer query.",
+            )
+    inner = _sources(body)
+    if not all(isinstance(t, exp.Table) for t in inner):
+        raise FeatureNotSupported(f'the subquery or CTE "{alias}" may only join tables')
+    inner_aliases = {ident_name(t.args["alias"].this) if t.alias else ident_name(t.this) for t in inner}
+    outer_aliases = {
+        ident_name(t.args["alias"].this) if t.alias else ident_name(t.this)
+        for t in _sources(tree)[1:]
+        if isinstance(t, exp.Table)
+    }
+    if inner_aliases & outer_aliases:
+        raise FeatureNotSupported(f'the subquery "{alias}" reuses a table alias of the outer query')
+    columns: dict[str, exp.Column] = {}
+    for projection in body.expressions:
+        node = projection.unalias()
+        if not isinstance(node, exp.Column) or isinstance(node.this, exp.Star):
+            raise FeatureNotSupported(
+                f'the subquery or CTE "{alias}" with a JOIN may only select named columns',
+                hint="List the columns the outer query reads (t.col AS name).",
+            )
+        output = ident_name(projection.args["alias"].this) if isinstance(projection, exp.Alias) else None
+        columns[output or ident_name(node.this)] = node
+    output_aliases = {ident_name(p.args["alias"].this) for p in tree.expressions if isinstance(p, exp.Alias)}
+    for column in list(tree.find_all(exp.Column)):
+        if isinstance(column.this, exp.Star):
+            continue
+        name, qualifier = ident_name(column.this), ident_name(column.args.get("table"))
+        if qualifier == alias:
+            if name not in columns:
+                raise UndefinedColumn(f"column {alias}.{name} does not exist")
+            column.replace(columns[name].copy())
+        elif not qualifier and name in columns and name not in output_aliases:
+            column.replace(columns[name].copy())
+    tree.set("from_", body.args["from_"].copy())
+    tree.set("joins", [j.copy() for j in body.args["joins"]] + list(tree.args.get("joins") or []))
+    return body.args["where"].this.copy() if body.args.get("where") else None
 
 
 def _map_columns(tree: exp.Select, views: dict[str, _View]) -> None:
