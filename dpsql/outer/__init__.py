@@ -27,11 +27,12 @@ from typing import TYPE_CHECKING, Any
 from sqlglot import exp
 from sqlglot.optimizer.simplify import simplify
 
-from dpsql.accountant import Cost, remaining_budget
 from dpsql.analyze import analyze_tree, infer_parameter_types
 from dpsql.analyze.parse import Params, bind_parameters, parse_statement, placeholder_value
 from dpsql.errors import ProgramLimitExceeded
+from dpsql.outer import run
 from dpsql.outer.sandbox import MAX_PUBLIC_ROWS, Sandbox, outer_sql, pg_type, release_value
+from dpsql.outer.series import answer_series, split_series
 from dpsql.outer.shapes import Composite, decompose, needs_outer, own_aggregates
 from dpsql.pgtypes import PgType
 from dpsql.policy import PG_TYPE_NAMES
@@ -117,6 +118,9 @@ def route(
         return _empty([o.column for o in prepared.plan.outputs])
     if not needs_outer(tree, engine.policy):
         return None
+    series = split_series(tree)
+    if series is not None:
+        return answer_series(engine, series, session, sql)
     composite = decompose(tree, engine.policy)
     if composite is None:
         return None
@@ -201,40 +205,20 @@ def _shape(engine: Engine, composite: Composite, inputs: list[list[OutputColumn]
     return out
 
 
-def _total(prepared: list[Prepared]) -> Cost | None:
-    """The sum of the inner costs (sequential composition), None when every inner query is free."""
-    costs = [p.budgeting.cost for p in prepared if p.plan.measures and p.local is None]
-    if not costs:
-        return None
-    rho = 0.0
-    for c in costs:
-        try:
-            rho += c.zcdp_rho()
-        except ValueError:  # an (ε, δ) cost without ρ: the ledger composes ε and δ only
-            rho = 0.0
-            break
-    return Cost(
-        epsilon=sum(c.epsilon for c in costs),
-        delta=sum(c.delta for c in costs),
-        rho=rho,
-        selection_delta=sum(c.selection_delta for c in costs),
-    )
-
-
 def answer(engine: Engine, composite: Composite, session: Session, sql: str) -> Result:
-    """Validate and price every inner query and the outer statement, reserve the total once, release
-    every inner query, then post-process the released rows in the sandbox."""
+    """Validate and price every inner query and the outer statement, reserve the total of the inner
+    queries not already released (:mod:`.run`: the result cache) once, release them, then post-process
+    the released rows in the sandbox."""
     prepared = [engine.prepare(inner.sql, session) for inner in composite.inners]
     confidence = confidence_level(engine.policy, session)
     inputs = [_inner_columns([o.column for o in p.plan.outputs]) for p in prepared]
     columns = _shape(engine, composite, inputs)
     if composite.limit_zero:
         return _empty(columns)
-    cost = _total(prepared)
-    charge = None
-    if cost is not None:
-        charge = engine.reserve(cost, session, engine.fingerprint(sql))
-    released = [_release(engine, p, confidence) for p in prepared]
+    parts = [run.lookup(engine, p) for p in prepared]
+    cost = run.total(parts)
+    charge = run.reserve(engine, cost, session, sql)
+    released = [run.release(engine, part, confidence) for part in parts]
     text = outer_sql(composite.outer)
     with Sandbox() as box:
         for inner, cols, result in zip(composite.inners, inputs, released, strict=True):
@@ -244,43 +228,10 @@ def answer(engine: Engine, composite: Composite, session: Session, sql: str) -> 
         rows = box.run(text)
     kinds = [c.type for c in columns]
     values = [tuple(release_value(v, k) for v, k in zip(row, kinds, strict=True)) for row in rows]
-    result = Result(
-        columns,
-        values,
-        [tuple(None for _ in columns) for _ in values],
-        cost.epsilon if cost else 0.0,
-        cost.delta if cost else 0.0,
-    )
-    if charge is not None and cost is not None:
-        result.remaining_epsilon = remaining_budget(
-            charge.analyst_spent, engine.policy.analyst_budget(session.analyst), engine.policy.budget.accounting
-        ).epsilon
-        result.notices.append(
-            f"dpsql: charged ε={cost.epsilon:g}"
-            + (f", δ={cost.delta:g}" if cost.delta else "")
-            + f" for {len(prepared)} DP sub-quer{'y' if len(prepared) == 1 else 'ies'}"
-            + f'; remaining ε={result.remaining_epsilon:g} for analyst "{session.analyst}"'
-        )
+    result = Result(columns, values, [tuple(None for _ in columns) for _ in values], 0.0, 0.0)
+    run.charged_notice(engine, result, cost, charge, session, parts)
     result.notices.append(POSTPROCESSED_NOTICE)
     return result
-
-
-def _release(engine: Engine, prepared: Prepared, confidence: float) -> Result:
-    """One inner query run and noised exactly as :meth:`Engine.execute` does after its reservation."""
-    if prepared.local is not None:
-        return engine._release_local(prepared, confidence)
-    rows = engine._run(prepared.sql)
-    version = engine_data_version(engine)
-    if prepared.plan.physical.proven and version != prepared.data_version:
-        rows = engine._run(engine._clamped_sql(prepared.plan))
-    histograms = {i: engine._run(q) for i, q in prepared.histograms}
-    return engine._release(prepared, rows, confidence, histograms)
-
-
-def engine_data_version(engine: Engine) -> int:
-    from dpsql.rewrite.physical import data_version
-
-    return data_version(engine.backend)
 
 
 def _read_public(engine: Engine, name: str) -> tuple[list[tuple[str, PgType]], list[tuple[Any, ...]]]:
