@@ -32,7 +32,7 @@ from dpsql.analyze.parse import Params, bind_parameters, parse_statement, placeh
 from dpsql.errors import ProgramLimitExceeded
 from dpsql.outer import run
 from dpsql.outer.sandbox import MAX_PUBLIC_ROWS, Sandbox, outer_sql, pg_type, release_value
-from dpsql.outer.series import answer_series, split_series
+from dpsql.outer.series import answer_series, describe_series, split_series
 from dpsql.outer.shapes import Composite, decompose, needs_outer, own_aggregates
 from dpsql.pgtypes import PgType
 from dpsql.policy import PG_TYPE_NAMES
@@ -144,6 +144,9 @@ def describe(engine: Engine, sql: str, session: Session, parsed: exp.Expression 
         return Description([o.column for o in plan.outputs], param_types)
     if not needs_outer(bound, engine.policy):
         return None
+    series = split_series(bound)
+    if series is not None:
+        return Description(describe_series(engine, series), param_types)
     composite = decompose(bound, engine.policy)
     if composite is None:
         return None

@@ -45,14 +45,17 @@ from typing import TYPE_CHECKING, Any
 from sqlglot import exp
 
 from dpsql.analyze.sources import ident_name
-from dpsql.errors import FeatureNotSupported, InternalError
+from dpsql.analyze import analyze_tree
+from dpsql.analyze.parse import parse_statement
+from dpsql.errors import FeatureNotSupported, InternalError, SyntaxError_
 from dpsql.outer import run
 from dpsql.outer.shapes import own_aggregates, pg_name
 from dpsql.release.accuracy import confidence as confidence_level
-from dpsql.session import Result, Session
+from dpsql.session import OutputColumn, Result, Session
 
 if TYPE_CHECKING:
     from dpsql.engine import Engine, Prepared
+    from dpsql.plan import Plan
 
 __all__ = ["Series", "answer_series", "split_series"]
 
@@ -208,9 +211,19 @@ def split_series(tree: exp.Expr) -> Series | None:
     return Series(inner.sql(dialect="postgres"), tuple(keys), tuple(positions), template, name)
 
 
-def _stand_in(inner: Prepared, series: Series) -> list[tuple[Any, ...]]:
-    types = [inner.plan.outputs[i].column.type for i in series.positions]
+def _stand_in(inner: Plan, series: Series) -> list[tuple[Any, ...]]:
+    """One key tuple of the inner's key types (a sub-query with fewer columns: 42601, as PostgreSQL)."""
+    if max(series.positions) >= len(inner.outputs):
+        raise SyntaxError_("subquery has too few columns")
+    types = [inner.outputs[i].column.type for i in series.positions]
     return [tuple(_STAND_IN.get(t, "") for t in types)]
+
+
+def describe_series(engine: Engine, series: Series) -> list[OutputColumn]:
+    """The outer query's columns, from the SQL and the policy alone (nothing run or charged)."""
+    inner = analyze_tree(parse_statement(series.inner), engine.policy)
+    outer = analyze_tree(parse_statement(series.outer_sql(_stand_in(inner, series))), engine.policy)
+    return [o.column for o in outer.outputs]
 
 
 def _keys(rows: list[tuple[Any, ...]], series: Series) -> list[tuple[Any, ...]]:
@@ -246,7 +259,7 @@ def answer_series(engine: Engine, series: Series, session: Session, sql: str) ->
     """Price the inner and (with stand-in keys) the outer, reserve both at once, release the inner,
     then the outer restricted to its released keys (see the module's privacy argument)."""
     inner = engine.prepare(series.inner, session)  # refused exactly as the sub-query alone would be
-    stand_in = engine.prepare(series.outer_sql(_stand_in(inner, series)), session)
+    stand_in = engine.prepare(series.outer_sql(_stand_in(inner.plan, series)), session)
     confidence = confidence_level(engine.policy, session)
     first = run.lookup(engine, inner)
     parts = [first]
