@@ -32,7 +32,8 @@ from dpsql.analyze.parse import Params, bind_parameters, parse_statement, placeh
 from dpsql.errors import ProgramLimitExceeded
 from dpsql.outer import run
 from dpsql.outer.sandbox import MAX_PUBLIC_ROWS, Sandbox, outer_sql, pg_type, release_value
-from dpsql.outer.series import answer_series, describe_series, split_series
+from dpsql.outer.explain import CompositeExplanation, SubPlan
+from dpsql.outer.series import answer_series, describe_series, explain_series, split_series
 from dpsql.outer.shapes import Composite, decompose, needs_outer, own_aggregates
 from dpsql.pgtypes import PgType
 from dpsql.policy import PG_TYPE_NAMES
@@ -42,7 +43,7 @@ from dpsql.session import OutputColumn, Result, Session
 if TYPE_CHECKING:
     from dpsql.engine import Description, Engine, Prepared
 
-__all__ = ["describe", "route"]
+__all__ = ["describe", "explain", "route"]
 
 #: Cheap text test before parsing: only statements with one of these can be composite or a probe.
 _MAYBE = re.compile(
@@ -125,6 +126,33 @@ def route(
     if composite is None:
         return None
     return answer(engine, composite, session, sql)
+
+
+def explain(
+    engine: Engine, sql: str, session: Session, params: Params = None, parsed: exp.Expression | None = None
+) -> CompositeExplanation | None:
+    """EXPLAIN of a composite statement: every DP query priced and explained, the outer statement bound
+    (so EXPLAIN refuses what execution would), nothing run or charged. None: not a composite."""
+    tree = _parse(sql, params, parsed)
+    if tree is None or not needs_outer(tree, engine.policy):
+        return None
+    series = split_series(tree)
+    if series is not None:
+        return explain_series(engine, series, session, params)
+    composite = decompose(tree, engine.policy)
+    if composite is None:
+        return None
+    prepared = [engine.prepare(inner.sql, session) for inner in composite.inners]
+    _shape(engine, composite, [_inner_columns([o.column for o in p.plan.outputs]) for p in prepared])
+    cost = run.total([run.Part(p) for p in prepared])
+    subplans = [
+        SubPlan(f"DP sub-query, released as {inner.table}", engine.explain(inner.sql, session))
+        for inner in composite.inners
+    ]
+    node = "Post-processing"
+    return CompositeExplanation(
+        node, cost.epsilon if cost else 0.0, cost.delta if cost else 0.0, subplans, outer_sql(composite.outer)
+    )
 
 
 def describe(engine: Engine, sql: str, session: Session, parsed: exp.Expression | None = None) -> Description | None:

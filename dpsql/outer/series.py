@@ -48,7 +48,9 @@ from dpsql.analyze.sources import ident_name
 from dpsql.analyze import analyze_tree
 from dpsql.analyze.parse import parse_statement
 from dpsql.errors import FeatureNotSupported, InternalError, SyntaxError_
+from dpsql.analyze.parse import Params
 from dpsql.outer import run
+from dpsql.outer.explain import CompositeExplanation, SubPlan
 from dpsql.outer.shapes import own_aggregates, pg_name
 from dpsql.release.accuracy import confidence as confidence_level
 from dpsql.session import OutputColumn, Result, Session
@@ -57,7 +59,7 @@ if TYPE_CHECKING:
     from dpsql.engine import Engine, Prepared
     from dpsql.plan import Plan
 
-__all__ = ["Series", "answer_series", "split_series"]
+__all__ = ["Series", "answer_series", "describe_series", "explain_series", "split_series"]
 
 #: A value of each released key type standing in for the real list while the outer is priced.
 _STAND_IN: dict[str, object] = {
@@ -296,3 +298,24 @@ def answer_series(engine: Engine, series: Series, session: Session, sql: str) ->
         f'dpsql: series limit: {len(keys)} series chosen by the DP sub-query "{series.name}", released first'
     )
     return result
+
+
+def explain_series(engine: Engine, series: Series, session: Session, params: Params = None) -> CompositeExplanation:
+    """EXPLAIN of a series limit: the ranking and the outer query (with its stand-in keys), each priced
+    as execution prices them, their sum reserved together; nothing run or charged."""
+    inner = engine.prepare(series.inner, session)
+    stand_in = series.outer_sql(_stand_in(inner.plan, series))
+    outer = engine.prepare(stand_in, session)
+    cost = run.total([run.Part(inner), run.Part(outer)])
+    keys = ", ".join(k.sql(dialect="postgres") for k in series.keys)
+    subplans = [
+        SubPlan(
+            f'DP sub-query "{series.name}", released first (its keys choose the series)',
+            engine.explain(series.inner, session),
+        ),
+        SubPlan(
+            f'DP query over the chosen series ({keys} IN the keys "{series.name}" releases)',
+            engine.explain(stand_in, session),
+        ),
+    ]
+    return CompositeExplanation("Series limit", cost.epsilon if cost else 0.0, cost.delta if cost else 0.0, subplans)
