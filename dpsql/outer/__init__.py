@@ -36,7 +36,7 @@ from dpsql.outer.explain import CompositeExplanation, SubPlan
 from dpsql.outer.series import answer_series, describe_series, explain_series, split_series
 from dpsql.outer.shapes import Composite, decompose, needs_outer, own_aggregates
 from dpsql.pgtypes import PgType
-from dpsql.policy import PG_TYPE_NAMES
+from dpsql.policy import PG_TYPE_NAMES, Policy
 from dpsql.release.accuracy import confidence as confidence_level
 from dpsql.session import OutputColumn, Result, Session
 
@@ -95,6 +95,24 @@ def _probe(tree: exp.Expression) -> exp.Expression | None:
     return probe
 
 
+def _plain(sql: str, tree: exp.Expression, policy: Policy) -> bool:
+    """Whether the statement is a plain single query whatever its parameters' values, read on its unbound
+    (shared, uncopied) tree: no sub-query, set operation or window over aggregates (binding cannot add
+    one), no LIMIT a parameter could make 0, and a WHERE that reads a column, so no value makes it a
+    constant FALSE (a schema probe)."""
+    if not _MAYBE.search(sql) or not isinstance(tree, exp.Select | exp.SetOperation):
+        return True
+    if needs_outer(tree, policy):
+        return False
+    limit = tree.args.get("limit")
+    if isinstance(limit, exp.Limit) and not isinstance(limit.expression, exp.Literal):
+        return False
+    where = tree.args.get("where")
+    if where is not None and not where.this.find(exp.Column, exp.Select, exp.Subquery, exp.Func):
+        return False
+    return _probe(tree) is None
+
+
 def _parse(sql: str, params: Params, tree: exp.Expression | None = None) -> exp.Expression | None:
     if not _MAYBE.search(sql):
         return None
@@ -108,22 +126,33 @@ def route(
     engine: Engine, sql: str, session: Session, params: Params = None, parsed: exp.Expression | None = None
 ) -> Result | None:
     """Answer ``sql`` (``parsed``: its tree, if already parsed) when it is a schema probe or a composite
-    statement; None: the engine's usual path."""
+    statement; None: the engine's usual path.
+
+    A text without parameters found to be neither is remembered (:meth:`Statements.mark_plain`), so a
+    repeated plain query costs a dict lookup here, not a copy of its tree. With parameters, a probe
+    can depend on their values (``LIMIT $1``), so nothing is remembered."""
+    statements = engine._statements
+    if statements.plain(sql):
+        return None
+    if parsed is not None and _plain(sql, parsed, engine.policy):
+        statements.mark_plain(sql)
+        return None
     tree = _parse(sql, params, parsed)
     if tree is None:
         return None
-    probe = None if needs_outer(tree, engine.policy) else _probe(tree)
+    wraps = needs_outer(tree, engine.policy)
+    probe = None if wraps else _probe(tree)
     if probe is not None:
         prepared = engine.prepare(probe.sql(dialect="postgres"), session)  # refused exactly as the query would be
         confidence_level(engine.policy, session)
         return _empty([o.column for o in prepared.plan.outputs])
-    if not needs_outer(tree, engine.policy):
-        return None
-    series = split_series(tree)
+    series = split_series(tree) if wraps else None
     if series is not None:
         return answer_series(engine, series, session, sql)
-    composite = decompose(tree, engine.policy)
+    composite = decompose(tree, engine.policy) if wraps else None
     if composite is None:
+        if not params:
+            statements.mark_plain(sql)
         return None
     return answer(engine, composite, session, sql)
 
