@@ -40,10 +40,10 @@ from dpsql.explain import Explanation, explain, explain_format
 from dpsql.fingerprint import fingerprint_key, keyed, row_selection_salt, statement_shape
 from dpsql.ledger import Charge, Ledger, resolve_ledger_url
 from dpsql.lru import LRU
-from dpsql.outer.explain import CompositeExplanation
 from dpsql.outer import describe as describe_outer
 from dpsql.outer import explain as explain_outer
 from dpsql.outer import route as route_outer
+from dpsql.outer.explain import CompositeExplanation
 from dpsql.plan import Plan
 from dpsql.policy import Policy, load_policy
 from dpsql.postprocess.finish import finish, from_cache

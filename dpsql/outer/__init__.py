@@ -31,8 +31,8 @@ from dpsql.analyze import analyze_tree, infer_parameter_types
 from dpsql.analyze.parse import Params, bind_parameters, parse_statement, placeholder_value
 from dpsql.errors import ProgramLimitExceeded
 from dpsql.outer import run
-from dpsql.outer.sandbox import MAX_PUBLIC_ROWS, Sandbox, outer_sql, pg_type, release_value
 from dpsql.outer.explain import CompositeExplanation, SubPlan
+from dpsql.outer.sandbox import MAX_PUBLIC_ROWS, Sandbox, outer_sql, pg_type, release_value
 from dpsql.outer.series import answer_series, describe_series, explain_series, split_series
 from dpsql.outer.shapes import Composite, decompose, needs_outer, own_aggregates
 from dpsql.pgtypes import PgType
@@ -41,7 +41,7 @@ from dpsql.release.accuracy import confidence as confidence_level
 from dpsql.session import OutputColumn, Result, Session
 
 if TYPE_CHECKING:
-    from dpsql.engine import Description, Engine, Prepared
+    from dpsql.engine import Description, Engine
 
 __all__ = ["describe", "explain", "route"]
 

@@ -22,7 +22,7 @@ class SubPlan:
     """One DP query of the statement: its role (``released as __dpsql_released_1``) and its EXPLAIN."""
 
     role: str
-    explanation: Explanation
+    explanation: Explanation | CompositeExplanation
 
 
 @dataclass

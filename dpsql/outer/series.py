@@ -44,11 +44,10 @@ from typing import TYPE_CHECKING, Any
 
 from sqlglot import exp
 
-from dpsql.analyze.sources import ident_name
 from dpsql.analyze import analyze_tree
-from dpsql.analyze.parse import parse_statement
+from dpsql.analyze.parse import Params, parse_statement
+from dpsql.analyze.sources import ident_name
 from dpsql.errors import FeatureNotSupported, InternalError, SyntaxError_
-from dpsql.analyze.parse import Params
 from dpsql.outer import run
 from dpsql.outer.explain import CompositeExplanation, SubPlan
 from dpsql.outer.shapes import own_aggregates, pg_name
@@ -103,7 +102,7 @@ class Series:
         return select.where(*conditions, copy=False).sql(dialect="postgres")
 
 
-def _balanced_or(items: list[exp.Expr]) -> exp.Expr:
+def _balanced_or(items: Sequence[exp.Expr]) -> exp.Expr:
     """OR of ``items`` as a balanced tree (a chain of hundreds of ORs would be too deep to analyse)."""
     if len(items) == 1:
         return items[0]

@@ -107,7 +107,8 @@ CASES: list[tuple[str, str, bool]] = [
     ),
     (
         "inner-identifier",
-        "SELECT dept, COUNT(*) FROM v JOIN (SELECT pid AS p, COUNT(*) AS n FROM v GROUP BY pid) s ON pid = p GROUP BY dept",
+        "SELECT dept, COUNT(*) FROM v JOIN (SELECT pid AS p, COUNT(*) AS n FROM v GROUP BY pid) s "
+        "ON pid = p GROUP BY dept",
         True,
     ),
     ("on-inequality", f"SELECT dept, COUNT(*) FROM v JOIN ({_ranking('dept')}) s ON dept > k__ GROUP BY dept", True),
