@@ -162,6 +162,8 @@ def explain(
 ) -> CompositeExplanation | None:
     """EXPLAIN of a composite statement: every DP query priced and explained, the outer statement bound
     (so EXPLAIN refuses what execution would), nothing run or charged. None: not a composite."""
+    if engine._statements.plain(sql):
+        return None
     tree = _parse(sql, params, parsed)
     if tree is None or not needs_outer(tree, engine.policy):
         return None
