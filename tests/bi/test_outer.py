@@ -299,3 +299,21 @@ def test_explain_refuses_what_execution_refuses(health: Engine, sql: str, state:
     if message is not None:
         assert str(info.value).split("\n")[0] == message
     assert charged(health) == 0
+
+
+def test_plain_queries_are_remembered_probes_and_parameters_are_not(health: Engine) -> None:
+    """A plain single query is recognised once per text (route then costs a dict lookup); a probe, a
+    composite and a LIMIT whose value is a parameter are never remembered as plain."""
+    plain = "SELECT sex, COUNT(*) AS n FROM patients GROUP BY sex ORDER BY n DESC LIMIT 1"
+    probe = "SELECT sex, COUNT(*) FROM patients GROUP BY sex LIMIT 0"
+    by_parameter = "SELECT sex, COUNT(*) FROM patients GROUP BY sex LIMIT %s"
+    statements = health._statements
+    run(health, plain)
+    assert statements.plain(plain)
+    for _ in range(2):
+        assert run(health, probe).rows == [] and not statements.plain(probe)
+    assert len(run(health, by_parameter, [1]).rows) == 1
+    assert run(health, by_parameter, [0]).rows == [] and not statements.plain(by_parameter)
+    run(health, COMPOSITE)
+    assert not statements.plain(COMPOSITE)
+    assert charged(health) == pytest.approx(4 * EPS)
