@@ -41,7 +41,9 @@ from dpsql.fingerprint import fingerprint_key, keyed, row_selection_salt, statem
 from dpsql.ledger import Charge, Ledger, resolve_ledger_url
 from dpsql.lru import LRU
 from dpsql.outer import describe as describe_outer
+from dpsql.outer import explain as explain_outer
 from dpsql.outer import route as route_outer
+from dpsql.outer.explain import CompositeExplanation
 from dpsql.plan import Plan
 from dpsql.policy import Policy, load_policy
 from dpsql.postprocess.finish import finish, from_cache
@@ -177,8 +179,11 @@ class Engine:
         plan = analyze_tree(tree, self.policy, placeholders or None)
         return Description([o.column for o in plan.outputs], param_types)
 
-    def explain(self, sql: str, session: Session, params: Params = None) -> Explanation:
+    def explain(self, sql: str, session: Session, params: Params = None) -> Explanation | CompositeExplanation:
         """Cost, sensitivity, noise scale and expected error per output; spends nothing."""
+        composite = explain_outer(self, sql, session, params, self._statements.get(sql).tree)
+        if composite is not None:  # every DP part and the post-processing
+            return composite
         prepared = self.prepare(sql, session, params)
         # Every clamp shown, proven redundant or not: which ones the statistics prove is data-dependent.
         shown_sql = self._clamped_sql(prepared.plan).replace(self._salt, "<secret>")

@@ -57,7 +57,18 @@ class Statements:
 
     def __init__(self, size: int = 1024) -> None:
         self._items: LRU[str, Statement] = LRU(size)
+        #: Texts known to be plain single queries (neither composite nor a schema probe, whatever their
+        #: parameters): a repeat skips :func:`dpsql.outer.route`'s copy of the tree. Decided from the text
+        #: and the engine's (fixed) policy only.
+        self._plain: LRU[str, bool] = LRU(size)
 
     def get(self, sql: str) -> Statement:
         """The statement for ``sql``, shared: copy its tree before rewriting it."""
         return self._items.get(sql) or self._items.put(sql, classify(sql))
+
+    def plain(self, sql: str) -> bool:
+        """Whether ``sql`` was found to be a plain single query (a dict lookup)."""
+        return self._plain.get(sql) is not None
+
+    def mark_plain(self, sql: str) -> None:
+        self._plain.put(sql, True)

@@ -27,21 +27,23 @@ from typing import TYPE_CHECKING, Any
 from sqlglot import exp
 from sqlglot.optimizer.simplify import simplify
 
-from dpsql.accountant import Cost, remaining_budget
 from dpsql.analyze import analyze_tree, infer_parameter_types
 from dpsql.analyze.parse import Params, bind_parameters, parse_statement, placeholder_value
 from dpsql.errors import ProgramLimitExceeded
+from dpsql.outer import run
+from dpsql.outer.explain import CompositeExplanation, SubPlan
 from dpsql.outer.sandbox import MAX_PUBLIC_ROWS, Sandbox, outer_sql, pg_type, release_value
+from dpsql.outer.series import answer_series, describe_series, explain_series, split_series
 from dpsql.outer.shapes import Composite, decompose, needs_outer, own_aggregates
 from dpsql.pgtypes import PgType
-from dpsql.policy import PG_TYPE_NAMES
+from dpsql.policy import PG_TYPE_NAMES, Policy
 from dpsql.release.accuracy import confidence as confidence_level
 from dpsql.session import OutputColumn, Result, Session
 
 if TYPE_CHECKING:
-    from dpsql.engine import Description, Engine, Prepared
+    from dpsql.engine import Description, Engine
 
-__all__ = ["describe", "route"]
+__all__ = ["describe", "explain", "route"]
 
 #: Cheap text test before parsing: only statements with one of these can be composite or a probe.
 _MAYBE = re.compile(
@@ -93,6 +95,24 @@ def _probe(tree: exp.Expression) -> exp.Expression | None:
     return probe
 
 
+def _plain(sql: str, tree: exp.Expression, policy: Policy) -> bool:
+    """Whether the statement is a plain single query whatever its parameters' values, read on its unbound
+    (shared, uncopied) tree: no sub-query, set operation or window over aggregates (binding cannot add
+    one), no LIMIT a parameter could make 0, and a WHERE that reads a column, so no value makes it a
+    constant FALSE (a schema probe)."""
+    if not _MAYBE.search(sql) or not isinstance(tree, exp.Select | exp.SetOperation):
+        return True
+    if needs_outer(tree, policy):
+        return False
+    limit = tree.args.get("limit")
+    if isinstance(limit, exp.Limit) and not isinstance(limit.expression, exp.Literal):
+        return False
+    where = tree.args.get("where")
+    if where is not None and not where.this.find(exp.Column, exp.Select, exp.Subquery, exp.Func):
+        return False
+    return _probe(tree) is None
+
+
 def _parse(sql: str, params: Params, tree: exp.Expression | None = None) -> exp.Expression | None:
     if not _MAYBE.search(sql):
         return None
@@ -106,21 +126,64 @@ def route(
     engine: Engine, sql: str, session: Session, params: Params = None, parsed: exp.Expression | None = None
 ) -> Result | None:
     """Answer ``sql`` (``parsed``: its tree, if already parsed) when it is a schema probe or a composite
-    statement; None: the engine's usual path."""
+    statement; None: the engine's usual path.
+
+    A text without parameters found to be neither is remembered (:meth:`Statements.mark_plain`), so a
+    repeated plain query costs a dict lookup here, not a copy of its tree. With parameters, a probe
+    can depend on their values (``LIMIT $1``), so nothing is remembered."""
+    statements = engine._statements
+    if statements.plain(sql):
+        return None
+    if parsed is not None and _plain(sql, parsed, engine.policy):
+        statements.mark_plain(sql)
+        return None
     tree = _parse(sql, params, parsed)
     if tree is None:
         return None
-    probe = None if needs_outer(tree, engine.policy) else _probe(tree)
+    wraps = needs_outer(tree, engine.policy)
+    probe = None if wraps else _probe(tree)
     if probe is not None:
         prepared = engine.prepare(probe.sql(dialect="postgres"), session)  # refused exactly as the query would be
         confidence_level(engine.policy, session)
         return _empty([o.column for o in prepared.plan.outputs])
-    if not needs_outer(tree, engine.policy):
+    series = split_series(tree) if wraps else None
+    if series is not None:
+        return answer_series(engine, series, session, sql)
+    composite = decompose(tree, engine.policy) if wraps else None
+    if composite is None:
+        if not params:
+            statements.mark_plain(sql)
         return None
+    return answer(engine, composite, session, sql)
+
+
+def explain(
+    engine: Engine, sql: str, session: Session, params: Params = None, parsed: exp.Expression | None = None
+) -> CompositeExplanation | None:
+    """EXPLAIN of a composite statement: every DP query priced and explained, the outer statement bound
+    (so EXPLAIN refuses what execution would), nothing run or charged. None: not a composite."""
+    if engine._statements.plain(sql):
+        return None
+    tree = _parse(sql, params, parsed)
+    if tree is None or not needs_outer(tree, engine.policy):
+        return None
+    series = split_series(tree)
+    if series is not None:
+        return explain_series(engine, series, session, params)
     composite = decompose(tree, engine.policy)
     if composite is None:
         return None
-    return answer(engine, composite, session, sql)
+    prepared = [engine.prepare(inner.sql, session) for inner in composite.inners]
+    _shape(engine, composite, [_inner_columns([o.column for o in p.plan.outputs]) for p in prepared])
+    cost = run.total([run.Part(p) for p in prepared])
+    subplans = [
+        SubPlan(f"DP sub-query, released as {inner.table}", engine.explain(inner.sql, session))
+        for inner in composite.inners
+    ]
+    node = "Post-processing"
+    return CompositeExplanation(
+        node, cost.epsilon if cost else 0.0, cost.delta if cost else 0.0, subplans, outer_sql(composite.outer)
+    )
 
 
 def describe(engine: Engine, sql: str, session: Session, parsed: exp.Expression | None = None) -> Description | None:
@@ -140,6 +203,9 @@ def describe(engine: Engine, sql: str, session: Session, parsed: exp.Expression 
         return Description([o.column for o in plan.outputs], param_types)
     if not needs_outer(bound, engine.policy):
         return None
+    series = split_series(bound)
+    if series is not None:
+        return Description(describe_series(engine, series), param_types)
     composite = decompose(bound, engine.policy)
     if composite is None:
         return None
@@ -201,40 +267,20 @@ def _shape(engine: Engine, composite: Composite, inputs: list[list[OutputColumn]
     return out
 
 
-def _total(prepared: list[Prepared]) -> Cost | None:
-    """The sum of the inner costs (sequential composition), None when every inner query is free."""
-    costs = [p.budgeting.cost for p in prepared if p.plan.measures and p.local is None]
-    if not costs:
-        return None
-    rho = 0.0
-    for c in costs:
-        try:
-            rho += c.zcdp_rho()
-        except ValueError:  # an (ε, δ) cost without ρ: the ledger composes ε and δ only
-            rho = 0.0
-            break
-    return Cost(
-        epsilon=sum(c.epsilon for c in costs),
-        delta=sum(c.delta for c in costs),
-        rho=rho,
-        selection_delta=sum(c.selection_delta for c in costs),
-    )
-
-
 def answer(engine: Engine, composite: Composite, session: Session, sql: str) -> Result:
-    """Validate and price every inner query and the outer statement, reserve the total once, release
-    every inner query, then post-process the released rows in the sandbox."""
+    """Validate and price every inner query and the outer statement, reserve the total of the inner
+    queries not already released (:mod:`.run`: the result cache) once, release them, then post-process
+    the released rows in the sandbox."""
     prepared = [engine.prepare(inner.sql, session) for inner in composite.inners]
     confidence = confidence_level(engine.policy, session)
     inputs = [_inner_columns([o.column for o in p.plan.outputs]) for p in prepared]
     columns = _shape(engine, composite, inputs)
     if composite.limit_zero:
         return _empty(columns)
-    cost = _total(prepared)
-    charge = None
-    if cost is not None:
-        charge = engine.reserve(cost, session, engine.fingerprint(sql))
-    released = [_release(engine, p, confidence) for p in prepared]
+    parts = [run.lookup(engine, p) for p in prepared]
+    cost = run.total(parts)
+    charge = run.reserve(engine, cost, session, sql)
+    released = [run.release(engine, part, confidence) for part in parts]
     text = outer_sql(composite.outer)
     with Sandbox() as box:
         for inner, cols, result in zip(composite.inners, inputs, released, strict=True):
@@ -244,43 +290,10 @@ def answer(engine: Engine, composite: Composite, session: Session, sql: str) -> 
         rows = box.run(text)
     kinds = [c.type for c in columns]
     values = [tuple(release_value(v, k) for v, k in zip(row, kinds, strict=True)) for row in rows]
-    result = Result(
-        columns,
-        values,
-        [tuple(None for _ in columns) for _ in values],
-        cost.epsilon if cost else 0.0,
-        cost.delta if cost else 0.0,
-    )
-    if charge is not None and cost is not None:
-        result.remaining_epsilon = remaining_budget(
-            charge.analyst_spent, engine.policy.analyst_budget(session.analyst), engine.policy.budget.accounting
-        ).epsilon
-        result.notices.append(
-            f"dpsql: charged ε={cost.epsilon:g}"
-            + (f", δ={cost.delta:g}" if cost.delta else "")
-            + f" for {len(prepared)} DP sub-quer{'y' if len(prepared) == 1 else 'ies'}"
-            + f'; remaining ε={result.remaining_epsilon:g} for analyst "{session.analyst}"'
-        )
+    result = Result(columns, values, [tuple(None for _ in columns) for _ in values], 0.0, 0.0)
+    run.charged_notice(engine, result, cost, charge, session, parts)
     result.notices.append(POSTPROCESSED_NOTICE)
     return result
-
-
-def _release(engine: Engine, prepared: Prepared, confidence: float) -> Result:
-    """One inner query run and noised exactly as :meth:`Engine.execute` does after its reservation."""
-    if prepared.local is not None:
-        return engine._release_local(prepared, confidence)
-    rows = engine._run(prepared.sql)
-    version = engine_data_version(engine)
-    if prepared.plan.physical.proven and version != prepared.data_version:
-        rows = engine._run(engine._clamped_sql(prepared.plan))
-    histograms = {i: engine._run(q) for i, q in prepared.histograms}
-    return engine._release(prepared, rows, confidence, histograms)
-
-
-def engine_data_version(engine: Engine) -> int:
-    from dpsql.rewrite.physical import data_version
-
-    return data_version(engine.backend)
 
 
 def _read_public(engine: Engine, name: str) -> tuple[list[tuple[str, PgType]], list[tuple[Any, ...]]]:

@@ -188,7 +188,10 @@ def hoist_constants(select: exp.Select, table: str) -> tuple[exp.Select, exp.Sel
             continue
         name = shown if shown not in names and not shown.startswith("__") else f"__c{len(kept)}"
         names.add(name)
-        kept.append(exp.alias_(p.unalias().copy(), name, quoted=True))
+        if name == shown and isinstance(p, exp.Alias | exp.Column):  # named already: the text kept, so the
+            kept.append(p.copy())  # inner query shares its result-cache entry with the same query sent alone
+        else:
+            kept.append(exp.alias_(p.unalias().copy(), name, quoted=True))
         items.append(exp.alias_(exp.column(name, quoted=True), shown, quoted=True))
     inner.set("expressions", kept)
     return inner, exp.select(*items).from_(exp.to_table(table))

@@ -4,10 +4,13 @@ typed like PostgreSQL; each refusal with its exact SQLSTATE and message, chargin
 from __future__ import annotations
 
 import decimal
+import json
+from collections.abc import Iterator
 
 import psycopg
 import pytest
 
+from dpsql.cache import ResultCache
 from dpsql.engine import Engine
 from dpsql.errors import Error
 from dpsql.session import Result, Session
@@ -213,3 +216,104 @@ def test_through_the_wire_with_psycopg(clinic_server: tuple[str, Engine]) -> Non
         )
         assert [d.name for d in cur.description] == ["urgent", "a", "a_ci95"]
     assert engine.ledger.spent("clinic", "analyst").epsilon == pytest.approx(before + 3.0)
+
+
+@pytest.fixture
+def cached_health(health: Engine) -> Iterator[Engine]:
+    """The health engine with a result cache (the fixture's engine has none)."""
+    engine = Engine(health.policy, health.backend, health.ledger, ResultCache())
+    yield engine
+    assert engine.cache is not None
+    engine.cache.close()
+
+
+@pytest.mark.parametrize(("sql", "expected", "inners"), SHAPES, ids=[s[0][:50] for s in SHAPES])
+def test_exact_repeat_is_a_free_cache_hit(
+    cached_health: Engine, sql: str, expected: list[tuple[str, str]], inners: int
+) -> None:
+    """The released inner rows are cached under their own keys; the outer statement is recomputed (free)."""
+    first = run(cached_health, sql)
+    again = run(cached_health, sql)
+    assert again.rows == first.rows and again.columns == first.columns
+    assert again.epsilon_spent == 0 and again.remaining_epsilon is None
+    assert any("result cache" in n for n in again.notices)
+    assert charged(cached_health) == pytest.approx(EPS * inners)
+    assert len(cached_health.ledger.charges("health", "alice")) == 1
+
+
+def test_inner_release_shared_with_the_same_query_sent_alone(cached_health: Engine) -> None:
+    """An aggregate released alone is public: wrapping it in post-processing costs nothing more, and a
+    composite charges only its inner queries not released before."""
+    alone = run(cached_health, "SELECT problem, COUNT(*) AS c FROM patients GROUP BY problem")
+    wrapped = run(
+        cached_health, "SELECT * FROM (SELECT problem, COUNT(*) AS c FROM patients GROUP BY problem) t ORDER BY c DESC"
+    )
+    assert sorted(wrapped.rows) == sorted(alone.rows) and wrapped.epsilon_spent == 0
+    both = run(
+        cached_health,
+        "SELECT 'n' AS k, COUNT(*) AS v FROM patients UNION ALL SELECT 'a', AVG(age) FROM patients",
+    )
+    assert both.epsilon_spent == pytest.approx(2 * EPS)
+    one_new = run(
+        cached_health,
+        "SELECT 'n' AS k, COUNT(*) AS v FROM patients UNION ALL SELECT 'm', SUM(age) FROM patients",
+    )
+    assert one_new.epsilon_spent == pytest.approx(EPS)  # COUNT(*) was released by the previous statement
+    assert one_new.rows[0] == both.rows[0]
+    assert charged(cached_health) == pytest.approx(4 * EPS)
+
+
+COMPOSITE = "SELECT 'count' AS stat, COUNT(*) AS v FROM patients UNION ALL SELECT 'mean', AVG(age) FROM patients"
+
+
+def test_explain_composite_shows_each_dp_query_and_the_post_processing(health: Engine) -> None:
+    lines = [r[0] for r in run(health, f"EXPLAIN {COMPOSITE}").rows]
+    assert lines[0] == (
+        f"Post-processing  (epsilon={2 * EPS:g} delta=0; 2 DP queries, reserved together; post-processing is free)"
+    )
+    assert "  Post-processing SQL (over the released rows, in a sandbox):" in lines
+    assert [line for line in lines if line.startswith("  ->  ")] == [
+        "  ->  DP sub-query, released as __dpsql_released_1:",
+        "  ->  DP sub-query, released as __dpsql_released_2:",
+    ]
+    assert sum("DP Aggregate" in line for line in lines) == 2
+    assert charged(health) == 0
+
+
+def test_explain_format_json_of_a_composite(health: Engine) -> None:
+    (row,) = run(health, f"EXPLAIN (FORMAT JSON) {COMPOSITE}").rows
+    (top,) = json.loads(row[0])
+    plan = top["Plan"]
+    assert plan["Node Type"] == "Post-processing" and plan["Epsilon"] == pytest.approx(2 * EPS)
+    assert "__dpsql_released_1" in plan["Post-processing SQL"]
+    assert [p["Node Type"] for p in plan["Plans"]] == ["DP Aggregate", "DP Aggregate"]
+    assert [p["Epsilon"] for p in plan["Plans"]] == [EPS, EPS]
+    assert charged(health) == 0
+
+
+@pytest.mark.parametrize(("sql", "state", "message"), REFUSALS, ids=[r[0][:50] for r in REFUSALS])
+def test_explain_refuses_what_execution_refuses(health: Engine, sql: str, state: str, message: str | None) -> None:
+    with pytest.raises(Error) as info:
+        run(health, f"EXPLAIN {sql}")
+    assert info.value.sqlstate == state
+    if message is not None:
+        assert str(info.value).split("\n")[0] == message
+    assert charged(health) == 0
+
+
+def test_plain_queries_are_remembered_probes_and_parameters_are_not(health: Engine) -> None:
+    """A plain single query is recognised once per text (route then costs a dict lookup); a probe, a
+    composite and a LIMIT whose value is a parameter are never remembered as plain."""
+    plain = "SELECT sex, COUNT(*) AS n FROM patients GROUP BY sex ORDER BY n DESC LIMIT 1"
+    probe = "SELECT sex, COUNT(*) FROM patients GROUP BY sex LIMIT 0"
+    by_parameter = "SELECT sex, COUNT(*) FROM patients GROUP BY sex LIMIT %s"
+    statements = health._statements
+    run(health, plain)
+    assert statements.plain(plain)
+    for _ in range(2):
+        assert run(health, probe).rows == [] and not statements.plain(probe)
+    assert len(run(health, by_parameter, [1]).rows) == 1
+    assert run(health, by_parameter, [0]).rows == [] and not statements.plain(by_parameter)
+    run(health, COMPOSITE)
+    assert not statements.plain(COMPOSITE)
+    assert charged(health) == pytest.approx(4 * EPS)
