@@ -229,12 +229,15 @@ def _bound_by_cells(
     unit = _unit_name(plan, names)
     room, size = exp.column("__room", quoted=True), exp.column("__n", quoted=True)
     partials: list[exp.Expr] = []
-    for j, node in enumerate(_aggregates(outer)):
+    seen: dict[str, exp.Column] = {"COUNT(*)": size}  # one partial per distinct aggregate; COUNT(*) is __n
+    for node in _aggregates(outer):
         partial = node.copy().transform(
             lambda n: source[n.name].copy() if isinstance(n, exp.Column) and n.name in source else n, copy=False
         )
-        partials.append(exp.alias_(partial, f"__p{j}", quoted=True))
-        value = exp.column(f"__p{j}", quoted=True)
+        if partial.sql() not in seen:
+            seen[partial.sql()] = exp.column(f"__p{len(partials)}", quoted=True)
+            partials.append(exp.alias_(partial, f"__p{len(partials)}", quoted=True))
+        value = seen[partial.sql()].copy()
         if _distinct_unit(node, unit):
             node.replace(exp.Sum(this=value))
             continue
@@ -376,16 +379,24 @@ def _bound_per_unit(select: exp.Select, plan: Plan) -> exp.Select:
     dropped at random.
     """
     k = plan.max_rows
-    partials, totals = [], []
+    partials: list[exp.Expr] = []
+    totals = []
+    seen: dict[str, exp.Column] = {}  # one partial per distinct aggregate (AVG's count and its centring count)
+
+    def partial_of(aggregate: exp.Expression, name: str) -> exp.Column:
+        if aggregate.sql() not in seen:
+            seen[aggregate.sql()] = exp.column(f"__{name}", quoted=True)
+            partials.append(exp.alias_(aggregate.copy(), f"__{name}", quoted=True))
+        return seen[aggregate.sql()].copy()
+
     for projection in select.expressions:
         name, aggregate = projection.alias, projection.this
-        partial = exp.column(f"__{name}", quoted=True)
         if isinstance(aggregate, exp.Coalesce):  # COALESCE(SUM(value), 0)
-            partials.append(exp.alias_(aggregate.this.copy(), partial.name, quoted=True))
+            partial = partial_of(aggregate.this, name)
             low, high = _row_bounds(plan, name)
             capped = clamp_sql(partial, literal_number(k * min(low, 0)), literal_number(k * max(high, 0)))
         else:  # COUNT(*), COUNT(x), COUNT(DISTINCT unit)
-            partials.append(exp.alias_(aggregate.copy(), partial.name, quoted=True))
+            partial = partial_of(aggregate, name)
             cap = 1 if isinstance(aggregate.this, exp.Distinct) else k
             capped = (
                 exp.Case()
