@@ -2,8 +2,8 @@
 
 Row-level policies (bench/e2e.py) only clamp values. With ``privacy_unit: user_id`` dpsql must also bound
 each person's contribution: ungrouped queries aggregate per user and cap each user's partial count and
-sum; grouped ones keep at most ``max_rows_per_unit`` rows per user, chosen in salted-md5 order (counts
-collapse identical rows first; sums on DuckDB keep whole (user, group) cells). That per-user work is what
+sum; grouped counts and sums keep whole (user, group) cells in a salted-hash order and a share of the
+one cell crossing ``max_rows_per_unit`` (rewrite/bounding.py). That per-user work is what
 this benchmark prices, on a synthetic ``events`` table with ~100 rows per user, against the analyst's SQL
 run raw on the same backend (same harness as e2e: ``e2e._compare``), next to the bare per-user grouping
 (the floor any per-person bound costs).
