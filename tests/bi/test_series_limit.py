@@ -15,7 +15,7 @@ from dpsql.demo import demo_policy_path, load_demo
 from dpsql.engine import Engine
 from dpsql.errors import Error
 from dpsql.ledger import Ledger
-from dpsql.pgtypes import INT8, TEXT, TIMESTAMP
+from dpsql.pgtypes import INT8, TEXT, TIMESTAMPTZ
 from dpsql.policy import load_policy
 from dpsql.session import Session
 
@@ -64,7 +64,7 @@ def spent(engine: Engine, analyst: str = "alice") -> float:
 def test_superset_series_limit(clinic: Engine) -> None:
     result = run(clinic, SERIES)
     assert [(c.name, c.type) for c in result.columns] == [
-        ("visit_date", "timestamp"),
+        ("visit_date", "timestamp with time zone"),  # date_trunc of a date, as PostgreSQL
         ("department", "text"),
         ("count", "bigint"),
     ]
@@ -199,7 +199,7 @@ def test_through_the_wire_with_psycopg(clinic_server: tuple[str, Engine]) -> Non
         rows = cur.fetchall()
         assert cur.description is not None
         assert [(d.name, d.type_code) for d in cur.description] == [
-            ("visit_date", TIMESTAMP),
+            ("visit_date", TIMESTAMPTZ),  # date_trunc of a date: timestamptz, as PostgreSQL
             ("department", TEXT),
             ("count", INT8),
         ]
