@@ -9,7 +9,7 @@ measure and key references, evaluated after noise — pure post-processing).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from sqlglot import exp
 
@@ -20,6 +20,7 @@ from dpsql.session import OutputColumn
 
 if TYPE_CHECKING:
     from dpsql.aggregates import Aggregate
+    from dpsql.backends import RowHash, TopRows
 
 #: A key of :data:`dpsql.aggregates.MEASURES` (measures) or :data:`dpsql.aggregates.OUTPUTS` (outputs).
 AggregateKind = str
@@ -126,15 +127,16 @@ class Physical:
     ``salt`` is the secret mixed into the per-row hash that picks which rows of a heavy unit are kept
     (per engine, never shown). ``proven`` lists sum measures whose inputs the database's own
     statistics prove inside the bounds: clamping them is the identity, so the rewrite leaves the
-    CASE out. ``hash`` names the salted order (``md5``, the same on every backend, or ``duckdb``,
-    DuckDB's cheaper HASH); ``top_rows``: counts over many public groups keep each unit's first rows
-    with one ``MIN_BY`` aggregation (DuckDB). Either way a unit keeps at most ``max_rows`` rows.
+    CASE out. ``hash`` names the salted order (``md5``, the same on every backend, or the backend's
+    cheaper own hash: DuckDB's HASH, PostgreSQL's ``hashtextextended``); ``top_rows``: counts over many
+    public groups keep each unit's first rows in one step (DuckDB's ``MIN_BY`` aggregation, or
+    ``ROW_NUMBER``), None: never. Either way a unit keeps at most ``max_rows`` rows.
     """
 
     salt: str = ""
     proven: frozenset[int] = frozenset()
-    hash: Literal["md5", "duckdb"] = "md5"
-    top_rows: bool = False
+    hash: RowHash = "md5"
+    top_rows: TopRows = None
 
 
 @dataclass(frozen=True, slots=True)

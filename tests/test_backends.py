@@ -325,8 +325,8 @@ def test_optional_capabilities_are_in_the_protocol(loaded_duckdb: Backend, loade
     """data_version, row_hash, top_rows and proven_ranges exist on every backend: no getattr probing needed."""
     for backend in (loaded_duckdb, loaded_pg):
         assert isinstance(backend, Backend)
-        assert isinstance(backend.data_version, int) and backend.row_hash in ("md5", "duckdb")
+        assert isinstance(backend.data_version, int) and backend.row_hash in ("md5", "duckdb", "postgres")
         assert isinstance(backend.proven_ranges("t", ["x"]), dict)
-    assert (loaded_duckdb.row_hash, loaded_duckdb.top_rows) == ("duckdb", True)
-    assert (loaded_pg.row_hash, loaded_pg.top_rows) == ("md5", False)
+    assert (loaded_duckdb.row_hash, loaded_duckdb.top_rows) == ("duckdb", "min_by")
+    assert (loaded_pg.row_hash, loaded_pg.top_rows) == ("postgres", "row_number")
     assert loaded_pg.data_version == 0 and loaded_pg.proven_ranges("t", ["x"]) == {}

@@ -24,6 +24,12 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from dpsql.errors import BackendError, QueryCanceled
 
+#: A salted order of a unit's rows or cells: ``md5`` of their text (the same on every backend),
+#: ``duckdb`` (DuckDB's HASH) or ``postgres`` (PostgreSQL's 64-bit ``hashtextextended`` of md5's text).
+RowHash = Literal["md5", "duckdb", "postgres"]
+#: Keeping a unit's first rows in one step: DuckDB's ``MIN_BY(x, order, n)`` or ``ROW_NUMBER()``.
+TopRows = Literal["min_by", "row_number"] | None
+
 __all__ = ["Backend", "BackendDefaults", "BackendError", "database_log", "open_backend", "redact_url"]
 
 QUERY_FAILED = "the database failed to run the query"
@@ -94,10 +100,10 @@ class Backend(Protocol):
     #: A counter bumped before every write through this backend; 0 if it does not count writes
     #: (then nothing is proven from statistics, so nothing depends on it).
     data_version: int
-    #: The salted order that picks a heavy unit's rows (``Physical.hash``): "md5" or "duckdb".
-    row_hash: Literal["md5", "duckdb"]
-    #: Whether counts over many groups keep each unit's first rows with ``MIN_BY`` (``Physical.top_rows``).
-    top_rows: bool
+    #: The salted order that picks a heavy unit's rows (``Physical.hash``).
+    row_hash: RowHash
+    #: How counts over many groups keep each unit's first rows (``Physical.top_rows``), None: not at all.
+    top_rows: TopRows
 
     def proven_ranges(self, table: str, columns: list[str]) -> dict[str, tuple[Any, Any]]:
         """(min, max) the database's exact statistics guarantee per column; {} when none are known."""
@@ -129,8 +135,8 @@ class BackendDefaults:
     """Base class of the backends: the optional capabilities of :class:`Backend`, not offered."""
 
     data_version: int = 0
-    row_hash: Literal["md5", "duckdb"] = "md5"
-    top_rows: bool = False
+    row_hash: RowHash = "md5"
+    top_rows: TopRows = None
 
     def proven_ranges(self, table: str, columns: list[str]) -> dict[str, tuple[Any, Any]]:
         return {}

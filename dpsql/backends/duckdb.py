@@ -6,7 +6,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any
 
 import duckdb
 import numpy as np
@@ -15,6 +15,8 @@ from sqlglot import exp
 from dpsql.backends import (
     QUERY_FAILED,
     BackendDefaults,
+    RowHash,
+    TopRows,
     cancellable,
     column_defs,
     log_database_error,
@@ -49,8 +51,8 @@ class DuckDBBackend(BackendDefaults):
     dialect = "duckdb"
     #: DuckDB's HASH orders a heavy unit's cells an order of magnitude cheaper than md5, and MIN_BY
     #: keeps a unit's first rows in one aggregation (measured with bench/person.py).
-    row_hash: Literal["md5", "duckdb"] = "duckdb"
-    top_rows = True
+    row_hash: RowHash = "duckdb"
+    top_rows: TopRows = "min_by"
 
     def __init__(self, url: str, *, statement_timeout_ms: int | None = None) -> None:
         self.url = url

@@ -1,8 +1,9 @@
 """Pass 8, ``bound_contributions``: at most ``max_groups`` groups and ``max_rows`` rows per privacy unit.
 
 Four strategies: per-unit partial aggregates (ungrouped), (unit, group) cells kept whole in a salted
-order (grouped counts and sums), each unit's first rows by ``MIN_BY`` (counts over many groups, where
-the backend has it), and row numbering in a salted order (everything else).
+order (grouped counts and sums), each unit's first rows in cell order by ``MIN_BY`` or ``ROW_NUMBER``
+(counts over many groups, where the backend offers it), and row numbering in a salted row order
+(everything else).
 """
 
 from __future__ import annotations
@@ -61,7 +62,10 @@ def _hash(plan: Plan, values: list[exp.Expression]) -> exp.Expression:
 
     ``md5`` (default): md5 of the salt and the values as text, the same on every backend, so every
     backend keeps the same rows. ``duckdb``: DuckDB's own HASH of the salt and the values, an order of
-    magnitude cheaper per row; a different order, kept within the same bounds.
+    magnitude cheaper per row. ``postgres``: PostgreSQL's 64-bit ``hashtextextended`` of md5's text, a
+    bigint that sorts far faster than md5's 32 characters. Each is a different order, kept within the
+    same bounds: the privacy argument needs only that a unit's order depends on its own rows and the
+    salt, never on the query or on other units.
     """
     salt = exp.Literal.string(plan.physical.salt)
     if plan.physical.hash == "duckdb":
@@ -71,6 +75,8 @@ def _hash(plan: Plan, values: list[exp.Expression]) -> exp.Expression:
         text = exp.DPipe(
             this=text, expression=exp.DPipe(this=exp.Literal.string("|"), expression=_as_text(_hash_input(plan, value)))
         )
+    if plan.physical.hash == "postgres":
+        return exp.Anonymous(this="hashtextextended", expressions=[text, exp.Literal.number(0)])
     return exp.MD5(this=text)
 
 
@@ -91,7 +97,7 @@ def bound_contributions(select: exp.Select, plan: Plan) -> exp.Select:
     aggregates are counts and sums (everything but a distinct count of a non-unit column) aggregate
     (unit, group) cells once and keep whole cells in a salted order, scaling the one cell per unit that
     crosses the bound (:func:`_bound_by_cells`); on backends that keep the top rows of each unit in one
-    aggregation, counts over many public groups take those rows instead (:func:`_bound_by_top_rows`).
+    step, counts over many public groups take those rows instead (:func:`_bound_by_top_rows`).
     Everything else goes rows (unit, used columns, row hash) → rank groups per unit → number rows per
     unit in hash order → aggregate the rows within both bounds. Bounding happens after the joins, so no
     join can multiply a unit's rows past the bound the noise assumes.
@@ -316,10 +322,10 @@ def _scaled(node: exp.Expr, value: exp.Column, room: exp.Column, size: exp.Colum
 
 def _top_rows_apply(select: exp.Select, outer: exp.Select, plan: Plan, names: dict[str, str]) -> bool:
     """Counts over public, non-NULL key columns whose domains hold more groups than ``max_rows``, on
-    a backend that keeps a unit's top rows in one aggregation (``plan.physical.top_rows``): there most
-    cells hold one row, so ordering cells costs what ordering rows does, and one aggregation per unit
-    beats it. Decided from the plan and the policy only (never the data)."""
-    if not plan.physical.top_rows or plan.max_groups < plan.max_rows or not plan.keys:
+    a backend that keeps a unit's top rows in one step (``plan.physical.top_rows``): there most cells
+    hold one row, so ordering cells costs what ordering rows does, and picking rows directly beats
+    it. Decided from the plan and the policy only (never the data)."""
+    if plan.physical.top_rows is None or plan.max_groups < plan.max_rows or not plan.keys:
         return False
     unit = _unit_name(plan, names)
     counts = all(
@@ -338,20 +344,31 @@ def _top_rows_apply(select: exp.Select, outer: exp.Select, plan: Plan, names: di
 def _bound_by_top_rows(
     select: exp.Select, plan: Plan, outer: exp.Select, columns: dict[str, exp.Column], names: dict[str, str]
 ) -> exp.Select:
-    """Each unit's first ``max_rows`` rows in the salted order of their cell, in one aggregation per unit.
+    """Each unit's first ``max_rows`` rows in the salted order of their cell.
 
     The order is the cell hash of :func:`_bound_by_cells`, so the rows kept are whole cells and part of
     the crossing cell: for counts (rows of one cell are alike) the same counts that path keeps. DuckDB's
-    ``MIN_BY(x, order, n)`` keeps the n smallest in a bounded heap per unit; it skips NULL values, so
-    only non-NULL key columns come here (:func:`_top_rows_apply`).
+    ``MIN_BY(x, order, n)`` keeps the n smallest in a bounded heap per unit, one aggregation; it skips
+    NULL values, so only non-NULL key columns come here (:func:`_top_rows_apply`). Elsewhere
+    ``ROW_NUMBER()`` over the unit in that order (one sort of the rows by unit and a bigint, where the
+    cells path sorts as many cells); rows of a cell tie, and which of them is kept cannot change a count.
     """
     assert plan.unit is not None
     keys = [key_column(plan, i) for i in range(len(plan.keys))]
     order = _hash(plan, [plan.unit.copy(), *(k.copy() for k in keys)])
     unit = _unit_name(plan, names)
+    unit_column = [exp.alias_(plan.unit.copy(), unit)] if unit is not None else []
+    if plan.physical.top_rows == "row_number":
+        in_order = exp.Order(expressions=[exp.Ordered(this=order)])
+        number = exp.Window(this=exp.RowNumber(), partition_by=[plan.unit.copy()], order=in_order)
+        top = _over_sources(
+            select, *unit_column, *(exp.alias_(k.copy(), names[k.sql()]) for k in keys), exp.alias_(number, "__rn")
+        )
+        within = exp.LTE(this=exp.column("__rn"), expression=exp.Literal.number(plan.max_rows))
+        return outer.from_("__top").where(within).with_("__top", as_=top)
     top = _over_sources(
         select,
-        *([exp.alias_(plan.unit.copy(), unit)] if unit is not None else []),
+        *unit_column,
         *(
             exp.alias_(
                 exp.Unnest(

@@ -52,6 +52,16 @@ def clinic_pg(pg_new_database: Callable[[], str]) -> Iterator[Backend]:
     backend.close()
 
 
+@pytest.fixture(scope="module")
+def clinic_pg_neighbour(pg_new_database: Callable[[], str]) -> Iterator[Backend]:
+    """The clinic on PostgreSQL without every row of the heavy patient (``clinic_pg``'s neighbour)."""
+    backend = open_backend(pg_new_database())
+    load_demo(backend, ["clinic"])
+    _without_person(backend, HEAVY)
+    yield backend
+    backend.close()
+
+
 QUERIES = [
     "SELECT COUNT(*) FROM visits",
     "SELECT SUM(cost), AVG(cost) FROM visits",
@@ -68,11 +78,15 @@ QUERIES = [
 ]
 
 
-#: Physical choices: md5 order (every backend), DuckDB's HASH order, and HASH with MIN_BY top rows.
+#: Physical choices: md5 order (every backend), DuckDB's HASH order, HASH with MIN_BY top rows (the
+#: engine's DuckDB choice), HASH with ROW_NUMBER top rows, and PostgreSQL's hashtextextended with
+#: ROW_NUMBER top rows (the engine's PostgreSQL choice).
 PHYSICAL = {
     "md5": Physical("fixed-salt-for-the-test"),
     "duckdb": Physical("fixed-salt-for-the-test", hash="duckdb"),
-    "top": Physical("fixed-salt-for-the-test", hash="duckdb", top_rows=True),
+    "top": Physical("fixed-salt-for-the-test", hash="duckdb", top_rows="min_by"),
+    "top_rn": Physical("fixed-salt-for-the-test", hash="duckdb", top_rows="row_number"),
+    "postgres": Physical("fixed-salt-for-the-test", hash="postgres", top_rows="row_number"),
 }
 
 
@@ -88,14 +102,23 @@ def _cells(backend: Backend, plan: Plan, dialect: str) -> dict[tuple, tuple]:
     return {tuple(r[:n]): tuple(0 if v is None else v for v in r[n:]) for r in rows}
 
 
-@pytest.mark.parametrize("physical", ["md5", "top"])
+@pytest.mark.parametrize("physical", ["md5", "top", "top_rn", "postgres"])
 @pytest.mark.parametrize("sql", QUERIES)
 def test_neighbours_differ_by_at_most_the_sensitivity(
-    sql: str, physical: str, clinic_policy: Policy, clinic_duckdb: tuple[Backend, Backend]
+    sql: str,
+    physical: str,
+    clinic_policy: Policy,
+    clinic_duckdb: tuple[Backend, Backend],
+    request: pytest.FixtureRequest,
 ) -> None:
-    """Remove *all* rows of a patient with hundreds of rows: each measure moves ≤ its L1 sensitivity."""
+    """Remove *all* rows of a patient with hundreds of rows: each measure moves ≤ its L1 sensitivity
+    (PostgreSQL's own hash on PostgreSQL, the others on DuckDB)."""
     plan = _plan(sql, clinic_policy, physical=physical)
-    full, neighbour = (_cells(b, plan, "duckdb") for b in clinic_duckdb)
+    if physical == "postgres":
+        pair = (request.getfixturevalue("clinic_pg"), request.getfixturevalue("clinic_pg_neighbour"))
+    else:
+        pair = clinic_duckdb
+    full, neighbour = (_cells(b, plan, b.dialect) for b in pair)
     zeros = (0,) * len(plan.measures)
     for i, measure in enumerate(plan.measures):
         l1, _ = plan.sensitivities(measure)
@@ -327,13 +350,14 @@ def _cell_rows() -> list[tuple[int | None, str | None, float]]:
     return rows
 
 
-@pytest.mark.parametrize("physical", ["md5", "duckdb"])
+@pytest.mark.parametrize("physical", ["md5", "duckdb", "postgres"])
 @pytest.mark.parametrize("max_groups", [5, 2])
 def test_grouped_sums_keep_max_rows_of_each_unit(
     max_groups: int, physical: str, pg_new_database: Callable[[], str]
 ) -> None:
     """Grouped sums keep at most max_rows rows and max_groups groups of each unit: whole cells (one unit
-    in one group) in salted order and a share of the crossing cell, in md5 or DuckDB HASH order.
+    in one group) in salted order and a share of the crossing cell, in md5, DuckDB HASH or PostgreSQL
+    hashtextextended order.
 
     With x = 1, SUM(x) counts the rows kept. Restricted to one unit by WHERE (on ``w``, a copy of the
     unit), the query must keep at most min(max_rows, rows in its largest max_groups groups) rows of
@@ -346,7 +370,8 @@ def test_grouped_sums_keep_max_rows_of_each_unit(
     sql = "SELECT k, SUM(x) FROM ev {where} GROUP BY k"
     assert "__cells" in to_sql(_plan(sql.format(where=""), policy, physical=physical), "duckdb")
     results: list[dict[tuple, tuple]] = []
-    for url in ("duckdb://", pg_new_database()) if physical == "md5" else ("duckdb://",):
+    urls = {"md5": ("duckdb://", pg_new_database()), "duckdb": ("duckdb://",), "postgres": (pg_new_database(),)}
+    for url in urls[physical]:
         backend = open_backend(url)
         columns = [("u", "bigint"), ("w", "bigint"), ("k", "text"), ("x", "double precision")]
         backend.load_rows("ev", columns, [(u, u, k, x) for u, k, x in rows])
@@ -377,9 +402,10 @@ def test_engine_orders_cells_by_the_backends_cheapest_hash(
     clinic_policy: Policy, clinic_duckdb: tuple[Backend, Backend], clinic_pg: Backend
 ) -> None:
     """DuckDB orders a heavy unit's cells by its own HASH (an order of magnitude cheaper than md5 per
-    cell); PostgreSQL by md5. Both keep whole cells and scale the crossing one."""
+    cell); PostgreSQL by hashtextextended (a bigint: its sort is cheaper than md5's text). Both keep
+    whole cells and scale the crossing one."""
     sql = "SELECT department, SUM(cost) FROM visits GROUP BY department"
-    for backend, order in ((clinic_duckdb[0], "HASH("), (clinic_pg, "MD5(")):
+    for backend, order in ((clinic_duckdb[0], "HASH("), (clinic_pg, "HASHTEXTEXTENDED(")):
         engine = Engine(clinic_policy, backend, Ledger.open("sqlite:///:memory:"))
         text = engine.prepare(sql, Session("alice")).sql
         assert "__cells" in text and order in text, backend.dialect
@@ -402,21 +428,28 @@ tables:
 """
 
 
-def test_top_rows_keep_what_cells_keep() -> None:
+@pytest.mark.parametrize("top", ["top", "top_rn", "postgres"])
+def test_top_rows_keep_what_cells_keep(top: str, pg_new_database: Callable[[], str]) -> None:
     """Counts over a public domain larger than max_rows (8 keys, 5 rows) take each unit's first rows in
-    cell-hash order with MIN_BY on DuckDB: the very counts the cells path keeps in that order, each
-    unit exactly min(max_rows, its rows); a distinct-unit count adds 1 per group a unit keeps rows in."""
+    cell-hash order (MIN_BY on DuckDB, ROW_NUMBER elsewhere): the very counts the cells path keeps in
+    that order, each unit exactly min(max_rows, its rows); a distinct-unit count adds 1 per group a unit
+    keeps rows in. ``postgres`` runs on PostgreSQL with its own hash, the others on DuckDB."""
     policy = parse_policy(TOP_POLICY)
     rows = [(u, u, "abcdefgh"[(u * i) % 8]) for u in range(1, 30) for i in range(u)] + [(0, 0, "a")] * 9
-    backend = open_backend("duckdb://")
+    backend = open_backend(pg_new_database() if top == "postgres" else "duckdb://")
     backend.load_rows("ev", [("u", "bigint"), ("w", "bigint"), ("k", "text")], rows)
     sql = "SELECT k, COUNT(*), COUNT(DISTINCT u) FROM ev {where} GROUP BY k"
-    assert "MIN_BY" in to_sql(_plan(sql.format(where=""), policy, physical="top"), "duckdb")
-    assert "MIN_BY" not in to_sql(_plan("SELECT k, COUNT(w) FROM ev GROUP BY k", policy, physical="top"), "duckdb")
-    top, cells = (_cells(backend, _plan(sql.format(where=""), policy, physical=p), "duckdb") for p in ("top", "duckdb"))
-    assert top == cells
+    marker = "MIN_BY" if top == "top" else "ROW_NUMBER"
+    assert marker in to_sql(_plan(sql.format(where=""), policy, physical=top), backend.dialect)
+    assert marker not in to_sql(_plan("SELECT k, COUNT(w) FROM ev GROUP BY k", policy, physical=top), backend.dialect)
+    cells_physical = "postgres" if top == "postgres" else "duckdb"
+    cells_plan = _plan(sql.format(where=""), policy, physical=cells_physical)
+    if top == "postgres":  # the same hash without top rows: the cells path
+        cells_plan = replace(cells_plan, physical=replace(cells_plan.physical, top_rows=None))
+    top_cells = _cells(backend, _plan(sql.format(where=""), policy, physical=top), backend.dialect)
+    assert top_cells == _cells(backend, cells_plan, backend.dialect)
     for unit in range(30):
-        kept = _cells(backend, _plan(sql.format(where=f"WHERE w = {unit}"), policy, physical="top"), "duckdb")
+        kept = _cells(backend, _plan(sql.format(where=f"WHERE w = {unit}"), policy, physical=top), backend.dialect)
         assert sum(v[0] for v in kept.values()) == min(5, sum(1 for r in rows if r[0] == unit)), unit
         assert all(v[1] == 1 for v in kept.values()), unit
     backend.close()

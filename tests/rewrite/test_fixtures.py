@@ -44,8 +44,10 @@ def _policy(name: str) -> Policy:
 def _plan(options: dict[str, str], query: str) -> Plan:
     plan = analyze(query, _policy(options.get("policy", "health")))
     proven = frozenset(int(i) for i in options.get("proven", "").split(",") if i.strip())
-    hash_ = "duckdb" if options.get("hash") == "duckdb" else "md5"
-    return replace(plan, physical=Physical("salt", proven, hash_, options.get("top_rows") == "true"))
+    hash_ = options.get("hash", "md5")
+    top_rows = options.get("top_rows")
+    assert hash_ in ("md5", "duckdb", "postgres") and top_rows in (None, "min_by", "row_number"), options
+    return replace(plan, physical=Physical("salt", proven, hash_, top_rows))
 
 
 def render(name: str, options: dict[str, str], query: str) -> str:
