@@ -8,6 +8,7 @@ persistent SQLite ledger under ``$DPSQL_HOME`` (default ``~/.local/share/dpsql``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import getpass
 import json
 import logging
@@ -127,8 +128,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     engine = open_engine(args)
     try:
         explanation = engine.explain(args.sql, _session(args))
-        if args.json:
-            print(json.dumps(explanation.__dict__, default=_json_default))
+        if args.json:  # asdict: a composite's sub-plans are explanations too, not their repr
+            print(json.dumps(dataclasses.asdict(explanation), default=_json_default))
         else:
             for (line,) in explanation.as_result().rows:
                 print(line)

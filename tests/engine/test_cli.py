@@ -48,6 +48,19 @@ def test_explain_spends_nothing(tmp_path: Path) -> None:
     assert all(row["epsilon_spent"] == 0 for row in budget)
 
 
+def test_explain_json_of_a_composite_statement(tmp_path: Path) -> None:
+    """``--json`` of post-processing over a DP query: each sub-plan as an object, not its repr."""
+    sql = "SELECT sex, n * 2 AS twice FROM (SELECT sex, COUNT(*) AS n FROM patients GROUP BY sex) AS s"
+    out = dpsql("explain", "--json", sql, home=tmp_path)
+    assert out.returncode == 0, out.stderr
+    payload = json.loads(out.stdout)
+    (sub,) = payload["subplans"]
+    assert isinstance(sub["explanation"], dict) and sub["explanation"]["epsilon"] == payload["epsilon"] > 0
+    assert "twice" in payload["outer_sql"]
+    simple = json.loads(dpsql("explain", "--json", "SELECT COUNT(*) FROM patients", home=tmp_path).stdout)
+    assert simple["epsilon"] > 0 and "sql" in simple
+
+
 def test_refusal_is_postgres_style(tmp_path: Path) -> None:
     out = dpsql("query", "SELECT ssn FROM patients", home=tmp_path)
     assert out.returncode == 1
