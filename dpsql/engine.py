@@ -235,12 +235,7 @@ class Engine:
                 note_cache_hit()
                 return from_cache(*entry)
         charge = self.reserve(budgeting.cost, session, prepared.fingerprint) if prepared.plan.measures else None
-        rows = self._run(prepared.sql)
-        if prepared.plan.physical.proven and data_version(self.backend) != prepared.data_version:
-            # a write raced the proof: run it again with every clamp in place
-            rows = self._run(self._clamped_sql(prepared.plan))
-        histograms = {i: self._run(sql) for i, sql in prepared.histograms}
-        result = self._release(prepared, rows, confidence, histograms)
+        result = self._measure(prepared, confidence)
         if charge is not None:
             result.remaining_epsilon = remaining_budget(
                 charge.analyst_spent,
@@ -255,6 +250,16 @@ class Engine:
         if self.cache is not None and stored_key is not None:
             self.cache.put(stored_key, result)
         return result
+
+    def _measure(self, prepared: Prepared, confidence: float) -> Result:
+        """Run the measurement query (and its histograms) and release the noisy result; called only
+        after the reservation (here and for each DP part of a composite statement)."""
+        rows = self._run(prepared.sql)
+        if prepared.plan.physical.proven and data_version(self.backend) != prepared.data_version:
+            # a write raced the proof: run it again with every clamp in place
+            rows = self._run(self._clamped_sql(prepared.plan))
+        histograms = {i: self._run(sql) for i, sql in prepared.histograms}
+        return self._release(prepared, rows, confidence, histograms)
 
     def _result_key(self, prepared: Prepared) -> str:
         """The result-cache key: the query's, on this database, at its current data version, under this policy."""

@@ -52,6 +52,9 @@ log = logging.getLogger("dpsql.dashboard")
 SESSION_COOKIE = "dpsql_session"
 LOGIN_COOKIE = "dpsql_login"
 MAX_BODY = 64 * 1024
+#: Connections served at once (one thread each); beyond that a new connection is closed at once, so a
+#: client opening idle sockets cannot grow the process without bound.
+MAX_CONNECTIONS = 32
 #: Static assets, by URL: the only files ever served (read at start).
 STATIC = {"/static/dashboard.css": ("dashboard.css", "text/css; charset=utf-8")}
 LOGIN_STYLE = (
@@ -96,8 +99,23 @@ class DashboardServer(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], app: Dashboard, tls: ssl.SSLContext | None) -> None:
         self.app = app
         self.tls = tls
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         super().__init__(address, Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """A thread per connection while fewer than :data:`MAX_CONNECTIONS` are open; else closed."""
+        if not self.slots.acquire(blocking=False):
+            log.warning("dashboard: %d connections open, closing a new one from %s", MAX_CONNECTIONS, client_address[0])
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
     def finish_request(self, request: Any, client_address: Any) -> None:
         if self.tls is not None:

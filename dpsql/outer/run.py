@@ -80,13 +80,7 @@ def release(engine: Engine, part: Part, confidence: float) -> Result:
     prepared = part.prepared
     if prepared.local is not None:
         return engine._release_local(prepared, confidence)
-    from dpsql.rewrite.physical import data_version
-
-    rows = engine._run(prepared.sql)
-    if prepared.plan.physical.proven and data_version(engine.backend) != prepared.data_version:
-        rows = engine._run(engine._clamped_sql(prepared.plan))
-    histograms = {i: engine._run(q) for i, q in prepared.histograms}
-    result = engine._release(prepared, rows, confidence, histograms)
+    result = engine._measure(prepared, confidence)
     if engine.cache is not None and part.key is not None:
         engine.cache.put(part.key, result)
     return result

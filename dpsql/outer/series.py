@@ -63,10 +63,13 @@ __all__ = ["Series", "answer_series", "describe_series", "explain_series", "spli
 #: A value of each released key type standing in for the real list while the outer is priced.
 _STAND_IN: dict[str, object] = {
     "bigint": 0,
+    "integer": 0,
+    "smallint": 0,
     "double precision": 0.0,
     "numeric": decimal.Decimal(0),
     "date": dt.date(2000, 1, 1),
     "timestamp": dt.datetime(2000, 1, 1),
+    "timestamp with time zone": dt.datetime(2000, 1, 1),
     "boolean": True,
 }
 

@@ -12,14 +12,17 @@ import datetime as dt
 import html
 import logging
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from dpsql.dashboard import auth
 from dpsql.dashboard.auth import MAX_FAILURES
+from dpsql.dashboard.server import MAX_CONNECTIONS
 from dpsql.ledger import AuditEntry
 from tests.dashboard.conftest import PASSWORD, ROOT, Live
 
@@ -148,6 +151,29 @@ def test_audit_filter_refusals(live: Live, query: str, error: str) -> None:
     response, body = live.request("GET", f"/audit?{query}", cookies=cookies)
     assert response.status == 400
     assert error.replace('"', "&quot;") in body
+
+
+def test_idle_connections_are_capped(live: Live) -> None:
+    """A client holding many idle sockets gets MAX_CONNECTIONS threads, no more: the next connection is
+    closed at once; once they go, pages are served again."""
+    idle = [socket.create_connection(("127.0.0.1", live.port), timeout=10) for _ in range(MAX_CONNECTIONS)]
+    try:
+        deadline = time.monotonic() + 10
+        while live.server.slots._value > 0 and time.monotonic() < deadline:  # every idle socket accepted
+            time.sleep(0.01)
+        assert live.server.slots._value == 0
+        extra = socket.create_connection(("127.0.0.1", live.port), timeout=10)
+        extra.sendall(b"GET /login HTTP/1.0\r\n\r\n")
+        assert extra.recv(100) == b""  # closed unanswered
+        extra.close()
+    finally:
+        for sock in idle:
+            sock.close()
+    deadline = time.monotonic() + 10
+    while live.server.slots._value < MAX_CONNECTIONS and time.monotonic() < deadline:
+        time.sleep(0.01)
+    response, _ = live.request("GET", "/login")
+    assert response.status == 200
 
 
 def test_no_path_traversal(live: Live) -> None:
