@@ -237,6 +237,11 @@ def _bound_by_cells(
     partials: list[exp.Expr] = []
     seen: dict[str, exp.Column] = {"COUNT(*)": size}  # one partial per distinct aggregate; COUNT(*) is __n
     for node in _aggregates(outer):
+        if _distinct_unit(node, unit):
+            # 1 per group the unit keeps any cell in: a group can hold several of its cells (an
+            # expression key such as FLOOR(x) maps many raw values to one group), so never a sum of cells
+            node.replace(exp.Count(this=exp.Distinct(expressions=[exp.column("__unit", quoted=True)]), big_int=True))
+            continue
         partial = node.copy().transform(
             lambda n: source[n.name].copy() if isinstance(n, exp.Column) and n.name in source else n, copy=False
         )
@@ -244,10 +249,7 @@ def _bound_by_cells(
             seen[partial.sql()] = exp.column(f"__p{len(partials)}", quoted=True)
             partials.append(exp.alias_(partial, f"__p{len(partials)}", quoted=True))
         value = seen[partial.sql()].copy()
-        if _distinct_unit(node, unit):
-            node.replace(exp.Sum(this=value))
-            continue
-        scaled = _scaled(node, value, room, size, _integer_sum(node, plan))
+        scaled = _scaled(node, value, room, size, _integer_sum(node, plan), exact=_centring_count(node))
         whole = exp.GTE(this=room.copy(), expression=size.copy())
         node.replace(exp.Sum(this=exp.Case().when(whole, value.copy()).else_(scaled)))
     rank_groups = bool(plan.keys) and plan.max_groups < plan.max_rows
@@ -302,15 +304,29 @@ def _integer_sum(node: exp.Expr, plan: Plan) -> bool:
     return measure.integer and measure.centre == 0 and not measure.square
 
 
-def _scaled(node: exp.Expr, value: exp.Column, room: exp.Column, size: exp.Column, integer: bool) -> exp.Expression:
+def _centring_count(node: exp.Expr) -> bool:
+    """Whether ``node`` is the exact count ``z<i>`` a centred sum ``m<i>`` is folded with (``m − c·z``)."""
+    alias = node.find_ancestor(exp.Alias)
+    name = alias.alias if alias is not None else ""
+    return name.startswith("z") and name[1:].isdigit()
+
+
+def _scaled(
+    node: exp.Expr, value: exp.Column, room: exp.Column, size: exp.Column, integer: bool, *, exact: bool = False
+) -> exp.Expression:
     """``room / n`` of a crossing cell's partial: exact for COUNT(*), truncated toward zero for other
     integers (so never beyond ``room`` rows' worth), in double precision for float sums. The integer
-    form ``(p DIV n)·room + ((p MOD n)·room) DIV n`` equals ``trunc(p·room / n)`` without forming p·room."""
+    form ``(p DIV n)·room + ((p MOD n)·room) DIV n`` equals ``trunc(p·room / n)`` without forming p·room.
+
+    ``exact``: a centring count ``z`` is scaled in double precision like the sum it centres, so the
+    centred sum ``(m − c·z)·room / n`` is the crossing cell's centred values weighted equally, each
+    within half the bounds' range. Truncating ``z`` alone would move the centred sum by up to ``|c|``
+    per unit beyond the sensitivity the noise assumes (when NULLs or FILTER make ``z`` < ``n``)."""
     if isinstance(node, exp.Count) and isinstance(node.this, exp.Star):
         return room.copy()
-    if isinstance(node, exp.Count):  # COUNT(x) ≤ n: the product is at most n · max_rows
+    if isinstance(node, exp.Count) and not exact:  # COUNT(x) ≤ n: the product is at most n · max_rows
         return exp.IntDiv(this=exp.Mul(this=value.copy(), expression=room.copy()), expression=size.copy())
-    if integer:
+    if integer and not exact:
         whole = exp.Mul(this=exp.IntDiv(this=value.copy(), expression=size.copy()), expression=room.copy())
         rest = exp.Mul(
             this=exp.paren(exp.Mod(this=value.copy(), expression=size.copy()), copy=False), expression=room.copy()

@@ -1,0 +1,385 @@
+"""The sensitivity fuzzer's world: a schema, its data, worst-case neighbours, random policies and queries.
+
+A small person-level schema (``people`` is the unit table, ``events`` references it with many rows per
+person, ``kinds`` is public) is loaded once per backend as the base database D and as D + one
+adversarial person for each entry of :data:`ADVERSARIES`. Each adversary is a worst case the bounding
+code must survive: many rows in one group, rows spread over every group (and a secret key nobody else
+holds), NULLs next to values so a crossing cell's non-NULL count differs from its row count, and stored
+values beyond every bound (±infinity, NaN, huge, out-of-range dates).
+
+Policies (:func:`policies`) vary ``max_rows_per_unit``, ``max_groups_per_unit``, bounds, domains and
+nullability; queries (:func:`queries`) are drawn from the grammar dpsql accepts: every additive
+aggregate (COUNT, COUNT(col), COUNT(DISTINCT unit), COUNT(DISTINCT col), SUM, AVG, VAR_POP, STDDEV,
+corr) with and without FILTER/CASE, plain and expression keys (DATE_TRUNC, EXTRACT, FLOOR, CASE,
+width_bucket, date_bin, comparisons), joins along the reference and to the public table, WHERE, and
+SELECT DISTINCT. A case prints as a policy YAML plus SQL, which is all it takes to reproduce it.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from hypothesis import strategies as st
+
+#: Columns that hold NULLs in the data: always declared nullable (a curator declaring NOT NULL on a
+#: column with NULLs is a policy error `policy check` reports, not a bounding case).
+NULLABLE_ALWAYS = {("people", "grp"), ("people", "score"), ("events", "amount"), ("events", "qty"), ("events", "ts")}
+
+KINDS = ["a", "b", "c", "d"]
+SECRET_KIND = "zz"  # held by one adversary only: never a public domain value
+
+DDL = """
+CREATE TABLE people (pid INTEGER, grp VARCHAR(8), age INTEGER, score DOUBLE PRECISION, born DATE);
+CREATE TABLE events (eid INTEGER, pid INTEGER, kind VARCHAR(8), amount DOUBLE PRECISION, qty INTEGER,
+                     day DATE, ts TIMESTAMP, flag BOOLEAN);
+CREATE TABLE kinds (name VARCHAR(8), cat VARCHAR(8));
+"""
+
+
+def _lit(value: object) -> str:
+    if value is None:
+        return "NULL"
+    if isinstance(value, bool):
+        return "TRUE" if value else "FALSE"
+    if isinstance(value, float):
+        if value != value:
+            return "CAST('NaN' AS DOUBLE PRECISION)"
+        if value in (float("inf"), float("-inf")):
+            return f"CAST('{'-' if value < 0 else ''}Infinity' AS DOUBLE PRECISION)"
+        return repr(value)
+    if isinstance(value, int):
+        return str(value)
+    return "'" + str(value).replace("'", "''") + "'"
+
+
+def _date(value: str | None) -> str:
+    return "NULL" if value is None else f"DATE '{value}'"
+
+
+def _ts(value: str | None) -> str:
+    return "NULL" if value is None else f"TIMESTAMP '{value}'"
+
+
+Event = tuple[str, float | None, int | None, str, str | None, bool]  # kind, amount, qty, day, ts, flag
+
+
+@dataclass(frozen=True)
+class Person:
+    pid: int
+    grp: str | None
+    age: int
+    score: float | None
+    born: str
+    events: tuple[Event, ...]
+
+
+def _insert(person: Person, first_eid: int) -> str:
+    sql = (
+        f"INSERT INTO people VALUES ({person.pid}, {_lit(person.grp)}, {person.age}, "
+        f"{_lit(person.score)}, {_date(person.born)});\n"
+    )
+    for j, (kind, amount, qty, day, ts, flag) in enumerate(person.events):
+        sql += (
+            f"INSERT INTO events VALUES ({first_eid + j}, {person.pid}, {_lit(kind)}, {_lit(amount)}, "
+            f"{_lit(qty)}, {_date(day)}, {_ts(ts)}, {_lit(flag)});\n"
+        )
+    return sql
+
+
+def _base_people(seed: int = 7, n: int = 40) -> list[Person]:
+    rng = random.Random(seed)
+    people = []
+    for pid in range(1, n + 1):
+        events = []
+        for _ in range(rng.randint(0, 5)):
+            month, dom = rng.randint(1, 6), rng.randint(1, 28)
+            events.append(
+                (
+                    rng.choice(KINDS),
+                    None if rng.random() < 0.15 else round(rng.uniform(-5, 60), 2),
+                    None if rng.random() < 0.15 else rng.randint(-2, 12),
+                    f"2024-{month:02d}-{dom:02d}",
+                    None if rng.random() < 0.1 else f"2024-{month:02d}-{dom:02d} {rng.randint(0, 23):02d}:30:00",
+                    rng.random() < 0.5,
+                )
+            )
+        people.append(
+            Person(
+                pid,
+                None if rng.random() < 0.1 else rng.choice(["a", "b", "c"]),
+                rng.randint(0, 105),
+                None if rng.random() < 0.1 else round(rng.uniform(-6, 6), 3),
+                f"{rng.randint(1945, 2003)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}",
+                tuple(events),
+            )
+        )
+    return people
+
+
+def _heavy() -> Person:
+    """Many rows in one group (kind 'a', one day), NULLs between values, values beyond every bound."""
+    amounts = [None, 1e9, 41.0, None, 45.5, -3.0, float("nan"), 42.0, None, 60.0, 43.25, None, 44.0, 41.5]
+    qtys = [None, 10, 100, None, 0, -7, 3, None, 9, 1, None, 5, 8, 9]
+    events = [
+        (
+            "a",
+            a,
+            q,
+            f"2024-02-{10 + i % 4:02d}",
+            f"2024-02-{10 + i % 4:02d} 0{i % 3}:00:00" if i % 3 else None,
+            i % 2 == 0,
+        )
+        for i, (a, q) in enumerate(zip(amounts, qtys, strict=True))
+    ]
+    return Person(1001, "a", 40, 1.0, "1980-01-01", tuple(events))
+
+
+def _spread() -> Person:
+    """Rows in every group: every kind (and a secret one), every month, both flags."""
+    events = []
+    for i in range(14):
+        kind = [*KINDS, SECRET_KIND][i % 5]
+        month = 1 + i % 6
+        amount = None if i % 4 == 1 else [0.0, 50.0, 12.5, 49.99, 7.0][i % 5]
+        events.append(
+            (
+                kind,
+                amount,
+                i % 11,
+                f"2024-{month:02d}-{1 + i:02d}",
+                f"2024-{month:02d}-{1 + i:02d} 12:00:00",
+                i % 2 == 1,
+            )
+        )
+    return Person(1002, "b", 101, -5.0, "1999-12-31", tuple(events))
+
+
+def _crossing() -> Person:
+    """A few rows in each of a few groups, mostly NULL amounts: cells that cross ``max_rows`` with a
+    non-NULL count below their row count (the centring count must scale like the sum)."""
+    layout = [("b", 4), ("c", 3), ("d", 5), ("a", 2)]
+    events = []
+    for kind, n in layout:
+        for j in range(n):
+            amount = 50.0 if j == n - 1 else None
+            qty = 10 if j % 2 == 0 else None
+            events.append(
+                (kind, amount, qty, f"2024-0{1 + j % 3}-15", None if j % 2 else "2024-03-01 00:00:00", j == 0)
+            )
+    return Person(1003, None, 0, None, "1950-01-01", tuple(events))
+
+
+def _odd() -> Person:
+    """Stored values far outside every bound: ±infinity, huge, dates decades away."""
+    events = [
+        ("c", float("inf"), 2_000_000_000, "2099-12-31", "1901-01-01 00:00:00", True),
+        ("c", float("-inf"), -2_000_000_000, "1900-01-01", "2099-06-30 23:59:59", False),
+        ("b", 1e300, 7, "2024-06-30", "2024-06-30 23:59:59", True),
+        ("a", -1e300, None, "2024-01-01", None, False),
+    ]
+    return Person(1004, "c", 1000, float("inf"), "1800-01-01", tuple(events))
+
+
+ADVERSARIES: dict[str, Person] = {"heavy": _heavy(), "spread": _spread(), "crossing": _crossing(), "odd": _odd()}
+
+
+def database_script(adversary: str | None) -> str:
+    """DDL and rows of D (``adversary`` None) or of D plus one adversarial person."""
+    script = DDL
+    script += "".join(f"INSERT INTO kinds VALUES ('{k}', '{'x' if k in 'ab' else 'y'}');\n" for k in KINDS)
+    eid = 1
+    people = _base_people()
+    if adversary is not None:
+        people.append(ADVERSARIES[adversary])
+    for person in people:
+        script += _insert(person, eid)
+        eid += len(person.events)
+    return script
+
+
+# -- policies -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FuzzPolicy:
+    max_rows: int
+    max_groups: int
+    kind_domain: str  # "table" | "list" | "none"
+    grp_domain: bool
+    nullable: frozenset[tuple[str, str]]
+    amount_bounds: tuple[float, float]
+    qty_bounds: tuple[int, int]
+    score_bounds: tuple[float, float]
+
+    def yaml(self) -> str:
+        def null(table: str, column: str) -> str:
+            return "true" if (table, column) in self.nullable else "false"
+
+        kind_domain = {
+            "table": ", domain: {table: kinds, column: name}",
+            "list": ", domain: [" + ", ".join(KINDS) + "]",
+            "none": "",
+        }[self.kind_domain]
+        grp_domain = ", domain: [a, b, c]" if self.grp_domain else ""
+        lo, hi = self.amount_bounds
+        qlo, qhi = self.qty_bounds
+        slo, shi = self.score_bounds
+        return f"""dataset: fuzz
+defaults: {{epsilon: 1.0, delta: 1.0e-6, mechanism: laplace, confidence: 0.95}}
+budget:
+  dataset: {{epsilon: 1000.0, delta: 1.0e-3}}
+  analyst: {{epsilon: 1000.0, delta: 1.0e-3}}
+auth: {{trust: true}}
+analysts:
+  - name: alice
+tables:
+  people:
+    privacy_unit: pid
+    max_rows_per_unit: 1
+    columns:
+      pid: {{type: int, identifier: true}}
+      grp: {{type: text, nullable: {null("people", "grp")}{grp_domain}}}
+      age: {{type: int, lower: 0, upper: 100, nullable: {null("people", "age")}}}
+      score: {{type: float, lower: {slo}, upper: {shi}, nullable: {null("people", "score")}}}
+      born: {{type: date, lower: 1940-01-01, upper: 2005-12-31, nullable: {null("people", "born")}}}
+  events:
+    references: {{column: pid, table: people, to: pid}}
+    max_rows_per_unit: {self.max_rows}
+    max_groups_per_unit: {self.max_groups}
+    columns:
+      eid: {{type: int, identifier: true}}
+      pid: {{type: int, identifier: true}}
+      kind: {{type: text, nullable: {null("events", "kind")}{kind_domain}}}
+      amount: {{type: float, lower: {lo}, upper: {hi}, nullable: {null("events", "amount")}}}
+      qty: {{type: int, lower: {qlo}, upper: {qhi}, nullable: {null("events", "qty")}}}
+      day: {{type: date, lower: 2024-01-01, upper: 2024-06-30, nullable: {null("events", "day")}}}
+      ts: {{type: timestamp, lower: 2024-01-01 00:00:00, upper: 2024-06-30 23:59:59, nullable: {null("events", "ts")}}}
+      flag: {{type: boolean, nullable: {null("events", "flag")}}}
+  kinds:
+    public: true
+    columns:
+      name: {{type: text, domain: [{", ".join(KINDS)}]}}
+      cat: {{type: text, domain: [x, y]}}
+"""
+
+
+_OPTIONAL_NULLABLE = [("people", "age"), ("people", "born"), ("events", "kind"), ("events", "day"), ("events", "flag")]
+
+
+@st.composite
+def policies(draw: st.DrawFn) -> FuzzPolicy:
+    """A random policy over the fuzz schema: small caps so crossing cells and group limits bite."""
+    extra = draw(st.sets(st.sampled_from(_OPTIONAL_NULLABLE)))
+    return FuzzPolicy(
+        max_rows=draw(st.integers(1, 6)),
+        max_groups=draw(st.integers(1, 4)),
+        kind_domain=draw(st.sampled_from(["table", "list", "none"])),
+        grp_domain=draw(st.booleans()),
+        nullable=frozenset(NULLABLE_ALWAYS | extra),
+        amount_bounds=draw(st.sampled_from([(0.0, 50.0), (-10.0, 40.0), (5.0, 45.0), (0.0, 1000.0)])),
+        qty_bounds=draw(st.sampled_from([(0, 10), (-5, 5), (1, 8)])),
+        score_bounds=draw(st.sampled_from([(-5.0, 5.0), (0.0, 3.0)])),
+    )
+
+
+# -- queries --------------------------------------------------------------------------------------
+
+#: Group keys over events (alias e), people (p, through the reference) and kinds (k, public).
+EVENT_KEYS = [
+    "e.kind",
+    "e.flag",
+    "DATE_TRUNC('month', e.day)",
+    "EXTRACT(month FROM e.day)",
+    "EXTRACT(dow FROM e.day)",
+    "FLOOR(e.amount / 10)",
+    "FLOOR(e.amount * 10)",
+    "CASE WHEN e.amount < 10 THEN 'lo' WHEN e.amount < 30 THEN 'mid' ELSE 'hi' END",
+    "CASE WHEN e.kind IN ('a', 'b') THEN 'ab' ELSE 'other' END",
+    "width_bucket(e.amount, 0, 50, 5)",
+    "date_bin('7 days', e.ts, TIMESTAMP '2024-01-01')",
+    "DATE_TRUNC('week', e.ts)",
+    "e.qty",
+    "e.qty > 5",
+    "e.day",
+]
+PEOPLE_KEYS = ["p.grp", "FLOOR(p.age / 10)", "p.age > 50", "EXTRACT(year FROM p.born)", "p.age"]
+KIND_KEYS = ["k.cat"]
+
+#: Aggregates over events, by family: a family is drawn first, so each bounding path is reached often.
+EVENT_MEASURE_FAMILIES: dict[str, list[str]] = {
+    "count": ["COUNT(*)", "COUNT(e.amount)", "COUNT(e.qty)", "COUNT(CASE WHEN e.amount > 25 THEN 1 END)"],
+    "distinct": ["COUNT(DISTINCT e.pid)", "COUNT(DISTINCT e.kind)", "COUNT(DISTINCT e.day)"],
+    "sum": ["SUM(e.amount)", "SUM(e.qty)", "AVG(e.amount)", "AVG(e.qty)"],
+    "spread": ["VAR_POP(e.amount)", "VAR_SAMP(e.qty)", "STDDEV(e.amount)", "corr(e.amount, e.qty)"],
+    "filtered": [
+        "COUNT(*) FILTER (WHERE e.flag)",
+        "SUM(e.amount) FILTER (WHERE e.qty > 3)",
+        "AVG(e.amount) FILTER (WHERE e.kind = 'a')",
+        "AVG(e.qty) FILTER (WHERE e.amount > 20)",
+        "VAR_POP(e.amount) FILTER (WHERE e.flag)",
+        "SUM(CASE WHEN e.flag THEN e.qty ELSE 0 END)",
+        "SUM(CASE WHEN e.kind = 'b' THEN 1 END)",
+        "AVG(CASE WHEN e.flag THEN e.amount END)",
+    ],
+    "selected": [
+        "MIN(e.amount)",
+        "MAX(e.qty)",
+        "percentile_cont(0.5) WITHIN GROUP (ORDER BY e.amount)",
+        "percentile_disc(0.9) WITHIN GROUP (ORDER BY e.qty)",
+        "mode() WITHIN GROUP (ORDER BY e.flag)",
+    ],
+}
+EVENT_MEASURES = [m for family in EVENT_MEASURE_FAMILIES.values() for m in family]
+PEOPLE_MEASURES = ["SUM(p.age)", "AVG(p.score)", "COUNT(DISTINCT p.pid)", "AVG(p.age)", "VAR_POP(p.score)"]
+PEOPLE_ONLY_MEASURES = [m.replace("p.", "") for m in ["COUNT(*)", "COUNT(p.score)", *PEOPLE_MEASURES]]
+PEOPLE_ONLY_KEYS = [k.replace("p.", "") for k in PEOPLE_KEYS]
+
+EVENT_WHERE = [
+    "e.amount > 5",
+    "e.kind IN ('a', 'b')",
+    "e.flag",
+    "e.day >= DATE '2024-03-01'",
+    "e.qty BETWEEN 2 AND 8",
+    "e.amount IS NULL",
+]
+PEOPLE_WHERE = ["p.age < 60", "p.grp = 'a'", "p.score > 0"]
+
+
+@st.composite
+def queries(draw: st.DrawFn) -> str:
+    """A random query from the accepted grammar (some draws are refused by the analyzer: skipped)."""
+    if draw(st.integers(0, 9)) == 0:  # the unit table alone (max_rows 1)
+        keys = draw(st.lists(st.sampled_from(PEOPLE_ONLY_KEYS), max_size=2, unique=True))
+        measures = draw(st.lists(st.sampled_from(PEOPLE_ONLY_MEASURES), min_size=1, max_size=3, unique=True))
+        where = draw(st.sampled_from([None, "age < 60", "grp = 'a'"]))
+        return _assemble(keys, measures, "people", where)
+    join_people = draw(st.booleans())
+    join_kinds = draw(st.integers(0, 3)) == 0
+    key_pool = EVENT_KEYS + (PEOPLE_KEYS if join_people else []) + (KIND_KEYS if join_kinds else [])
+    families = {**EVENT_MEASURE_FAMILIES, **({"people": PEOPLE_MEASURES} if join_people else {})}
+    measure = st.sampled_from(sorted(families)).flatmap(lambda family: st.sampled_from(families[family]))
+    where_pool = EVENT_WHERE + (PEOPLE_WHERE if join_people else [])
+    size = draw(st.sampled_from([0, 1, 1, 2, 2]))  # grouped queries are where the bounding paths differ
+    keys = draw(st.lists(st.sampled_from(key_pool), min_size=size, max_size=size, unique=True))
+    distinct = bool(keys) and draw(st.integers(0, 5)) == 0
+    measures = [] if distinct else draw(st.lists(measure, min_size=1, max_size=3, unique=True))
+    where = draw(st.sampled_from([None, None, *where_pool]))
+    source = "events e"
+    if join_people:
+        source += " JOIN people p ON e.pid = p.pid"
+    if join_kinds:
+        source += " JOIN kinds k ON e.kind = k.name"
+    return _assemble(keys, measures, source, where, distinct=distinct)
+
+
+def _assemble(keys: list[str], measures: list[str], source: str, where: str | None, *, distinct: bool = False) -> str:
+    if distinct:
+        return f"SELECT DISTINCT {', '.join(keys)} FROM {source}" + (f" WHERE {where}" if where else "")
+    items = [f"{k} AS k{i}" for i, k in enumerate(keys)] + [f"{m} AS v{i}" for i, m in enumerate(measures)]
+    sql = f"SELECT {', '.join(items)} FROM {source}"
+    if where:
+        sql += f" WHERE {where}"
+    if keys:
+        sql += " GROUP BY " + ", ".join(f"k{i}" for i in range(len(keys)))
+    return sql
