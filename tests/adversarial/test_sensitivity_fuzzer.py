@@ -26,7 +26,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from dpsql.analyze import analyze
@@ -36,7 +36,14 @@ from dpsql.plan import Plan
 from dpsql.policy import Policy, parse_policy
 from dpsql.rewrite import centre_rows, histogram_queries, to_sql
 from dpsql.rewrite.physical import choose_physical
-from tests.adversarial.fuzz_grammar import ADVERSARIES, FuzzPolicy, database_script, policies, queries
+from tests.adversarial.fuzz_grammar import (
+    ADVERSARIES,
+    NULLABLE_ALWAYS,
+    FuzzPolicy,
+    database_script,
+    policies,
+    queries,
+)
 
 EXAMPLES = 120
 HEAVY_EXAMPLES = 1500
@@ -72,6 +79,42 @@ PHYSICAL_CHOICES = {
     "duckdb": [("md5", None), ("duckdb", None), ("duckdb", "min_by"), ("duckdb", "row_number"), ("md5", "min_by")],
     "postgres": [("md5", None), ("postgres", None), ("postgres", "row_number"), ("md5", "row_number")],
 }
+
+
+def _policy(max_rows: int, max_groups: int, kind_domain: str = "table") -> FuzzPolicy:
+    return FuzzPolicy(max_rows, max_groups, kind_domain, True, NULLABLE_ALWAYS, (0.0, 50.0), (0, 10), (-5.0, 5.0))
+
+
+#: Cases every run checks first (hypothesis' explicit examples): the two findings of issue #26 the
+#: fixed-shape tests missed, and one case per bounding strategy, so coverage never rests on luck.
+#: (policy, SQL, salt, physical choice: index into PHYSICAL_CHOICES[dialect]).
+REGRESSIONS: list[tuple[FuzzPolicy, str, str, int]] = [
+    # #26.2: a distinct-person count summed over a person's cells of one expression group
+    (
+        _policy(5, 3),
+        "SELECT DATE_TRUNC('month', e.day) AS k0, COUNT(DISTINCT e.pid) AS v0 FROM events e GROUP BY k0",
+        "s1",
+        0,
+    ),
+    (_policy(5, 3, "none"), "SELECT DISTINCT FLOOR(e.amount * 10) FROM events e", "s1", 1),
+    # #26.3: the crossing cell's centring count truncated while its sum was scaled exactly
+    (
+        _policy(1, 3),
+        "SELECT e.kind AS k0, AVG(e.amount) AS v0, VAR_POP(e.amount) AS v1 FROM events e GROUP BY k0",
+        "s1",
+        0,
+    ),
+    (_policy(2, 2), "SELECT e.kind AS k0, corr(e.amount, e.qty) AS v0 FROM events e GROUP BY k0", "x", 1),
+    # one per strategy: per-unit partials, rows (a distinct count of a column, a quantile), top rows
+    (_policy(3, 2), "SELECT COUNT(*) AS v0, SUM(e.amount) AS v1, AVG(e.qty) AS v2 FROM events e", "s1", 0),
+    (
+        _policy(3, 2),
+        "SELECT e.flag AS k0, COUNT(DISTINCT e.kind) AS v0, MIN(e.amount) AS v1 FROM events e GROUP BY k0",
+        "s1",
+        0,
+    ),
+    (_policy(2, 4, "list"), "SELECT e.kind AS k0, e.flag AS k1, COUNT(*) AS v0 FROM events e GROUP BY k0, k1", "s1", 2),
+]
 
 
 #: Which bounding strategy a measurement query took, from the CTE names each one writes.
@@ -232,6 +275,8 @@ def _fuzz(worlds: dict[str | None, Backend], dialect: str, examples: int, *, shr
     def run(fuzz_policy: FuzzPolicy, sql: str, salt: str, choice: int) -> None:
         _check_case(worlds, dialect, fuzz_policy, sql, salt, choice, stats)
 
+    for case in reversed(REGRESSIONS):
+        run = example(*case)(run)
     run()
     print(stats.report(dialect))  # shown with -s or -rP: what the run covered
     return stats
@@ -248,7 +293,7 @@ def test_every_measure_moves_within_its_sensitivity(worlds: tuple[str, dict[str 
     stats = _fuzz(backends, dialect, EXAMPLES, shrink=False)
     # the grammar must stay mostly inside what dpsql accepts, or the fuzzer proves little
     assert stats.answered >= 0.6 * (stats.answered + stats.refused), (stats.answered, stats.refused)
-    for strategy in ("per-unit partials", "cells", "rows"):
+    for strategy in STRATEGIES.values():
         assert stats.shapes[f"strategy: {strategy}"] > 0, stats.report(dialect)
 
 
