@@ -30,7 +30,7 @@ KINDS = ["a", "b", "c", "d"]
 SECRET_KIND = "zz"  # held by one adversary only: never a public domain value
 
 DDL = """
-CREATE TABLE people (pid INTEGER, grp VARCHAR(8), age INTEGER, score DOUBLE PRECISION, born DATE);
+CREATE TABLE people (pid INTEGER, hh INTEGER, grp VARCHAR(8), age INTEGER, score DOUBLE PRECISION, born DATE);
 CREATE TABLE events (eid INTEGER, pid INTEGER, kind VARCHAR(8), amount DOUBLE PRECISION, qty INTEGER,
                      day DATE, ts TIMESTAMP, flag BOOLEAN);
 CREATE TABLE kinds (name VARCHAR(8), cat VARCHAR(8));
@@ -67,6 +67,7 @@ Event = tuple[str, float | None, int | None, str, str | None, bool]  # kind, amo
 @dataclass(frozen=True)
 class Person:
     pid: int
+    hh: int  # household: the unit when the policy protects households (group privacy)
     grp: str | None
     age: int
     score: float | None
@@ -76,7 +77,7 @@ class Person:
 
 def _insert(person: Person, first_eid: int) -> str:
     sql = (
-        f"INSERT INTO people VALUES ({person.pid}, {_lit(person.grp)}, {person.age}, "
+        f"INSERT INTO people VALUES ({person.pid}, {person.hh}, {_lit(person.grp)}, {person.age}, "
         f"{_lit(person.score)}, {_date(person.born)});\n"
     )
     for j, (kind, amount, qty, day, ts, flag) in enumerate(person.events):
@@ -107,6 +108,7 @@ def _base_people(seed: int = 7, n: int = 40) -> list[Person]:
         people.append(
             Person(
                 pid,
+                (pid + 1) // 2,  # two people per household
                 None if rng.random() < 0.1 else rng.choice(["a", "b", "c"]),
                 rng.randint(0, 105),
                 None if rng.random() < 0.1 else round(rng.uniform(-6, 6), 3),
@@ -132,7 +134,7 @@ def _heavy() -> Person:
         )
         for i, (a, q) in enumerate(zip(amounts, qtys, strict=True))
     ]
-    return Person(1001, "a", 40, 1.0, "1980-01-01", tuple(events))
+    return Person(1001, 1001, "a", 40, 1.0, "1980-01-01", tuple(events))
 
 
 def _spread() -> Person:
@@ -152,7 +154,7 @@ def _spread() -> Person:
                 i % 2 == 1,
             )
         )
-    return Person(1002, "b", 101, -5.0, "1999-12-31", tuple(events))
+    return Person(1002, 1002, "b", 101, -5.0, "1999-12-31", tuple(events))
 
 
 def _crossing() -> Person:
@@ -167,7 +169,7 @@ def _crossing() -> Person:
             events.append(
                 (kind, amount, qty, f"2024-0{1 + j % 3}-15", None if j % 2 else "2024-03-01 00:00:00", j == 0)
             )
-    return Person(1003, None, 0, None, "1950-01-01", tuple(events))
+    return Person(1003, 1003, None, 0, None, "1950-01-01", tuple(events))
 
 
 def _odd() -> Person:
@@ -178,7 +180,7 @@ def _odd() -> Person:
         ("b", 1e300, 7, "2024-06-30", "2024-06-30 23:59:59", True),
         ("a", -1e300, None, "2024-01-01", None, False),
     ]
-    return Person(1004, "c", 1000, float("inf"), "1800-01-01", tuple(events))
+    return Person(1004, 1004, "c", 1000, float("inf"), "1800-01-01", tuple(events))
 
 
 ADVERSARIES: dict[str, Person] = {"heavy": _heavy(), "spread": _spread(), "crossing": _crossing(), "odd": _odd()}
@@ -203,6 +205,7 @@ def database_script(adversary: str | None) -> str:
 
 @dataclass(frozen=True)
 class FuzzPolicy:
+    unit: str  # "pid" (a person) or "hh" (a household, reached by events through people)
     max_rows: int
     max_groups: int
     kind_domain: str  # "table" | "list" | "none"
@@ -235,10 +238,11 @@ analysts:
   - name: alice
 tables:
   people:
-    privacy_unit: pid
-    max_rows_per_unit: 1
+    privacy_unit: {self.unit}
+    max_rows_per_unit: {1 if self.unit == "pid" else 2}
     columns:
       pid: {{type: int, identifier: true}}
+      hh: {{type: int, identifier: true}}
       grp: {{type: text, nullable: {null("people", "grp")}{grp_domain}}}
       age: {{type: int, lower: 0, upper: 100, nullable: {null("people", "age")}}}
       score: {{type: float, lower: {slo}, upper: {shi}, nullable: {null("people", "score")}}}
@@ -272,6 +276,7 @@ def policies(draw: st.DrawFn) -> FuzzPolicy:
     """A random policy over the fuzz schema: small caps so crossing cells and group limits bite."""
     extra = draw(st.sets(st.sampled_from(_OPTIONAL_NULLABLE)))
     return FuzzPolicy(
+        unit=draw(st.sampled_from(["pid", "pid", "hh"])),
         max_rows=draw(st.integers(1, 6)),
         max_groups=draw(st.integers(1, 4)),
         kind_domain=draw(st.sampled_from(["table", "list", "none"])),

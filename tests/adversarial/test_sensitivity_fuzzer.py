@@ -82,7 +82,9 @@ PHYSICAL_CHOICES = {
 
 
 def _policy(max_rows: int, max_groups: int, kind_domain: str = "table") -> FuzzPolicy:
-    return FuzzPolicy(max_rows, max_groups, kind_domain, True, NULLABLE_ALWAYS, (0.0, 50.0), (0, 10), (-5.0, 5.0))
+    return FuzzPolicy(
+        "pid", max_rows, max_groups, kind_domain, True, NULLABLE_ALWAYS, (0.0, 50.0), (0, 10), (-5.0, 5.0)
+    )
 
 
 #: Cases every run checks first (hypothesis' explicit examples): the two findings of issue #26 the
