@@ -3,8 +3,13 @@
 Releasing the same noisy answer again is post-processing, so it costs no privacy; asking
 again and getting *fresh* noise would cost ε again and let repeats be averaged. The key is
 the normalised statement (sqlglot's canonical SQL, so whitespace, keyword case and
-unquoted identifier case don't matter) with its bound parameters, the dataset and the
-session's (ε, δ, mechanism). Rephrasings get different keys and are charged normally.
+unquoted identifier case don't matter) with its bound parameters, the dataset, the
+session's (ε, δ, mechanism) and its confidence level (``SET dpsql.confidence``: the stored
+intervals, ``<name>_ci95`` columns and accuracy notes are computed at it). Rephrasings get
+different keys and are charged normally; so is a repeat at another confidence level (fresh noise,
+charged: recomputing intervals for stored values would need the pre-finish release, e.g. the noisy
+count behind an AVG, which is not stored). Every other ``dpsql.*`` setting is either in the key or only
+shapes the wire output from the stored result (``show_intervals``).
 Entries are shared by all analysts of a dataset (an answer one analyst paid for is public
 to the others at no extra privacy cost). A SQLite file makes the cache survive restarts; a
 PostgreSQL table (``ResultCache.open("postgresql://…")``, the default next to a PostgreSQL ledger)
@@ -88,10 +93,11 @@ def cache_key(dataset: str, normalised_sql: str, params: Any, settings: tuple[An
     return hashlib.sha256(material.encode()).hexdigest()
 
 
-def result_key(query_key: str, database: str, data_stamp: str, policy_hash: str) -> str:
+def result_key(query_key: str, database: str, data_stamp: str, policy_hash: str, confidence: float) -> str:
     """The stored key of a released result: the query's key, on this database, at this data version,
-    under this policy. An answer is never served for another database, other data or another policy."""
-    material = "\x1f".join([query_key, database, data_stamp, policy_hash])
+    under this policy, at this confidence level. An answer is never served for another database, other
+    data or another policy, nor with intervals computed at another confidence."""
+    material = "\x1f".join([query_key, database, data_stamp, policy_hash, repr(float(confidence))])
     return hashlib.sha256(material.encode()).hexdigest()
 
 

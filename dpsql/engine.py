@@ -167,6 +167,9 @@ class Engine:
 
     def describe(self, sql: str, session: Session) -> Description:
         """Output columns and parameter types, without running the query or spending budget."""
+        if budget_view.is_budget_query(sql, self.policy):  # the analyst's own row: ledger only, free
+            own = budget_view.own_budget(self.ledger, self.policy, session.analyst)
+            return Description(budget_view.answer(sql, own).columns, [])
         statement = self._statements.get(sql)
         if statement.kind is Kind.INSERT:  # stored at Execute; no result columns
             return Description([], [])
@@ -229,7 +232,7 @@ class Engine:
             return self._release_local(prepared, confidence)
         stored_key = None
         if self.cache is not None and prepared.plan.measures:
-            stored_key = self._result_key(prepared)
+            stored_key = self._result_key(prepared, confidence)
             entry = self.cache.get_entry(stored_key)
             if entry is not None:
                 note_cache_hit()
@@ -261,15 +264,16 @@ class Engine:
         histograms = {i: self._run(sql) for i, sql in prepared.histograms}
         return self._release(prepared, rows, confidence, histograms)
 
-    def _result_key(self, prepared: Prepared) -> str:
-        """The result-cache key: the query's, on this database, at its current data version, under this policy."""
+    def _result_key(self, prepared: Prepared, confidence: float) -> str:
+        """The result-cache key: the query's, on this database, at its current data version, under this
+        policy, at this confidence level (a stored answer's intervals and notes are computed at it)."""
         if self._database_identity is None:
             self._database_identity = database_identity(self.backend)
         try:
             stamp = data_stamp(self.backend)
         except Exception:  # no version readable: a key no other query shares (never served stale)
             stamp = secrets.token_hex(16)
-        return result_key(prepared.cache_key, self._database_identity, stamp, self._policy_hash)
+        return result_key(prepared.cache_key, self._database_identity, stamp, self._policy_hash, confidence)
 
     def _release_local(self, prepared: Prepared, confidence: float) -> Result:
         """Counts of a randomized-response column, debiased from its stored (perturbed) values; free."""

@@ -12,7 +12,10 @@ LIMIT 5``, CTEs over aggregates, ``UNION ALL`` of DP queries and windows over ag
 3. each inner query is run and released with noise exactly as if it had been sent alone;
 4. the outer statement runs in a fresh sandbox (:mod:`.sandbox`) holding only the released rows and
    public tables: post-processing, which cannot lose privacy. Its errors (a division by a noisy zero)
-   depend on noise, never on un-noised values.
+   depend on noise, never on un-noised values. It is bounded like a database statement: the statement
+   timeout runs from the start of the composite statement and interrupts the sandbox (57014); its
+   result is capped in rows and bytes (54000); ``WITH RECURSIVE`` and functions making rows or sized
+   values are refused in step 1 (0A000, free).
 
 Schema probes (``LIMIT 0``, ``WHERE false``/``WHERE 1 = 0``) of an answerable query return its columns
 and no rows, charging nothing: that no row is returned is decided from the SQL alone.
@@ -21,6 +24,7 @@ and no rows, charging nothing: that no row is returned is decided from the SQL a
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +38,7 @@ from dpsql.outer import run
 from dpsql.outer.explain import CompositeExplanation, SubPlan
 from dpsql.outer.sandbox import MAX_PUBLIC_ROWS, Sandbox, outer_sql, pg_type, release_value
 from dpsql.outer.series import answer_series, describe_series, explain_series, split_series
-from dpsql.outer.shapes import Composite, decompose, needs_outer, own_aggregates
+from dpsql.outer.shapes import Composite, decompose, needs_outer, own_aggregates, refuse_recursion
 from dpsql.pgtypes import PgType
 from dpsql.policy import PG_TYPE_NAMES, Policy
 from dpsql.release.accuracy import confidence as confidence_level
@@ -146,6 +150,8 @@ def route(
         prepared = engine.prepare(probe.sql(dialect="postgres"), session)  # refused exactly as the query would be
         confidence_level(engine.policy, session)
         return _empty([o.column for o in prepared.plan.outputs])
+    if wraps:
+        refuse_recursion(tree)
     series = split_series(tree) if wraps else None
     if series is not None:
         return answer_series(engine, series, session, sql)
@@ -167,6 +173,7 @@ def explain(
     tree = _parse(sql, params, parsed)
     if tree is None or not needs_outer(tree, engine.policy):
         return None
+    refuse_recursion(tree)
     series = split_series(tree)
     if series is not None:
         return explain_series(engine, series, session, params)
@@ -203,6 +210,7 @@ def describe(engine: Engine, sql: str, session: Session, parsed: exp.Expression 
         return Description([o.column for o in plan.outputs], param_types)
     if not needs_outer(bound, engine.policy):
         return None
+    refuse_recursion(bound)
     series = split_series(bound)
     if series is not None:
         return Description(describe_series(engine, series), param_types)
@@ -214,6 +222,13 @@ def describe(engine: Engine, sql: str, session: Session, parsed: exp.Expression 
         for i in composite.inners
     ]
     return Description(_shape(engine, composite, inputs), param_types)
+
+
+def deadline(engine: Engine) -> float | None:
+    """When a statement starting now must end (:func:`time.monotonic`): the engine's statement timeout,
+    the one its backend applies to every database statement (None: no timeout)."""
+    timeout_ms = getattr(engine.backend, "statement_timeout_ms", None)
+    return time.monotonic() + timeout_ms / 1000 if timeout_ms else None
 
 
 def _empty(columns: list[OutputColumn]) -> Result:
@@ -237,10 +252,12 @@ def _public_columns(engine: Engine, name: str) -> list[tuple[str, PgType]]:
     return [(c, PG_TYPE_NAMES[col.type]) for c, col in table.columns.items() if not col.identifier]
 
 
-def _shape(engine: Engine, composite: Composite, inputs: list[list[OutputColumn]]) -> list[OutputColumn]:
+def _shape(
+    engine: Engine, composite: Composite, inputs: list[list[OutputColumn]], ends: float | None = None
+) -> list[OutputColumn]:
     """Bind the outer statement to empty tables of the inner and public columns: its output columns,
     or its error, known from the SQL and the policy alone (nothing has been read or charged)."""
-    with Sandbox() as box:
+    with Sandbox(ends if ends is not None else deadline(engine)) as box:
         for inner, columns in zip(composite.inners, inputs, strict=True):
             box.load(inner.table, [(c.name, c.type) for c in columns], [])
         for name in composite.public:
@@ -270,19 +287,21 @@ def _shape(engine: Engine, composite: Composite, inputs: list[list[OutputColumn]
 def answer(engine: Engine, composite: Composite, session: Session, sql: str) -> Result:
     """Validate and price every inner query and the outer statement, reserve the total of the inner
     queries not already released (:mod:`.run`: the result cache) once, release them, then post-process
-    the released rows in the sandbox."""
+    the released rows in the sandbox, interrupted at the statement's deadline (57014, charged: the
+    budget was reserved, as for a database statement that times out)."""
+    ends = deadline(engine)
     prepared = [engine.prepare(inner.sql, session) for inner in composite.inners]
     confidence = confidence_level(engine.policy, session)
     inputs = [_inner_columns([o.column for o in p.plan.outputs]) for p in prepared]
-    columns = _shape(engine, composite, inputs)
+    columns = _shape(engine, composite, inputs, ends)
     if composite.limit_zero:
         return _empty(columns)
-    parts = [run.lookup(engine, p) for p in prepared]
+    parts = [run.lookup(engine, p, confidence) for p in prepared]
     cost = run.total(parts)
     charge = run.reserve(engine, cost, session, sql)
     released = [run.release(engine, part, confidence) for part in parts]
     text = outer_sql(composite.outer)
-    with Sandbox() as box:
+    with Sandbox(ends) as box:
         for inner, cols, result in zip(composite.inners, inputs, released, strict=True):
             box.load(inner.table, [(c.name, c.type) for c in cols], result.rows)
         for name in composite.public:

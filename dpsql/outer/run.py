@@ -3,8 +3,9 @@
 Shared by post-processing over sub-queries (:mod:`dpsql.outer`) and the series limit
 (:mod:`dpsql.outer.series`). The cache holds each *inner* query's released rows, under the key an
 ordinary query of the same text gets (:meth:`Engine._result_key`: normalised SQL, parameters, privacy
-settings, database identity, data stamp, policy hash). Caching the released inner rows rather than
-the final answer is the better choice: the outer statement is post-processing, free to recompute;
+settings, confidence level, database identity, data stamp, policy hash), so a composite statement at
+another confidence level releases its inner queries afresh, charged. Caching the released inner rows
+rather than the final answer is the better choice: the outer statement is post-processing, free to recompute;
 an inner answer already released (alone or inside any other composite) is public and is never
 charged or noised again, so two dashboards wrapping one aggregate differently share one release, and
 averaging fresh noise over repeats is impossible. Whether an entry exists depends on what was
@@ -41,11 +42,12 @@ class Part:
         return bool(self.prepared.plan.measures) and self.prepared.local is None and self.hit is None
 
 
-def lookup(engine: Engine, prepared: Prepared) -> Part:
-    """``prepared`` with its stored release, if this exact query was released before (nothing charged)."""
+def lookup(engine: Engine, prepared: Prepared, confidence: float) -> Part:
+    """``prepared`` with its stored release, if this exact query was released before at this confidence
+    level (nothing charged)."""
     if engine.cache is None or not prepared.plan.measures or prepared.local is not None:
         return Part(prepared)
-    key = engine._result_key(prepared)
+    key = engine._result_key(prepared, confidence)
     entry = engine.cache.get_entry(key)
     return Part(prepared, key, entry[0] if entry is not None else None)
 

@@ -4,22 +4,41 @@ Every scalar and window function of the outer statement runs here, over the nois
 queries released and the public tables of the policy, never over the data. The instance has no
 file system or network access, loads no extension, uses one thread and a bounded amount of memory,
 and its configuration is locked, so the outer SQL cannot reach anything but what it was given.
+
+Resources (the outer statement is free once its inner queries are released, or cached, so it must
+not be a way to take the server's memory or a core): the statement's deadline interrupts the sandbox
+(57014, as a database statement); the result is fetched in batches and refused past
+:data:`MAX_RESULT_BYTES` (54000) or :data:`MAX_OUTPUT_ROWS`; recursive CTEs and functions that make
+rows or sized values are refused before anything is charged (:func:`dpsql.outer.shapes.refuse_sized`).
+In ``dpsql serve`` the sandbox runs in the statement's worker thread, inside the analyst's fair share
+of worker slots (:class:`dpsql.server.limits.WorkSlots`), and the server's cancel or timeout reaches it
+through :func:`dpsql.backends.cancellable`, like a backend statement. None of this reads un-noised data:
+whether a limit is hit depends on the released rows and the SQL only (post-processing).
+
+Not bounded here: DuckDB does not count string values against ``memory_limit``, so concatenation
+doubling a released value through many nested sub-queries can still allocate before the byte cap
+sees a row; only a separate process with an address-space limit would bound that.
+Ordinary DP results get no byte cap: the backend has materialised their rows before one could act,
+and their row count is bounded by partition selection and the domain caps.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import decimal
 import logging
 import re
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import duckdb
 from sqlglot import exp
 
 from dpsql.analyze.parse import dialect
-from dpsql.backends import cancellable
+from dpsql.backends import cancellable, timed_out
 from dpsql.errors import (
     DatatypeMismatch,
     DivisionByZero,
@@ -29,6 +48,7 @@ from dpsql.errors import (
     InvalidTextRepresentation,
     NumericValueOutOfRange,
     ProgramLimitExceeded,
+    QueryCanceled,
     SyntaxError_,
     UndefinedColumn,
     UndefinedFunction,
@@ -44,7 +64,7 @@ CONFIG: dict[str, str | bool | int] = {
     "autoload_known_extensions": False,
     "autoinstall_known_extensions": False,
     "threads": 1,
-    "memory_limit": "256MB",
+    "memory_limit": "128MB",
     "max_temp_directory_size": "0KB",
     "lock_configuration": True,
 }
@@ -52,6 +72,10 @@ CONFIG: dict[str, str | bool | int] = {
 MAX_PUBLIC_ROWS = 100_000
 #: Most rows the outer statement may return.
 MAX_OUTPUT_ROWS = 1_000_000
+#: Most bytes the outer statement's result may hold (estimated while fetching: see :func:`value_bytes`).
+MAX_RESULT_BYTES = 64 * 1024 * 1024
+#: Rows fetched at a time, at most (fewer once rows are seen to be large).
+FETCH_ROWS = 1024
 
 _TO_DUCKDB: dict[str, str] = {
     "bigint": "BIGINT",
@@ -92,17 +116,67 @@ def _quote(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
-class Sandbox:
-    """One fresh, locked-down in-memory DuckDB; closed after the statement."""
+def value_bytes(value: Any) -> int:
+    """Estimated size of a released value: the length of a text or bytes, 8 for anything else, summed
+    over the items of a list or struct."""
+    if isinstance(value, str | bytes | bytearray):
+        return len(value)
+    if isinstance(value, list | tuple):
+        return 8 + sum(value_bytes(v) for v in value)
+    if isinstance(value, dict):
+        return 8 + sum(value_bytes(k) + value_bytes(v) for k, v in value.items())
+    return 8
 
-    def __init__(self) -> None:
+
+class Sandbox:
+    """One fresh, locked-down in-memory DuckDB; closed after the statement.
+
+    ``deadline`` (:func:`time.monotonic` seconds; None: none) is the statement's: :meth:`run` and
+    :meth:`describe` are interrupted there (57014). ``max_bytes`` caps the fetched result (54000;
+    default :data:`MAX_RESULT_BYTES`)."""
+
+    def __init__(self, deadline: float | None = None, max_bytes: int | None = None) -> None:
         self.con = duckdb.connect(":memory:", config=dict(CONFIG))
+        self.deadline = deadline
+        self.max_bytes = MAX_RESULT_BYTES if max_bytes is None else max_bytes
+        self._expired = False
 
     def __enter__(self) -> Sandbox:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.con.close()
+
+    def _expire(self) -> None:
+        self._expired = True
+        with contextlib.suppress(duckdb.Error):  # the statement ended (and the sandbox closed) meanwhile
+            self.con.interrupt()
+
+    @contextlib.contextmanager
+    def _bounded(self) -> Iterator[None]:
+        """Run a sandbox statement until the deadline (a timer thread interrupts it), cancellable by
+        the server's job like a backend statement; DuckDB's errors as PostgreSQL's."""
+        timer = None
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise timed_out()
+            timer = threading.Timer(left, self._expire)
+            timer.daemon = True
+            timer.start()
+        try:
+            with cancellable(self.con.interrupt):
+                yield
+        except duckdb.InterruptException as exc:
+            log.debug("post-processing sandbox interrupted: %s", exc)
+            if self._expired:
+                raise timed_out() from None
+            raise QueryCanceled("canceling statement due to user request") from None
+        except duckdb.Error as exc:
+            raise translate(exc) from None
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     def load(self, table: str, columns: Sequence[tuple[str, PgType]], rows: Sequence[tuple[Any, ...]]) -> None:
         """Create ``table`` with PostgreSQL-typed columns and insert ``rows`` (none for a dry run)."""
@@ -117,20 +191,32 @@ class Sandbox:
 
     def describe(self, sql: str) -> list[tuple[str, str]]:
         """(name, DuckDB type) of each output column, without running the statement."""
-        try:
+        with self._bounded():
             return [(str(r[0]), str(r[1])) for r in self.con.execute(f"DESCRIBE {sql}").fetchall()]
-        except duckdb.Error as exc:
-            raise translate(exc) from None
 
     def run(self, sql: str) -> list[tuple[Any, ...]]:
-        try:
-            with cancellable(self.con.interrupt):
-                cursor = self.con.execute(sql)
-                rows = cursor.fetchmany(MAX_OUTPUT_ROWS + 1)
-        except duckdb.Error as exc:
-            raise translate(exc) from None
-        if len(rows) > MAX_OUTPUT_ROWS:
-            raise ProgramLimitExceeded(f"the result has more than {MAX_OUTPUT_ROWS} rows")
+        """The statement's rows, fetched in batches until :data:`MAX_OUTPUT_ROWS` rows or ``max_bytes``
+        (estimated by :func:`value_bytes`) are exceeded (54000): DuckDB streams the result, so neither
+        a long result nor large values are held beyond the cap and one batch."""
+        rows: list[tuple[Any, ...]] = []
+        size = widest = 0
+        batch = 16
+        with self._bounded():
+            cursor = self.con.execute(sql)
+            while chunk := cursor.fetchmany(batch):
+                for row in chunk:
+                    n = sum(value_bytes(v) for v in row)
+                    size += n
+                    widest = max(widest, n)
+                rows.extend(chunk)
+                if size > self.max_bytes:
+                    raise ProgramLimitExceeded(
+                        f"the result exceeds {self.max_bytes} bytes",
+                        hint="Aggregate or filter the released rows further, or select fewer or shorter columns.",
+                    )
+                if len(rows) > MAX_OUTPUT_ROWS:
+                    raise ProgramLimitExceeded(f"the result has more than {MAX_OUTPUT_ROWS} rows")
+                batch = max(1, min(FETCH_ROWS, (self.max_bytes - size) // (2 * widest + 1)))
         return rows
 
 
@@ -172,8 +258,6 @@ def translate(exc: duckdb.Error) -> Error:
     if "Division by zero" in text:
         return DivisionByZero("division by zero")
     if isinstance(exc, duckdb.InterruptException):
-        from dpsql.errors import QueryCanceled
-
         return QueryCanceled("canceling statement due to user request")
     if isinstance(exc, duckdb.OutOfMemoryException):
         return ProgramLimitExceeded("the post-processing query needs too much memory")

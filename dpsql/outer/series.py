@@ -265,7 +265,7 @@ def answer_series(engine: Engine, series: Series, session: Session, sql: str) ->
     inner = engine.prepare(series.inner, session)  # refused exactly as the sub-query alone would be
     stand_in = engine.prepare(series.outer_sql(_stand_in(inner.plan, series)), session)
     confidence = confidence_level(engine.policy, session)
-    first = run.lookup(engine, inner)
+    first = run.lookup(engine, inner, confidence)
     parts = [first]
     outer: Prepared | None = None
     keys: list[tuple[Any, ...]] | None = None
@@ -273,7 +273,7 @@ def answer_series(engine: Engine, series: Series, session: Session, sql: str) ->
         keys = _keys(first.hit.rows, series)
         if keys:
             outer = engine.prepare(series.outer_sql(keys), session)
-            parts.append(run.lookup(engine, outer))
+            parts.append(run.lookup(engine, outer, confidence))
     else:
         parts.append(run.Part(stand_in))
     cost = run.total(parts)
@@ -283,7 +283,7 @@ def answer_series(engine: Engine, series: Series, session: Session, sql: str) ->
         keys = _keys(released.rows, series)
         if keys:
             outer = engine.prepare(series.outer_sql(keys), session)
-            parts[1] = run.lookup(engine, outer)  # reserved; a stored release of these keys is reused
+            parts[1] = run.lookup(engine, outer, confidence)  # reserved; a stored release of these keys is reused
     if outer is None:
         columns = [o.column for o in stand_in.plan.outputs]
         result = Result(columns, [], [], 0.0, 0.0)

@@ -19,6 +19,78 @@ from dpsql.analyze.sources import ident_name
 from dpsql.errors import FeatureNotSupported, UndefinedTable
 from dpsql.policy import Policy
 
+#: Functions refused in the outer statement (0A000, before anything is charged): they make rows
+#: (``generate_series``, ``unnest``, ``range``), a value whose size an argument sets (``repeat``, ``lpad``,
+#: ``format`` widths, ``list_resize``) or one value of every row (``string_agg``, ``array_agg``: a cross
+#: join of released tables multiplies its size). Over a handful of released rows each could make
+#: gigabytes in the sandbox's process; none is needed to post-process aggregates.
+_SIZED_NODES: tuple[type[exp.Expr], ...] = (
+    exp.Unnest,
+    exp.GenerateSeries,  # and ExplodingGenerateSeries
+    exp.Explode,  # and Posexplode
+    exp.ExplodeOuter,
+    exp.Inline,
+    exp.GenerateDateArray,
+    exp.GenerateTimestampArray,
+    exp.Repeat,
+    exp.Pad,
+    exp.Space,
+    exp.Format,
+    exp.GroupConcat,
+    exp.ArrayAgg,
+    exp.ArrayConcatAgg,
+    exp.ArrayUniqueAgg,
+    exp.List,
+    exp.JSONArrayAgg,
+    exp.JSONObjectAgg,
+    exp.ObjectAgg,
+)
+#: The same, for names sqlglot keeps as anonymous functions (PostgreSQL's and DuckDB's spellings).
+_SIZED_NAMES = frozenset(
+    {
+        "range",
+        "generate_series",
+        "generate_subscripts",
+        "unnest",
+        "regexp_split_to_table",
+        "string_to_table",
+        "json_array_elements",
+        "json_array_elements_text",
+        "jsonb_array_elements",
+        "jsonb_array_elements_text",
+        "json_each",
+        "jsonb_each",
+        "json_each_text",
+        "jsonb_each_text",
+        "sequence",
+        "repeat",
+        "array_repeat",
+        "list_repeat",
+        "lpad",
+        "rpad",
+        "printf",
+        "sprintf",
+        "format",
+        "bar",
+        "list_resize",
+        "array_resize",
+        "array_fill",
+        "string_agg",
+        "listagg",
+        "group_concat",
+        "array_agg",
+        "list",
+        "histogram",
+        "xmlagg",
+        "json_agg",
+        "jsonb_agg",
+        "json_object_agg",
+        "jsonb_object_agg",
+        "json_group_array",
+        "json_group_object",
+    }
+)
+
 #: Prefix of the sandbox tables holding released rows (a name no analyst's query can reach:
 #: tables named in the statement are checked against the policy before anything is replaced).
 RELEASED_PREFIX = "__dpsql_released_"
@@ -291,11 +363,34 @@ def needs_outer(tree: exp.Expr, policy: Policy) -> bool:
     return any(node is not tree and own_aggregates(node) for node in tree.find_all(exp.Select))
 
 
+def refuse_recursion(tree: exp.Expr) -> None:
+    """0A000 for ``WITH RECURSIVE`` anywhere in the statement: a recursive CTE over released rows need
+    never end (the ordinary engine refuses it too). Decided from the SQL alone, before any charge."""
+    if any(w.args.get("recursive") for w in tree.find_all(exp.With)):
+        raise FeatureNotSupported("WITH RECURSIVE is not supported")
+
+
+def refuse_sized(outer: exp.Expr) -> None:
+    """0A000 for a function of the outer statement that makes rows or sized values (:data:`_SIZED_NODES`):
+    bounds the sandbox's work by the released rows and the statement's text. From the SQL alone."""
+    for node in outer.find_all(exp.Func, exp.Unnest):
+        name = node.name.lower() if isinstance(node, exp.Anonymous) else ""
+        if isinstance(node, _SIZED_NODES) or name in _SIZED_NAMES:
+            shown = node.sql(dialect="postgres").split("(", 1)[0].strip() or type(node).__name__
+            raise FeatureNotSupported(
+                f"{shown.upper()} is not supported in a query over DP results",
+                hint="Functions that make rows or long values (generate_series, unnest, repeat, lpad, "
+                "string_agg, array_agg, …) are refused over released rows.",
+            )
+
+
 def decompose(tree: exp.Expr, policy: Policy) -> Composite | None:
     """Split a composite statement (parameters already bound), or None when it is not one or when its
-    outer part would still read a protected table (the engine then refuses it as it always has)."""
+    outer part would still read a protected table (the engine then refuses it as it always has).
+    ``WITH RECURSIVE`` and row- or size-making functions of the outer part are refused (0A000)."""
     if not needs_outer(tree, policy):
         return None
+    refuse_recursion(tree)
     ctes = {ident_name(c.args["alias"].this) for c in tree.find_all(exp.CTE) if c.args.get("alias")}
     for table in tree.find_all(exp.Table):
         if not isinstance(table.this, exp.Identifier):  # read_csv(…), range(…), generate_series(…)
@@ -335,6 +430,7 @@ def decompose(tree: exp.Expr, policy: Policy) -> Composite | None:
             return None  # the outer part reads a protected table: not post-processing
         if name not in public:
             public.append(name)
+    refuse_sized(outer)
     first = _first_select(outer)
     exact: set[int] = set()
     if first is not None:

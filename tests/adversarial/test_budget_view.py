@@ -348,5 +348,11 @@ def test_budget_view_code_injection_wire(wire: tuple[ThreadedServer, Engine], tm
         cur = conn.execute("SELECT analyst AS who, frozen FROM dpsql_budget WHERE queries = 0")
         assert [d.name for d in cur.description or ()] == ["who", "frozen"]
         assert cur.fetchall() == [("alice", False)]
+        # the extended protocol (psycopg prepare=True, JDBC): Describe answers the view's columns too
+        prepared = conn.execute("SELECT epsilon_spent, frozen FROM dpsql_budget", prepare=True)
+        assert [d.name for d in prepared.description or ()] == ["epsilon_spent", "frozen"]
+        assert prepared.fetchall() == [(0.0, False)]
+        with pytest.raises(psycopg.errors.FeatureNotSupported):
+            conn.execute(PAYLOADS["extract-unit"][0](_code(marker)), prepare=True)
     assert not marker.exists()
     _assert_nothing_charged(engine)
