@@ -202,6 +202,10 @@ class InvalidDatetimeFormat(DataError, code="22007"):
     """A date/time constant that does not parse (constant folding, before anything runs)."""
 
 
+class IntervalFieldOverflow(DataError, code="22015"):
+    """An interval constant whose field overflows PostgreSQL's interval (constant folding)."""
+
+
 class DivisionByZero(DataError, code="22012"):
     pass
 

@@ -38,7 +38,9 @@ from dpsql.analyze.expressions import (
     _bound_literal,
     _exponent,
     bound,
+    checkpoint,
     clamp_sql,
+    date_unit,
 )
 from dpsql.analyze.fold import Interval, parse_interval
 from dpsql.errors import (
@@ -169,19 +171,24 @@ def _date_values(policy: ColumnPolicy) -> list[dt.datetime] | None:
     return [_as_datetime(v) for v in policy.domain if v is not None]
 
 
-def _trunc(node: exp.Expression, unit: str, target: exp.Expression, resolve: Resolve) -> KeyExpr:
-    if unit not in _TRUNC_UNITS:
-        raise FeatureNotSupported(
-            f'DATE_TRUNC("{unit}") is not supported in GROUP BY', hint="Use year, quarter, month, week, day or hour."
-        )
-    cast_to_timestamp = isinstance(target, exp.Cast) and target.to.this == exp.DataType.Type.TIMESTAMP
+def _to_timestamp(target: exp.Expression) -> bool:
+    return isinstance(target, exp.Cast) and target.to.this == exp.DataType.Type.TIMESTAMP
+
+
+def _trunc(node: exp.Expression, word: str, target: exp.Expression, resolve: Resolve) -> KeyExpr:
+    cast_to_timestamp = _to_timestamp(target)
     column, policy = _time_column("DATE_TRUNC", target, resolve)
     if policy.type not in ("date", "timestamp"):
         raise UndefinedFunction(f"function date_trunc(unknown, {PG_TYPE_NAMES[policy.type]}) does not exist")
-    truncated = exp.TimestampTrunc(this=_clamped_date(column, policy), unit=exp.var(unit.upper()))
-    sql = exp.cast(truncated, exp.DataType.Type.TIMESTAMP)
     # PostgreSQL resolves date_trunc(text, date) to its timestamptz form (midnight UTC in dpsql's UTC session)
     pg_type: PgType = "timestamp with time zone" if policy.type == "date" and not cast_to_timestamp else "timestamp"
+    unit = date_unit(word, "date_trunc", "timestamp without time zone" if pg_type == "timestamp" else pg_type)
+    if unit not in _TRUNC_UNITS:
+        raise FeatureNotSupported(
+            f'DATE_TRUNC("{word}") is not supported in GROUP BY', hint="Use year, quarter, month, week, day or hour."
+        )
+    truncated = exp.TimestampTrunc(this=_clamped_date(column, policy), unit=exp.var(unit.upper()))
+    sql = exp.cast(truncated, exp.DataType.Type.TIMESTAMP)
     pinned = _date_values(policy)
     if pinned is not None:
         return KeyExpr(sql, pg_type, _finite(node, (truncate(unit, v) for v in pinned), policy.nullable), False)
@@ -246,6 +253,8 @@ def _bin_stride(node: exp.Expression) -> int:
     if value.months:
         raise FeatureNotSupported("timestamps cannot be binned into intervals containing months or years")
     micros = value.days * 86_400_000_000 + value.micros
+    if not -(2**63) <= micros < 2**63:  # PostgreSQL computes the stride in 64-bit microseconds
+        raise DatetimeFieldOverflow("interval out of range")
     if micros <= 0:
         raise DatetimeFieldOverflow("stride must be greater than zero")
     return micros
@@ -329,12 +338,12 @@ def _date_bin(node: exp.DateBin, resolve: Resolve) -> KeyExpr:
         ) from None
     if not policy.bounded:
         return KeyExpr(sql, pg_type, None, policy.nullable)
-    count = (last - first) // dt.timedelta(microseconds=stride) + 1
+    # in integer microseconds: a stride wider than Python's timedelta (~2.7 million years) is one bin
+    count = (last - first) // dt.timedelta(microseconds=1) // stride + 1
     if count > MAX_DERIVED_GROUPS:
         raise _too_many(node, count)
-    step = dt.timedelta(microseconds=stride)
-    return KeyExpr(sql, pg_type, _finite(node, (first + step * i for i in range(count)), policy.nullable),
-                   policy.nullable)  # fmt: skip
+    bins = (first + dt.timedelta(microseconds=stride * i) for i in range(count))
+    return KeyExpr(sql, pg_type, _finite(node, bins, policy.nullable), policy.nullable)
 
 
 #: EXTRACT fields, PostgreSQL's value for a timestamp, and their range.
@@ -353,11 +362,12 @@ _FIELDS: dict[str, tuple[Callable[[dt.datetime], int], int, int]] = {
 
 
 def _extract(node: exp.Extract, resolve: Resolve) -> KeyExpr:
-    part = node.this.name.lower() if isinstance(node.this, exp.Var | exp.Identifier) else str(node.this).lower()
-    part = {"dayofweek": "dow", "dayofyear": "doy"}.get(part, part)
+    word = node.this.name.lower() if isinstance(node.this, exp.Var | exp.Identifier) else str(node.this).lower()
     column, policy = _time_column("EXTRACT", node.expression, resolve)
     if policy.type not in ("date", "timestamp"):
         raise UndefinedFunction(f"function extract(unknown, {PG_TYPE_NAMES[policy.type]}) does not exist")
+    as_date = policy.type == "date" and not _to_timestamp(node.expression)
+    part = date_unit(word, "extract", "date" if as_date else "timestamp without time zone")
     clamped = _clamped_date(column, policy)
     pinned = _date_values(policy)
     if part == "epoch":
@@ -377,7 +387,7 @@ def _extract(node: exp.Extract, resolve: Resolve) -> KeyExpr:
             return KeyExpr(sql, "numeric", _finite(node, values, policy.nullable), policy.nullable)
         return KeyExpr(sql, "numeric", None, policy.nullable, lower, upper, _exponent(1e-6))
     if part not in _FIELDS:
-        raise FeatureNotSupported(f'EXTRACT("{part}") is not supported in GROUP BY')
+        raise FeatureNotSupported(f'EXTRACT("{word}") is not supported in GROUP BY')
     field, low_value, high_value = _FIELDS[part]
     sql = exp.cast(exp.Extract(this=exp.var(part.upper()), expression=clamped), exp.DataType.Type.BIGINT)
     if pinned is not None:
@@ -721,13 +731,15 @@ def _case(node: exp.Case, resolve: Resolve, check_predicate: CheckPredicate) -> 
     result = exp.Case()
     values: list[Scalar | None] = []
     for when in node.args.get("ifs") or []:
+        checkpoint()
         condition = when.this if subject is None else exp.EQ(this=subject.copy(), expression=when.this.copy())
         values.append(_case_literal(when.args["true"]))
-        result = result.when(check_predicate(condition), when.args["true"].copy())
+        # in place (Case.when copies the whole CASE by default: quadratic in the branches)
+        result.when(check_predicate(condition).copy(), when.args["true"].copy(), copy=False)
     default = node.args.get("default")
     values.append(None if default is None else _case_literal(default))
     if default is not None:
-        result = result.else_(default.copy())
+        result.else_(default.copy(), copy=False)
     present = [v for v in values if v is not None]
     pg_types = {type(v) for v in present}
     if pg_types <= {str}:

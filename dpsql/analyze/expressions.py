@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 from sqlglot import exp
 
-from dpsql.errors import FeatureNotSupported, UndefinedFunction
+from dpsql.backends import cancellable
+from dpsql.errors import FeatureNotSupported, InvalidParameterValue, UndefinedFunction
 from dpsql.policy import PG_TYPE_NAMES, ColumnPolicy
 
 #: Largest magnitude an expression may reach: beyond it doubles lose integers and BIGINT products overflow.
@@ -71,6 +72,73 @@ _DATE_PARTS: dict[str, tuple[int, int]] = {
     "hour": (0, 23),
     "minute": (0, 59),
 }
+
+
+def _aliases(table: dict[str, str]) -> dict[str, str]:
+    return {alias: unit for unit, aliases in table.items() for alias in aliases.split()}
+
+
+#: PostgreSQL's date/time unit words (matched, as there, on their first 10 characters) and the unit each names.
+_DATE_UNITS = _aliases(
+    {
+        "microseconds": "microsecon us usec usecs usecond useconds",
+        "milliseconds": "millisecon ms msec msecs msecond mseconds",
+        "second": "second seconds s sec secs",
+        "minute": "minute minutes m min mins",
+        "hour": "hour hours h hr hrs",
+        "day": "day days d",
+        "week": "week weeks w",
+        "month": "month months mon mons",
+        "quarter": "quarter qtr",
+        "year": "year years y yr yrs",
+        "decade": "decade decades dec decs",
+        "century": "century centuries c cent",
+        "millennium": "millennium millennia mil mils",
+        "timezone": "timezone",
+        "timezone_h": "timezone_h",
+        "timezone_m": "timezone_m",
+    }
+)
+#: Words EXTRACT knows besides (date_trunc does not): its own fields, sqlglot's spellings of dow/doy,
+#: and reserved words it knows but refuses (0A000).
+_EXTRACT_WORDS = _aliases(
+    {
+        "epoch": "epoch",
+        "dow": "dow dayofweek",
+        "doy": "doy dayofyear",
+        "isodow": "isodow",
+        "isoyear": "isoyear",
+        "julian": "julian j jd",
+        "reserved": "infinity -infinity now today tomorrow yesterday allballs",
+    }
+)
+
+
+def date_unit(word: str, function: str, pg_type: str) -> str:
+    """The unit ``word`` names for date_trunc or EXTRACT (``function``) over ``pg_type``, in dpsql's
+    spelling (``'mon'`` is ``month``); a word PostgreSQL does not know is 22023, as there. PostgreSQL
+    raises it only when a row reaches the call; here it is raised for every database alike."""
+    key = word.lower()[:10]
+    unit = _DATE_UNITS.get(key) or (_EXTRACT_WORDS.get(key) if function == "extract" else None)
+    if unit is None:
+        raise InvalidParameterValue(f'unit "{word.lower()}" not recognized for type {pg_type}')
+    return unit
+
+
+def _stays() -> None:
+    """Nothing to cancel: analysis runs in Python, between statements."""
+
+
+def checkpoint() -> None:
+    """Stop here when the statement was cancelled or timed out (57014).
+
+    The server interrupts a statement's job at its statement timeout, but only a database statement
+    can be stopped from outside; loops whose work grows with the statement (one pass per CASE branch)
+    call this so abandoned analysis stops too. An interrupted job refuses to start any statement,
+    which is what entering :func:`~dpsql.backends.cancellable` here checks. Outside the server: a no-op.
+    """
+    with cancellable(_stays):
+        pass
 
 
 def clamp_sql(value: exp.Expression, lower: exp.Expression, upper: exp.Expression) -> exp.Case:
@@ -233,13 +301,15 @@ def _case(node: exp.Case, resolve: Resolve, check_predicate: CheckPredicate) -> 
     branches = []
     result = exp.Case()
     for when in node.args.get("ifs") or []:
+        checkpoint()
         value = bound(when.args["true"], resolve, check_predicate)
-        result = result.when(check_predicate(when.this), value.sql)
+        # in place (Case.when copies the whole CASE by default: quadratic in the branches)
+        result.when(check_predicate(when.this).copy(), value.sql.copy(), copy=False)
         branches.append(value)
     default = node.args.get("default")
     if default is not None:
         value = bound(default, resolve, check_predicate)
-        result = result.else_(value.sql)
+        result.else_(value.sql.copy(), copy=False)
         branches.append(value)
     return _checked(
         result,
@@ -252,12 +322,13 @@ def _case(node: exp.Case, resolve: Resolve, check_predicate: CheckPredicate) -> 
 
 
 def _extract(node: exp.Extract, resolve: Resolve) -> Bounded:
-    part = node.this.name.lower() if isinstance(node.this, exp.Var | exp.Identifier) else str(node.this).lower()
+    word = node.this.name.lower() if isinstance(node.this, exp.Var | exp.Identifier) else str(node.this).lower()
     if not isinstance(node.expression, exp.Column):
         raise FeatureNotSupported("EXTRACT needs a date or timestamp column")
     column, policy = resolve(node.expression)
     if policy.type not in ("date", "timestamp"):
         raise UndefinedFunction(f"function extract(unknown, {PG_TYPE_NAMES[policy.type]}) does not exist")
+    part = date_unit(word, "extract", "date" if policy.type == "date" else "timestamp without time zone")
     if part == "year":
         if not policy.bounded:
             raise FeatureNotSupported(f'column "{node.expression.name}" has no declared bounds')
@@ -267,7 +338,7 @@ def _extract(node: exp.Extract, resolve: Resolve) -> Bounded:
     elif part in _DATE_PARTS:
         bounds = _DATE_PARTS[part]
     else:
-        raise FeatureNotSupported(f'EXTRACT("{part}") is not supported inside an aggregate')
+        raise FeatureNotSupported(f'EXTRACT("{word}") is not supported inside an aggregate')
     # clamped first: EXTRACT(year FROM 'infinity') is infinite on PostgreSQL (and fails as BIGINT), NULL on DuckDB
     low_date, high_date = (policy.lower, policy.upper) if policy.bounded else (dt.date(1, 1, 1), dt.date(9999, 12, 31))
     clamped = clamp_sql(column, _bound_literal(low_date, policy), _bound_literal(high_date, policy))

@@ -7,22 +7,26 @@ month's end, ``date ± interval`` is a timestamp), and replaced by the canonical
 already accepts: ``CAST('2022-01-01' AS DATE)``, ``CAST('2022-01-01 00:00:00' AS TIMESTAMP)``.
 
 Privacy: the backend never evaluates such an expression, so it cannot fail on some rows only; an
-invalid constant (``MAKE_DATE(2022, 13, 1)``, ``TO_DATE('2022-13-45', 'YYYY-MM-DD')``) raises
-PostgreSQL's error (22008/22007) here, at analysis, before anything runs or is charged — the same
-outcome whatever the data. ``NOW()`` and its synonyms are the statement's start time: the meaning
-of the query text depends on the clock, which is public.
+invalid constant (``MAKE_DATE(2022, 13, 1)``, ``TO_DATE('2022-13-45', 'YYYY-MM-DD')``, an interval
+field that overflows, a bigint where PostgreSQL takes an integer) raises PostgreSQL's error (22008,
+22007, 22015, 42883) here, at analysis, before anything runs or is charged — the same outcome
+whatever the data. Dates are Python's, years 1 to 9999: a later one PostgreSQL would accept is 22008.
+``NOW()`` and its synonyms are the statement's start time: the meaning of the query text depends on
+the clock, which is public.
 """
 
 from __future__ import annotations
 
 import calendar
 import datetime as dt
+import math
 import re
 from dataclasses import dataclass
+from fractions import Fraction
 
 from sqlglot import exp
 
-from dpsql.errors import DatetimeFieldOverflow, InvalidDatetimeFormat
+from dpsql.errors import DatetimeFieldOverflow, IntervalFieldOverflow, InvalidDatetimeFormat, UndefinedFunction
 
 __all__ = ["fold_constants", "reads_clock"]
 
@@ -47,50 +51,105 @@ class Interval:
         return Interval(-self.months, -self.days, -self.micros)
 
 
-_UNITS = {
-    "year": (12, 0, 0),
-    "month": (1, 0, 0),
-    "mon": (1, 0, 0),
-    "week": (0, 7, 0),
-    "day": (0, 1, 0),
-    "hour": (0, 0, 3_600_000_000),
-    "minute": (0, 0, 60_000_000),
-    "min": (0, 0, 60_000_000),
-    "second": (0, 0, 1_000_000),
-    "sec": (0, 0, 1_000_000),
+#: Interval units as PostgreSQL spells them (words cut to its 10-character tokens) and what they are.
+_UNIT_NAMES: dict[str, str] = {
+    alias: unit
+    for unit, aliases in {
+        "millennium": "millennium millennia mil mils",
+        "century": "century centuries cent c",
+        "decade": "decade decades dec decs",
+        "year": "year years y yr yrs",
+        "month": "month months mon mons",
+        "week": "week weeks w",
+        "day": "day days d",
+        "hour": "hour hours h hr hrs",
+        "minute": "minute minutes m min mins",
+        "second": "second seconds s sec secs",
+        "millisecond": "millisecon ms msec msecs msecond mseconds",
+        "microsecond": "microsecon us usec usecs usecond useconds",
+    }.items()
+    for alias in aliases.split()
 }
-_PART = re.compile(r"([+-]?\d+(?:\.\d+)?)\s*([a-z]+)")
-_CLOCK = re.compile(r"([+-]?)(\d+):(\d{2})(?::(\d{2}(?:\.\d+)?))?")
+_YEARS = {"millennium": 1000, "century": 100, "decade": 10, "year": 1}
+_DAYS = {"month": 30, "week": 7, "day": 1}
+_MICROS = {"hour": 3_600_000_000, "minute": 60_000_000, "second": 1_000_000, "millisecond": 1000, "microsecond": 1}
+_DAY_MICROS = 86_400_000_000
+_SUBSECONDS = frozenset({"second", "millisecond", "microsecond"})
+_PART = re.compile(r"([+-]?(?:\d+(?:\.\d*)?|\.\d+))\s*([a-z]+)")
+_CLOCK = re.compile(r"([+-]?)(\d+):(\d+)(?::(\d+(?:\.\d*)?))?")
 
 
-def parse_interval(text: str) -> Interval:
-    """``'1 month 2 days'``, ``'7 days'``, ``'01:30:00'`` as PostgreSQL reads them (22007 otherwise)."""
-    rest = text.strip().lower()
-    months = days = micros = 0
+def _fits(value: int, bits: int) -> bool:
+    return -(2 ** (bits - 1)) <= value < 2 ** (bits - 1)
+
+
+def parse_interval(text: str, shown: str | None = None) -> Interval:
+    """``'1 month 2 days'``, ``'1.5 years'``, ``'01:30:00'``, ``'3 days ago'`` as PostgreSQL 15 reads them.
+
+    Its errors too, before anything runs: 22007 for what it cannot read (or a unit given twice),
+    22015 when a field overflows (months and days are 32-bit, microseconds 64-bit), 22008 when the
+    months in all overflow. ``shown`` is the text as written, for the messages.
+    """
+    shown = text if shown is None else shown
+
+    def bad() -> InvalidDatetimeFormat:
+        return InvalidDatetimeFormat(f'invalid input syntax for type interval: "{shown}"')
+
+    def overflow() -> IntervalFieldOverflow:
+        return IntervalFieldOverflow(f'interval field value out of range: "{shown}"')
+
+    rest = f" {text.strip().lower()} "
+    ago = " ago " in rest
+    rest = rest.replace(" ago ", " ", 1).strip()
+    years = months = days = micros = 0
+    seen: set[str] = set()
     clock = _CLOCK.search(rest)
     if clock:
         sign = -1 if clock.group(1) == "-" else 1
-        seconds = float(clock.group(4) or 0)
-        micros += sign * (int(clock.group(2)) * 3_600_000_000 + int(clock.group(3)) * 60_000_000 + round(seconds * 1e6))
+        hours, minutes, seconds = int(clock.group(2)), int(clock.group(3)), Fraction(clock.group(4) or 0)
+        if not _fits(hours, 64) or minutes > 59 or seconds > 60:
+            raise overflow()
+        micros = sign * (hours * _MICROS["hour"] + minutes * _MICROS["minute"] + round(seconds * 1_000_000))
+        if not _fits(micros, 64):
+            raise overflow()
+        seen.update(_MICROS)
         rest = rest[: clock.start()] + rest[clock.end() :]
     position = 0
     for match in _PART.finditer(rest):
         if rest[position : match.start()].strip():
             break
-        unit = match.group(2).rstrip("s") if match.group(2) not in ("s",) else "second"
-        if unit not in _UNITS:
-            raise InvalidDatetimeFormat(f'invalid input syntax for type interval: "{text}"')
-        amount = float(match.group(1))
-        m, d, us = _UNITS[unit]
-        if m and not amount.is_integer():
-            raise InvalidDatetimeFormat(f'invalid input syntax for type interval: "{text}"')
-        months += int(amount) * m
-        days += int(amount) * d if amount.is_integer() else 0
-        micros += round(amount * (d * 86_400_000_000 + us)) if not amount.is_integer() else int(amount) * us
+        unit = _UNIT_NAMES.get(match.group(2)[:10])
+        if unit is None:
+            raise bad()
+        number = Fraction(match.group(1))
+        whole = int(number)  # toward zero; the fraction keeps the sign
+        fraction = number - whole
+        if not _fits(whole, 64):
+            raise overflow()
+        if unit in _YEARS:
+            years += whole * _YEARS[unit]
+            months += round(fraction * _YEARS[unit] * 12)
+        elif unit in _DAYS:  # a fraction of a month is of 30 days; a fraction of a day is microseconds
+            months, days = (months + whole, days) if unit == "month" else (months, days + whole * _DAYS[unit])
+            extra = fraction * _DAYS[unit]
+            days += int(extra)
+            micros += round((extra - int(extra)) * _DAY_MICROS)
+        else:
+            micros += whole * _MICROS[unit] + round(fraction * _MICROS[unit])
+        if not (_fits(years, 32) and _fits(months, 32) and _fits(days, 32) and _fits(micros, 64)):
+            raise overflow()
+        marks = _SUBSECONDS if unit == "second" and fraction else {unit}
+        if seen & marks:
+            raise bad()
+        seen |= marks
         position = match.end()
     if rest[position:].strip() or (position == 0 and not clock):
-        raise InvalidDatetimeFormat(f'invalid input syntax for type interval: "{text}"')
-    return Interval(months, days, micros)
+        raise bad()
+    total_months = years * 12 + months
+    if not _fits(total_months, 32):
+        raise DatetimeFieldOverflow("interval out of range")
+    interval = Interval(total_months, days, micros)
+    return -interval if ago else interval
 
 
 def add_interval(value: dt.datetime, interval: Interval) -> dt.datetime:
@@ -123,6 +182,8 @@ def _sql(value: object) -> exp.Expression:
 
 
 _TEMPORAL = (exp.DataType.Type.DATE, exp.DataType.Type.TIMESTAMP)
+#: make_timestamp's arguments, as sqlglot names them.
+_PARTS = ("year", "month", "day", "hour", "min", "sec")
 
 
 def _parse_temporal(text: str, type_name: exp.DType) -> dt.date | None:
@@ -157,18 +218,87 @@ def _value(node: exp.Expression) -> object:
     return None
 
 
-def _int_args(node: exp.Expression, names: tuple[str, ...]) -> list[int] | None:
-    values = []
-    for name in names:
-        child = node.args.get(name)
-        value = None if child is None else _value(child)
-        if isinstance(child, exp.Neg):
-            inner = _value(child.this)
-            value = -inner if isinstance(inner, int) else None
-        if not isinstance(value, int):
-            return None
-        values.append(value)
-    return values
+def _signed(node: exp.Expression | None) -> int | float | None:
+    """A numeric literal, through parentheses and unary minus (None when ``node`` is not one)."""
+    if isinstance(node, exp.Paren | exp.Neg):
+        inner = _signed(node.this)
+        return None if inner is None else -inner if isinstance(node, exp.Neg) else inner
+    value = None if node is None else _value(node)
+    return value if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _number_type(value: int | float) -> str:
+    """How PostgreSQL types a numeric literal: integer, bigint when beyond 32 bits, else numeric."""
+    if isinstance(value, float):
+        return "numeric"
+    return "integer" if _fits(value, 32) else "bigint" if _fits(value, 64) else "numeric"
+
+
+_NO_CAST_HINT = "No {} matches the given name and argument types. You might need to add explicit type casts."
+#: Folded dates and timestamps are Python's: years 1 to 9999 (PostgreSQL's reach further).
+_YEARS_HINT = "dpsql computes date/time constants in years 1 to 9999."
+
+
+def _integer_args(function: str, values: list[int | float], count: int) -> list[int]:
+    """The first ``count`` arguments of ``function(integer, …)``: 42883 as PostgreSQL when one is
+    a bigint or numeric literal (there is no implicit cast down to integer)."""
+    types = [_number_type(v) for v in values]
+    if any(t != "integer" for t in types[:count]):
+        raise UndefinedFunction(
+            f"function {function}({', '.join(types)}) does not exist", hint=_NO_CAST_HINT.format("function")
+        )
+    return [int(v) for v in values[:count]]
+
+
+def _valid_date(year: int, month: int, day: int) -> bool:
+    """PostgreSQL's field check (AD years; any year, leap years proleptic Gregorian)."""
+    if year < 1 or not 1 <= month <= 12:
+        return False
+    days = (31, 29 if calendar.isleap(year) else 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31)[month - 1]
+    return 1 <= day <= days
+
+
+def make_date(year: int, month: int, day: int) -> dt.date | None:
+    """PostgreSQL's ``make_date``: 22008 for impossible fields, and beyond year 9999 (PostgreSQL's own
+    limit is year 5874897); None for a BC year (negative), which is left unfolded."""
+    if year < 0:
+        return None
+    shown = f"{year}-{month:02d}-{day:02d}"
+    if not _valid_date(year, month, day):
+        raise DatetimeFieldOverflow(f"date field value out of range: {shown}")
+    if year > 9999:
+        raise DatetimeFieldOverflow(f"date out of range: {shown}", hint=_YEARS_HINT)
+    return dt.date(year, month, day)
+
+
+def make_timestamp(year: int, month: int, day: int, hour: int, minute: int, sec: float) -> dt.datetime | None:
+    """PostgreSQL's ``make_timestamp`` (hour 24 and second 60 roll over, as there): 22008 for
+    impossible date or time fields and beyond year 9999; None for a BC year (left unfolded)."""
+    if year < 0:
+        return None
+    if not _valid_date(year, month, day):
+        raise DatetimeFieldOverflow(f"date field value out of range: {year}-{month:02d}-{day:02d}")
+    clock = f"{hour}:{minute:02d}:{sec:02g}"
+    micros = round(sec * 1_000_000) if abs(sec) <= 61 else -1  # out of range, NaN too
+    time = (hour * 60 + minute) * 60_000_000 + micros
+    if not (0 <= hour <= 24 and 0 <= minute <= 59 and 0 <= micros <= 60_000_000 and time <= _DAY_MICROS):
+        raise DatetimeFieldOverflow(f"time field value out of range: {clock}")
+    try:
+        return dt.datetime(year, month, day) + dt.timedelta(microseconds=time)
+    except (ValueError, OverflowError):
+        raise DatetimeFieldOverflow(
+            f"timestamp out of range: {year}-{month:02d}-{day:02d} {clock}", hint=_YEARS_HINT
+        ) from None
+
+
+def to_timestamp(seconds: float) -> dt.datetime:
+    """PostgreSQL's ``to_timestamp(double precision)`` in dpsql's UTC session (22008 out of range)."""
+    if math.isnan(seconds):
+        raise DatetimeFieldOverflow("timestamp cannot be NaN")
+    try:
+        return dt.datetime(1970, 1, 1) + dt.timedelta(seconds=seconds)
+    except (ValueError, OverflowError):
+        raise DatetimeFieldOverflow(f'timestamp out of range: "{seconds:g}"', hint=_YEARS_HINT) from None
 
 
 def _strptime(node: exp.Expression, type_name: str) -> dt.datetime | None:
@@ -196,33 +326,23 @@ def _fold(node: exp.Expression, now: dt.datetime) -> exp.Expression | None:
         parsed = _strptime(node, "timestamp")
         return None if parsed is None else _timestamp_literal(parsed)
     if isinstance(node, exp.UnixToTime) and node.args.get("scale") is None:
-        seconds = _value(node.this)
-        if not isinstance(seconds, int | float):
-            return None
-        try:
-            return _timestamp_literal(dt.datetime(1970, 1, 1) + dt.timedelta(seconds=seconds))
-        except OverflowError:
-            raise DatetimeFieldOverflow("timestamp out of range") from None
+        seconds = _signed(node.this)
+        return None if seconds is None else _timestamp_literal(to_timestamp(float(seconds)))
     if isinstance(node, exp.Anonymous) and node.name.lower() == "make_date":
-        parts = [_value(a) for a in node.expressions]
-        if len(parts) != 3 or not all(isinstance(p, int) for p in parts):
+        parts = [_signed(a) for a in node.expressions]
+        if len(parts) != 3 or any(p is None for p in parts):
             return None
-        try:
-            return _date_literal(dt.date(*parts))  # type: ignore[arg-type]
-        except ValueError:
-            raise DatetimeFieldOverflow(
-                f"date field value out of range: {parts[0]:04d}-{parts[1]:02d}-{parts[2]:02d}"
-            ) from None
+        date = make_date(*_integer_args("make_date", parts, 3))  # type: ignore[arg-type]
+        return None if date is None else _date_literal(date)
     if isinstance(node, exp.TimestampFromParts):
-        fields = _int_args(node, ("year", "month", "day", "hour", "min"))
-        second = _value(node.args["sec"]) if node.args.get("sec") is not None else None
-        if fields is None or not isinstance(second, int | float):
+        if any(v is not None for k, v in node.args.items() if k not in _PARTS):
             return None
-        try:
-            base = dt.datetime(fields[0], fields[1], fields[2], fields[3], fields[4])
-            return _timestamp_literal(base + dt.timedelta(seconds=second))
-        except (ValueError, OverflowError):
-            raise DatetimeFieldOverflow("date/time field value out of range") from None
+        values = [_signed(node.args.get(k)) for k in _PARTS]
+        if any(v is None for v in values):
+            return None
+        year, month, day, hour, minute = _integer_args("make_timestamp", values, 5)  # type: ignore[arg-type]
+        stamp = make_timestamp(year, month, day, hour, minute, float(values[5]))  # type: ignore[arg-type]
+        return None if stamp is None else _timestamp_literal(stamp)
     if isinstance(node, exp.Add | exp.Sub):
         left, right = _value(node.this), _value(node.expression)
         if isinstance(node, exp.Add) and isinstance(left, Interval) and isinstance(right, dt.date):
@@ -230,11 +350,17 @@ def _fold(node: exp.Expression, now: dt.datetime) -> exp.Expression | None:
         if isinstance(left, dt.date) and isinstance(right, Interval):
             stamp = left if isinstance(left, dt.datetime) else dt.datetime(left.year, left.month, left.day)
             return _timestamp_literal(add_interval(stamp, right if isinstance(node, exp.Add) else -right))
-        if type(left) is dt.date and isinstance(right, int) and not isinstance(right, bool):
+        days = _signed(node.expression)
+        if type(left) is dt.date and days is not None:
+            sign = "+" if isinstance(node, exp.Add) else "-"
+            if _number_type(days) != "integer":  # date ± bigint or numeric: no such operator
+                raise UndefinedFunction(
+                    f"operator does not exist: date {sign} {_number_type(days)}", hint=_NO_CAST_HINT.format("operator")
+                )
             try:
-                return _date_literal(left + dt.timedelta(days=right if isinstance(node, exp.Add) else -right))
+                return _date_literal(left + dt.timedelta(days=days if sign == "+" else -days))
             except OverflowError:
-                raise DatetimeFieldOverflow("date out of range") from None
+                raise DatetimeFieldOverflow("date out of range", hint=_YEARS_HINT) from None
         return None
     if isinstance(node, exp.Cast) and node.to.this in _TEMPORAL:
         value = _value(node.this)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from sqlglot import exp
 
+from dpsql.analyze.checks import limit_case_branches
 from dpsql.analyze.parse import parse_statement, too_complex
 from dpsql.explain import explain_target
 from dpsql.lru import LRU
@@ -49,6 +50,7 @@ def classify(sql: str) -> Statement:
         raise too_complex() from None
     if isinstance(tree, exp.Insert):
         return Statement(sql, Kind.INSERT, tree)
+    limit_case_branches(tree)  # 54000 right after parsing: before the tree is copied, folded or routed
     return Statement(sql, Kind.QUERY, tree)
 
 
