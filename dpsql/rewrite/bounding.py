@@ -141,10 +141,14 @@ def bound_contributions(select: exp.Select, plan: Plan) -> exp.Select:
     bounded = exp.select(exp.Star(), exp.alias_(number, "__rn")).from_("__groups")
     if filter_rows_ is not None:
         bounded = bounded.where(filter_rows_)
-    outer = outer.from_("__bounded").where(
-        exp.LTE(this=exp.column("__rn"), expression=exp.Literal.number(plan.max_rows))
+    outer = outer.from_("__bounded", copy=False).where(
+        exp.LTE(this=exp.column("__rn"), expression=exp.Literal.number(plan.max_rows)), copy=False
     )
-    return outer.with_("__rows", as_=rows).with_("__groups", as_=groups).with_("__bounded", as_=bounded)
+    # copy=False throughout: ``outer`` and the CTEs are this pass's own trees (a copy per call was
+    # quadratic-looking for large keys: a 1000-branch CASE key took seconds to rewrite)
+    for name, cte in (("__rows", rows), ("__groups", groups), ("__bounded", bounded)):
+        outer = outer.with_(name, as_=cte, copy=False)
+    return outer
 
 
 def _besides_unit(plan: Plan, columns: dict[str, exp.Column]) -> list[exp.Column]:
@@ -283,13 +287,10 @@ def _bound_by_cells(
         .from_("__counted")
         .where(exp.LT(this=before.copy(), expression=k.copy()))
     )
-    return (
-        outer.from_("__kept")
-        .with_("__cells", as_=cells)
-        .with_("__groups", as_=groups)
-        .with_("__counted", as_=counted)
-        .with_("__kept", as_=kept)
-    )
+    outer = outer.from_("__kept", copy=False)
+    for name, cte in (("__cells", cells), ("__groups", groups), ("__counted", counted), ("__kept", kept)):
+        outer = outer.with_(name, as_=cte, copy=False)
+    return outer
 
 
 def _integer_sum(node: exp.Expr, plan: Plan) -> bool:
@@ -381,7 +382,7 @@ def _bound_by_top_rows(
             select, *unit_column, *(exp.alias_(k.copy(), names[k.sql()]) for k in keys), exp.alias_(number, "__rn")
         )
         within = exp.LTE(this=exp.column("__rn"), expression=exp.Literal.number(plan.max_rows))
-        return outer.from_("__top").where(within).with_("__top", as_=top)
+        return outer.from_("__top", copy=False).where(within, copy=False).with_("__top", as_=top, copy=False)
     top = _over_sources(
         select,
         *unit_column,
@@ -399,7 +400,7 @@ def _bound_by_top_rows(
             for k in keys
         ),
     ).group_by(plan.unit.copy(), copy=False)
-    return outer.from_("__top").with_("__top", as_=top)
+    return outer.from_("__top", copy=False).with_("__top", as_=top, copy=False)
 
 
 def _bound_per_unit(select: exp.Select, plan: Plan) -> exp.Select:
