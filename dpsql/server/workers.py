@@ -13,6 +13,10 @@ new connections across them. What must be the same in every worker lives in shar
   Engine) are derived, so a repeated query sees the same sample of a heavy person's rows whichever
   worker (or host) answers it.
 
+Workers die with their supervisor (:func:`_die_with`): after a ``kill -9`` of the supervisor an
+orphaned worker would keep serving the policy it loaded (an analyst removed since would still be
+answered on some connections) while the restarted set binds the port beside it.
+
 Limits: a CancelRequest arrives on a new connection, which the kernel may hand to another worker
 than the one running the statement; it is then ignored (the statement still ends at its statement
 timeout). If a worker dies the supervisor stops the others and exits non-zero, so a process manager
@@ -23,12 +27,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import logging
 import multiprocessing
 import os
 import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -48,7 +54,37 @@ def _placeholder(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _worker_main(options: dict[str, Any], index: int) -> None:
+#: How often a worker checks that its supervisor is still its parent (where prctl is not available).
+WATCH_SECONDS = 1.0
+#: After SIGTERM for an orphaned worker, how long its clean shutdown may take before it is ended.
+ORPHAN_GRACE_SECONDS = 20.0
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with(supervisor: int) -> None:
+    """End this worker when ``supervisor`` (its parent) dies, however it dies (``kill -9`` included).
+
+    Linux: ``prctl(PR_SET_PDEATHSIG, SIGTERM)``, the kernel signals the worker when its parent exits.
+    Everywhere: a daemon thread sees the parent change (an orphan is re-parented) and sends the worker
+    SIGTERM itself, then ends it outright if the clean shutdown outlasts :data:`ORPHAN_GRACE_SECONDS`.
+    The check after prctl covers a supervisor that died before the worker got that far."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+
+    def watch() -> None:
+        while os.getppid() == supervisor:
+            time.sleep(WATCH_SECONDS)
+        log.error("supervisor (pid %d) is gone: this worker stops", supervisor)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(ORPHAN_GRACE_SECONDS)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="dpsql-supervisor-watch", daemon=True).start()
+
+
+def _worker_main(options: dict[str, Any], index: int, supervisor: int | None = None) -> None:
     """One worker: ``dpsql serve`` on the shared port, its log lines tagged with its index and pid."""
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a reload before the server listens must not kill it
     logging.basicConfig(
@@ -56,6 +92,8 @@ def _worker_main(options: dict[str, Any], index: int) -> None:
         format=f"%(asctime)s %(levelname)s %(name)s [worker {index} pid %(process)d] %(message)s",
         stream=sys.stderr,
     )
+    if supervisor is not None:
+        _die_with(supervisor)
     from dpsql.cli import cmd_serve
 
     args = argparse.Namespace(**options)
@@ -107,7 +145,7 @@ def supervise(args: argparse.Namespace) -> int:
     code = 0
     try:
         for index in range(count):
-            proc = ctx.Process(target=_worker_main, args=(options, index), name=f"dpsql-worker-{index}")
+            proc = ctx.Process(target=_worker_main, args=(options, index, os.getpid()), name=f"dpsql-worker-{index}")
             proc.start()
             workers.append(proc)
         log.info("dpsql supervisor: %d worker processes on %s:%d", count, args.host, port)
