@@ -35,7 +35,7 @@ from dpsql.analyze.statement import Kind, Statements
 from dpsql.audit import AuditTrail, note_cache_hit, note_charge
 from dpsql.backends import DEFAULT_STATEMENT_TIMEOUT_MS, Backend, log_database_error, open_backend
 from dpsql.cache import ResultCache, cache_key, data_stamp, database_identity, policy_hash, result_key
-from dpsql.errors import BackendError, Error, InvalidAuthorization
+from dpsql.errors import BackendError, Error, InvalidAuthorization, charged_on_failure
 from dpsql.explain import Explanation, explain, explain_format
 from dpsql.fingerprint import fingerprint_key, keyed, row_selection_salt, statement_shape
 from dpsql.ledger import Charge, Ledger, resolve_ledger_url
@@ -238,7 +238,8 @@ class Engine:
                 note_cache_hit()
                 return from_cache(*entry)
         charge = self.reserve(budgeting.cost, session, prepared.fingerprint) if prepared.plan.measures else None
-        result = self._measure(prepared, confidence)
+        with charged_on_failure(budgeting.epsilon if charge is not None else 0.0):
+            result = self._measure(prepared, confidence)
         if charge is not None:
             result.remaining_epsilon = remaining_budget(
                 charge.analyst_spent,

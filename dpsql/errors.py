@@ -12,6 +12,8 @@ so ``except DataError`` catches every 22xxx. The whole catalogue is this file.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 #: SQLSTATE → the one class raised with it (filled by ``code=`` in the class statements below).
@@ -32,6 +34,9 @@ class Error(Exception):
 
     sqlstate: str = "XX000"
     severity: str = "ERROR"
+    #: ε already charged for the statement that failed (reserved before it ran): told to the analyst
+    #: in DETAIL and written to the server log, so log, ledger and analyst agree.
+    charged_epsilon: float = 0.0
 
     def __init_subclass__(cls, code: str | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -437,3 +442,24 @@ class ScramProtocolError(ProtocolViolation):
     """Malformed SASL/SCRAM message."""
 
     severity = "FATAL"
+
+
+@contextlib.contextmanager
+def charged_on_failure(epsilon: float) -> Iterator[None]:
+    """Around the work that follows a reservation: a dpsql error raised there says what was charged.
+
+    The budget is reserved durably before a statement runs, and is not refunded when it then fails:
+    whether it fails (a timeout, a database error, a division by a noisy zero) may depend on the data
+    or the noise, so a refund would turn failures into a free oracle. The analyst reads the charge in
+    DETAIL, and the server's log line carries it (``charged_epsilon``), as the ledger does."""
+    try:
+        yield
+    except Error as exc:
+        if epsilon > 0 and not exc.charged_epsilon:
+            exc.charged_epsilon = epsilon
+            note = (
+                f"ε={epsilon:g} was charged for this statement: the budget is reserved before it runs "
+                "and is not refunded when it fails."
+            )
+            exc.detail = f"{exc.detail}\n{note}" if exc.detail else note
+        raise

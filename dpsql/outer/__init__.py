@@ -33,7 +33,7 @@ from sqlglot.optimizer.simplify import simplify
 
 from dpsql.analyze import analyze_tree, infer_parameter_types
 from dpsql.analyze.parse import Params, bind_parameters, parse_statement, placeholder_value
-from dpsql.errors import ProgramLimitExceeded
+from dpsql.errors import ProgramLimitExceeded, charged_on_failure
 from dpsql.outer import run
 from dpsql.outer.explain import CompositeExplanation, SubPlan
 from dpsql.outer.sandbox import MAX_PUBLIC_ROWS, Sandbox, outer_sql, pg_type, release_value
@@ -299,14 +299,15 @@ def answer(engine: Engine, composite: Composite, session: Session, sql: str) -> 
     parts = [run.lookup(engine, p, confidence) for p in prepared]
     cost = run.total(parts)
     charge = run.reserve(engine, cost, session, sql)
-    released = [run.release(engine, part, confidence) for part in parts]
-    text = outer_sql(composite.outer)
-    with Sandbox(ends) as box:
-        for inner, cols, result in zip(composite.inners, inputs, released, strict=True):
-            box.load(inner.table, [(c.name, c.type) for c in cols], result.rows)
-        for name in composite.public:
-            box.load(name, *_read_public(engine, name))
-        rows = box.run(text)
+    with charged_on_failure(cost.epsilon if charge is not None and cost is not None else 0.0):
+        released = [run.release(engine, part, confidence) for part in parts]
+        text = outer_sql(composite.outer)
+        with Sandbox(ends) as box:
+            for inner, cols, result in zip(composite.inners, inputs, released, strict=True):
+                box.load(inner.table, [(c.name, c.type) for c in cols], result.rows)
+            for name in composite.public:
+                box.load(name, *_read_public(engine, name))
+            rows = box.run(text)
     kinds = [c.type for c in columns]
     values = [tuple(release_value(v, k) for v, k in zip(row, kinds, strict=True)) for row in rows]
     result = Result(columns, values, [tuple(None for _ in columns) for _ in values], 0.0, 0.0)

@@ -47,7 +47,7 @@ from sqlglot import exp
 from dpsql.analyze import analyze_tree
 from dpsql.analyze.parse import Params, parse_statement
 from dpsql.analyze.sources import ident_name
-from dpsql.errors import FeatureNotSupported, InternalError, SyntaxError_
+from dpsql.errors import FeatureNotSupported, InternalError, SyntaxError_, charged_on_failure
 from dpsql.outer import run
 from dpsql.outer.explain import CompositeExplanation, SubPlan
 from dpsql.outer.shapes import own_aggregates, pg_name
@@ -55,7 +55,9 @@ from dpsql.release.accuracy import confidence as confidence_level
 from dpsql.session import OutputColumn, Result, Session
 
 if TYPE_CHECKING:
+    from dpsql.accountant import Cost
     from dpsql.engine import Engine, Prepared
+    from dpsql.ledger import Charge
     from dpsql.plan import Plan
 
 __all__ = ["Series", "answer_series", "describe_series", "explain_series", "split_series"]
@@ -278,6 +280,24 @@ def answer_series(engine: Engine, series: Series, session: Session, sql: str) ->
         parts.append(run.Part(stand_in))
     cost = run.total(parts)
     charge = run.reserve(engine, cost, session, sql)
+    with charged_on_failure(cost.epsilon if charge is not None and cost is not None else 0.0):
+        return _released_series(engine, series, session, confidence, parts, first, keys, outer, stand_in, cost, charge)
+
+
+def _released_series(
+    engine: Engine,
+    series: Series,
+    session: Session,
+    confidence: float,
+    parts: list[run.Part],
+    first: run.Part,
+    keys: list[tuple[Any, ...]] | None,
+    outer: Prepared | None,
+    stand_in: Prepared,
+    cost: Cost | None,
+    charge: Charge | None,
+) -> Result:
+    """Release the ranking and the outer query, after their one reservation."""
     released = run.release(engine, first, confidence)
     if keys is None:
         keys = _keys(released.rows, series)

@@ -353,7 +353,7 @@ class Connection:
         """Run a planned statement; logs one line with analyst, fingerprint, ε, outcome and latency."""
         started = time.monotonic()
         outcome: Outcome | None = None
-        state = "ok"
+        state, charged = "ok", 0.0
         self._late = False
         try:
             self.commands.check_not_failed(stmt.command)
@@ -364,10 +364,11 @@ class Connection:
             raise
         except BaseException as exc:
             state = exc.sqlstate if isinstance(exc, Error) else "XX000"
+            charged = exc.charged_epsilon if isinstance(exc, Error) else 0.0
             raise
         finally:
             if not self._late:  # else logged when the engine work ends, with what it really charged
-                self._log_query(stmt, outcome.epsilon if outcome else 0.0, state, started)
+                self._log_query(stmt, outcome.epsilon if outcome else charged, state, started)
 
     def audit_refusal(self, sql: str, sqlstate: str, started: float) -> None:
         """Record a statement refused before the engine saw it (catalog guard, mixed routes, Parse):
