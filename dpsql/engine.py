@@ -48,7 +48,7 @@ from dpsql.plan import Plan
 from dpsql.policy import Policy, load_policy
 from dpsql.postprocess.finish import finish, from_cache
 from dpsql.prepared import Description, Prepared
-from dpsql.release.accuracy import accuracy_notes
+from dpsql.release.accuracy import accuracy_notes, bias_note
 from dpsql.release.accuracy import confidence as confidence_level
 from dpsql.release.apply import apply, apply_local
 from dpsql.release.calibrate import FREE, budget
@@ -313,4 +313,6 @@ class Engine:
         result = finish(plan, *apply(plan, budgeting, rows, confidence, histograms, prepared.cache), prepared.cache)
         result.epsilon_spent, result.delta_spent = budgeting.epsilon, budgeting.delta
         result.notices.extend(accuracy_notes(plan, budgeting, confidence, result))  # what ± cannot say
+        if (bias := bias_note(plan, confidence)) is not None:  # nor what it leaves out
+            result.notices.append(bias)
         return result

@@ -16,6 +16,7 @@ from dpsql.aggregates import OUTPUTS
 from dpsql.analyze.parse import skip_comments
 from dpsql.errors import FeatureNotSupported
 from dpsql.plan import Plan
+from dpsql.release.accuracy import bias_note
 from dpsql.release.calibrate import Budgeting
 from dpsql.session import OutputColumn, Result
 
@@ -31,6 +32,8 @@ class Explanation:
     columns: list[dict[str, Any]] = field(default_factory=list)
     keys: str = "none"
     unit: str = ""
+    #: What the intervals leave out (clamping, contribution caps): :func:`dpsql.release.accuracy.bias_note`.
+    bias: str = ""
 
     def as_json(self) -> str:
         """PostgreSQL's ``EXPLAIN (FORMAT JSON)`` shape: an array holding one ``{"Plan": …}`` object."""
@@ -45,6 +48,7 @@ class Explanation:
             "Delta": self.delta,
             "Privacy Unit": self.unit,
             "Group Keys": self.keys,
+            "Intervals": self.bias or "noise only",
             "Outputs": [{k: finite(v) for k, v in c.items()} for c in self.columns],
             "Backend SQL": self.sql,
         }
@@ -64,6 +68,7 @@ class Explanation:
             f"DP Aggregate  (mechanism={self.mechanism} epsilon={self.epsilon:g} delta={self.delta:g})",
             f"  Privacy unit: {self.unit}",
             f"  Group keys: {self.keys}",
+            f"  Intervals: {self.bias or 'noise only'}",
         ]
         for c in self.columns:
             lines.append(f"  Output {c['name']}: {c['measure']}" + _figures(c))
@@ -188,7 +193,9 @@ def explain(plan: Plan, budgeting: Budgeting, confidence: float, shown_sql: str)
     unit = plan.sources.unit_description
     if plan.unit is not None:
         unit += f" (at most {plan.max_rows} rows and {plan.max_groups} groups per unit)"
-    return Explanation(shown_sql, budgeting.epsilon, budgeting.delta, budgeting.mechanism, columns, keys, unit)
+    note = bias_note(plan, confidence)
+    bias = note.split("covers ", 1)[1] if note else ""  # "the noise only, not the bias of …"
+    return Explanation(shown_sql, budgeting.epsilon, budgeting.delta, budgeting.mechanism, columns, keys, unit, bias)
 
 
 #: The one EXPLAIN option accepted: ``(FORMAT TEXT)`` or ``(FORMAT JSON)`` (pgcli sends the latter).

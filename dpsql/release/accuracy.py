@@ -68,6 +68,32 @@ def accuracy_notes(plan: Plan, budgeting: Budgeting, level: float, result: Resul
     return notes
 
 
+def bias_note(plan: Plan, level: float) -> str | None:
+    """What the ± intervals leave out: the bias of contribution bounding, said every time it can apply.
+
+    An interval covers the noise only. Values clamped to the declared bounds and rows beyond a unit's
+    ``max_rows``/``max_groups`` shift answers too, by an amount the analyst cannot see (a curator's
+    ``dpsql policy report`` measures it). Names only the policy's bounds and caps: public, so the
+    note is the same on every neighbouring database."""
+    if not any(not m.selected for m in plan.measures):
+        return None
+    clamps: list[str] = []
+    for m in plan.measures:
+        if m.clamped_sum and m.lower is not None and m.upper is not None:
+            what = m.column if m.expr is None and m.column else "summed expressions"
+            text = f"{what} to [{m.lower:g}, {m.upper:g}]"
+            if text not in clamps:
+                clamps.append(text)
+    parts = [f"values clamped ({', '.join(clamps)})"] if clamps else []
+    if plan.unit is not None:
+        rows = "1 row" if plan.max_rows == 1 else f"{plan.max_rows} rows"
+        groups = f" in at most {plan.max_groups} groups" if plan.keys and plan.max_groups > 1 else ""
+        parts.append(f"at most {rows}{groups} per {plan.sources.unit_description} (rows beyond are left out)")
+    if not parts:
+        return None
+    return f"dpsql: ±{ci_label(level)}% covers the noise only, not the bias of " + "; ".join(parts)
+
+
 def _quantile_note(out: OutputItem, plan: Plan, budgeting: Budgeting, level: float, pct: str) -> str:
     """The rank error bound EXPLAIN shows (``rank_error95``), said in words; MIN/MAX also say where they aim."""
     i = out.measures[0]

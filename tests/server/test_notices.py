@@ -46,6 +46,10 @@ def test_psql_notices_for_quantiles_bounds_modes_and_null_averages(dp_server: Ru
         "SELECT problem, COUNT(*), AVG(age) FROM patients WHERE age > 200 GROUP BY problem",
         "SELECT mode() WITHIN GROUP (ORDER BY problem) FROM patients",
     )
+    bias = [line for line in notices if "covers the noise only" in line]  # the AVG query's clamping
+    assert len(bias) == 1 and bias[0].startswith("NOTICE:  dpsql: ±95% covers the noise only, not the bias of"), bias
+    assert "age to [" in bias[0]
+    notices = [line for line in notices if line not in bias]
     assert all(CHARGED.fullmatch(line) for line in [*notices[::3][:2], notices[6], notices[9]]), notices
     assert [line for line in notices if "charged" not in line] == [
         "NOTICE:  dpsql: max has no ± interval (exponential mechanism): at 95% at most 2 of its group's values "
@@ -77,6 +81,7 @@ def test_psql_explain_is_one_plan_line_per_row(dp_server: Running) -> None:
         " DP Aggregate  (mechanism=laplace epsilon=1000 delta=0)",
         "   Privacy unit: one row (each row is one person)",
         "   Group keys: public domain: sex",
+        "   Intervals: the noise only, not the bias of values clamped (age to [0, 110])",
         "   Output sex: group key",
         "   Output count: COUNT(*)  sensitivity=1 scale=0.003 epsilon=333.333 ci95=±0",
         "   Output avg: AVG = centre + noisy centred SUM / noisy COUNT  sensitivity=55 scale=0.165 "
@@ -90,7 +95,7 @@ def test_psql_explain_is_one_plan_line_per_row(dp_server: Running) -> None:
         '         FROM "patients" AS "patients"',
         '         WHERE "patients"."problem" = \'Asthma\'',
         '         GROUP BY "patients"."sex"',
-        "(14 rows)",
+        "(15 rows)",
         "",
     ]
 
