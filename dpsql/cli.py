@@ -57,7 +57,8 @@ def open_engine(args: argparse.Namespace) -> Any:
         backend = open_backend("duckdb://", statement_timeout_ms=timeout_ms)
         load_demo(backend, [policy.dataset] if policy.dataset in DEMO_TABLES else [])
     else:
-        backend = open_backend(database, statement_timeout_ms=timeout_ms)
+        writes = policy.writes.randomized_response  # else the file is shared read-only with other processes
+        backend = open_backend(database, statement_timeout_ms=timeout_ms, read_only=not writes)
     ledger_url = args.ledger or default_ledger(policy.dataset)
     from dpsql.cache import default_cache_url
 

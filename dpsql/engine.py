@@ -101,7 +101,8 @@ class Engine:
         statements are cancelled after ``statement_timeout_ms`` (57014; 0 = never)."""
         loaded = policy if isinstance(policy, Policy) else load_policy(policy)
         ledger_url = resolve_ledger_url(ledger, loaded.dataset)
-        backend = open_backend(database, statement_timeout_ms=statement_timeout_ms)
+        read_only = not loaded.writes.randomized_response  # a DuckDB file then shared with other processes
+        backend = open_backend(database, statement_timeout_ms=statement_timeout_ms, read_only=read_only)
         results = ResultCache.open(cache) if cache else ResultCache.beside(ledger_url)
         return cls(loaded, backend, Ledger.open(ledger_url), results)
 

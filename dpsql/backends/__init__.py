@@ -143,9 +143,17 @@ class BackendDefaults:
 
 
 def open_backend(
-    url: str, *, statement_timeout_ms: int | None = DEFAULT_STATEMENT_TIMEOUT_MS, pool_size: int = 8
+    url: str,
+    *,
+    statement_timeout_ms: int | None = DEFAULT_STATEMENT_TIMEOUT_MS,
+    pool_size: int = 8,
+    read_only: bool = False,
 ) -> Backend:
     """Open a backend from a URL.
+
+    ``read_only``: open a DuckDB file without its write lock, so several processes (``serve --processes
+    N``, the curator's ``policy check``, ``dpsql query``) read it at once; dpsql only ever writes to it
+    for randomized-response INSERTs. Other backends take their read-only guarantee per statement.
 
     ``duckdb://`` or ``duckdb:///:memory:`` (in-memory), ``duckdb:///abs/path.duckdb``,
     ``postgresql://user:pw@host:port/db`` (or ``postgres://``), ``spark://local[N][/database]``
@@ -155,7 +163,7 @@ def open_backend(
     if scheme == "duckdb":
         from dpsql.backends.duckdb import DuckDBBackend
 
-        return DuckDBBackend(url, statement_timeout_ms=statement_timeout_ms)
+        return DuckDBBackend(url, statement_timeout_ms=statement_timeout_ms, read_only=read_only)
     if scheme in ("postgresql", "postgres"):
         from dpsql.backends.postgres import PostgresBackend
 

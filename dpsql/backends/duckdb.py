@@ -54,13 +54,33 @@ class DuckDBBackend(BackendDefaults):
     row_hash: RowHash = "duckdb"
     top_rows: TopRows = "min_by"
 
-    def __init__(self, url: str, *, statement_timeout_ms: int | None = None) -> None:
+    def __init__(self, url: str, *, statement_timeout_ms: int | None = None, read_only: bool = False) -> None:
         self.url = url
         self.path = _database_path(url)
         self.statement_timeout_ms = statement_timeout_ms
+        #: A file opened without the write lock (never an in-memory database, which starts empty).
+        self.read_only = read_only and self.path != ":memory:"
         try:
-            self._db = duckdb.connect(self.path)
+            try:
+                self._db = duckdb.connect(self.path, read_only=self.read_only)
+            except duckdb.ConnectionException:
+                if not self.read_only:
+                    raise
+                # this process already holds the file for writing (DuckDB shares one instance per
+                # process and configuration): share that instance; other processes are locked out anyway
+                self.read_only = False
+                self._db = duckdb.connect(self.path)
             self._db.execute(f"SET GLOBAL perfect_ht_threshold = {PERFECT_HASH_BITS}")
+        except duckdb.IOException as exc:
+            log.warning("cannot open DuckDB database %s: %s", self.path, exc)
+            lock = "lock" in str(exc).lower()
+            raise BackendError(
+                "could not open the database" + (": another process holds it for writing" if lock else ""),
+                hint="Only one process may open a DuckDB file for writing (randomized-response INSERTs); "
+                "readers share it."
+                if lock
+                else None,
+            ) from None
         except duckdb.Error as exc:
             log.warning("cannot open DuckDB database %s: %s", self.path, exc)
             raise BackendError("could not open the database") from None

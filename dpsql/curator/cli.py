@@ -26,7 +26,7 @@ def _open_database(url: str | None, dataset: str | None) -> Any:
         from dpsql.errors import BackendError
 
         raise BackendError(f'database file "{path}" does not exist')
-    return open_backend(url)
+    return open_backend(url, read_only=True)  # curator tools only read: the file stays shared
 
 
 def cmd_policy_check(args: argparse.Namespace) -> int:
@@ -67,7 +67,7 @@ def cmd_policy_draft(args: argparse.Namespace) -> int:
     if path is not None:
         print(f'ERROR:  database file "{path}" does not exist', file=sys.stderr)
         return 1
-    backend = open_backend(args.database)
+    backend = open_backend(args.database, read_only=True)
     try:
         tables = args.table or introspect.tables(backend)
         if not tables:
