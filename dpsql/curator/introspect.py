@@ -75,3 +75,43 @@ def columns(backend: Any, table: str) -> dict[str, str] | None:
 def checkable(backend: Any) -> bool:
     """Backends whose schema can be read here (Spark has no information_schema to ask)."""
     return getattr(backend, "dialect", "") in ("duckdb", "postgres")
+
+
+def not_null(backend: Any, table: str) -> set[str]:
+    """Columns of ``table`` declared NOT NULL (a primary key's included): ``nullable: false`` in a draft."""
+    _, rows = backend.execute(
+        f"SELECT column_name FROM information_schema.columns WHERE {_where(backend, table)} AND is_nullable = 'NO'"
+    )
+    return {str(r[0]) for r in rows}
+
+
+def primary_keys(backend: Any) -> dict[str, list[str]]:
+    """Table → its primary key's columns, in key order, for the current schema."""
+    _, rows = backend.execute(
+        "SELECT k.table_name, k.column_name FROM information_schema.table_constraints c "
+        "JOIN information_schema.key_column_usage k ON k.constraint_name = c.constraint_name "
+        "AND k.constraint_schema = c.constraint_schema AND k.table_name = c.table_name "
+        "WHERE c.constraint_type = 'PRIMARY KEY' AND c.table_schema = current_schema() "
+        "ORDER BY k.table_name, k.ordinal_position"
+    )
+    keys: dict[str, list[str]] = {}
+    for table, column in rows:
+        keys.setdefault(str(table), []).append(str(column))
+    return keys
+
+
+def foreign_keys(backend: Any) -> list[tuple[str, str, str, str]]:
+    """Single-column foreign keys of the current schema: (table, column, referenced table, referenced column)."""
+    _, rows = backend.execute(
+        "SELECT k.constraint_name, k.table_name, k.column_name, u.table_name, u.column_name "
+        "FROM information_schema.referential_constraints r "
+        "JOIN information_schema.key_column_usage k ON k.constraint_name = r.constraint_name "
+        "AND k.constraint_schema = r.constraint_schema "
+        "JOIN information_schema.key_column_usage u ON u.constraint_name = r.unique_constraint_name "
+        "AND u.constraint_schema = r.unique_constraint_schema AND u.ordinal_position = k.ordinal_position "
+        "WHERE k.table_schema = current_schema() ORDER BY 2, 3"
+    )
+    width: dict[str, int] = {}
+    for name, *_ in rows:
+        width[str(name)] = width.get(str(name), 0) + 1
+    return [(str(t), str(c), str(rt), str(rc)) for name, t, c, rt, rc in rows if width[str(name)] == 1]
