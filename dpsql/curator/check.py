@@ -14,6 +14,7 @@ result goes to the curator's terminal or the server's log only, never to an anal
 from __future__ import annotations
 
 import datetime as dt
+import difflib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,14 +144,19 @@ def database_findings(policy: Policy, backend: Any) -> Iterator[Finding]:
             continue  # read by Spark only
         stored = introspect.columns(backend, source)
         if stored is None:
-            yield Finding("error", ("tables", name), f'table "{source}" does not exist in the database')
+            yield Finding(
+                "error",
+                ("tables", name),
+                f'table "{source}" does not exist in the database' + _did_you_mean(source, introspect.tables(backend)),
+            )
             continue
         lowered = {k.lower(): v for k, v in stored.items()}
         for col_name, column in table.columns.items():
             path = ("tables", name, "columns", col_name)
             type_name = stored.get(col_name) or lowered.get(col_name.lower())
             if type_name is None:
-                yield Finding("error", path, f'column "{col_name}" does not exist in table "{source}"')
+                hint = _did_you_mean(col_name, list(stored))
+                yield Finding("error", path, f'column "{col_name}" does not exist in table "{source}"' + hint)
                 continue
             fam = introspect.family(type_name)
             if fam not in introspect.COMPATIBLE[column.type]:
@@ -159,6 +165,9 @@ def database_findings(policy: Policy, backend: Any) -> Iterator[Finding]:
                     (*path, "type"),
                     f"the database stores {type_name} but the policy declares {column.type}",
                 )
+        present = {c for c in table.columns if (stored.get(c) or lowered.get(c.lower())) is not None}
+        yield from _data_findings(policy, name, backend, source, present)
+        yield from _reference_type_findings(policy, name, backend, stored)
         unit = table.privacy_unit
         if unit is not None and (stored.get(unit) or lowered.get(unit.lower())) is not None:
             # capped at FEW_UNITS: the curator learns "few" or "enough", never the exact number; and
@@ -181,6 +190,106 @@ def database_findings(policy: Policy, backend: Any) -> Iterator[Finding]:
                     ("tables", name, "privacy_unit"),
                     f"'{unit}' has fewer than {FEW_UNITS} distinct values: is it really who a person is?",
                 )
+
+
+def _did_you_mean(name: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return f' (did you mean "{close[0]}"?)' if close else ""
+
+
+def _scanned(backend: Any, source: str, column: str, condition: str) -> bool:
+    """Whether any of the first :data:`SCAN_ROWS` rows of ``source`` meets ``condition`` on ``column``
+    (``c``): a yes or no for the curator, never a count or a value."""
+    _, rows = backend.execute(
+        f"SELECT 1 FROM (SELECT {quote_ident(column)} AS c FROM {quote_ident(source)} LIMIT {SCAN_ROWS}) AS s "
+        f"WHERE {condition} LIMIT 1"
+    )
+    return bool(rows)
+
+
+def _repeats(backend: Any, source: str, column: str) -> bool:
+    """Whether a non-NULL value of ``column`` occurs twice among the first :data:`SCAN_ROWS` rows."""
+    _, rows = backend.execute(
+        f"SELECT 1 FROM (SELECT {quote_ident(column)} AS c FROM {quote_ident(source)} LIMIT {SCAN_ROWS}) AS s "
+        "WHERE c IS NOT NULL GROUP BY c HAVING COUNT(*) > 1 LIMIT 1"
+    )
+    return bool(rows)
+
+
+def _data_findings(policy: Policy, name: str, backend: Any, source: str, present: set[str]) -> Iterator[Finding]:
+    """What the data contradicts in the declarations of one table (its first :data:`SCAN_ROWS` rows).
+
+    - ``nullable: false`` on a column holding NULLs (an error: those rows silently leave answers);
+      a nullable column holding none (a warning: GROUP BY releases a phantom NULL group, AVG widens);
+    - a table without ``privacy_unit`` or ``references`` (each row one person) whose ``*_id``
+      identifier repeats: one person's many rows would each count as a person (an error);
+    - a ``privacy_unit`` unique per row while the table allows many rows per person and another
+      identifier repeats: a row id, not a person (a warning).
+    """
+    table = policy.tables[name]
+    if table.public:
+        return
+    for col_name, column in table.columns.items():
+        if col_name not in present or column.identifier:
+            continue
+        path = ("tables", name, "columns", col_name, "nullable")
+        has_null = _scanned(backend, source, col_name, "c IS NULL")
+        if not column.nullable and has_null:
+            yield Finding(
+                "error",
+                path,
+                f"'{col_name}' is declared 'nullable: false' but holds NULLs: rows with a NULL would drop out of "
+                "answers without a word; declare it nullable (or fix the data)",
+            )
+        elif column.nullable and not has_null:
+            yield Finding(
+                "warning",
+                path,
+                f"'{col_name}' holds no NULL: declare 'nullable: false' (else GROUP BY releases a NULL group "
+                "nobody is in, and AVG's interval is wider than it needs to be)",
+            )
+    ids = [c for c in table.columns if c in present and table.columns[c].identifier]
+    person_ids = [c for c in ids if c.lower() == "id" or c.lower().endswith("_id")]
+    if table.privacy_unit is None and table.references is None:
+        for col_name in person_ids:
+            if _repeats(backend, source, col_name):
+                yield Finding(
+                    "error",
+                    ("tables", name),
+                    f"no 'privacy_unit' (each row is one person), but identifier '{col_name}' repeats: if it names "
+                    f"the person, declare 'privacy_unit: {col_name}' (or 'references') and 'max_rows_per_unit'",
+                )
+                break
+    unit = table.privacy_unit
+    if unit is not None and unit in present and table.max_rows_per_unit > 1 and not _repeats(backend, source, unit):
+        others = [c for c in person_ids if c != unit and _repeats(backend, source, c)]
+        if others:
+            yield Finding(
+                "warning",
+                ("tables", name, "privacy_unit"),
+                f"'{unit}' is unique per row (a row id?) while '{others[0]}' repeats: if '{others[0]}' names the "
+                "person, make it the unit; each row is now its own person",
+            )
+
+
+def _reference_type_findings(policy: Policy, name: str, backend: Any, stored: dict[str, str]) -> Iterator[Finding]:
+    """``references`` between columns stored as different types: every query joining them would fail
+    on the database (after its charge)."""
+    ref = policy.tables[name].references
+    target = policy.tables.get(ref.table) if ref is not None else None
+    if ref is None or target is None:
+        return
+    here = stored.get(ref.column)
+    there = (introspect.columns(backend, target.source or ref.table) or {}).get(ref.to)
+    if here is None or there is None:
+        return
+    if introspect.family(here) != introspect.family(there):
+        yield Finding(
+            "error",
+            ("tables", name, "references"),
+            f"'{ref.column}' is stored as {here} but {ref.table}.{ref.to} as {there}: the join to the privacy "
+            "unit cannot match them; store both with one type",
+        )
 
 
 @dataclass(frozen=True, slots=True)

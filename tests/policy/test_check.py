@@ -27,9 +27,9 @@ tables:
     columns:
       person_id: {type: int, identifier: true}
       name: {type: text, identifier: true}
-      dept: {type: text}
-      age: {type: int, lower: 0, upper: 110}
-      income: {type: float, lower: 0, upper: 1000}
+      dept: {type: text, nullable: false}
+      age: {type: int, lower: 0, upper: 110, nullable: false}
+      income: {type: float, lower: 0, upper: 1000, nullable: false}
 """
 
 
@@ -67,8 +67,11 @@ def test_errors_with_file_line(make_db: Callable[..., tuple[str, Backend]]) -> N
     _, backend = make_db()
     bad = (
         GOOD.replace("privacy_unit: person_id", "privacy_unit: dept")
-        .replace("age: {type: int, lower: 0, upper: 110}", "age: {type: int, domain: [young, old]}")
-        .replace("income: {type: float, lower: 0, upper: 1000}", "income: {type: int}\n      gone: {type: int}")
+        .replace("age: {type: int, lower: 0, upper: 110, nullable: false}", "age: {type: int, domain: [young, old]}")
+        .replace(
+            "income: {type: float, lower: 0, upper: 1000, nullable: false}",
+            "income: {type: int}\n      gone: {type: int}",
+        )
         + "  ghost:\n    columns:\n      x: {type: int}\n"
     )
     report = check_text(bad, "p.yaml", backend)
@@ -93,7 +96,7 @@ def test_few_units_warning(make_db: Callable[..., tuple[str, Backend]]) -> None:
     """A unit with 10–99 values is a warning; the exact number is never read (DISTINCT … LIMIT 100)."""
     _, backend = make_db()
     text = GOOD.replace("privacy_unit: person_id", "privacy_unit: age").replace(
-        "age: {type: int, lower: 0, upper: 110}", "age: {type: int, identifier: true}"
+        "age: {type: int, lower: 0, upper: 110, nullable: false}", "age: {type: int, identifier: true}"
     )
     report = check_text(text, "p.yaml", backend)
     assert report.ok
@@ -110,7 +113,12 @@ def test_cli_exit_codes(
     good = _write(tmp_path, GOOD)
     assert main(["policy", "check", "--policy", str(good), "--database", url]) == 0
     assert capsys.readouterr().out == f"{good}: ok (0 warnings)\n"
-    bad = _write(tmp_path, GOOD.replace("dept: {type: text}", "dept: {type: text}\n      zzz: {type: int}"))
+    bad = _write(
+        tmp_path,
+        GOOD.replace(
+            "dept: {type: text, nullable: false}", "dept: {type: text, nullable: false}\n      zzz: {type: int}"
+        ),
+    )
     assert main(["policy", "check", "--policy", str(bad), "--database", url]) == 1
     missing = 'column "zzz" does not exist in table "people"'
     assert capsys.readouterr().err == f"{bad}:16: tables.people.columns.zzz: {missing}\n"
