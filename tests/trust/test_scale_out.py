@@ -227,13 +227,17 @@ class _Boom:
 
 
 def test_postgres_cache_first_writer_wins_and_never_unpickles_code(ledger_url: str) -> None:
-    import pickle
+    import pickle  # noqa: TID251 - the attack: a pickle written into the cache table
 
     from dpsql.cache import PostgresResultCache, ResultCache
     from dpsql.session import OutputColumn, Result
 
     cache = ResultCache.open(ledger_url)
     other = ResultCache.open(ledger_url)
+    with Ledger.open(ledger_url) as ledger:  # every Engine on this ledger signs with its installation key
+        installation_key = ledger.installation_key()
+    cache.use_installation_key(installation_key)
+    other.use_installation_key(installation_key)
     try:
         assert isinstance(cache, PostgresResultCache)
         first = Result([OutputColumn("n", "bigint")], [(41,)], [(3.0,)], 0.5, 0.0)
