@@ -304,10 +304,13 @@ def max_rho(epsilon: float, delta: float) -> float:
 def zcdp_epsilon(rho: float, selection_delta: float, delta: float) -> float:
     """ε of (ε, δ)-DP implied by ρ-zCDP plus an additive ``selection_delta``: ε(ρ, δ − δ_sel).
 
-    Infinite when no δ is left for the conversion (and ρ > 0).
+    Infinite when no δ is left for the conversion (and ρ > 0), and for a non-finite ρ (a corrupt
+    ledger total reads as spent without bound, never as an error in every reader).
     """
     if rho <= 0:
         return 0.0
+    if not math.isfinite(rho):
+        return math.inf
     conversion_delta = _left_for_conversion(delta, selection_delta)
     if conversion_delta <= 0 or not delta > 0:
         return math.inf

@@ -18,8 +18,19 @@ Privacy and availability argument:
 * Recording never reaches the analyst: :meth:`AuditTrail.record` only enqueues (no I/O, no
   exception); a writer thread appends batches in short transactions. If the ledger cannot take
   them, or the queue is full (a flood of statements), rows are dropped and the operator's log says
-  how many — the *charge* is still in the ledger, written durably before any release; the trail is
-  evidence, not the accountant. :meth:`AuditTrail.flush` and ``close`` drain it.
+  how many. :meth:`AuditTrail.flush` and ``close`` drain it.
+* A charged statement's row is not left to the writer: :meth:`dpsql.ledger.Ledger.reserve` writes
+  it (outcome ``charged``) in the charge's own transaction, so no charge — even one followed by
+  ``kill -9`` — is without its row; the writer later sets its outcome (``answered``/``failed``),
+  SQLSTATE and latency, the only change the ledger's triggers allow on it.
+
+Free statements are folded so that they cannot grow the trail without bound: a statement that
+charged nothing (refused, answered from the cache, or free) with the same analyst, fingerprint,
+outcome and SQLSTATE as an earlier free row of this process adds one to that row's ``repeats``
+and sets its ``last_at``, until the analyst's next *charged* statement (so the trail still shows
+what came before and after each charge). An analyst has at most :data:`MAX_OPEN_SHAPES` such rows
+open between two charges; further shapes fold into one row per outcome and SQLSTATE whose shape
+says so. Folding depends on outcomes, shapes and charges only — never on the data.
 """
 
 from __future__ import annotations
@@ -33,15 +44,18 @@ import os
 import queue
 import threading
 import time
+import unicodedata
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from dpsql.errors import Error
+from dpsql.errors import DatetimeFieldOverflow, Error, InvalidDatetimeFormat
 
 if TYPE_CHECKING:
+    from dpsql.accountant import Cost
     from dpsql.ledger import AuditEntry, Charge, Ledger, LeverEvent
 
 log = logging.getLogger("dpsql.audit")
@@ -51,6 +65,13 @@ MAX_SHAPE_CHARS = 2000
 #: Rows waiting for the writer; beyond this, rows are dropped (and counted in the log).
 MAX_PENDING = 10_000
 _BATCH = 256
+
+#: Free rows (no charge) one analyst may have open for folding between two charges (per process).
+MAX_OPEN_SHAPES = 200
+#: Open free rows remembered in all (oldest forgotten first: a forgotten key starts a new row).
+MAX_OPEN_ROWS = 20_000
+#: The shape of the row that folds an analyst's further shapes once :data:`MAX_OPEN_SHAPES` are open.
+OTHER_SHAPES = "(other statements of this outcome: shapes not kept)"
 
 #: (fingerprint, shape) of a statement's text: the engine's keyed fingerprint and its shape.
 Shaper = Callable[[str], tuple[str, str]]
@@ -65,6 +86,16 @@ class Trace:
     started: float
     charge: Charge | None = None
     cached: bool = False
+    shaper: Shaper | None = None
+    #: Every charge of the statement (a composite statement may reserve more than once).
+    charges: list[Charge] = field(default_factory=list)
+    shaped: tuple[str, str] | None = None
+
+    def shape(self) -> tuple[str, str] | None:
+        """(fingerprint, shape) of the statement, computed once; None without a shaper."""
+        if self.shaped is None and self.shaper is not None:
+            self.shaped = self.shaper(self.sql)
+        return self.shaped
 
 
 #: The statement being answered in this thread (set by :meth:`AuditTrail.recording`).
@@ -76,7 +107,39 @@ def note_charge(charge: Charge) -> Charge:
     trace = _CURRENT.get()
     if trace is not None:
         trace.charge = charge
+        trace.charges.append(charge)
     return charge
+
+
+def charged_entry(dataset: str, analyst: str, fingerprint: str, cost: Cost, at: dt.datetime) -> AuditEntry:
+    """The row :meth:`dpsql.ledger.Ledger.reserve` writes with a charge, in its transaction: the current
+    statement's shape when one is being recorded (else an empty shape and the charge's fingerprint)."""
+    from dpsql.ledger import AuditEntry
+
+    trace = _CURRENT.get()
+    shape, latency_ms = "", 0.0
+    if trace is not None:
+        latency_ms = round((time.monotonic() - trace.started) * 1000, 1)
+        try:
+            shaped = trace.shape()
+        except Exception:  # the shape is evidence; the charge must not fail for it
+            log.warning("could not shape a charged statement", exc_info=True)
+            shaped = None
+        if shaped is not None:
+            fingerprint, shape = shaped
+    return AuditEntry(
+        at=at,
+        dataset=dataset,
+        analyst=analyst,
+        fingerprint=fingerprint,
+        shape=shape[:MAX_SHAPE_CHARS],
+        outcome="charged",
+        sqlstate="00000",
+        epsilon=cost.epsilon,
+        delta=cost.delta,
+        rho=cost.rho,
+        latency_ms=latency_ms,
+    )
 
 
 def note_cache_hit() -> None:
@@ -87,6 +150,10 @@ def note_cache_hit() -> None:
 
 #: The writer thread exits after this long without rows (and restarts with the next one).
 _IDLE_SECONDS = 2.0
+
+
+#: What folds free rows together: analyst, fingerprint, outcome, SQLSTATE.
+_Key = tuple[str, str, str, str]
 
 
 class AuditTrail:
@@ -102,6 +169,9 @@ class AuditTrail:
         self._lock = threading.Lock()
         self._dropped = 0
         self._closed = False
+        #: Free rows open for folding (key -> row id), and each analyst's open keys; the writer's only.
+        self._open: OrderedDict[_Key, int] = OrderedDict()
+        self._by_analyst: dict[str, set[_Key]] = {}
         ledger.on_close(self.close)
 
     @contextmanager
@@ -109,7 +179,7 @@ class AuditTrail:
         """Audit the statement run inside: one row when it ends, however it ends (the error propagates).
 
         The trace is current for the block (:func:`note_charge`, :func:`note_cache_hit` fill it in)."""
-        trace = Trace(sql, analyst, time.monotonic())
+        trace = Trace(sql, analyst, time.monotonic(), shaper=self.shaper)
         token = _CURRENT.set(trace)
         try:
             yield trace
@@ -124,37 +194,60 @@ class AuditTrail:
         self.record(trace, "00000")
 
     def record(self, trace: Trace, sqlstate: str) -> None:
-        """Enqueue one row; never blocks on I/O and never raises."""
+        """Enqueue the statement's row (or the end of its charges' rows); never blocks on I/O, never raises."""
         try:
-            self._enqueue(self._entry(trace, sqlstate))
+            for entry in self._entries(trace, sqlstate):
+                self._enqueue(entry)
         except Exception:  # the audit must never become an analyst's error
             log.warning("could not record an audit row", exc_info=True)
 
-    def _entry(self, trace: Trace, sqlstate: str) -> AuditEntry:
+    def _entries(self, trace: Trace, sqlstate: str) -> list[AuditEntry]:
         from dpsql.ledger import AuditEntry
 
         latency_ms = round((time.monotonic() - trace.started) * 1000, 1)
-        fingerprint, shape = self.shaper(trace.sql)
-        charge = trace.charge
+        charges = trace.charges or ([trace.charge] if trace.charge is not None else [])
         if sqlstate != "00000":
-            outcome = "failed" if charge is not None else "refused"
+            outcome = "failed" if charges else "refused"
         else:
-            outcome = "cache hit" if trace.cached else "answered"
+            outcome = "cache hit" if trace.cached and not charges else "answered"
+        at = dt.datetime.now(dt.UTC)
+        written = [c for c in charges if c.audit_id is not None]
+        if written:  # the rows are in the ledger since the charges: set how the statement ended
+            return [
+                AuditEntry(
+                    at=at,
+                    dataset=self.dataset,
+                    analyst=trace.analyst,
+                    fingerprint=c.fingerprint,
+                    shape="",
+                    outcome=outcome,
+                    sqlstate=sqlstate,
+                    latency_ms=latency_ms,
+                    charge_id=c.id,
+                    id=c.audit_id,
+                )
+                for c in written
+            ]
+        shaped = trace.shape() or self.shaper(trace.sql)
+        fingerprint, shape = shaped
+        charge = charges[-1] if charges else None
         cost = charge.cost if charge is not None else None
-        return AuditEntry(
-            at=dt.datetime.now(dt.UTC),
-            dataset=self.dataset,
-            analyst=trace.analyst,
-            fingerprint=fingerprint,
-            shape=shape[:MAX_SHAPE_CHARS],
-            outcome=outcome,
-            sqlstate=sqlstate,
-            epsilon=cost.epsilon if cost else 0.0,
-            delta=cost.delta if cost else 0.0,
-            rho=cost.rho if cost else 0.0,
-            latency_ms=latency_ms,
-            charge_id=charge.id if charge is not None else None,
-        )
+        return [
+            AuditEntry(
+                at=at,
+                dataset=self.dataset,
+                analyst=trace.analyst,
+                fingerprint=fingerprint,
+                shape=shape[:MAX_SHAPE_CHARS],
+                outcome=outcome,
+                sqlstate=sqlstate,
+                epsilon=cost.epsilon if cost else 0.0,
+                delta=cost.delta if cost else 0.0,
+                rho=cost.rho if cost else 0.0,
+                latency_ms=latency_ms,
+                charge_id=charge.id if charge is not None else None,
+            )
+        ]
 
     def _enqueue(self, entry: AuditEntry) -> None:
         with self._lock:  # put under the lock: the writer decides to exit idle under it too
@@ -164,6 +257,7 @@ class AuditTrail:
                 self._pid = os.getpid()
                 self._queue = queue.Queue(MAX_PENDING)
                 self._thread = None
+                self._open, self._by_analyst = OrderedDict(), {}
             try:
                 self._queue.put_nowait(entry)
             except queue.Full:
@@ -200,7 +294,7 @@ class AuditTrail:
                 else:
                     batch.append(item)
             try:
-                self.ledger.record_audit(batch)
+                self._write(batch)
             except Exception as exc:  # the ledger is down: the charges fail closed, the trail loses rows
                 log.warning("could not write %d audit rows: %s", len(batch), exc)
             finally:
@@ -208,6 +302,56 @@ class AuditTrail:
                     pending.task_done()
             if stop:
                 return
+
+    def _write(self, batch: list[AuditEntry]) -> None:
+        """One transaction: new rows, the ends of charged statements, and free statements folded into
+        the open row of their key (see the module's docstring)."""
+        inserts: list[AuditEntry] = []
+        new: dict[_Key, int] = {}  # key -> index in inserts
+        finals: list[AuditEntry] = []
+        repeats: dict[int, tuple[int, dt.datetime]] = {}
+        for entry in batch:
+            if entry.charge_id is not None:  # a charged statement ends the analyst's folding
+                if entry.id is not None:
+                    finals.append(entry)
+                else:  # charged through a ledger that wrote no row of its own
+                    inserts.append(entry)
+                for key in [k for k in new if k[0] == entry.analyst]:
+                    del new[key]
+                for key in self._by_analyst.pop(entry.analyst, set()):
+                    self._open.pop(key, None)
+                continue
+            entry, key = self._fold_key(entry, new)
+            if key in new:
+                index = new[key]
+                inserts[index] = replace(inserts[index], repeats=inserts[index].repeats + 1, last_at=entry.at)
+            elif key in self._open:
+                row_id = self._open[key]
+                self._open.move_to_end(key)
+                count, _ = repeats.get(row_id, (0, entry.at))
+                repeats[row_id] = (count + 1, entry.at)
+            else:
+                new[key] = len(inserts)
+                inserts.append(entry)
+        ids = self.ledger.write_audit(inserts, finals, [(i, n, at) for i, (n, at) in repeats.items()])
+        for key, index in new.items():
+            self._open[key] = ids[index]
+            self._by_analyst.setdefault(key[0], set()).add(key)
+        while len(self._open) > MAX_OPEN_ROWS:
+            old, _ = self._open.popitem(last=False)
+            self._by_analyst.get(old[0], set()).discard(old)
+
+    def _fold_key(self, entry: AuditEntry, new: dict[_Key, int]) -> tuple[AuditEntry, _Key]:
+        """The entry's folding key; past :data:`MAX_OPEN_SHAPES` open shapes of its analyst, the entry
+        becomes the analyst's row for other shapes of this outcome and SQLSTATE."""
+        key = (entry.analyst, entry.fingerprint, entry.outcome, entry.sqlstate)
+        if key in new or key in self._open:
+            return entry, key
+        open_now = len(self._by_analyst.get(entry.analyst, ())) + sum(1 for k in new if k[0] == entry.analyst)
+        if open_now < MAX_OPEN_SHAPES:
+            return entry, key
+        entry = replace(entry, fingerprint="", shape=OTHER_SHAPES)
+        return entry, (entry.analyst, "", entry.outcome, entry.sqlstate)
 
     def flush(self) -> None:
         """Wait until every enqueued row has been written (or given up on)."""
@@ -241,17 +385,58 @@ AUDIT_COLUMNS = (
     "shape",
     "by",
     "reason",
+    "repeats",
+    "last_at",
 )
+
+#: Outcomes of statements that were answered or charged: read apart from free refusals, so that no
+#: number of refusals can push one of them out of a page.
+SPENT_OUTCOMES = ("answered", "cache hit", "charged", "failed")
+
+
+def parse_since(text: str) -> dt.datetime:
+    """An ISO 8601 date or time (UTC unless it says otherwise) as an aware datetime in UTC.
+
+    22007 when it is not one; 22008 when it is out of range once in UTC (``0001-01-01T00:00+05:00``
+    is before year 1), so a reader never gets an ``OverflowError`` from an analyst-typed filter."""
+    try:
+        value = dt.datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise InvalidDatetimeFormat(
+            f'invalid input syntax for type timestamp: "{text}"', hint="Use ISO 8601, e.g. 2026-11-01."
+        ) from None
+    try:
+        return (value if value.tzinfo else value.replace(tzinfo=dt.UTC)).astimezone(dt.UTC)
+    except (OverflowError, ValueError):
+        raise DatetimeFieldOverflow(
+            f'date/time field value out of range: "{text}"',
+            hint="Use a date between 0001-01-01 and 9999-12-31 (UTC).",
+        ) from None
 
 
 def audit_rows(
-    ledger: Ledger, dataset: str, *, analyst: str | None = None, since: dt.datetime | None = None, limit: int = 100
+    ledger: Ledger,
+    dataset: str,
+    *,
+    analyst: str | None = None,
+    since: dt.datetime | None = None,
+    limit: int = 100,
+    outcomes: Sequence[str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Statements and curator actions on ``dataset``, newest first, at most ``limit`` of them.
+    """Statements and curator actions on ``dataset``, newest first, at most ``limit`` of them (only
+    statements of ``outcomes`` and the actions named in it, when given).
 
     Reads the ledger only — never the data."""
-    rows = [_statement_row(e) for e in ledger.audit(dataset, analyst, since=since, limit=limit)]
-    rows += [_lever_row(e) for e in ledger.lever_events(dataset, analyst, since=since, limit=limit)]
+    kinds = None if outcomes is None else [o for o in outcomes if o in ("grant", "freeze", "unfreeze")]
+    statements = None if outcomes is None else [o for o in outcomes if o not in ("grant", "freeze", "unfreeze")]
+    rows = []
+    if statements is None or statements:
+        rows += [
+            _statement_row(e) for e in ledger.audit(dataset, analyst, since=since, limit=limit, outcomes=statements)
+        ]
+    if kinds is None or kinds:
+        events = ledger.lever_events(dataset, analyst, since=since, limit=limit)
+        rows += [_lever_row(e) for e in events if kinds is None or e.kind in kinds]
     rows.sort(key=lambda r: r["at"], reverse=True)
     return rows[:limit]
 
@@ -270,6 +455,8 @@ def _statement_row(entry: AuditEntry) -> dict[str, Any]:
         "shape": entry.shape,
         "by": None,
         "reason": None,
+        "repeats": entry.repeats,
+        "last_at": entry.last_at,
     }
 
 
@@ -287,6 +474,8 @@ def _lever_row(event: LeverEvent) -> dict[str, Any]:
         "shape": None,
         "by": event.by,
         "reason": event.reason,
+        "repeats": 1,
+        "last_at": None,
     }
 
 
@@ -309,21 +498,41 @@ def as_csv(rows: Sequence[dict[str, Any]]) -> str:
     return out.getvalue()
 
 
+def printable(text: Any) -> Any:
+    """``text`` with every control, format (bidi override, zero-width) and line/paragraph separator
+    character written as its escape (ESC as ``\\x1b``), and the backslash doubled: an analyst's name or
+    query reaches a curator's terminal as visible text, never as a terminal command. Non-text is returned."""
+    if not isinstance(text, str):
+        return text
+    out = []
+    for ch in text:
+        code = ord(ch)
+        if ch == "\\":
+            out.append("\\\\")
+        elif unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp", "Cs", "Co", "Cn"):
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
 def as_table_rows(rows: Sequence[dict[str, Any]]) -> list[tuple[Any, ...]]:
-    """Rows for the aligned text table (shape last, cut to 60 characters)."""
+    """Rows for the aligned text table (shape last, cut to 60 characters; every text escaped by
+    :func:`printable`); a folded row shows its repeats (×N)."""
     table = []
     for row in rows:
-        shape = row["shape"] or row["reason"] or ""
+        shape = printable(row["shape"] or row["reason"] or "")
+        event = row["event"] if row.get("repeats", 1) == 1 else f"{row['event']} ×{row['repeats']}"
         table.append(
             (
                 _cell(row["at"]),
-                row["analyst"],
-                row["event"],
+                printable(row["analyst"]),
+                event,
                 row["sqlstate"],
                 row["epsilon"],
                 row["delta"],
                 row["latency_ms"],
-                row["by"],
+                printable(row["by"]),
                 shape if len(shape) <= 60 else shape[:57] + "...",
             )
         )

@@ -141,6 +141,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 def cmd_budget(args: argparse.Namespace) -> int:
     from dpsql.accountant import BudgetLike, Spent, remaining_budget
+    from dpsql.audit import printable
     from dpsql.ledger import Ledger
     from dpsql.policy import load_policy
 
@@ -169,13 +170,17 @@ def cmd_budget(args: argparse.Namespace) -> int:
         eps, left = spent_and_left(all_spent, dataset_total)
         rows.append(("(dataset)", eps, dataset_total.epsilon, left, all_spent.queries))
         columns = ["analyst", "epsilon_spent", "epsilon_total", "epsilon_remaining", "queries"]
-        if args.json:
-            print(json.dumps([dict(zip(columns, r, strict=True)) for r in rows]))
+        if args.json:  # a corrupt total reads as inf: null in JSON (Infinity is not JSON)
+            print(json.dumps([dict(zip(columns, map(_json_number, r), strict=True)) for r in rows]))
         else:
-            print(format_table(columns, rows))
+            print(format_table(columns, [(printable(r[0]), *r[1:]) for r in rows]))
     finally:
         ledger.close()
     return 0
+
+
+def _json_number(value: object) -> object:
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

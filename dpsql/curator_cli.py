@@ -61,11 +61,17 @@ def _ledger_options(parser: argparse.ArgumentParser, suppress: bool = False) -> 
 
 
 def _since(text: str) -> dt.datetime:
+    from dpsql.audit import parse_since
+    from dpsql.errors import DatetimeFieldOverflow, InvalidDatetimeFormat
+
     try:
-        value = dt.datetime.fromisoformat(text)
-    except ValueError:
+        return parse_since(text)
+    except InvalidDatetimeFormat:
         raise argparse.ArgumentTypeError(f"invalid date {text!r}: use ISO 8601, e.g. 2026-11-01") from None
-    return value if value.tzinfo else value.replace(tzinfo=dt.UTC)
+    except DatetimeFieldOverflow:
+        raise argparse.ArgumentTypeError(
+            f"date {text!r} out of range: use a date between 0001-01-01 and 9999-12-31 (UTC)"
+        ) from None
 
 
 def _positive_int(text: str) -> int:
@@ -161,7 +167,8 @@ def apply_lever(
     """Validate and append one curator lever (``grant``, ``freeze``, ``unfreeze``) to the ledger.
 
     The one home of the levers' checks, shared by ``dpsql budget`` and ``dpsql dashboard``: an
-    unknown analyst is 42704, a non-finite or negative grant, or one taking δ to 1, is 22023."""
+    unknown analyst is 42704; a non-finite or negative grant, one taking δ to 1, or one taking the
+    analyst's grants beyond the dataset's budget (which bounds every analyst's spending anyway) is 22023."""
     if policy.analyst(analyst) is None:
         raise UndefinedObject(
             f'analyst "{analyst}" is not in the policy',
@@ -178,7 +185,15 @@ def apply_lever(
             raise InvalidParameterValue(
                 f"invalid grant: δ would reach {limit.delta + delta:g}", hint="An analyst's δ stays below 1."
             )
-        ledger.grant(dataset=policy.dataset, analyst=analyst, epsilon=epsilon, delta=delta, by=by, reason=reason)
+        ledger.grant(
+            dataset=policy.dataset,
+            analyst=analyst,
+            epsilon=epsilon,
+            delta=delta,
+            by=by,
+            reason=reason,
+            dataset_budget=policy.budget.dataset,
+        )
     elif lever == "freeze":
         ledger.freeze(dataset=policy.dataset, analyst=analyst, by=by, reason=reason)
     elif lever == "unfreeze":

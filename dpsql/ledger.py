@@ -35,14 +35,15 @@ and existing totals take their recorded δ as selection δ (an upper bound: cons
 from __future__ import annotations
 
 import datetime as dt
+import math
 import os
 import secrets
 import sqlite3
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -59,7 +60,7 @@ from dpsql.accountant import (
     remaining_budget,
     zcdp_epsilon,
 )
-from dpsql.errors import InsufficientPrivilege, InvalidParameterValue, LedgerUnavailable
+from dpsql.errors import InsufficientPrivilege, InvalidParameterValue, LedgerUnavailable, PrivacyBudgetExhausted
 
 __all__ = [  # the accountant's names, re-exported for the ledger's callers
     "Accounting",
@@ -105,6 +106,8 @@ class Charge:
     dataset_spent: Spent
     #: The analyst's limit this charge was checked against: the policy's budget plus every grant.
     analyst_limit: Allowance = NO_GRANT
+    #: The ``dpsql_audit`` row written with the charge, in its transaction (finalised when the statement ends).
+    audit_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -137,12 +140,21 @@ class Levers:
     frozen: bool = False
 
     def limit(self, budget: BudgetLike) -> Allowance:
-        """The analyst's limit: the policy's budget plus every grant (grants only ever add)."""
-        return Allowance.of(budget) + self.grant
+        """The analyst's limit: the policy's budget plus every grant (grants only ever add).
+
+        δ stays below 1 however the stored grants add up, so a bad row never makes every reader raise."""
+        base = Allowance.of(budget)
+        return Allowance(base.epsilon + self.grant.epsilon, min(base.delta + self.grant.delta, _MAX_DELTA))
 
 
 #: Kinds of curator rows in ``dpsql_ledger_levers``.
 LEVER_KINDS = ("grant", "freeze", "unfreeze")
+
+#: The grants one analyst may hold in total when no dataset budget caps them (the Python API without
+#: ``dataset_budget``): ε as large as ``SET dpsql.epsilon`` accepts for one query, δ below 1.
+GRANT_CEILING = Allowance(1e6, 0.999999)
+#: Largest δ a limit can have (``Allowance`` needs δ < 1).
+_MAX_DELTA = math.nextafter(1.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -165,8 +177,11 @@ class AuditEntry:
     """One audited statement: its shape (never a constant), what it cost and how it ended.
 
     ``outcome`` is ``answered`` (released; charged unless free), ``cache hit`` (a free repeat),
-    ``refused`` (an error before any charge: nothing spent) or ``failed`` (an error after the
-    charge: spent, nothing released). ``sqlstate`` is ``00000`` unless refused or failed.
+    ``refused`` (an error before any charge: nothing spent), ``failed`` (an error after the
+    charge: spent, nothing released) or ``charged`` (the row written with the charge, in its
+    transaction, whose statement's end was never recorded: the process died or still runs it).
+    ``sqlstate`` is ``00000`` unless refused or failed. A free row (no charge) may stand for
+    ``repeats`` identical statements, the last at ``last_at`` (see :mod:`dpsql.audit`).
     """
 
     at: dt.datetime
@@ -182,6 +197,8 @@ class AuditEntry:
     latency_ms: float = 0.0
     charge_id: int | None = None
     id: int | None = None
+    repeats: int = 1
+    last_at: dt.datetime | None = None
 
 
 def frozen_error(analyst: str) -> InsufficientPrivilege:
@@ -267,10 +284,14 @@ class Ledger:
         """
         if accounting not in ("pure", "zcdp"):
             raise ValueError(f"unknown accounting {accounting!r}")
+        from dpsql.audit import charged_entry
+
         rho = cost.zcdp_rho() if accounting == "zcdp" else self._recorded_rho(cost)
         recorded = Cost(cost.epsilon, cost.delta, rho, cost.selection_delta)
         now = dt.datetime.now(dt.UTC)
         limit = Allowance.of(analyst_budget)
+        # The statement's audit row, written in the charge's transaction: a charge never lacks one.
+        audit_row = charged_entry(dataset, analyst, fingerprint, cost, now)
 
         def check(analyst_spent: Spent, dataset_spent: Spent, levers: Levers) -> None:
             # Read in the reservation's transaction: a freeze or grant committed before it counts.
@@ -278,6 +299,8 @@ class Ledger:
             if levers.frozen:
                 raise frozen_error(analyst)
             limit = levers.limit(analyst_budget)
+            _require_finite("analyst", analyst, analyst_spent + cost)
+            _require_finite("dataset", dataset, dataset_spent + cost)
             common: dict[str, Any] = {
                 "cost": cost,
                 "accounting": accounting,
@@ -286,7 +309,7 @@ class Ledger:
             check_budget(who="analyst", name=analyst, spent=analyst_spent, budget=limit, **common)
             check_budget(who="dataset", name=dataset, spent=dataset_spent, budget=dataset_budget, **common)
 
-        charge_id, analyst_spent, dataset_spent = self._reserve(
+        charge_id, audit_id, analyst_spent, dataset_spent = self._reserve(
             dataset=dataset,
             analyst=analyst,
             fingerprint=fingerprint,
@@ -294,6 +317,7 @@ class Ledger:
             accounting=accounting,
             at=now,
             check=check,
+            audit=audit_row,
         )
         return Charge(
             id=charge_id,
@@ -306,6 +330,7 @@ class Ledger:
             analyst_spent=analyst_spent,
             dataset_spent=dataset_spent,
             analyst_limit=limit,
+            audit_id=audit_id,
         )
 
     def spent(self, dataset: str, analyst: str | None = None) -> Spent:
@@ -372,9 +397,22 @@ class Ledger:
             raise frozen_error(analyst)
 
     def grant(
-        self, *, dataset: str, analyst: str, epsilon: float, delta: float = 0.0, by: str, reason: str
+        self,
+        *,
+        dataset: str,
+        analyst: str,
+        epsilon: float,
+        delta: float = 0.0,
+        by: str,
+        reason: str,
+        dataset_budget: BudgetLike | None = None,
     ) -> LeverEvent:
-        """Add (ε, δ) to the analyst's limit, as a new row (grants are never changed or removed)."""
+        """Add (ε, δ) to the analyst's limit, as a new row (grants are never changed or removed).
+
+        The analyst's grants may add up to ``dataset_budget`` at most (:data:`GRANT_CEILING` without
+        one): the dataset's budget bounds what all analysts together may spend, so a larger grant
+        buys nothing, and a bound keeps every sum finite (two grants of 1e308 would add up to inf).
+        Checked against the grants already recorded, in the same transaction as the insert."""
         try:
             grant = Allowance(epsilon, delta)
         except (TypeError, ValueError):
@@ -386,7 +424,15 @@ class Ledger:
             raise InvalidParameterValue("a grant must add some ε or δ")
         if not reason.strip():
             raise InvalidParameterValue("a grant needs a --reason")
-        return self._lever(dataset, analyst, "grant", grant, by, reason)
+        cap = GRANT_CEILING if dataset_budget is None else Allowance.of(dataset_budget)
+        what = "the largest grant" if dataset_budget is None else "the dataset's budget"
+        _check_grant(analyst, grant, NO_GRANT, cap, what)  # before taking the lock: the common refusal
+
+        def within_cap(execute: Execute) -> None:
+            granted = _levers(execute(self._sql(_LEVERS_SQL), (dataset, analyst, dataset, analyst)).fetchone()).grant
+            _check_grant(analyst, grant, granted, cap, what)
+
+        return self._lever(dataset, analyst, "grant", grant, by, reason, within_cap)
 
     def freeze(self, *, dataset: str, analyst: str, by: str, reason: str = "") -> LeverEvent:
         """Refuse (42501) every further query of ``analyst`` until :meth:`unfreeze`."""
@@ -395,11 +441,22 @@ class Ledger:
     def unfreeze(self, *, dataset: str, analyst: str, by: str, reason: str = "") -> LeverEvent:
         return self._lever(dataset, analyst, "unfreeze", NO_GRANT, by, reason)
 
-    def _lever(self, dataset: str, analyst: str, kind: str, amount: Allowance, by: str, reason: str) -> LeverEvent:
+    def _lever(
+        self,
+        dataset: str,
+        analyst: str,
+        kind: str,
+        amount: Allowance,
+        by: str,
+        reason: str,
+        check: Callable[[Execute], None] | None = None,
+    ) -> LeverEvent:
         at = dt.datetime.now(dt.UTC)
         row = (self._timestamp(at), dataset, analyst, kind, amount.epsilon, amount.delta, by, reason)
         # Under the dataset's reservation lock: a grant or freeze is ordered with every charge.
         with self._reservation(dataset) as execute:
+            if check is not None:
+                check(execute)  # raises to refuse: nothing is written
             event_id = self._insert_id(execute, self._sql(_INSERT_LEVER_SQL), row)
         return LeverEvent(event_id, at, dataset, analyst, kind, amount.epsilon, amount.delta, by, reason)
 
@@ -411,36 +468,74 @@ class Ledger:
         return [_lever_event(row) for row in self._read(sql, params)]
 
     def record_audit(self, entries: list[AuditEntry]) -> None:
-        """Append audit rows in one transaction (written by :class:`dpsql.audit.AuditTrail`'s thread)."""
-        if not entries:
-            return
-        rows = [
-            (
-                self._timestamp(e.at),
-                e.dataset,
-                e.analyst,
-                e.fingerprint,
-                e.shape,
-                e.outcome,
-                e.sqlstate,
-                e.epsilon,
-                e.delta,
-                e.rho,
-                e.latency_ms,
-                e.charge_id,
-            )
-            for e in entries
-        ]
+        """Append audit rows in one transaction."""
+        self.write_audit(entries)
+
+    def write_audit(
+        self,
+        inserts: Sequence[AuditEntry],
+        finals: Sequence[AuditEntry] = (),
+        repeats: Sequence[tuple[int, int, dt.datetime]] = (),
+    ) -> list[int]:
+        """One transaction of :class:`dpsql.audit.AuditTrail`'s writer: append ``inserts`` (their ids are
+        returned, in order), finalise the ``charged`` rows named by ``finals`` (``id``: the row written
+        with the charge; its outcome, SQLSTATE and latency are set) and add ``(id, n, last_at)``
+        repeats to free rows. The triggers allow exactly these two updates, nothing else."""
+        if not (inserts or finals or repeats):
+            return []
+        ids: list[int] = []
         with self._append() as execute:
-            for row in rows:
-                execute(self._sql(_INSERT_AUDIT_SQL), row)
+            for entry in inserts:
+                ids.append(self._insert_id(execute, self._sql(_INSERT_AUDIT_SQL), self._audit_params(entry)))
+            for entry in finals:
+                execute(self._sql(_FINALISE_AUDIT_SQL), (entry.outcome, entry.sqlstate, entry.latency_ms, entry.id))
+            for row_id, count, last_at in repeats:
+                execute(self._sql(_REPEAT_AUDIT_SQL), (count, self._timestamp(last_at), row_id))
+        return ids
+
+    def _audit_params(self, e: AuditEntry) -> tuple[Any, ...]:
+        return (
+            self._timestamp(e.at),
+            e.dataset,
+            e.analyst,
+            e.fingerprint,
+            e.shape,
+            e.outcome,
+            e.sqlstate,
+            e.epsilon,
+            e.delta,
+            e.rho,
+            e.latency_ms,
+            e.charge_id,
+            e.repeats,
+            None if e.last_at is None else self._timestamp(e.last_at),
+        )
 
     def audit(
-        self, dataset: str, analyst: str | None = None, *, since: dt.datetime | None = None, limit: int = 100
+        self,
+        dataset: str,
+        analyst: str | None = None,
+        *,
+        since: dt.datetime | None = None,
+        limit: int = 100,
+        outcomes: Sequence[str] | None = None,
     ) -> list[AuditEntry]:
-        """Audited statements, most recent first."""
-        sql, params = _filtered(_SELECT_AUDIT_SQL, dataset, analyst, since, limit)
-        return [_audit_entry(row) for row in self._read(sql, params)]
+        """Audited statements, most recent first by time (a row of repeats counts from its first
+        statement; ``since`` also matches its last one); only ``outcomes`` when given."""
+        sql = _SELECT_AUDIT_SQL
+        params: tuple[Any, ...] = (dataset,)
+        if analyst is not None:
+            sql, params = sql + " AND analyst = ?", (*params, analyst)
+        if since is not None:
+            sql, params = sql + " AND (at >= ? OR last_at >= ?)", (*params, since, since)
+        if outcomes is not None:
+            if not outcomes:
+                return []
+            sql += f" AND outcome IN ({', '.join('?' for _ in outcomes)})"
+            params = (*params, *outcomes)
+        # By time, not id: a charge's row is written at once, free rows a moment later by the writer.
+        rows = self._read(sql + " ORDER BY at DESC, id DESC LIMIT ?", (*params, limit))
+        return [_audit_entry(row) for row in rows]
 
     def _read(self, sql: str, params: tuple[Any, ...]) -> list[Any]:
         """Run a read-only query (``?`` placeholders) and fetch every row; fail closed."""
@@ -510,7 +605,8 @@ class Ledger:
         accounting: Accounting,
         at: dt.datetime,
         check: Callable[[Spent, Spent, Levers], None],
-    ) -> tuple[int, Spent, Spent]:
+        audit: AuditEntry,
+    ) -> tuple[int, int, Spent, Spent]:
         raise NotImplementedError
 
 
@@ -586,19 +682,34 @@ CREATE TABLE IF NOT EXISTS dpsql_audit (
     delta       REAL    NOT NULL,
     rho         REAL    NOT NULL,
     latency_ms  REAL    NOT NULL,
-    charge_id   INTEGER
+    charge_id   INTEGER,
+    repeats     INTEGER NOT NULL DEFAULT 1,  -- schema 4: identical free statements folded into one row
+    last_at     TEXT
 );
 CREATE INDEX IF NOT EXISTS dpsql_audit_by_time ON dpsql_audit (dataset, at);
+CREATE INDEX IF NOT EXISTS dpsql_audit_by_outcome ON dpsql_audit (dataset, outcome, at);
 CREATE TRIGGER IF NOT EXISTS dpsql_levers_no_delete BEFORE DELETE ON dpsql_ledger_levers
 BEGIN SELECT RAISE(ABORT, 'curator actions are never deleted'); END;
 CREATE TRIGGER IF NOT EXISTS dpsql_levers_no_update BEFORE UPDATE ON dpsql_ledger_levers
 BEGIN SELECT RAISE(ABORT, 'curator actions are never changed'); END;
 CREATE TRIGGER IF NOT EXISTS dpsql_audit_no_delete BEFORE DELETE ON dpsql_audit
 BEGIN SELECT RAISE(ABORT, 'the audit trail is append-only'); END;
-CREATE TRIGGER IF NOT EXISTS dpsql_audit_no_update BEFORE UPDATE ON dpsql_audit
+-- Schema 4: two updates only. A charge's row (written with the charge) gets its statement's end once;
+-- a free row counts more repeats. Who, what, when and the cost never change.
+DROP TRIGGER IF EXISTS dpsql_audit_no_update;
+CREATE TRIGGER IF NOT EXISTS dpsql_audit_guard_update BEFORE UPDATE ON dpsql_audit
+WHEN NOT (
+    NEW.id IS OLD.id AND NEW.at IS OLD.at AND NEW.dataset IS OLD.dataset AND NEW.analyst IS OLD.analyst
+    AND NEW.fingerprint IS OLD.fingerprint AND NEW.shape IS OLD.shape AND NEW.epsilon IS OLD.epsilon
+    AND NEW.delta IS OLD.delta AND NEW.rho IS OLD.rho AND NEW.charge_id IS OLD.charge_id
+    AND ((OLD.outcome = 'charged' AND NEW.outcome IN ('answered', 'failed')
+          AND NEW.repeats IS OLD.repeats AND NEW.last_at IS OLD.last_at)
+         OR (OLD.charge_id IS NULL AND OLD.outcome <> 'charged' AND NEW.outcome IS OLD.outcome
+             AND NEW.sqlstate IS OLD.sqlstate AND NEW.latency_ms IS OLD.latency_ms AND NEW.repeats > OLD.repeats))
+)
 BEGIN SELECT RAISE(ABORT, 'the audit trail is append-only'); END;
 -- A real write on every open: a read-only file or directory fails here, not mid-query.
-INSERT INTO dpsql_ledger_meta (key, value) VALUES ('schema', '3')
+INSERT INTO dpsql_ledger_meta (key, value) VALUES ('schema', '4')
     ON CONFLICT (key) DO UPDATE SET value = excluded.value;
 COMMIT;
 """
@@ -626,6 +737,25 @@ ON CONFLICT (dataset, analyst) DO UPDATE SET
 
 def _sqlite_columns(conn: sqlite3.Connection, table: str) -> set[str]:
     return {row[1] for row in conn.execute(f"PRAGMA table_info({table})").fetchall()}
+
+
+def _sqlite_migrate_audit(conn: sqlite3.Connection) -> None:
+    """Schema 3 → 4: the audit's ``repeats`` and ``last_at`` columns (before the schema script, whose
+    trigger names them); no-op on new or current files."""
+    columns = _sqlite_columns(conn, "dpsql_audit")
+    if not columns or "repeats" in columns:
+        return
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        if "repeats" not in _sqlite_columns(conn, "dpsql_audit"):  # another opener may have won
+            conn.execute("ALTER TABLE dpsql_audit ADD COLUMN repeats INTEGER NOT NULL DEFAULT 1")
+            conn.execute("ALTER TABLE dpsql_audit ADD COLUMN last_at TEXT")
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            with suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+        raise
 
 
 def _sqlite_migrate(conn: sqlite3.Connection) -> None:
@@ -672,8 +802,11 @@ _INSERT_CHARGE_SQL = (
 Execute = Callable[[str, tuple[Any, ...]], Any]
 
 # Grants summed, and the latest freeze/unfreeze: curator rows are few, so no derived state to keep.
+# Each row is clamped first (inf, NaN or a huge ε written by an older version count as the ceiling),
+# so the sum stays finite and PostgreSQL's float overflow error can never make every read fail.
 _LEVERS_SQL = (
-    "SELECT COALESCE(SUM(epsilon), 0), COALESCE(SUM(delta), 0), "
+    "SELECT COALESCE(SUM(CASE WHEN epsilon <= 1e6 THEN epsilon ELSE 1e6 END), 0), "
+    "COALESCE(SUM(CASE WHEN delta < 1 THEN delta ELSE 1 END), 0), "
     "(SELECT kind FROM dpsql_ledger_levers WHERE dataset = ? AND analyst = ? "
     "AND kind IN ('freeze', 'unfreeze') ORDER BY id DESC LIMIT 1) "
     "FROM dpsql_ledger_levers WHERE dataset = ? AND analyst = ? AND kind = 'grant'"
@@ -687,11 +820,16 @@ _SELECT_LEVERS_SQL = (
 )
 _INSERT_AUDIT_SQL = (
     "INSERT INTO dpsql_audit (at, dataset, analyst, fingerprint, shape, outcome, sqlstate, epsilon, delta, rho, "
-    "latency_ms, charge_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    "latency_ms, charge_id, repeats, last_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
+# The two updates the audit's triggers allow: a charge's row gets its statement's end, a free row more repeats.
+_FINALISE_AUDIT_SQL = (
+    "UPDATE dpsql_audit SET outcome = ?, sqlstate = ?, latency_ms = ? WHERE id = ? AND outcome = 'charged'"
+)
+_REPEAT_AUDIT_SQL = "UPDATE dpsql_audit SET repeats = repeats + ?, last_at = ? WHERE id = ? AND charge_id IS NULL"
 _SELECT_AUDIT_SQL = (
     "SELECT id, at, dataset, analyst, fingerprint, shape, outcome, sqlstate, epsilon, delta, rho, latency_ms, "
-    "charge_id FROM dpsql_audit WHERE dataset = ?"
+    "charge_id, repeats, last_at FROM dpsql_audit WHERE dataset = ?"
 )
 
 
@@ -709,10 +847,62 @@ def _filtered(
 
 
 def _levers(row: Any) -> Levers:
+    """The levers from :data:`_LEVERS_SQL`'s row; sums beyond :data:`GRANT_CEILING` (only rows written
+    before grants were capped can get there) read as the ceiling, never as an error."""
     if row is None:
         return Levers()
-    grant = Allowance(float(row[0]), float(row[1])) if row[0] or row[1] else NO_GRANT
+    epsilon = _clamped(row[0], GRANT_CEILING.epsilon)
+    delta = _clamped(row[1], GRANT_CEILING.delta)
+    grant = Allowance(epsilon, delta) if epsilon or delta else NO_GRANT
     return Levers(grant, row[2] == "freeze")
+
+
+def _clamped(value: Any, ceiling: float) -> float:
+    number = float(value or 0.0)
+    return ceiling if not number <= ceiling else max(number, 0.0)  # NaN and inf: the ceiling
+
+
+def _check_grant(analyst: str, grant: Allowance, granted: Allowance, cap: Allowance, what: str) -> None:
+    """22023 unless the analyst's grants, with this one, stay within ``cap`` (ε and δ)."""
+    epsilon, delta = granted.epsilon + grant.epsilon, granted.delta + grant.delta
+    for name, total, limit, amount in (
+        ("ε", epsilon, cap.epsilon, grant.epsilon),
+        ("δ", delta, cap.delta, grant.delta),
+    ):
+        if amount > 0 and not total <= limit * (1 + 1e-9):
+            already = f" (granted so far: {name}={_g(total - amount)})" if total != amount else ""
+            raise InvalidParameterValue(
+                f'invalid grant: analyst "{analyst}"\'s grants would total {name}={_g(total)}, '
+                f"more than {what} {name}={_g(limit)}{already}",
+                hint="The dataset's budget bounds what all analysts together may spend: "
+                "no analyst's grants need to exceed it.",
+            )
+
+
+def _g(value: float) -> str:
+    return f"{value:g}"
+
+
+def _require_finite(who: str, name: str, total: Spent) -> None:
+    """53P01 when a recorded total plus this charge is not finite (a corrupt or overflowing ledger row):
+    refused like an exhausted budget, never an internal error, and never a release."""
+    if not all(math.isfinite(v) for v in (total.epsilon, total.delta, total.rho, total.selection_delta)):
+        raise PrivacyBudgetExhausted(
+            f'privacy budget exhausted for {who} "{name}"',
+            detail=f"The ledger's recorded total for this {who} is not a finite number.",
+            hint="Ask the data curator: the ledger's totals need to be checked.",
+        )
+
+
+def _spent(epsilon: Any, delta: Any, rho: Any, queries: Any, selection_delta: Any) -> Spent:
+    """A stored total as read: NaN or a negative value (never written by dpsql) counts as infinite
+    spending, so a bad row refuses charges (53P01) and readers show inf instead of failing."""
+
+    def clean(value: Any) -> float:
+        number = float(value)
+        return number if number >= 0 else math.inf
+
+    return Spent(clean(epsilon), clean(delta), clean(rho), int(queries), clean(selection_delta))
 
 
 def _lever_event(row: Any) -> LeverEvent:
@@ -736,6 +926,8 @@ def _audit_entry(row: Any) -> AuditEntry:
         latency_ms=float(row[11]),
         charge_id=None if row[12] is None else int(row[12]),
         id=int(row[0]),
+        repeats=int(row[13]),
+        last_at=None if row[14] is None else _parse_ts(row[14]),
     )
 
 
@@ -761,7 +953,8 @@ class _SQLLedger(Ledger):
         accounting: Accounting,
         at: dt.datetime,
         check: Callable[[Spent, Spent, Levers], None],
-    ) -> tuple[int, Spent, Spent]:
+        audit: AuditEntry,
+    ) -> tuple[int, int, Spent, Spent]:
         stamp = self._timestamp(at)
         eps, delta, rho, sel = cost.epsilon, cost.delta, cost.rho, cost.selection_delta
         with self._reservation(dataset) as execute:
@@ -772,7 +965,9 @@ class _SQLLedger(Ledger):
             charge = (stamp, dataset, analyst, fingerprint, eps, delta, rho, accounting, sel)
             charge_id = self._insert_id(execute, self._sql(_INSERT_CHARGE_SQL), charge)
             execute(self._UPSERT_TOTALS_SQL, (dataset, analyst, eps, delta, rho, stamp, sel))
-        return charge_id, analyst_spent + cost, dataset_spent + cost
+            row = replace(audit, charge_id=charge_id)
+            audit_id = self._insert_id(execute, self._sql(_INSERT_AUDIT_SQL), self._audit_params(row))
+        return charge_id, audit_id, analyst_spent + cost, dataset_spent + cost
 
 
 class SQLiteLedger(_SQLLedger):
@@ -825,6 +1020,7 @@ class SQLiteLedger(_SQLLedger):
             conn.execute("PRAGMA synchronous=FULL")  # fsync the WAL on every commit
             conn.execute("PRAGMA fullfsync=ON")  # F_FULLFSYNC on macOS; ignored elsewhere
             _sqlite_migrate(conn)
+            _sqlite_migrate_audit(conn)
             conn.executescript(_SQLITE_SCHEMA)
         except (sqlite3.Error, LedgerUnavailable) as exc:
             if conn.in_transaction:
@@ -919,7 +1115,7 @@ class SQLiteLedger(_SQLLedger):
                 ).fetchall()
             except sqlite3.Error as exc:
                 raise _unavailable(f"cannot read {self.path!r}", exc) from exc
-        return [AnalystSpent(r[0], Spent(r[1], r[2], r[3], r[4], r[6]), _parse_ts(r[5])) for r in rows]
+        return [AnalystSpent(r[0], _spent(r[1], r[2], r[3], r[4], r[6]), _parse_ts(r[5])) for r in rows]
 
     def _meta_setdefault(self, key: str, value: str) -> str:
         conn = self._conn()
@@ -964,9 +1160,7 @@ class SQLiteLedger(_SQLLedger):
 
 def _split_totals(rows: list[Any], analyst: str) -> tuple[Spent, Spent]:
     """(analyst's totals, dataset's totals over every analyst) from per-analyst total rows."""
-    per_analyst = {
-        row[0]: Spent(float(row[1]), float(row[2]), float(row[3]), int(row[4]), float(row[5])) for row in rows
-    }
+    per_analyst = {row[0]: _spent(row[1], row[2], row[3], row[4], row[5]) for row in rows}
     return per_analyst.get(analyst, Spent()), Spent.total(per_analyst.values())
 
 
@@ -1055,6 +1249,10 @@ CREATE TABLE IF NOT EXISTS dpsql_audit (
     charge_id   bigint
 );
 CREATE INDEX IF NOT EXISTS dpsql_audit_by_time ON dpsql_audit (dataset, at);
+-- Schema 4: identical free statements folded into one row.
+ALTER TABLE dpsql_audit ADD COLUMN IF NOT EXISTS repeats bigint NOT NULL DEFAULT 1;
+ALTER TABLE dpsql_audit ADD COLUMN IF NOT EXISTS last_at timestamptz;
+CREATE INDEX IF NOT EXISTS dpsql_audit_by_outcome ON dpsql_audit (dataset, outcome, at);
 DO $do$
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM pg_trigger
@@ -1063,10 +1261,38 @@ BEGIN
             FOR EACH ROW EXECUTE FUNCTION dpsql_ledger_append_only();
         CREATE TRIGGER dpsql_levers_no_truncate BEFORE TRUNCATE ON dpsql_ledger_levers
             FOR EACH STATEMENT EXECUTE FUNCTION dpsql_ledger_append_only();
-        CREATE TRIGGER dpsql_audit_append_only BEFORE UPDATE OR DELETE ON dpsql_audit
-            FOR EACH ROW EXECUTE FUNCTION dpsql_ledger_append_only();
         CREATE TRIGGER dpsql_audit_no_truncate BEFORE TRUNCATE ON dpsql_audit
             FOR EACH STATEMENT EXECUTE FUNCTION dpsql_ledger_append_only();
+    END IF;
+END
+$do$;
+-- Schema 4: two updates only. A charge's row (written with the charge) gets its statement's end once;
+-- a free row counts more repeats. Who, what, when and the cost never change.
+CREATE OR REPLACE FUNCTION dpsql_audit_guard() RETURNS trigger LANGUAGE plpgsql AS $fn$
+BEGIN
+    IF (NEW.id, NEW.at, NEW.dataset, NEW.analyst, NEW.fingerprint, NEW.shape, NEW.epsilon, NEW.delta, NEW.rho,
+        NEW.charge_id) IS NOT DISTINCT FROM (OLD.id, OLD.at, OLD.dataset, OLD.analyst, OLD.fingerprint, OLD.shape,
+        OLD.epsilon, OLD.delta, OLD.rho, OLD.charge_id)
+       AND ((OLD.outcome = 'charged' AND NEW.outcome IN ('answered', 'failed')
+             AND (NEW.repeats, NEW.last_at) IS NOT DISTINCT FROM (OLD.repeats, OLD.last_at))
+            OR (OLD.charge_id IS NULL AND OLD.outcome <> 'charged'
+                AND (NEW.outcome, NEW.sqlstate, NEW.latency_ms) IS NOT DISTINCT FROM
+                    (OLD.outcome, OLD.sqlstate, OLD.latency_ms)
+                AND NEW.repeats > OLD.repeats)) THEN
+        RETURN NEW;
+    END IF;
+    RAISE EXCEPTION 'the audit trail is append-only';
+END
+$fn$;
+DO $do$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger
+                   WHERE tgname = 'dpsql_audit_guard_update' AND tgrelid = 'dpsql_audit'::regclass) THEN
+        DROP TRIGGER IF EXISTS dpsql_audit_append_only ON dpsql_audit;  -- schema 3: no update at all
+        CREATE TRIGGER dpsql_audit_no_delete BEFORE DELETE ON dpsql_audit
+            FOR EACH ROW EXECUTE FUNCTION dpsql_ledger_append_only();
+        CREATE TRIGGER dpsql_audit_guard_update BEFORE UPDATE ON dpsql_audit
+            FOR EACH ROW EXECUTE FUNCTION dpsql_audit_guard();
     END IF;
 END
 $do$;
@@ -1217,7 +1443,7 @@ class PostgresLedger(_SQLLedger):
             "WHERE dataset = %s ORDER BY analyst",
             (dataset,),
         )
-        return [AnalystSpent(r[0], Spent(r[1], r[2], r[3], r[4], r[6]), r[5]) for r in rows]
+        return [AnalystSpent(r[0], _spent(r[1], r[2], r[3], r[4], r[6]), r[5]) for r in rows]
 
     def _meta_setdefault(self, key: str, value: str) -> str:
         import psycopg

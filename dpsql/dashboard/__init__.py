@@ -32,6 +32,14 @@ def register(sub: Any) -> None:
     p.add_argument("--ledger", help="sqlite:///abs/path or postgresql://… (default: the dataset's ledger)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s; 0: any free port)")
+    p.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a host name the browser may use for the dashboard besides IP addresses, localhost and --host "
+        "(repeatable); other Host headers get 421 (DNS rebinding)",
+    )
     p.add_argument("--tls-cert", help="PEM certificate: serve HTTPS (with --tls-key)")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument(
@@ -48,7 +56,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     from dpsql.backends import redact_url
     from dpsql.cli import default_policy
     from dpsql.dashboard.auth import Curator, load_verifier
-    from dpsql.dashboard.server import Dashboard, make_server
+    from dpsql.dashboard.server import Dashboard, insecure_listen_warning, make_server
     from dpsql.errors import PolicyError
     from dpsql.ledger import Ledger, default_ledger
     from dpsql.policy import load_policy
@@ -69,8 +77,18 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     ledger = Ledger.open(ledger_url)
     try:
         by = args.by or _os_user()
-        app = Dashboard(policy, ledger, Curator(verifier), by=f"{by} (dashboard)", tls=tls is not None)
+        app = Dashboard(
+            policy,
+            ledger,
+            Curator(verifier),
+            by=f"{by} (dashboard)",
+            tls=tls is not None,
+            allowed_hosts=tuple(args.allowed_host),
+        )
         server = make_server(app, args.host, args.port, tls)
+        warning = insecure_listen_warning(args.host, tls is not None)
+        if warning is not None:
+            print(f"WARNING:  {warning}", file=sys.stderr, flush=True)
         host, port = str(server.server_address[0]), int(server.server_address[1])
         scheme = "https" if tls else "http"
         shown = f"[{host}]" if ":" in str(host) else host

@@ -7,8 +7,20 @@ it is the curator's, so everything but the login page needs a session. Design ch
   ``--password-file`` or ``$DPSQL_CURATOR_VERIFIER``; ``$DPSQL_CURATOR_PASSWORD`` (plaintext, for
   tests and quick local use) is turned into a verifier with a fresh salt at start. The check is
   PBKDF2 then :func:`hmac.compare_digest`, so its time does not depend on how much of a guess is right.
-* Failed logins are limited per client address (:data:`MAX_FAILURES` per :data:`FAILURE_WINDOW_S`);
-  beyond that every attempt gets 429 without even checking the password.
+* Failed logins are limited three ways, so that guessing is slow however many addresses a guesser
+  has (any local user can send from every 127.x address) while a stranger cannot lock the curator out:
+
+  - per client address: :data:`MAX_FAILURES` per :data:`FAILURE_WINDOW_S`, then 429 without even
+    checking the password (an IPv6 client counts by its /64);
+  - per account: past :data:`ACCOUNT_FREE_FAILURES` failures in :data:`ACCOUNT_WINDOW_S` from all
+    addresses together, password checks are spaced out, one at a time, in arrival order (a
+    slow-down of up to :data:`SLOWDOWN_MAX_S` seconds between checks): guesses from any number of
+    addresses are bounded to one per that interval, and every attempt — the curator's too — is
+    still checked, after a bounded wait: a slow-down, never a lockout;
+  - per device: a browser that logged in once holds a device cookie (an HMAC under a key derived
+    from the verifier, so a new password revokes them all); its attempts skip the address lockout
+    and the account slow-down and count against that device only (:data:`MAX_FAILURES` per window).
+    A stranger's failures, from the curator's own address or any other, never delay it.
 * A session is 32 random bytes (``secrets``) in an ``HttpOnly; SameSite=Strict`` cookie (``Secure``
   under TLS), valid :data:`SESSION_TTL_S` at most; its CSRF token (another 32 bytes) must come back
   with every POST. The login form has its own double-submit token. No secret is ever put in a URL
@@ -19,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import os
 import secrets
 import threading
@@ -30,9 +43,17 @@ from pathlib import Path
 from dpsql.errors import PolicyError
 from dpsql.server.auth import Verifier, make_verifier
 
-#: Failed logins one client address may make per window before it is refused (429) outright.
+#: Failed logins one client address (or one device) may make per window before it is refused (429) outright.
 MAX_FAILURES = 5
 FAILURE_WINDOW_S = 300.0
+#: Failed logins of the account, from every address without a device cookie, before checks are spaced out.
+ACCOUNT_FREE_FAILURES = 5
+ACCOUNT_WINDOW_S = 900.0
+#: Spacing between password checks under the slow-down: one more step per further failure, up to the max.
+SLOWDOWN_STEP_S = 1.0
+SLOWDOWN_MAX_S = 5.0
+#: A device cookie's life: a browser that logged in keeps its own allowance this long.
+DEVICE_TTL_S = 30 * 86400
 #: A session's whole life (the curator logs in again after it).
 SESSION_TTL_S = 8 * 3600.0
 #: Sessions kept at most (oldest dropped first): a flood of logins cannot fill memory.
@@ -80,26 +101,86 @@ class Session:
     expires: float
 
 
+def client_key(address: str) -> str:
+    """What the per-address limit counts by: the IPv4 address (also when IPv4-mapped), an IPv6 /64."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
+
+
 class Curator:
-    """Sessions and the failed-login limiter of one dashboard process (in memory: a restart logs out)."""
+    """Sessions and the failed-login limiters of one dashboard process (in memory: a restart logs out)."""
 
     def __init__(self, verifier: Verifier) -> None:
         self.verifier = verifier
         self._sessions: dict[str, Session] = {}
-        self._failures: dict[str, deque[float]] = {}
+        self._failures: dict[str, deque[float]] = {}  # per address key, and per "device:<id>"
+        self._account: deque[float] = deque(maxlen=100_000)  # failures without a device cookie
+        self._next_check = 0.0  # when the next slowed-down password check may run
+        self._device_key = hmac.new(verifier.server_key, b"dpsql dashboard device cookie", hashlib.sha256).digest()
         self._lock = threading.Lock()
 
-    def throttled(self, client: str) -> bool:
-        """True when ``client`` has used up its failed logins for the window."""
+    # -- devices ------------------------------------------------------------------------------------
+
+    def new_device(self) -> str:
+        """A device cookie's value for a browser that just logged in: ``<id>.<expiry>.<mac>``."""
+        body = f"{secrets.token_urlsafe(16)}.{int(time.time() + DEVICE_TTL_S)}"
+        return f"{body}.{self._mac(body)}"
+
+    def device(self, cookie: str | None) -> str | None:
+        """The device id of a valid, unexpired device cookie, else None."""
+        if not cookie or cookie.count(".") != 2:
+            return None
+        body, _, mac = cookie.rpartition(".")
+        device, _, expiry = body.partition(".")
+        if not tokens_equal(mac, self._mac(body)) or not expiry.isdigit() or int(expiry) < time.time():
+            return None
+        return device
+
+    def _mac(self, body: str) -> str:
+        return hmac.new(self._device_key, body.encode("ascii", "replace"), hashlib.sha256).hexdigest()
+
+    # -- the limiters -------------------------------------------------------------------------------
+
+    def throttled(self, client: str, device: str | None = None) -> bool:
+        """True when this device (with a device cookie) or else this address has used up its failed
+        logins for the window."""
+        key = f"device:{device}" if device else client_key(client)
         now = time.monotonic()
         with self._lock:
-            failures = self._failures.get(client)
+            failures = self._failures.get(key)
             while failures and failures[0] < now - FAILURE_WINDOW_S:
                 failures.popleft()
             return failures is not None and len(failures) >= MAX_FAILURES
 
-    def login(self, client: str, password: str) -> str | None:
-        """A new session token if the password is right, else None (and the failure is counted)."""
+    def slowdown(self) -> float:
+        """Seconds the next password check without a device cookie waits (0 while the account has had
+        few failures); reserves that check's turn, in arrival order."""
+        now = time.monotonic()
+        with self._lock:
+            while self._account and self._account[0] < now - ACCOUNT_WINDOW_S:
+                self._account.popleft()
+            excess = len(self._account) - ACCOUNT_FREE_FAILURES
+            if excess < 0:
+                return 0.0
+            start = max(now, self._next_check)
+            self._next_check = start + min(SLOWDOWN_MAX_S, SLOWDOWN_STEP_S * (excess + 1))
+            return start - now
+
+    def login(self, client: str, password: str, device: str | None = None) -> str | None:
+        """A new session token if the password is right, else None (and the failure is counted).
+
+        Without a device cookie the check waits its turn under the account's slow-down first."""
+        if device is None:
+            wait = self.slowdown()
+            if wait > 0:
+                time.sleep(wait)
         if password_matches(self.verifier, password):
             token = secrets.token_urlsafe(32)
             with self._lock:
@@ -107,10 +188,14 @@ class Curator:
                     self._sessions.pop(next(iter(self._sessions)))
                 self._sessions[token] = Session(secrets.token_urlsafe(32), time.monotonic() + SESSION_TTL_S)
             return token
+        key = f"device:{device}" if device else client_key(client)
+        now = time.monotonic()
         with self._lock:
             if len(self._failures) > 10_000:  # many addresses: forget the oldest entries
                 self._failures.pop(next(iter(self._failures)))
-            self._failures.setdefault(client, deque()).append(time.monotonic())
+            self._failures.setdefault(key, deque()).append(now)
+            if device is None:
+                self._account.append(now)
         return None
 
     def session(self, token: str | None) -> Session | None:

@@ -10,7 +10,9 @@ only through :func:`esc` (HTML-escaped, quotes too), and the pages carry no scri
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import html
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -18,13 +20,13 @@ from string import Template
 from typing import Any
 
 from dpsql.accountant import Allowance, Spent, remaining_budget
-from dpsql.audit import audit_rows
-from dpsql.errors import InvalidDatetimeFormat, InvalidParameterValue
+from dpsql.audit import SPENT_OUTCOMES, audit_rows, parse_since
+from dpsql.errors import InvalidParameterValue
 from dpsql.ledger import Ledger
 from dpsql.policy import DomainReference, Policy
 
 #: Audit outcomes and curator actions the filter accepts (anything else is 22023).
-OUTCOMES = ("answered", "cache hit", "refused", "failed", "grant", "freeze", "unfreeze")
+OUTCOMES = ("answered", "charged", "cache hit", "refused", "failed", "grant", "freeze", "unfreeze")
 #: Rows read at most for one page (audit, spend plot): a page never walks an unbounded history.
 MAX_ROWS = 5000
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2")
@@ -137,13 +139,7 @@ class AuditFilter:
 
         since = None
         if (text := one("since")) is not None:
-            try:
-                since = dt.datetime.fromisoformat(text)
-            except ValueError:
-                raise InvalidDatetimeFormat(
-                    f'invalid input syntax for type timestamp: "{text}"', hint="Use ISO 8601, e.g. 2026-11-01."
-                ) from None
-            since = since if since.tzinfo else since.replace(tzinfo=dt.UTC)
+            since = parse_since(text)  # 22007 / 22008 (a 400 page), never an OverflowError
         outcome = one("outcome")
         if outcome is not None and outcome not in OUTCOMES:
             raise InvalidParameterValue(f'invalid outcome "{outcome}"', hint=f"Use one of: {', '.join(OUTCOMES)}.")
@@ -156,14 +152,15 @@ class AuditFilter:
 
 
 def audit_page_rows(ledger: Ledger, policy: Policy, f: AuditFilter) -> list[dict[str, Any]]:
-    """``dpsql audit``'s rows, filtered by outcome too (read :data:`MAX_ROWS` then filtered when an
-    outcome is asked for, since the ledger's reader filters by analyst and time only)."""
-    rows = audit_rows(
-        ledger, policy.dataset, analyst=f.analyst, since=f.since, limit=MAX_ROWS if f.outcome else f.limit
-    )
+    """``dpsql audit``'s rows for the page, newest first. Without an outcome filter, statements that
+    were answered or charged (and curator actions) are read apart from refusals, up to ``limit`` each:
+    however many refusals an analyst sends, no answered or charged statement is pushed off the page."""
+    read = functools.partial(audit_rows, ledger, policy.dataset, analyst=f.analyst, since=f.since, limit=f.limit)
     if f.outcome:
-        rows = [r for r in rows if r["event"] == f.outcome]
-    return rows[: f.limit]
+        return read(outcomes=(f.outcome,))
+    rows = read(outcomes=(*SPENT_OUTCOMES, "grant", "freeze", "unfreeze")) + read(outcomes=("refused",))
+    rows.sort(key=lambda r: r["at"], reverse=True)
+    return rows
 
 
 # --- HTML pieces ---------------------------------------------------------------------------------
@@ -178,7 +175,8 @@ def table(columns: Sequence[str], rows: Iterable[Sequence[str]], css: str = "") 
 
 def bar(spent: float, total: float, width: int = 220) -> str:
     """ε spent of the total as an SVG bar (red once ≥ 90 %); attributes, not styles (strict CSP)."""
-    share = 0.0 if total <= 0 else min(max(spent / total, 0.0), 1.0)
+    ratio = spent / total if total > 0 and math.isfinite(total) else 0.0
+    share = 1.0 if math.isnan(ratio) or ratio > 1 else max(ratio, 0.0)  # a corrupt (inf, NaN) total: full
     fill = "#d62728" if share >= 0.9 else "#1f77b4"
     label = f"{share * 100:.0f}% of ε spent"
     return (

@@ -22,7 +22,7 @@ import pytest
 
 from dpsql.dashboard import auth
 from dpsql.dashboard.auth import MAX_FAILURES
-from dpsql.dashboard.server import MAX_CONNECTIONS
+from dpsql.dashboard.server import MAX_CONNECTIONS, MAX_CONNECTIONS_PER_ADDRESS
 from dpsql.ledger import AuditEntry
 from tests.dashboard.conftest import PASSWORD, ROOT, Live
 
@@ -154,20 +154,31 @@ def test_audit_filter_refusals(live: Live, query: str, error: str) -> None:
 
 
 def test_idle_connections_are_capped(live: Live) -> None:
-    """A client holding many idle sockets gets MAX_CONNECTIONS threads, no more: the next connection is
-    closed at once; once they go, pages are served again."""
-    idle = [socket.create_connection(("127.0.0.1", live.port), timeout=10) for _ in range(MAX_CONNECTIONS)]
+    """One address holds MAX_CONNECTIONS_PER_ADDRESS sockets, no more (the next is closed unanswered);
+    idle sockets from several addresses fill MAX_CONNECTIONS threads and never more; once they go,
+    pages are served again. (Eviction of slow senders: tests/dashboard/test_round2.py.)"""
+    port = live.port
+
+    def connect(source: str) -> socket.socket:
+        return socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(source, 0))
+
+    held = [connect("127.0.0.1") for _ in range(MAX_CONNECTIONS_PER_ADDRESS)]
     try:
+        deadline = time.monotonic() + 10
+        while live.server.slots._value > MAX_CONNECTIONS - len(held) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        extra = connect("127.0.0.1")
+        extra.sendall(b"GET /login HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+        assert extra.recv(100) == b""  # closed unanswered: the address has its share
+        extra.close()
+        others = MAX_CONNECTIONS // MAX_CONNECTIONS_PER_ADDRESS - 1
+        held += [connect(f"127.0.0.{2 + a}") for a in range(others) for _ in range(MAX_CONNECTIONS_PER_ADDRESS)]
         deadline = time.monotonic() + 10
         while live.server.slots._value > 0 and time.monotonic() < deadline:  # every idle socket accepted
             time.sleep(0.01)
-        assert live.server.slots._value == 0
-        extra = socket.create_connection(("127.0.0.1", live.port), timeout=10)
-        extra.sendall(b"GET /login HTTP/1.0\r\n\r\n")
-        assert extra.recv(100) == b""  # closed unanswered
-        extra.close()
+        assert live.server.slots._value == 0  # MAX_CONNECTIONS threads, and the semaphore is bounded
     finally:
-        for sock in idle:
+        for sock in held:
             sock.close()
     deadline = time.monotonic() + 10
     while live.server.slots._value < MAX_CONNECTIONS and time.monotonic() < deadline:
