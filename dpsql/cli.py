@@ -374,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--authentication-timeout",
         type=_seconds,
-        default=60.0,
+        default=10.0,
         metavar="SECONDS",
         help="the whole startup and authentication must finish within this (default: %(default)g)",
     )

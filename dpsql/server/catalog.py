@@ -13,10 +13,15 @@ non-private releases, so "empty" is the only safe answer.
 Routing (:func:`classify`): a SELECT whose relations are all in ``pg_catalog`` /
 ``information_schema`` / ``pg_*`` goes to the shadow; one that names a policy table goes to the
 engine; one that mixes both is refused (0A000) because the catalog side would not be
-differentially private. Each client gets its own shadow connection, logged in as a
-non-superuser role named after the analyst with ``default_transaction_read_only``, so that
-``current_user``, ``has_table_privilege`` and friends answer as they would on a real server
-while superuser-only functions (``pg_read_file``…) stay out of reach.
+differentially private. Catalog statements run on pooled shadow connections, all logged in as
+one non-superuser role (:data:`ANALYST_ROLE`) with ``default_transaction_read_only``, so
+``has_table_privilege`` and friends answer as they would on a real server while superuser-only
+functions (``pg_read_file``…) stay out of reach, and no analyst's name exists on the shadow for
+another to list (``pg_roles``, ``\\du``, the ACLs ``\\l`` shows).
+
+Every exchange with the shadow has a deadline (:class:`ShadowSession`): the statement is sent
+without blocking, and a shadow that stops reading or answering is given up on (cancelled, its
+connection dropped), so it can never hold a worker slot or a pooled connection for good.
 
 Hardening (see :mod:`dpsql.server.shadow_guard` and :mod:`dpsql.local_postgres`): every statement
 sent to the shadow passes a function allow-list and an activity-view deny-list first (42501 with
@@ -33,9 +38,10 @@ import contextlib
 import logging
 import select
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import sqlglot
 from sqlglot import exp
@@ -48,6 +54,7 @@ from dpsql.errors import (
     Error,
     FeatureNotSupported,
     ProgramLimitExceeded,
+    QueryCanceled,
     relay,
 )
 from dpsql.policy import PG_TYPE_NAMES, Policy, TablePolicy
@@ -61,7 +68,6 @@ log = logging.getLogger("dpsql.server.catalog")
 Route = Literal["catalog", "engine", "mixed", "tableless"]
 CATALOG_SCHEMAS = frozenset({"pg_catalog", "information_schema"})
 _READ_ONLY_HEADS = frozenset({"select", "with", "values", "table"})
-_SHADOW_SUPERUSER = "postgres"
 
 
 # --- routing -------------------------------------------------------------------------------------
@@ -156,19 +162,30 @@ def _table_ddl(name: str, table: TablePolicy) -> list[str]:
     return stmts
 
 
+#: The one role every analyst's catalog queries run as on the shadow.
+ANALYST_ROLE = "dpsql_analyst"
+
+
 def shadow_role(analyst: str) -> str:
-    """The shadow role an analyst logs in as (never the superuser, never a reserved ``pg_`` name)."""
-    return "dpsql_analyst" if analyst == _SHADOW_SUPERUSER or analyst.lower().startswith("pg_") else analyst
+    """The shadow role an analyst logs in as: the same for all. Roles are cluster-wide and visible to
+    every role (``pg_roles``, ACLs in ``\\l``, ``::regrole``, ``pg_has_role``), so a role per analyst
+    would list every analyst's name to any of them; with one shared role there is no name to find."""
+    del analyst
+    return ANALYST_ROLE
 
 
 def shadow_roles(policy: Policy) -> list[str]:
-    return sorted({shadow_role(a.name) for a in policy.analysts} | {"dpsql_analyst"})
+    del policy
+    return [ANALYST_ROLE]
 
 
 #: Per-statement limit on the shadow (role default and connection option); overridable per instance.
 DEFAULT_STATEMENT_TIMEOUT_MS = 5000
-#: Shadow connections one analyst role may hold (one per dpsql client connection that ran a catalog query).
-ROLE_CONNECTION_LIMIT = 32
+#: How much longer than its statement timeout the shadow may take to answer before dpsql gives up
+#: on the exchange (cancel, then drop the connection): sending, queueing, reading the result.
+EXCHANGE_SLACK = 5.0
+#: Shadow connections the analysts' role may hold: a backstop, the catalog pool is the real bound.
+ROLE_CONNECTION_LIMIT = 100
 
 
 def role_statements(
@@ -401,7 +418,7 @@ class CatalogShadow:
         """A session that (re)connects lazily as the analyst's shadow role."""
         if not self.available:
             raise CatalogUnavailable()
-        session = ShadowSession(lambda: self._connect_raw(analyst))
+        session = ShadowSession(lambda: self._connect_raw(analyst), self.statement_timeout_ms / 1000 + EXCHANGE_SLACK)
         session.reconnect()
         return session
 
@@ -483,18 +500,40 @@ def _fields(res: Any, formats: Sequence[int]) -> list[FieldDescription]:
     return out
 
 
+class _GiveUp(Exception):
+    """The exchange in progress is abandoned: ``expired`` at its deadline, else cancelled."""
+
+    def __init__(self, expired: bool) -> None:
+        super().__init__()
+        self.expired = expired
+
+
 class ShadowSession:
-    """One client's connection to the shadow; blocking calls (run them in a thread).
+    """One pooled connection to the shadow; blocking calls (run them in a thread).
 
     Every statement passes :func:`~dpsql.server.shadow_guard.check_catalog_sql` first. A lost
     connection (shadow killed or restarted) is reported as 08006 and re-established on next use.
+
+    The connection is non-blocking (as psycopg makes it): a statement larger than the socket's
+    buffer is only sent as the shadow reads it, so it is flushed here, and every wait (sending, the
+    result) is a ``select`` with a deadline: ``timeout`` seconds for the whole exchange (the shadow's
+    own statement timeout plus some slack), sooner when :meth:`cancel` is called. A shadow that
+    does not answer is sent a cancel and given :data:`CANCEL_GRACE` seconds; then the connection is
+    closed (the pool discards it) and the call fails with 57014, so the worker and the pooled
+    connection always come back.
     """
 
-    def __init__(self, connect: Callable[[], Any]) -> None:
+    def __init__(
+        self, connect: Callable[[], Any], timeout: float = DEFAULT_STATEMENT_TIMEOUT_MS / 1000 + EXCHANGE_SLACK
+    ) -> None:
         self._connect = connect
         self._conn: Any = None
+        self.timeout = timeout
         # libpq connections are not thread-safe; an abandoned (timed-out) call may still be running.
         self._lock = threading.Lock()
+        #: Set by :meth:`cancel` (any thread): the exchange in progress stops waiting.
+        self._stop = threading.Event()
+        self._running = False
 
     def reconnect(self) -> None:
         with self._lock:
@@ -518,10 +557,16 @@ class ShadowSession:
             if self._conn is not None:
                 self._conn.close()
 
+    def arm(self) -> None:
+        """Before a call that :meth:`cancel` may stop (a cancel before this one is forgotten)."""
+        self._stop.clear()
+
     def cancel(self) -> None:
-        """Ask the shadow to cancel whatever this session is running (safe from any thread)."""
-        with contextlib.suppress(Exception):
-            self._conn.cancel()
+        """Stop the exchange in progress (safe from any thread): the shadow is asked to cancel it and
+        the thread running it stops waiting (see the class docstring)."""
+        self._stop.set()
+        if self._running:
+            _cancel_request(self._conn)
 
     def _check(self, res: Any) -> Any:
         from psycopg.pq import ConnStatus, ExecStatus
@@ -536,17 +581,93 @@ class ShadowSession:
             raise FeatureNotSupported("this statement is not supported on the catalog")
         return res
 
+    # -- one exchange, always bounded ----------------------------------------------------------------
+
+    def _exchange(self, body: Callable[[Any, float], _T]) -> _T:
+        """Run ``body(pgconn, deadline)`` on the connection; give up at the deadline or on cancel."""
+        conn = self._ensure()
+        self._running = True
+        try:
+            return body(conn.pgconn, time.monotonic() + self.timeout)
+        except _GiveUp as why:
+            self._give_up(conn, why.expired)
+            if why.expired:
+                raise QueryCanceled(
+                    "canceling statement due to statement timeout",
+                    hint=f"The catalog server did not answer within {self.timeout:g} s.",
+                ) from None
+            raise QueryCanceled("canceling statement due to user request") from None
+        finally:
+            self._running = False
+
+    def _give_up(self, conn: Any, expired: bool) -> None:
+        """After a cancel: keep the connection if the shadow ends the statement within the grace, else
+        close it (half a statement sent, or a shadow that does not answer, cannot be reused)."""
+        if expired:
+            _cancel_request(conn)
+        pgconn = conn.pgconn
+        grace = time.monotonic() + CANCEL_GRACE
+        with contextlib.suppress(Exception):
+            if pgconn.flush() == 0:
+                while self._next_result(pgconn, grace, stoppable=False) is not None:
+                    pass
+                return
+        log.warning("catalog connection dropped: the catalog server did not finish a cancelled statement in time")
+        with contextlib.suppress(Exception):
+            conn.close()
+
+    def _wait(self, pgconn: Any, deadline: float, write: bool = False, stoppable: bool = True) -> None:
+        """Until the socket is readable (or writable, with ``write``): never past ``deadline``, and no
+        longer once :meth:`cancel` was called (``select`` releases the GIL, so other threads run)."""
+        sock = pgconn.socket
+        while True:
+            if stoppable and self._stop.is_set():
+                raise _GiveUp(expired=False)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _GiveUp(expired=stoppable)
+            readable, writable, _ = select.select([sock], [sock] if write else [], [], min(left, _POLL))
+            if readable or writable:
+                return
+
+    def _flush(self, pgconn: Any, deadline: float) -> None:
+        """Send what libpq still holds of the statement (it is larger than the socket's buffer)."""
+        while pgconn.flush() != 0:
+            self._wait(pgconn, deadline, write=True)
+            pgconn.consume_input()  # libpq: input that arrives meanwhile must be read to make progress
+
+    def _next_result(self, pgconn: Any, deadline: float, stoppable: bool = True) -> Any:
+        """``PQgetResult`` once it will not block (psycopg's ``get_result`` would hold the GIL while
+        libpq waits, and wait without a deadline)."""
+        while pgconn.is_busy():
+            self._wait(pgconn, deadline, stoppable=stoppable)
+            pgconn.consume_input()
+        return pgconn.get_result()
+
+    def _last_result(self, pgconn: Any, deadline: float) -> Any:
+        result = None
+        while (res := self._next_result(pgconn, deadline)) is not None:
+            if result is None:
+                result = res
+        return result
+
+    # -- the calls -------------------------------------------------------------------------------------
+
     def describe(self, sql: str, param_oids: Sequence[int]) -> tuple[list[int], list[FieldDescription] | None]:
         """Parameter types and result columns, via an unnamed prepared statement on the shadow."""
         check_catalog_sql(sql)
         with self._lock:
-            self._ensure()
-            return self._describe(sql, param_oids)
+            return self._exchange(lambda pgconn, deadline: self._describe(pgconn, deadline, sql, param_oids))
 
-    def _describe(self, sql: str, param_oids: Sequence[int]) -> tuple[list[int], list[FieldDescription] | None]:
-        pgconn = self._conn.pgconn
-        self._check(pgconn.prepare(b"", sql.encode("utf-8"), list(param_oids) or None))
-        res = self._check(pgconn.describe_prepared(b""))
+    def _describe(
+        self, pgconn: Any, deadline: float, sql: str, param_oids: Sequence[int]
+    ) -> tuple[list[int], list[FieldDescription] | None]:
+        pgconn.send_prepare(b"", sql.encode("utf-8"), list(param_oids) or None)
+        self._flush(pgconn, deadline)
+        self._check(self._last_result(pgconn, deadline))
+        pgconn.send_describe_prepared(b"")
+        self._flush(pgconn, deadline)
+        res = self._check(self._last_result(pgconn, deadline))
         params = [res.param_type(i) for i in range(res.nparams)]
         return params, (_fields(res, []) if res.nfields else None)
 
@@ -559,20 +680,48 @@ class ShadowSession:
         result_formats: Sequence[int] = (),
     ) -> ShadowResult:
         """Run one statement; values come back already encoded in the requested per-column formats."""
-        check_catalog_sql(sql)
+        sets = check_catalog_sql(sql)
         with self._lock:
-            self._ensure()
-            return self._execute(sql, params, param_oids, param_formats, result_formats)
+            try:
+                return self._exchange(
+                    lambda pgconn, deadline: self._execute(
+                        pgconn, deadline, sql, params, param_oids, param_formats, result_formats
+                    )
+                )
+            finally:
+                if sets:
+                    self._reset()
+
+    def _reset(self) -> None:
+        """``RESET ALL`` after a statement that called ``set_config``: the connection is pooled, so
+        one analyst's settings (search_path, application_name…) must not reach the next one's
+        statements. A connection that cannot be reset is closed (the pool discards it)."""
+
+        def reset(pgconn: Any, deadline: float) -> None:
+            pgconn.send_query(b"RESET ALL")
+            self._flush(pgconn, deadline)
+            self._check(self._last_result(pgconn, deadline))
+
+        if self._conn is None or self._conn.closed:
+            return  # a new connection starts with the defaults
+        try:
+            self.arm()  # even after a cancel: the reset itself is short and bounded
+            self._exchange(reset)
+        except Exception as exc:
+            log.warning("catalog connection dropped: its settings could not be reset: %s", exc)
+            with contextlib.suppress(Exception):
+                self._conn.close()
 
     def _execute(
         self,
+        pgconn: Any,
+        deadline: float,
         sql: str,
         params: Sequence[bytes | None],
         param_oids: Sequence[int],
         param_formats: Sequence[int],
         result_formats: Sequence[int],
     ) -> ShadowResult:
-        pgconn = self._conn.pgconn
         wanted = set(result_formats) or {0}
         param_formats = _expand_formats(param_formats, len(params)) if params else []
 
@@ -584,7 +733,8 @@ class ShadowSession:
                 param_formats or None,
                 result_format=fmt,
             )
-            return self._fetch_capped(pgconn)
+            self._flush(pgconn, deadline)
+            return self._fetch_capped(pgconn, deadline)
 
         by_format = {fmt: run(fmt) for fmt in sorted(wanted)}
         first, first_rows = next(iter(by_format.values()))
@@ -595,7 +745,7 @@ class ShadowSession:
         rows = [tuple(by_format[formats[c]][1][r][c] for c in range(first.nfields)) for r in range(len(first_rows))]
         return ShadowResult(_fields(first, formats), rows, tag)
 
-    def _fetch_capped(self, pgconn: Any) -> tuple[Any, list[tuple[bytes | None, ...]]]:
+    def _fetch_capped(self, pgconn: Any, deadline: float) -> tuple[Any, list[tuple[bytes | None, ...]]]:
         """The sent statement's rows, read one at a time (libpq single-row mode) so a result larger
         than :data:`MAX_CATALOG_RESULT_ROWS` rows or :data:`MAX_CATALOG_RESULT_BYTES` is cancelled
         before it is held in memory (a cross join of catalog tables can produce gigabytes in the
@@ -605,7 +755,7 @@ class ShadowSession:
         pgconn.set_single_row_mode()
         rows: list[tuple[bytes | None, ...]] = []
         size, final, failure, too_large = 0, None, None, False
-        while (res := _next_result(pgconn)) is not None:
+        while (res := self._next_result(pgconn, deadline)) is not None:
             if res.status == ExecStatus.SINGLE_TUPLE:
                 if too_large:
                     continue  # draining after the cancel
@@ -616,8 +766,7 @@ class ShadowSession:
                 if len(rows) > MAX_CATALOG_RESULT_ROWS or size > MAX_CATALOG_RESULT_BYTES:
                     too_large = True
                     rows.clear()
-                    with contextlib.suppress(Exception):
-                        pgconn.get_cancel().cancel()
+                    _cancel_request(self._conn)
             elif final is None and failure is None:
                 try:
                     final = self._check(res)
@@ -634,13 +783,22 @@ class ShadowSession:
         return final, rows
 
 
-def _next_result(pgconn: Any) -> Any:
-    """``PQgetResult`` once it will not block: waiting in ``select`` releases the GIL (psycopg's
-    ``get_result`` holds it, so no other thread — e.g. the one sending a cancel — could run)."""
-    while pgconn.is_busy():
-        select.select([pgconn.socket], [], [])
-        pgconn.consume_input()
-    return pgconn.get_result()
+_T = TypeVar("_T")
+#: How often a wait on the shadow looks whether it was cancelled (seconds).
+_POLL = 0.1
+#: After a cancel, how long the shadow has to end the statement before its connection is dropped.
+CANCEL_GRACE = 1.0
+
+
+def _cancel_request(conn: Any) -> None:
+    """Ask the shadow to cancel ``conn``'s statement, waiting at most a few seconds for it to listen."""
+    if conn is None:
+        return
+    with contextlib.suppress(Exception):
+        if hasattr(conn, "cancel_safe"):
+            conn.cancel_safe(timeout=2 * CANCEL_GRACE)
+        else:  # pragma: no cover - psycopg < 3.2
+            conn.cancel()
 
 
 #: Largest catalog result one statement may return (the shadow holds empty tables: real metadata

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from dpsql.analyze.parse import MAX_STATEMENT_CHARS
@@ -41,11 +41,12 @@ from . import protocol as pq
 from .catalog import CatalogUnavailable, classify, refuse_mixed
 from .commands import SessionCommands, TxStatus
 from .extended import ExtendedProtocol, Portal, Statement, expand_formats
+from .frontdoor import Pending
 from .limits import Job, is_broken
 from .local import Action, LocalCommand, LocalContext, Settings, evaluate_select, parse_local
 from .protocol import Diagnostic, FieldDescription, ProtocolViolation
 from .results import Outcome, engine_fields, engine_rows, noisy_flags, result_notices
-from .sqltext import split_statements
+from .sqltext import after_keyword, split_statements, strip_comments
 from .startup import startup
 from .types import decode_param, encode_value, type_size
 
@@ -94,6 +95,32 @@ class Connection:
         #: When the current message's statement timeout expires (loop time), None: no timeout.
         self._deadline: float | None = None
         self.tls = False
+        #: Its place in the pre-auth budget until it authenticates (set by the server).
+        self.pending: Pending | None = None
+
+    @property
+    def address(self) -> str:
+        """The client's address (without the port): the key of the per-address limits."""
+        info = self.writer.get_extra_info("peername")
+        return str(info[0]) if isinstance(info, tuple) and info else "?"
+
+    def authenticated(self) -> None:
+        """Authentication succeeded: the socket leaves the pre-auth budget for the sessions' one."""
+        if self.pending is not None:
+            self.ctx.preauth.leave(self.pending)
+
+    def startup_received(self) -> None:
+        if self.pending is not None:
+            self.pending.stage = 1
+
+    def evict(self) -> None:
+        """Closed to make room in the pre-auth budget: say so (53300) and hang up; the read the
+        connection waits on then ends and it cleans up as after any disconnect."""
+        hint = "Too many connections from this address have not authenticated yet."
+        diag = Diagnostic("FATAL", "53300", "sorry, too many clients already", None, hint)
+        with contextlib.suppress(Exception):
+            self.writer.write(pq.error_response(diag))
+        self.writer.close()
 
     # -- plumbing ---------------------------------------------------------------------------------
 
@@ -127,6 +154,7 @@ class Connection:
         on_done: Callable[[Any], None] | None = None,
         on_late: Callable[[Any], None] | None = None,
         pure: bool = False,
+        checkout: Callable[[], Awaitable[object]] | None = None,
     ) -> Any:
         """Run ``fn`` in the pool under this analyst's fair share of worker slots.
 
@@ -135,6 +163,9 @@ class Connection:
         allows it; the slot stays taken until the work has really stopped. ``on_done`` runs
         (on the loop) exactly once: when the work finishes, whoever still waits for it, or with
         None when it never started. ``on_late`` runs only if nobody waits for the work any more.
+        ``checkout`` is awaited once the slot is held, before ``fn`` starts (a shared resource such
+        as a catalog connection is then held for the run only, never while waiting for a slot);
+        ``on_done`` gives it back.
         """
         loop = asyncio.get_running_loop()
         self._cancel.clear()
@@ -161,6 +192,8 @@ class Connection:
                     _drop_admission(admission, slots, user)
                     raise self._canceled()
                 admission.result()  # 53400 when the queue is full
+                if checkout is not None:
+                    await self._checkout(checkout, waiter, remaining(), slots, user)
                 job = Job(pure)
                 self._jobs.add(job)
                 try:
@@ -195,6 +228,26 @@ class Connection:
             raise self._canceled()
         finally:
             waiter.cancel()
+
+    async def _checkout(
+        self,
+        checkout: Callable[[], Awaitable[object]],
+        waiter: asyncio.Future[Any],
+        timeout: float | None,
+        slots: Any,
+        user: str,
+    ) -> None:
+        """Await ``checkout`` while holding a worker slot; on failure, cancel or timeout give the slot back."""
+        got = asyncio.ensure_future(checkout())
+        try:
+            done, _ = await asyncio.wait({got, waiter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if got not in done:
+                raise self._canceled()
+            got.result()
+        except BaseException:
+            got.cancel()  # its own cleanup gives back whatever it had not handed over yet
+            slots.release(user)
+            raise
 
     def _canceled(self) -> QueryCanceled:
         if self._cancel.is_set():
@@ -347,6 +400,8 @@ class Connection:
         command = parse_local(sql)
         if command is not None:
             return Statement(sql, "local", command)
+        if (problem := _explain_syntax(sql)) is not None:
+            raise SyntaxError_(problem)  # as PostgreSQL, never an internal error
         return Statement(sql, classify(sql, self.ctx.policy))
 
     async def execute(self, stmt: Statement, portal: Portal | None = None) -> Outcome:
@@ -481,18 +536,29 @@ class Connection:
             raise CatalogUnavailable()
         pool = self.ctx.pool()
         user = self.user
-        try:
-            session = await pool.acquire(user)
-        except Error:
-            raise
-        except Exception as exc:
-            log.warning("cannot connect to the catalog server: %s", exc)
-            raise ConnectionFailure(
-                "could not connect to the catalog server", hint="DP queries still work; retry catalog queries later."
-            ) from None
+        held: list[Any] = []
+
+        async def checkout() -> None:
+            """A pooled connection, taken only once the worker slot is held."""
+            try:
+                held.append(await pool.acquire(user))
+            except Error:
+                raise
+            except Exception as exc:
+                log.warning("cannot connect to the catalog server: %s", exc)
+                raise ConnectionFailure(
+                    "could not connect to the catalog server",
+                    hint="DP queries still work; retry catalog queries later.",
+                ) from None
+
+        def checkin(_f: Any) -> None:
+            if held:
+                pool.release(user, held.pop())
 
         def call() -> Any:
+            session = held[0]
             job = Job.current()
+            session.arm()
             try:
                 with job.stoppable(session.cancel) if job else contextlib.nullcontext():
                     return getattr(session, method)(*args)
@@ -505,7 +571,7 @@ class Connection:
                     ) from None
                 raise
 
-        return await self.run_blocking(call, timeout_ms=timeout_ms, on_done=lambda _f: pool.release(user, session))
+        return await self.run_blocking(call, timeout_ms=timeout_ms, on_done=checkin, checkout=checkout)
 
     async def _run_catalog(self, stmt: Statement, portal: Portal | None) -> Outcome:
         if portal is None:
@@ -620,6 +686,22 @@ class Connection:
         self.send_error(exc)
         self.commands.fail()
         self.ignore_till_sync = True
+
+
+def _explain_syntax(sql: str) -> str | None:
+    """PostgreSQL's syntax error for ``EXPLAIN`` with no statement after it (or its options), or with
+    another ``EXPLAIN`` as its statement; None for anything else."""
+    rest = after_keyword(sql, "explain")
+    if rest is None:
+        return None
+    rest = strip_comments(rest).strip().rstrip(";").strip()
+    if rest.startswith("("):
+        rest = rest[rest.find(")") + 1 :].strip() if ")" in rest else ""
+    if not rest:
+        return "syntax error at end of input"
+    if after_keyword(rest, "explain") is not None:
+        return 'syntax error at or near "EXPLAIN"'
+    return None
 
 
 def _drop_admission(admission: asyncio.Future[None], slots: Any, user: str) -> None:

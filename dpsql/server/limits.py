@@ -144,39 +144,52 @@ def _async_raise(thread: int, exc: type[BaseException] | None) -> None:
 
 
 class ShadowPool:
-    """Shadow-catalog connections shared by all clients: at most ``size`` open, per analyst role.
+    """Shadow-catalog connections shared by all clients: at most ``size`` open (all as the one
+    analysts' role, so any idle connection serves anyone), at most half of them held by one analyst.
 
-    A statement checks a connection out for its duration (the connection carries no client state:
-    every client SET is answered by dpsql itself). When all are busy a statement waits at most
-    ``wait`` seconds, then gets 53300.
+    A statement checks a connection out once it holds a worker slot, for the call only (the
+    connection carries no client state: every client SET is answered by dpsql itself). When all
+    are busy, or the analyst holds its share, it waits at most ``wait`` seconds, then gets 53300:
+    an analyst flooding the catalog waits for its own connections, never takes all of them. A
+    connection comes back when its call has ended, which the session's own deadline bounds
+    (:class:`~dpsql.server.catalog.ShadowSession`); a broken one is discarded. Connecting and
+    closing run on ``executor`` (None: the loop's default one), not on the statements' workers.
     """
 
-    def __init__(self, shadow: Any, size: int, wait: float, executor: Executor) -> None:
+    def __init__(self, shadow: Any, size: int, wait: float, executor: Executor | None = None) -> None:
         self.shadow = shadow
         self.size = size
         self.wait = wait
         self.executor = executor
+        self.per_analyst = max(1, size // 2)
         self._busy = asyncio.Semaphore(size)
-        self._idle: dict[str, list[Any]] = {}
+        self._analysts: dict[str, asyncio.Semaphore] = {}
+        self._idle: list[Any] = []
         self.open = 0
-
-    def _idle_count(self) -> int:
-        return sum(len(v) for v in self._idle.values())
+        #: Connections checked out now.
+        self.busy = 0
 
     async def acquire(self, analyst: str) -> Any:
+        own = self._analysts.get(analyst)
+        if own is None:
+            own = self._analysts[analyst] = asyncio.Semaphore(self.per_analyst)
         try:
-            await asyncio.wait_for(self._busy.acquire(), self.wait)
+            async with asyncio.timeout(self.wait):
+                await own.acquire()
+                try:
+                    await self._busy.acquire()
+                except BaseException:
+                    own.release()
+                    raise
         except TimeoutError:
             raise TooManyConnections(
                 "too many catalog queries in progress",
                 hint="All catalog connections are busy; retry shortly.",
             ) from None
+        self.busy += 1
         try:
-            idle = self._idle.get(analyst)
-            if idle:
-                return idle.pop()
-            if self.open >= self.size:
-                self._evict_one()
+            if self._idle:
+                return self._idle.pop()
             self.open += 1
             try:
                 return await asyncio.get_running_loop().run_in_executor(self.executor, self.shadow.connect, analyst)
@@ -184,33 +197,30 @@ class ShadowPool:
                 self.open -= 1
                 raise
         except BaseException:
+            self.busy -= 1
             self._busy.release()
+            own.release()
             raise
-
-    def _evict_one(self) -> None:
-        for idle in self._idle.values():
-            if idle:
-                self._discard(idle.pop())
-                return
 
     def _discard(self, session: Any) -> None:
         self.open -= 1
         with contextlib.suppress(Exception):
-            self.executor.submit(session.close)
+            asyncio.get_running_loop().run_in_executor(self.executor, session.close)
 
     def release(self, analyst: str, session: Any) -> None:
         """Called on the loop once no thread uses ``session`` any more."""
+        self.busy -= 1
         self._busy.release()
+        self._analysts[analyst].release()
         if is_broken(session):
             self._discard(session)
         else:
-            self._idle.setdefault(analyst, []).append(session)
+            self._idle.append(session)
 
     def close(self) -> None:
-        for idle in self._idle.values():
-            for session in idle:
-                with contextlib.suppress(Exception):
-                    session.close()
+        for session in self._idle:
+            with contextlib.suppress(Exception):
+                session.close()
         self._idle.clear()
 
 

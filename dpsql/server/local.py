@@ -89,13 +89,29 @@ _UTF8_NAMES = {"utf8", "utf-8", "unicode"}
 # --- settings -----------------------------------------------------------------------------------
 
 
-def parse_timeout_ms(value: str) -> int:
-    """PostgreSQL duration syntax for statement_timeout: ``5000``, ``'5s'``, ``'100ms'``, ``'1min'``."""
+#: The largest timeout PostgreSQL accepts (its GUCs are C ints of milliseconds).
+MAX_TIMEOUT_MS = 2**31 - 1
+
+
+def parse_timeout_ms(value: str, name: str = "statement_timeout") -> int:
+    """PostgreSQL duration syntax for statement_timeout: ``5000``, ``'5s'``, ``'100ms'``, ``'1min'``.
+
+    Raises ValueError for anything else and, as PostgreSQL, 22023 beyond 2147483647 ms."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|min|h|d)?\s*", value)
     if not match:
         raise ValueError(value)
+    number = float(match.group(1))  # 400 digits: inf, never an OverflowError from int()
+    if number > MAX_TIMEOUT_MS:
+        raise InvalidParameterValue(
+            f'invalid value for parameter "{name}": "{value}"', hint="Value exceeds integer range."
+        )
     scale = {"ms": 1, None: 1, "s": 1000, "min": 60_000, "h": 3_600_000, "d": 86_400_000}[match.group(2)]
-    return int(float(match.group(1)) * scale)
+    ms = round(number * scale)
+    if ms > MAX_TIMEOUT_MS:
+        raise InvalidParameterValue(
+            f'{ms} ms is outside the valid range for parameter "{name}" (0 .. {MAX_TIMEOUT_MS})'
+        )
+    return ms
 
 
 @dataclass
@@ -167,7 +183,7 @@ class Settings:
             return "UTF8"
         if key in ("statement_timeout", "idle_in_transaction_session_timeout"):
             try:
-                return str(parse_timeout_ms(value))
+                return str(parse_timeout_ms(value, key))
             except ValueError:
                 raise InvalidParameterValue(f'invalid value for parameter "{key}": "{value}"') from None
         return value

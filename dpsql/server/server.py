@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 from dpsql import __version__
 from dpsql.errors import Error
 
-from . import protocol as pq
 from .catalog import CatalogShadow
 from .connection import Connection
+from .frontdoor import LoginLimiter, PreAuth
 from .limits import ShadowPool, TooManyConnections, WorkSlots
-from .protocol import DEFAULT_MAX_MESSAGE, DEFAULT_PORT, Diagnostic
+from .protocol import DEFAULT_MAX_MESSAGE, DEFAULT_PORT
 
 if TYPE_CHECKING:
     from dpsql.engine import Engine
@@ -49,7 +49,20 @@ class ServerOptions:
     #: A session idle inside a transaction block longer than this is terminated (seconds; None/0: never).
     idle_in_transaction_timeout: float | None = 600.0
     #: The whole startup (TLS, startup packet, authentication) must finish within this (authentication_timeout).
-    startup_timeout: float = 60.0
+    startup_timeout: float = 10.0
+    #: Sockets that have not authenticated yet: a budget apart from sessions, in all (None: twice
+    #: max_connections) and per client address (None: max_connections); at a cap the oldest idle one
+    #: is closed, never the newcomer (see :mod:`.frontdoor`).
+    max_preauth: int | None = None
+    max_preauth_per_address: int | None = None
+    #: Wrong passwords: free ones per (account, address), the first and the longest lock (seconds),
+    #: failures that lock an account (from new addresses) or an address (any account), their window.
+    login_free_failures: int = 5
+    login_lock: float = 1.0
+    login_max_lock: float = 30.0
+    login_account_failures: int = 30
+    login_address_failures: int = 60
+    login_window: float = 900.0
     max_message_size: int = DEFAULT_MAX_MESSAGE
     workers: int = 8
     #: Worker slots one analyst may hold at once (running or abandoned work); default: half the pool.
@@ -94,9 +107,20 @@ class ServerContext:
         self.database = engine.policy.dataset
         self.options = options
         self.executor = ThreadPoolExecutor(max_workers=options.workers, thread_name_prefix="dpsql-query")
-        #: Sockets open (authenticated or not) and authenticated sessions per analyst.
-        self.sockets = 0
+        #: Sockets still authenticating (their own budget), authenticated sessions per analyst.
+        self.preauth = PreAuth(
+            options.max_preauth or 2 * options.max_connections,
+            options.max_preauth_per_address or options.max_connections,
+        )
         self.per_analyst: dict[str, int] = {}
+        self.logins = LoginLimiter(
+            free_failures=options.login_free_failures,
+            lock=options.login_lock,
+            max_lock=options.login_max_lock,
+            account_failures=options.login_account_failures,
+            address_failures=options.login_address_failures,
+            window=options.login_window,
+        )
         self._slots: WorkSlots | None = None
         #: Pool work not finished yet (awaited at shutdown so its real charge gets logged).
         self.inflight: set[asyncio.Future[Any]] = set()
@@ -120,7 +144,7 @@ class ServerContext:
         if self.shadow_pool is None:
             assert self.shadow is not None
             opts = self.options
-            self.shadow_pool = ShadowPool(self.shadow, opts.catalog_pool, opts.catalog_wait, self.executor)
+            self.shadow_pool = ShadowPool(self.shadow, opts.catalog_pool, opts.catalog_wait)
         return self.shadow_pool
 
     @property
@@ -135,7 +159,9 @@ class ServerContext:
         return wanted
 
     def admit(self, user: str) -> None:
-        """A newly authenticated session: refuse it (FATAL 53300) beyond the global or per-analyst cap."""
+        """A newly authenticated session: refuse it (FATAL 53300) beyond the global or per-analyst cap.
+
+        Only sessions count here: sockets still authenticating have their own budget (:attr:`preauth`)."""
         opts = self.options
         if len(self.connections) >= opts.max_connections:
             raise TooManyConnections("sorry, too many clients already")
@@ -265,21 +291,15 @@ class Server:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
-        ctx = self.ctx
-        ctx.sockets += 1
+        conn = Connection(self.ctx, reader, writer)
+        # until it authenticates it holds a place in the pre-auth budget (which may evict an older one)
+        conn.pending = self.ctx.preauth.enter(conn.address, conn.evict)
         try:
-            if ctx.sockets > 2 * self.options.max_connections:
-                # unauthenticated sockets are bounded too (each also has the startup deadline)
-                writer.write(pq.error_response(Diagnostic("FATAL", "53300", "sorry, too many clients already")))
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(writer.drain(), 1)
-                writer.close()
-                return
-            await Connection(ctx, reader, writer).serve()
+            await conn.serve()
         except asyncio.CancelledError:
             pass  # server shutdown; the connection already said goodbye
         finally:
-            ctx.sockets -= 1
+            self.ctx.preauth.leave(conn.pending)
             self._tasks.discard(task)
 
     async def reload(self) -> bool:

@@ -174,9 +174,13 @@ def refuse_function(name: str) -> Error:
     )
 
 
-def check_catalog_sql(sql: str) -> None:
-    """Raise a 42501 :class:`Error` unless ``sql`` only calls allowed functions on allowed relations."""
+def check_catalog_sql(sql: str) -> bool:
+    """Raise a 42501 :class:`Error` unless ``sql`` only calls allowed functions on allowed relations.
+
+    Returns whether it calls ``set_config`` (the connection's settings must then be reset after it:
+    the pooled connection serves every analyst next)."""
     toks = catalog_tokens(sql)
+    sets = False
     for i, tok in enumerate(toks):
         if tok.type not in (Lexeme.WORD, Lexeme.QUOTED_IDENT):
             continue
@@ -208,6 +212,7 @@ def check_catalog_sql(sql: str) -> None:
             shown = f"{toks[i - 2].value}.{name}" if qualified and i >= 2 else name
             raise refuse_function(shown)
         if name == "set_config":
+            sets = True
             setting = _string_value(toks[i + 2]) if i + 2 < len(toks) else None
             if setting is None or setting.lower() not in SAFE_SETTINGS:
                 raise InsufficientPrivilege(
@@ -217,3 +222,4 @@ def check_catalog_sql(sql: str) -> None:
                     hint="Only client-presentation settings (search_path, DateStyle, application_name…) "
                     "may be changed there.",
                 )
+    return sets

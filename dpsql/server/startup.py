@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 from typing import TYPE_CHECKING
 
@@ -70,6 +71,7 @@ async def _negotiate_tls(conn: Connection) -> None:
 
 async def _start_session(conn: Connection, msg: pq.StartupMessage) -> None:
     ctx = conn.ctx
+    conn.startup_received()
     if msg.major != 3:
         raise FeatureNotSupported(
             f"unsupported frontend protocol {msg.major}.{msg.minor}: server supports 3.0 to 3.0"
@@ -84,6 +86,7 @@ async def _start_session(conn: Connection, msg: pq.StartupMessage) -> None:
     if not user:
         raise InvalidAuthorization("no PostgreSQL user name specified in startup packet").fatal()
     await _authenticate(conn, user)
+    conn.authenticated()  # from now on it counts as a session, no longer against the pre-auth budget
     try:
         ctx.admit(user)  # 53300 beyond --max-connections / --max-connections-per-analyst
     except Error as exc:
@@ -132,6 +135,7 @@ async def _authenticate(conn: Connection, user: str) -> None:
             raise InvalidAuthorization(f'role "{user}" does not exist').fatal()
         return
     failed = InvalidPassword(f'password authentication failed for user "{user}"').fatal()
+    _refuse_if_locked(conn, user)
     if analyst is not None and analyst.password is not None:
         exchange = ScramExchange(Verifier.parse(analyst.password))
         reason = "wrong password"
@@ -146,14 +150,30 @@ async def _authenticate(conn: Connection, user: str) -> None:
             raise ScramProtocolError("client selected an invalid SASL authentication mechanism")
         conn.send(pq.auth_sasl_continue(exchange.first(first)))
         await conn.flush()
-        final = exchange.final(await _read_password(conn))
+        proof = await _read_password(conn)
+        _refuse_if_locked(conn, user)  # again: parallel attempts must not all get their guess checked
+        final = exchange.final(proof)
     except AuthFailed:
+        conn.ctx.logins.failed(user, conn.address)
         log.info("authentication failed analyst=%s peer=%s reason=%s", user, conn.peer, reason)
         raise failed from None
     except ScramProtocolError as exc:
         raise exc.fatal() from None
+    conn.ctx.logins.succeeded(user, conn.address)
     conn.send(pq.auth_sasl_final(final))
     conn.send(pq.auth_ok())
+
+
+def _refuse_if_locked(conn: Connection, user: str) -> None:
+    """FATAL 28000 while the login limiter holds ``user`` from this address: no password is checked.
+    Unknown names are limited alike, so the refusal tells nothing about which names exist."""
+    left = conn.ctx.logins.locked(user, conn.address)
+    if left > 0:
+        log.info("login refused analyst=%s peer=%s: locked for %.1fs after failed attempts", user, conn.peer, left)
+        raise InvalidAuthorization(
+            f'too many failed authentication attempts for user "{user}"',
+            hint=f"Retry in {math.ceil(left)} s.",
+        ).fatal()
 
 
 async def _read_password(conn: Connection) -> bytes:

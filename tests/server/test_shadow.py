@@ -20,7 +20,7 @@ import psycopg
 import pytest
 
 from dpsql.server import ThreadedServer
-from dpsql.server.catalog import CatalogShadow
+from dpsql.server.catalog import CatalogShadow, shadow_role
 from dpsql.server.shadow_guard import check_catalog_sql
 from tests.trust.serverproc import DPSQL, ROOT, write_policy
 
@@ -38,9 +38,10 @@ class Shadowed:
             autocommit=True,
         )
 
-    def direct(self, role: str = "analyst", password: str | None = None) -> psycopg.Connection:
-        """Straight to the shadow's socket as ``role`` (by default with the password dpsql uses)."""
+    def direct(self, analyst: str = "analyst", password: str | None = None) -> psycopg.Connection:
+        """Straight to the shadow's socket as ``analyst``'s role (by default with the password dpsql uses)."""
         local = self.shadow.local
+        role = shadow_role(analyst)
         secret = self.shadow._passwords[role] if password is None else password
         return psycopg.connect(local.dsn_for("health", user=role, password=secret), autocommit=True)
 
@@ -144,7 +145,8 @@ def test_other_sessions_are_invisible_directly(shadowed: Shadowed) -> None:
         assert _sqlstate(conn, "SELECT * FROM pg_stat_get_activity(NULL)") == "42501"
         assert _sqlstate(conn, "SELECT numbackends FROM pg_stat_database") == "42501"
         with pytest.raises(psycopg.OperationalError):
-            psycopg.connect(shadowed.shadow.local.dsn_for("postgres", "analyst", shadowed.shadow._passwords["analyst"]))
+            role = shadow_role("analyst")
+            psycopg.connect(shadowed.shadow.local.dsn_for("postgres", role, shadowed.shadow._passwords[role]))
 
 
 # --- a hostile analyst through dpsql --------------------------------------------------------------
