@@ -14,7 +14,7 @@ from typing import Any
 
 from dpsql.aggregates import OUTPUTS
 from dpsql.analyze.parse import skip_comments
-from dpsql.errors import FeatureNotSupported
+from dpsql.errors import FeatureNotSupported, SyntaxError_
 from dpsql.plan import Plan
 from dpsql.release.accuracy import bias_note
 from dpsql.release.calibrate import Budgeting
@@ -216,7 +216,12 @@ def explain_target(sql: str) -> str | None:
         return None
     rest = skip_comments(stripped[7:])
     if (options := _FORMAT.match(rest)) is not None:
-        return rest[options.end() :]
+        rest = rest[options.end() :]
+        if not rest.strip().rstrip(";").strip():
+            raise SyntaxError_("syntax error at end of input")
+        return rest
+    if not rest.strip().rstrip(";").strip():  # a bare EXPLAIN: PostgreSQL's 42601, never an IndexError
+        raise SyntaxError_("syntax error at end of input")
     if rest[:1] == "(" or rest.split(None, 1)[0].upper() in ("ANALYZE", "ANALYSE", "VERBOSE"):
         raise FeatureNotSupported(
             "EXPLAIN options are not supported",
