@@ -254,10 +254,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if warning := curator.note_ledger(engine, ledger_url, at_start=True):
         print(f"WARNING:  {warning}", file=sys.stderr)
     from dpsql.backends import redact_url
-    from dpsql.curator.reload import default_pid_file, make_reloader, remove_pid_file, write_pid_file
+    from dpsql.curator.reload import default_pid_file, make_reloader, remove_pid_file, remove_verdict, write_pid_file
 
     ledger = redact_url(ledger_url)
-    pid_files = []
+    pid_files: list[Path] = []
+    # a --processes worker writes its reload verdict next to its supervisor's pid file
+    supervisor_pid_file = Path(args.reload_status) if getattr(args, "reload_status", None) else None
+
+    def status() -> Path | None:
+        return supervisor_pid_file or (pid_files[-1] if pid_files else None)
 
     def announce(port: int) -> None:  # called once the socket listens, not before
         pid_file = getattr(args, "pid_file", None)
@@ -297,13 +302,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
             catalog_pool=args.catalog_pool,
             reuse_port=getattr(args, "reuse_port", False),
             on_listening=announce,
-            reloader=make_reloader(policy_path),
+            reloader=make_reloader(policy_path, status),
         )
     except OSError as exc:
         print(f"ERROR:  could not listen on {args.host}:{args.port}: {exc.strerror}", file=sys.stderr)
         print("HINT:  Is another server running there? Choose another with --port.", file=sys.stderr)
         return 1
     finally:
+        if (verdicts := status()) is not None:
+            remove_verdict(verdicts)
         for pid_file in pid_files:
             remove_pid_file(pid_file)
         curator.note_ledger(engine, ledger_url, at_start=False)

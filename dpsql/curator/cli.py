@@ -110,9 +110,11 @@ def cmd_cache_clear(args: argparse.Namespace) -> int:
 
 
 def cmd_reload(args: argparse.Namespace) -> int:
-    """Signal a running ``dpsql serve`` to re-read its policy; with ``--policy``, check it first."""
+    """Signal a running ``dpsql serve`` to re-read its policy and wait for its verdict (every worker's
+    with ``--processes``): exit 0 when all accepted it, 1 when any refused it or none answered in
+    time. With ``--policy``, check the file first and signal nothing if it has errors."""
     from .check import check_file
-    from .reload import default_pid_file, signal_reload
+    from .reload import await_verdicts, default_pid_file, signal_reload
 
     if args.policy:
         report = check_file(args.policy)
@@ -123,12 +125,31 @@ def cmd_reload(args: argparse.Namespace) -> int:
             return 1
     pid_file = Path(args.pid_file) if args.pid_file else default_pid_file(args.port)
     try:
-        pid = signal_reload(pid_file)
+        pid, token, processes = signal_reload(pid_file)
     except (OSError, ValueError, IndexError) as exc:
         print(f"ERROR:  no running dpsql serve found through {pid_file}: {exc}", file=sys.stderr)
         print("HINT:  give --pid-file (as passed to dpsql serve) or --port.", file=sys.stderr)
         return 1
-    print(f"sent SIGHUP to dpsql serve (pid {pid}); the server's log says whether the policy was accepted")
+    if args.no_wait:
+        print(f"sent SIGHUP to dpsql serve (pid {pid}); the server's log says whether the policy was accepted")
+        return 0
+    verdicts = await_verdicts(pid_file, token, processes, args.timeout)
+    refused = [v for v in verdicts if not v.ok]
+    for verdict in refused:
+        where = f" (worker pid {verdict.pid})" if processes > 1 else ""
+        print(f"ERROR:  policy reload refused{where}; still serving the previous policy:", file=sys.stderr)
+        print(verdict.message, file=sys.stderr)
+    if refused:
+        return 1
+    if len(verdicts) < processes:
+        print(
+            f"ERROR:  {processes - len(verdicts)} of {processes} serving processes gave no verdict within "
+            f"{args.timeout:g} s (pid {pid}); see the server's log",
+            file=sys.stderr,
+        )
+        return 1
+    workers = f" by {processes} processes" if processes > 1 else ""
+    print(f"{verdicts[0].message}{workers} (pid {pid})")
     return 0
 
 
@@ -163,4 +184,6 @@ def register(sub: Any) -> None:
     reload.add_argument("--pid-file", help="as given to dpsql serve (default: $DPSQL_HOME/serve-<port>.pid)")
     reload.add_argument("--port", type=int, default=DEFAULT_PORT)
     reload.add_argument("--policy", help="check this policy file first; signal nothing if it has errors")
+    reload.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the verdict (default: 30)")
+    reload.add_argument("--no-wait", action="store_true", help="signal and exit 0 without waiting for the verdict")
     reload.set_defaults(func=cmd_reload)

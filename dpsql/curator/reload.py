@@ -11,15 +11,24 @@ the new ones (unchanged results of an unchanged policy still are).
 
 Privacy: a reload changes what future queries may reveal, never what was spent: the ledger is the
 same, and a changed dataset name (another ledger key) is refused — that needs a restart.
+
+The verdict: ``dpsql reload`` leaves a random token next to the pid file before signalling; each
+serving process (one, or each worker of ``--processes N``) writes its verdict on that token to
+``<pid file>.verdict-<pid>`` when its reload ends, and ``dpsql reload`` waits for all of them and
+exits non-zero if any refused the policy — a curator never believes a refused policy is serving.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import secrets
 import signal
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,10 +43,41 @@ if TYPE_CHECKING:
 log = logging.getLogger("dpsql.curator")
 
 
-def make_reloader(policy_path: str | Path) -> Callable[[Engine], Engine]:
-    """What the server calls on SIGHUP: the engine for the re-read policy (``current`` if unchanged)."""
-    path = Path(policy_path)
+def make_reloader(
+    policy_path: str | Path, status: Callable[[], Path | None] | None = None
+) -> Callable[[Engine], Engine]:
+    """What the server calls on SIGHUP: the engine for the re-read policy (``current`` if unchanged).
+    ``status`` names the pid file (known once the server listens) next to which the verdict is
+    written for ``dpsql reload`` to wait on."""
+    check = _reloader(Path(policy_path))
 
+    def reload(current: Engine) -> Engine:
+        pid_file = status() if status is not None else None
+        try:
+            engine = check(current)
+        except PolicyError as exc:
+            if pid_file is not None:
+                write_verdict(pid_file, False, exc.message + (f"\n{exc.detail}" if exc.detail else ""))
+            raise
+        except Exception:
+            if pid_file is not None:
+                write_verdict(pid_file, False, "internal error (see the server's log)")
+            raise
+        if pid_file is not None:
+            policy = engine.policy
+            done = "unchanged" if engine is current else "reloaded"
+            counts = f"{_plural(len(policy.tables), 'table')}, {_plural(len(policy.analysts), 'analyst')}"
+            write_verdict(pid_file, True, f"policy {done}: {counts}")
+        return engine
+
+    return reload
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _reloader(path: Path) -> Callable[[Engine], Engine]:
     def reload(current: Engine) -> Engine:
         from dpsql.engine import Engine
 
@@ -69,10 +109,11 @@ def default_pid_file(port: int) -> Path:
     return dpsql_home() / f"serve-{port}.pid"
 
 
-def write_pid_file(path: Path) -> None:
+def write_pid_file(path: Path, processes: int = 1) -> None:
+    """``<pid>`` and the number of serving processes whose verdicts ``dpsql reload`` waits for."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(f"{os.getpid()}\n", encoding="utf-8")
+    tmp.write_text(f"{os.getpid()}\nprocesses {processes}\n", encoding="utf-8")
     tmp.replace(path)
 
 
@@ -81,10 +122,73 @@ def remove_pid_file(path: Path) -> None:
     with contextlib.suppress(OSError, ValueError):
         if int(path.read_text(encoding="utf-8").split()[0]) == os.getpid():
             path.unlink()
+            with contextlib.suppress(OSError):
+                _request(path).unlink()
 
 
-def signal_reload(pid_file: Path) -> int:
-    """Send SIGHUP to the server named in ``pid_file``; returns its pid. Raises OSError/ValueError."""
-    pid = int(pid_file.read_text(encoding="utf-8").split()[0])
+def _request(pid_file: Path) -> Path:
+    return pid_file.with_name(pid_file.name + ".request")
+
+
+def _verdict(pid_file: Path, pid: int) -> Path:
+    return pid_file.with_name(f"{pid_file.name}.verdict-{pid}")
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """One serving process's answer to a reload request."""
+
+    pid: int
+    ok: bool
+    message: str
+
+
+def write_verdict(pid_file: Path, ok: bool, message: str) -> None:
+    """This process's verdict on the pending request (its token; none: ``kill -HUP`` by hand)."""
+    try:
+        token = _request(pid_file).read_text(encoding="utf-8").strip()
+    except OSError:
+        token = ""
+    out = _verdict(pid_file, os.getpid())
+    tmp = out.with_name(out.name + ".tmp")
+    with contextlib.suppress(OSError):
+        tmp.write_text(json.dumps({"token": token, "ok": ok, "message": message}), encoding="utf-8")
+        tmp.replace(out)
+
+
+def remove_verdict(pid_file: Path) -> None:
+    with contextlib.suppress(OSError):
+        _verdict(pid_file, os.getpid()).unlink()
+
+
+def signal_reload(pid_file: Path) -> tuple[int, str, int]:
+    """Leave a fresh token, send SIGHUP to the server named in ``pid_file``; returns (pid, token,
+    processes to hear from). Raises OSError/ValueError/IndexError when there is no such server."""
+    lines = pid_file.read_text(encoding="utf-8").split("\n")
+    pid = int(lines[0].split()[0])
+    processes = 1
+    for line in lines[1:]:
+        if line.startswith("processes "):
+            processes = max(1, int(line.split()[1]))
+    os.kill(pid, 0)  # alive (raises ProcessLookupError) before leaving a request behind
+    token = secrets.token_hex(8)
+    _request(pid_file).write_text(token + "\n", encoding="utf-8")
     os.kill(pid, signal.SIGHUP)
-    return pid
+    return pid, token, processes
+
+
+def await_verdicts(pid_file: Path, token: str, processes: int, timeout: float) -> list[Verdict]:
+    """The verdicts on ``token`` written so far, polling until ``processes`` answered or ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = []
+        for path in pid_file.parent.glob(pid_file.name + ".verdict-*"):
+            if path.name.endswith(".tmp"):
+                continue
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                data = json.loads(path.read_text(encoding="utf-8"))
+                if data["token"] == token:
+                    found.append(Verdict(int(path.name.rsplit("-", 1)[1]), bool(data["ok"]), str(data["message"])))
+        if len(found) >= processes or time.monotonic() >= deadline:
+            return sorted(found, key=lambda v: v.pid)
+        time.sleep(0.1)

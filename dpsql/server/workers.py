@@ -141,7 +141,8 @@ def supervise(args: argparse.Namespace) -> int:
 
     pid_file = Path(args.pid_file) if getattr(args, "pid_file", None) else default_pid_file(port)
     if getattr(args, "pid_file", None) != "":
-        write_pid_file(pid_file)
+        write_pid_file(pid_file, count)
+        options["reload_status"] = str(pid_file)  # each worker's reload verdict goes next to it
     code = 0
     try:
         for index in range(count):

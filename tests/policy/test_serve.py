@@ -57,7 +57,7 @@ def test_start_line_names_policy_ledger_and_pid_file(tmp_path: Path, servers: li
     line = server.wait_for("dpsql serving")
     pid_file = tmp_path / f"serve-{server.port}.pid"
     assert "policy " in line and f"ledger sqlite:///{tmp_path}" in line and f"pid file {pid_file}" in line
-    assert int(pid_file.read_text()) == server.proc.pid
+    assert pid_file.read_text() == f"{server.proc.pid}\nprocesses 1\n"
     server.stop()
     assert not pid_file.exists()
 
@@ -107,12 +107,25 @@ def test_dpsql_reload_command(tmp_path: Path, servers: list[Served], capsys: pyt
     assert "nothing was signalled" in capsys.readouterr().err
     policy.write_text(HEALTH.replace("  - name: alice\n", "  - name: alice\n  - name: dave\n"))
     assert main(["reload", "--pid-file", str(tmp_path / "dpsql.pid"), "--policy", str(policy)]) == 0
-    assert f"sent SIGHUP to dpsql serve (pid {server.proc.pid})" in capsys.readouterr().out
-    server.wait_for("policy reloaded")
+    assert capsys.readouterr().out == f"policy reloaded: 1 table, 6 analysts (pid {server.proc.pid})\n"
     with _connect(server, "dave") as dave:
         assert dave.execute(COUNT).fetchone()[0] > 9000  # type: ignore[index]
+    assert main(["reload", "--pid-file", str(tmp_path / "dpsql.pid")]) == 0
+    assert capsys.readouterr().out == f"policy unchanged: 1 table, 6 analysts (pid {server.proc.pid})\n"
+    # valid as a file, refused by the server (the table is not in its database): exit 1 with its reason
+    policy.write_text(HEALTH + "  ghosts:\n    columns:\n      x: {type: int}\n")
+    assert main(["reload", "--pid-file", str(tmp_path / "dpsql.pid"), "--policy", str(policy)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("ERROR:  policy reload refused; still serving the previous policy:\n")
+    assert 'tables.ghosts: table "ghosts" does not exist in the database' in err
+    with _connect(server, "dave") as dave:  # the previous policy still serves
+        assert dave.execute(COUNT).fetchone()[0] > 9000  # type: ignore[index]
+    assert main(["reload", "--pid-file", str(tmp_path / "dpsql.pid"), "--no-wait"]) == 0
+    assert f"sent SIGHUP to dpsql serve (pid {server.proc.pid})" in capsys.readouterr().out
     assert main(["reload", "--pid-file", str(tmp_path / "nothing.pid")]) == 1
     assert "no running dpsql serve found" in capsys.readouterr().err
+    server.stop()
+    assert sorted(p.name for p in tmp_path.glob("dpsql.pid*")) == []  # pid file, request, verdict removed
 
 
 def test_reload_reaches_every_worker(tmp_path: Path, servers: list[Served]) -> None:
@@ -122,8 +135,11 @@ def test_reload_reaches_every_worker(tmp_path: Path, servers: list[Served]) -> N
     server = Served("--policy", str(policy), "--processes", "2", home=tmp_path)
     servers.append(server)
     server.wait_for("dpsql serving", count=2)
+    pid_file = tmp_path / f"serve-{server.port}.pid"
+    policy.write_text(HEALTH + "  ghosts:\n    columns:\n      x: {type: int}\n")
+    assert main(["reload", "--pid-file", str(pid_file)]) == 1  # both workers refuse: exit 1
     policy.write_text(HEALTH.replace("  - name: alice\n", "  - name: alice\n  - name: carol\n"))
-    server.hup()
+    assert main(["reload", "--pid-file", str(pid_file)]) == 0  # waits for both verdicts
     server.wait_for("policy reloaded", count=2)
     reloaded = [line for line in server.lines if "policy reloaded" in line]
     assert "[worker 0" in " ".join(reloaded) and "[worker 1" in " ".join(reloaded)
