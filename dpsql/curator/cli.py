@@ -29,17 +29,35 @@ def _open_database(url: str | None, dataset: str | None) -> Any:
     return open_backend(url, read_only=True)  # curator tools only read: the file stays shared
 
 
+def require_policy(args: argparse.Namespace, command: str) -> Path | None:
+    """The ``--policy`` a curator command acts on; None (after saying so) when it was not given.
+
+    Curator commands never fall back to the demo's policy: a grant, a check or a cache clear
+    silently applied to the demo dataset instead of the curator's own would mislead exactly when
+    it matters. ``dpsql serve``/``query`` keep the demo default (the README's first command)."""
+    policy = getattr(args, "policy", None)
+    if policy:
+        return Path(policy)
+    print(f"ERROR:  dpsql {command} needs --policy: curator commands act on the dataset a policy names", file=sys.stderr)
+    print("HINT:  For the demo, give --policy schemas/health.yaml.", file=sys.stderr)
+    return None
+
+
 def cmd_policy_check(args: argparse.Namespace) -> int:
     """Exit 0 when the policy loads and fits the database (warnings printed), 1 on any error."""
-    from dpsql.cli import default_policy
-
     from .check import check_file
 
-    path = Path(args.policy or default_policy())
+    path = require_policy(args, "policy check")
+    if path is None:
+        return 1
     first = check_file(path)  # loads it first: the dataset decides which demo tables to load
     if first.policy is None:
         for error in first.errors:
             print(error, file=sys.stderr)
+        return 1
+    if args.database is None and first.policy.dataset not in _demo_datasets():
+        print(f'ERROR:  dpsql policy check needs --database for dataset "{first.policy.dataset}"', file=sys.stderr)
+        print("HINT:  Only the demo's datasets are checked against the demo data by default.", file=sys.stderr)
         return 1
     backend = _open_database(args.database, first.policy.dataset)
     try:
@@ -51,7 +69,8 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
     for error in report.errors:
         print(error, file=sys.stderr)
     if report.ok:
-        print(f"{path}: ok ({len(report.warnings)} warning{'s' if len(report.warnings) != 1 else ''})")
+        count = len(report.warnings)
+        print(f'{path}: dataset "{first.policy.dataset}": ok ({count} warning{"s" if count != 1 else ""})')
         return 0
     return 1
 
@@ -94,19 +113,29 @@ def cmd_cache_clear(args: argparse.Namespace) -> int:
     next repeat is simply charged again)."""
     from dpsql.backends import redact_url
     from dpsql.cache import ResultCache, default_cache_url
-    from dpsql.cli import default_policy
     from dpsql.ledger import default_ledger
     from dpsql.policy import load_policy
 
-    ledger = args.ledger or default_ledger(load_policy(args.policy or default_policy()).dataset)
+    path = require_policy(args, "cache clear")
+    if path is None:
+        return 1
+    dataset = load_policy(path).dataset
+    ledger = args.ledger or default_ledger(dataset)
     url = default_cache_url(ledger)
     cache = ResultCache.open(url)
     try:
         removed = cache.clear()
     finally:
         cache.close()
-    print(f"removed {removed} cached result{'s' if removed != 1 else ''} from {redact_url(url)}")
+    plural = "s" if removed != 1 else ""
+    print(f'removed {removed} cached result{plural} from {redact_url(url)} (the ledger of dataset "{dataset}")')
     return 0
+
+
+def _demo_datasets() -> frozenset[str]:
+    from dpsql.demo import DEMO_TABLES
+
+    return frozenset(DEMO_TABLES)
 
 
 def cmd_reload(args: argparse.Namespace) -> int:
@@ -169,14 +198,14 @@ def register(sub: Any) -> None:
     draft.set_defaults(func=cmd_policy_draft)
 
     check = psub.add_parser("check", help="check a policy against its database (exit 1 on errors)")
-    check.add_argument("--policy", help="policy YAML (default: schemas/health.yaml)")
-    check.add_argument("--database", help="duckdb:///path, postgresql://… (default: demo)")
+    check.add_argument("--policy", help="policy YAML (required)")
+    check.add_argument("--database", help="duckdb:///path, postgresql://… (default: the demo data, for the demo's datasets only)")
     check.set_defaults(func=cmd_policy_check)
 
     cache = sub.add_parser("cache", help="the result cache next to the ledger")
     csub = cache.add_subparsers(dest="cache_command", required=True)
     clear = csub.add_parser("clear", help="delete every cached result (repeats are charged again)")
-    clear.add_argument("--policy")
+    clear.add_argument("--policy", help="policy YAML (required): its dataset names the ledger")
     clear.add_argument("--ledger")
     clear.set_defaults(func=cmd_cache_clear)
 

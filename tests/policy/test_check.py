@@ -112,7 +112,7 @@ def test_cli_exit_codes(
     url, _ = make_db()
     good = _write(tmp_path, GOOD)
     assert main(["policy", "check", "--policy", str(good), "--database", url]) == 0
-    assert capsys.readouterr().out == f"{good}: ok (0 warnings)\n"
+    assert capsys.readouterr().out == f'{good}: dataset "people": ok (0 warnings)\n'
     bad = _write(
         tmp_path,
         GOOD.replace(
@@ -140,3 +140,19 @@ def test_shipped_policies_pass(capsys: pytest.CaptureFixture[str]) -> None:
     root = Path(__file__).resolve().parents[2] / "schemas"
     for path in sorted(root.glob("*.yaml")):
         assert main(["policy", "check", "--policy", str(path)]) == 0, capsys.readouterr().err
+
+
+def test_curator_commands_never_fall_back_to_the_demo(
+    make_db: Callable[..., tuple[str, Backend]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --policy a curator command refuses (it used to check or clear the demo's dataset);
+    a non-demo dataset needs its --database."""
+    for argv, command in ((["policy", "check"], "policy check"), (["cache", "clear"], "cache clear")):
+        assert main(argv) == 1
+        assert capsys.readouterr().err == (
+            f"ERROR:  dpsql {command} needs --policy: curator commands act on the dataset a policy names\n"
+            "HINT:  For the demo, give --policy schemas/health.yaml.\n"
+        )
+    other = _write(tmp_path, GOOD.replace("dataset: people", "dataset: hr"))
+    assert main(["policy", "check", "--policy", str(other)]) == 1
+    assert capsys.readouterr().err.startswith('ERROR:  dpsql policy check needs --database for dataset "hr"\n')
