@@ -38,7 +38,8 @@ def require_policy(args: argparse.Namespace, command: str) -> Path | None:
     policy = getattr(args, "policy", None)
     if policy:
         return Path(policy)
-    print(f"ERROR:  dpsql {command} needs --policy: curator commands act on the dataset a policy names", file=sys.stderr)
+    why = "curator commands act on the dataset a policy names"
+    print(f"ERROR:  dpsql {command} needs --policy: {why}", file=sys.stderr)
     print("HINT:  For the demo, give --policy schemas/health.yaml.", file=sys.stderr)
     return None
 
@@ -199,7 +200,9 @@ def register(sub: Any) -> None:
 
     check = psub.add_parser("check", help="check a policy against its database (exit 1 on errors)")
     check.add_argument("--policy", help="policy YAML (required)")
-    check.add_argument("--database", help="duckdb:///path, postgresql://… (default: the demo data, for the demo's datasets only)")
+    check.add_argument(
+        "--database", help="duckdb:///path, postgresql://… (default: the demo data, for the demo's datasets only)"
+    )
     check.set_defaults(func=cmd_policy_check)
 
     cache = sub.add_parser("cache", help="the result cache next to the ledger")
