@@ -22,6 +22,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing the package
 
+import attacks  # noqa: E402
 import common  # noqa: E402
 import e2e  # noqa: E402
 import noise  # noqa: E402
@@ -70,6 +71,7 @@ BENCHMARKS: dict[str, Callable[[bool], common.Section]] = {
     "groups": e2e.run_groups,
     "peers": peers.run,
     "wire": wire.run,
+    "attacks": attacks.run,
     "spark": run_spark,
 }
 

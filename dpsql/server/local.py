@@ -459,8 +459,19 @@ _DISCARD_TAGS = {"all": "DISCARD ALL", "plans": "DISCARD PLANS", "sequences": "D
 
 
 def parse_local(sql: str) -> LocalCommand | None:
+#: First words of the statements :func:`parse_local` recognises (any other is not a session statement).
+_LOCAL_HEADS = frozenset(
+    {
+        *("set", "show", "reset", "discard", "close", "declare", "fetch", "move", "listen", "unlisten"),
+        *("deallocate", "copy", "begin", "start", "commit", "end", "rollback", "abort", "savepoint", "release"),
+    }
+)
+
+
     """Recognise a statement the server answers itself; None means "not a session statement"."""
     tokens = tokenize(sql)
+    if first_word(sql) not in _LOCAL_HEADS:
+        return None  # without tokenizing all of a long SELECT
     if not tokens or not tokens[0].word:
         return None
     head = tokens[0].word

@@ -148,7 +148,21 @@ def identifiers(sql: str) -> list[str]:
 
 
 def first_word(sql: str) -> str:
-    match = _WORD.search(strip_comments(sql))
+    """The first word of ``strip_comments(sql)``, lower-cased, scanning only as far as it needs:
+    routing a 256 kB statement must not cost a pass over all of it (the GIL is shared)."""
+    parts: list[str] = []
+    started = False
+    for span, s, e in scan(sql):
+        piece = " " if span is Span.COMMENT else sql[s:e]
+        parts.append(piece)
+        if not started:
+            started = _WORD.search(piece) is not None
+        elif not (len(piece) == 1 and (piece.isalnum() or piece in "_$")):
+            text = "".join(parts)
+            match = _WORD.search(text)
+            if match and match.end() < len(text):
+                return match.group(0).lower()
+    match = _WORD.search("".join(parts))
     return match.group(0).lower() if match else ""
 
 

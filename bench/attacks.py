@@ -1,0 +1,321 @@
+"""Benchmark ``attacks``: one analyst attacks ``dpsql serve``; does another analyst still get answers?
+
+Issue #27's bar: under each attack run by one analyst, another analyst's DP COUNT p50 stays
+within 3x its idle p50 measured in the same run, and the server's RSS stays under 1 GB.
+
+Everything runs as separate processes, as in production: the server is ``dpsql serve`` on the
+embedded demo (with its shadow catalog), the attacker is ``python bench/attacks.py attack NAME``
+(its own process, so its client work never shares the server's GIL), and the victim is this
+process. The victim's statement is a DP COUNT with a fresh constant each time (never a cached
+repeat) at ε 0.001. For each attack: the victim's p50 idle (just before), its p50 and p99 during
+the attack, the ratio, and the server's peak RSS sampled every 50 ms from /proc.
+
+Attacks (the issue's items): ``big-catalog`` (item 1: one analyst sends ~250 kB free catalog
+statements on 8 connections), ``preauth`` (item 3: 210 idle unauthenticated sockets; the victim
+opens a new connection per COUNT), ``unread`` (item 2: catalog statements producing 10 MB each,
+pipelined on a socket that is never read), ``cursors`` (item 2: 20 cursors over big catalog
+results per session, 4 sessions), ``sandbox`` (item 4: post-processing cross joins of released
+rows on 4 connections).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path.insert(0, str(ROOT))
+
+VICTIM, ATTACKER = "alice", "analyst"
+BIG_CATALOG_SQL = (
+    "SELECT count(*) FROM pg_catalog.pg_class WHERE relname IN (" + ",".join(f"'r{i:07d}'" for i in range(22_000)) + ")"
+)
+ATTACKS = ("big-catalog", "preauth", "unread", "cursors", "sandbox")
+SANDBOX_SQL = (
+    "SELECT count(*) FROM (SELECT a.n FROM (SELECT age, COUNT(*) AS n FROM patients GROUP BY age) a, "
+    "(SELECT age, COUNT(*) AS n FROM patients GROUP BY age) b, "
+    "(SELECT age, COUNT(*) AS n FROM patients GROUP BY age) c) x"
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _connect(port: int, user: str) -> Any:
+    import psycopg
+
+    return psycopg.connect(f"postgresql://{user}@127.0.0.1:{port}/health", autocommit=True, connect_timeout=30)
+
+
+def _rss_kb(pid: int) -> int:
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+class Server:
+    """``dpsql serve`` on the demo with its shadow catalog, in a throwaway DPSQL_HOME."""
+
+    def __init__(self) -> None:
+        self.home = tempfile.mkdtemp(prefix="dpsql-attacks-")
+        self.port = _free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dpsql.cli", "serve", "--port", str(self.port)],
+            cwd=ROOT,
+            env={**os.environ, "DPSQL_HOME": self.home, "PYTHONPATH": str(ROOT)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            if "dpsql serving" in line:
+                break
+        else:
+            raise RuntimeError("dpsql serve did not start")
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        assert self.proc.stderr is not None
+        for _ in self.proc.stderr:
+            pass
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@contextlib.contextmanager
+def sampling_rss(pid: int) -> Iterator[list[int]]:
+    peak = [0]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], _rss_kb(pid))
+            stop.wait(0.05)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield peak
+    finally:
+        stop.set()
+        thread.join()
+
+
+class Victim:
+    def __init__(self, port: int, fresh_connection: bool = False) -> None:
+        self.port = port
+        self.fresh = fresh_connection
+        self.conn = _connect(port, VICTIM)
+        self.conn.execute("SET dpsql.epsilon = 0.001")
+        self.v = 0
+
+    def once(self) -> float:
+        self.v += 1
+        sql = f"SELECT COUNT(*) FROM patients WHERE age > {self.v % 90} AND bmi < {1000 + self.v}"
+        started = time.monotonic()
+        if self.fresh:
+            with _connect(self.port, VICTIM) as conn:
+                conn.execute("SET dpsql.epsilon = 0.001")
+                conn.execute(sql).fetchall()
+        else:
+            self.conn.execute(sql).fetchall()
+        return time.monotonic() - started
+
+    def run(self, seconds: float, at_most: int = 400) -> list[float]:
+        out: list[float] = []
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and len(out) < at_most:
+            out.append(self.once())
+        return out
+
+
+def measure(server: Server, attack: str, seconds: float) -> dict[str, Any]:
+    victim = Victim(server.port, fresh_connection=attack == "preauth")
+    victim.run(1.0)  # warm
+    idle = victim.run(min(seconds, 5.0), at_most=60)
+    attacker = subprocess.Popen(
+        [sys.executable, str(Path(__file__)), "attack", attack, str(server.port), str(seconds + 5)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    time.sleep(2.0)  # the attack is under way
+    with sampling_rss(server.proc.pid) as peak:
+        busy = victim.run(seconds)
+    attacker.wait(120)
+    out = attacker.stdout.read().strip() if attacker.stdout else ""
+    victim.conn.close()
+    p50_idle, p50_busy = statistics.median(idle), statistics.median(busy)
+    return {
+        "attack": attack,
+        "idle_p50_ms": round(p50_idle * 1000, 2),
+        "busy_p50_ms": round(p50_busy * 1000, 2),
+        "busy_p99_ms": round(sorted(busy)[int(0.99 * (len(busy) - 1))] * 1000, 1),
+        "ratio": round(p50_busy / p50_idle, 2),
+        "peak_rss_mb": round(peak[0] / 1024),
+        "n": len(busy),
+        "attacker": out[-300:],
+    }
+
+
+# --- the attacker process ---------------------------------------------------------------------
+
+
+def _loop(seconds: float, fn: Callable[[], Any]) -> int:
+    done = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            fn()
+        except Exception as exc:  # refusals are part of the attack's outcome
+            errors[type(exc).__name__ + ":" + str(getattr(exc, "sqlstate", ""))] = (
+                errors.get(type(exc).__name__ + ":" + str(getattr(exc, "sqlstate", "")), 0) + 1
+            )
+        done += 1
+    return done
+
+
+errors: dict[str, int] = {}
+
+
+def _threads(n: int, target: Callable[[], Any]) -> None:
+    threads = [threading.Thread(target=target, daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def _startup(user: str) -> bytes:
+    body = struct.pack("!I", 196608) + b"user\0" + user.encode() + b"\0database\0health\0\0"
+    return struct.pack("!I", len(body) + 4) + body
+
+
+def _query(sql: str) -> bytes:
+    body = sql.encode() + b"\0"
+    return b"Q" + struct.pack("!I", len(body) + 4) + body
+
+
+def attack(name: str, port: int, seconds: float) -> None:
+    if name == "big-catalog":
+
+        def big() -> None:
+            with _connect(port, ATTACKER) as conn:
+                _loop(seconds, lambda: conn.execute(BIG_CATALOG_SQL).fetchall())
+
+        _threads(8, big)
+    elif name == "preauth":
+        socks = []
+        for _ in range(210):
+            with contextlib.suppress(OSError):
+                socks.append(socket.create_connection(("127.0.0.1", port)))
+        time.sleep(seconds)
+        for s in socks:
+            s.close()
+    elif name == "unread":
+        socks = []
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and len(socks) < 8:
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(_startup(ATTACKER))
+            s.settimeout(0.5)
+            batch = _query(";".join(["SELECT lpad('x', 10000000, 'y')"] * 50))
+            with contextlib.suppress(OSError):
+                for _ in range(40):  # pipelined, never read
+                    s.sendall(batch)
+            socks.append(s)
+        time.sleep(max(0.0, deadline - time.monotonic()))
+        for s in socks:
+            s.close()
+    elif name == "cursors":
+
+        def cursors() -> None:
+            with _connect(port, ATTACKER) as conn:
+
+                def fill() -> None:
+                    conn.execute("BEGIN")
+                    for i in range(20):
+                        conn.execute(
+                            f"DECLARE c{i} CURSOR FOR SELECT lpad('x', 1000000, 'y') FROM generate_series(1, 30)"
+                        )
+                    time.sleep(1.0)
+                    conn.execute("ROLLBACK")
+
+                _loop(seconds, fill)
+
+        _threads(4, cursors)
+    elif name == "sandbox":
+
+        def sandbox() -> None:
+            with _connect(port, ATTACKER) as conn:
+                conn.execute("SET statement_timeout = '20s'")
+                _loop(seconds, lambda: conn.execute(SANDBOX_SQL).fetchall())
+
+        _threads(4, sandbox)
+    else:
+        raise SystemExit(f"unknown attack {name}")
+    print(f"errors {errors}")
+
+
+def run(quick: bool = False, attacks: tuple[str, ...] = ATTACKS) -> Any:
+    from common import Section
+
+    seconds = 10.0 if quick else 20.0
+    section = Section(
+        "attacks",
+        "one analyst attacks, another's DP COUNT p50 (bar: within 3x idle; server RSS under 1 GB)",
+        ["attack", "idle p50 ms", "attacked p50 ms", "p99 ms", "ratio", "peak RSS MB", "n"],
+    )
+    server = Server()
+    try:
+        for name in attacks:
+            result = measure(server, name, seconds)
+            section.rows.append(
+                [
+                    name,
+                    result["idle_p50_ms"],
+                    result["busy_p50_ms"],
+                    result["busy_p99_ms"],
+                    result["ratio"],
+                    result["peak_rss_mb"],
+                    result["n"],
+                ]
+            )
+            section.data[name] = result
+            section.notes.append(f"{name}: attacker {result['attacker']}")
+    finally:
+        server.stop()
+    return section
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "attack":
+        attack(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
+    else:
+        chosen = tuple(a for a in sys.argv[1:] if a in ATTACKS) or ATTACKS
+        run("--quick" in sys.argv, chosen).print()

@@ -1,0 +1,176 @@
+"""Routing long statements in a helper process, so one analyst's parsing never holds the server's GIL.
+
+Splitting and routing a statement is CPU-bound Python (sqlglot): ~0.3 s for a 250 kB catalog
+statement. Run on the server's worker threads, a few such statements keep the GIL busy and every
+other analyst's statement waits for it at each step (issue #27 item 1: another analyst's DP COUNT
+went from 11 ms to 167 ms while one analyst sent 250 kB catalog statements on 8 connections).
+Statements longer than the inline threshold are therefore split and classified by one helper
+process (``spawn``), which parses on its own core and GIL; the calling worker thread only waits.
+
+Fair share: each analyst has at most one statement in the helper at a time (its others wait in
+their own worker slots), so the helper's FIFO queue holds at most one statement per analyst.
+A parse that outlives its statement's deadline is left to finish; one that runs past
+:data:`HARD_LIMIT` seconds has its helper process killed (the next call starts a new one).
+
+Privacy: only SQL text crosses to the helper, never data; its answer (a route, statement texts)
+depends on the text and the policy's table names only.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import multiprocessing
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
+
+from dpsql.errors import Error, InternalError, QueryCanceled
+
+log = logging.getLogger("dpsql.server")
+
+#: A helper that has parsed one statement for this long is killed (sqlglot takes ~0.3 s for 256 kB).
+HARD_LIMIT = 30.0
+#: How often a waiting worker thread wakes up, so a cancel or timeout raised in it is delivered.
+_POLL = 0.05
+
+
+class _Names:
+    """What :func:`~dpsql.server.catalog.classify` asks of a policy, for the helper: its table names."""
+
+    def __init__(self, names: frozenset[str]) -> None:
+        self.names = names
+
+    def table(self, name: str) -> object | None:
+        return True if name.lower() in self.names or name in self.names else None
+
+
+def _classify(sql: str, names: frozenset[str]) -> tuple[str, Any]:
+    from .catalog import classify
+    from .sqltext import split_statements
+
+    if not split_statements(sql):
+        return "ok", "empty"
+    try:
+        return "ok", classify(sql, _Names(names))  # type: ignore[arg-type]
+    except Error as exc:
+        return "error", (type(exc).__name__, exc.message, exc.hint)
+
+
+def _split(sql: str) -> tuple[str, Any]:
+    from .sqltext import split_statements
+
+    return "ok", split_statements(sql)
+
+
+def _warm() -> None:
+    from . import catalog, sqltext  # noqa: F401  (imports sqlglot once, before the first real call)
+
+
+class Offload:
+    """One helper process, started on first use; shared by all connections of a server."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._analysts: dict[str, threading.Semaphore] = {}
+        self._closed = False
+
+    def _executor(self) -> concurrent.futures.ProcessPoolExecutor:
+        with self._lock:
+            if self._closed:
+                raise InternalError("server is shutting down")
+            if self._pool is None:
+                ctx = multiprocessing.get_context("spawn")
+                self._pool = concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx)
+                self._pool.submit(_warm)
+            return self._pool
+
+    def _share(self, analyst: str) -> threading.Semaphore:
+        with self._lock:
+            sem = self._analysts.get(analyst)
+            if sem is None:
+                sem = self._analysts[analyst] = threading.Semaphore(1)
+            return sem
+
+    def classify(self, analyst: str, sql: str, tables: frozenset[str]) -> str:
+        status, value = self._call(analyst, _classify, sql, tables)
+        if status == "error":
+            from dpsql import errors
+
+            name, message, hint = value
+            cls = getattr(errors, name, None)
+            if isinstance(cls, type) and issubclass(cls, Error):
+                raise cls(message, hint=hint)
+            raise InternalError(message)
+        return str(value)
+
+    def split(self, analyst: str, sql: str) -> list[str]:
+        return list(self._call(analyst, _split, sql)[1])
+
+    def _call(self, analyst: str, fn: Callable[..., tuple[str, Any]], *args: Any) -> tuple[str, Any]:
+        """Run ``fn`` in the helper from a worker thread; a cancel raised in this thread stops the wait."""
+        share = self._share(analyst)
+        while not share.acquire(timeout=_POLL):
+            pass
+        try:
+            future = self._executor().submit(fn, *args)
+            started = time.monotonic()
+            try:
+                while True:
+                    try:
+                        return future.result(timeout=_POLL)
+                    except concurrent.futures.TimeoutError:
+                        if time.monotonic() - started > HARD_LIMIT:
+                            self._kill(future)
+                            raise QueryCanceled("canceling statement: parsing took too long") from None
+            except BrokenProcessPool:
+                self._reset()
+                raise InternalError("the statement parser process stopped") from None
+            except BaseException:
+                if not future.cancel() and not future.done():
+                    self._watch(future, started)
+                raise
+        finally:
+            share.release()
+
+    def _watch(self, future: concurrent.futures.Future[Any], started: float) -> None:
+        """Nobody waits for ``future`` any more: kill the helper if it is still busy at the hard limit."""
+        delay = max(0.0, HARD_LIMIT - (time.monotonic() - started))
+
+        def check() -> None:
+            if not future.done():
+                self._kill(future)
+
+        timer = threading.Timer(delay, check)
+        timer.daemon = True
+        timer.start()
+
+    def _kill(self, future: concurrent.futures.Future[Any]) -> None:
+        log.warning("statement parser process busy for over %.0f s: restarting it", HARD_LIMIT)
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            for proc in list(getattr(pool, "_processes", {}).values()):
+                with contextlib.suppress(Exception):
+                    proc.kill()
+            with contextlib.suppress(Exception):
+                pool.shutdown(wait=False, cancel_futures=True)
+
+    def _reset(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            with contextlib.suppress(Exception):
+                pool.shutdown(wait=False, cancel_futures=True)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            with contextlib.suppress(Exception):
+                pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,68 @@
+"""Long statements are split and routed in a helper process (issue #27 item 1: one analyst's parsing
+held the GIL and slowed every other analyst 15x); the helper's answers are the in-process ones."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from dpsql.demo import demo_policy_path
+from dpsql.errors import InternalError, StatementTooComplex
+from dpsql.policy import load_policy
+from dpsql.server.catalog import classify
+from dpsql.server.offload import Offload
+from dpsql.server.sqltext import split_statements
+
+POLICY = load_policy(demo_policy_path("health"))
+PAD = "/*" + "x" * 5000 + "*/ "
+IN_LIST = ",".join(f"'r{i:05d}'" for i in range(2000))
+LONG = [
+    PAD + "SELECT count(*) FROM pg_catalog.pg_class",  # catalog
+    f"SELECT count(*) FROM pg_class WHERE relname IN ({IN_LIST})",  # catalog, no schema
+    PAD + "SELECT COUNT(*) FROM patients",  # engine
+    PAD + "SELECT COUNT(*) FROM Patients p JOIN pg_class c ON true",  # mixed
+    PAD + "SELECT 1",  # tableless
+    PAD + "SELECT * FROM somewhere_else",  # engine (refused there)
+    PAD + "SELECT OPERATOR(pg_catalog.~) FROM pg_class",  # sqlglot cannot parse: token fallback
+    PAD + "INSERT INTO patients VALUES (1)",  # writes: engine
+]
+
+
+@pytest.fixture(scope="module")
+def offload() -> Iterator[Offload]:
+    helper = Offload()
+    yield helper
+    helper.close()
+
+
+def test_routes_match_in_process(offload: Offload) -> None:
+    tables = frozenset(POLICY.tables)
+    for sql in LONG:
+        assert offload.classify("alice", sql, tables) == classify(sql, POLICY), sql[-60:]
+    assert offload.classify("alice", PAD + " -- only comments\n ;", tables) == "empty"
+
+
+def test_split_matches_in_process(offload: Offload) -> None:
+    sql = ";".join(LONG) + "; ;" + PAD
+    assert offload.split("alice", sql) == split_statements(sql)
+
+
+def test_too_complex_keeps_its_sqlstate(offload: Offload) -> None:
+    deep = "SELECT " + "(" * 5000 + "1" + ")" * 5000 + " FROM pg_class"
+    with pytest.raises(StatementTooComplex) as info:
+        offload.classify("alice", deep, frozenset(POLICY.tables))
+    assert info.value.sqlstate == "54001"
+
+
+def test_a_killed_helper_is_replaced(offload: Offload) -> None:
+    tables = frozenset(POLICY.tables)
+    assert offload.classify("alice", LONG[0], tables) == "catalog"
+    pool = offload._pool
+    assert pool is not None
+    for proc in list(pool._processes.values()):  # type: ignore[attr-defined]
+        proc.kill()
+    with pytest.raises(InternalError, match="statement parser process stopped"):
+        for _ in range(3):  # the pool notices the dead process on the next call
+            offload.classify("alice", LONG[0], tables)
+    assert offload.classify("alice", LONG[0], tables) == "catalog"
