@@ -350,6 +350,10 @@ class InvalidColumnReference(ProgrammingError, code="42P10"):
 # 53, 54, 55: resources, limits, state
 
 
+class OutOfMemory(OperationalError, code="53200"):
+    """A session, an analyst's sessions or the server would hold more bytes than allowed (PostgreSQL's 53200)."""
+
+
 class TooManyConnections(OperationalError, code="53300"):
     pass
 

@@ -9,6 +9,7 @@ tree, which is shared (whoever rewrites it works on a copy).
 from __future__ import annotations
 
 import enum
+import sys
 from dataclasses import dataclass
 
 from sqlglot import exp
@@ -54,23 +55,40 @@ def classify(sql: str) -> Statement:
     return Statement(sql, Kind.QUERY, tree)
 
 
+#: What a parsed or planned statement holds per node of its tree (tracemalloc: 500 to 1,000 bytes).
+NODE_BYTES = 1024
+#: The most the parsed statements of one engine may hold (and, apart, its plans): ~64k nodes.
+CACHE_BYTES = 64 << 20
+
+
+def tree_bytes(sql: str, tree: exp.Expression) -> int:
+    """The bytes a statement's text and tree hold, estimated from its node count (a walk costs
+    microseconds per node; parsing it cost far more)."""
+    return sys.getsizeof(sql) + NODE_BYTES * sum(1 for _ in tree.walk())
+
+
 class Statements:
-    """Classified statements by text, least recently used evicted first; thread-safe."""
+    """Classified statements by text, least recently used evicted first, within :data:`CACHE_BYTES`;
+    thread-safe."""
 
     def __init__(self, size: int = 1024) -> None:
-        self._items: LRU[str, Statement] = LRU(size)
+        self._items: LRU[str, Statement] = LRU(size, CACHE_BYTES)
         #: Texts known to be plain single queries (neither composite nor a schema probe, whatever their
         #: parameters): a repeat skips :func:`dpsql.outer.route`'s copy of the tree. Decided from the text
         #: and the engine's (fixed) policy only.
-        self._plain: LRU[str, bool] = LRU(size)
+        self._plain: LRU[str, bool] = LRU(size, CACHE_BYTES)
 
     def get(self, sql: str) -> Statement:
         """The statement for ``sql``, shared: copy its tree before rewriting it."""
-        return self._items.get(sql) or self._items.put(sql, classify(sql))
+        cached = self._items.get(sql)
+        if cached is not None:
+            return cached
+        statement = classify(sql)
+        return self._items.put(sql, statement, tree_bytes(sql, statement.tree))
 
     def plain(self, sql: str) -> bool:
         """Whether ``sql`` was found to be a plain single query (a dict lookup)."""
         return self._plain.get(sql) is not None
 
     def mark_plain(self, sql: str) -> None:
-        self._plain.put(sql, True)
+        self._plain.put(sql, True, sys.getsizeof(sql))

@@ -28,6 +28,7 @@ from dpsql.errors import (
 from dpsql.pgtypes import PG_TYPE_OIDS, TEXT
 
 from .local import Action, FetchSpec, LocalCommand
+from .memory import HeldStore
 from .protocol import Diagnostic, FieldDescription
 from .results import Outcome
 from .types import encode_value
@@ -115,8 +116,9 @@ class SessionCommands:
         self.portals = portals
         #: Set by the connection: ``SHOW dpsql.budget`` reads the analyst's own row from its ledger.
         self.engine: Engine | None = None
-        #: Open cursors by name (DECLARE: the connection runs the query and adds them here).
-        self.cursors: dict[str, Cursor] = {}
+        #: Open cursors by name (DECLARE: the connection runs the query and adds them here, with the
+        #: bytes of their rows: given back however a cursor closes, see :mod:`.memory`).
+        self.cursors: HeldStore[str, Cursor] = HeldStore()
         self.handlers: dict[Action, Callable[[LocalCommand], Outcome | None]] = {
             Action.NOOP: lambda cmd: None,
             Action.SET: self.set,

@@ -29,6 +29,7 @@ from . import protocol as pq
 from .catalog import CatalogUnavailable, refuse_mixed
 from .commands import SessionCommands
 from .local import LocalCommand
+from .memory import HeldStore, params_size, statement_size
 from .protocol import FieldDescription, ProtocolViolation
 from .results import Outcome, engine_fields, noisy_flags
 from .sqltext import after_keyword
@@ -96,8 +97,9 @@ class ExtendedProtocol:
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
-        self.statements: dict[str, Statement] = {}
-        self.portals: dict[str, Portal] = {}
+        #: Each entry with the bytes it holds (:mod:`.memory`), given back however it leaves.
+        self.statements: HeldStore[str, Statement] = HeldStore()
+        self.portals: HeldStore[str, Portal] = HeldStore()
 
     async def handle(self, msg: pq.FrontendMessage) -> None:
         if isinstance(msg, pq.Parse):
@@ -128,6 +130,19 @@ class ExtendedProtocol:
                 f"too many prepared statements in this session (at most {limit})",
                 hint="Close (DEALLOCATE) prepared statements that are no longer needed.",
             )
+        if not msg.name:
+            self.statements.pop("", None)  # as PostgreSQL: the unnamed statement goes at the next Parse
+        hold = conn.memory.hold("prepared statement", statement_size(msg.sql, msg.param_oids))
+        try:
+            await self._parse(msg)
+        except BaseException:
+            hold.release()
+            raise
+        self.statements.attach(msg.name, hold)
+        conn.send(pq.parse_complete())
+
+    async def _parse(self, msg: pq.Parse) -> None:
+        conn = self.conn
         statements = await conn.split(msg.sql)
         if len(statements) > 1:
             raise SyntaxError_("cannot insert multiple commands into a prepared statement")
@@ -141,7 +156,6 @@ class ExtendedProtocol:
             conn.audit_refusal(stmt.sql, exc.sqlstate, started)
             raise
         self.statements[msg.name] = stmt
-        conn.send(pq.parse_complete())
 
     async def _describe_statement(self, stmt: Statement) -> None:
         """Fill parameter types and result columns without running the query (no budget spent)."""
@@ -210,6 +224,8 @@ class ExtendedProtocol:
             raise InvalidStatementName(f'prepared statement "{msg.statement}" does not exist')
         if msg.portal and msg.portal in self.portals:
             raise DuplicateCursor(f'portal "{msg.portal}" already exists')
+        if not msg.portal:
+            self.portals.pop("", None)  # as PostgreSQL: the unnamed portal goes at the next Bind
         limit = conn.ctx.options.max_portals
         if msg.portal and len(self.portals) >= limit:
             raise ConfigurationLimitExceeded(
@@ -229,7 +245,10 @@ class ExtendedProtocol:
         assert conn.settings is not None
         portal = Portal(stmt, msg.params, msg.param_formats, msg.result_formats, conn.settings.show_intervals)
         conn.decode_params(stmt, portal)  # validate now: PostgreSQL reports bad input at Bind
-        self.portals[msg.portal] = portal
+        hold = conn.memory.hold("portal", params_size(msg.params))
+        if (text := self.statements.hold_of(msg.statement)) is not None:
+            hold.parts.append(text.share())  # it keeps the statement alive after a Close of it
+        self.portals.put(msg.portal, portal, hold)
         conn.send(pq.bind_complete())
 
     # -- Describe ------------------------------------------------------------------------------------
@@ -269,6 +288,8 @@ class ExtendedProtocol:
         portal = self._portal(msg.portal)
         if portal.outcome is None:
             portal.outcome = await conn.execute(portal.statement, portal)
+            if (hold := portal.outcome.take_hold()) is not None:  # the portal keeps the rows till it closes
+                self.portals.attach(msg.portal, hold)
             conn.send_side_effects(portal.outcome)
         outcome = portal.outcome
         if portal.statement.route == "empty":
