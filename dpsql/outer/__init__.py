@@ -11,7 +11,8 @@ LIMIT 5``, CTEs over aggregates, ``UNION ALL`` of DP queries and windows over ag
    composition; one reservation, so no inner answer can be charged without the others);
 3. each inner query is run and released with noise exactly as if it had been sent alone;
 4. the outer statement runs in a fresh sandbox (:mod:`.sandbox`) holding only the released rows and
-   public tables: post-processing, which cannot lose privacy. Its errors (a division by a noisy zero)
+   public tables, once admitted (:mod:`.admission`: memory, per-analyst share, CPU time charged), on a
+   low-priority thread: post-processing, which cannot lose privacy. Its errors (a division by a noisy zero)
    depend on noise, never on un-noised values. It is bounded like a database statement: the statement
    timeout runs from the start of the composite statement and interrupts the sandbox (57014); its
    result is capped in rows and bytes (54000); ``WITH RECURSIVE`` and functions making rows or sized
@@ -35,8 +36,9 @@ from dpsql.analyze import analyze_tree, infer_parameter_types
 from dpsql.analyze.parse import Params, bind_parameters, parse_statement, placeholder_value
 from dpsql.errors import ProgramLimitExceeded, charged_on_failure
 from dpsql.outer import run
+from dpsql.outer.admission import Table, post_process
 from dpsql.outer.explain import CompositeExplanation, SubPlan
-from dpsql.outer.sandbox import MAX_PUBLIC_ROWS, Sandbox, outer_sql, pg_type, release_value
+from dpsql.outer.sandbox import MAX_PUBLIC_ROWS, Sandbox, outer_sql, pg_type
 from dpsql.outer.series import answer_series, describe_series, explain_series, split_series
 from dpsql.outer.shapes import Composite, decompose, needs_outer, own_aggregates, refuse_recursion
 from dpsql.pgtypes import PgType
@@ -301,16 +303,15 @@ def answer(engine: Engine, composite: Composite, session: Session, sql: str) -> 
     charge = run.reserve(engine, cost, session, sql)
     with charged_on_failure(cost.epsilon if charge is not None and cost is not None else 0.0):
         released = [run.release(engine, part, confidence) for part in parts]
-        text = outer_sql(composite.outer)
-        with Sandbox(ends) as box:
-            for inner, cols, result in zip(composite.inners, inputs, released, strict=True):
-                box.load(inner.table, [(c.name, c.type) for c in cols], result.rows)
-            for name in composite.public:
-                box.load(name, *_read_public(engine, name))
-            rows = box.run(text)
-    kinds = [c.type for c in columns]
-    values = [tuple(release_value(v, k) for v, k in zip(row, kinds, strict=True)) for row in rows]
-    result = Result(columns, values, [tuple(None for _ in columns) for _ in values], 0.0, 0.0)
+        tables: list[Table] = [
+            (inner.table, [(c.name, c.type) for c in cols], result.rows)
+            for inner, cols, result in zip(composite.inners, inputs, released, strict=True)
+        ]
+        tables.extend((name, *_read_public(engine, name)) for name in composite.public)
+        kinds = [c.type for c in columns]
+        values = post_process(session.analyst, ends, tables, outer_sql(composite.outer), kinds)
+    exact = tuple(None for _ in columns)
+    result = Result(columns, values, [exact] * len(values), 0.0, 0.0)
     run.charged_notice(engine, result, cost, charge, session, parts)
     result.notices.append(POSTPROCESSED_NOTICE)
     return result

@@ -7,13 +7,16 @@ and its configuration is locked, so the outer SQL cannot reach anything but what
 
 Resources (the outer statement is free once its inner queries are released, or cached, so it must
 not be a way to take the server's memory or a core): the statement's deadline interrupts the sandbox
-(57014, as a database statement); the result is fetched in batches and refused past
-:data:`MAX_RESULT_BYTES` (54000) or :data:`MAX_OUTPUT_ROWS`; recursive CTEs and functions that make
-rows or sized values are refused before anything is charged (:func:`dpsql.outer.shapes.refuse_sized`).
-In ``dpsql serve`` the sandbox runs in the statement's worker thread, inside the analyst's fair share
-of worker slots (:class:`dpsql.server.limits.WorkSlots`), and the server's cancel or timeout reaches it
-through :func:`dpsql.backends.cancellable`, like a backend statement. None of this reads un-noised data:
-whether a limit is hit depends on the released rows and the SQL only (post-processing).
+(57014, as a database statement); the result is fetched in batches and refused once the Python objects
+it holds pass :data:`MAX_RESULT_BYTES` (54000) or :data:`MAX_OUTPUT_ROWS`; recursive CTEs and functions
+that make rows or sized values are refused before anything is charged
+(:func:`dpsql.outer.shapes.refuse_sized`). Sandboxes that hold released rows are admitted process-wide
+and run on low-priority threads (:mod:`dpsql.outer.admission`): a bounded number at once (their memory
+capped in total), at most one per analyst, their CPU time charged to the analyst; the statement's worker
+thread waits for its sandbox while holding the analyst's worker slot
+(:class:`dpsql.server.limits.WorkSlots`), and the server's cancel or timeout reaches the sandbox through
+:func:`dpsql.backends.cancellable`, like a backend statement. None of this reads un-noised data: whether
+a limit is hit depends on the released rows and the SQL only (post-processing).
 
 Not bounded here: DuckDB does not count string values against ``memory_limit``, so concatenation
 doubling a released value through many nested sub-queries can still allocate before the byte cap
@@ -29,6 +32,7 @@ import datetime as dt
 import decimal
 import logging
 import re
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -58,7 +62,8 @@ from dpsql.pgtypes import PgType
 
 log = logging.getLogger(__name__)
 
-#: Sandbox settings: no file system, no extensions, one thread, bounded memory; locked afterwards.
+#: Sandbox settings: no file system, no extensions, one thread, bounded memory; locked afterwards
+#: (:data:`_SESSION`).
 CONFIG: dict[str, str | bool | int] = {
     "enable_external_access": False,
     "autoload_known_extensions": False,
@@ -66,13 +71,15 @@ CONFIG: dict[str, str | bool | int] = {
     "threads": 1,
     "memory_limit": "128MB",
     "max_temp_directory_size": "0KB",
-    "lock_configuration": True,
 }
+#: Run once before the outer SQL can: no progress bar on the server's stdout, then the lock.
+_SESSION = ("SET enable_progress_bar = false", "SET lock_configuration = true")
 #: Most rows a public table may bring into the sandbox.
 MAX_PUBLIC_ROWS = 100_000
 #: Most rows the outer statement may return.
 MAX_OUTPUT_ROWS = 1_000_000
-#: Most bytes the outer statement's result may hold (estimated while fetching: see :func:`value_bytes`).
+#: Most bytes of Python objects the outer statement's result may hold in the server (counted while
+#: fetching: see :func:`value_bytes`).
 MAX_RESULT_BYTES = 64 * 1024 * 1024
 #: Rows fetched at a time, at most (fewer once rows are seen to be large).
 FETCH_ROWS = 1024
@@ -117,15 +124,15 @@ def _quote(name: str) -> str:
 
 
 def value_bytes(value: Any) -> int:
-    """Estimated size of a released value: the length of a text or bytes, 8 for anything else, summed
-    over the items of a list or struct."""
-    if isinstance(value, str | bytes | bytearray):
-        return len(value)
+    """Memory a released value (or row) holds in the server: the size of its Python object, summed over
+    the items of a row, list or struct. Shared objects (None, small integers) are counted each time, so
+    this errs high: a text of two characters costs 51 bytes, not 2 (counting text lengths only let a
+    1,000,000-row result of short texts pass the cap while it held 1.3 GB)."""
     if isinstance(value, list | tuple):
-        return 8 + sum(value_bytes(v) for v in value)
+        return sys.getsizeof(value) + sum(value_bytes(v) for v in value)
     if isinstance(value, dict):
-        return 8 + sum(value_bytes(k) + value_bytes(v) for k, v in value.items())
-    return 8
+        return sys.getsizeof(value) + sum(value_bytes(k) + value_bytes(v) for k, v in value.items())
+    return sys.getsizeof(value)
 
 
 class Sandbox:
@@ -137,9 +144,12 @@ class Sandbox:
 
     def __init__(self, deadline: float | None = None, max_bytes: int | None = None) -> None:
         self.con = duckdb.connect(":memory:", config=dict(CONFIG))
+        for setting in _SESSION:
+            self.con.execute(setting)
         self.deadline = deadline
         self.max_bytes = MAX_RESULT_BYTES if max_bytes is None else max_bytes
         self._expired = False
+        self._stopped = False
 
     def __enter__(self) -> Sandbox:
         return self
@@ -151,6 +161,19 @@ class Sandbox:
         self._expired = True
         with contextlib.suppress(duckdb.Error):  # the statement ended (and the sandbox closed) meanwhile
             self.con.interrupt()
+
+    def stop(self) -> None:
+        """Cancel (any thread): interrupt the running statement; the fetch loop stops at its next batch."""
+        self._stopped = True
+        with contextlib.suppress(duckdb.Error):
+            self.con.interrupt()
+
+    def _check(self) -> None:
+        """Between batches: DuckDB's interrupt reaches a running statement, not Python fetching its rows."""
+        if self._expired:
+            raise timed_out()
+        if self._stopped:
+            raise QueryCanceled("canceling statement due to user request")
 
     @contextlib.contextmanager
     def _bounded(self) -> Iterator[None]:
@@ -165,7 +188,8 @@ class Sandbox:
             timer.daemon = True
             timer.start()
         try:
-            with cancellable(self.con.interrupt):
+            with cancellable(self.stop):
+                self._check()
                 yield
         except duckdb.InterruptException as exc:
             log.debug("post-processing sandbox interrupted: %s", exc)
@@ -179,33 +203,36 @@ class Sandbox:
                 timer.cancel()
 
     def load(self, table: str, columns: Sequence[tuple[str, PgType]], rows: Sequence[tuple[Any, ...]]) -> None:
-        """Create ``table`` with PostgreSQL-typed columns and insert ``rows`` (none for a dry run)."""
+        """Create ``table`` with PostgreSQL-typed columns and insert ``rows`` (none for a dry run);
+        interruptible like a statement (a public table may bring many rows)."""
         cols = ", ".join(f"{_quote(n)} {_TO_DUCKDB.get(t, 'VARCHAR')}" for n, t in columns)
         self.con.execute(f"CREATE TABLE {_quote(table)} ({cols})")
         if rows:
             marks = ", ".join("?" for _ in columns)
-            try:
+            with self._bounded():
                 self.con.executemany(f"INSERT INTO {_quote(table)} VALUES ({marks})", [list(r) for r in rows])
-            except duckdb.Error as exc:
-                raise translate(exc) from None
 
     def describe(self, sql: str) -> list[tuple[str, str]]:
         """(name, DuckDB type) of each output column, without running the statement."""
         with self._bounded():
             return [(str(r[0]), str(r[1])) for r in self.con.execute(f"DESCRIBE {sql}").fetchall()]
 
-    def run(self, sql: str) -> list[tuple[Any, ...]]:
-        """The statement's rows, fetched in batches until :data:`MAX_OUTPUT_ROWS` rows or ``max_bytes``
-        (estimated by :func:`value_bytes`) are exceeded (54000): DuckDB streams the result, so neither
-        a long result nor large values are held beyond the cap and one batch."""
+    def run(self, sql: str, kinds: Sequence[PgType | None] | None = None) -> list[tuple[Any, ...]]:
+        """The statement's rows (as released values of ``kinds``, see :func:`release_value`, if given),
+        fetched in batches until :data:`MAX_OUTPUT_ROWS` rows or ``max_bytes`` (counted by
+        :func:`value_bytes`) are exceeded (54000): DuckDB streams the result, so neither a long result
+        nor large values are held beyond the cap and one batch."""
         rows: list[tuple[Any, ...]] = []
         size = widest = 0
         batch = 16
         with self._bounded():
             cursor = self.con.execute(sql)
             while chunk := cursor.fetchmany(batch):
+                self._check()
+                if kinds is not None:
+                    chunk = [tuple(release_value(v, k) for v, k in zip(row, kinds, strict=True)) for row in chunk]
                 for row in chunk:
-                    n = sum(value_bytes(v) for v in row)
+                    n = value_bytes(row) + 8  # and its place in the list
                     size += n
                     widest = max(widest, n)
                 rows.extend(chunk)

@@ -1,0 +1,326 @@
+"""Process-wide admission of post-processing sandboxes, and the low-priority threads they run on.
+
+The outer statement of a composite query is free once its inner queries are released or cached, so
+an analyst can send it again and again: without a bound, a few sessions running cross joins or large
+windows over released rows took both cores and GBs of memory from everyone else (issue #27). Here:
+
+* memory: each sandbox reserves :data:`RESERVED_BYTES` (DuckDB's ``memory_limit``, the fetched result's
+  cap, slack for what DuckDB does not count) out of a process-wide total, so at most
+  ``total // RESERVED_BYTES`` sandboxes hold released rows at once;
+* fair share: at most ``per_analyst`` of them (default 1) belong to one analyst; waiters are admitted in
+  arrival order among those whose analyst is under its share;
+* CPU: sandboxes run on dedicated threads that lowered their own priority once (``nice`` +19 on
+  Linux: it applies to that thread only, and can never be raised again, hence threads of their own),
+  so DP queries and everyone else's work go first; the CPU time a sandbox used (its thread's
+  :func:`time.thread_time`) is charged to its analyst's token bucket (``cpu_rate`` CPU-seconds per
+  second, up to ``cpu_burst``), and an analyst in debt waits before its next sandbox starts.
+
+Waiting counts against the statement's deadline (57014 when it passes); a cancel or the server's
+statement timeout (:func:`dpsql.backends.cancellable`, i.e. :meth:`dpsql.server.limits.Job.stoppable`)
+stops the wait or the running sandbox; more than ``max_waiting`` waiters are refused (53400). The
+statement's own worker thread waits for its sandbox, so the analyst's worker slot stays taken meanwhile.
+
+Privacy: sandboxes hold released (noisy) rows and public tables only. Whether a statement waits, times
+out or is refused here depends on the SQL, the released rows, and other statements' post-processing of
+released rows (their CPU time and number): never on un-noised data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from dpsql.backends import cancellable, statement_hook, timed_out
+from dpsql.errors import ConfigurationLimitExceeded, QueryCanceled
+from dpsql.outer.sandbox import Sandbox
+from dpsql.pgtypes import PgType
+
+log = logging.getLogger(__name__)
+
+MIB = 1024 * 1024
+#: What one sandbox reserves: DuckDB's ``memory_limit`` (128 MB), the fetched result's cap (64 MiB), and
+#: 64 MiB for what DuckDB does not count (strings) and the batch being converted.
+RESERVED_BYTES = 256 * MIB
+#: Sandbox memory of the process in all (``dpsql serve --sandbox-memory``): two sandboxes at once.
+DEFAULT_MEMORY = 512 * MIB
+#: ``nice`` of the sandbox threads (19: the lowest priority).
+NICE = 19
+
+#: (name, (column, PostgreSQL type) pairs, rows) of a table loaded into the sandbox.
+Table = tuple[str, Sequence[tuple[str, PgType]], Sequence[tuple[Any, ...]]]
+
+
+class _Waiter:
+    __slots__ = ("analyst", "cancelled")
+
+    def __init__(self, analyst: str) -> None:
+        self.analyst = analyst
+        self.cancelled = False
+
+
+class Admission:
+    """Admission of sandboxes: ``memory // RESERVED_BYTES`` at once (at least one), ``per_analyst`` per
+    analyst, each analyst's CPU time charged to a token bucket (``cpu_rate`` 0: not limited).
+
+    Thread-safe; used from the statements' worker threads. :attr:`running` and :attr:`peak` (the most
+    sandboxes ever admitted at once) are for tests and the operator."""
+
+    def __init__(
+        self,
+        memory: int = DEFAULT_MEMORY,
+        per_analyst: int = 1,
+        cpu_rate: float = 0.5,
+        cpu_burst: float = 30.0,
+        max_waiting: int = 64,
+    ) -> None:
+        self._cond = threading.Condition()
+        self._queue: list[_Waiter] = []
+        self._buckets: dict[str, tuple[float, float]] = {}
+        self.running: dict[str, int] = {}
+        self.total = 0
+        self.peak = 0
+        self.configure(memory, per_analyst, cpu_rate, cpu_burst, max_waiting)
+
+    def configure(
+        self,
+        memory: int | None = None,
+        per_analyst: int | None = None,
+        cpu_rate: float | None = None,
+        cpu_burst: float | None = None,
+        max_waiting: int | None = None,
+    ) -> None:
+        """Change the limits (None: keep); sandboxes already running keep their place."""
+        with self._cond:
+            if memory is not None:
+                self.memory = memory
+            if per_analyst is not None:
+                self.per_analyst = max(1, per_analyst)
+            if cpu_rate is not None:
+                self.cpu_rate = max(0.0, cpu_rate)
+            if cpu_burst is not None:
+                self.cpu_burst = max(0.0, cpu_burst)
+            if max_waiting is not None:
+                self.max_waiting = max(0, max_waiting)
+            self._cond.notify_all()
+
+    @property
+    def capacity(self) -> int:
+        """Sandboxes admitted at once."""
+        return max(1, self.memory // RESERVED_BYTES)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    # -- CPU --------------------------------------------------------------------------------------
+
+    def _tokens(self, analyst: str, now: float) -> float:
+        tokens, stamp = self._buckets.get(analyst, (self.cpu_burst, now))
+        return min(self.cpu_burst, tokens + (now - stamp) * self.cpu_rate)
+
+    def cpu_wait(self, analyst: str, now: float | None = None) -> float:
+        """Seconds until ``analyst`` may start a sandbox again (0: now): the CPU time its sandboxes used
+        beyond its bucket, refilled at ``cpu_rate``."""
+        if not self.cpu_rate:
+            return 0.0
+        tokens = self._tokens(analyst, time.monotonic() if now is None else now)
+        return 0.0 if tokens > 0 else -tokens / self.cpu_rate + 1e-3
+
+    def charge(self, analyst: str, seconds: float) -> None:
+        """Charge ``seconds`` of sandbox CPU time to ``analyst``."""
+        with self._cond:
+            now = time.monotonic()
+            tokens = self._tokens(analyst, now) - seconds
+            if tokens >= self.cpu_burst:
+                self._buckets.pop(analyst, None)  # full: nothing to remember
+            else:
+                self._buckets[analyst] = (tokens, now)
+            self._cond.notify_all()
+
+    # -- admission ------------------------------------------------------------------------------
+
+    def _turn(self, waiter: _Waiter, now: float) -> bool:
+        """Whether ``waiter`` goes now: a place is free once every earlier waiter that may go has one."""
+        free = self.capacity - self.total
+        taken: dict[str, int] = {}
+        for other in self._queue:
+            if free <= 0:
+                return False
+            own = self.running.get(other.analyst, 0) + taken.get(other.analyst, 0)
+            ready = own < self.per_analyst and self.cpu_wait(other.analyst, now) <= 0
+            if other is waiter:
+                return ready
+            if ready:
+                free -= 1
+                taken[other.analyst] = taken.get(other.analyst, 0) + 1
+        return False
+
+    def _wake(self, waiter: _Waiter) -> None:
+        with self._cond:
+            waiter.cancelled = True
+            self._cond.notify_all()
+
+    def acquire(self, analyst: str, deadline: float | None) -> None:
+        """Wait for a place (57014 at ``deadline``, :func:`time.monotonic`; 53400 when too many wait)."""
+        waiter = _Waiter(analyst)
+        with self._cond:
+            if len(self._queue) >= self.max_waiting:
+                raise ConfigurationLimitExceeded(
+                    "too many post-processing statements are waiting for the sandbox",
+                    hint="The server is saturated; retry shortly.",
+                )
+            self._queue.append(waiter)
+        try:
+            with cancellable(lambda: self._wake(waiter)), self._cond:
+                while True:
+                    if waiter.cancelled:
+                        raise QueryCanceled("canceling statement due to user request")
+                    now = time.monotonic()
+                    if self._turn(waiter, now):
+                        break
+                    if deadline is not None and now >= deadline:
+                        raise timed_out()
+                    timeout = None if deadline is None else deadline - now
+                    if self.cpu_wait(analyst, now) > 0:  # nobody notifies when the bucket refills
+                        refill = self.cpu_wait(analyst, now)
+                        timeout = refill if timeout is None else min(timeout, refill)
+                    self._cond.wait(timeout)
+                self.running[analyst] = self.running.get(analyst, 0) + 1
+                self.total += 1
+                self.peak = max(self.peak, self.total)
+        finally:
+            with self._cond:
+                self._queue.remove(waiter)
+                self._cond.notify_all()  # the order changed: a later waiter may go now
+
+    def release(self, analyst: str, cpu_seconds: float = 0.0) -> None:
+        """The sandbox has ended: its place is free, its CPU time charged."""
+        with self._cond:  # a reentrant lock: charge takes it again
+            self.running[analyst] -= 1
+            if not self.running[analyst]:
+                del self.running[analyst]
+            self.total -= 1
+            self.charge(analyst, cpu_seconds)
+
+
+#: The process's sandbox admission (``dpsql serve`` configures it from its options).
+ADMISSION = Admission()
+
+
+def configure(
+    memory: int | None = None,
+    per_analyst: int | None = None,
+    cpu_rate: float | None = None,
+    cpu_burst: float | None = None,
+    max_waiting: int | None = None,
+) -> Admission:
+    """Set the process's sandbox limits (None: keep); returns :data:`ADMISSION`."""
+    ADMISSION.configure(memory, per_analyst, cpu_rate, cpu_burst, max_waiting)
+    return ADMISSION
+
+
+# -- low-priority threads ------------------------------------------------------------------------
+
+_pool_lock = threading.Lock()
+_pool: tuple[ThreadPoolExecutor, int] | None = None
+
+
+def _lower_priority() -> None:
+    """Once, in a new sandbox thread: the lowest CPU priority, for this thread only (Linux: a thread's
+    ``nice`` is its own; elsewhere this may apply to the process or fail, and is then skipped)."""
+    if not hasattr(os, "setpriority") or os.uname().sysname != "Linux":
+        return
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+
+
+def _submit(size: int, work: Callable[[], list[tuple[Any, ...]]]) -> Future[list[tuple[Any, ...]]]:
+    """Run ``work`` on a sandbox thread: as many threads as sandboxes may run at once (a new pool when
+    that changes; the old one's threads end with their work)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[1] != size:
+            if _pool is not None:
+                _pool[0].shutdown(wait=False)
+            pool = ThreadPoolExecutor(max_workers=size, thread_name_prefix="dpsql-sandbox", initializer=_lower_priority)
+            _pool = (pool, size)
+        return _pool[0].submit(work)
+
+
+class _Stops:
+    """The running sandbox's stop functions (offered through :func:`cancellable` in its thread), called
+    by :meth:`stop` from the statement's thread; a stop before the sandbox starts stops it at its start."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stops: list[Callable[[], object]] = []
+        self.stopped = False
+
+    @contextlib.contextmanager
+    def hook(self, stop: Callable[[], object]) -> Iterator[None]:
+        with self._lock:
+            if self.stopped:
+                raise QueryCanceled("canceling statement due to user request")
+            self._stops.append(stop)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._stops.remove(stop)
+
+    def stop(self) -> None:
+        with self._lock:
+            self.stopped = True
+            stops = list(self._stops)
+        for stop in stops:
+            with contextlib.suppress(Exception):
+                stop()
+
+
+def post_process(
+    analyst: str,
+    deadline: float | None,
+    tables: Sequence[Table],
+    sql: str,
+    kinds: Sequence[PgType | None] | None = None,
+    admission: Admission | None = None,
+) -> list[tuple[Any, ...]]:
+    """Run ``sql`` over ``tables`` (released rows and public tables) in a fresh sandbox, once admitted,
+    on a low-priority thread; its rows as released values of ``kinds`` (see :meth:`Sandbox.run`).
+
+    The calling thread waits (a cancel reaching it through :func:`cancellable` stops the sandbox); the
+    place is given back, and the sandbox's CPU time charged to ``analyst``, when the sandbox has ended."""
+    gate = ADMISSION if admission is None else admission
+    gate.acquire(analyst, deadline)
+    stops = _Stops()
+
+    def work() -> list[tuple[Any, ...]]:
+        started = time.thread_time()
+        try:
+            with statement_hook(stops.hook), Sandbox(deadline) as box:
+                for name, columns, rows in tables:
+                    box.load(name, columns, rows)
+                return box.run(sql, kinds)
+        finally:
+            gate.release(analyst, time.thread_time() - started)
+
+    try:
+        future = _submit(gate.capacity, work)
+    except BaseException:
+        gate.release(analyst)
+        raise
+    try:
+        with cancellable(stops.stop):
+            return future.result()
+    except BaseException:
+        if not future.done():  # interrupted before the hook was offered: stop the sandbox, wait for it
+            stops.stop()
+            with contextlib.suppress(BaseException):
+                future.result()
+        raise
