@@ -427,8 +427,10 @@ def audit_rows(
     statements of ``outcomes`` and the actions named in it, when given).
 
     Reads the ledger only — never the data."""
-    kinds = None if outcomes is None else [o for o in outcomes if o in ("grant", "freeze", "unfreeze")]
-    statements = None if outcomes is None else [o for o in outcomes if o not in ("grant", "freeze", "unfreeze")]
+    from dpsql.ledger import LEVER_KINDS
+
+    kinds = None if outcomes is None else [o for o in outcomes if o in LEVER_KINDS]
+    statements = None if outcomes is None else [o for o in outcomes if o not in LEVER_KINDS]
     rows = []
     if statements is None or statements:
         rows += [
@@ -463,7 +465,7 @@ def _statement_row(entry: AuditEntry) -> dict[str, Any]:
 def _lever_row(event: LeverEvent) -> dict[str, Any]:
     return {
         "at": event.at,
-        "analyst": event.analyst,
+        "analyst": event.analyst or None,  # a prune is for no one analyst
         "event": event.kind,
         "sqlstate": None,
         "epsilon": event.epsilon,

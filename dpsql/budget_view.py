@@ -6,7 +6,9 @@ curator froze them. Privacy argument: every figure is a function of the analyst'
 the curator's levers on them — never of the data, never of another analyst's spending and never of
 the dataset's total (which would reveal what the others spent). It reads the ledger only and
 charges nothing. Remaining ε is the accountant's own figure (:func:`dpsql.accountant.remaining_budget`),
-the one the ledger checks against.
+the one the ledger checks against, capped by what the dataset has left (:func:`dpsql.ledger.min_remaining`):
+what the analyst can really spend. The cap says no more about the others' spending than the free
+53P01 refusal of a query beyond it would.
 
 ``SELECT … FROM dpsql_budget`` (what a BI tool sends; the relation also exists, empty, in the
 shadow catalog so schema sync lists it) is answered by plain Python over that one row, for a fixed
@@ -73,6 +75,9 @@ def own_budget(ledger: Ledger, policy: Policy, analyst: str) -> tuple[Any, ...]:
     limit = levers.limit(policy.analyst_budget(analyst))
     spent = next((row.spent for row in ledger.summary(dataset) if row.analyst == analyst), Spent())
     left = remaining_budget(spent, limit, accounting)
+    from dpsql.ledger import min_remaining
+
+    left = min_remaining(left, remaining_budget(ledger.spent(dataset), policy.budget.dataset, accounting))
     epsilon_spent = spent.privacy_loss(accounting, limit.delta)[0]
     delta_spent = spent.delta if accounting == "pure" else spent.selection_delta
     return (

@@ -602,7 +602,9 @@ class PostgresResultCache(ResultCache):
             conn.execute("SET statement_timeout = '30s'")
             with conn.transaction():
                 conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", _PG_CACHE_LOCK)
-                conn.execute(_PG_CACHE_SCHEMA)
+                row = conn.execute("SELECT to_regclass('dpsql_result_cache')").fetchone()
+                if row is None or row[0] is None:  # a ledger-writer role may not create tables (README roles)
+                    conn.execute(_PG_CACHE_SCHEMA)
         except psycopg.Error as exc:
             raise LedgerUnavailable(f"result cache unavailable: {str(exc).strip()}") from None
         return conn

@@ -18,6 +18,16 @@ Each charge row is the audit log; a small ``…_totals`` table, updated in the s
 transaction, keeps per-(dataset, analyst) sums so a reserve costs O(1) however long the
 history grows.
 
+Schema 5 makes the append-only rows the authority on what was spent: each charge row also carries
+its analyst's and its dataset's sums after it, and a reservation charges against the larger of those
+(two index probes) and the totals, so a total lowered by hand (``UPDATE dpsql_ledger_totals``) or
+deleted tail rows never give budget back; a disagreement is logged at ERROR once per process, and
+:meth:`Ledger.verify` re-adds every row. Max rather than fail-closed: either source alone already
+gives a safe figure, and refusing every query would hand anyone with the ledger's credentials a
+switch to stop the service without buying any privacy. On PostgreSQL a ``SECURITY DEFINER`` insert
+trigger computes the sums and sets the totals, so the server's role needs INSERT on the charges only
+(README: "Least-privilege database roles"); :func:`serve_role_warnings` warns when it holds more.
+
 Composition, conversion and the budget checks are :mod:`dpsql.accountant`'s; the ledger stores
 what it needs (ε, δ, ρ and selection δ per charge) and runs its checks inside the reservation.
 Dataset totals sum *all* analysts, since analysts may collude.
@@ -35,6 +45,7 @@ and existing totals take their recorded δ as selection δ (an upper bound: cons
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import math
 import os
 import secrets
@@ -79,6 +90,8 @@ if TYPE_CHECKING:
     import psycopg
 
 
+log = logging.getLogger("dpsql.ledger")
+
 #: ``dpsql_ledger_meta`` key of the per-installation secret (see :meth:`Ledger.installation_key`).
 _INSTALLATION_KEY = "installation_key"
 
@@ -108,6 +121,25 @@ class Charge:
     analyst_limit: Allowance = NO_GRANT
     #: The ``dpsql_audit`` row written with the charge, in its transaction (finalised when the statement ends).
     audit_id: int | None = None
+    #: The dataset's budget this charge was checked against (None: not known, e.g. a hand-made Charge).
+    dataset_limit: Allowance | None = None
+
+    def remaining(self, accounting: Accounting) -> Remaining:
+        """What the analyst can still spend after this charge: the smaller of their own remaining budget
+        and the dataset's (see :func:`min_remaining`)."""
+        own = remaining_budget(self.analyst_spent, self.analyst_limit, accounting)
+        if self.dataset_limit is None:
+            return own
+        return min_remaining(own, remaining_budget(self.dataset_spent, self.dataset_limit, accounting))
+
+
+def min_remaining(analyst: Remaining, dataset: Remaining) -> Remaining:
+    """The budget an analyst can really spend: their own remaining and the dataset's, whichever is smaller
+    (componentwise). Shown to the analyst too: it says no more about the others' spending than the free
+    53P01 refusals a query beyond it already would."""
+    return Remaining(
+        min(analyst.epsilon, dataset.epsilon), min(analyst.delta, dataset.delta), min(analyst.rho, dataset.rho)
+    )
 
 
 @dataclass(frozen=True)
@@ -121,6 +153,9 @@ class ChargeRecord:
     fingerprint: str
     cost: Cost
     accounting: Accounting
+    #: The stored cost is not a finite, valid cost (a tampered row): ``cost`` is then zero and readers
+    #: must count the row as exhausting the budget.
+    corrupt: bool = False
 
 
 @dataclass(frozen=True)
@@ -147,8 +182,8 @@ class Levers:
         return Allowance(base.epsilon + self.grant.epsilon, min(base.delta + self.grant.delta, _MAX_DELTA))
 
 
-#: Kinds of curator rows in ``dpsql_ledger_levers``.
-LEVER_KINDS = ("grant", "freeze", "unfreeze")
+#: Kinds of curator rows in ``dpsql_ledger_levers`` (``prune``: audit rows deleted, for no one analyst).
+LEVER_KINDS = ("grant", "revoke", "freeze", "unfreeze", "prune")
 
 #: The grants one analyst may hold in total when no dataset budget caps them (the Python API without
 #: ``dataset_budget``): ε as large as ``SET dpsql.epsilon`` accepts for one query, δ below 1.
@@ -331,6 +366,7 @@ class Ledger:
             dataset_spent=dataset_spent,
             analyst_limit=limit,
             audit_id=audit_id,
+            dataset_limit=Allowance.of(dataset_budget),
         )
 
     def spent(self, dataset: str, analyst: str | None = None) -> Spent:
@@ -348,17 +384,18 @@ class Ledger:
         budget: BudgetLike,
         accounting: Accounting = "pure",
         rho_delta: float | None = None,
+        dataset_budget: BudgetLike | None = None,
     ) -> Remaining:
         """What is left of ``budget`` (plus the analyst's grants) given what the analyst (or the
-        dataset) has spent."""
+        dataset) has spent; with ``dataset_budget``, no more than the dataset has left (what the analyst
+        can really spend: :func:`min_remaining`)."""
         if analyst is not None:
             budget = self.levers(dataset, analyst).limit(budget)
-        return remaining_budget(
-            self.spent(dataset, analyst),
-            budget,
-            accounting,
-            rho_delta=rho_delta,
-        )
+        left = remaining_budget(self.spent(dataset, analyst), budget, accounting, rho_delta=rho_delta)
+        if analyst is None or dataset_budget is None:
+            return left
+        everyone = remaining_budget(self.spent(dataset), dataset_budget, accounting, rho_delta=rho_delta)
+        return min_remaining(left, everyone)
 
     def summary(self, dataset: str) -> list[AnalystSpent]:
         """Per-analyst spending on ``dataset``, sorted by analyst name (for ``dpsql budget``)."""
@@ -433,6 +470,151 @@ class Ledger:
             _check_grant(analyst, grant, granted, cap, what)
 
         return self._lever(dataset, analyst, "grant", grant, by, reason, within_cap)
+
+    def revoke(
+        self,
+        *,
+        dataset: str,
+        analyst: str,
+        epsilon: float,
+        delta: float = 0.0,
+        by: str,
+        reason: str,
+        analyst_budget: BudgetLike,
+        accounting: Accounting = "pure",
+    ) -> LeverEvent:
+        """Take (ε, δ) back from the analyst's grants, as a new row (the grants stay: a revoke is its own
+        append-only row with who, when and why).
+
+        22023 when it would take back more than the analyst's grants add up to (a revoke takes back
+        grants; the policy's budget is the policy's), or lower the limit below what the analyst has
+        already spent (spent budget is never given back, nor taken back). Both checked in the same
+        transaction as the insert, under the dataset's reservation lock: no charge slips in between."""
+        try:
+            amount = Allowance(epsilon, delta)
+        except (TypeError, ValueError):
+            raise InvalidParameterValue(
+                f"invalid revoke: ε={epsilon!r}, δ={delta!r}", hint="Revoke a finite ε ≥ 0 and a δ in [0, 1)."
+            ) from None
+        if amount.epsilon == 0 and amount.delta == 0:
+            raise InvalidParameterValue("a revoke must take back some ε or δ")
+        if not reason.strip():
+            raise InvalidParameterValue("a revoke needs a --reason")
+
+        def within_grants(execute: Execute) -> None:
+            levers = _levers(execute(self._sql(_LEVERS_SQL), (dataset, analyst, dataset, analyst)).fetchone())
+            granted = levers.grant
+            for name, taken, held in (("ε", amount.epsilon, granted.epsilon), ("δ", amount.delta, granted.delta)):
+                if taken > held * (1 + 1e-9):
+                    raise InvalidParameterValue(
+                        f'invalid revoke: analyst "{analyst}" holds grants of {name}={_g(held)} in all, '
+                        f"less than the {name}={_g(taken)} to revoke",
+                        hint="A revoke takes back grants only; the policy's budget is changed in the policy.",
+                    )
+            net = Allowance(max(granted.epsilon - amount.epsilon, 0.0), max(granted.delta - amount.delta, 0.0))
+            limit = Levers(net, levers.frozen).limit(analyst_budget)
+            spent, _ = self._spent_in(execute, dataset, analyst)
+            try:
+                check_budget(
+                    who="analyst", name=analyst, spent=spent, cost=Cost(0.0), budget=limit, accounting=accounting
+                )
+            except PrivacyBudgetExhausted:
+                used = spent.privacy_loss(accounting, limit.delta)[0]
+                raise InvalidParameterValue(
+                    f'invalid revoke: analyst "{analyst}" has already spent ε={_g(used)}; '
+                    f"the limit would fall to ε={_g(limit.epsilon)}, δ={_g(limit.delta)}",
+                    hint="Spent budget is never taken back: revoke at most the unspent part.",
+                ) from None
+
+        return self._lever(dataset, analyst, "revoke", amount, by, reason, within_grants)
+
+    def prune_audit(self, *, dataset: str, before: dt.datetime, by: str, reason: str) -> tuple[LeverEvent, int]:
+        """Delete the audit rows of free refusals and cache hits whose last statement is before ``before``;
+        returns the curator row recording it (kind ``prune``, with the cut-off and the count) and the count.
+
+        Rows of charged or answered statements are never deleted (the triggers refuse it too), nor any
+        row without a later prune row of the curator: every deletion is an audited curator action."""
+        now = dt.datetime.now(dt.UTC)
+        if before.tzinfo is None:
+            before = before.replace(tzinfo=dt.UTC)
+        if before > now:
+            raise InvalidParameterValue(
+                f"invalid prune: {_ts(before)} is in the future", hint="Prune rows before a past date or time."
+            )
+        if not reason.strip():
+            raise InvalidParameterValue("a prune needs a --reason")
+        where = (
+            "FROM dpsql_audit WHERE dataset = ? AND charge_id IS NULL AND outcome IN ('refused', 'cache hit') "
+            "AND COALESCE(last_at, at) < ?"
+        )
+        params = (dataset, self._timestamp(before))
+        with self._append() as execute:
+            count = int(execute(self._sql("SELECT COUNT(*) " + where), params).fetchone()[0])
+            text = f"{reason} (audit rows of free refusals and cache hits before {_ts(before)}: {count} deleted)"
+            row = (self._timestamp(now), dataset, "", "prune", 0.0, 0.0, by, text)
+            event_id = self._insert_id(execute, self._sql(_INSERT_LEVER_SQL), row)
+            execute(self._sql("DELETE " + where), params)
+        return LeverEvent(event_id, now, dataset, "", "prune", 0.0, 0.0, by, text), count
+
+    def verify(self, dataset: str | None = None) -> list[str]:
+        """Check the whole ledger against itself; one line per problem (none: consistent).
+
+        Reads every charge row in order: each cost finite, each row's sums equal to the sum of the rows
+        before it plus its own (so a deleted or changed row shows), and each totals row equal to its
+        analyst's rows. O(charges): for ``dpsql ledger verify``, never on a query's path."""
+        where, params = ("", ()) if dataset is None else (" WHERE dataset = ?", (dataset,))
+        rows = self._read(
+            "SELECT id, dataset, analyst, epsilon, delta, rho, selection_delta, sum_epsilon, sum_delta, sum_rho, "
+            "sum_queries, sum_selection_delta, ds_epsilon, ds_delta, ds_rho, ds_queries, ds_selection_delta "
+            f"FROM dpsql_ledger{where} ORDER BY id",
+            params,
+        )
+        problems: list[str] = []
+        mine: dict[tuple[str, str], Spent] = {}
+        everyone: dict[str, Spent] = {}
+        for r in rows:
+            ds, who = r[1], r[2]
+            eps, delta, rho = _number(r[3]), _number(r[4]), _number(r[5])
+            sel = delta if r[6] is None else _number(r[6])
+            if not all(0 <= v < math.inf for v in (eps, delta, rho, sel)):
+                problems.append(
+                    f'charge #{r[0]} of analyst "{who}" on dataset "{ds}": a cost that is not a '
+                    f"finite number ≥ 0 (ε={r[3]!r}, δ={r[4]!r}, ρ={r[5]!r}); it counts as exhausting"
+                )
+                eps, delta, rho, sel = (math.inf,) * 4
+            step = Spent(eps, delta, rho, 1, sel)
+            mine[(ds, who)] = mine.get((ds, who), Spent()) + step
+            everyone[ds] = everyone.get(ds, Spent()) + step
+            for label, sums, running in (
+                (f'analyst "{who}"', r[7:12], mine[(ds, who)]),
+                ("the dataset", r[12:17], everyone[ds]),
+            ):
+                if sums[0] is None:
+                    continue  # written before schema 5
+                recorded = _spent(*sums)
+                if not _agree(recorded, running):
+                    problems.append(
+                        f'charge #{r[0]} on dataset "{ds}": its sums for {label} (ε={recorded.epsilon:g}, '
+                        f"{recorded.queries} queries) disagree with the rows up to it (ε={running.epsilon:g}, "
+                        f"{running.queries} queries): a row was changed or deleted"
+                    )
+        totals = self._read(
+            f"SELECT dataset, analyst, epsilon, delta, rho, queries, selection_delta FROM dpsql_ledger_totals{where}",
+            params,
+        )
+        seen = set()
+        for t in totals:
+            key = (t[0], t[1])
+            seen.add(key)
+            recorded, actual = _spent(*t[2:7]), mine.get(key, Spent())
+            if not _agree(recorded, actual):
+                problems.append(
+                    f'totals of analyst "{t[1]}" on dataset "{t[0]}" (ε={recorded.epsilon:g}, {recorded.queries} '
+                    f"queries) disagree with its charge rows (ε={actual.epsilon:g}, {actual.queries} queries)"
+                )
+        for ds, who in sorted(set(mine) - seen):
+            problems.append(f'analyst "{who}" on dataset "{ds}" has charge rows but no totals row')
+        return problems
 
     def freeze(self, *, dataset: str, analyst: str, by: str, reason: str = "") -> LeverEvent:
         """Refuse (42501) every further query of ``analyst`` until :meth:`unfreeze`."""
@@ -541,6 +723,10 @@ class Ledger:
         """Run a read-only query (``?`` placeholders) and fetch every row; fail closed."""
         raise NotImplementedError
 
+    def _spent_in(self, execute: Execute, dataset: str, analyst: str) -> tuple[Spent, Spent]:
+        """(analyst's, dataset's) spending read inside a transaction of the store."""
+        raise NotImplementedError
+
     def _append(self) -> AbstractContextManager[Execute]:
         """A short write transaction without the dataset's reservation lock (audit rows)."""
         raise NotImplementedError
@@ -625,7 +811,21 @@ def _parse_ts(value: Any) -> dt.datetime:
     return dt.datetime.fromisoformat(value)
 
 
-_SQLITE_SCHEMA = """
+#: The curator's rows (schema 5: revoke and prune added to the kinds).
+_SQLITE_LEVERS_TABLE = """CREATE TABLE IF NOT EXISTS dpsql_ledger_levers (
+    id       INTEGER PRIMARY KEY AUTOINCREMENT,
+    at       TEXT    NOT NULL,
+    dataset  TEXT    NOT NULL,
+    analyst  TEXT    NOT NULL,
+    kind     TEXT    NOT NULL CHECK (kind IN ('grant', 'revoke', 'freeze', 'unfreeze', 'prune')),
+    epsilon  REAL    NOT NULL CHECK (epsilon >= 0),
+    delta    REAL    NOT NULL CHECK (delta >= 0 AND delta < 1),
+    by_user  TEXT    NOT NULL,
+    reason   TEXT    NOT NULL
+)"""
+
+_SQLITE_SCHEMA = (
+    """
 BEGIN IMMEDIATE;
 CREATE TABLE IF NOT EXISTS dpsql_ledger (
     id          INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -637,9 +837,13 @@ CREATE TABLE IF NOT EXISTS dpsql_ledger (
     delta       REAL    NOT NULL CHECK (delta >= 0),
     rho         REAL    NOT NULL CHECK (rho >= 0),
     accounting  TEXT    NOT NULL,
-    selection_delta REAL CHECK (selection_delta >= 0)  -- NULL: recorded before schema 2 (count delta)
+    selection_delta REAL CHECK (selection_delta >= 0),  -- NULL: recorded before schema 2 (count delta)
+    -- Schema 5: the analyst's and the dataset's sums after this charge (NULL: recorded before schema 5)
+    sum_epsilon REAL, sum_delta REAL, sum_rho REAL, sum_selection_delta REAL, sum_queries INTEGER,
+    ds_epsilon  REAL, ds_delta  REAL, ds_rho  REAL, ds_selection_delta  REAL, ds_queries  INTEGER
 );
 CREATE INDEX IF NOT EXISTS dpsql_ledger_by_owner ON dpsql_ledger (dataset, analyst, id);
+CREATE INDEX IF NOT EXISTS dpsql_ledger_by_dataset ON dpsql_ledger (dataset, id);
 CREATE TABLE IF NOT EXISTS dpsql_ledger_totals (
     dataset  TEXT    NOT NULL,
     analyst  TEXT    NOT NULL,
@@ -655,19 +859,16 @@ CREATE TRIGGER IF NOT EXISTS dpsql_ledger_no_delete BEFORE DELETE ON dpsql_ledge
 BEGIN SELECT RAISE(ABORT, 'privacy ledger charges are never deleted'); END;
 CREATE TRIGGER IF NOT EXISTS dpsql_ledger_no_update BEFORE UPDATE ON dpsql_ledger
 BEGIN SELECT RAISE(ABORT, 'privacy ledger charges are never changed'); END;
+-- Schema 5: a charge is finite (text, inf and NaN, which SQLite stores as NULL, are refused).
+CREATE TRIGGER IF NOT EXISTS dpsql_ledger_finite BEFORE INSERT ON dpsql_ledger
+WHEN NOT (NEW.epsilon <= 1.7976931348623157e308 AND NEW.delta < 1 AND NEW.rho <= 1.7976931348623157e308
+          AND COALESCE(NEW.selection_delta, 0) < 1)
+BEGIN SELECT RAISE(ABORT, 'privacy ledger charges are finite numbers'); END;
 CREATE TABLE IF NOT EXISTS dpsql_ledger_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 -- Schema 3: the curator's levers and the audit trail (new tables only: nothing to migrate).
-CREATE TABLE IF NOT EXISTS dpsql_ledger_levers (
-    id       INTEGER PRIMARY KEY AUTOINCREMENT,
-    at       TEXT    NOT NULL,
-    dataset  TEXT    NOT NULL,
-    analyst  TEXT    NOT NULL,
-    kind     TEXT    NOT NULL CHECK (kind IN ('grant', 'freeze', 'unfreeze')),
-    epsilon  REAL    NOT NULL CHECK (epsilon >= 0),
-    delta    REAL    NOT NULL CHECK (delta >= 0 AND delta < 1),
-    by_user  TEXT    NOT NULL,
-    reason   TEXT    NOT NULL
-);
+"""
+    + _SQLITE_LEVERS_TABLE
+    + """;
 CREATE INDEX IF NOT EXISTS dpsql_ledger_levers_by_owner ON dpsql_ledger_levers (dataset, analyst, id);
 CREATE TABLE IF NOT EXISTS dpsql_audit (
     id          INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -692,7 +893,13 @@ CREATE TRIGGER IF NOT EXISTS dpsql_levers_no_delete BEFORE DELETE ON dpsql_ledge
 BEGIN SELECT RAISE(ABORT, 'curator actions are never deleted'); END;
 CREATE TRIGGER IF NOT EXISTS dpsql_levers_no_update BEFORE UPDATE ON dpsql_ledger_levers
 BEGIN SELECT RAISE(ABORT, 'curator actions are never changed'); END;
-CREATE TRIGGER IF NOT EXISTS dpsql_audit_no_delete BEFORE DELETE ON dpsql_audit
+-- Schema 5: only free refusals and cache hits are ever deleted, after a curator's prune row that is
+-- later than them (see Ledger.prune_audit); a charged or answered statement's row never is.
+DROP TRIGGER IF EXISTS dpsql_audit_no_delete;
+CREATE TRIGGER dpsql_audit_no_delete BEFORE DELETE ON dpsql_audit
+WHEN NOT (OLD.charge_id IS NULL AND OLD.outcome IN ('refused', 'cache hit') AND EXISTS (
+    SELECT 1 FROM dpsql_ledger_levers p WHERE p.dataset = OLD.dataset AND p.kind = 'prune'
+    AND p.at > COALESCE(OLD.last_at, OLD.at)))
 BEGIN SELECT RAISE(ABORT, 'the audit trail is append-only'); END;
 -- Schema 4: two updates only. A charge's row (written with the charge) gets its statement's end once;
 -- a free row counts more repeats. Who, what, when and the cost never change.
@@ -709,10 +916,11 @@ WHEN NOT (
 )
 BEGIN SELECT RAISE(ABORT, 'the audit trail is append-only'); END;
 -- A real write on every open: a read-only file or directory fails here, not mid-query.
-INSERT INTO dpsql_ledger_meta (key, value) VALUES ('schema', '4')
+INSERT INTO dpsql_ledger_meta (key, value) VALUES ('schema', '5')
     ON CONFLICT (key) DO UPDATE SET value = excluded.value;
 COMMIT;
 """
+)
 
 # Schema 1 → 2 (run inside the BEGIN IMMEDIATE of _SQLITE_SCHEMA's successor, after re-checking).
 # Old totals take their whole recorded δ as selection δ: an upper bound, so never an undercount.
@@ -722,16 +930,17 @@ _SQLITE_MIGRATE_2 = (
     "UPDATE dpsql_ledger_totals SET selection_delta = delta",
 )
 
+# Schema 5: the totals are set to the new charge row's sums (never incremented on their own).
 _UPSERT_TOTALS = """
 INSERT INTO dpsql_ledger_totals (dataset, analyst, epsilon, delta, rho, queries, last_at, selection_delta)
-VALUES (?, ?, ?, ?, ?, 1, ?, ?)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?)
 ON CONFLICT (dataset, analyst) DO UPDATE SET
-    epsilon = epsilon + excluded.epsilon,
-    delta   = delta + excluded.delta,
-    rho     = rho + excluded.rho,
-    queries = queries + 1,
+    epsilon = excluded.epsilon,
+    delta   = excluded.delta,
+    rho     = excluded.rho,
+    queries = excluded.queries,
     last_at = excluded.last_at,
-    selection_delta = selection_delta + excluded.selection_delta
+    selection_delta = excluded.selection_delta
 """
 
 
@@ -750,6 +959,46 @@ def _sqlite_migrate_audit(conn: sqlite3.Connection) -> None:
         if "repeats" not in _sqlite_columns(conn, "dpsql_audit"):  # another opener may have won
             conn.execute("ALTER TABLE dpsql_audit ADD COLUMN repeats INTEGER NOT NULL DEFAULT 1")
             conn.execute("ALTER TABLE dpsql_audit ADD COLUMN last_at TEXT")
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            with suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+        raise
+
+
+#: Schema 5's columns of ``dpsql_ledger``: the analyst's and the dataset's sums after each charge.
+_SUM_COLUMNS = ("sum_epsilon", "sum_delta", "sum_rho", "sum_selection_delta", "sum_queries")
+_DS_COLUMNS = ("ds_epsilon", "ds_delta", "ds_rho", "ds_selection_delta", "ds_queries")
+
+
+def _sqlite_levers_old(conn: sqlite3.Connection) -> bool:
+    """Whether the levers table predates schema 5 (its CHECK lacks the revoke and prune kinds)."""
+    row = conn.execute("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'dpsql_ledger_levers'").fetchone()
+    return row is not None and "'revoke'" not in row[0]
+
+
+def _sqlite_migrate_5(conn: sqlite3.Connection) -> None:
+    """Schema 4 → 5: the charges' sums columns, and the levers' new kinds (SQLite cannot alter a CHECK,
+    so that table is copied: same ids, same rows; its triggers and index come back with the schema)."""
+    charges = _sqlite_columns(conn, "dpsql_ledger")
+    levers_old = _sqlite_levers_old(conn)
+    if (not charges or "sum_epsilon" in charges) and not levers_old:
+        return
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        if charges and "sum_epsilon" not in _sqlite_columns(conn, "dpsql_ledger"):  # another opener may have won
+            for column in (*_SUM_COLUMNS, *_DS_COLUMNS):
+                kind = "INTEGER" if column.endswith("queries") else "REAL"
+                conn.execute(f"ALTER TABLE dpsql_ledger ADD COLUMN {column} {kind}")
+        if _sqlite_levers_old(conn):
+            conn.execute(_SQLITE_LEVERS_TABLE.replace("dpsql_ledger_levers", "dpsql_ledger_levers_5"))
+            conn.execute(
+                "INSERT INTO dpsql_ledger_levers_5 (id, at, dataset, analyst, kind, epsilon, delta, by_user, reason) "
+                "SELECT id, at, dataset, analyst, kind, epsilon, delta, by_user, reason FROM dpsql_ledger_levers"
+            )
+            conn.execute("DROP TABLE dpsql_ledger_levers")
+            conn.execute("ALTER TABLE dpsql_ledger_levers_5 RENAME TO dpsql_ledger_levers")
         conn.execute("COMMIT")
     except BaseException:
         if conn.in_transaction:
@@ -794,8 +1043,25 @@ _TOTALS_SQL = (
     "WHERE dataset = ? ORDER BY analyst"
 )
 _INSERT_CHARGE_SQL = (
-    "INSERT INTO dpsql_ledger (at, dataset, analyst, fingerprint, epsilon, delta, rho, accounting, selection_delta) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    "INSERT INTO dpsql_ledger (at, dataset, analyst, fingerprint, epsilon, delta, rho, accounting, selection_delta, "
+    "sum_epsilon, sum_delta, sum_rho, sum_selection_delta, sum_queries, "
+    "ds_epsilon, ds_delta, ds_rho, ds_selection_delta, ds_queries) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+# The sums on the last charge row of the analyst (kind 0) and of the dataset (kind 1): two index probes.
+_ANCHORS_SQL = (
+    "SELECT 0, sum_epsilon, sum_delta, sum_rho, sum_queries, sum_selection_delta FROM dpsql_ledger "
+    "WHERE id = (SELECT MAX(id) FROM dpsql_ledger WHERE dataset = ? AND analyst = ?) "
+    "UNION ALL SELECT 1, ds_epsilon, ds_delta, ds_rho, ds_queries, ds_selection_delta FROM dpsql_ledger "
+    "WHERE id = (SELECT MAX(id) FROM dpsql_ledger WHERE dataset = ?)"
+)
+# Each analyst's totals next to the sums on their last charge row.
+_SUMMARY_SQL = (
+    "SELECT t.analyst, t.epsilon, t.delta, t.rho, t.queries, t.last_at, t.selection_delta, "
+    "l.id, l.sum_epsilon, l.sum_delta, l.sum_rho, l.sum_queries, l.sum_selection_delta "
+    "FROM dpsql_ledger_totals t LEFT JOIN dpsql_ledger l ON l.id = "
+    "(SELECT MAX(m.id) FROM dpsql_ledger m WHERE m.dataset = t.dataset AND m.analyst = t.analyst) "
+    "WHERE t.dataset = ? ORDER BY t.analyst"
 )
 
 #: ``execute(sql, params)`` inside a reservation's transaction: returns a DB-API cursor.
@@ -804,12 +1070,15 @@ Execute = Callable[[str, tuple[Any, ...]], Any]
 # Grants summed, and the latest freeze/unfreeze: curator rows are few, so no derived state to keep.
 # Each row is clamped first (inf, NaN or a huge ε written by an older version count as the ceiling),
 # so the sum stays finite and PostgreSQL's float overflow error can never make every read fail.
+# Revokes are summed apart and taken off the grants (a revoke row clamped the same way only takes more back).
 _LEVERS_SQL = (
-    "SELECT COALESCE(SUM(CASE WHEN epsilon <= 1e6 THEN epsilon ELSE 1e6 END), 0), "
-    "COALESCE(SUM(CASE WHEN delta < 1 THEN delta ELSE 1 END), 0), "
+    "SELECT COALESCE(SUM(CASE WHEN kind <> 'grant' THEN 0 WHEN epsilon <= 1e6 THEN epsilon ELSE 1e6 END), 0), "
+    "COALESCE(SUM(CASE WHEN kind <> 'grant' THEN 0 WHEN delta < 1 THEN delta ELSE 1 END), 0), "
     "(SELECT kind FROM dpsql_ledger_levers WHERE dataset = ? AND analyst = ? "
-    "AND kind IN ('freeze', 'unfreeze') ORDER BY id DESC LIMIT 1) "
-    "FROM dpsql_ledger_levers WHERE dataset = ? AND analyst = ? AND kind = 'grant'"
+    "AND kind IN ('freeze', 'unfreeze') ORDER BY id DESC LIMIT 1), "
+    "COALESCE(SUM(CASE WHEN kind <> 'revoke' THEN 0 WHEN epsilon <= 1e6 THEN epsilon ELSE 1e6 END), 0), "
+    "COALESCE(SUM(CASE WHEN kind <> 'revoke' THEN 0 WHEN delta < 1 THEN delta ELSE 1 END), 0) "
+    "FROM dpsql_ledger_levers WHERE dataset = ? AND analyst = ? AND kind IN ('grant', 'revoke')"
 )
 _INSERT_LEVER_SQL = (
     "INSERT INTO dpsql_ledger_levers (at, dataset, analyst, kind, epsilon, delta, by_user, reason) "
@@ -851,15 +1120,24 @@ def _levers(row: Any) -> Levers:
     before grants were capped can get there) read as the ceiling, never as an error."""
     if row is None:
         return Levers()
-    epsilon = _clamped(row[0], GRANT_CEILING.epsilon)
-    delta = _clamped(row[1], GRANT_CEILING.delta)
+    # Net of revokes, never below zero (a revoke takes back grants only; a bad row cannot make it negative).
+    epsilon = max(_clamped(row[0], GRANT_CEILING.epsilon) - _clamped(row[3], GRANT_CEILING.epsilon), 0.0)
+    delta = max(_clamped(row[1], GRANT_CEILING.delta) - _clamped(row[4], GRANT_CEILING.delta), 0.0)
     grant = Allowance(epsilon, delta) if epsilon or delta else NO_GRANT
     return Levers(grant, row[2] == "freeze")
 
 
 def _clamped(value: Any, ceiling: float) -> float:
-    number = float(value or 0.0)
+    number = _number(value or 0.0)
     return ceiling if not number <= ceiling else max(number, 0.0)  # NaN and inf: the ceiling
+
+
+def _number(value: Any) -> float:
+    """A stored number as a float; what is not one (text a hand wrote into SQLite) reads as NaN."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
 
 
 def _check_grant(analyst: str, grant: Allowance, granted: Allowance, cap: Allowance, what: str) -> None:
@@ -899,10 +1177,75 @@ def _spent(epsilon: Any, delta: Any, rho: Any, queries: Any, selection_delta: An
     spending, so a bad row refuses charges (53P01) and readers show inf instead of failing."""
 
     def clean(value: Any) -> float:
-        number = float(value)
+        number = _number(value)
         return number if number >= 0 else math.inf
 
-    return Spent(clean(epsilon), clean(delta), clean(rho), int(queries), clean(selection_delta))
+    try:
+        count = int(queries)
+    except (TypeError, ValueError):
+        count = 0
+    return Spent(clean(epsilon), clean(delta), clean(rho), count, clean(selection_delta))
+
+
+def _at_least(a: Spent, b: Spent) -> Spent:
+    """Componentwise maximum: the spending both records agree is at least."""
+    return Spent(
+        max(a.epsilon, b.epsilon),
+        max(a.delta, b.delta),
+        max(a.rho, b.rho),
+        max(a.queries, b.queries),
+        max(a.selection_delta, b.selection_delta),
+    )
+
+
+def _agree(a: Spent, b: Spent) -> bool:
+    """Equal up to float rounding (the dataset's sums add in another order than its analysts' totals)."""
+    pairs = ((a.epsilon, b.epsilon), (a.delta, b.delta), (a.rho, b.rho), (a.selection_delta, b.selection_delta))
+    return a.queries == b.queries and all(x == y or abs(x - y) <= 1e-9 * max(abs(x), abs(y)) + 1e-15 for x, y in pairs)
+
+
+#: (ledger, dataset, whose) mismatches already logged by this process: one operator line each.
+_REPORTED: set[tuple[str, str, str]] = set()
+#: Marks "no charge row at all" apart from "rows written before schema 5" (no sums to compare).
+_NO_ROWS = Spent(queries=0)
+
+
+def _reconciled(url: str, dataset: str, whose: str, totals: Spent | None, anchor: Spent | None) -> Spent:
+    """What ``whose`` has spent: the larger of the totals row and the sums on the last charge row.
+
+    The totals are an index kept for speed; the charge rows are append-only. Taking the maximum means a
+    lowered total (``UPDATE dpsql_ledger_totals``) or deleted tail rows never give budget back, and the
+    service keeps answering. A disagreement is tampering or corruption: one operator log line (ERROR)
+    per process names it and points at ``dpsql ledger verify``. ``anchor`` None: no sums to compare
+    (rows written before schema 5)."""
+    base = totals if totals is not None else Spent()
+    if anchor is None:
+        return base
+    if not _agree(base, anchor):
+        key = (url, dataset, whose)
+        if key not in _REPORTED:
+            _REPORTED.add(key)
+            log.error(
+                "privacy ledger integrity: the totals of %s on dataset %r (ε=%g, %d queries) disagree with its "
+                "append-only charge rows (ε=%g, %d queries); charging against the larger. Someone with write "
+                "access to the ledger may have changed it: run `dpsql ledger verify --ledger …`",
+                whose,
+                dataset,
+                base.epsilon,
+                base.queries,
+                anchor.epsilon,
+                anchor.queries,
+            )
+    return _at_least(base, anchor)
+
+
+def _anchors(rows: Sequence[Any]) -> tuple[Spent | None, Spent | None]:
+    """(analyst's, dataset's) sums from :data:`_ANCHORS_SQL`: :data:`_NO_ROWS` when there is no charge,
+    None when the last one predates schema 5."""
+    found: dict[int, Spent | None] = {}
+    for row in rows:
+        found[int(row[0])] = None if row[1] is None else _spent(row[1], row[2], row[3], row[4], row[5])
+    return found.get(0, _NO_ROWS), found.get(1, _NO_ROWS)
 
 
 def _lever_event(row: Any) -> LeverEvent:
@@ -941,7 +1284,8 @@ class _SQLLedger(Ledger):
     (its paramstyle), :meth:`_insert_id` and :meth:`_timestamp`, and its totals upsert.
     """
 
-    _UPSERT_TOTALS_SQL: str
+    #: Sets the analyst's totals row from the new charge's sums (None: a trigger of the store does it).
+    _UPSERT_TOTALS_SQL: str | None
 
     def _reserve(
         self,
@@ -958,16 +1302,49 @@ class _SQLLedger(Ledger):
         stamp = self._timestamp(at)
         eps, delta, rho, sel = cost.epsilon, cost.delta, cost.rho, cost.selection_delta
         with self._reservation(dataset) as execute:
-            rows = execute(self._sql(_TOTALS_SQL), (dataset,)).fetchall()
-            analyst_spent, dataset_spent = _split_totals(rows, analyst)
+            analyst_spent, dataset_spent = self._spent_in(execute, dataset, analyst)
             levers = _levers(execute(self._sql(_LEVERS_SQL), (dataset, analyst, dataset, analyst)).fetchone())
             check(analyst_spent, dataset_spent, levers)  # refuses (42501, 53P01) before anything is written
-            charge = (stamp, dataset, analyst, fingerprint, eps, delta, rho, accounting, sel)
+            mine, all_ = analyst_spent + cost, dataset_spent + cost
+            sums = (mine.epsilon, mine.delta, mine.rho, mine.selection_delta, mine.queries)
+            ds_sums = (all_.epsilon, all_.delta, all_.rho, all_.selection_delta, all_.queries)
+            charge = (stamp, dataset, analyst, fingerprint, eps, delta, rho, accounting, sel, *sums, *ds_sums)
             charge_id = self._insert_id(execute, self._sql(_INSERT_CHARGE_SQL), charge)
-            execute(self._UPSERT_TOTALS_SQL, (dataset, analyst, eps, delta, rho, stamp, sel))
+            if self._UPSERT_TOTALS_SQL is not None:  # PostgreSQL: the insert trigger sets the totals
+                execute(self._UPSERT_TOTALS_SQL, (dataset, analyst, *sums[:3], mine.queries, stamp, sums[3]))
             row = replace(audit, charge_id=charge_id)
             audit_id = self._insert_id(execute, self._sql(_INSERT_AUDIT_SQL), self._audit_params(row))
-        return charge_id, audit_id, analyst_spent + cost, dataset_spent + cost
+        return charge_id, audit_id, mine, all_
+
+    def _spent_in(self, execute: Execute, dataset: str, analyst: str) -> tuple[Spent, Spent]:
+        """(analyst's, dataset's) spending inside a transaction: totals reconciled with the charge rows."""
+        rows = execute(self._sql(_TOTALS_SQL), (dataset,)).fetchall()
+        per_analyst = {row[0]: _spent(row[1], row[2], row[3], row[4], row[5]) for row in rows}
+        mine, everyone = _anchors(execute(self._sql(_ANCHORS_SQL), (dataset, analyst, dataset)).fetchall())
+        return (
+            _reconciled(self.url, dataset, f'analyst "{analyst}"', per_analyst.get(analyst), mine),
+            _reconciled(self.url, dataset, "the dataset", Spent.total(per_analyst.values()), everyone),
+        )
+
+    def summary(self, dataset: str) -> list[AnalystSpent]:
+        rows = self._read(_SUMMARY_SQL, (dataset,))
+        out = []
+        for r in rows:
+            totals = _spent(r[1], r[2], r[3], r[4], r[6])
+            anchor = _NO_ROWS if r[7] is None else None if r[8] is None else _spent(r[8], r[9], r[10], r[11], r[12])
+            spent = _reconciled(self.url, dataset, f'analyst "{r[0]}"', totals, anchor)
+            out.append(AnalystSpent(r[0], spent, _parse_ts(r[5])))
+        return out
+
+    def spent(self, dataset: str, analyst: str | None = None) -> Spent:
+        """Totals for one analyst, or for the whole dataset (all analysts) when ``analyst`` is None; each
+        reconciled with the append-only charge rows (the larger wins)."""
+        rows = self.summary(dataset)
+        mine, everyone = _anchors(self._read(_ANCHORS_SQL, (dataset, analyst or "", dataset)))
+        if analyst is None:
+            return _reconciled(self.url, dataset, "the dataset", Spent.total(r.spent for r in rows), everyone)
+        own = next((r.spent for r in rows if r.analyst == analyst), None)
+        return _reconciled(self.url, dataset, f'analyst "{analyst}"', own, mine)
 
 
 class SQLiteLedger(_SQLLedger):
@@ -1021,6 +1398,7 @@ class SQLiteLedger(_SQLLedger):
             conn.execute("PRAGMA fullfsync=ON")  # F_FULLFSYNC on macOS; ignored elsewhere
             _sqlite_migrate(conn)
             _sqlite_migrate_audit(conn)
+            _sqlite_migrate_5(conn)
             conn.executescript(_SQLITE_SCHEMA)
         except (sqlite3.Error, LedgerUnavailable) as exc:
             if conn.in_transaction:
@@ -1104,19 +1482,6 @@ class SQLiteLedger(_SQLLedger):
     def _timestamp(self, at: dt.datetime) -> Any:
         return _ts(at)
 
-    def summary(self, dataset: str) -> list[AnalystSpent]:
-        conn = self._conn()
-        with self._turn():
-            try:
-                rows = conn.execute(
-                    "SELECT analyst, epsilon, delta, rho, queries, last_at, selection_delta FROM dpsql_ledger_totals "
-                    "WHERE dataset = ? ORDER BY analyst",
-                    (dataset,),
-                ).fetchall()
-            except sqlite3.Error as exc:
-                raise _unavailable(f"cannot read {self.path!r}", exc) from exc
-        return [AnalystSpent(r[0], _spent(r[1], r[2], r[3], r[4], r[6]), _parse_ts(r[5])) for r in rows]
-
     def _meta_setdefault(self, key: str, value: str) -> str:
         conn = self._conn()
         with self._turn():
@@ -1158,22 +1523,23 @@ class SQLiteLedger(_SQLLedger):
                 conn.close()
 
 
-def _split_totals(rows: list[Any], analyst: str) -> tuple[Spent, Spent]:
-    """(analyst's totals, dataset's totals over every analyst) from per-analyst total rows."""
-    per_analyst = {row[0]: _spent(row[1], row[2], row[3], row[4], row[5]) for row in rows}
-    return per_analyst.get(analyst, Spent()), Spent.total(per_analyst.values())
-
-
 def _record(row: Any) -> ChargeRecord:
+    """A charge row as read; one no :class:`Cost` can hold (inf, NaN, text: tampering) is ``corrupt``."""
+    # a charge recorded before selection_delta existed counts its whole δ (conservative)
+    numbers = (_number(row[5]), _number(row[6]), _number(row[7]), _number(row[6] if row[9] is None else row[9]))
+    try:
+        cost, corrupt = Cost(*numbers), False
+    except ValueError:
+        cost, corrupt = Cost(0.0), True
     return ChargeRecord(
         id=int(row[0]),
         at=_parse_ts(row[1]),
         dataset=row[2],
         analyst=row[3],
         fingerprint=row[4],
-        # a charge recorded before selection_delta existed counts its whole δ (conservative)
-        cost=Cost(float(row[5]), float(row[6]), float(row[7]), float(row[6] if row[9] is None else row[9])),
+        cost=cost,
         accounting=row[8],
+        corrupt=corrupt,
     )
 
 
@@ -1226,7 +1592,7 @@ CREATE TABLE IF NOT EXISTS dpsql_ledger_levers (
     at       timestamptz      NOT NULL,
     dataset  text             NOT NULL,
     analyst  text             NOT NULL,
-    kind     text             NOT NULL CHECK (kind IN ('grant', 'freeze', 'unfreeze')),
+    kind     text             NOT NULL CHECK (kind IN ('grant', 'revoke', 'freeze', 'unfreeze', 'prune')),
     epsilon  double precision NOT NULL CHECK (epsilon >= 0),
     delta    double precision NOT NULL CHECK (delta >= 0 AND delta < 1),
     by_user  text             NOT NULL,
@@ -1307,19 +1673,102 @@ BEGIN
     END IF;
 END
 $do$;
+-- Schema 5: each charge row carries its analyst's and its dataset's sums after it, computed here (not by
+-- the inserting role) under the dataset's advisory lock, from the larger of the last row's sums and the
+-- totals; the totals are then set from them. SECURITY DEFINER: the ledger-writer role needs INSERT on
+-- dpsql_ledger only, never UPDATE on dpsql_ledger_totals, so it cannot lower a total.
+ALTER TABLE dpsql_ledger ADD COLUMN IF NOT EXISTS sum_epsilon double precision,
+    ADD COLUMN IF NOT EXISTS sum_delta double precision, ADD COLUMN IF NOT EXISTS sum_rho double precision,
+    ADD COLUMN IF NOT EXISTS sum_selection_delta double precision, ADD COLUMN IF NOT EXISTS sum_queries bigint,
+    ADD COLUMN IF NOT EXISTS ds_epsilon double precision, ADD COLUMN IF NOT EXISTS ds_delta double precision,
+    ADD COLUMN IF NOT EXISTS ds_rho double precision, ADD COLUMN IF NOT EXISTS ds_selection_delta double precision,
+    ADD COLUMN IF NOT EXISTS ds_queries bigint;
+CREATE INDEX IF NOT EXISTS dpsql_ledger_by_dataset ON dpsql_ledger (dataset, id);
+CREATE OR REPLACE FUNCTION dpsql_ledger_charge() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER AS $fn$
+DECLARE
+    a record;
+    d record;
+    t record;
+    s record;
+BEGIN
+    IF NOT (NEW.epsilon >= 0 AND NEW.epsilon < 'Infinity' AND NEW.delta >= 0 AND NEW.delta < 1
+            AND NEW.rho >= 0 AND NEW.rho < 'Infinity'
+            AND COALESCE(NEW.selection_delta, 0) >= 0 AND COALESCE(NEW.selection_delta, 0) < 1) THEN
+        RAISE EXCEPTION 'privacy ledger charges are finite numbers' USING ERRCODE = '22003';
+    END IF;
+    PERFORM pg_advisory_xact_lock(1685091185, hashtext(NEW.dataset));  -- _PG_LOCK_NAMESPACE
+    SELECT sum_epsilon, sum_delta, sum_rho, sum_selection_delta, sum_queries INTO a FROM dpsql_ledger
+        WHERE dataset = NEW.dataset AND analyst = NEW.analyst ORDER BY id DESC LIMIT 1;
+    SELECT epsilon, delta, rho, selection_delta, queries INTO t FROM dpsql_ledger_totals
+        WHERE dataset = NEW.dataset AND analyst = NEW.analyst;
+    SELECT ds_epsilon, ds_delta, ds_rho, ds_selection_delta, ds_queries INTO d FROM dpsql_ledger
+        WHERE dataset = NEW.dataset ORDER BY id DESC LIMIT 1;
+    SELECT sum(epsilon) AS epsilon, sum(delta) AS delta, sum(rho) AS rho, sum(selection_delta) AS selection_delta,
+           sum(queries) AS queries INTO s FROM dpsql_ledger_totals WHERE dataset = NEW.dataset;
+    NEW.sum_epsilon := GREATEST(a.sum_epsilon, t.epsilon, 0) + NEW.epsilon;
+    NEW.sum_delta := GREATEST(a.sum_delta, t.delta, 0) + NEW.delta;
+    NEW.sum_rho := GREATEST(a.sum_rho, t.rho, 0) + NEW.rho;
+    NEW.sum_selection_delta := GREATEST(a.sum_selection_delta, t.selection_delta, 0)
+        + COALESCE(NEW.selection_delta, NEW.delta);
+    NEW.sum_queries := GREATEST(a.sum_queries, t.queries, 0) + 1;
+    NEW.ds_epsilon := GREATEST(d.ds_epsilon, s.epsilon, 0) + NEW.epsilon;
+    NEW.ds_delta := GREATEST(d.ds_delta, s.delta, 0) + NEW.delta;
+    NEW.ds_rho := GREATEST(d.ds_rho, s.rho, 0) + NEW.rho;
+    NEW.ds_selection_delta := GREATEST(d.ds_selection_delta, s.selection_delta, 0)
+        + COALESCE(NEW.selection_delta, NEW.delta);
+    NEW.ds_queries := GREATEST(d.ds_queries, s.queries, 0) + 1;
+    INSERT INTO dpsql_ledger_totals AS x (dataset, analyst, epsilon, delta, rho, queries, last_at, selection_delta)
+        VALUES (NEW.dataset, NEW.analyst, NEW.sum_epsilon, NEW.sum_delta, NEW.sum_rho, NEW.sum_queries, NEW.at,
+                NEW.sum_selection_delta)
+        ON CONFLICT (dataset, analyst) DO UPDATE SET epsilon = excluded.epsilon, delta = excluded.delta,
+            rho = excluded.rho, queries = excluded.queries, last_at = excluded.last_at,
+            selection_delta = excluded.selection_delta;
+    RETURN NEW;
+END
+$fn$;
+DO $do$
+BEGIN
+    -- A SECURITY DEFINER function resolves names in this schema only (never the caller's temporary tables).
+    EXECUTE format('ALTER FUNCTION dpsql_ledger_charge() SET search_path = %I, pg_temp', current_schema());
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger
+                   WHERE tgname = 'dpsql_ledger_charge' AND tgrelid = 'dpsql_ledger'::regclass) THEN
+        CREATE TRIGGER dpsql_ledger_charge BEFORE INSERT ON dpsql_ledger
+            FOR EACH ROW EXECUTE FUNCTION dpsql_ledger_charge();
+    END IF;
+END
+$do$;
+ALTER TABLE dpsql_ledger_levers DROP CONSTRAINT IF EXISTS dpsql_ledger_levers_kind_check;
+ALTER TABLE dpsql_ledger_levers ADD CONSTRAINT dpsql_ledger_levers_kind_check
+    CHECK (kind IN ('grant', 'revoke', 'freeze', 'unfreeze', 'prune'));
+-- Only free refusals and cache hits are ever deleted, after a curator's prune row later than them.
+CREATE OR REPLACE FUNCTION dpsql_audit_delete_guard() RETURNS trigger LANGUAGE plpgsql AS $fn$
+BEGIN
+    IF OLD.charge_id IS NULL AND OLD.outcome IN ('refused', 'cache hit') AND EXISTS (
+        SELECT 1 FROM dpsql_ledger_levers p WHERE p.dataset = OLD.dataset AND p.kind = 'prune'
+        AND p.at > COALESCE(OLD.last_at, OLD.at)) THEN
+        RETURN OLD;
+    END IF;
+    RAISE EXCEPTION 'the audit trail is append-only';
+END
+$fn$;
+DROP TRIGGER IF EXISTS dpsql_audit_no_delete ON dpsql_audit;
+CREATE TRIGGER dpsql_audit_no_delete BEFORE DELETE ON dpsql_audit
+    FOR EACH ROW EXECUTE FUNCTION dpsql_audit_delete_guard();
+-- The result cache beside the ledger (dpsql.cache, same definition), created by the ledger's owner too so that
+-- a ledger-writer role, which may not create tables, finds it.
+CREATE TABLE IF NOT EXISTS dpsql_result_cache
+    (key TEXT PRIMARY KEY, created DOUBLE PRECISION NOT NULL, result BYTEA NOT NULL);
+COMMENT ON TABLE dpsql_ledger IS 'dpsql privacy ledger, schema 5';  -- _PG_SCHEMA_MARK
 """
 
-_PG_UPSERT_TOTALS = """
-INSERT INTO dpsql_ledger_totals AS t (dataset, analyst, epsilon, delta, rho, queries, last_at, selection_delta)
-VALUES (%s, %s, %s, %s, %s, 1, %s, %s)
-ON CONFLICT (dataset, analyst) DO UPDATE SET
-    epsilon = t.epsilon + excluded.epsilon,
-    delta   = t.delta + excluded.delta,
-    rho     = t.rho + excluded.rho,
-    queries = t.queries + 1,
-    last_at = excluded.last_at,
-    selection_delta = t.selection_delta + excluded.selection_delta
-"""
+
+#: What schema 5's script writes last: a ledger with it needs no DDL (``COMMENT`` is readable by every role).
+_PG_SCHEMA_MARK = "dpsql privacy ledger, schema 5"
+
+
+def _pg_schema_current(conn: psycopg.Connection[Any]) -> bool:
+    row = conn.execute("SELECT obj_description(to_regclass('dpsql_ledger'), 'pg_class')").fetchone()
+    return row is not None and row[0] == _PG_SCHEMA_MARK
 
 
 class PostgresLedger(_SQLLedger):
@@ -1352,9 +1801,15 @@ class PostgresLedger(_SQLLedger):
         try:
             # A stuck peer holding the dataset lock must not hang every query: time out, fail closed.
             conn.execute("SET lock_timeout = '30s'")
-            with conn.transaction():
-                conn.execute("SELECT pg_advisory_xact_lock(%s, 0)", (_PG_LOCK_NAMESPACE,))
-                conn.execute(_PG_SCHEMA)
+            if not _pg_schema_current(conn):  # a least-privilege role never runs DDL (it could not)
+                with conn.transaction():
+                    conn.execute("SELECT pg_advisory_xact_lock(%s, 0)", (_PG_LOCK_NAMESPACE,))
+                    conn.execute(_PG_SCHEMA)
+                    # the owner creates the installation key, so a writer role needs no INSERT on the meta table
+                    conn.execute(
+                        "INSERT INTO dpsql_ledger_meta (key, value) VALUES (%s, %s) ON CONFLICT (key) DO NOTHING",
+                        (_INSTALLATION_KEY, secrets.token_hex(32)),
+                    )
         except psycopg.Error as exc:
             conn.close()
             raise _unavailable("cannot create the ledger tables", exc) from exc
@@ -1384,7 +1839,7 @@ class PostgresLedger(_SQLLedger):
         with suppress(Exception):  # already failing closed
             conn.close()
 
-    _UPSERT_TOTALS_SQL = _PG_UPSERT_TOTALS
+    _UPSERT_TOTALS_SQL = None  # the insert trigger (SECURITY DEFINER) sets the totals from the charge row
 
     @contextmanager
     def _reservation(self, dataset: str) -> Iterator[Execute]:
@@ -1437,17 +1892,12 @@ class PostgresLedger(_SQLLedger):
             self._drop(conn)
             raise _unavailable("cannot read the ledger", exc) from exc
 
-    def summary(self, dataset: str) -> list[AnalystSpent]:
-        rows = self._fetch(
-            "SELECT analyst, epsilon, delta, rho, queries, last_at, selection_delta FROM dpsql_ledger_totals "
-            "WHERE dataset = %s ORDER BY analyst",
-            (dataset,),
-        )
-        return [AnalystSpent(r[0], _spent(r[1], r[2], r[3], r[4], r[6]), r[5]) for r in rows]
-
     def _meta_setdefault(self, key: str, value: str) -> str:
         import psycopg
 
+        rows = self._fetch("SELECT value FROM dpsql_ledger_meta WHERE key = %s", (key,))
+        if rows:  # read first: a ledger-writer role may read the key, never write the table
+            return str(rows[0][0])
         conn = self._conn()
         try:
             conn.execute(
@@ -1479,3 +1929,83 @@ class PostgresLedger(_SQLLedger):
         for conn in connections:
             with suppress(Exception):  # closing is best effort
                 conn.close()
+
+
+# --- least privilege: warn when dpsql holds more than it needs ----------------------------------
+
+#: The ledger's tables (and the result cache beside it): owned by a ledger-owner role, never by the server's.
+LEDGER_TABLES = (
+    "dpsql_ledger",
+    "dpsql_ledger_totals",
+    "dpsql_ledger_levers",
+    "dpsql_audit",
+    "dpsql_ledger_meta",
+    "dpsql_result_cache",
+)
+_ROLES_README = 'README "Least-privilege database roles"'
+
+
+def _sql_literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def pg_role_warnings(
+    query: Callable[[str], Sequence[Sequence[Any]]], what: str, tables: Sequence[str], should_be: str
+) -> list[str]:
+    """One warning line when the connection ``query`` runs on is a superuser, else one when its role owns
+    (or is a member of the owner of) any of ``tables``: either can disable triggers, or rewrite and delete
+    rows, which is all the ledger's integrity rests on. ``query`` runs one parameterless SQL statement."""
+    user, superuser = query("SELECT current_user, rolsuper FROM pg_roles WHERE rolname = current_user")[0]
+    if superuser:
+        return [
+            f'{what} connects as role "{user}", a superuser: it can disable the ledger\'s triggers and rewrite '
+            f"any charge, total or audit row; connect as {should_be} ({_ROLES_README})"
+        ]
+    names = ", ".join(_sql_literal(t) for t in tables)
+    owned = query(
+        f"SELECT t FROM unnest(ARRAY[{names}]::text[]) WITH ORDINALITY AS u(t, n) "
+        "JOIN pg_class c ON c.oid = to_regclass(t) WHERE pg_has_role(current_user, c.relowner, 'USAGE') ORDER BY n"
+    )
+    if not owned:
+        return []
+    listed = ", ".join(str(row[0]) for row in owned)
+    return [
+        f'{what} connects as role "{user}", owner of {listed}: an owner can disable triggers and rewrite or '
+        f"delete rows; connect as {should_be} ({_ROLES_README})"
+    ]
+
+
+def serve_role_warnings(engine: Any) -> list[str]:
+    """The warnings ``dpsql serve`` logs at start for its PostgreSQL ledger and data connections
+    (:func:`pg_role_warnings`); a check that cannot run is skipped (it never stops a start)."""
+    warnings: list[str] = []
+    ledger = engine.ledger
+    if isinstance(ledger, PostgresLedger):
+        try:
+            warnings += pg_role_warnings(
+                lambda sql: ledger._fetch(sql, ()),
+                "the privacy ledger",
+                LEDGER_TABLES,
+                "a ledger-writer role such as dpsql_ledger_writer (INSERT on the charges and the audit trail only)",
+            )
+        except Exception as exc:  # a warning, never a reason not to start
+            log.debug("ledger role check skipped: %s", exc)
+    backend = engine.backend
+    if getattr(backend, "dialect", None) == "postgres":
+        sources = sorted({table.source or name for name, table in engine.policy.tables.items()})
+        try:
+            warnings += pg_role_warnings(
+                lambda sql: backend.execute(sql)[1],
+                "the data database",
+                sources,
+                "a read-only role such as dpsql_data_reader (SELECT on the served tables only)",
+            )
+        except Exception as exc:
+            log.debug("data role check skipped: %s", exc)
+    return warnings
+
+
+def warn_about_roles(engine: Any) -> None:
+    """Log each of :func:`serve_role_warnings` as one WARNING line (``dpsql serve`` calls it at start)."""
+    for warning in serve_role_warnings(engine):
+        log.warning("%s", warning)

@@ -576,11 +576,27 @@ def test_invalid_grants_are_22023(ledger: Ledger, epsilon: float, delta: float, 
 def test_unknown_analyst_lever_is_42704(sqlite_url: str) -> None:
     from dpsql.cli import build_parser
 
-    args = build_parser().parse_args(["budget", "freeze", "--analyst", "nobody", "--ledger", sqlite_url])
+    policy = str(Path(__file__).resolve().parents[1] / "schemas" / "health.yaml")
+    args = build_parser().parse_args(
+        ["budget", "freeze", "--analyst", "nobody", "--ledger", sqlite_url, "--policy", policy]
+    )
     with pytest.raises(UndefinedObject) as refused:
         args.func(args)
     assert refused.value.sqlstate == "42704"
     assert refused.value.message == 'analyst "nobody" is not in the policy'
+
+
+def test_curator_levers_need_a_policy(sqlite_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """No fallback to the demo's dataset (#28 item 6): without --policy a lever does nothing, exit 1."""
+    from dpsql.cli import main
+
+    for argv in (["budget", "grant", "--analyst", "bob", "--epsilon", "1", "--reason", "r"], ["audit"]):
+        with pytest.raises(SystemExit) as stopped:
+            main([*argv, "--ledger", sqlite_url])
+        assert stopped.value.code == 1
+        command = "budget grant" if argv[0] == "budget" else "audit"
+        assert capsys.readouterr().err.startswith(f"ERROR:  dpsql {command} needs --policy")
+    assert Ledger.open(sqlite_url).lever_events("health") == []
 
 
 def test_audit_trail_is_append_only(any_ledger: Ledger) -> None:

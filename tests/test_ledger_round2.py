@@ -52,9 +52,14 @@ def any_ledger(any_url: str) -> Iterator[Ledger]:
         yield opened
 
 
+def _policy(args: tuple[str, ...]) -> list[str]:
+    """Curator commands need --policy (they never fall back to the demo): the demo's, unless given."""
+    return [] if "--policy" in args else ["--policy", str(ROOT / "schemas" / "health.yaml")]
+
+
 def _dpsql(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "dpsql.cli", *args],
+        [sys.executable, "-m", "dpsql.cli", *args, *_policy(args)],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT), "DPSQL_HOME": str(home)},
         capture_output=True,

@@ -70,6 +70,9 @@ def check_at_start(policy_path: str | Path, engine: Any) -> bool:
             file=sys.stderr,
         )
         return False
+    from dpsql.ledger import warn_about_roles
+
+    warn_about_roles(engine)  # a superuser or table-owner role for the ledger or the data: one WARNING line each
     return True
 
 

@@ -28,7 +28,7 @@ DEFAULT_PORT = 8080
 def register(sub: Any) -> None:
     """Add ``dpsql dashboard`` to the command parsers."""
     p = sub.add_parser("dashboard", help="the curator's web dashboard: budgets, spend, audit trail, policy, levers")
-    p.add_argument("--policy", help="policy YAML (default: schemas/health.yaml)")
+    p.add_argument("--policy", help="policy YAML (required)")
     p.add_argument("--ledger", help="sqlite:///abs/path or postgresql://… (default: the dataset's ledger)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s; 0: any free port)")
@@ -54,7 +54,7 @@ def register(sub: Any) -> None:
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
     from dpsql.backends import redact_url
-    from dpsql.cli import default_policy
+    from dpsql.curator.cli import require_policy
     from dpsql.dashboard.auth import Curator, load_verifier
     from dpsql.dashboard.server import Dashboard, insecure_listen_warning, make_server
     from dpsql.errors import PolicyError
@@ -72,7 +72,10 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
         tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         tls.minimum_version = ssl.TLSVersion.TLSv1_2
         tls.load_cert_chain(args.tls_cert, args.tls_key)
-    policy = load_policy(args.policy or default_policy())
+    path = require_policy(args, "dashboard")  # never the demo's dataset by default
+    if path is None:
+        return 1
+    policy = load_policy(path)
     ledger_url = args.ledger or default_ledger(policy.dataset)
     ledger = Ledger.open(ledger_url)
     try:

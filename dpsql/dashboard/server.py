@@ -578,11 +578,13 @@ class Handler(BaseHTTPRequestHandler):
         body = (
             f'<table id="analysts"><thead><tr>{head}</tr></thead><tbody>{tbody}</tbody></table>'
             f"<p>Accounting: <code>{views.esc(accounting)}</code>. An analyst's total is the policy's budget plus "
-            "every grant; grants never raise the dataset's total.</p>"
+            "every grant less every revoke; grants never raise the dataset's total, and an analyst's remaining "
+            "ε is never more than the dataset's.</p>"
             '<h2>Curator levers</h2><form method="post" action="/levers" class="lever" id="lever-form">'
             f'<input type="hidden" name="csrf" value="{csrf}">'
             f'<label>analyst<select name="analyst" id="lever-analyst">{names}</select></label>'
             '<label>action<select name="lever" id="lever-action"><option value="grant">grant</option>'
+            '<option value="revoke">revoke</option>'
             '<option value="freeze">freeze</option><option value="unfreeze">unfreeze</option></select></label>'
             '<label>ε<input name="epsilon" id="lever-epsilon" value="0" inputmode="decimal"></label>'
             '<label>δ<input name="delta" id="lever-delta" value="0" inputmode="decimal"></label>'
@@ -603,11 +605,11 @@ class Handler(BaseHTTPRequestHandler):
             except ValueError:
                 raise InvalidParameterValue(f'invalid {key}: "{text}"', hint="Give a number, e.g. 0.5.") from None
 
-        epsilon, delta = (number("epsilon"), number("delta")) if lever == "grant" else (0.0, 0.0)
+        epsilon, delta = (number("epsilon"), number("delta")) if lever in ("grant", "revoke") else (0.0, 0.0)
         from dpsql.curator_cli import apply_lever
 
         with self.app.lock:
-            apply_lever(
+            warnings = apply_lever(
                 self.app.ledger,
                 self.app.policy,
                 lever,
@@ -618,9 +620,11 @@ class Handler(BaseHTTPRequestHandler):
                 delta=delta,
             )
         log.info("curator %s analyst %s from the dashboard", lever, analyst)
-        done = f"{lever} ε={epsilon:g} δ={delta:g}" if lever == "grant" else lever
+        done = f"{lever} ε={epsilon:g} δ={delta:g}" if lever in ("grant", "revoke") else lever
+        warned = "".join(f'<p class="warning" id="warning">{views.esc(w)}</p>' for w in warnings)
         return (
             f'<p class="ok" id="message">{views.esc(done)}: analyst “{views.esc(analyst)}”, recorded in the ledger.</p>'
+            + warned
         )
 
     def _spend(self, query: dict[str, list[str]]) -> tuple[str, str]:

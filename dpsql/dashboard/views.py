@@ -22,11 +22,11 @@ from typing import Any
 from dpsql.accountant import Allowance, Spent, remaining_budget
 from dpsql.audit import SPENT_OUTCOMES, audit_rows, parse_since
 from dpsql.errors import InvalidParameterValue
-from dpsql.ledger import Ledger
+from dpsql.ledger import LEVER_KINDS, Ledger
 from dpsql.policy import DomainReference, Policy
 
 #: Audit outcomes and curator actions the filter accepts (anything else is 22023).
-OUTCOMES = ("answered", "charged", "cache hit", "refused", "failed", "grant", "freeze", "unfreeze")
+OUTCOMES = ("answered", "charged", "cache hit", "refused", "failed", *LEVER_KINDS)
 #: Rows read at most for one page (audit, spend plot): a page never walks an unbounded history.
 MAX_ROWS = 5000
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2")
@@ -67,9 +67,13 @@ class BudgetRow:
 
 
 def budget_rows(ledger: Ledger, policy: Policy) -> tuple[list[BudgetRow], BudgetRow]:
-    """Every analyst of the policy or the ledger, and the dataset's row (spent by all analysts)."""
+    """Every analyst of the policy or the ledger, and the dataset's row (spent by all analysts). An
+    analyst's remaining ε is no more than the dataset's: it is what they can really spend."""
     accounting = policy.budget.accounting
     summary = {row.analyst: row for row in ledger.summary(policy.dataset)}
+    all_spent = ledger.spent(policy.dataset)
+    budget = policy.budget.dataset
+    dataset_left = remaining_budget(all_spent, budget, accounting).epsilon
     rows = []
     for name in sorted({a.name for a in policy.analysts} | set(summary)):
         base = Allowance.of(policy.analyst_budget(name))
@@ -78,7 +82,7 @@ def budget_rows(ledger: Ledger, policy: Policy) -> tuple[list[BudgetRow], Budget
         entry = summary.get(name)
         used = entry.spent if entry else Spent()
         eps, delta = used.privacy_loss(accounting, total.delta)
-        left = remaining_budget(used, total, accounting).epsilon
+        left = min(remaining_budget(used, total, accounting).epsilon, dataset_left)
         rows.append(
             BudgetRow(
                 name,
@@ -93,10 +97,8 @@ def budget_rows(ledger: Ledger, policy: Policy) -> tuple[list[BudgetRow], Budget
                 entry.last_at if entry else None,
             )
         )
-    all_spent = ledger.spent(policy.dataset)
-    budget = policy.budget.dataset
     eps, delta = all_spent.privacy_loss(accounting, budget.delta)
-    left = remaining_budget(all_spent, budget, accounting).epsilon
+    left = dataset_left
     last = max((r.last_at for r in rows if r.last_at), default=None)
     dataset = BudgetRow(
         "(dataset)", eps, budget.epsilon, 0.0, left, delta, budget.delta, all_spent.queries, False, last
@@ -109,13 +111,16 @@ Series = dict[str, list[tuple[dt.datetime, float]]]
 
 def spend_series(ledger: Ledger, policy: Policy, analyst: str | None = None) -> Series:
     """Per analyst, the ε spent after each charge (the ledger's own composition, so the last point
-    is the analysts page's figure); the newest :data:`MAX_ROWS` charges at most."""
+    is the analysts page's figure); the newest :data:`MAX_ROWS` charges at most. A corrupt charge row
+    (a non-finite cost: tampering) counts as exhausting: its analyst's line is infinite from there."""
     accounting = policy.budget.accounting
     records = list(reversed(ledger.charges(policy.dataset, analyst, limit=MAX_ROWS)))
     running: dict[str, Spent] = {}
     series: Series = {}
     for record in records:
         spent = running.get(record.analyst, Spent()) + record.cost
+        if record.corrupt:
+            spent = Spent(math.inf, math.inf, math.inf, spent.queries, math.inf)
         running[record.analyst] = spent
         delta = policy.analyst_budget(record.analyst).delta
         series.setdefault(record.analyst, []).append((record.at, spent.privacy_loss(accounting, delta)[0]))
@@ -158,7 +163,7 @@ def audit_page_rows(ledger: Ledger, policy: Policy, f: AuditFilter) -> list[dict
     read = functools.partial(audit_rows, ledger, policy.dataset, analyst=f.analyst, since=f.since, limit=f.limit)
     if f.outcome:
         return read(outcomes=(f.outcome,))
-    rows = read(outcomes=(*SPENT_OUTCOMES, "grant", "freeze", "unfreeze")) + read(outcomes=("refused",))
+    rows = read(outcomes=(*SPENT_OUTCOMES, *LEVER_KINDS)) + read(outcomes=("refused",))
     rows.sort(key=lambda r: r["at"], reverse=True)
     return rows
 
@@ -195,14 +200,15 @@ def spend_plot(series: Series, width: int = 760, height: int = 300) -> str:
     t0 = min(t for t, _ in points).timestamp()
     t1 = max(t for t, _ in points).timestamp()
     span = max(t1 - t0, 1.0)
-    ymax = max(max(v for _, v in points), 1e-9) * 1.05
+    # a non-finite value (a corrupt charge) is drawn at the top of the axis, never as NaN coordinates
+    ymax = max(max((v for _, v in points if math.isfinite(v)), default=0.0), 1e-9) * 1.05
     plot_w, plot_h = width - left - right, height - top - bottom
 
     def x(t: dt.datetime) -> float:
         return left + (t.timestamp() - t0) / span * plot_w
 
     def y(v: float) -> float:
-        return top + plot_h - v / ymax * plot_h
+        return top + plot_h - (min(v, ymax) if v == v else ymax) / ymax * plot_h
 
     parts = [
         f'<svg class="plot" width="{width}" height="{height}" role="img" aria-label="ε spent over time">',

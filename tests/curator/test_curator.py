@@ -28,9 +28,14 @@ PSQL = shutil.which("psql")
 FROZEN = 'the data curator froze the privacy budget of analyst "bob"'
 
 
+def _policy(args: tuple[str, ...]) -> list[str]:
+    """Curator commands need --policy (they never fall back to the demo): the demo's, unless given."""
+    return [] if "--policy" in args else ["--policy", str(ROOT / "schemas" / "health.yaml")]
+
+
 def _dpsql(*args: str, ledger: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "dpsql.cli", *args, "--ledger", ledger],
+        [sys.executable, "-m", "dpsql.cli", *args, "--ledger", ledger, *_policy(args)],
         cwd=ROOT,
         capture_output=True,
         text=True,

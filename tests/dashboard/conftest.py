@@ -32,6 +32,9 @@ from dpsql.policy import Policy, load_policy
 from dpsql.server.auth import Verifier, make_verifier
 
 ROOT = Path(__file__).resolve().parents[2]
+#: Curator commands need --policy (no fallback to the demo): the demo's, given explicitly.
+HEALTH_POLICY = ROOT / "schemas" / "health.yaml"
+POLICY_ARGS = ("--policy", str(HEALTH_POLICY))
 PASSWORD = "curator correct horse"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 CHROMIUM = "/usr/bin/chromium"
@@ -157,7 +160,17 @@ def serve_and_dashboard(tmp_path: Path) -> Iterator[Callable[[str], tuple[Proces
         def dashboard() -> Process:
             dport = free_port()
             running = _spawn(
-                ["dashboard", "--port", str(dport), "--ledger", ledger_url, "--by", "curator-test"],
+                [
+                    "dashboard",
+                    "--port",
+                    str(dport),
+                    "--ledger",
+                    ledger_url,
+                    "--by",
+                    "curator-test",
+                    "--policy",
+                    str(HEALTH_POLICY),
+                ],
                 "dpsql dashboard",
                 {**env, "DPSQL_CURATOR_PASSWORD": PASSWORD},
             )

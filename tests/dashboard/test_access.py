@@ -253,6 +253,8 @@ def test_refuses_to_start_without_a_password(tmp_path: Path) -> None:
             "-m",
             "dpsql.cli",
             "dashboard",
+            "--policy",
+            str(ROOT / "schemas" / "health.yaml"),
             "--port",
             "0",
             "--ledger",
@@ -269,7 +271,16 @@ def test_refuses_to_start_without_a_password(tmp_path: Path) -> None:
     bad = tmp_path / "verifier"
     bad.write_text("plaintext-password\n")
     out = subprocess.run(
-        [sys.executable, "-m", "dpsql.cli", "dashboard", "--port", "0", "--password-file", str(bad)],
+        [
+            sys.executable,
+            "-m",
+            "dpsql.cli",
+            "dashboard",
+            "--port",
+            "0",
+            "--password-file",
+            str(bad),
+        ],  # no --policy needed to fail
         cwd=ROOT,
         env={**env, "PYTHONPATH": str(ROOT), "DPSQL_HOME": str(tmp_path)},
         capture_output=True,
@@ -324,6 +335,8 @@ def test_verifier_file_and_tls(tmp_path: Path) -> None:
     running = _spawn(
         [
             "dashboard",
+            "--policy",
+            str(ROOT / "schemas" / "health.yaml"),
             "--port",
             str(port),
             "--password-file",

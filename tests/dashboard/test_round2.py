@@ -32,7 +32,7 @@ from dpsql.dashboard.server import (
     insecure_listen_warning,
 )
 from dpsql.ledger import AuditEntry
-from tests.dashboard.conftest import PASSWORD, ROOT, Live, cookie_values, free_port
+from tests.dashboard.conftest import PASSWORD, POLICY_ARGS, ROOT, Live, cookie_values, free_port
 
 ALL_INTERFACES = "0.0.0.0"  # noqa: S104  (the warning's subject)
 
@@ -235,7 +235,7 @@ def test_dashboard_warns_at_start_on_0_0_0_0(tmp_path: Path) -> None:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DPSQL_HOME": str(tmp_path), auth.ENV_PASSWORD: PASSWORD}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dpsql.cli", "dashboard", "--host", ALL_INTERFACES, "--port", str(port)],
+        [sys.executable, "-m", "dpsql.cli", "dashboard", "--host", ALL_INTERFACES, "--port", str(port), *POLICY_ARGS],
         cwd=ROOT,
         env=env,
         stdout=subprocess.DEVNULL,

@@ -72,8 +72,9 @@ def test_dataset_refusal_reveals_no_other_analysts_spend(small_dataset_server: R
     assert "carol" not in text and "spent" not in text
     # the only figure is alice's own query's need: neither carol's 2, the dataset's 2.5 nor the total
     assert set(re.findall(r"\d+(?:\.\d+)?(?:e-?\d+)?", text)) <= {"0.5"}, text
-    assert all("carol" not in n and "2.5" not in n for n in notices)  # alice's own remaining only
-    assert any("remaining ε=9.5" in n for n in notices), notices
+    assert all("carol" not in n and "2.5" not in n for n in notices)
+    # remaining is what alice can really spend (#28 item 6): min(her own 9.5, the dataset's 2), never carol's
+    assert any("remaining ε=2 " in n for n in notices), notices
 
 
 # --- 2. fingerprints in the log and the ledger ---------------------------------------------------
