@@ -9,6 +9,10 @@ What is read from the database: its schema, and for each ``privacy_unit`` whethe
 rows hold at least 100 distinct values (``SELECT DISTINCT … LIMIT 100``: the exact number is never
 read or printed). The
 result goes to the curator's terminal or the server's log only, never to an analyst.
+
+``dpsql policy check`` alone also asks for the bias summary (:func:`bias_findings`): per table the
+exact share of rows beyond its caps and of values outside its bounds, a warning above 5 %. Those are
+exact figures from the data, for the curator's terminal only (``dpsql policy report`` has the detail).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import datetime as dt
 import difflib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -299,14 +303,17 @@ class Report:
     policy: Policy | None
     errors: list[str]
     warnings: list[str]
+    #: With ``bias=True``: one line per private table, the shares its caps and bounds cut (exact).
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return self.policy is not None and not self.errors
 
 
-def check_text(text: str, where: str, backend: Any | None = None) -> Report:
-    """Load and check a policy's text; ``backend`` (optional) for the database checks."""
+def check_text(text: str, where: str, backend: Any | None = None, *, bias: bool = False) -> Report:
+    """Load and check a policy's text; ``backend`` (optional) for the database checks; ``bias`` adds
+    the exact bias summary of :func:`bias_findings` (``dpsql policy check`` only)."""
     from dpsql.errors import PolicyError
 
     try:
@@ -315,18 +322,49 @@ def check_text(text: str, where: str, backend: Any | None = None) -> Report:
         problems = [exc.message, *(exc.detail.splitlines() if exc.detail else [])]
         return Report(None, problems, [])
     findings = list(policy_findings(policy))
+    notes: list[str] = []
     if backend is not None:
         findings += database_findings(policy, backend)
+        if bias and not any(f.severity == "error" for f in findings) and introspect.checkable(backend):
+            findings += bias_findings(policy, backend, notes)
     line_of = line_finder(text)
     errors = [f.render(where, line_of) for f in findings if f.severity == "error"]
     warnings = [f.render(where, line_of) for f in findings if f.severity == "warning"]
-    return Report(policy, errors, warnings)
+    return Report(policy, errors, warnings, notes)
 
 
-def check_file(path: str | Path, backend: Any | None = None) -> Report:
+def bias_findings(policy: Policy, backend: Any, notes: list[str]) -> Iterator[Finding]:
+    """Per private table, the exact share of rows beyond its caps and of values outside each bound
+    (a line in ``notes``), and a warning where one exceeds :data:`~dpsql.curator.report.WARN_SHARE`:
+    answers are then biased by more than their ± intervals say.
+
+    Exact figures read from the data (:mod:`dpsql.curator.report`): asked for by ``dpsql policy
+    check`` only, for the curator's terminal. ``dpsql serve`` and ``dpsql reload`` do not ask (their
+    checks stay the same on neighbouring databases, and cost the same on any table size)."""
+    from dpsql.errors import Error
+
+    from .report import summary_findings, table_report
+
+    for name, table in policy.tables.items():
+        if table.public or (table.source or name).startswith(("parquet:", "orc:")):
+            continue
+        try:
+            report = table_report(policy, backend, name, tradeoffs=False)
+        except Error as exc:
+            notes.append(f"{name}: bias not measured ({exc.message})")
+            continue
+        if report.skipped:
+            continue
+        line, warnings = summary_findings(report)
+        notes.append(line)
+        for path, message in warnings:
+            yield Finding("warning", path, message)
+
+
+def check_file(path: str | Path, backend: Any | None = None, *, bias: bool = False) -> Report:
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         return Report(None, [f"{path}: cannot read policy file: {exc.strerror}"], [])
-    return check_text(text, str(path), backend)
+    return check_text(text, str(path), backend, bias=bias)
