@@ -63,6 +63,8 @@ DPSQL_SETTINGS: dict[str, SettingSpec] = {
     ),
     "dpsql.mechanism": SettingSpec(_mechanism, "dpsql.mechanism is 'laplace' or 'gaussian'."),
     "dpsql.show_intervals": SettingSpec(parse_bool, "dpsql.show_intervals is on or off."),
+    # noisy floats rounded to two significant digits of their half-width (dpsql.release.rounding)
+    "dpsql.round": SettingSpec(parse_bool, "dpsql.round is on (noisy values rounded to their interval) or off."),
 }
 #: The settings that are fields of :class:`Session` (the others only shape the wire output).
 SESSION_FIELDS = ("epsilon", "delta", "confidence", "mechanism")

@@ -113,6 +113,11 @@ class Aggregate:
         """The output's value after noise, in its column's type (post-processing)."""
         return value
 
+    def value_range(self, out: OutputItem, plan: Plan) -> tuple[float, float] | None:
+        """What the exact answer can be (public: from the policy): confidence intervals are clipped
+        to it for display. Default: the output's clamp (AVG inside the declared bounds), if any."""
+        return out.clamp
+
     def direct_values(self, values: list[Any], convert: Callable[[Any], Any]) -> list[Any]:
         return [convert(v) for v in values]
 
@@ -178,3 +183,55 @@ class Expression(Aggregate):
     """An output expression over released measures and keys (post-processing)."""
 
     kind = "expr"
+
+    def accuracy(self, out: OutputItem, env: dict[str, Any], widths: list[float | None]) -> float | None:
+        """An interval for an expression of at most one noisy measure: ``c·x``, ``x/c``, ``x ± c``, ``-x``
+        and ``ROUND(x, d)`` (wider by half a unit of the last digit kept) carry x's half-width exactly;
+        anything combining several noisy values (ratios, sums of measures) gets none (a sum of
+        half-widths would not hold at the same confidence), and the notes say so."""
+        names = {v.name for v in out.expr.find_all(exp.Var) if v.name.startswith("m")}
+        if len(names) != 1:
+            return None
+        return _linear_width(out.expr, widths, out.column.type == "bigint")
+
+
+def _linear_width(node: exp.Expression, widths: list[float | None], integer: bool) -> float | None:
+    """Half-width of ``node`` when it is a constant-coefficient affine image (or ROUND) of one measure;
+    an integer division (``integer``) truncates, which adds up to 1."""
+    if isinstance(node, exp.Var):
+        return widths[int(node.name[1:])] if node.name.startswith("m") else None
+    if isinstance(node, exp.Literal) and not node.is_string:
+        return 0.0
+    if isinstance(node, exp.Paren | exp.Neg):
+        return _linear_width(node.this, widths, integer)
+    if isinstance(node, exp.Add | exp.Sub | exp.Mul | exp.Div):
+        left, right = _linear_width(node.this, widths, integer), _linear_width(node.expression, widths, integer)
+        if left is None or right is None:
+            return None
+        if isinstance(node, exp.Add | exp.Sub):
+            return left + right
+        constant = node.expression if left else node.this
+        if not isinstance(constant, exp.Literal) or (left and right) or (isinstance(node, exp.Div) and not left):
+            return None
+        factor = abs(float(constant.name))
+        if isinstance(node, exp.Mul):
+            return (left or right) * factor
+        return None if factor == 0 else left / factor + (1.0 if integer else 0.0)
+    if isinstance(node, exp.Round):
+        inner = _linear_width(node.this, widths, integer)
+        digits = node.args.get("decimals")
+        places = 0.0 if digits is None else _constant(digits)
+        if inner is None or places is None:
+            return None
+        return inner + 0.5 * 10.0 ** -int(places)
+    return None
+
+
+def _constant(node: exp.Expression) -> float | None:
+    """A numeric literal, possibly negated (``ROUND(x, -1)``); None for anything else."""
+    if isinstance(node, exp.Neg):
+        inner = _constant(node.this)
+        return None if inner is None else -inner
+    if isinstance(node, exp.Literal) and not node.is_string:
+        return float(node.name)
+    return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -12,7 +13,7 @@ from dpsql.errors import FeatureNotSupported
 
 if TYPE_CHECKING:
     from dpsql.analyze.scope import Scope
-    from dpsql.plan import Measure, OutputItem
+    from dpsql.plan import Measure, OutputItem, Plan
     from dpsql.session import PgType
 
 
@@ -62,6 +63,10 @@ class Count(Aggregate):
 
     def accuracy(self, out: OutputItem, env: dict[str, Any], widths: list[float | None]) -> float | None:
         return widths[out.measures[0]]
+
+    def value_range(self, out: OutputItem, plan: Plan) -> tuple[float, float] | None:
+        """A count is never negative."""
+        return (0.0, math.inf)
 
 
 def _distinct_units(node: exp.Expression, scope: Scope) -> Measure:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -11,7 +12,7 @@ from dpsql.aggregates.base import Aggregate, Recognised, measure_var
 
 if TYPE_CHECKING:
     from dpsql.analyze.scope import Scope
-    from dpsql.plan import Measure, OutputItem
+    from dpsql.plan import Measure, OutputItem, Plan
     from dpsql.session import PgType
 
 
@@ -47,3 +48,12 @@ class Sum(Aggregate):
 
     def accuracy(self, out: OutputItem, env: dict[str, Any], widths: list[float | None]) -> float | None:
         return widths[out.measures[0]]
+
+    def value_range(self, out: OutputItem, plan: Plan) -> tuple[float, float] | None:
+        """A sum of values clamped to non-negative (non-positive) bounds is non-negative (non-positive)."""
+        m = plan.measures[out.measures[0]]
+        if m.lower is not None and m.lower >= 0:
+            return (0.0, math.inf)
+        if m.upper is not None and m.upper <= 0:
+            return (-math.inf, 0.0)
+        return None

@@ -13,7 +13,7 @@ from dpsql.aggregates.base import Aggregate, Recognised, measure_var
 
 if TYPE_CHECKING:
     from dpsql.analyze.scope import Scope
-    from dpsql.plan import OutputItem
+    from dpsql.plan import OutputItem, Plan
     from dpsql.session import PgType
 
 
@@ -75,6 +75,10 @@ class Variance(Aggregate):
 
     def output_type(self, scope: Any, measures: tuple[int, ...], expr: exp.Expression | None = None) -> PgType | None:
         return "double precision"
+
+    def value_range(self, out: OutputItem, plan: Plan) -> tuple[float, float] | None:
+        """A variance (or standard deviation) is never negative."""
+        return (0.0, math.inf)
 
     def accuracy(self, out: OutputItem, env: dict[str, Any], widths: list[float | None]) -> float | None:
         """Delta method for var = S2/N − (S1/N)² (and its square root), from the three noises' half-widths."""

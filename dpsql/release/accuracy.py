@@ -17,8 +17,17 @@ from dpsql.aggregates import OUTPUTS
 from dpsql.errors import InvalidParameterValue
 from dpsql.plan import Measure, OutputItem, Plan
 from dpsql.policy import Policy
+from dpsql.release.apply import Released
 from dpsql.release.calibrate import Budgeting
-from dpsql.release.selection import quantile_grid, quantile_rank_error
+from dpsql.release.selection import (
+    EXTREME_BETA,
+    QuantileGrid,
+    extreme_aims,
+    nice,
+    quantile_grid,
+    quantile_rank_error,
+    rank_error_bound,
+)
 from dpsql.session import Result, Session, ci_label
 
 
@@ -41,30 +50,54 @@ def accuracy(out: OutputItem, env: dict[str, Any], widths: list[float | None]) -
 
 #: Output kinds chosen by the exponential mechanism over a quantile grid.
 _QUANTILE_KINDS = ("quantile", "quantile_disc")
+#: Output kinds whose missing ± has its own note (quantiles, modes) or is a NULL (AVG, variance).
+_OWN_NOTE_KINDS = (*_QUANTILE_KINDS, "mode")
+#: Rows named in one note before "…".
+_NOTE_ROWS = 5
+#: Each released group's key, noisy count and the count's half-width.
+Counts = list[tuple[tuple[Any, ...], float, float]]
+#: A note starting with this is a warning (the server sends it with severity WARNING).
+WARNING = "dpsql: WARNING: "
 
 
-def accuracy_notes(plan: Plan, budgeting: Budgeting, level: float, result: Result) -> list[str]:
-    """NOTICE texts for what a ± half-width cannot say: quantiles and modes, bound-capped values, NULL AVGs.
+def accuracy_notes(
+    plan: Plan, budgeting: Budgeting, level: float, result: Result, released: Released | None = None
+) -> list[str]:
+    """NOTICE texts for what a ± half-width cannot say: quantile and MIN/MAX value ranges, groups too
+    small for a quantile, modes, bound-capped values, NULL AVGs, intervals clipped to what a value can
+    be, and outputs without any interval (post-processed).
 
     Privacy: every figure here is a function of ε, the policy's bounds and domains, the grid and the
-    confidence (all public), or of the released values themselves (a value equal to a bound, a NULL
-    decided from a noisy count): post-processing, free. No true count or value is read.
+    confidence (all public), or of released values (a value equal to a bound, a quantile's grid cell,
+    a NULL or a group's size judged from a *noisy* count in ``released``): post-processing, free. No
+    true count or value is read.
     """
     notes: list[str] = []
     pct = ci_label(level)
+    counts = _noisy_counts(plan, released)
     for o, out in enumerate(plan.outputs):
-        if not isinstance(out.expr, exp.Var) or len(out.measures) != 1:
-            if out.kind in ("avg", "variance"):
-                notes.extend(_null_note(out.column.name, [row[o] for row in result.rows]))
-            continue
-        i = out.measures[0]
-        measure = plan.measures[i]
         values = [row[o] for row in result.rows]
-        if out.kind in _QUANTILE_KINDS:
-            notes.append(_quantile_note(out, plan, budgeting, level, pct))
-            notes.extend(_bound_notes(out.column.name, measure, values))
-        elif out.kind == "mode":
-            notes.append(_mode_note(out.column.name, measure, plan, budgeting.shares[i], level, pct))
+        if (not isinstance(out.expr, exp.Var) or len(out.measures) != 1) and out.kind in ("avg", "variance"):
+            notes.extend(_null_note(out.column.name, values))
+        if out.kind in _QUANTILE_KINDS and isinstance(out.expr, exp.Var):
+            i = out.measures[0]
+            notes.extend(_quantile_notes(out, plan, budgeting, level, values, counts.get(plan.measures[i].column)))
+            notes.extend(_bound_notes(out.column.name, plan.measures[i], values))
+        elif out.kind == "mode" and isinstance(out.expr, exp.Var):
+            i = out.measures[0]
+            notes.append(_mode_note(out.column.name, plan.measures[i], plan, budgeting.shares[i], level, pct))
+        elif out.noisy:
+            widths = [acc[o] if o < len(acc) else None for acc in result.accuracy]
+            shown = [w for w, v in zip(widths, values, strict=True) if v is not None]
+            if out.kind not in _OWN_NOTE_KINDS and all(w is None for w in shown):
+                if shown:
+                    notes.append(
+                        f"dpsql: no interval for column {out.column.name} (post-processed: computed from noisy "
+                        "values by arithmetic, ROUND, a ratio or several measures; only bare aggregates and "
+                        "constant multiples of one get ±)"
+                    )
+            else:
+                notes.extend(_clip_note(out, plan, o, result, widths, pct))
     return notes
 
 
@@ -94,33 +127,189 @@ def bias_note(plan: Plan, level: float) -> str | None:
     return f"dpsql: ±{ci_label(level)}% covers the noise only, not the bias of " + "; ".join(parts)
 
 
-def _quantile_note(out: OutputItem, plan: Plan, budgeting: Budgeting, level: float, pct: str) -> str:
-    """The rank error bound EXPLAIN shows (``rank_error95``), said in words; MIN/MAX also say where they aim."""
+def _quantile_notes(
+    out: OutputItem,
+    plan: Plan,
+    budgeting: Budgeting,
+    level: float,
+    values: list[Any],
+    counts: Counts | None,
+) -> list[str]:
+    """A quantile's accuracy in words, from public quantities and its released values only.
+
+    MIN/MAX: a value range, ``between ~25.3 and 80 at 95%``: the mechanism picks a candidate beyond
+    all the data with probability ≤ β = 5% (``selection.extreme_aims``), so the true extreme lies
+    between the released value's grid cell (or run) and the bound, plus how many values may lie
+    beyond it (the aim of the released value's candidate plus the rank error). Other quantiles: the
+    rank error, as quantile levels when the group's noisy count is released. A value range for
+    those would need the values at the ranks around it, which are not released: said so.
+    Then a warning for groups whose *noisy* count is too small for the quantile to mean anything.
+    """
     i = out.measures[0]
     measure = plan.measures[i]
     assert measure.lower is not None and measure.upper is not None and measure.q is not None
-    rank = OUTPUTS[out.kind].explain(out, plan, budgeting, level)["rank_error95"]
-    head = f"dpsql: {out.column.name} has no ± interval (exponential mechanism): at {pct}% "
+    name, column = out.column.name, measure.column
+    grid = quantile_grid(measure.lower, measure.upper, measure.integer)
+    sensitivity, epsilon = plan.sensitivities(measure)[0], budgeting.shares[i]
+    pct = ci_label(level)
+    clamp = f"noise only; bounds [{measure.lower:g}, {measure.upper:g}] clamp {column}"
+    released = [float(v) for v in values if isinstance(v, int | float)]
+    notes: list[str] = []
     if measure.q in (0.0, 1.0):
-        grid = quantile_grid(measure.lower, measure.upper, measure.integer)
-        sensitivity = plan.sensitivities(measure)[0]
-        # the rank MIN/MAX aim at (selection._extreme_rank): the 95% bound over the candidates
-        aim = max(1.0, quantile_rank_error(budgeting.shares[i], sensitivity, grid, 0.95, extreme=True))
-        side, beyond = ("largest", "above") if measure.q == 1.0 else ("smallest", "below")
-        if grid.stride > 1:  # chosen among runs of cells, released at the run's middle
-            width = (measure.upper - measure.lower) * grid.stride / grid.cells
-            beyond += f" its run of width {width:.4g}"
+        top = measure.q == 1.0
+        runs = grid.stride > 1
+        candidates = grid.runs if runs else grid.cells
+        aims = extreme_aims(epsilon, sensitivity, candidates)
+        error = rank_error_bound(epsilon, sensitivity, level, candidates)
+        reach, ranges = 0.0, []
+        for v in released:
+            index, low, high = grid.candidate(v, runs)
+            aim = aims[candidates - 1 - index] if top else aims[index]
+            reach = max(reach, aim + error)
+            ranges.append((low, measure.upper) if top else (measure.lower, high))
+        depth = math.ceil(reach or aims[0] + error)
+        extreme, side = ("maximum", "above") if top else ("minimum", "below")
+        sure = ci_label(1.0 - EXTREME_BETA)
+        if len(ranges) == 1:
+            low, high = ranges[0]
+            exact = grid.integer and not runs
+            ends = (_approx(low, grid, exact, high - low), _approx(high, grid, exact, high - low))
+            between = f"between {ends[0]} and {ends[1]}" if low < high else f"{ends[0]} (the declared bound)"
+            where = f"the group's values lie {side} {_number(released[0])}"
         else:
-            beyond += " it"
-        return (
-            head + f"at most {math.ceil(aim + rank)} of its group's values lie {beyond} "
-            f"(it aims {_values(math.ceil(aim))} in from the {side}: no DP mechanism finds the exact extreme)"
+            bound = measure.upper if top else measure.lower
+            between = f"between ~each row's value and {bound:g}" if top else f"between {bound:g} and ~each row's value"
+            where = f"a group's values lie {side} its value"
+        floor_, why = aims[0] + error, f"the depth it must aim at plus its {pct}% rank error"
+        notes.append(
+            f"dpsql: {name}: {between} at {sure}% ({clamp}); no DP mechanism finds the exact {extreme}: "
+            f"at {pct}% at most {depth} of {where}{_size_hint(floor_, counts)}"
         )
-    return head + f"its rank is within {math.ceil(rank)} of the exact {measure.q:g}-quantile's rank"
+    else:
+        error = quantile_rank_error(epsilon, sensitivity, grid, level)
+        levels = ""
+        if counts is not None and len(counts) == 1 and len(released) == 1:
+            _, noisy, width = counts[0]
+            n = noisy - width
+            if n > 2 * error:
+                low_q, high_q = max(0.0, measure.q - error / n), min(1.0, measure.q + error / n)
+                levels = (
+                    f", i.e. between the group's p{math.floor(low_q * 100):d} and p{math.ceil(high_q * 100):d} "
+                    f"(from its noisy count ~{_number(noisy)})"
+                )
+        floor_, why = 2 * error, f"twice its {pct}% rank error"
+        notes.append(
+            f"dpsql: {name} has no ± interval (exponential mechanism): at {pct}% its rank is within "
+            f"{math.ceil(error)} of the exact {measure.q:g}-quantile's{levels}; a value range would need "
+            f"the data ({clamp}){_size_hint(floor_, counts)}"
+        )
+    notes.extend(_small_group_note(name, floor_, why, counts, plan))
+    return notes
 
 
-def _values(n: int) -> str:
-    return f"{n} value" if n == 1 else f"{n} values"
+def _small_group_note(name: str, floor_: float, why: str, counts: Counts | None, plan: Plan) -> list[str]:
+    """``WARNING: median(x) means little …`` for groups whose *noisy* count (released by the same
+    query) is below what the quantile needs; without a released count the quantile's note says what
+    size it needs instead (a fact of the policy and ε)."""
+    need = math.ceil(floor_)
+    if counts is None:
+        return []
+    small = [(key, noisy) for key, noisy, _ in counts if noisy < need]
+    if not small:
+        return []
+    if not plan.keys:
+        return [f"{WARNING}{name} means little here: the noisy count ~{_number(small[0][1])} is below {need} ({why})"]
+    named = ", ".join(", ".join(str(k) for k in key) for key, _ in small[:_NOTE_ROWS])
+    sizes = ", ".join(f"~{_number(noisy)}" for _, noisy in small[:_NOTE_ROWS])
+    more = ", …" if len(small) > _NOTE_ROWS else ""
+    return [
+        f"{WARNING}{name} means little in {len(small)} of {len(counts)} groups ({named}{more}): their noisy "
+        f"counts ({sizes}{more}) are below {need} ({why})"
+    ]
+
+
+def _size_hint(floor_: float, counts: Counts | None) -> str:
+    """Without a released count: the group size a quantile needs to mean anything (ε and policy only)."""
+    if counts is not None:
+        return ""
+    return f"; it means little unless the group holds well over {math.ceil(floor_)} values (add COUNT(*) to see)"
+
+
+def _noisy_counts(plan: Plan, released: Released | None) -> dict[str | None, Counts]:
+    """Per column, each released group's key, noisy count and its half-width, from the query's own
+    released counts (COUNT(*) for every column, COUNT(col) for its column; unfiltered ones only).
+    Released values only: a group's size is judged on noise, never on its true count."""
+    if released is None:
+        return {}
+    nkeys = len(plan.keys)
+    found: dict[str | None, int] = {}
+    for i, m in enumerate(plan.measures):
+        if m.expr is None and m.kind in ("count_star", "count"):
+            found.setdefault(None if m.kind == "count_star" else m.column, i)
+    out: dict[str | None, Counts] = {}
+    columns = {m.column for m in plan.measures if m.selected}
+    for column in columns:
+        index = found.get(column, found.get(None))
+        if index is None:
+            continue
+        out[column] = [
+            (tuple(row[:nkeys]), float(released.columns[index][j]), float(released.widths[j][index] or 0.0))
+            for j, row in enumerate(released.rows)
+        ]
+    return out
+
+
+def _clip_note(out: OutputItem, plan: Plan, o: int, result: Result, widths: list[Any], pct: str) -> list[str]:
+    """``count: 95% interval clipped to its possible range [0, ∞): 2 ±5 is 0 to 7``: an interval
+    intersected with what the value can be (a count ≥ 0, an AVG inside the declared bounds):
+    post-processing of a released value and a public half-width."""
+    bounds = OUTPUTS[out.kind].value_range(out, plan)
+    if bounds is None:
+        return []
+    low, high = bounds
+    keys = [k for k, item in enumerate(plan.outputs) if item.kind == "key"]
+    clipped = []
+    for row, width in zip(result.rows, widths, strict=False):
+        value = row[o]
+        if not isinstance(value, int | float) or not isinstance(width, int | float) or not math.isfinite(width):
+            continue
+        if value - width < low or value + width > high:
+            lo, hi = max(low, value - width), min(high, value + width)
+            name = " ".join(str(row[k]) for k in keys) + " " if keys else ""
+            interval = f"{_number(lo, width)} to {_number(hi, width)}"
+            clipped.append(f"{name}{_number(value, width)} ±{_number(width, width)} is {interval}")
+    if not clipped:
+        return []
+    limits = f"[{_bound(low)}, {_bound(high)}{')' if high == math.inf else ']'}".replace("[-∞", "(-∞")
+    if len(result.rows) == 1:
+        return [f"dpsql: {out.column.name}: {pct}% interval clipped to its possible range {limits}: {clipped[0]}"]
+    more = "; …" if len(clipped) > _NOTE_ROWS else ""
+    return [
+        f"dpsql: {out.column.name}: {pct}% intervals clipped to its possible range {limits} in {len(clipped)} "
+        f"of {len(result.rows)} rows: " + "; ".join(clipped[:_NOTE_ROWS]) + more
+    ]
+
+
+def _bound(x: float) -> str:
+    return "∞" if x == math.inf else "-∞" if x == -math.inf else f"{x:g}"
+
+
+def _approx(x: float, grid: QuantileGrid, exact: bool, width: float) -> str:
+    """A range end: a bound or an exact integer as is, the edge of a cell (or run) of ``width`` as ``~x``."""
+    if exact or x in (grid.lower, grid.upper):
+        return _number(x)
+    return "~" + _number(x, width)
+
+
+def _number(x: float, width: float | None = None) -> str:
+    """A released number as notes show it: rounded like result cells (two significant digits of
+    ``width``, else six significant digits), without exponent or trailing zeros."""
+    if isinstance(x, int) or (isinstance(x, float) and x.is_integer() and abs(x) < 1e15):
+        return str(int(x))
+    if width is not None and width > 0 and math.isfinite(width):
+        x = nice(x, width)
+    text = f"{x:.6g}" if width is None or "e" in repr(x) else repr(x)
+    return text.removesuffix(".0")
 
 
 def _bound_notes(name: str, measure: Measure, values: list[Any]) -> list[str]:

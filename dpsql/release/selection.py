@@ -33,9 +33,21 @@ stage 1's released run only), so by adaptive sequential composition the pair is 
 Both stages read the same histogram: one query, whose shape depends only on the public bounds.
 MIN and MAX (q = 0, 1) use one stage over the runs at full ε (their error is the rank depth they
 must aim at, which a split would double), released at the run's middle. Otherwise the released
-value is the cell's (the integer itself, or the cell's midpoint): post-processing. Across groups
-the caller passes Δ = max_rows·max_groups, so the mechanisms of all groups one unit touches
-compose to ε.
+value is the cell's (the integer itself, or the cell's midpoint rounded to two significant digits
+of the cell's width, which keeps it inside the cell): post-processing. Across groups the caller
+passes Δ = max_rows·max_groups, so the mechanisms of all groups one unit touches compose to ε.
+
+MIN and MAX aim at a rank per candidate (:func:`extreme_aims`): the j-th candidate from the
+extreme end aims k_j = (2Δ/ε)·ln(j·H_B/β) values in (H_B the B-th harmonic number, β =
+:data:`EXTREME_BETA`). The empty candidates beyond the data (j = 1 … E) score −k_j while a
+candidate covering its own aim scores 0, and report-noisy-max with exponential noise (permute-and-
+flip) picks a candidate g below the best with probability ≤ e^{−g·ε/2Δ}; so they win together with
+probability ≤ Σ_j β/(j·H_B) ≤ β whatever E is, as with one constant aim k = (2Δ/ε)·ln(B/β) (once
+the group holds enough values to reach the aims); but data reaching the bound meet an aim of (2Δ/ε)·ln(H_B/β),
+about half as deep (MAX of data up to the cap lands near the cap), at the price of at most
+(2Δ/ε)·ln H_B more ranks when the extreme lies far inside the bounds. The aims are constants
+(ε, Δ, B only), so every utility still moves by at most Δ per unit: the privacy argument above is
+unchanged.
 """
 
 from __future__ import annotations
@@ -125,16 +137,51 @@ class QuantileGrid:
     def runs(self) -> int:
         return -(-self.cells // self.stride)
 
+    @property
+    def width(self) -> float:
+        """Width of one cell (1 for exact integers)."""
+        return 1.0 if self.integer else (self.upper - self.lower) / self.cells
+
     def value(self, cell: int) -> float:
-        """The released value of a cell: the integer itself, or the cell's midpoint."""
+        """The released value of a cell: the integer itself, or the cell's midpoint (rounded to two
+        significant digits of the width: no 17-digit grid arithmetic, still inside the cell)."""
         if self.integer:
             return self.lower + cell
-        return min(self.upper, self.lower + (cell + 0.5) * (self.upper - self.lower) / self.cells)
+        return min(self.upper, nice(self.lower + (cell + 0.5) * self.width, self.width))
 
     def run_value(self, run: int) -> float:
-        """The released value of a stage-1 run: its middle."""
+        """The released value of a stage-1 run: its middle (rounded like :meth:`value`)."""
         first, last = run * self.stride, min((run + 1) * self.stride, self.cells) - 1
-        return (self.value(first) + self.value(last)) / 2
+        low, high = self.span(first, last)
+        if self.integer:
+            return (low + high) / 2
+        return min(self.upper, nice((low + high) / 2, high - low))
+
+    def span(self, first: int, last: int) -> tuple[float, float]:
+        """The values cells ``first`` … ``last`` cover: [first integer, last integer], or the cells' edges."""
+        if self.integer:
+            return self.lower + first, self.lower + last
+        return self.lower + first * self.width, min(self.upper, self.lower + (last + 1) * self.width)
+
+    def candidate(self, value: float, runs: bool) -> tuple[int, float, float]:
+        """The candidate (a run when ``runs``, else a cell) a released ``value`` stands for, and the
+        values it covers: post-processing of the released value and the public grid only."""
+        size = self.stride if runs else 1
+        count = self.runs if runs else self.cells
+        step = size * self.width
+        index = math.floor((value - self.lower) / step + (0.0 if size > 1 or not self.integer else 0.5))
+        index = min(max(index, 0), count - 1)
+        low, high = self.span(index * size, min((index + 1) * size, self.cells) - 1)
+        return index, low, high
+
+
+def nice(x: float, width: float) -> float:
+    """``x`` rounded to two significant digits of ``width`` (≤ width/20 away): deterministic
+    post-processing of a released value, which keeps it inside a cell of that width around it."""
+    if not (width > 0 and math.isfinite(width) and math.isfinite(x)):
+        return x
+    digits = 1 - math.floor(math.log10(width))
+    return round(x, digits)
 
 
 def quantile_grid(lower: float, upper: float, integer: bool) -> QuantileGrid:
@@ -152,24 +199,46 @@ def _noisy_max(scale: float) -> Any:
     return dp.m.make_noisy_max(domain, dp.linf_distance(T=float), dp.max_divergence(), scale=scale)
 
 
-def rank_utilities(counts: Sequence[int], q: float, total: int, before: int, target: float) -> list[float]:
+def rank_utilities(
+    counts: Sequence[int], q: float, total: int, before: int, target: float | Sequence[float]
+) -> list[float]:
     """Utilities of consecutive candidates with ``counts`` values each, ``before`` values lying
     before the first one (below it; above the last one when q = 1, the candidates then read from
-    the top). ``target`` is the rank aimed at, counted from the same end.
+    the top). ``target`` is the rank aimed at, counted from the same end: one for all candidates,
+    or one per candidate in that order (MIN/MAX, :func:`extreme_aims`; data-independent constants).
 
     For MIN and MAX (q = 0 or 1) a candidate starting exactly at the target rank is half a rank
     worse than one covering it, so the extreme is approached from the inside.
     """
     extreme = q in (0.0, 1.0)
     ordered = list(reversed(counts)) if q == 1.0 else list(counts)
+    targets = [float(target)] * len(ordered) if isinstance(target, int | float) else list(target)
     utilities = []
     below = float(before)
-    for count in ordered:
+    for count, aim in zip(ordered, targets, strict=True):
         above = below + count
         start = below + 0.5 if extreme else below
-        utilities.append(-max(0.0, start - target, target - above))
+        utilities.append(-max(0.0, start - aim, aim - above))
         below = above
     return utilities[::-1] if q == 1.0 else utilities
+
+
+#: β of MIN/MAX's aims: the empty candidates beyond the data win with probability ≤ β in all.
+EXTREME_BETA = 0.05
+
+
+@lru_cache(maxsize=256)
+def extreme_aims(epsilon: float, sensitivity: float, candidates: int) -> tuple[float, ...]:
+    """The rank each MIN/MAX candidate aims at, counted from the extreme end (index 0: the outermost).
+
+    k_j = max(1, (2Δ/ε)·ln(j·H_B/β)) for the j-th candidate from the end: the candidates beyond the
+    data, whichever they are, then win with probability ≤ β together (module docstring), and data
+    that reach the bound are met about half as deep as by one constant aim (2Δ/ε)·ln(B/β). A
+    function of ε, Δ and B only (public), never of the data.
+    """
+    harmonic = sum(1.0 / j for j in range(1, candidates + 1))
+    scale = 2.0 * sensitivity / epsilon
+    return tuple(max(1.0, scale * math.log(j * harmonic / EXTREME_BETA)) for j in range(1, candidates + 1))
 
 
 def quantile_utilities(
@@ -189,14 +258,9 @@ def quantile_utilities(
     return rank_utilities([counts.get(j, 0) for j in range(bins)], q, total, 0, target)
 
 
-def _extreme_rank(epsilon: float, sensitivity: float, candidates: int) -> float:
-    """The rank MIN/MAX aim at: empty candidates beyond the data then weigh at most β = 5% in all."""
-    return max(1.0, rank_error_bound(epsilon, sensitivity, bins=candidates))
-
-
 def _choose(counts: Sequence[int], q: float, total: int, before: int, epsilon: float, sensitivity: float) -> int:
     """One ε-DP exponential mechanism over consecutive candidates (see :func:`rank_utilities`)."""
-    target = _extreme_rank(epsilon, sensitivity, len(counts)) if q in (0.0, 1.0) else q * total
+    target = extreme_aims(epsilon, sensitivity, len(counts)) if q in (0.0, 1.0) else q * total
     utilities = rank_utilities(counts, q, total, before, target)
     return int(_noisy_max(2.0 * sensitivity / epsilon)(utilities))
 

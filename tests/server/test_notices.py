@@ -52,12 +52,14 @@ def test_psql_notices_for_quantiles_bounds_modes_and_null_averages(dp_server: Ru
     notices = [line for line in notices if line not in bias]
     assert all(CHARGED.fullmatch(line) for line in [*notices[::3][:2], notices[6], notices[9]]), notices
     assert [line for line in notices if "charged" not in line] == [
-        "NOTICE:  dpsql: max has no ± interval (exponential mechanism): at 95% at most 2 of its group's values "
-        "lie above it (it aims 1 value in from the largest: no DP mechanism finds the exact extreme)",
+        "NOTICE:  dpsql: max: 2199 (the declared bound) at 95% (noise only; bounds [2100, 2199] clamp zip); no DP "
+        "mechanism finds the exact maximum: at 95% at most 2 of the group's values lie above 2199; it means little "
+        "unless the group holds well over 2 values (add COUNT(*) to see)",
         "NOTICE:  dpsql: max is capped at the declared upper bound 2199 of zip: values are clamped to "
         "[2100, 2199] before the choice",
-        "NOTICE:  dpsql: min has no ± interval (exponential mechanism): at 95% at most 2 of its group's values "
-        "lie below it (it aims 1 value in from the smallest: no DP mechanism finds the exact extreme)",
+        "NOTICE:  dpsql: min: between 0 and ~each row's value at 95% (noise only; bounds [0, 50] clamp visits); no "
+        "DP mechanism finds the exact minimum: at 95% at most 2 of a group's values lie below its value; it means "
+        "little unless the group holds well over 2 values (add COUNT(*) to see)",
         "NOTICE:  dpsql: min is floored at the declared lower bound 0 of visits (in 2 of 2 rows): values are "
         "clamped to [0, 50] before the choice",
         "NOTICE:  dpsql: 95% CI half-widths: count ±0",
