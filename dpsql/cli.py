@@ -160,11 +160,13 @@ def cmd_budget(args: argparse.Namespace) -> int:
         if args.analyst:
             names = [args.analyst]
         rows = []
+        # an analyst can spend no more than the dataset has left: their remaining is the smaller of the two
+        dataset_left = spent_and_left(ledger.spent(policy.dataset), policy.budget.dataset)[1]
         for name in names:
             total = ledger.levers(policy.dataset, name).limit(policy.analyst_budget(name))  # policy + grants
             used = spent.get(name, Spent())
             eps, left = spent_and_left(used, total)
-            rows.append((name, eps, total.epsilon, left, used.queries))
+            rows.append((name, eps, total.epsilon, min(left, dataset_left), used.queries))
         all_spent = ledger.spent(policy.dataset)
         dataset_total = policy.budget.dataset
         eps, left = spent_and_left(all_spent, dataset_total)
@@ -173,6 +175,7 @@ def cmd_budget(args: argparse.Namespace) -> int:
         if args.json:  # a corrupt total reads as inf: null in JSON (Infinity is not JSON)
             print(json.dumps([dict(zip(columns, map(_json_number, r), strict=True)) for r in rows]))
         else:
+            print(f'privacy budget of dataset "{policy.dataset}"')
             print(format_table(columns, [(printable(r[0]), *r[1:]) for r in rows]))
     finally:
         ledger.close()
@@ -299,6 +302,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_connections_per_analyst=args.max_connections_per_analyst,
             workers=args.workers,
             analyst_workers=args.analyst_workers,
+            sandbox_memory=getattr(args, "sandbox_memory", 512),
             catalog_pool=args.catalog_pool,
             reuse_port=getattr(args, "reuse_port", False),
             on_listening=announce,
@@ -392,6 +396,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--workers", type=int, default=8, help="threads running statements (default: %(default)s)")
     serve.add_argument(
         "--analyst-workers", type=int, default=None, help="worker threads one analyst may hold (default: half)"
+    )
+    serve.add_argument(
+        "--sandbox-memory",
+        type=int,
+        default=512,
+        metavar="MB",
+        help="memory of the post-processing sandboxes in all, 256 MB each (default: %(default)s)",
     )
     serve.add_argument(
         "--processes",

@@ -18,7 +18,7 @@ from typing import Any
 from sqlglot import exp
 
 from dpsql import budget_view
-from dpsql.accountant import Cost, remaining_budget
+from dpsql.accountant import Cost
 from dpsql.analyze import analyze_tree, infer_parameter_types
 from dpsql.analyze.fold import reads_clock
 from dpsql.analyze.insert import insert
@@ -31,7 +31,8 @@ from dpsql.analyze.parse import (
     too_complex,
 )
 from dpsql.analyze.randomized import local_query
-from dpsql.analyze.statement import Kind, Statements
+from dpsql.analyze.statement import CACHE_BYTES as PLAN_CACHE_BYTES
+from dpsql.analyze.statement import Kind, Statements, tree_bytes
 from dpsql.audit import AuditTrail, note_cache_hit, note_charge
 from dpsql.backends import DEFAULT_STATEMENT_TIMEOUT_MS, Backend, log_database_error, open_backend
 from dpsql.cache import ResultCache, cache_key, data_stamp, database_identity, policy_hash, result_key
@@ -52,6 +53,7 @@ from dpsql.release.accuracy import accuracy_notes, bias_note
 from dpsql.release.accuracy import confidence as confidence_level
 from dpsql.release.apply import apply, apply_local
 from dpsql.release.calibrate import FREE, budget
+from dpsql.release.rounding import round_result, rounding_on
 from dpsql.rewrite import histogram_queries, rewrite
 from dpsql.rewrite.physical import StoredTypes, choose_physical, data_version
 from dpsql.session import Result, Session
@@ -71,7 +73,8 @@ class Engine:
         self.cache = cache
         self._policy_hash = policy_hash(policy)
         self._database_identity: str | None = None
-        self._plans: LRU[tuple[Any, ...], Prepared] = LRU(_PLAN_CACHE_SIZE)
+        #: Plans hold their rewritten trees: bounded in bytes too (see :func:`tree_bytes`).
+        self._plans: LRU[tuple[Any, ...], Prepared] = LRU(_PLAN_CACHE_SIZE, PLAN_CACHE_BYTES)
         self._statements = Statements(_PLAN_CACHE_SIZE)
         #: Keys the per-row hash choosing which rows of a heavy unit are kept (never shown to analysts;
         #: derived from the ledger's installation key, so every process on one ledger keeps the same rows).
@@ -139,7 +142,7 @@ class Engine:
             prepared = self._prepare(sql, tree, session, params)
         except RecursionError:
             raise too_complex() from None
-        return prepared if clock else self._plans.put(key, prepared)
+        return prepared if clock else self._plans.put(key, prepared, tree_bytes(sql, tree))
 
     def fingerprint(self, sql: str) -> str:
         """The keyed fingerprint of a statement's shape (constants removed): what the server logs and
@@ -198,7 +201,8 @@ class Engine:
     def execute(self, sql: str, session: Session, params: Params = None) -> Result:
         """Answer one DP query: reserve the budget, run, noise, post-process; audited however it ends."""
         with self.audit.recording(sql, session.analyst):
-            return self._answer(sql, session, params)
+            result = self._answer(sql, session, params)
+        return round_result(result) if rounding_on(session) else result  # post-processing, per session
 
     def reserve(self, cost: Cost, session: Session, fingerprint: str) -> Charge:
         """Charge ``cost`` to the analyst and the dataset, durably, before anything runs (audited)."""
@@ -244,11 +248,9 @@ class Engine:
         with charged_on_failure(budgeting.epsilon if charge is not None else 0.0):
             result = self._measure(prepared, confidence)
         if charge is not None:
-            result.remaining_epsilon = remaining_budget(
-                charge.analyst_spent,
-                charge.analyst_limit,  # the policy's budget plus the curator's grants
-                self.policy.budget.accounting,
-            ).epsilon  # the ledger's own accountant: Σε under pure, ε(Σρ, δ − Σδ_sel) under zcdp
+            # the ledger's own accountant (Σε under pure, ε(Σρ, δ − Σδ_sel) under zcdp) on the policy's budget plus
+            # the curator's grants, capped by what the dataset has left: what the analyst can really spend
+            result.remaining_epsilon = charge.remaining(self.policy.budget.accounting).epsilon
             result.notices.append(
                 f"dpsql: charged ε={budgeting.epsilon:g}"
                 + (f", δ={budgeting.delta:g}" if budgeting.delta else "")
@@ -313,9 +315,10 @@ class Engine:
     ) -> Result:
         """Noise the measures (:func:`dpsql.release.apply.apply`), then post-process the released values."""
         plan, budgeting = prepared.plan, prepared.budgeting
-        result = finish(plan, *apply(plan, budgeting, rows, confidence, histograms, prepared.cache), prepared.cache)
+        released = apply(plan, budgeting, rows, confidence, histograms, prepared.cache)
+        result = finish(plan, *released, prepared.cache)
         result.epsilon_spent, result.delta_spent = budgeting.epsilon, budgeting.delta
-        result.notices.extend(accuracy_notes(plan, budgeting, confidence, result))  # what ± cannot say
+        result.notices.extend(accuracy_notes(plan, budgeting, confidence, result, released))  # what ± cannot say
         if (bias := bias_note(plan, confidence)) is not None:  # nor what it leaves out
             result.notices.append(bias)
         return result

@@ -62,9 +62,11 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
         return 1
     backend = _open_database(args.database, first.policy.dataset)
     try:
-        report = check_file(path, backend)
+        report = check_file(path, backend, bias=True)
     finally:
         backend.close()
+    for note in report.notes:  # the bias summary: with the warnings, stdout keeps the verdict alone
+        print(note, file=sys.stderr)
     for warning in report.warnings:
         print(warning, file=sys.stderr)
     for error in report.errors:
@@ -204,6 +206,10 @@ def register(sub: Any) -> None:
         "--database", help="duckdb:///path, postgresql://… (default: the demo data, for the demo's datasets only)"
     )
     check.set_defaults(func=cmd_policy_check)
+
+    from .report import register as register_report
+
+    register_report(psub)  # policy report: bias of the caps and bounds (curator only)
 
     cache = sub.add_parser("cache", help="the result cache next to the ledger")
     csub = cache.add_subparsers(dest="cache_command", required=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dpsql.accountant import Cost, remaining_budget
+from dpsql.accountant import Cost
 from dpsql.audit import note_cache_hit
 from dpsql.session import Result, Session
 
@@ -104,9 +104,7 @@ def charged_notice(
             result.notices.append(CACHED_NOTICE)
         return
     queries = sum(p.charged for p in parts)
-    result.remaining_epsilon = remaining_budget(
-        charge.analyst_spent, charge.analyst_limit, engine.policy.budget.accounting
-    ).epsilon
+    result.remaining_epsilon = charge.remaining(engine.policy.budget.accounting).epsilon  # min(analyst, dataset)
     result.notices.append(
         f"dpsql: charged ε={cost.epsilon:g}"
         + (f", δ={cost.delta:g}" if cost.delta else "")

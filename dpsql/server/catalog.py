@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import datetime as dt
 import logging
 import select
 import threading
@@ -57,7 +58,7 @@ from dpsql.errors import (
     QueryCanceled,
     relay,
 )
-from dpsql.policy import PG_TYPE_NAMES, Policy, TablePolicy
+from dpsql.policy import PG_TYPE_NAMES, ColumnPolicy, Policy, TablePolicy
 
 from .protocol import FieldDescription
 from .shadow_guard import check_catalog_sql
@@ -147,19 +148,84 @@ def _literal(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
-def _table_ddl(name: str, table: TablePolicy) -> list[str]:
+def _table_ddl(name: str, table: TablePolicy, policy: Policy | None = None) -> list[str]:
     cols = [
         f"{_ident(col)} {PG_TYPE_NAMES[c.type]}{'' if c.nullable else ' NOT NULL'}"
         for col, c in table.columns.items()
         if not c.identifier
     ]
     stmts = [f"CREATE TABLE public.{_ident(name)} ({', '.join(cols)})"]
-    if table.description:
-        stmts.append(f"COMMENT ON TABLE public.{_ident(name)} IS {_literal(table.description)}")
+    comment = table_comment(name, table, policy)
+    if comment:
+        stmts.append(f"COMMENT ON TABLE public.{_ident(name)} IS {_comment(comment)}")
     for col, c in table.columns.items():
-        if c.description and not c.identifier:
-            stmts.append(f"COMMENT ON COLUMN public.{_ident(name)}.{_ident(col)} IS {_literal(c.description)}")
+        if not c.identifier:
+            stmts.append(f"COMMENT ON COLUMN public.{_ident(name)}.{_ident(col)} IS {_comment(column_comment(c))}")
     return stmts
+
+
+#: A domain with at most this many values is listed in its column's comment (else only counted).
+COMMENT_DOMAIN_VALUES = 8
+
+
+def _comment(text: str) -> str:
+    """A comment as a string literal: quotes doubled (standard_conforming_strings), NUL removed (no
+    PostgreSQL text holds it), so no policy text can end the literal or fail the shadow's start."""
+    return _literal(text.replace("\x00", ""))
+
+
+def _shown(value: object) -> str:
+    if value is None:
+        return "NULL"
+    if isinstance(value, float):
+        return str(int(value)) if value.is_integer() and abs(value) < 1e15 else repr(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dt.date):
+        return value.isoformat(sep=" ") if isinstance(value, dt.datetime) else value.isoformat()
+    return str(value)
+
+
+def column_comment(column: ColumnPolicy) -> str:
+    """What ``\\d+`` shows for a column: its description, then what the policy declares about its
+    values (``bounds [0, 110]; not null``, ``domain: Female, Male; nullable``). Policy only: all of it
+    is published to every analyst already (EXPLAIN, NOTICEs, released group keys)."""
+    parts = [column.description] if column.description else []
+    if column.bounded:
+        parts.append(f"bounds [{_shown(column.lower)}, {_shown(column.upper)}]")
+    values = column.values
+    if values is not None:
+        if len(values) <= COMMENT_DOMAIN_VALUES:
+            parts.append("domain: " + ", ".join(_shown(v) for v in values))
+        else:
+            parts.append(f"domain: {len(values)} values")
+    if column.randomized_response is not None:
+        parts.append(f"randomized response (ε={column.randomized_response.epsilon:g})")
+    parts.append("nullable" if column.nullable else "not null")
+    return "; ".join(parts)
+
+
+def table_comment(name: str, table: TablePolicy, policy: Policy | None = None) -> str:
+    """What ``\\d+`` shows for a table: its description, who is protected and the caps on each
+    person's rows (the bias an answer's ± leaves out comes from them)."""
+    parts = [table.description] if table.description else []
+    if table.public:
+        parts.append("public: read without noise")
+        return "; ".join(parts)
+    ref = table.references
+    if table.privacy_unit is not None:
+        parts.append(f"privacy unit: {name}.{table.privacy_unit}")
+    elif ref is not None:
+        target = policy.tables.get(ref.table) if policy is not None else None
+        unit = target.privacy_unit if target is not None and target.privacy_unit else ref.to
+        parts.append(f"privacy unit: {ref.table}.{unit} (through {ref.column})")
+    else:
+        parts.append("privacy unit: one row (each row is one person)")
+    if table.privacy_unit is not None or ref is not None:
+        parts.append(f"max_rows_per_unit {table.max_rows_per_unit}")
+        if table.max_groups_per_unit is not None:
+            parts.append(f"max_groups_per_unit {table.max_groups_per_unit}")
+    return "; ".join(parts)
 
 
 #: The one role every analyst's catalog queries run as on the shadow.
@@ -240,7 +306,7 @@ def schema_statements(policy: Policy) -> list[str]:
         f"REVOKE ALL ON DATABASE {_ident(policy.dataset)} FROM PUBLIC",
     ]
     for name, table in policy.tables.items():
-        stmts.extend(_table_ddl(name, table))
+        stmts.extend(_table_ddl(name, table, policy))
     stmts.extend(_budget_view_ddl(policy))
     return stmts
 
@@ -678,14 +744,20 @@ class ShadowSession:
         param_oids: Sequence[int] = (),
         param_formats: Sequence[int] = (),
         result_formats: Sequence[int] = (),
+        *,
+        reserve: Callable[[int], None] | None = None,
     ) -> ShadowResult:
-        """Run one statement; values come back already encoded in the requested per-column formats."""
+        """Run one statement; values come back already encoded in the requested per-column formats.
+
+        ``reserve`` is called with the bytes of the rows as they are read (in steps of 1 MiB, then
+        the rest); when it raises, the statement is cancelled and its rows dropped (see
+        :mod:`.memory`: the session's, the analyst's or the server's memory is full)."""
         sets = check_catalog_sql(sql)
         with self._lock:
             try:
                 return self._exchange(
                     lambda pgconn, deadline: self._execute(
-                        pgconn, deadline, sql, params, param_oids, param_formats, result_formats
+                        pgconn, deadline, sql, params, param_oids, param_formats, result_formats, reserve
                     )
                 )
             finally:
@@ -721,6 +793,7 @@ class ShadowSession:
         param_oids: Sequence[int],
         param_formats: Sequence[int],
         result_formats: Sequence[int],
+        reserve: Callable[[int], None] | None = None,
     ) -> ShadowResult:
         wanted = set(result_formats) or {0}
         param_formats = _expand_formats(param_formats, len(params)) if params else []
@@ -734,7 +807,7 @@ class ShadowSession:
                 result_format=fmt,
             )
             self._flush(pgconn, deadline)
-            return self._fetch_capped(pgconn, deadline)
+            return self._fetch_capped(pgconn, deadline, reserve)
 
         by_format = {fmt: run(fmt) for fmt in sorted(wanted)}
         first, first_rows = next(iter(by_format.values()))
@@ -745,26 +818,41 @@ class ShadowSession:
         rows = [tuple(by_format[formats[c]][1][r][c] for c in range(first.nfields)) for r in range(len(first_rows))]
         return ShadowResult(_fields(first, formats), rows, tag)
 
-    def _fetch_capped(self, pgconn: Any, deadline: float) -> tuple[Any, list[tuple[bytes | None, ...]]]:
+    def _fetch_capped(
+        self, pgconn: Any, deadline: float, reserve: Callable[[int], None] | None = None
+    ) -> tuple[Any, list[tuple[bytes | None, ...]]]:
         """The sent statement's rows, read one at a time (libpq single-row mode) so a result larger
-        than :data:`MAX_CATALOG_RESULT_ROWS` rows or :data:`MAX_CATALOG_RESULT_BYTES` is cancelled
-        before it is held in memory (a cross join of catalog tables can produce gigabytes in the
-        shadow's 5 s). Returns the final result (status, fields, command tag) and the rows."""
+        than :data:`MAX_CATALOG_RESULT_ROWS` rows or :data:`MAX_CATALOG_RESULT_BYTES`, or one that
+        ``reserve`` refuses, is cancelled before it is held in memory (a cross join of catalog
+        tables can produce gigabytes in the shadow's 5 s). Returns the final result (status,
+        fields, command tag) and the rows."""
         from psycopg.pq import ExecStatus
 
         pgconn.set_single_row_mode()
         rows: list[tuple[bytes | None, ...]] = []
-        size, final, failure, too_large = 0, None, None, False
+        size, reserved, final, failure = 0, 0, None, None
+        refusal: Error | None = None
         while (res := self._next_result(pgconn, deadline)) is not None:
             if res.status == ExecStatus.SINGLE_TUPLE:
-                if too_large:
+                if refusal is not None:
                     continue  # draining after the cancel
                 row = tuple(res.get_value(0, c) for c in range(res.nfields))
-                # what the row costs in Python: each value a bytes object (~33 bytes + its data), the tuple
+                # what the row costs in Python (as :func:`.memory.row_size`, inlined: this loop is hot):
+                # each value a bytes object (33 bytes + its data), the tuple, its slot in the list
                 size += sum(len(v) + 40 for v in row if v is not None) + 8 * len(row) + 56
                 rows.append(row)
                 if len(rows) > MAX_CATALOG_RESULT_ROWS or size > MAX_CATALOG_RESULT_BYTES:
-                    too_large = True
+                    refusal = ProgramLimitExceeded(
+                        f"catalog result exceeds {MAX_CATALOG_RESULT_ROWS} rows or {MAX_CATALOG_RESULT_BYTES >> 20} MB",
+                        hint="Catalog queries return the schema of the exposed tables; narrow the query.",
+                    )
+                elif reserve is not None and size - reserved >= _RESERVE_STEP:
+                    try:
+                        reserve(size - reserved)
+                        reserved = size
+                    except Error as exc:
+                        refusal = exc
+                if refusal is not None:
                     rows.clear()
                     _cancel_request(self._conn)
             elif final is None and failure is None:
@@ -772,14 +860,13 @@ class ShadowSession:
                     final = self._check(res)
                 except Error as exc:
                     failure = exc
-        if too_large:
-            raise ProgramLimitExceeded(
-                f"catalog result exceeds {MAX_CATALOG_RESULT_ROWS} rows or {MAX_CATALOG_RESULT_BYTES >> 20} MB",
-                hint="Catalog queries return the schema of the exposed tables; narrow the query.",
-            )
+        if refusal is not None:
+            raise refusal
         if failure is not None:
             raise failure
         assert final is not None
+        if reserve is not None:
+            reserve(size - reserved)
         return final, rows
 
 
@@ -805,6 +892,8 @@ def _cancel_request(conn: Any) -> None:
 #: queries return far less; a cross join of catalog tables would otherwise fill the server's memory).
 MAX_CATALOG_RESULT_ROWS = 100_000
 MAX_CATALOG_RESULT_BYTES = 32 << 20  # as held in Python (values and tuples), not just the data
+#: A catalog result's bytes are reserved (see :mod:`.memory`) in steps of this while it is read.
+_RESERVE_STEP = 1 << 20
 
 
 def _expand_formats(formats: Sequence[int], n: int) -> list[int]:

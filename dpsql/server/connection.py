@@ -44,6 +44,7 @@ from .extended import ExtendedProtocol, Portal, Statement, expand_formats
 from .frontdoor import Pending
 from .limits import Job, is_broken
 from .local import Action, LocalCommand, LocalContext, Settings, evaluate_select, parse_local
+from .memory import release_to_os, rows_size
 from .protocol import Diagnostic, FieldDescription, ProtocolViolation
 from .results import Outcome, engine_fields, engine_rows, noisy_flags, result_notices
 from .sqltext import after_keyword, split_statements, strip_comments
@@ -57,8 +58,9 @@ log = logging.getLogger("dpsql.server")
 
 __all__ = ["Connection", "Portal", "Statement"]
 
-#: Rows sent between two flushes of a large result (backpressure from slow clients).
-_STREAM_BATCH = 1024
+#: Reply bytes written between two drains of the socket (backpressure from slow clients): a client
+#: that does not read stops the server producing more, whatever the size of its rows.
+_DRAIN_BYTES = 256 * 1024
 #: Statements longer than this are split, parsed and routed in the worker pool, not on the event loop.
 _INLINE_SQL = 4096
 
@@ -97,6 +99,10 @@ class Connection:
         self.tls = False
         #: Its place in the pre-auth budget until it authenticates (set by the server).
         self.pending: Pending | None = None
+        #: The bytes this session holds (:mod:`.memory`); ``_wire``: a large reply not yet drained.
+        self.memory = ctx.memory.session()
+        self._wire = self.memory.hold("reply")
+        self._unflushed = 0
 
     @property
     def address(self) -> str:
@@ -126,9 +132,15 @@ class Connection:
 
     def send(self, data: bytes) -> None:
         self.writer.write(data)
+        self._unflushed += len(data)
 
     async def flush(self) -> None:
+        """Wait until the socket buffer has drained below asyncio's high-water mark (at once when it
+        is below already): until the client reads, nothing more is produced for it."""
         await self.writer.drain()
+        self._unflushed = 0
+        if self._wire.nbytes:
+            self._wire.give_back()
 
     def send_error(self, exc: BaseException, severity: str | None = None) -> Diagnostic:
         diag = self.diagnostic(exc, severity)
@@ -310,16 +322,32 @@ class Connection:
         loop = asyncio.get_running_loop()
         for job in list(self._jobs):  # the client is gone: its statements need not finish
             loop.run_in_executor(None, job.interrupt)
+        # everything the session held goes now, not when the connection object happens to be collected
+        self.extended.portals.clear()
+        self.extended.statements.clear()
+        self.commands.cursors.clear()
+        self.memory.close()
         with contextlib.suppress(Exception):
-            await self.writer.drain()
+            await asyncio.wait_for(self.writer.drain(), 2)
         self.writer.close()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.writer.wait_closed(), 2)
+        transport = self.writer.transport
+        if transport.get_write_buffer_size():  # a client that does not read: drop what it never will
+            transport.abort()
+        self.trim_memory()
+
+    def trim_memory(self) -> None:
+        """Once a lot was given back (a large result sent, a session gone), hand free memory back to
+        the OS so RSS falls again (in a thread: it may take a few milliseconds)."""
+        if self.ctx.memory.trim_due():
+            asyncio.get_running_loop().run_in_executor(None, release_to_os)
 
     # -- message loop ------------------------------------------------------------------------------
 
     async def message_loop(self) -> None:
         idle = self.ctx.options.idle_timeout
+        self.memory.analyst = self.user
         while True:
             in_tx = (
                 self.commands.tx is not TxStatus.IDLE
@@ -343,6 +371,10 @@ class Connection:
             if self.ignore_till_sync and not isinstance(msg, pq.Sync):
                 continue
             await self.dispatch(msg)
+            # the next message is read only once this one's replies are on their way: a client that
+            # pipelines without reading is not served further (as PostgreSQL, which blocks in send)
+            await self.flush()
+            self.trim_memory()
 
     async def dispatch(self, msg: pq.FrontendMessage) -> None:
         timeout = self.timeout_ms()
@@ -384,7 +416,9 @@ class Connection:
             raise _too_long(sql)
         if len(sql) <= _INLINE_SQL:
             return split_statements(sql)
-        parts: list[str] = await self.run_blocking(split_statements, sql, timeout_ms=self.timeout_ms(), pure=True)
+        parts: list[str] = await self.run_blocking(
+            self.ctx.offload.split, self.user or "?", sql, timeout_ms=self.timeout_ms(), pure=True
+        )
         return parts
 
     def evaluate_local(self, sql: str) -> Any:
@@ -394,15 +428,20 @@ class Connection:
         return evaluate_select(sql, self._local_context())
 
     def plan(self, sql: str) -> Statement:
-        """Route a single statement without running anything."""
-        if not split_statements(sql):
+        """Route a single statement without running anything (a long one's parsing in the helper
+        process, :mod:`.offload`: this thread only waits, so it never holds the GIL for long)."""
+        long = len(sql) > _INLINE_SQL
+        if not long and not split_statements(sql):
             return Statement(sql, "empty")
         command = parse_local(sql)
         if command is not None:
             return Statement(sql, "local", command)
         if (problem := _explain_syntax(sql)) is not None:
             raise SyntaxError_(problem)  # as PostgreSQL, never an internal error
-        return Statement(sql, classify(sql, self.ctx.policy))
+        if not long:
+            return Statement(sql, classify(sql, self.ctx.policy))
+        route = self.ctx.offload.classify(self.user or "?", sql, frozenset(self.ctx.policy.tables))
+        return Statement(sql, "empty" if route == "empty" else route)  # type: ignore[arg-type]
 
     async def execute(self, stmt: Statement, portal: Portal | None = None) -> Outcome:
         """Run a planned statement; logs one line with analyst, fingerprint, ε, outcome and latency."""
@@ -515,22 +554,29 @@ class Connection:
         if portal is not None and portal.params:
             inner_portal = Portal(inner, portal.params, portal.param_formats, (), portal.show_intervals)
         outcome = await self.execute(inner, inner_portal)
-        if outcome.fields is None:
-            raise SyntaxError_("DECLARE CURSOR needs a query that returns rows")
-        held = sum(len(c.rows) for c in self.commands.cursors.values()) + len(outcome.rows)
-        limit = self.ctx.options.max_cursor_rows
-        if held > limit:
-            raise ConfigurationLimitExceeded(
-                f"cursors would hold too many rows ({held}; at most {limit} in all open cursors of a session)",
-                hint="The query was answered and charged; add LIMIT, or CLOSE other cursors first.",
-            )
-        return self.commands.declared(cmd.name, outcome, cmd)
+        try:
+            if outcome.fields is None:
+                raise SyntaxError_("DECLARE CURSOR needs a query that returns rows")
+            held = sum(len(c.rows) for c in self.commands.cursors.values()) + len(outcome.rows)
+            limit = self.ctx.options.max_cursor_rows
+            if held > limit:
+                raise ConfigurationLimitExceeded(
+                    f"cursors would hold too many rows ({held}; at most {limit} in all open cursors of a session)",
+                    hint="The query was answered and charged; add LIMIT, or CLOSE other cursors first.",
+                )
+            declared = self.commands.declared(cmd.name, outcome, cmd)
+            if (hold := outcome.take_hold()) is not None:  # the cursor keeps the rows, and their bytes
+                hold.what = "cursor"
+                self.commands.cursors.attach(cmd.name, hold)
+            return declared
+        finally:
+            outcome.release()
 
     def _local_context(self) -> LocalContext:
         assert self.settings is not None
         return LocalContext(self.user, self.ctx.database, self.ctx.server_version, self.pid, self.settings.get)
 
-    async def shadow_call(self, method: str, *args: Any, timeout_ms: int = 0) -> Any:
+    async def shadow_call(self, method: str, *args: Any, timeout_ms: int = 0, **kwargs: Any) -> Any:
         """Run one call on a pooled shadow connection; it returns to the pool when the call has ended."""
         if not self.ctx.catalog_available:
             raise CatalogUnavailable()
@@ -561,7 +607,7 @@ class Connection:
             session.arm()
             try:
                 with job.stoppable(session.cancel) if job else contextlib.nullcontext():
-                    return getattr(session, method)(*args)
+                    return getattr(session, method)(*args, **kwargs)
             except Exception as exc:
                 if is_broken(session):
                     log.warning("catalog server connection lost: %s", exc)
@@ -578,8 +624,14 @@ class Connection:
             args: tuple[Any, ...] = (stmt.sql,)
         else:
             args = (stmt.sql, portal.params, stmt.param_oids, portal.param_formats, portal.result_formats)
-        res = await self.shadow_call("execute", *args, timeout_ms=self.timeout_ms())
-        return Outcome(res.fields, res.rows, res.tag, encoded=True)
+        # the rows' bytes are taken while they are read: a result the session cannot hold is cut there
+        hold = self.memory.hold("result")
+        try:
+            res = await self.shadow_call("execute", *args, timeout_ms=self.timeout_ms(), reserve=hold.grow)
+        except BaseException:
+            hold.release()
+            raise
+        return Outcome(res.fields, res.rows, res.tag, encoded=True, hold=hold)
 
     def timeout_ms(self) -> int:
         if self.settings is None:
@@ -603,10 +655,11 @@ class Connection:
         show = portal.show_intervals if portal is not None else self.settings.show_intervals
         engine, session, sql = self.ctx.engine, self.session, stmt.sql
 
-        def work() -> tuple[Any, list[bool] | None]:
+        def work() -> tuple[Any, list[bool] | None, list[tuple[Any, ...]], int]:
             result = engine.execute(sql, session, params)
             flags = noisy_flags(result.columns) if show and result.command_tag == "SELECT" else None
-            return result, flags
+            rows = engine_rows(result, flags)
+            return result, flags, rows, rows_size(rows)  # released rows only: post-processing
 
         started = time.monotonic()
 
@@ -620,29 +673,39 @@ class Connection:
             else:
                 self._log_query(stmt, f.result()[0].epsilon_spent, "ok", started, note)
 
-        result, flags = await self.run_blocking(work, timeout_ms=self.timeout_ms(), on_late=late)
+        result, flags, rows, size = await self.run_blocking(work, timeout_ms=self.timeout_ms(), on_late=late)
+        try:
+            hold = self.memory.hold("result", size)
+        except Error as exc:  # too large to hold: refused after the charge, as the cursor row cap
+            exc.charged_epsilon = result.epsilon_spent
+            exc.hint = f"The query was answered and charged. {exc.hint or ''}".strip()
+            raise
         fields = engine_fields(result.columns, flags, self.confidence())
         tag = f"SELECT {len(result.rows)}" if result.command_tag == "SELECT" else result.command_tag
-        outcome = Outcome(fields, engine_rows(result, flags), tag, epsilon=result.epsilon_spent)
+        outcome = Outcome(fields, rows, tag, epsilon=result.epsilon_spent, hold=hold)
         outcome.notices = result_notices(result, self.confidence(), per_row=flags is None)
         return outcome
 
     # -- sending results ---------------------------------------------------------------------------
 
     async def send_rows(self, outcome: Outcome, rows: Sequence[tuple[Any, ...]], formats: Sequence[int]) -> None:
-        """DataRow messages, flushed every ``_STREAM_BATCH`` rows: a large result streams to the client
-        with backpressure instead of piling up, encoded, in the socket buffer."""
+        """DataRow messages, drained every ``_DRAIN_BYTES``: a large result streams to the client with
+        backpressure instead of piling up, encoded, in the socket buffer. A single message larger
+        than that is a second copy of its row until the client reads it: its bytes are held
+        (53200 when the session cannot, the reply then ends with the error)."""
         assert outcome.fields is not None
         oids = [f.type_oid for f in outcome.fields]
-        for start in range(0, len(rows), _STREAM_BATCH):
-            for row in rows[start : start + _STREAM_BATCH]:
-                cells = (
-                    row
-                    if outcome.encoded
-                    else [encode_value(v, o, f) for v, o, f in zip(row, oids, formats, strict=True)]
-                )
-                self.send(pq.data_row(cells))
-            if start + _STREAM_BATCH < len(rows):
+        for row in rows:
+            cells = (
+                row if outcome.encoded else [encode_value(v, o, f) for v, o, f in zip(row, oids, formats, strict=True)]
+            )
+            message = pq.data_row(cells)
+            del cells
+            if len(message) > _DRAIN_BYTES:
+                self._wire.grow(len(message))
+            self.send(message)
+            del message  # the socket buffer's copy is the only one while we wait for the client
+            if self._unflushed >= _DRAIN_BYTES:
                 await self.flush()
 
     def send_side_effects(self, outcome: Outcome) -> None:
@@ -670,13 +733,21 @@ class Connection:
                 self.send_error(exc)
                 self.commands.fail()
                 break
-            self.send_side_effects(outcome)
-            if outcome.fields is not None:
-                self.send(pq.row_description(outcome.fields))
-                await self.send_rows(outcome, outcome.rows, [0] * len(outcome.fields))
-            self.send(pq.command_complete(outcome.tag))
-            if len(outcome.rows) > 500:
-                await self.flush()
+            try:
+                self.send_side_effects(outcome)
+                if outcome.fields is not None:
+                    self.send(pq.row_description(outcome.fields))
+                    await self.send_rows(outcome, outcome.rows, [0] * len(outcome.fields))
+                self.send(pq.command_complete(outcome.tag))
+            except Error as exc:  # a reply too large to hold in the socket buffer (53200)
+                self.send_error(exc)
+                self.commands.fail()
+                break
+            finally:
+                outcome.release()
+            # each statement's reply drains before the next statement runs: many statements in one
+            # message never pile their replies up in the socket buffer of a client that does not read
+            await self.flush()
         self.send(pq.ready_for_query(self.commands.tx))
         await self.flush()
 

@@ -237,6 +237,7 @@ def default_gucs(server_version: str, user: str, application_name: str, policy_d
     gucs["dpsql.mechanism"] = str(policy_defaults.mechanism)
     gucs["dpsql.confidence"] = str(policy_defaults.confidence)
     gucs["dpsql.show_intervals"] = "off"
+    gucs["dpsql.round"] = "on"
     return gucs
 
 
@@ -458,7 +459,6 @@ def _parse_fetch(tokens: list[Token]) -> LocalCommand:
 _DISCARD_TAGS = {"all": "DISCARD ALL", "plans": "DISCARD PLANS", "sequences": "DISCARD SEQUENCES"}
 
 
-def parse_local(sql: str) -> LocalCommand | None:
 #: First words of the statements :func:`parse_local` recognises (any other is not a session statement).
 _LOCAL_HEADS = frozenset(
     {
@@ -468,10 +468,11 @@ _LOCAL_HEADS = frozenset(
 )
 
 
+def parse_local(sql: str) -> LocalCommand | None:
     """Recognise a statement the server answers itself; None means "not a session statement"."""
-    tokens = tokenize(sql)
     if first_word(sql) not in _LOCAL_HEADS:
         return None  # without tokenizing all of a long SELECT
+    tokens = tokenize(sql)
     if not tokens or not tokens[0].word:
         return None
     head = tokens[0].word

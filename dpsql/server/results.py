@@ -5,12 +5,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dpsql.pgtypes import FLOAT8, type_size
 from dpsql.session import OutputColumn, Result, ci_label
 
 from .protocol import Diagnostic, FieldDescription
+
+if TYPE_CHECKING:
+    from .memory import Hold
 
 _NUMERIC_TYPES = {"bigint", "double precision", "numeric"}
 
@@ -30,6 +33,19 @@ class Outcome:
     notices: list[Diagnostic] = field(default_factory=list)
     status: list[tuple[str, str]] = field(default_factory=list)
     epsilon: float = 0.0
+    #: The bytes its rows hold (catalog and engine results), given back once they are sent or
+    #: handed to the portal or cursor that keeps them.
+    hold: Hold | None = None
+
+    def release(self) -> None:
+        if self.hold is not None:
+            self.hold.release()
+            self.hold = None
+
+    def take_hold(self) -> Hold | None:
+        """The hold, now the caller's (a portal or cursor keeping the rows)."""
+        hold, self.hold = self.hold, None
+        return hold
 
 
 def noisy_flags(columns: Sequence[OutputColumn]) -> list[bool]:
@@ -148,4 +164,15 @@ def result_notices(result: Result, confidence: float, per_row: bool = True) -> l
     summary = interval_summary(result, confidence, per_row)
     if summary is not None:
         notices.append(summary)
-    return notices + [Diagnostic("NOTICE", "00000", t) for t in others]
+    return notices + [_note(t) for t in others]
+
+
+#: A note the engine marks as a warning (a quantile of a group too small to mean anything).
+_WARNING = "dpsql: WARNING: "
+
+
+def _note(text: str) -> Diagnostic:
+    """A note as a NOTICE, or as a WARNING (SQLSTATE 01000, the marker dropped) when marked one."""
+    if text.startswith(_WARNING):
+        return Diagnostic("WARNING", "01000", "dpsql: " + text.removeprefix(_WARNING))
+    return Diagnostic("NOTICE", "00000", text)

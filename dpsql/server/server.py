@@ -17,11 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 from dpsql import __version__
 from dpsql.errors import Error
+from dpsql.outer.admission import configure as sandbox_admission
 
 from .catalog import CatalogShadow
 from .connection import Connection
 from .frontdoor import LoginLimiter, PreAuth
 from .limits import ShadowPool, TooManyConnections, WorkSlots
+from .memory import ANALYST_MEMORY, SERVER_MEMORY, SESSION_MEMORY, STATEMENT_MEMORY, Memory, tune_allocator
+from .offload import Offload
 from .protocol import DEFAULT_MAX_MESSAGE, DEFAULT_PORT
 
 if TYPE_CHECKING:
@@ -69,6 +72,14 @@ class ServerOptions:
     analyst_workers: int | None = None
     #: Statements waiting for a worker slot, all clients together; beyond that 53400.
     max_queued: int = 256
+    #: Post-processing sandboxes (:mod:`dpsql.outer.admission`, process-wide): their memory in all (MB;
+    #: 256 MB each), how many one analyst may run at once, the CPU-seconds per second (0: unlimited) and
+    #: the burst its sandboxes may use before its next one waits, how many may wait (beyond: 53400).
+    sandbox_memory: int = 512
+    sandbox_per_analyst: int = 1
+    sandbox_cpu_rate: float = 0.5
+    sandbox_cpu_burst: float = 30.0
+    sandbox_max_waiting: int = 64
     max_connections: int = 100
     max_connections_per_analyst: int = 32
     #: Shadow-catalog connections shared by all clients, and how long a catalog query waits for one.
@@ -81,6 +92,12 @@ class ServerOptions:
     max_cursor_rows: int = 1_000_000
     max_settings: int = 1000
     max_setting_length: int = 8192
+    #: Bytes held for clients (results being sent, portals, cursors, prepared statements): one
+    #: statement's (54000 beyond), one session's, one analyst's sessions' and all sessions' (53200).
+    max_statement_memory: int = STATEMENT_MEMORY
+    max_session_memory: int = SESSION_MEMORY
+    max_analyst_memory: int = ANALYST_MEMORY
+    max_memory: int = SERVER_MEMORY
     #: At shutdown, how long statements still running may finish (their charge is logged when they do).
     shutdown_grace: float = 10.0
     #: Bytes buffered per connection before reads pause (asyncio StreamReader limit).
@@ -107,6 +124,16 @@ class ServerContext:
         self.database = engine.policy.dataset
         self.options = options
         self.executor = ThreadPoolExecutor(max_workers=options.workers, thread_name_prefix="dpsql-query")
+        #: Long statements are split and routed in a helper process (its own GIL): see offload.py.
+        self.offload = Offload()
+        #: Sandbox admission is process-wide (memory is): the last server started sets its limits.
+        self.sandboxes = sandbox_admission(
+            options.sandbox_memory * 1024 * 1024,
+            options.sandbox_per_analyst,
+            options.sandbox_cpu_rate,
+            options.sandbox_cpu_burst,
+            options.sandbox_max_waiting,
+        )
         #: Sockets still authenticating (their own budget), authenticated sessions per analyst.
         self.preauth = PreAuth(
             options.max_preauth or 2 * options.max_connections,
@@ -130,6 +157,10 @@ class ServerContext:
         self.server_version = f"{FALLBACK_SERVER_VERSION} (dpsql {__version__})"
         self.connections: dict[int, Connection] = {}
         self._next_pid = 1000
+        self.memory = Memory(
+            options.max_statement_memory, options.max_session_memory, options.max_analyst_memory, options.max_memory
+        )
+        tune_allocator()  # RSS follows what is held: large blocks go back to the OS when freed
 
     @property
     def slots(self) -> WorkSlots:
@@ -353,6 +384,7 @@ class Server:
                 await asyncio.wait_for(self._server.wait_closed(), 5)
         await asyncio.get_running_loop().run_in_executor(None, self.ctx.stop_catalog)
         self.ctx.executor.shutdown(wait=False, cancel_futures=True)
+        self.ctx.offload.close()
 
 
 async def serve(
