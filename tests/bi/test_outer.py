@@ -94,7 +94,8 @@ def test_window_shares_sum_to_100(health: Engine) -> None:
     result = run(
         health, "SELECT problem, COUNT(*) * 100.0 / SUM(COUNT(*)) OVER () AS pct FROM patients GROUP BY problem"
     )
-    assert sum(r[1] for r in result.rows) == pytest.approx(100.0)
+    # each share is released rounded to 6 significant digits (README: rounded cells): the sum is 100 to that
+    assert sum(r[1] for r in result.rows) == pytest.approx(100.0, abs=1e-3)
 
 
 def test_values_are_python_types_of_their_pg_type(health: Engine) -> None:
