@@ -506,10 +506,11 @@ class Connection:
 
     # -- cursors -----------------------------------------------------------------------------------
 
-    def _cursor_query(self, stmt: Statement) -> Statement:
-        """The query of ``DECLARE … FOR <query>``, planned like any statement (same routes, same refusals)."""
+    async def _cursor_query(self, stmt: Statement) -> Statement:
+        """The query of ``DECLARE … FOR <query>``, planned like any statement (same routes, same refusals;
+        a long one off the event loop)."""
         assert stmt.command is not None and stmt.command.value is not None
-        inner = self.plan(stmt.command.value)
+        inner = await self.plan_async(stmt.command.value)
         if inner.route in ("local", "empty"):
             raise SyntaxError_("DECLARE CURSOR needs a query")
         inner.param_oids = list(stmt.param_oids)
@@ -518,7 +519,7 @@ class Connection:
     async def describe_local(self, stmt: Statement) -> None:
         """Parse of a session statement: DECLARE describes its query (parameter types), nothing runs."""
         if stmt.command is not None and stmt.command.action is Action.DECLARE:
-            inner = self._cursor_query(stmt)
+            inner = await self._cursor_query(stmt)
             await self.extended.describe_statement(inner)
             stmt.param_oids = inner.param_oids
 
@@ -547,7 +548,7 @@ class Connection:
         cmd = stmt.command
         assert cmd is not None and cmd.declare is not None
         self._check_declare(cmd)
-        inner = self._cursor_query(stmt)
+        inner = await self._cursor_query(stmt)
         if cmd.declare.binary and inner.route in ("catalog", "tableless") and self.evaluate_local(inner.sql) is None:
             raise FeatureNotSupported("DECLARE BINARY is not supported for catalog queries")
         inner_portal = None

@@ -11,6 +11,9 @@ Fair share: each analyst has at most one statement in the helper at a time (its 
 their own worker slots), so the helper's FIFO queue holds at most one statement per analyst.
 A parse that outlives its statement's deadline is left to finish; one that runs past
 :data:`HARD_LIMIT` seconds has its helper process killed (the next call starts a new one).
+Until the helper has started (``spawn`` and importing sqlglot take a second or more), statements are
+routed in the calling thread as before, so the helper's start never counts against a statement's
+timeout. One helper serves every server of the process (:meth:`Offload.shared`).
 
 Privacy: only SQL text crosses to the helper, never data; its answer (a route, statement texts)
 depends on the text and the policy's table names only.
@@ -18,6 +21,7 @@ depends on the text and the policy's table names only.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import contextlib
 import logging
@@ -73,11 +77,24 @@ def _warm() -> None:
 class Offload:
     """One helper process, started on first use; shared by all connections of a server."""
 
+    _shared: Offload | None = None
+    _shared_lock = threading.Lock()
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._ready = threading.Event()
         self._analysts: dict[str, threading.Semaphore] = {}
         self._closed = False
+
+    @classmethod
+    def shared(cls) -> Offload:
+        """The process's helper (started on first use, stopped at exit)."""
+        with cls._shared_lock:
+            if cls._shared is None:
+                cls._shared = cls()
+                atexit.register(cls._shared.close)
+            return cls._shared
 
     def _executor(self) -> concurrent.futures.ProcessPoolExecutor:
         with self._lock:
@@ -86,8 +103,19 @@ class Offload:
             if self._pool is None:
                 ctx = multiprocessing.get_context("spawn")
                 self._pool = concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx)
-                self._pool.submit(_warm)
+                self._ready.clear()
+                warm = self._pool.submit(_warm)
+                warm.add_done_callback(self._warmed)
             return self._pool
+
+    def _warmed(self, future: concurrent.futures.Future[None]) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self._ready.set()
+
+    def start(self, timeout: float | None = None) -> bool:
+        """Start the helper now; True once it is ready (within ``timeout`` seconds)."""
+        self._executor()
+        return self._ready.wait(timeout)
 
     def _share(self, analyst: str) -> threading.Semaphore:
         with self._lock:
@@ -113,6 +141,9 @@ class Offload:
 
     def _call(self, analyst: str, fn: Callable[..., tuple[str, Any]], *args: Any) -> tuple[str, Any]:
         """Run ``fn`` in the helper from a worker thread; a cancel raised in this thread stops the wait."""
+        self._executor()  # starts the helper if needed
+        if not self._ready.is_set():
+            return fn(*args)  # still starting: here, as before the helper existed
         share = self._share(analyst)
         while not share.acquire(timeout=_POLL):
             pass
@@ -153,6 +184,7 @@ class Offload:
         log.warning("statement parser process busy for over %.0f s: restarting it", HARD_LIMIT)
         with self._lock:
             pool, self._pool = self._pool, None
+            self._ready.clear()
         if pool is not None:
             for proc in list(getattr(pool, "_processes", {}).values()):
                 with contextlib.suppress(Exception):
@@ -163,6 +195,7 @@ class Offload:
     def _reset(self) -> None:
         with self._lock:
             pool, self._pool = self._pool, None
+            self._ready.clear()
         if pool is not None:
             with contextlib.suppress(Exception):
                 pool.shutdown(wait=False, cancel_futures=True)

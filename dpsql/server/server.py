@@ -125,7 +125,7 @@ class ServerContext:
         self.options = options
         self.executor = ThreadPoolExecutor(max_workers=options.workers, thread_name_prefix="dpsql-query")
         #: Long statements are split and routed in a helper process (its own GIL): see offload.py.
-        self.offload = Offload()
+        self.offload = Offload.shared()
         #: Sandbox admission is process-wide (memory is): the last server started sets its limits.
         self.sandboxes = sandbox_admission(
             options.sandbox_memory * 1024 * 1024,
@@ -384,7 +384,6 @@ class Server:
                 await asyncio.wait_for(self._server.wait_closed(), 5)
         await asyncio.get_running_loop().run_in_executor(None, self.ctx.stop_catalog)
         self.ctx.executor.shutdown(wait=False, cancel_futures=True)
-        self.ctx.offload.close()
 
 
 async def serve(

@@ -32,6 +32,7 @@ LONG = [
 @pytest.fixture(scope="module")
 def offload() -> Iterator[Offload]:
     helper = Offload()
+    assert helper.start(timeout=120)  # before it is ready, calls are answered in the calling thread
     yield helper
     helper.close()
 
@@ -65,4 +66,17 @@ def test_a_killed_helper_is_replaced(offload: Offload) -> None:
     with pytest.raises(InternalError, match="statement parser process stopped"):
         for _ in range(3):  # the pool notices the dead process on the next call
             offload.classify("alice", LONG[0], tables)
+    assert offload.classify("alice", LONG[0], tables) == "catalog"  # in this thread while a new one starts
+    assert offload.start(timeout=120) and offload._pool is not pool
     assert offload.classify("alice", LONG[0], tables) == "catalog"
+
+
+def test_calls_are_answered_here_until_the_helper_is_ready() -> None:
+    """The helper's start (spawn, imports) never counts against a statement: until it is ready the
+    calling thread routes the statement itself."""
+    helper = Offload()
+    try:
+        assert helper.classify("alice", LONG[0], frozenset(POLICY.tables)) == "catalog"
+        assert helper.split("alice", LONG[0] + ";" + LONG[2]) == split_statements(LONG[0] + ";" + LONG[2])
+    finally:
+        helper.close()
