@@ -107,11 +107,12 @@ def test_extremes_stay_inside_bounds_and_near_truth(big: tuple[Policy, Backend])
     prepared = engine.prepare("SELECT MIN(x), MAX(x) FROM t", Session("alice"))
     rows = engine._run(prepared.sql)
     histograms = {i: engine._run(sql) for i, sql in prepared.histograms}
-    released = [engine._release(prepared, rows, 0.95, histograms).rows[0] for _ in range(20)]
+    released = [engine._release(prepared, rows, 0.95, histograms).rows[0] for _ in range(100)]
     assert all(0 <= low <= 1000 and 0 <= high <= 1000 for low, high in released)
-    # the exponential mechanism lands in an empty run below/above the data with probability ≈ the
-    # empty runs' share of β (≈ 0.4% here): near the truth in (almost) every release, not every one
-    assert sum(99 <= low <= 110 and 690 <= high <= 701 for low, high in released) >= 18
+    # the exponential mechanism lands in an empty run below/above the data with a small probability
+    # (measured: both near the truth in 96.5 % of 1,000 releases); 100 releases and an 85 % bar put a
+    # false failure 6 standard deviations away (20 releases and 18 failed ~3 % of CI runs)
+    assert sum(99 <= low <= 110 and 690 <= high <= 701 for low, high in released) >= 0.85 * len(released)
 
 
 @pytest.mark.parametrize(
