@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dpsql import __version__
+from dpsql.version import __version__
 from dpsql.backends import DEFAULT_STATEMENT_TIMEOUT_MS
 from dpsql.errors import Error
 from dpsql.ledger import default_ledger

@@ -28,10 +28,54 @@ log = logging.getLogger(__name__)
 PG_FIXTURES = {"pg_dsn", "pg_new_database", "pg_backend"}
 
 
+#: Fixtures of other conftests that start a PostgreSQL of their own (the server's shadow catalog).
+SHADOW_FIXTURES = {"dp_server", "catalog_server", "shadow_server"}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if PG_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        if (PG_FIXTURES | SHADOW_FIXTURES).intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.postgres)
+
+
+def _postmasters() -> set[int]:
+    """PIDs of running PostgreSQL postmasters (a ``postgres`` process whose parent is not one)."""
+    names: dict[int, tuple[str, int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as stat:
+                text = stat.read()
+        except OSError:
+            continue
+        comm = text[text.index("(") + 1 : text.rindex(")")]
+        names[int(entry.name)] = (comm, int(text[text.rindex(")") + 2 :].split()[1]))
+    parent = {pid: names.get(ppid, ("", 0))[0] for pid, (_, ppid) in names.items()}
+    return {pid for pid, (comm, _) in names.items() if comm == "postgres" and parent[pid] != "postgres"}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    yield from _no_unmarked_postgres(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    yield from _no_unmarked_postgres(item)
+
+
+def _no_unmarked_postgres(item: pytest.Item) -> Iterator[None]:
+    """A test that starts a PostgreSQL (its own, or a server's shadow catalog) must carry the ``postgres``
+    marker, so ``-m 'not postgres'`` really runs without one: checked on every run, not listed by hand."""
+    if not os.path.isdir("/proc") or item.get_closest_marker("postgres"):
+        yield
+        return
+    before = _postmasters()
+    yield
+    started = _postmasters() - before
+    if started:
+        pytest.fail(f"{item.nodeid} started PostgreSQL (pid {sorted(started)}) without the postgres marker")
 
 
 def _check(dsn: str) -> str:

@@ -119,6 +119,8 @@ def _tcp_ports_of(pid: int) -> list[str]:
 _OWNER = """
 import sys, time
 from dpsql.local_postgres import start_local_postgres
+
+pytestmark = pytest.mark.postgres  # starts a local PostgreSQL (shadow catalog or cluster)
 pg = start_local_postgres()
 print(pg.datadir, pg.process.pid, flush=True)
 time.sleep(600)

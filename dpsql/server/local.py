@@ -17,7 +17,7 @@ from typing import Any
 import sqlglot
 from sqlglot import exp
 
-from dpsql import __version__
+from dpsql.version import __version__
 from dpsql.errors import (
     CantChangeRuntimeParam,
     ConfigurationLimitExceeded,

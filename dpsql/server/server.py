@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dpsql import __version__
+from dpsql.version import __version__
 from dpsql.errors import Error
 from dpsql.outer.admission import configure as sandbox_admission
 

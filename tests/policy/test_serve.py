@@ -148,6 +148,7 @@ def test_reload_reaches_every_worker(tmp_path: Path, servers: list[Served]) -> N
             assert carol.execute(COUNT).fetchone()[0] > 9000  # type: ignore[index]
 
 
+@pytest.mark.postgres  # the server's shadow catalog is a local PostgreSQL
 def test_reload_refreshes_the_shadow_catalog(tmp_path: Path, servers: list[Served]) -> None:
     """After a reload adding an analyst and removing a column, that analyst's catalog queries (\\d, BI schema sync)
     work and see the new schema; an open session's catalog queries keep working."""

@@ -20,6 +20,8 @@ from dpsql.policy import Policy, load_policy
 from dpsql.server import ThreadedServer
 from dpsql.server.catalog import column_comment, table_comment
 
+pytestmark = pytest.mark.postgres  # starts a local PostgreSQL (shadow catalog or cluster)
+
 PSQL = shutil.which("psql")
 #: A curator's description that would end a naively quoted literal and run a statement.
 HOSTILE = "O'Brien's visits'; DROP TABLE visits; -- \\ back\\slash"

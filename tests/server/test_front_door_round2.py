@@ -195,6 +195,7 @@ def _client_backends(server: ThreadedServer) -> list[int]:
     return found
 
 
+@pytest.mark.postgres  # the server's shadow catalog is a local PostgreSQL
 def test_stuck_shadow_exchange_is_given_up_and_its_slot_and_connection_returned(engine: Engine) -> None:
     """The shadow's backend stops answering (SIGSTOP): the statement ends at its timeout, and the
     worker slot and the (only) catalog connection come back without the shadow's help: the same

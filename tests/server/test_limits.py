@@ -443,6 +443,7 @@ def test_unexpected_errors_are_generic(engine: Engine, monkeypatch: pytest.Monke
         server.stop()
 
 
+@pytest.mark.postgres  # the server's shadow catalog is a local PostgreSQL
 def test_dead_shadow_is_a_connection_error(engine: Engine) -> None:
     server = ThreadedServer(engine)
     running = Running(server.host, server.port, engine)

@@ -10,6 +10,9 @@ import time
 from pathlib import Path
 
 import psycopg
+import pytest
+
+pytestmark = pytest.mark.postgres  # starts a local PostgreSQL (shadow catalog or cluster)
 
 ROOT = Path(__file__).resolve().parents[2]
 

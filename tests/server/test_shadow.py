@@ -26,6 +26,8 @@ from tests.trust.serverproc import DPSQL, ROOT, write_policy
 
 from .conftest import open_engine
 
+pytestmark = pytest.mark.postgres  # starts a local PostgreSQL (shadow catalog or cluster)
+
 
 @dataclass
 class Shadowed:
