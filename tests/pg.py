@@ -3,7 +3,7 @@
 ``pg_dsn`` is resolved in this order: env ``DPSQL_TEST_PG_DSN`` (a ``postgresql://`` URL; when
 set it is the only candidate), a testcontainers ``PostgresContainer`` when a Docker engine
 answers within 2 s, then a throwaway local cluster from
-:func:`dpsql.local_postgres.start_local_postgres`. When none works the PostgreSQL tests are
+:func:`dpsql.dev.local_postgres.start_local_postgres`. When none works the PostgreSQL tests are
 skipped locally, but under ``CI`` they *fail*: CI must never go green without having run them.
 Tests using these fixtures get the ``postgres`` marker.
 """
@@ -39,7 +39,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _postmasters() -> set[int]:
-    """PIDs of running PostgreSQL postmasters (a ``postgres`` process whose parent is not one)."""
+    """PIDs of PostgreSQL postmasters (a ``postgres`` process whose parent is not one) started under this process."""
     names: dict[int, tuple[str, int]] = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
@@ -51,8 +51,17 @@ def _postmasters() -> set[int]:
             continue
         comm = text[text.index("(") + 1 : text.rindex(")")]
         names[int(entry.name)] = (comm, int(text[text.rindex(")") + 2 :].split()[1]))
+    me = os.getpid()
+
+    def ours(pid: int) -> bool:  # a descendant of this test process: other runs on the machine do not count
+        for _ in range(64):
+            pid = names.get(pid, ("", 0))[1]
+            if pid in (me, 0):
+                return pid == me
+        return False
+
     parent = {pid: names.get(ppid, ("", 0))[0] for pid, (_, ppid) in names.items()}
-    return {pid for pid, (comm, _) in names.items() if comm == "postgres" and parent[pid] != "postgres"}
+    return {pid for pid, (comm, _) in names.items() if comm == "postgres" and parent[pid] != "postgres" and ours(pid)}
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -115,7 +124,7 @@ def _container() -> Iterator[str]:
 
 @contextlib.contextmanager
 def _local() -> Iterator[str]:
-    from dpsql.local_postgres import start_local_postgres
+    from dpsql.dev.local_postgres import start_local_postgres
 
     with start_local_postgres() as pg:
         yield pg.dsn
