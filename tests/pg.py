@@ -34,7 +34,11 @@ SHADOW_FIXTURES = {"dp_server", "catalog_server", "shadow_server"}
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if (PG_FIXTURES | SHADOW_FIXTURES).intersection(getattr(item, "fixturenames", ())):
+        callspec = getattr(item, "callspec", None)
+        # a backend parameter (``[postgres]``, ``[postgresql-…]``) reaches the PostgreSQL fixtures through
+        # request.getfixturevalue, which collection cannot see
+        on_postgres = callspec is not None and "postgres" in callspec.id
+        if on_postgres or (PG_FIXTURES | SHADOW_FIXTURES).intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.postgres)
 
 
