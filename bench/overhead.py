@@ -64,7 +64,7 @@ def _measure_query(engine: Engine, file_ledger: Ledger, sql: str, reps: int) -> 
     session = Session(ANALYST)
     engine.prepare(sql, session)  # warm the plan cache for the cached-prepare stage
     prepared = engine._prepare(sql, parse_statement(sql), session, None)
-    rows = engine._run(prepared.sql)
+    rows = engine.step.query(prepared.sql)
     # Trees are copied up front: analysis may annotate the tree, and the copy is not dpsql's cost.
     template = parse_statement(sql)
     samples: dict[str, list[int]] = {s: [] for s in STAGES}
@@ -83,7 +83,7 @@ def _measure_query(engine: Engine, file_ledger: Ledger, sql: str, reps: int) -> 
         t3 = time.perf_counter_ns()
         _reserve(engine, engine.ledger, prepared)
         t4 = time.perf_counter_ns()
-        engine._release(prepared, rows, 0.95)
+        engine.step.release_rows(prepared, rows, 0.95)
         t5 = time.perf_counter_ns()
         if i < warmup:
             continue

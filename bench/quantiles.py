@@ -3,7 +3,7 @@
 ``.venv/bin/python bench/quantiles.py [--runs 200] [--epsilon 1] [--json out.json]``
 
 Each query is prepared and measured once (one histogram query), then released ``--runs`` times:
-the error distribution is the mechanism's alone, on fixed data (``Engine._release``, so no budget
+the error distribution is the mechanism's alone, on fixed data (``Step.release_rows``, so no budget
 is spent and the figures are comparable between versions of dpsql). Truth is DuckDB's exact
 answer (``quantile_cont``/``min``/``max``). Peer figure for comparison (issue #17): PipelineDP's
 quantile tree, median of age on [0, 100] at ε = 1: MAE 0.0006.
@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from dpsql.backends import open_backend
-from dpsql.demo import demo_policy_path, load_demo
+from dpsql.dev.demo import demo_policy_path, load_demo
 from dpsql.engine import Engine
 from dpsql.ledger import Ledger
 from dpsql.policy import load_policy, parse_policy
@@ -58,10 +58,10 @@ tables:
 def _releases(engine: Engine, sql: str, epsilon: float, runs: int) -> tuple[list[float], float]:
     """``runs`` released values of one query over one measurement, and the ms one release takes."""
     prepared = engine.prepare(sql, Session("alice", epsilon=epsilon))
-    rows = engine._run(prepared.sql)
-    histograms = {i: engine._run(q) for i, q in prepared.histograms}
+    rows = engine.step.query(prepared.sql)
+    histograms = {i: engine.step.query(q) for i, q in prepared.histograms}
     start = time.perf_counter()
-    values = [engine._release(prepared, rows, 0.95, histograms).rows[0][0] for _ in range(runs)]
+    values = [engine.step.release_rows(prepared, rows, 0.95, histograms).rows[0][0] for _ in range(runs)]
     per_release_ms = (time.perf_counter() - start) / runs * 1e3
     return [float(v) for v in values], per_release_ms
 
@@ -128,7 +128,7 @@ def run(quick: bool) -> Any:
     section.rows += [[r["query"], r["truth"], r["mae"], None, None, None, r["above_data"]] for r in clipped]
     section.data.update({"runs": runs, "health": found, "clipped": clipped})
     section.notes.append(
-        "released from one measurement (Engine._release: no budget spent); peer (issue #17): PipelineDP's"
+        "released from one measurement (Step.release_rows: no budget spent); peer (issue #17): PipelineDP's"
         " median of age on [0, 100] at ε = 1 has MAE 0.0006. 'above data': share of MAX answers beyond 61."
     )
     return section

@@ -13,10 +13,11 @@ zCDP cost of the noisy measurements (a pure ε-DP charge counts as ρ = ε²/2) 
 probability of the bad event of partition selection, which is not a zCDP quantity. Both add
 up, and the total converts to (ε(Σρ, δ_budget − Σδ_sel), δ_budget)-DP.
 
-Budget figures are typed, immutable values: :class:`Cost` (one release; ``+`` composes two),
-:class:`Spent` (recorded sums; ``spent + cost`` is one more charge, ``spent + spent`` two analysts
-together), :class:`Allowance` (a limit: the policy's budget ``+`` the curator's grants) and
-:class:`Remaining`. Everything here is a pure function of budget figures: no data, no I/O.
+Budget figures are typed, immutable values: :class:`Cost` (one release; ``+`` composes two and
+:meth:`Cost.total` several: the one rule for every statement of several DP parts), :class:`Spent`
+(recorded sums; ``spent + cost`` is one more charge, ``spent + spent`` two analysts together),
+:class:`Allowance` (a limit: the policy's budget ``+`` the curator's grants) and :class:`Remaining`.
+Everything here is a pure function of budget figures: no data, no I/O.
 """
 
 from __future__ import annotations
@@ -76,15 +77,30 @@ class Cost:
             raise ValueError(f"Cost.selection_delta must be <= delta, got {self.selection_delta!r}")
 
     def __add__(self, other: Cost) -> Cost:
-        """Basic composition of two releases: every component adds."""
+        """Sequential composition of two releases: ε, δ and the selection δ add, and so does ρ, each
+        side counted as :meth:`zcdp_rho` charges it (a pure-ε side as ε²/2, never as 0). When a side
+        has no ρ (an (ε, δ>0) cost), neither has the sum: the ledger then composes ε and δ only."""
         if not isinstance(other, Cost):
             return NotImplemented
+        try:
+            rho = self.zcdp_rho() + other.zcdp_rho()
+        except ValueError:
+            rho = 0.0
         return Cost(
             self.epsilon + other.epsilon,
             self.delta + other.delta,
-            self.rho + other.rho,
+            rho,
             self.selection_delta + other.selection_delta,
         )
+
+    @staticmethod
+    def total(costs: Iterable[Cost]) -> Cost:
+        """The composition of several releases (``sum`` with the right zero): the one rule every
+        statement of several DP parts is charged by."""
+        result = Cost(0.0)
+        for cost in costs:
+            result = result + cost
+        return result
 
     def zcdp_rho(self) -> float:
         """ρ charged under zCDP accounting; an (ε, δ>0) cost without ρ cannot be composed there
@@ -127,10 +143,6 @@ class Spent:
                 self.selection_delta + other.selection_delta,
             )
         return NotImplemented
-
-    def plus(self, epsilon: float, delta: float, rho: float, selection_delta: float = 0.0) -> Spent:
-        """``self + Cost(epsilon, delta, rho, selection_delta)`` (kept for existing callers)."""
-        return self + Cost(epsilon, delta, rho, selection_delta)
 
     @staticmethod
     def total(parts: Iterable[Spent]) -> Spent:

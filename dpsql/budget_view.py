@@ -34,6 +34,7 @@ import sqlglot
 from sqlglot import exp
 
 from dpsql.accountant import Spent, remaining_budget
+from dpsql.analyze.parse import too_complex
 from dpsql.errors import (
     DatatypeMismatch,
     FeatureNotSupported,
@@ -44,11 +45,11 @@ from dpsql.errors import (
     UndefinedFunction,
     UndefinedTable,
 )
+from dpsql.ledger import Ledger, min_remaining
 from dpsql.pgtypes import PgType, parse_bool
 from dpsql.session import OutputColumn, Result
 
 if TYPE_CHECKING:
-    from dpsql.ledger import Ledger
     from dpsql.policy import Policy
 
 #: The relation's name (in ``public``, as a BI tool sees it).
@@ -75,8 +76,6 @@ def own_budget(ledger: Ledger, policy: Policy, analyst: str) -> tuple[Any, ...]:
     limit = levers.limit(policy.analyst_budget(analyst))
     spent = next((row.spent for row in ledger.summary(dataset) if row.analyst == analyst), Spent())
     left = remaining_budget(spent, limit, accounting)
-    from dpsql.ledger import min_remaining
-
     left = min_remaining(left, remaining_budget(ledger.spent(dataset), policy.budget.dataset, accounting))
     epsilon_spent = spent.privacy_loss(accounting, limit.delta)[0]
     delta_spent = spent.delta if accounting == "pure" else spent.selection_delta
@@ -118,8 +117,6 @@ def answer(sql: str, row: tuple[Any, ...]) -> Result:
     try:
         return _answer(tree, row)
     except RecursionError:
-        from dpsql.analyze.parse import too_complex
-
         raise too_complex() from None
 
 
@@ -391,10 +388,12 @@ def _is(node: exp.Is, scope: _Scope, where: str) -> bool:
 
 def _boolean(value: _Value, what: str) -> bool | None:
     if value.type is _UNKNOWN:
-        return _cast(value.value, "boolean")
+        cast: bool | None = _cast(value.value, "boolean")
+        return cast
     if value.type != "boolean":
         raise DatatypeMismatch(f"{what} must be type boolean, not type {value.type}")
-    return value.value
+    boolean: bool | None = value.value
+    return boolean
 
 
 def _compare(kind: type[exp.Expression], left: _Value, right: _Value) -> bool | None:

@@ -51,6 +51,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from dpsql.backends import Backend
 from dpsql.errors import LedgerUnavailable
 from dpsql.pgtypes import PG_TYPE_OIDS
 from dpsql.session import OutputColumn, Result
@@ -345,63 +346,28 @@ def policy_hash(policy: Any) -> str:
     return hashlib.sha256(policy.model_dump_json().encode()).hexdigest()
 
 
-def database_identity(backend: Any) -> str:
-    """Which database a backend reads, as stable as it can be told apart cheaply.
-
-    DuckDB file: its resolved path. In-memory DuckDB (and unknown backends): a token drawn per
-    backend object, so nothing is shared across processes. PostgreSQL: the redacted URL plus the
-    cluster's system identifier (when readable) and the database's OID.
-    """
-    from dpsql.backends import redact_url
-
-    url = redact_url(str(getattr(backend, "url", "")))
-    dialect = getattr(backend, "dialect", "")
-    path = getattr(backend, "path", None)
-    if dialect == "duckdb" and path and path != ":memory:":
-        return f"duckdb:{os.path.realpath(path)}"
-    if dialect == "postgres":
-        parts = [url]
-        for sql in (
-            "SELECT system_identifier::text FROM pg_control_system()",
-            "SELECT oid::text || ':' || datname FROM pg_database WHERE datname = current_database()",
-        ):
-            try:
-                parts.append(str(backend.execute(sql)[1][0][0]))
-            except Exception:  # not readable for this role: the URL (and the OID) must do
-                parts.append("?")
-        return "postgres:" + ":".join(parts)
-    token = getattr(backend, "_dpsql_cache_token", None)
-    if token is None:
-        token = secrets.token_hex(16)
-        backend._dpsql_cache_token = token
-    return f"{dialect}:{url}:{token}"
+def database_identity(backend: Backend) -> str:
+    """Which database a backend reads, as stable as it can be told apart cheaply (:meth:`Backend.identity`:
+    a DuckDB file's resolved path, a PostgreSQL cluster and database; otherwise a token per backend
+    object, so nothing is shared across processes)."""
+    return backend.identity()
 
 
-def data_stamp(backend: Any) -> str:
-    """A stamp that changes whenever the data may have: the backend's write counter, plus for a
-    DuckDB file its size and modification time (and its WAL's), for PostgreSQL the next transaction id
-    (it moves exactly when some transaction in the cluster writes: read-only queries, hint bits and
-    checkpoints leave it alone, unlike the WAL position)."""
-    parts = [str(int(getattr(backend, "data_version", 0)))]
-    dialect = getattr(backend, "dialect", "")
-    path = getattr(backend, "path", None)
-    if dialect == "duckdb" and path and path != ":memory:":
-        for name in (path, path + ".wal"):
-            try:
-                stat = os.stat(name)
-                parts.append(f"{stat.st_size}:{stat.st_mtime_ns}")
-            except OSError:
-                parts.append("-")
-    elif dialect == "postgres":
-        # a writing transaction is assigned an xid when it first writes, before it can commit: any
-        # committed write since the last stamp moved xmax (a miss, never stale). On a standby the
-        # replayed WAL position is the only signal.
-        _, rows = backend.execute(
-            "SELECT CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn()::text "
-            "ELSE pg_snapshot_xmax(pg_current_snapshot())::text END"
-        )
-        parts.append(str(rows[0][0]))
-    return ":".join(parts)
+#: How long an answer is served for a backend whose stamp cannot see writes made outside dpsql
+#: (``sees_outside_writes = False``: Spark), in seconds. The stamp then also names the current window,
+#: so a repeat in the next window misses and is charged again: a stale answer is bounded in age,
+#: never served indefinitely.
+UNSEEN_WRITES_WINDOW = 60
+
+
+def data_stamp(backend: Backend) -> str:
+    """A stamp that changes whenever the data may have (:meth:`Backend.data_stamp`): the backend's write
+    counter, plus for a DuckDB file its size and modification time (and its WAL's), for PostgreSQL the
+    next transaction id. For a backend that cannot see outside writes, also the current time window."""
+    stamp = backend.data_stamp()
+    if not backend.sees_outside_writes:
+        stamp += f":w{int(time.time() // UNSEEN_WRITES_WINDOW)}"
+    return stamp
 
 
 class ResultCache:

@@ -14,7 +14,7 @@ from typing import Any
 
 from dpsql.aggregates import OUTPUTS
 from dpsql.analyze.parse import skip_comments
-from dpsql.errors import FeatureNotSupported, SyntaxError_
+from dpsql.analyze.statement import EXPLAIN_OPTIONS
 from dpsql.plan import Plan
 from dpsql.release.accuracy import bias_note
 from dpsql.release.calibrate import Budgeting
@@ -198,33 +198,8 @@ def explain(plan: Plan, budgeting: Budgeting, confidence: float, shown_sql: str)
     return Explanation(shown_sql, budgeting.epsilon, budgeting.delta, budgeting.mechanism, columns, keys, unit, bias)
 
 
-#: The one EXPLAIN option accepted: ``(FORMAT TEXT)`` or ``(FORMAT JSON)`` (pgcli sends the latter).
-_FORMAT = re.compile(r"\(\s*format\s+(text|json)\s*\)", re.IGNORECASE)
-
-
 def explain_format(sql: str) -> str:
     """``json`` for ``EXPLAIN (FORMAT JSON) …``, else ``text``."""
     stripped = skip_comments(sql)
-    options = _FORMAT.match(skip_comments(stripped[7:])) if stripped[:7].upper() == "EXPLAIN" else None
+    options = EXPLAIN_OPTIONS.match(skip_comments(stripped[7:])) if stripped[:7].upper() == "EXPLAIN" else None
     return options.group(1).lower() if options else "text"
-
-
-def explain_target(sql: str) -> str | None:
-    """The query inside ``EXPLAIN <query>``; EXPLAIN ANALYZE is refused (it reveals timings and row counts)."""
-    stripped = skip_comments(sql)
-    if stripped[:7].upper() != "EXPLAIN" or stripped[7:8].isalnum() or stripped[7:8] == "_":
-        return None
-    rest = skip_comments(stripped[7:])
-    if (options := _FORMAT.match(rest)) is not None:
-        rest = rest[options.end() :]
-        if not rest.strip().rstrip(";").strip():
-            raise SyntaxError_("syntax error at end of input")
-        return rest
-    if not rest.strip().rstrip(";").strip():  # a bare EXPLAIN: PostgreSQL's 42601, never an IndexError
-        raise SyntaxError_("syntax error at end of input")
-    if rest[:1] == "(" or rest.split(None, 1)[0].upper() in ("ANALYZE", "ANALYSE", "VERBOSE"):
-        raise FeatureNotSupported(
-            "EXPLAIN options are not supported",
-            hint="EXPLAIN ANALYZE would reveal exact row counts and timings; use plain EXPLAIN.",
-        )
-    return rest

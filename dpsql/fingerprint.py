@@ -26,6 +26,8 @@ import re
 
 from sqlglot import exp
 
+from dpsql.analyze.parse import parse_statement
+
 #: Hex digits kept (64 bits: ample to group queries, far too few to invert a shape).
 FINGERPRINT_HEX = 16
 
@@ -104,8 +106,6 @@ def statement_shape(sql: str) -> str:
 
 @functools.lru_cache(maxsize=2048)
 def _parsed_shape(sql: str) -> str:
-    from dpsql.analyze import parse_statement
-
     try:
         tree = parse_statement(sql)
         if not isinstance(tree, exp.Command):  # sqlglot keeps an unknown command's text as one literal

@@ -29,7 +29,7 @@ from pydantic import (
 from dpsql.accountant import Accounting
 from dpsql.errors import PolicyError
 from dpsql.localdp import RandomizedResponse
-from dpsql.release.mechanisms import Mechanism
+from dpsql.noise.mechanisms import Mechanism
 from dpsql.session import PgType
 
 ColumnType = Literal["int", "float", "text", "date", "timestamp", "boolean"]

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from dpsql.errors import InvalidParameterValue, UndefinedObject
+from dpsql.noise.mechanisms import Mechanism, mechanism_names
 from dpsql.pgtypes import PG_TYPE_OIDS, PgType, parse_bool
-from dpsql.release.mechanisms import Mechanism, mechanism_names
 
-#: The registered noise mechanisms' names (one registry: :data:`dpsql.release.mechanisms.MECHANISMS`).
+#: The registered noise mechanisms' names (one registry: :data:`dpsql.noise.mechanisms.MECHANISMS`).
 MECHANISMS: tuple[str, ...] = mechanism_names()
 
 #: ε accepted by SET dpsql.epsilon: below, no noise could be calibrated; above, no privacy is left.

@@ -15,16 +15,25 @@ and the schema alone:
 * NOT NULL and CHECK constraints depend only on the new row (and its perturbed values),
   and every failure reaches the analyst as one fixed error, whatever its cause.
 
-:func:`write_oracles` reads the backend's catalog (schema, not data) and names what is in
-the way; backends whose catalog it cannot read accept no writes (fail closed).
+:func:`write_oracles` reads the backend's catalog (schema, not data: :meth:`Backend.write_catalog`)
+and names what is in the way; a backend whose catalog cannot be read (None) accepts no writes (fail
+closed). :func:`insert` runs the write once both checks pass (the analysis stays below, in
+:mod:`dpsql.analyze.insert`, which never imports this module).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
 
-from dpsql.backends import Backend, quote_ident
+from sqlglot import exp
+
+from dpsql.analyze.insert import parse_insert
+from dpsql.analyze.parse import literal_for
+from dpsql.backends import Backend
+from dpsql.errors import BackendError, Error, ReadOnlyViolation
+from dpsql.localdp import perturb_rows
+from dpsql.policy import Policy
+from dpsql.session import Result
 
 #: Defaults that give every new row a fresh value (no conflict with stored rows by construction).
 _GENERATED_DEFAULT = re.compile(r"nextval\s*\(|gen_random_uuid\s*\(|uuid(v4)?\s*\(|uuid_generate_v4\s*\(", re.I)
@@ -33,15 +42,13 @@ _GENERATED_DEFAULT = re.compile(r"nextval\s*\(|gen_random_uuid\s*\(|uuid(v4)?\s*
 def write_oracles(backend: Backend, table: str, written: list[str]) -> list[str]:
     """Descriptions of the schema features that would make an INSERT of ``written`` into ``table``
     succeed or fail according to stored rows; empty when the outcome depends on the statement only."""
-    if backend.dialect == "duckdb":
-        keys, defaults, triggers = _duckdb_catalog(backend, table)
-    elif backend.dialect == "postgres":
-        keys, defaults, triggers = _postgres_catalog(backend, table)
-    else:
+    catalog = backend.write_catalog(table)
+    if catalog is None:
         return [f"the {backend.dialect} backend's constraints cannot be checked"]
-    found = list(triggers)
+    found = list(catalog.triggers)
+    defaults = catalog.defaults
     lowered = {c.lower() for c in written}
-    for constraint, columns in keys:
+    for constraint, columns in catalog.keys:
         if columns is None:
             found.append(f"a {constraint} over an expression")
             continue
@@ -55,53 +62,51 @@ def write_oracles(backend: Backend, table: str, written: list[str]) -> list[str]
     return found
 
 
-def _duckdb_catalog(
-    backend: Backend, table: str
-) -> tuple[list[tuple[str, list[str] | None]], dict[str, str | None], list[str]]:
-    name = table.replace("'", "''")
-    _, rows = backend.execute(
-        "SELECT constraint_type, constraint_column_names FROM duckdb_constraints() "
-        f"WHERE table_name = '{name}' AND constraint_type IN ('PRIMARY KEY', 'UNIQUE', 'FOREIGN KEY')"
-    )
-    keys: list[tuple[str, list[str] | None]] = [(constraint, list(columns)) for constraint, columns in rows]
-    _, rows = backend.execute(f"SELECT expressions FROM duckdb_indexes() WHERE table_name = '{name}' AND is_unique")
-    for (expressions,) in rows:
-        text = str(expressions).strip("[]")
-        parts = [p.strip().strip('"') for p in text.split(",")]
-        simple = all(re.fullmatch(r"\w+", p) for p in parts)
-        keys.append(("unique index", parts if simple else None))
-    _, rows = backend.execute(f"SELECT column_name, column_default FROM duckdb_columns() WHERE table_name = '{name}'")
-    return keys, {c: d for c, d in rows}, []
+def insert(backend: Backend, policy: Policy, tree: exp.Expression) -> Result:
+    """The opt-in write path: store rows with their randomized-response columns perturbed.
 
-
-def _postgres_catalog(
-    backend: Backend, table: str
-) -> tuple[list[tuple[str, list[str] | None]], dict[str, str | None], list[str]]:
-    regclass = quote_ident(table).replace("'", "''")
-    relation = f"to_regclass('{regclass}')"
-    names = {"p": "PRIMARY KEY", "u": "UNIQUE", "f": "FOREIGN KEY", "x": "EXCLUDE constraint"}
-    _, rows = backend.execute(
-        "SELECT c.contype::text, ARRAY(SELECT a.attname::text FROM unnest(c.conkey) k "
-        "JOIN pg_attribute a ON a.attrelid = c.conrelid AND a.attnum = k) "
-        f"FROM pg_constraint c WHERE c.conrelid = {relation} AND c.contype IN ('p', 'u', 'f', 'x')"
+    The outcome must not depend on stored data (else it is a membership oracle): the
+    columns an analyst may give are checked by :func:`parse_insert`, the table's catalog
+    by :func:`write_oracles` (no key, foreign key or trigger relating the new
+    row to stored ones), both before anything runs; and every failure of the write itself
+    is reported as one fixed error, whatever the database's reason.
+    """
+    table, columns, rows = parse_insert(tree, policy)
+    target = table.source or tree.this.this.name
+    try:
+        oracles = write_oracles(backend, target, columns)
+    except Error:
+        oracles = ["the catalog could not be read"]
+    if oracles:
+        raise ReadOnlyViolation(
+            "cannot execute INSERT in a read-only transaction",
+            hint=f'The table "{tree.this.this.name}" has {oracles[0]}: whether an INSERT succeeded would '
+            "depend on rows already stored, so dpsql does not write to it.",
+        )
+    mechanisms = [table.columns[c].local_mechanism() for c in columns]
+    stored = perturb_rows(rows, mechanisms)
+    values = exp.values([tuple(literal_for(v) for v in row) for row in stored])
+    statement = exp.Insert(
+        this=exp.Schema(
+            this=exp.table_(table.source or tree.this.this.name, quoted=True),
+            expressions=[exp.to_identifier(c, quoted=True) for c in columns],
+        ),
+        expression=values,
     )
-    keys: list[tuple[str, list[str] | None]] = [(names[contype], list(columns)) for contype, columns in rows]
-    _, rows = backend.execute(
-        "SELECT i.indexprs IS NOT NULL OR i.indpred IS NOT NULL, ARRAY(SELECT a.attname::text FROM unnest(i.indkey) k "
-        "JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k) "
-        f"FROM pg_index i WHERE i.indrelid = {relation} AND (i.indisunique OR i.indisexclusion) "
-        "AND NOT EXISTS (SELECT 1 FROM pg_constraint c WHERE c.conindid = i.indexrelid)"
+    try:
+        backend.execute_script(statement.sql(dialect=backend.dialect))
+    except Exception:  # one error for every cause (NOT NULL, CHECK, type, connection): nothing data-dependent
+        raise BackendError(
+            "the database failed to store the rows",
+            hint="Nothing was stored. The reason is withheld: it could depend on other rows.",
+        ) from None
+    perturbed = [f"{c} (ε={m.epsilon:g})" for c, m in zip(columns, mechanisms, strict=True) if m is not None]
+    return Result(
+        columns=[],
+        rows=[],
+        accuracy=[],
+        epsilon_spent=0.0,
+        delta_spent=0.0,
+        notices=[f"dpsql: stored {len(stored)} row(s); randomized response applied to {', '.join(perturbed)}"],
+        command_tag=f"INSERT 0 {len(stored)}",
     )
-    keys += [("unique index", None if expression else list(columns)) for expression, columns in rows]
-    _, rows = backend.execute(
-        f"SELECT a.attname::text, pg_get_expr(d.adbin, d.adrelid) FROM pg_attribute a LEFT JOIN pg_attrdef d "
-        f"ON d.adrelid = a.attrelid AND d.adnum = a.attnum WHERE a.attrelid = {relation} AND a.attnum > 0 "
-        "AND NOT a.attisdropped"
-    )
-    defaults: dict[str, Any] = {c: d for c, d in rows}
-    _, rows = backend.execute(
-        f"SELECT (SELECT count(*) FROM pg_trigger WHERE tgrelid = {relation} AND NOT tgisinternal) "
-        f"+ (SELECT count(*) FROM pg_rewrite WHERE ev_class = {relation} AND rulename <> '_RETURN')"
-    )
-    triggers = ["a trigger or rule"] if rows and rows[0][0] else []
-    return keys, defaults, triggers

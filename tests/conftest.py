@@ -20,7 +20,7 @@ UNIT_PATHS = (
     "tests/engine/test_analyze.py",
     "tests/engine/test_expressions.py",
     "tests/engine/test_rewrite.py",
-    "tests/release/test_mechanisms.py",
+    "tests/noise/test_mechanisms.py",
     "tests/release/test_accuracy.py",
 )
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dpsql.demo import demo_policy_path
+from dpsql.dev.demo import demo_policy_path
 from dpsql.policy import Policy, load_policy
 
 

@@ -6,22 +6,31 @@ import datetime as dt
 import logging
 import math
 import random
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
 from typing import Any
 
 import pytest
 
+from dpsql import cache
 from dpsql.backends import (
+    BACKENDS,
     DEFAULT_STATEMENT_TIMEOUT_MS,
     Backend,
+    BackendBase,
     database_log,
     normalize_value,
     open_backend,
     redact_url,
+    stored_type_mismatches,
 )
-from dpsql.backends.duckdb import _database_path
+from dpsql.backends.duckdb import DuckDBBackend, _database_path
+from dpsql.backends.postgres import PostgresBackend
+from dpsql.backends.spark import SparkBackend
+from dpsql.cache import UNSEEN_WRITES_WINDOW
 from dpsql.errors import BackendError, QueryCanceled
+from dpsql.writes import write_oracles
 
 COLUMNS = [("id", "BIGINT"), ("region", "TEXT"), ("age", "INTEGER"), ("income", "DOUBLE PRECISION"),
            ("visited", "DATE")]  # fmt: skip
@@ -295,7 +304,7 @@ def test_statement_hook_cancels_a_running_statement(loaded: Backend) -> None:
     offered: list[object] = []
 
     @contextlib.contextmanager
-    def hook(cancel):  # type: ignore[no-untyped-def]
+    def hook(cancel: Callable[[], object]) -> Iterator[None]:
         offered.append(cancel)
         yield
 
@@ -330,3 +339,79 @@ def test_optional_capabilities_are_in_the_protocol(loaded_duckdb: Backend, loade
     assert (loaded_duckdb.row_hash, loaded_duckdb.top_rows) == ("duckdb", "min_by")
     assert (loaded_pg.row_hash, loaded_pg.top_rows) == ("postgres", "row_number")
     assert loaded_pg.data_version == 0 and loaded_pg.proven_ranges("t", ["x"]) == {}
+
+
+# --- capabilities: every difference is declared on the backend's class ----------------------------
+
+
+def test_every_difference_is_declared_on_the_class() -> None:
+    """No backend inherits a silent answer: each says on its own class whether its stamp sees writes made
+    outside dpsql and whether it has information_schema; a backend that does not cannot be defined."""
+    for cls in BACKENDS:
+        for name in ("schemes", "dialect", "sees_outside_writes", "information_schema"):
+            assert name in vars(cls), (cls.__name__, name)
+    assert (DuckDBBackend.sees_outside_writes, PostgresBackend.sees_outside_writes) == (True, True)
+    assert SparkBackend.sees_outside_writes is False and SparkBackend.information_schema is False
+    assert SparkBackend.write_catalog(object.__new__(SparkBackend), "t") is None  # no writes on Spark
+    with pytest.raises(TypeError, match="sees_outside_writes"):
+
+        class Silent(BackendBase):
+            schemes = ("silent",)
+            dialect = "duckdb"
+            information_schema = False
+
+
+class _BlindDuckDB(DuckDBBackend):
+    """A backend whose stamp cannot see writes made outside dpsql (as Spark's), on DuckDB for speed."""
+
+    sees_outside_writes = False
+
+
+def test_a_stamp_blind_to_outside_writes_expires(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Such a backend's cache stamp also names a short time window: an answer is served at most
+    UNSEEN_WRITES_WINDOW seconds, never indefinitely after a write dpsql did not see."""
+    blind, seeing = _BlindDuckDB("duckdb://"), DuckDBBackend("duckdb://")
+    now = [1_000_000.0]
+    monkeypatch.setattr(cache.time, "time", lambda: now[0])
+    first = (cache.data_stamp(blind), cache.data_stamp(seeing))
+    now[0] += UNSEEN_WRITES_WINDOW
+    assert cache.data_stamp(blind) != first[0]
+    assert cache.data_stamp(seeing) == first[1] == "0"  # an in-memory database is written only through dpsql
+    blind.close()
+    seeing.close()
+
+
+def test_duckdb_identity_and_stamp(tmp_path: Any) -> None:
+    path = tmp_path / "d.duckdb"
+    backend = DuckDBBackend(f"duckdb:///{path}")
+    assert cache.database_identity(backend) == f"duckdb:{path.resolve()}"
+    before = cache.data_stamp(backend)
+    backend.execute_script("CREATE TABLE t AS SELECT 1 AS x; CHECKPOINT")
+    assert cache.data_stamp(backend) != before
+    memory = DuckDBBackend("duckdb://")
+    assert memory.identity() == memory.identity() != DuckDBBackend("duckdb://").identity()
+    backend.close()
+    memory.close()
+
+
+def test_stored_types_and_write_catalog_on_duckdb() -> None:
+    """The stored-type refusal reads DuckDB's catalog case-insensitively, like DuckDB resolves names."""
+    backend = open_backend("duckdb://")
+    backend.execute_script("CREATE TABLE Answers (id INTEGER PRIMARY KEY, score VARCHAR, ok BOOLEAN)")
+    assert backend.tables() == ["Answers"]
+    assert backend.columns("answers") == {"id": "INTEGER", "score": "VARCHAR", "ok": "BOOLEAN"}
+    assert backend.columns("absent") is None
+    declared = {"id": "int", "score": "float", "ok": "boolean"}
+    assert stored_type_mismatches(backend, "answers", declared) == [("score", "VARCHAR")]
+    assert write_oracles(backend, "Answers", ["score"]) == []
+    assert write_oracles(backend, "Answers", ["id"]) == ['a PRIMARY KEY on "id"']
+    backend.close()
+
+
+def test_open_backend_dispatches_on_the_class_schemes() -> None:
+    for cls in BACKENDS:
+        for scheme in cls.schemes:
+            assert scheme in ("duckdb", "postgresql", "postgres", "spark", "sc")
+    read_only = open_backend("duckdb://", read_only=True)
+    assert isinstance(read_only, DuckDBBackend) and not read_only.read_only  # in memory: nothing to share
+    read_only.close()

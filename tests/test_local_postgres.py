@@ -14,7 +14,9 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from dpsql.local_postgres import LocalPostgresError, embedded_bindir, find_pg_bindir, start_local_postgres
+from dpsql.dev.local_postgres import LocalPostgresError, embedded_bindir, find_pg_bindir, start_local_postgres
+
+pytestmark = pytest.mark.postgres  # starts a local PostgreSQL (shadow catalog or cluster)
 
 
 @pytest.fixture(scope="module")
@@ -118,9 +120,8 @@ def _tcp_ports_of(pid: int) -> list[str]:
 
 _OWNER = """
 import sys, time
-from dpsql.local_postgres import start_local_postgres
+from dpsql.dev.local_postgres import start_local_postgres
 
-pytestmark = pytest.mark.postgres  # starts a local PostgreSQL (shadow catalog or cluster)
 pg = start_local_postgres()
 print(pg.datadir, pg.process.pid, flush=True)
 time.sleep(600)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import dpsql
-from dpsql.demo import demo_policy_path
+from dpsql.dev.demo import demo_policy_path
 from dpsql.errors import InvalidParameterValue, UndefinedObject
 from dpsql.server.results import noisy_flags
 from dpsql.session import OutputColumn, Session, parse_setting

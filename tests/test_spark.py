@@ -22,21 +22,25 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlencode
 
 import pytest
 import yaml
 
-from dpsql.backends import Backend, open_backend
+from dpsql.backends import Backend, open_backend, stored_type_mismatches
+from dpsql.backends import spark as spark_module
 from dpsql.backends.spark import parse_url, prepare_query, redact, spark_column_type, split_statements
-from dpsql.demo import demo_policy_path, load_demo
+from dpsql.backends.spark_sql import prepare_tree
+from dpsql.dev.demo import demo_policy_path, load_demo
 from dpsql.engine import Engine
 from dpsql.errors import BackendError, Error, InsufficientPrivilege, ReadOnlyViolation
 from dpsql.ledger import Ledger
 from dpsql.plan import Plan
 from dpsql.policy import Policy, load_policy, parse_policy
-from dpsql.rewrite import histogram_query, to_sql
+from dpsql.rewrite import histogram_query, rewrite, to_sql
 from dpsql.session import Session
+from dpsql.writes import write_oracles
 from tests.engine.test_engine import SAME_ON_BOTH
 from tests.engine.test_expressions import ACCEPTED
 from tests.engine.test_person_level import QUERIES as PERSON_QUERIES
@@ -83,7 +87,8 @@ def spark_root() -> Iterator[tuple[Backend, int]]:
     try:
         backend = open_backend(url)
     except Exception as exc:
-        detail = f"{type(exc).__name__}: {exc}" + (f" ({exc.hint})" if getattr(exc, "hint", None) else "")
+        hint = getattr(exc, "hint", None)
+        detail = f"{type(exc).__name__}: {exc}" + (f" ({hint})" if hint else "")
         reason = f"no local Spark for the tests: {detail}"
         if os.environ.get("CI"):
             pytest.fail(reason + "\n(CI is set: Spark tests must run, not be skipped)", pytrace=False)
@@ -317,6 +322,50 @@ def test_engine_person_level_on_spark(clinic_policy: Policy, clinic_spark: Backe
     assert 1900 < result.rows[0][0] < 2100
 
 
+# --- capabilities declared on the class ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("physical", ["md5", "postgres"])
+def test_render_generates_once_what_parsing_again_gave(
+    health_policy: Policy, clinic_policy: Policy, physical: str
+) -> None:
+    """Rendering the engine's tree for Spark gives the text the old parse-and-regenerate path gave."""
+    plans = [_plan(q, health_policy, physical=physical) for q in ROW_LEVEL_QUERIES]
+    plans += [_plan(q, clinic_policy, physical=physical) for q in PERSON_QUERIES]
+    for plan in plans:
+        trees = [rewrite(plan)] + [histogram_query(plan, i) for i, m in enumerate(plan.measures) if m.selected]
+        for tree in trees:
+            assert prepare_tree(tree.copy()).sql == prepare_query(tree.sql(dialect="spark")).sql
+
+
+def test_rendered_sql_is_not_parsed_again(
+    health_policy: Policy, health_spark: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sql = health_spark.render(rewrite(_plan("SELECT sex, COUNT(*) FROM patients GROUP BY sex", health_policy)))
+    expected = health_spark.execute(sql)
+    monkeypatch.setattr(spark_module, "prepare_query", _no_parse)
+    assert health_spark.execute(sql) == expected
+    with pytest.raises(AssertionError, match="parsed"):
+        health_spark.execute("SELECT COUNT(*) FROM patients")  # text it did not render is parsed first
+
+
+def _no_parse(sql: str) -> None:
+    raise AssertionError("parsed again")
+
+
+def test_stored_types_writes_and_stamp_on_spark(spark: Backend) -> None:
+    """Spark reads stored types from its catalog (the refusal applies here too), lists its tables, counts
+    writes through it, and refuses INSERTs (no catalog of constraints to check them against)."""
+    version = spark.data_version
+    spark.load_rows("stored", [("id", "BIGINT"), ("score", "TEXT")], [(1, "7.5"), (2, "Igor-77.5x")], replace=True)
+    assert spark.data_version == version + 1 and spark.data_stamp() == str(version + 1)
+    assert spark.columns("stored") == {"id": "bigint", "score": "string"}
+    assert stored_type_mismatches(spark, "stored", {"id": "int", "score": "float"}) == [("score", "string")]
+    assert "stored" in spark.tables()
+    assert write_oracles(spark, "stored", ["score"]) == ["the spark backend's constraints cannot be checked"]
+    assert spark.identity() == spark.identity() and not spark.sees_outside_writes
+
+
 # --- read-only, errors, threads, timeouts -------------------------------------------------------
 
 
@@ -393,7 +442,7 @@ def test_statement_timeout_cancels_only_that_query(spark: Backend) -> None:
 def test_load_rows_types_replace_and_scripts(spark: Backend) -> None:
     columns = [("i", "INTEGER"), ("b", "BIGINT"), ("t", "TEXT"), ("d", "DATE"), ("x", "DOUBLE PRECISION"),
                ("n", "NUMERIC(10, 2)"), ("ok", "BOOLEAN"), ("ts", "TIMESTAMP")]  # fmt: skip
-    rows = [(None, None, None, None, None, None, None, None)] * 1500
+    rows: list[tuple[Any, ...]] = [(None, None, None, None, None, None, None, None)] * 1500
     rows += [(7, 2**40, "late", dt.date(2024, 2, 29), 1.5, Decimal("1.25"), True, dt.datetime(2024, 1, 2, 3, 4, 5))]
     spark.load_rows("typed", columns, iter(rows), replace=True)
     sql = "SELECT MAX(i), MAX(b), MAX(t), MAX(d), MAX(x), SUM(n), MAX(ok), MAX(ts), COUNT(*) FROM typed"

@@ -4,7 +4,8 @@ Each module owns what differs between aggregates at every stage: its measures' l
 and raw SQL, how released values become Python values, selection over a histogram (quantile,
 mode), its output's coercion after noise, confidence interval and EXPLAIN line. Stages look an
 aggregate up by the kind the analyzer gave its measure (:data:`MEASURES`) or output
-(:data:`OUTPUTS`) instead of testing kind strings.
+(:data:`OUTPUTS`) instead of testing kind strings. Importing this package registers
+:data:`MEASURES` with the plan (:data:`dpsql.plan.MEASURE_AGGREGATES`), below it: ``measure.aggregate``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 from sqlglot import exp
 
 from dpsql.aggregates.avg import Avg
-from dpsql.aggregates.base import Aggregate, Expression, Key, Selection
+from dpsql.aggregates.base import Aggregate, Expression, Key, Operand, Scope, Selection, Spending
 from dpsql.aggregates.bivariate import Bivariate
 from dpsql.aggregates.count import Count, CountStar
 from dpsql.aggregates.distinct import CountDistinct
@@ -24,13 +25,26 @@ from dpsql.aggregates.quantile import Quantile, QuantileDisc
 from dpsql.aggregates.sum import Sum
 from dpsql.aggregates.units import CountUnits
 from dpsql.aggregates.variance import Variance
+from dpsql.plan import MEASURE_AGGREGATES
 
-__all__ = ["AGGREGATE_NODES", "MEASURES", "OUTPUTS", "Aggregate", "Key", "Selection", "recogniser"]
+__all__ = [
+    "AGGREGATE_NODES",
+    "MEASURES",
+    "OUTPUTS",
+    "Aggregate",
+    "Key",
+    "Operand",
+    "Scope",
+    "Selection",
+    "Spending",
+    "recogniser",
+]
 
 #: Measure kind → the aggregate that labels, bounds, computes and converts it.
 MEASURES: dict[str, Aggregate] = {
     a.kind: a for a in (CountStar(), Count(), CountUnits(), CountDistinct(), Sum(), Quantile(), Mode())
 }
+MEASURE_AGGREGATES.update(MEASURES)
 #: Output kind → the aggregate that coerces, bounds the error of, and explains it.
 OUTPUTS: dict[str, Aggregate] = {
     a.kind: a

@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from sqlglot import exp
 
-from dpsql.aggregates.base import Aggregate, Recognised, measure_var
-
-if TYPE_CHECKING:
-    from dpsql.analyze.scope import Scope
-    from dpsql.plan import OutputItem, Plan
-    from dpsql.release.calibrate import Budgeting
-    from dpsql.session import PgType
+from dpsql.aggregates.base import Aggregate, Recognised, Scope, Spending, measure_var
+from dpsql.pgtypes import PgType
+from dpsql.plan import OutputItem, Plan
 
 
 def dp_avg(total: Any, count: Any, centre: Any) -> float | None:
@@ -30,14 +26,13 @@ def dp_avg(total: Any, count: Any, centre: Any) -> float | None:
 
 class Avg(Aggregate):
     kind = "avg"
+    null_when_empty = True
     recognises = (exp.Avg,)
     functions: ClassVar[dict[str, Callable[..., Any]]] = {"dp_avg": dp_avg}
 
     def recognise(self, node: exp.Expression, scope: Scope) -> Recognised:
         """``dp_avg(Σ(x − c), N, c)``: centring on the bounds' midpoint halves the sum's sensitivity."""
-        from dpsql.aggregates import AGGREGATE_NODES
-
-        operand = scope.operand(node.this, AGGREGATE_NODES)
+        operand = scope.operand(node.this)
         total = scope.measure(scope.bounded_sum(operand, "avg", centred=True))
         count = scope.measure(scope.count_of(operand))
         centre = exp.Literal.number(scope.measures[total].centre)
@@ -61,7 +56,7 @@ class Avg(Aggregate):
         assert total_w is not None and count_w is not None
         return math.hypot(total_w / count, count_w * abs(total) / count**2)
 
-    def explain(self, out: OutputItem, plan: Plan, budgeting: Budgeting, confidence: float) -> dict[str, Any]:
+    def explain(self, out: OutputItem, plan: Plan, budgeting: Spending, confidence: float) -> dict[str, Any]:
         entry = super().explain(out, plan, budgeting, confidence)
         if out.noisy:
             entry["measure"] = "AVG = centre + noisy centred SUM / noisy COUNT"

@@ -4,25 +4,66 @@ An aggregate owns, per stage, what differs between aggregates: the label, per-ro
 raw SQL of its measures; how a released value becomes a Python value; how its output is coerced
 after noise, its confidence interval and its EXPLAIN line. Registered by kind in
 :data:`dpsql.aggregates.MEASURES` (measure kinds) and :data:`dpsql.aggregates.OUTPUTS` (output kinds).
+
+The aggregates sit below the analyzer and the release stage: what they read of the analyzer's
+scope and of the release's budgeting is the :class:`Scope` and :class:`Spending` protocols here.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 from sqlglot import exp
 
-from dpsql.release.mechanisms import half_width
-
-if TYPE_CHECKING:
-    from dpsql.analyze.scope import Scope
-    from dpsql.plan import Measure, OutputItem, Plan
-    from dpsql.release.calibrate import Budgeting
-    from dpsql.session import PgType
+from dpsql.aggregates.notes import Counts
+from dpsql.noise.exponential import QuantileGrid
+from dpsql.noise.mechanisms import NoiseSpec, half_width
+from dpsql.pgtypes import PgType
+from dpsql.plan import GroupKey, Measure, OutputItem, Plan
+from dpsql.plan.sources import Sources
+from dpsql.policy import PG_TYPE_NAMES, ColumnPolicy
 
 Rows = list[tuple[Any, ...]]
+
+
+@dataclass(frozen=True)
+class Operand:
+    """What an aggregate reads: a declared column, or a bounded expression over columns."""
+
+    table: str | None
+    name: str
+    policy: ColumnPolicy
+    expr: exp.Expression | None = None
+
+
+class Scope(Protocol):
+    """What a recogniser reads and adds to: the analyzer's name resolution for one SELECT
+    (:class:`dpsql.analyze.scope.Scope`)."""
+
+    @property
+    def sources(self) -> Sources: ...
+    @property
+    def keys(self) -> list[GroupKey]: ...
+    @property
+    def measures(self) -> list[Measure]: ...
+    def measure(self, measure: Measure) -> int: ...
+    def operand(self, argument: exp.Expression | None) -> Operand: ...
+    def bounded_sum(self, operand: Operand, function: str, *, centred: bool) -> Measure: ...
+    def count_of(self, operand: Operand) -> Measure: ...
+
+
+class Spending(Protocol):
+    """What an EXPLAIN line reads of a query's budgeting (:class:`dpsql.release.calibrate.Budgeting`)."""
+
+    @property
+    def epsilon(self) -> float: ...
+    @property
+    def specs(self) -> Sequence[NoiseSpec | None]: ...
+    @property
+    def shares(self) -> Sequence[float]: ...
 
 
 class Recognised(NamedTuple):
@@ -65,6 +106,11 @@ class Aggregate:
     functions: ClassVar[dict[str, Callable[..., Any]]] = {}
     #: The sqlglot call types it recognises (for ``f(...) WITHIN GROUP``: the type of ``f``).
     recognises: ClassVar[tuple[type[exp.Expr], ...]] = ()
+    #: Its output has no ± by nature and its own note says so (quantiles, modes): never the generic
+    #: "no interval" note.
+    own_note: ClassVar[bool] = False
+    #: Released as NULL when its noisy count is ≤ 0 (AVG, variance): a note says why.
+    null_when_empty: ClassVar[bool] = False
 
     # -- analysis -------------------------------------------------------------------------------
 
@@ -127,7 +173,21 @@ class Aggregate:
             return widths[int(out.expr.name[1:])]
         return None
 
-    def explain(self, out: OutputItem, plan: Plan, budgeting: Budgeting, confidence: float) -> dict[str, Any]:
+    def notes(
+        self,
+        out: OutputItem,
+        plan: Plan,
+        budgeting: Spending,
+        level: float,
+        values: list[Any],
+        counts: Mapping[str | None, Counts],
+    ) -> list[str] | None:
+        """NOTICE texts on a bare output of this aggregate (``out.expr`` one measure variable) that a ±
+        cannot give, from public figures and the released ``values`` only (``counts``: each column's
+        released noisy group counts); None: the release stage's generic notes (clipped intervals)."""
+        return None
+
+    def explain(self, out: OutputItem, plan: Plan, budgeting: Spending, confidence: float) -> dict[str, Any]:
         """The EXPLAIN entry of an output of this aggregate."""
         if not out.noisy:
             return {"measure": "constant"}
@@ -146,6 +206,7 @@ class Selection(Aggregate):
 
     selected = True
     filterable = False
+    own_note = True
 
     def sensitivities(self, measure: Measure, plan: Plan) -> tuple[float, float]:
         # utility sensitivity, composed over the groups a unit touches
@@ -153,6 +214,11 @@ class Selection(Aggregate):
 
     def select(self, plan: Plan, index: int, rows: Rows, histogram: Rows, epsilon: float) -> list[Any]:
         raise NotImplementedError(self.kind)
+
+    def grid(self, measure: Measure) -> QuantileGrid | None:
+        """The public grid the histogram query counts values in; None: the values themselves are
+        the bins (public candidates)."""
+        return None
 
     def accuracy(self, out: OutputItem, env: dict[str, Any], widths: list[float | None]) -> float | None:
         return None
@@ -166,8 +232,6 @@ class Key(Aggregate):
 
     def output_type(self, scope: Any, measures: tuple[int, ...], expr: exp.Expression | None = None) -> PgType | None:
         """The key's own type: a derived key's (a time bucket is a timestamp), else its column's."""
-        from dpsql.policy import PG_TYPE_NAMES
-
         assert isinstance(expr, exp.Var)
         key = scope.keys[int(expr.name[1:])]
         return key.type or PG_TYPE_NAMES[key.policy.type]
@@ -175,7 +239,7 @@ class Key(Aggregate):
     def accuracy(self, out: OutputItem, env: dict[str, Any], widths: list[float | None]) -> float | None:
         return None
 
-    def explain(self, out: OutputItem, plan: Plan, budgeting: Budgeting, confidence: float) -> dict[str, Any]:
+    def explain(self, out: OutputItem, plan: Plan, budgeting: Spending, confidence: float) -> dict[str, Any]:
         return {"measure": "group key"}
 
 

@@ -11,19 +11,17 @@ measured once.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from sqlglot import exp
 
-from dpsql.aggregates.base import Aggregate, Recognised, measure_var
+from dpsql.aggregates.base import Aggregate, Operand, Recognised, Scope, measure_var
 from dpsql.errors import FeatureNotSupported
-
-if TYPE_CHECKING:
-    from dpsql.analyze.scope import Operand, Scope
-    from dpsql.plan import OutputItem
-    from dpsql.session import PgType
+from dpsql.pgtypes import PgType
+from dpsql.plan import OutputItem
 
 #: sqlglot node → (PostgreSQL's name, the moments it reads: xy, x, y, xx, yy, n).
 _FAMILY: dict[type[exp.Expr], tuple[str, tuple[str, ...]]] = {
@@ -69,13 +67,10 @@ class Bivariate(Aggregate):
     functions: ClassVar[dict[str, Callable[..., Any]]] = {"dp_bivariate": dp_bivariate}
 
     def recognise(self, node: exp.Expression, scope: Scope) -> Recognised:
-        import dataclasses
-
-        from dpsql.aggregates import AGGREGATE_NODES
 
         name, moments = _FAMILY[type(node)]
         y_arg, x_arg = _column(node.this, name), _column(node.expression, name)
-        y_col, x_col = scope.operand(y_arg, AGGREGATE_NODES), scope.operand(x_arg, AGGREGATE_NODES)
+        y_col, x_col = scope.operand(y_arg), scope.operand(x_arg)
         for operand in (y_col, x_col):
             scope.bounded_sum(operand, name, centred=False)  # numeric and bounded, or the usual refusal
         both = exp.and_(
@@ -89,13 +84,13 @@ class Bivariate(Aggregate):
                 return argument.copy()
             return exp.Case(ifs=[exp.If(this=both.copy(), true=argument.copy())])
 
-        x_sum = scope.bounded_sum(scope.operand(paired(x_arg, x_col), AGGREGATE_NODES), name, centred=True)
-        y_sum = scope.bounded_sum(scope.operand(paired(y_arg, y_col), AGGREGATE_NODES), name, centred=True)
+        x_sum = scope.bounded_sum(scope.operand(paired(x_arg, x_col)), name, centred=True)
+        y_sum = scope.bounded_sum(scope.operand(paired(y_arg, y_col)), name, centred=True)
         product = exp.Mul(
             this=exp.Paren(this=exp.Sub(this=x_arg.copy(), expression=exp.Literal.number(x_sum.centre))),
             expression=exp.Paren(this=exp.Sub(this=y_arg.copy(), expression=exp.Literal.number(y_sum.centre))),
         )
-        xy_sum = scope.bounded_sum(scope.operand(product, AGGREGATE_NODES), name, centred=False)
+        xy_sum = scope.bounded_sum(scope.operand(product), name, centred=False)
         if xy_sum.integer and xy_sum.sensitivity >= 2.0**62:
             xy_sum = dataclasses.replace(xy_sum, integer=False)
 
@@ -109,7 +104,7 @@ class Bivariate(Aggregate):
             "y": y_sum,
             "xx": square(x_sum),
             "yy": square(y_sum),
-            "n": scope.count_of(scope.operand(paired(x_arg, x_col), AGGREGATE_NODES)),
+            "n": scope.count_of(scope.operand(paired(x_arg, x_col))),
         }
         indices = {moment: scope.measure(built[moment]) for moment in moments}
         arguments: list[exp.Expression] = [exp.Literal.string(name)]

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlglot import exp
 
-from dpsql.aggregates.base import Aggregate, Recognised, measure_var
+from dpsql.aggregates.base import Aggregate, Recognised, Scope, measure_var
 from dpsql.errors import FeatureNotSupported
-
-if TYPE_CHECKING:
-    from dpsql.analyze.scope import Scope
-    from dpsql.plan import Measure, OutputItem, Plan
-    from dpsql.session import PgType
+from dpsql.pgtypes import PgType
+from dpsql.plan import Measure, OutputItem, Plan
+from dpsql.plan.sources import resolve_ref
 
 
 class CountStar(Aggregate):
@@ -34,15 +32,13 @@ class Count(Aggregate):
 
     def recognise(self, node: exp.Expression, scope: Scope) -> Recognised:
         """COUNT(*), COUNT(col) (COUNT(*) when col is never NULL) and COUNT(DISTINCT unit)."""
-        from dpsql.aggregates import AGGREGATE_NODES
-        from dpsql.plan import Measure
 
         if isinstance(node.this, exp.Distinct):
             measure = _distinct_units(node, scope)
         elif isinstance(node.this, exp.Star) or node.this is None:
             measure = Measure(kind="count_star")
         else:
-            measure = scope.count_of(scope.operand(node.this, AGGREGATE_NODES))
+            measure = scope.count_of(scope.operand(node.this))
         index = scope.measure(measure)
         return Recognised(measure_var(index), self.kind, (index,))
 
@@ -72,9 +68,6 @@ class Count(Aggregate):
 def _distinct_units(node: exp.Expression, scope: Scope) -> Measure:
     """COUNT(DISTINCT <privacy unit>): each unit adds at most 1 per group; COUNT(DISTINCT col) of
     another column: at most ``max_rows`` values in all (see :mod:`dpsql.aggregates.distinct`)."""
-    from dpsql.analyze.sources import resolve_ref
-    from dpsql.plan import Measure
-
     argument = node.this.expressions[0] if len(node.this.expressions) == 1 else None
     while isinstance(argument, exp.Paren):
         argument = argument.this

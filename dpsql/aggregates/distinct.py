@@ -9,14 +9,11 @@ ungrouped per-unit shortcut of the bounding pass is not used (``decomposable = F
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from sqlglot import exp
 
 from dpsql.aggregates.base import Aggregate
-
-if TYPE_CHECKING:
-    from dpsql.plan import Measure
+from dpsql.plan import Measure
 
 
 class CountDistinct(Aggregate):

@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from sqlglot import exp
 
-from dpsql.aggregates.base import Recognised, Rows, Selection, measure_var
+from dpsql.aggregates.base import Recognised, Rows, Scope, Selection, Spending, measure_var
+from dpsql.aggregates.notes import Counts
 from dpsql.errors import FeatureNotSupported
+from dpsql.noise.exponential import select_mode
+from dpsql.pgtypes import PgType
+from dpsql.plan import Measure, OutputItem, Plan
+from dpsql.plan.sources import resolve_ref
 from dpsql.policy import PG_TYPE_NAMES
-from dpsql.release.selection import select_mode
-
-if TYPE_CHECKING:
-    from dpsql.analyze.scope import Scope
-    from dpsql.plan import Measure, OutputItem, Plan
-    from dpsql.release.calibrate import Budgeting
-    from dpsql.session import PgType
+from dpsql.session import ci_label
 
 
 class Mode(Selection):
@@ -25,9 +25,6 @@ class Mode(Selection):
 
     def recognise(self, node: exp.Expression, scope: Scope) -> Recognised:
         """mode() WITHIN GROUP (ORDER BY col): report-noisy-max over the column's public domain."""
-        from dpsql.analyze.sources import resolve_ref
-        from dpsql.plan import Measure
-
         order = node.expression if isinstance(node, exp.WithinGroup) else None
         ordered = order.expressions[0] if isinstance(order, exp.Order) and len(order.expressions) == 1 else None
         if ordered is None or not isinstance(ordered.this, exp.Column):
@@ -69,7 +66,19 @@ class Mode(Selection):
         measure = scope.measures[measures[0]]
         return PG_TYPE_NAMES[scope.sources.column_policy(measure.table, measure.column).type]
 
-    def explain(self, out: OutputItem, plan: Plan, budgeting: Budgeting, confidence: float) -> dict[str, Any]:
+    def notes(
+        self,
+        out: OutputItem,
+        plan: Plan,
+        budgeting: Spending,
+        level: float,
+        values: list[Any],
+        counts: Mapping[str | None, Counts],
+    ) -> list[str] | None:
+        i = out.measures[0]
+        return [_mode_note(out.column.name, plan.measures[i], plan, budgeting.shares[i], level, ci_label(level))]
+
+    def explain(self, out: OutputItem, plan: Plan, budgeting: Spending, confidence: float) -> dict[str, Any]:
         i = out.measures[0]
         return {
             "measure": f"{plan.measures[i].label}: report-noisy-max",
@@ -78,3 +87,16 @@ class Mode(Selection):
             "epsilon": budgeting.shares[i],
             "ci": float("nan"),
         }
+
+
+def _mode_note(name: str, measure: Measure, plan: Plan, epsilon: float, level: float, pct: str) -> str:
+    """Report-noisy-max with exponential noise of scale b = Δ/ε over N candidates: every noise is at
+    most b·ln(N/β) with probability ≥ 1 − β (union bound), so the winner's count is at most that far
+    below the most frequent candidate's (the noises are non-negative)."""
+    candidates = len(measure.domain or ())
+    scale = plan.sensitivities(measure)[0] / epsilon
+    gap = scale * math.log(max(candidates, 1) / (1.0 - level))
+    return (
+        f"dpsql: {name} has no ± interval (report-noisy-max among {candidates} public values): at {pct}% "
+        f"the chosen value's count is within {gap:.4g} of the most frequent value's count"
+    )

@@ -1,28 +1,36 @@
 """Quantiles (MIN, MAX, median, percentile_cont/disc): the exponential mechanism over binned counts.
 
-The histogram's cells are those of :func:`~dpsql.release.selection.quantile_grid` (exact integers
+The histogram's cells are those of :func:`~dpsql.noise.exponential.quantile_grid` (exact integers
 for an int column of at most 65,536 values, else 65,536 equal cells); the value is chosen by one
 exponential mechanism, or two (run, then cell) over a larger grid — privacy argument in
-:mod:`dpsql.release.selection`.
+:mod:`dpsql.noise.exponential`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
 from sqlglot import exp
 
-from dpsql.aggregates.base import Recognised, Rows, Selection, measure_var
+from dpsql.aggregates.base import Operand, Recognised, Rows, Scope, Selection, Spending, measure_var
+from dpsql.aggregates.notes import NOTE_ROWS, WARNING, Counts, number
 from dpsql.errors import FeatureNotSupported, InvalidParameterValue
-from dpsql.release.selection import STAGE2_REACH, quantile_grid, quantile_rank_error, select_quantile
-
-if TYPE_CHECKING:
-    from dpsql.analyze.scope import Scope
-    from dpsql.plan import Measure, OutputItem, Plan
-    from dpsql.release.calibrate import Budgeting
-    from dpsql.session import PgType
+from dpsql.noise.exponential import (
+    EXTREME_BETA,
+    STAGE2_REACH,
+    QuantileGrid,
+    extreme_aims,
+    quantile_grid,
+    quantile_rank_error,
+    rank_error_bound,
+    select_quantile,
+)
+from dpsql.pgtypes import PgType
+from dpsql.plan import Measure, OutputItem, Plan
+from dpsql.plan.sources import resolve_ref
+from dpsql.session import ci_label
 
 
 class Quantile(Selection):
@@ -49,8 +57,8 @@ class Quantile(Selection):
         """
         nkeys = len(plan.keys)
         measure = plan.measures[index]
-        assert measure.lower is not None and measure.upper is not None and measure.q is not None
-        grid = quantile_grid(measure.lower, measure.upper, measure.integer)
+        assert measure.q is not None
+        grid = self.grid(measure)
         counts: dict[tuple[Any, ...], dict[int, int]] = {}
         for row in histogram:
             cell = row[nkeys]
@@ -63,6 +71,11 @@ class Quantile(Selection):
             select_quantile(counts.get(tuple(row[:nkeys]), {}), measure.q, epsilon, sensitivity, grid) for row in rows
         ]
 
+    def grid(self, measure: Measure) -> QuantileGrid:
+        """Exact integers or equal cells over the column's bounds (:func:`quantile_grid`): public."""
+        assert measure.lower is not None and measure.upper is not None
+        return quantile_grid(measure.lower, measure.upper, measure.integer)
+
     def output_type(self, scope: Any, measures: tuple[int, ...], expr: exp.Expression | None = None) -> PgType | None:
         return "double precision"
 
@@ -71,7 +84,21 @@ class Quantile(Selection):
             return math.floor(value)  # MIN/MAX/percentile_disc of an int column: a value of the column's type
         return value
 
-    def explain(self, out: OutputItem, plan: Plan, budgeting: Budgeting, confidence: float) -> dict[str, Any]:
+    def notes(
+        self,
+        out: OutputItem,
+        plan: Plan,
+        budgeting: Spending,
+        level: float,
+        values: list[Any],
+        counts: Mapping[str | None, Counts],
+    ) -> list[str] | None:
+        """The value range (MIN/MAX) or rank error (other quantiles), small groups, values at a bound."""
+        measure = plan.measures[out.measures[0]]
+        notes = _quantile_notes(out, plan, budgeting, level, values, counts.get(measure.column))
+        return notes + _bound_notes(out.column.name, measure, values)
+
+    def explain(self, out: OutputItem, plan: Plan, budgeting: Spending, confidence: float) -> dict[str, Any]:
         i = out.measures[0]
         measure = plan.measures[i]
         assert measure.lower is not None and measure.upper is not None
@@ -107,10 +134,6 @@ class QuantileDisc(Quantile):
 
 def _quantile_measure(node: exp.Expression, scope: Scope) -> Measure:
     """MIN/MAX/median/percentile_cont/percentile_disc → a quantile measure over the clamped column."""
-    from dpsql.analyze.scope import Operand
-    from dpsql.analyze.sources import resolve_ref
-    from dpsql.plan import Measure
-
     if isinstance(node, exp.WithinGroup):
         inner, order = node.this, node.expression
         fraction = inner.this
@@ -147,3 +170,137 @@ def _quantile_measure(node: exp.Expression, scope: Scope) -> Measure:
 
 def _sql_name(node: exp.Expression) -> str:
     return node.sql_name().lower() if isinstance(node, exp.Func) else node.key
+
+
+def _quantile_notes(
+    out: OutputItem,
+    plan: Plan,
+    budgeting: Spending,
+    level: float,
+    values: list[Any],
+    counts: Counts | None,
+) -> list[str]:
+    """A quantile's accuracy in words, from public quantities and its released values only.
+
+    MIN/MAX: a value range, ``between ~25.3 and 80 at 95%``: the mechanism picks a candidate beyond
+    all the data with probability ≤ β = 5% (:func:`~dpsql.noise.exponential.extreme_aims`), so the
+    true extreme lies between the released value's grid cell (or run) and the bound, plus how many
+    values may lie beyond it (the aim of the released value's candidate plus the rank error). Other
+    quantiles: the rank error, as quantile levels when the group's noisy count is released. A value
+    range for those would need the values at the ranks around it, which are not released: said so.
+    Then a warning for groups whose *noisy* count is too small for the quantile to mean anything.
+    """
+    i = out.measures[0]
+    measure = plan.measures[i]
+    assert measure.lower is not None and measure.upper is not None and measure.q is not None
+    name, column = out.column.name, measure.column
+    grid = quantile_grid(measure.lower, measure.upper, measure.integer)
+    sensitivity, epsilon = plan.sensitivities(measure)[0], budgeting.shares[i]
+    pct = ci_label(level)
+    clamp = f"noise only; bounds [{measure.lower:g}, {measure.upper:g}] clamp {column}"
+    released = [float(v) for v in values if isinstance(v, int | float)]
+    notes: list[str] = []
+    if measure.q in (0.0, 1.0):
+        top = measure.q == 1.0
+        runs = grid.stride > 1
+        candidates = grid.runs if runs else grid.cells
+        aims = extreme_aims(epsilon, sensitivity, candidates)
+        error = rank_error_bound(epsilon, sensitivity, level, candidates)
+        reach, ranges = 0.0, []
+        for v in released:
+            index, low, high = grid.candidate(v, runs)
+            aim = aims[candidates - 1 - index] if top else aims[index]
+            reach = max(reach, aim + error)
+            ranges.append((low, measure.upper) if top else (measure.lower, high))
+        depth = math.ceil(reach or aims[0] + error)
+        extreme, side = ("maximum", "above") if top else ("minimum", "below")
+        sure = ci_label(1.0 - EXTREME_BETA)
+        if len(ranges) == 1:
+            low, high = ranges[0]
+            exact = grid.integer and not runs
+            ends = (_approx(low, grid, exact, high - low), _approx(high, grid, exact, high - low))
+            between = f"between {ends[0]} and {ends[1]}" if low < high else f"{ends[0]} (the declared bound)"
+            where = f"the group's values lie {side} {number(released[0])}"
+        else:
+            bound = measure.upper if top else measure.lower
+            between = f"between ~each row's value and {bound:g}" if top else f"between {bound:g} and ~each row's value"
+            where = f"a group's values lie {side} its value"
+        floor_, why = aims[0] + error, f"the depth it must aim at plus its {pct}% rank error"
+        notes.append(
+            f"dpsql: {name}: {between} at {sure}% ({clamp}); no DP mechanism finds the exact {extreme}: "
+            f"at {pct}% at most {depth} of {where}{_size_hint(floor_, counts)}"
+        )
+    else:
+        error = quantile_rank_error(epsilon, sensitivity, grid, level)
+        levels = ""
+        if counts is not None and len(counts) == 1 and len(released) == 1:
+            _, noisy, width = counts[0]
+            n = noisy - width
+            if n > 2 * error:
+                low_q, high_q = max(0.0, measure.q - error / n), min(1.0, measure.q + error / n)
+                levels = (
+                    f", i.e. between the group's p{math.floor(low_q * 100):d} and p{math.ceil(high_q * 100):d} "
+                    f"(from its noisy count ~{number(noisy)})"
+                )
+        floor_, why = 2 * error, f"twice its {pct}% rank error"
+        notes.append(
+            f"dpsql: {name} has no ± interval (exponential mechanism): at {pct}% its rank is within "
+            f"{math.ceil(error)} of the exact {measure.q:g}-quantile's{levels}; a value range would need "
+            f"the data ({clamp}){_size_hint(floor_, counts)}"
+        )
+    notes.extend(_small_group_note(name, floor_, why, counts, plan))
+    return notes
+
+
+def _small_group_note(name: str, floor_: float, why: str, counts: Counts | None, plan: Plan) -> list[str]:
+    """``WARNING: median(x) means little …`` for groups whose *noisy* count (released by the same
+    query) is below what the quantile needs; without a released count the quantile's note says what
+    size it needs instead (a fact of the policy and ε)."""
+    need = math.ceil(floor_)
+    if counts is None:
+        return []
+    small = [(key, noisy) for key, noisy, _ in counts if noisy < need]
+    if not small:
+        return []
+    if not plan.keys:
+        return [f"{WARNING}{name} means little here: the noisy count ~{number(small[0][1])} is below {need} ({why})"]
+    named = ", ".join(", ".join(str(k) for k in key) for key, _ in small[:NOTE_ROWS])
+    sizes = ", ".join(f"~{number(noisy)}" for _, noisy in small[:NOTE_ROWS])
+    more = ", …" if len(small) > NOTE_ROWS else ""
+    return [
+        f"{WARNING}{name} means little in {len(small)} of {len(counts)} groups ({named}{more}): their noisy "
+        f"counts ({sizes}{more}) are below {need} ({why})"
+    ]
+
+
+def _size_hint(floor_: float, counts: Counts | None) -> str:
+    """Without a released count: the group size a quantile needs to mean anything (ε and policy only)."""
+    if counts is not None:
+        return ""
+    return f"; it means little unless the group holds well over {math.ceil(floor_)} values (add COUNT(*) to see)"
+
+
+def _approx(x: float, grid: QuantileGrid, exact: bool, width: float) -> str:
+    """A range end: a bound or an exact integer as is, the edge of a cell (or run) of ``width`` as ``~x``."""
+    if exact or x in (grid.lower, grid.upper):
+        return number(x)
+    return "~" + number(x, width)
+
+
+def _bound_notes(name: str, measure: Measure, values: list[Any]) -> list[str]:
+    """``max is capped at the declared upper bound 110`` (or floored at the lower): values are clamped
+    to the policy's bounds, so a released value at a bound may stand for anything beyond it (a
+    statement about the released value only)."""
+    notes = []
+    for bound, which in (
+        (measure.upper, "capped at the declared upper"),
+        (measure.lower, "floored at the declared lower"),
+    ):
+        hits = sum(1 for v in values if isinstance(v, int | float) and bound is not None and v == bound)
+        if hits:
+            where = "" if len(values) == 1 else f" (in {hits} of {len(values)} rows)"
+            notes.append(
+                f"dpsql: {name} is {which} bound {bound:g} of {measure.column}{where}: "
+                f"values are clamped to [{measure.lower:g}, {measure.upper:g}] before the choice"
+            )
+    return notes

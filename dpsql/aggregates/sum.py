@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlglot import exp
 
-from dpsql.aggregates.base import Aggregate, Recognised, measure_var
-
-if TYPE_CHECKING:
-    from dpsql.analyze.scope import Scope
-    from dpsql.plan import Measure, OutputItem, Plan
-    from dpsql.session import PgType
+from dpsql.aggregates.base import Aggregate, Recognised, Scope, measure_var
+from dpsql.pgtypes import PgType
+from dpsql.plan import Measure, OutputItem, Plan
 
 
 class Sum(Aggregate):
@@ -24,9 +21,8 @@ class Sum(Aggregate):
     recognises = (exp.Sum,)
 
     def recognise(self, node: exp.Expression, scope: Scope) -> Recognised:
-        from dpsql.aggregates import AGGREGATE_NODES
 
-        index = scope.measure(scope.bounded_sum(scope.operand(node.this, AGGREGATE_NODES), "sum", centred=False))
+        index = scope.measure(scope.bounded_sum(scope.operand(node.this), "sum", centred=False))
         return Recognised(measure_var(index), self.kind, (index,))
 
     def label(self, measure: Measure) -> str:

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from sqlglot import exp
 
 from dpsql.aggregates.base import Aggregate
-
-if TYPE_CHECKING:
-    from dpsql.plan import Measure, Plan
+from dpsql.plan import Measure, Plan
 
 
 class CountUnits(Aggregate):

@@ -5,17 +5,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from sqlglot import exp
 
-from dpsql.aggregates.base import Aggregate, Recognised, measure_var
-
-if TYPE_CHECKING:
-    from dpsql.analyze.scope import Scope
-    from dpsql.plan import OutputItem, Plan
-    from dpsql.session import PgType
-
+from dpsql.aggregates.base import Aggregate, Recognised, Scope, measure_var
+from dpsql.pgtypes import PgType
+from dpsql.plan import OutputItem, Plan
 
 #: Variance family → (PostgreSQL's output name, sample variance?, square root?)
 _FAMILY: dict[type[exp.Expr], tuple[str, bool, bool]] = {
@@ -43,14 +39,14 @@ def dp_variance(squares: Any, total: Any, count: Any, sample: bool, root: bool) 
 
 class Variance(Aggregate):
     kind = "variance"
+    null_when_empty = True
     recognises = tuple(_FAMILY)
     functions: ClassVar[dict[str, Callable[..., Any]]] = {"dp_variance": dp_variance}
 
     def recognise(self, node: exp.Expression, scope: Scope) -> Recognised:
-        from dpsql.aggregates import AGGREGATE_NODES
 
         function, sample, root = _FAMILY[type(node)]
-        operand = scope.operand(node.this, AGGREGATE_NODES)
+        operand = scope.operand(node.this)
         centred = scope.bounded_sum(operand, function, centred=True)
         square = dataclasses.replace(centred, square=True)
         if square.sensitivity >= 2.0**62:  # squares beyond BIGINT: sum them as doubles

@@ -2,332 +2,48 @@
 
 Every column is resolved against the policy (unknown → 42703, identifier → 42501);
 WHERE may only contain predicates that cannot fail on data (so no error can act as an
-oracle); every output is an aggregate, a GROUP BY key, or post-processing of those.
+oracle; :mod:`dpsql.analyze.where`); every output is an aggregate, a GROUP BY key, or
+post-processing of those.
 """
 
 from __future__ import annotations
-
-import datetime as dt
-import math
 
 from sqlglot import exp
 
 from dpsql.aggregates import AGGREGATE_NODES, OUTPUTS, recogniser
 from dpsql.analyze.domains import derive, narrow_policies
 from dpsql.analyze.scope import Scope
-from dpsql.analyze.sources import ident_name, qualified, resolve_ref, resolve_sources
+from dpsql.analyze.sources import resolve_sources
+from dpsql.analyze.where import canonical_cast, check_where, literal_type
 from dpsql.errors import (
     DatatypeMismatch,
     Error,
     FeatureNotSupported,
     GroupingError,
     InvalidColumnReference,
-    InvalidEscapeSequence,
-    NumericValueOutOfRange,
-    SyntaxError_,
     UndefinedFunction,
 )
-from dpsql.plan import GroupKey, OutputItem, Plan
+from dpsql.plan import GroupKey, OutputItem, Plan, selection_count
+from dpsql.plan.sources import ident_name, qualified, resolve_ref
 from dpsql.policy import PG_TYPE_NAMES, ColumnPolicy, ColumnType, Policy
-from dpsql.release.selection import selection_count
 from dpsql.session import OutputColumn, PgType
 
 _NOT_YET = {
     exp.ArrayAgg: "array_agg",
     exp.GroupConcat: "string_agg",
 }
-_PREDICATES = (exp.EQ, exp.NEQ, exp.GT, exp.GTE, exp.LT, exp.LTE)
 #: Post-processing functions allowed on noisy outputs (pure, total on numbers).
 _OUTPUT_FUNCTIONS = (exp.Round, exp.Abs, exp.Coalesce, exp.Greatest, exp.Least, exp.Floor, exp.Ceil)
-
-
-_ident_name = ident_name
-_Scope = Scope
-
-
-def resolve_column(column: exp.Column, scope: _Scope) -> tuple[str, ColumnPolicy]:
-    """A column reference → (name, policy); identifiers are never readable."""
-    return scope.resolve(column)
-
-
-# --- WHERE ----------------------------------------------------------------------------
-
-
-def _literal_type(node: exp.Expression) -> str | None:
-    """The policy type family of a constant, or None if it is not a constant."""
-    if isinstance(node, exp.Neg):
-        return _literal_type(node.this)
-    if isinstance(node, exp.Paren):
-        return _literal_type(node.this)
-    if isinstance(node, exp.Null):
-        return "null"
-    if isinstance(node, exp.Boolean):
-        return "boolean"
-    if isinstance(node, exp.Literal):
-        return "text" if node.is_string else "number"
-    if isinstance(node, exp.Cast) and isinstance(node.this, exp.Literal):
-        to = node.to.this
-        if to in exp.DataType.TEMPORAL_TYPES:
-            return "timestamp" if to != exp.DataType.Type.DATE else "date"
-        if to in exp.DataType.NUMERIC_TYPES:
-            return "number"
-        if to in exp.DataType.TEXT_TYPES:
-            return "text"
-    return None
-
-
-def _require_finite(literal: exp.Expression) -> None:
-    """Numbers too large for a double would overflow differently on each backend: refuse them."""
-    node = literal.this if isinstance(literal, exp.Neg) else literal
-    if isinstance(node, exp.Literal) and not math.isfinite(float(node.name)):
-        raise NumericValueOutOfRange(f'value out of range: "{node.name}"')
-
-
-def _canonical_cast(cast: exp.Cast, family: str) -> exp.Expression:
-    """Validate ``CAST('<text>' AS <type>)`` here, so the backend never evaluates a cast that could fail.
-
-    A failing cast is only evaluated when some row reaches it, so its error would tell whether
-    anyone matches the rest of the predicate: an exact, un-noised oracle.
-    """
-    text = cast.this.name
-    try:
-        if family == "number":
-            number = float(text)
-            if number != number or number in (float("inf"), float("-inf")):
-                raise ValueError(text)
-            return exp.Literal.number(text.strip())
-        if family == "date":
-            return exp.cast(exp.Literal.string(dt.date.fromisoformat(text.strip()).isoformat()), exp.DataType.Type.DATE)
-        if family == "timestamp":
-            value = dt.datetime.fromisoformat(text.strip()).isoformat(sep=" ")
-            return exp.cast(exp.Literal.string(value), exp.DataType.Type.TIMESTAMP)
-    except ValueError:
-        shown = {"number": "numeric"}.get(family, family)
-        raise DatatypeMismatch(f'invalid input syntax for type {shown}: "{text}"') from None
-    return cast.this.copy() if family == "text" else cast
-
-
-def _check_literal_for(column: str, policy: ColumnPolicy, literal: exp.Expression) -> exp.Expression:
-    """Type-check a constant against a column, so no comparison can fail on a data value."""
-    family = _literal_type(literal)
-    if family is None:
-        raise FeatureNotSupported(
-            "only comparisons between a column and constants are supported in WHERE",
-            hint=f'Compare "{column}" with a literal value.',
-        )
-    if family == "null":
-        return literal
-    if isinstance(literal, exp.Cast):
-        literal = _canonical_cast(literal, family)
-    if policy.type in ("int", "float"):
-        if family == "number":
-            _require_finite(literal)
-            return literal
-        if family == "text":
-            try:
-                if not math.isfinite(float(literal.name)):
-                    raise ValueError(literal.name)
-            except ValueError:
-                raise DatatypeMismatch(
-                    f'invalid input syntax for type {PG_TYPE_NAMES[policy.type]}: "{literal.name}"',
-                    hint=f'"{column}" is numeric; compare it with a number.',
-                ) from None
-            return exp.Literal.number(literal.name)
-    elif policy.type in ("date", "timestamp"):
-        if family in ("date", "timestamp"):
-            return literal
-        if family == "text":
-            try:
-                value = dt.datetime.fromisoformat(literal.name)
-            except ValueError:
-                raise DatatypeMismatch(
-                    f'invalid input syntax for type {policy.type}: "{literal.name}"',
-                    hint="Write dates as 'YYYY-MM-DD'.",
-                ) from None
-            text = value.date().isoformat() if policy.type == "date" else value.isoformat(sep=" ")
-            return exp.cast(exp.Literal.string(text), policy.type)
-    elif policy.type == "text":
-        if family == "text":
-            return literal
-    elif policy.type == "boolean":
-        if family == "boolean":
-            return literal
-        if family == "text" and literal.name.lower() in ("true", "false", "t", "f"):
-            return exp.Boolean(this=literal.name.lower() in ("true", "t"))
-    raise DatatypeMismatch(
-        f"operator does not exist: {PG_TYPE_NAMES[policy.type]} compared with {family}",
-        hint=f'"{column}" is of type {PG_TYPE_NAMES[policy.type]}; compare it with a value of that type.',
-    )
-
-
-#: The escape character of every LIKE dpsql sends, spelled out: DuckDB has no default escape,
-#: PostgreSQL's is backslash, so an implicit one would match differently on each backend.
-LIKE_ESCAPE = "\\"
-
-
-def canonical_like_pattern(pattern: str) -> str:
-    """A LIKE pattern, read with PostgreSQL's default escape (backslash), rewritten so that no backend
-    can fail on it when sent with ``ESCAPE '\\'``.
-
-    A pattern is evaluated only when some row reaches the predicate, so a pattern the backend rejects
-    (PostgreSQL: a trailing escape character, 22025) would tell whether anyone matches the rest of the
-    WHERE clause: an exact oracle. It is refused here instead, before anything runs, whatever the data.
-    In the canonical form only ``%``, ``_`` and the backslash itself are ever escaped.
-    """
-    out: list[str] = []
-    chars = iter(pattern)
-    for char in chars:
-        if char == LIKE_ESCAPE:
-            literal = next(chars, None)
-            if literal is None:
-                raise InvalidEscapeSequence("LIKE pattern must not end with escape character")
-            out.append(LIKE_ESCAPE + literal if literal in "%_" + LIKE_ESCAPE else literal)
-        else:
-            out.append(char)
-    return "".join(out)
-
-
-def _operand(node: exp.Expression, scope: _Scope) -> tuple[str, ColumnPolicy] | None:
-    """The column an operand refers to (unwrapping parentheses), or None for constants."""
-    while isinstance(node, exp.Paren):
-        node = node.this
-    if isinstance(node, exp.Column):
-        return resolve_column(node, scope)
-    if isinstance(node, exp.Lower | exp.Upper) and isinstance(node.this, exp.Column):
-        name, policy = resolve_column(node.this, scope)
-        if policy.type != "text":
-            raise UndefinedFunction(f"function {node.key}({PG_TYPE_NAMES[policy.type]}) does not exist")
-        return name, policy
-    return None
-
-
-def _normalise_column(node: exp.Expression, scope: _Scope) -> exp.Expression:
-    """Rewrite column references to the bare, quoted policy name (the rewrite has one table)."""
-    if isinstance(node, exp.Column):
-        source, name, _ = resolve_ref(node, scope.sources)
-        return qualified(source, name)
-    node = node.copy()
-    for column in list(node.find_all(exp.Column)):
-        source, name, _ = resolve_ref(column, scope.sources)
-        column.replace(qualified(source, name))
-    return node
-
-
-def check_where(node: exp.Expression, scope: _Scope) -> exp.Expression:
-    """Validate a predicate tree; return it with columns normalised and literals typed."""
-    if isinstance(node, exp.Paren):
-        return exp.Paren(this=check_where(node.this, scope))
-    if isinstance(node, exp.And | exp.Or):
-        return node.__class__(this=check_where(node.this, scope), expression=check_where(node.expression, scope))
-    if isinstance(node, exp.Not):
-        return exp.Not(this=check_where(node.this, scope))
-    if isinstance(node, exp.Boolean):
-        return node.copy()
-    if isinstance(node, AGGREGATE_NODES) or node.find(*AGGREGATE_NODES):
-        raise GroupingError("aggregate functions are not allowed in WHERE", hint="Use HAVING to filter groups.")
-    if isinstance(node, exp.Column):
-        _, policy = resolve_column(node, scope)
-        if policy.type != "boolean":
-            raise DatatypeMismatch(f"argument of WHERE must be type boolean, not type {PG_TYPE_NAMES[policy.type]}")
-        return _normalise_column(node, scope)
-    if isinstance(node, _PREDICATES):
-        return _check_comparison(node, scope)
-    if isinstance(node, exp.Is):
-        if _operand(node.this, scope) is None or not isinstance(node.expression, exp.Null | exp.Boolean):
-            raise FeatureNotSupported("IS must test a column for NULL, TRUE or FALSE")
-        return _normalise_column(node, scope)
-    if isinstance(node, exp.In):
-        return _check_in(node, scope)
-    if isinstance(node, exp.Between):
-        target = _required_operand(node.this, scope)
-        low = _check_literal_for(*target, node.args["low"])
-        high = _check_literal_for(*target, node.args["high"])
-        return exp.Between(this=_normalise_column(node.this, scope), low=low, high=high)
-    if isinstance(node, exp.Like | exp.ILike):
-        name, policy = _required_operand(node.this, scope)
-        if policy.type != "text":
-            raise UndefinedFunction(
-                f"operator does not exist: {PG_TYPE_NAMES[policy.type]} ~~ unknown",
-                hint=f'LIKE needs a text column; "{name}" is {PG_TYPE_NAMES[policy.type]}.',
-            )
-        pattern = node.expression
-        if isinstance(pattern, exp.Cast) and _literal_type(pattern) == "text":
-            pattern = pattern.this
-        if not (isinstance(pattern, exp.Literal) and pattern.is_string):
-            raise FeatureNotSupported("LIKE patterns must be string constants")
-        if node.args.get("escape") is not None:
-            raise FeatureNotSupported("LIKE ... ESCAPE is not supported")
-        checked = exp.Escape(
-            this=node.__class__(
-                this=_normalise_column(node.this, scope),
-                expression=exp.Literal.string(canonical_like_pattern(pattern.name)),
-            ),
-            expression=exp.Literal.string(LIKE_ESCAPE),
-        )
-        return exp.Not(this=checked) if node.args.get("negate") else checked
-    if isinstance(node, exp.Escape):
-        raise FeatureNotSupported("LIKE ... ESCAPE is not supported")
-    raise FeatureNotSupported(
-        f"{node.key.upper()} expressions are not supported in WHERE",
-        hint="WHERE may use comparisons with constants, AND/OR/NOT, IN, BETWEEN, LIKE and IS NULL.",
-    )
-
-
-def _required_operand(node: exp.Expression, scope: _Scope) -> tuple[str, ColumnPolicy]:
-    operand = _operand(node, scope)
-    if operand is None:
-        raise FeatureNotSupported(
-            "the left side of this predicate must be a column",
-            hint="Write predicates as <column> <operator> <constant>.",
-        )
-    return operand
-
-
-def _check_comparison(node: exp.Expression, scope: _Scope) -> exp.Expression:
-    left, right = _operand(node.this, scope), _operand(node.expression, scope)
-    if left and right:
-        if (left[1].type in ("int", "float")) != (right[1].type in ("int", "float")) or (
-            left[1].type not in ("int", "float") and left[1].type != right[1].type
-        ):
-            raise DatatypeMismatch(
-                f"operator does not exist: {PG_TYPE_NAMES[left[1].type]} {node.key} {PG_TYPE_NAMES[right[1].type]}",
-                hint="Compare columns of the same type.",
-            )
-        return node.__class__(
-            this=_normalise_column(node.this, scope), expression=_normalise_column(node.expression, scope)
-        )
-    if left:
-        return node.__class__(
-            this=_normalise_column(node.this, scope), expression=_check_literal_for(*left, node.expression)
-        )
-    if right:
-        return node.__class__(
-            this=_check_literal_for(*right, node.this), expression=_normalise_column(node.expression, scope)
-        )
-    raise FeatureNotSupported(
-        "comparisons in WHERE must involve a column",
-        hint="Write predicates as <column> <operator> <constant>.",
-    )
-
-
-def _check_in(node: exp.In, scope: _Scope) -> exp.Expression:
-    target = _required_operand(node.this, scope)
-    if node.args.get("query") or node.args.get("unnest") or node.args.get("field"):
-        raise FeatureNotSupported("IN (subquery) is not supported", hint="List constant values inside IN (...).")
-    if not node.expressions:
-        raise SyntaxError_('syntax error at or near ")"', hint="IN needs at least one value.")
-    values = [_check_literal_for(*target, v) for v in node.expressions]
-    return exp.In(this=_normalise_column(node.this, scope), expressions=values)
 
 
 # --- GROUP BY ------------------------------------------------------------------------
 
 
 def _projection_alias(projection: exp.Expr) -> str | None:
-    return _ident_name(projection.args["alias"].this) if isinstance(projection, exp.Alias) else None
+    return ident_name(projection.args["alias"].this) if isinstance(projection, exp.Alias) else None
 
 
-def resolve_group_keys(tree: exp.Select, scope: _Scope, where: exp.Expression | None = None) -> None:
+def resolve_group_keys(tree: exp.Select, scope: Scope, where: exp.Expression | None = None) -> None:
     """GROUP BY columns, expressions, ordinals or output aliases; each becomes a :class:`GroupKey`.
 
     An expression key gets its SQL over clamped columns and, when finite, a domain derived from the
@@ -352,7 +68,7 @@ def resolve_group_keys(tree: exp.Select, scope: _Scope, where: exp.Expression | 
                 raise InvalidColumnReference(f"GROUP BY position {index} is not in select list")
             target = projections[index - 1].unalias()
         elif isinstance(item, exp.Column) and not item.args.get("table"):
-            name = _ident_name(item.this)
+            name = ident_name(item.this)
             if not any(name in s.table.columns for s in scope.sources.sources):
                 matches = [p.unalias() for p in projections if _projection_alias(p) == name]
                 if matches:
@@ -378,7 +94,7 @@ def _distinct_keys(tree: exp.Select) -> bool:
     )
 
 
-def add_group_keys(targets: list[exp.Expression], scope: _Scope, where: exp.Expression | None) -> None:
+def add_group_keys(targets: list[exp.Expression], scope: Scope, where: exp.Expression | None) -> None:
     """Append a :class:`GroupKey` per distinct target (GROUP BY items, or SELECT DISTINCT's columns)."""
     narrowed = narrow_policies(where, lambda table, name: _source_policy(scope, table, name))
 
@@ -421,12 +137,12 @@ _POLICY_TYPES: dict[str, ColumnType] = {
 }
 
 
-def _source_policy(scope: _Scope, table: str, name: str) -> ColumnPolicy | None:
+def _source_policy(scope: Scope, table: str, name: str) -> ColumnPolicy | None:
     source = next((s for s in scope.sources.sources if s.alias == table), None)
     return source.table.columns.get(name) if source is not None else None
 
 
-def _canonical(node: exp.Expression, scope: _Scope) -> str:
+def _canonical(node: exp.Expression, scope: Scope) -> str:
     """An expression's text with every column qualified: equal for ``date_trunc('month', d)`` in
     GROUP BY and ``DATE_TRUNC('month', visits.d)`` in the select list."""
     node = node.copy()
@@ -438,7 +154,7 @@ def _canonical(node: exp.Expression, scope: _Scope) -> str:
     return node.sql(dialect="postgres")
 
 
-def _expression_key(node: exp.Expression, scope: _Scope) -> int | None:
+def _expression_key(node: exp.Expression, scope: Scope) -> int | None:
     """Index of the expression key ``node`` spells, if any (select items, HAVING, ORDER BY)."""
     if isinstance(node, exp.Column | exp.Literal) or not any(k.expr is not None for k in scope.keys):
         return None
@@ -452,7 +168,7 @@ def _expression_key(node: exp.Expression, scope: _Scope) -> int | None:
 # --- outputs: aggregates and post-processing -----------------------------------------
 
 
-def _key_index(column: exp.Column, scope: _Scope) -> int:
+def _key_index(column: exp.Column, scope: Scope) -> int:
     source, name, _ = resolve_ref(column, scope.sources)
     for i, key in enumerate(scope.keys):
         if key.column == name and key.table == source.alias:
@@ -470,12 +186,12 @@ def _require_numeric_operands(node: exp.Expression) -> None:
             if isinstance(operand, exp.Literal) and operand.is_string:
                 raise DatatypeMismatch(f'invalid input syntax for type double precision: "{operand.name}"')
     if isinstance(node, exp.Cast) and isinstance(node.this, exp.Literal) and node.this.is_string:
-        family = _literal_type(node)
+        family = literal_type(node)
         if family in ("number", "date", "timestamp"):
-            _canonical_cast(node, family)
+            canonical_cast(node, family)
 
 
-def convert_output(node: exp.Expression, scope: _Scope) -> tuple[exp.Expression, str, tuple[int, ...]]:
+def convert_output(node: exp.Expression, scope: Scope) -> tuple[exp.Expression, str, tuple[int, ...]]:
     """Turn a select/HAVING/ORDER BY expression into post-processing over measures and keys."""
     if isinstance(node, exp.Filter):
         return convert_output(_filtered(node), scope)
@@ -539,7 +255,8 @@ def _filtered(node: exp.Filter) -> exp.Expression:
     The predicate goes through the WHERE checks when the CASE operand is bounded, and the measure
     keeps the per-row sensitivity of the aggregate: filtering only removes rows.
     """
-    aggregate, where = node.this, node.expression
+    aggregate: exp.Expression = node.this
+    where = node.expression
     registered = recogniser(aggregate)
     if registered is None or not registered.filterable or isinstance(aggregate, exp.WithinGroup | exp.Filter):
         raise FeatureNotSupported("FILTER is supported on COUNT, SUM, AVG and variance aggregates")
@@ -565,7 +282,7 @@ def _output_name(projection: exp.Expr) -> str:
     while isinstance(node, exp.Paren):
         node = node.this
     if isinstance(node, exp.Column):
-        return _ident_name(node.this)
+        return ident_name(node.this)
     if isinstance(node, exp.Cast):
         return _output_name(node.this) if isinstance(node.this, exp.Column | exp.Func) else node.to.sql().lower()
     if isinstance(node, exp.WithinGroup | exp.Filter):
@@ -587,7 +304,7 @@ _TEMPORAL_TYPES: dict[exp.DType, PgType] = {
 }
 
 
-def _output_type(kind: str, expr: exp.Expression, scope: _Scope, measures: tuple[int, ...]) -> PgType:
+def _output_type(kind: str, expr: exp.Expression, scope: Scope, measures: tuple[int, ...]) -> PgType:
     typed = OUTPUTS[kind].output_type(scope, measures, expr)
     if typed is not None:
         return typed
@@ -616,7 +333,7 @@ def _output_type(kind: str, expr: exp.Expression, scope: _Scope, measures: tuple
     return "double precision"
 
 
-def build_outputs(tree: exp.Select, scope: _Scope) -> list[OutputItem]:
+def build_outputs(tree: exp.Select, scope: Scope) -> list[OutputItem]:
     outputs = []
     for projection in tree.expressions:
         expr, kind, measures = convert_output(projection.unalias(), scope)
@@ -637,12 +354,14 @@ def build_outputs(tree: exp.Select, scope: _Scope) -> list[OutputItem]:
     return outputs
 
 
-def _order_terms(tree: exp.Select, scope: _Scope, outputs: list[OutputItem]) -> list:
+def _order_terms(
+    tree: exp.Select, scope: Scope, outputs: list[OutputItem]
+) -> list[tuple[exp.Expression, bool, bool | None]]:
     order = tree.args.get("order")
     if not order:
         return []
     names = {item.column.name: i for i, item in enumerate(outputs)}
-    terms = []
+    terms: list[tuple[exp.Expression, bool, bool | None]] = []
     for ordered in order.expressions:
         node = ordered.this
         if isinstance(node, exp.Literal) and not node.is_string:
@@ -650,8 +369,8 @@ def _order_terms(tree: exp.Select, scope: _Scope, outputs: list[OutputItem]) -> 
             if not 1 <= index <= len(outputs):
                 raise InvalidColumnReference(f"ORDER BY position {index} is not in select list")
             expr: exp.Expression = exp.var(f"o{index - 1}")
-        elif isinstance(node, exp.Column) and not node.args.get("table") and _ident_name(node.this) in names:
-            expr = exp.var(f"o{names[_ident_name(node.this)]}")
+        elif isinstance(node, exp.Column) and not node.args.get("table") and ident_name(node.this) in names:
+            expr = exp.var(f"o{names[ident_name(node.this)]}")
         else:
             expr, _, _ = convert_output(node, scope)
         terms.append((expr, bool(ordered.args.get("desc")), ordered.args.get("nulls_first")))
@@ -671,9 +390,7 @@ def _constant_int(node: exp.Expression | None, clause: str) -> int | None:
 
 def build_plan(tree: exp.Select, policy: Policy) -> Plan:
     """Resolve ``tree`` (already through the statement checks) into a :class:`Plan`."""
-    scope = _Scope(
-        policy=policy, sources=resolve_sources(tree, policy), check_predicate=lambda p: check_where(p, scope)
-    )
+    scope = Scope(policy=policy, sources=resolve_sources(tree, policy), check_predicate=lambda p: check_where(p, scope))
     where = tree.args.get("where")
     checked_where = check_where(where.this, scope) if where else None
     resolve_group_keys(tree, scope, checked_where)

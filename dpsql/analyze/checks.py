@@ -11,7 +11,6 @@ from collections.abc import Callable
 
 from sqlglot import exp
 
-from dpsql.analyze.sources import ident_name
 from dpsql.errors import (
     FeatureNotSupported,
     GroupingError,
@@ -20,6 +19,7 @@ from dpsql.errors import (
     SyntaxError_,
     UndefinedTable,
 )
+from dpsql.plan.sources import ident_name
 from dpsql.policy import Policy
 
 _WRITE_TAGS: dict[type[exp.Expression], str] = {
@@ -87,8 +87,9 @@ def reject_unsupported_clauses(tree: exp.Expression) -> None:
         raise FeatureNotSupported(
             "TABLESAMPLE is not supported", hint="Sampling is not accounted for; filter with WHERE instead."
         )
+    root: object = tree  # sqlglot's Query and Expression types do not overlap for mypy; identity is all we ask
     for sub in tree.find_all(exp.Subquery, exp.Select):
-        if sub is not tree:
+        if sub is not root:
             raise FeatureNotSupported(
                 "subqueries are not supported",
                 hint="A subquery can compute an exact aggregate; write one aggregate query instead.",

@@ -80,7 +80,7 @@ _CLOCK = re.compile(r"([+-]?)(\d+):(\d+)(?::(\d+(?:\.\d*)?))?")
 
 
 def _fits(value: int, bits: int) -> bool:
-    return -(2 ** (bits - 1)) <= value < 2 ** (bits - 1)
+    return bool(-(2 ** (bits - 1)) <= value < 2 ** (bits - 1))
 
 
 def parse_interval(text: str, shown: str | None = None) -> Interval:

@@ -1,9 +1,9 @@
-"""The opt-in write path: which INSERTs may run, and storing their rows perturbed.
+"""The opt-in write path's analysis: which INSERTs may run.
 
 The outcome of a write must not depend on stored data (else it is a membership oracle):
-the columns an analyst may give are checked here (:func:`parse_insert`), the table's catalog
-by :func:`dpsql.writes.write_oracles`, both before anything runs; randomized-response columns
-are perturbed (ε-local DP, :func:`dpsql.localdp.perturb_rows`) before they reach the database.
+the columns an analyst may give are checked here (:func:`parse_insert`), before anything runs.
+The write itself — the table's catalog checked, randomized-response columns perturbed (ε-local
+DP, :func:`dpsql.localdp.perturb_rows`), the rows stored — is :func:`dpsql.writes.insert`.
 """
 
 from __future__ import annotations
@@ -12,11 +12,7 @@ from typing import Any
 
 from sqlglot import exp
 
-from dpsql.analyze.parse import literal_for
-from dpsql.backends import Backend
 from dpsql.errors import (
-    BackendError,
-    Error,
     FeatureNotSupported,
     InsufficientPrivilege,
     InvalidParameterValue,
@@ -25,10 +21,7 @@ from dpsql.errors import (
     UndefinedColumn,
     UndefinedTable,
 )
-from dpsql.localdp import perturb_rows
 from dpsql.policy import Policy, TablePolicy
-from dpsql.session import Result
-from dpsql.writes import write_oracles
 
 
 def parse_insert(tree: exp.Expression, policy: Policy) -> tuple[TablePolicy, list[str], list[tuple[Any, ...]]]:
@@ -105,53 +98,3 @@ def _constant(node: exp.Expression) -> Any:
     if isinstance(node, exp.Cast) and isinstance(node.this, exp.Literal):
         return node.this.name
     raise FeatureNotSupported("INSERT values must be constants")
-
-
-def insert(backend: Backend, policy: Policy, tree: exp.Expression) -> Result:
-    """The opt-in write path: store rows with their randomized-response columns perturbed.
-
-    The outcome must not depend on stored data (else it is a membership oracle): the
-    columns an analyst may give are checked by :func:`parse_insert`, the table's catalog
-    by :func:`dpsql.writes.write_oracles` (no key, foreign key or trigger relating the new
-    row to stored ones), both before anything runs; and every failure of the write itself
-    is reported as one fixed error, whatever the database's reason.
-    """
-    table, columns, rows = parse_insert(tree, policy)
-    target = table.source or tree.this.this.name
-    try:
-        oracles = write_oracles(backend, target, columns)
-    except Error:
-        oracles = ["the catalog could not be read"]
-    if oracles:
-        raise ReadOnlyViolation(
-            "cannot execute INSERT in a read-only transaction",
-            hint=f'The table "{tree.this.this.name}" has {oracles[0]}: whether an INSERT succeeded would '
-            "depend on rows already stored, so dpsql does not write to it.",
-        )
-    mechanisms = [table.columns[c].local_mechanism() for c in columns]
-    stored = perturb_rows(rows, mechanisms)
-    values = exp.values([tuple(literal_for(v) for v in row) for row in stored])
-    statement = exp.Insert(
-        this=exp.Schema(
-            this=exp.table_(table.source or tree.this.this.name, quoted=True),
-            expressions=[exp.to_identifier(c, quoted=True) for c in columns],
-        ),
-        expression=values,
-    )
-    try:
-        backend.execute_script(statement.sql(dialect=backend.dialect))
-    except Exception:  # one error for every cause (NOT NULL, CHECK, type, connection): nothing data-dependent
-        raise BackendError(
-            "the database failed to store the rows",
-            hint="Nothing was stored. The reason is withheld: it could depend on other rows.",
-        ) from None
-    perturbed = [f"{c} (ε={m.epsilon:g})" for c, m in zip(columns, mechanisms, strict=True) if m is not None]
-    return Result(
-        columns=[],
-        rows=[],
-        accuracy=[],
-        epsilon_spent=0.0,
-        delta_spent=0.0,
-        notices=[f"dpsql: stored {len(stored)} row(s); randomized response applied to {', '.join(perturbed)}"],
-        command_tag=f"INSERT 0 {len(stored)}",
-    )

@@ -7,6 +7,7 @@ answered from them, debiased, at no central cost; any other read of such a colum
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,7 @@ class LocalQuery:
     filtered: bool = False
 
 
-def local_query(plan: Plan, dialect: str) -> LocalQuery | None:
+def local_query(plan: Plan, render: Callable[[exp.Expression], str]) -> LocalQuery | None:
     """A count over one randomized-response column, answered from its perturbed values; None otherwise.
 
     Queries that read such a column in any other way are refused: central noise on perturbed
@@ -62,11 +63,10 @@ def local_query(plan: Plan, dialect: str) -> LocalQuery | None:
     if value is not None and value not in mechanism.domain:
         raise InvalidParameterValue(f'"{value}" is not a possible answer for "{name}"')
     column = exp.column(name, quoted=True)
-    sql = (
+    sql = render(
         exp.select(column, exp.Count(this=exp.Star(), big_int=True))
         .from_(exp.table_(source.table.source or source.name, quoted=True))
         .group_by(column.copy())
-        .sql(dialect=dialect)
     )
     return LocalQuery(mechanism, sql, value, value is not None)
 

@@ -13,21 +13,12 @@ from dataclasses import dataclass, field
 
 from sqlglot import exp
 
+from dpsql.aggregates import AGGREGATE_NODES, Operand
 from dpsql.analyze.expressions import bound
-from dpsql.analyze.sources import Sources, qualified, resolve_ref
 from dpsql.errors import FeatureNotSupported, GroupingError, UndefinedFunction
 from dpsql.plan import GroupKey, Measure
+from dpsql.plan.sources import Sources, qualified, resolve_ref
 from dpsql.policy import PG_TYPE_NAMES, ColumnPolicy, Policy
-
-
-@dataclass(frozen=True)
-class Operand:
-    """What an aggregate reads: a declared column, or a bounded expression over columns."""
-
-    table: str | None
-    name: str
-    policy: ColumnPolicy
-    expr: exp.Expression | None = None
 
 
 @dataclass
@@ -56,17 +47,15 @@ class Scope:
         _, name, policy = resolve_ref(column, self.sources)
         return name, policy
 
-    def operand(self, argument: exp.Expression | None, nested: tuple[type[exp.Expr], ...]) -> Operand:
-        """An aggregate's argument: a column, or an expression bounded by interval arithmetic.
-
-        ``nested``: the aggregate node types, refused inside the argument.
-        """
+    def operand(self, argument: exp.Expression | None) -> Operand:
+        """An aggregate's argument: a column, or an expression bounded by interval arithmetic (an
+        aggregate call inside it is refused)."""
         while isinstance(argument, exp.Paren):
             argument = argument.this
         if isinstance(argument, exp.Column):
             source, name, policy = resolve_ref(argument, self.sources)
             return Operand(source.alias, name, policy)
-        if argument is None or argument.find(*nested):
+        if argument is None or argument.find(*AGGREGATE_NODES):
             raise GroupingError("aggregate function calls cannot be nested")
 
         def resolve(column: exp.Column) -> tuple[exp.Column, ColumnPolicy]:

@@ -9,15 +9,40 @@ tree, which is shared (whoever rewrites it works on a copy).
 from __future__ import annotations
 
 import enum
+import re
 import sys
 from dataclasses import dataclass
 
 from sqlglot import exp
 
 from dpsql.analyze.checks import limit_case_branches
-from dpsql.analyze.parse import parse_statement, too_complex
-from dpsql.explain import explain_target
+from dpsql.analyze.parse import parse_statement, skip_comments, too_complex
+from dpsql.errors import FeatureNotSupported, SyntaxError_
 from dpsql.lru import LRU
+
+#: The one EXPLAIN option accepted: ``(FORMAT TEXT)`` or ``(FORMAT JSON)`` (pgcli sends the latter).
+EXPLAIN_OPTIONS = re.compile(r"\(\s*format\s+(text|json)\s*\)", re.IGNORECASE)
+
+
+def explain_target(sql: str) -> str | None:
+    """The query inside ``EXPLAIN <query>``; EXPLAIN ANALYZE is refused (it reveals timings and row counts)."""
+    stripped = skip_comments(sql)
+    if stripped[:7].upper() != "EXPLAIN" or stripped[7:8].isalnum() or stripped[7:8] == "_":
+        return None
+    rest = skip_comments(stripped[7:])
+    if (options := EXPLAIN_OPTIONS.match(rest)) is not None:
+        rest = rest[options.end() :]
+        if not rest.strip().rstrip(";").strip():
+            raise SyntaxError_("syntax error at end of input")
+        return rest
+    if not rest.strip().rstrip(";").strip():  # a bare EXPLAIN: PostgreSQL's 42601, never an IndexError
+        raise SyntaxError_("syntax error at end of input")
+    if rest[:1] == "(" or rest.split(None, 1)[0].upper() in ("ANALYZE", "ANALYSE", "VERBOSE"):
+        raise FeatureNotSupported(
+            "EXPLAIN options are not supported",
+            hint="EXPLAIN ANALYZE would reveal exact row counts and timings; use plain EXPLAIN.",
+        )
+    return rest
 
 
 class Kind(enum.Enum):

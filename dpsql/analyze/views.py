@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from sqlglot import exp
 
-from dpsql.analyze.sources import ident_name
 from dpsql.errors import FeatureNotSupported, SyntaxError_, UndefinedColumn
+from dpsql.plan.sources import ident_name
 
 _VIEW_REFUSED = {
     "group": "GROUP BY",

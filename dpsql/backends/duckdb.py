@@ -4,24 +4,30 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+import re
 import threading
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Self
 
 import duckdb
 import numpy as np
 from sqlglot import exp
 
-from dpsql.backends import (
+from dpsql.backends.base import (
     QUERY_FAILED,
-    BackendDefaults,
+    BackendBase,
     RowHash,
     TopRows,
+    WriteCatalog,
     cancellable,
     column_defs,
+    information_schema_columns,
+    information_schema_tables,
     log_database_error,
     normalize_rows,
     quote_ident,
+    quote_literal,
     redact_url,
     timed_out,
 )
@@ -47,8 +53,14 @@ def _database_path(url: str) -> str:
     return rest
 
 
-class DuckDBBackend(BackendDefaults):
+class DuckDBBackend(BackendBase):
+    schemes = ("duckdb",)
     dialect = "duckdb"
+    #: While open, the file is locked against other writers; between openings its size and modification
+    #: time (and its WAL's) are in the stamp. An in-memory database is private to this object.
+    sees_outside_writes = True
+    information_schema = True
+    pg_roles = False
     #: DuckDB's HASH orders a heavy unit's cells an order of magnitude cheaper than md5, and MIN_BY
     #: keeps a unit's first rows in one aggregation (measured with bench/person.py).
     row_hash: RowHash = "duckdb"
@@ -85,13 +97,71 @@ class DuckDBBackend(BackendDefaults):
             log.warning("cannot open DuckDB database %s: %s", self.path, exc)
             raise BackendError("could not open the database") from None
         self._closed = False
-        #: Bumped before every write through this object; DuckDB holds the file exclusively, so no
-        #: other process can change the data behind it.
+        #: Bumped before every write through this object; DuckDB locks the file (shared by readers,
+        #: exclusive to a writer), so no other process can change the data behind it while it is open.
         self.data_version = 0
         self._ranges: dict[tuple[int, str, tuple[str, ...]], dict[str, tuple[Any, Any]]] = {}
 
+    @classmethod
+    def from_url(cls, url: str, *, statement_timeout_ms: int | None, pool_size: int, read_only: bool) -> Self:
+        """``read_only`` opens a file without its write lock (several processes read it at once);
+        every statement also runs in a READ ONLY transaction. There is no pool: one cursor per call."""
+        return cls(url, statement_timeout_ms=statement_timeout_ms, read_only=read_only)
+
     def __repr__(self) -> str:
         return f"DuckDBBackend({redact_url(self.url)!r})"
+
+    @property
+    def in_memory(self) -> bool:
+        return self.path == ":memory:"
+
+    def identity(self) -> str:
+        """A file: its resolved path. In memory: a token of this object (nothing is shared)."""
+        if self.in_memory:
+            return self.object_identity()
+        return f"duckdb:{os.path.realpath(self.path)}"
+
+    def data_stamp(self) -> str:
+        """The write counter, plus for a file its size and modification time and its WAL's: a write made
+        by another process between two openings (a cache entry outlives the process) moves them."""
+        parts = [str(self.data_version)]
+        if not self.in_memory:
+            for name in (self.path, self.path + ".wal"):
+                try:
+                    stat = os.stat(name)
+                    parts.append(f"{stat.st_size}:{stat.st_mtime_ns}")
+                except OSError:
+                    parts.append("-")
+        return ":".join(parts)
+
+    def catalog_where(self, table: str) -> str:
+        """DuckDB identifiers are case-insensitive: so is the match."""
+        *schema, name = table.split(".")
+        schema_sql = quote_literal(schema[-1]) if schema else "current_schema()"
+        return f"lower(table_name) = lower({quote_literal(name)}) AND lower(table_schema) = lower({schema_sql})"
+
+    def tables(self) -> list[str]:
+        return information_schema_tables(self)
+
+    def columns(self, table: str) -> dict[str, str] | None:
+        return information_schema_columns(self, table)
+
+    def write_catalog(self, table: str) -> WriteCatalog:
+        """Keys and unique indexes from DuckDB's own catalog functions (DuckDB has no triggers or rules)."""
+        name = table.replace("'", "''")
+        _, rows = self.execute(
+            "SELECT constraint_type, constraint_column_names FROM duckdb_constraints() "
+            f"WHERE table_name = '{name}' AND constraint_type IN ('PRIMARY KEY', 'UNIQUE', 'FOREIGN KEY')"
+        )
+        keys: list[tuple[str, list[str] | None]] = [(constraint, list(columns)) for constraint, columns in rows]
+        _, rows = self.execute(f"SELECT expressions FROM duckdb_indexes() WHERE table_name = '{name}' AND is_unique")
+        for (expressions,) in rows:
+            text = str(expressions).strip("[]")
+            parts = [p.strip().strip('"') for p in text.split(",")]
+            simple = all(re.fullmatch(r"\w+", p) for p in parts)
+            keys.append(("unique index", parts if simple else None))
+        _, rows = self.execute(f"SELECT column_name, column_default FROM duckdb_columns() WHERE table_name = '{name}'")
+        return WriteCatalog(keys, {c: d for c, d in rows}, [])
 
     def _cursor(self) -> duckdb.DuckDBPyConnection:
         if self._closed:

@@ -14,18 +14,21 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, Self
 
 import psycopg
 from psycopg.types.datetime import DateBinaryLoader, TimestampBinaryLoader
 
-from dpsql.backends import (
+from dpsql.backends.base import (
     QUERY_FAILED,
-    BackendDefaults,
+    BackendBase,
     RowHash,
     TopRows,
+    WriteCatalog,
     cancellable,
     column_defs,
+    information_schema_columns,
+    information_schema_tables,
     log_database_error,
     normalize_rows,
     quote_ident,
@@ -104,8 +107,17 @@ class _SaturatingTimestampLoader(TimestampBinaryLoader):
             return dt.datetime.min if int.from_bytes(data, "big", signed=True) < 0 else dt.datetime.max
 
 
-class PostgresBackend(BackendDefaults):
+#: pg_constraint.contype → what a write check calls it.
+_CONSTRAINTS = {"p": "PRIMARY KEY", "u": "UNIQUE", "f": "FOREIGN KEY", "x": "EXCLUDE constraint"}
+
+
+class PostgresBackend(BackendBase):
+    schemes = ("postgresql", "postgres")
     dialect = "postgres"
+    #: The stamp is the cluster's next transaction id, which every writing transaction moves.
+    sees_outside_writes = True
+    information_schema = True
+    pg_roles = True
     #: ``hashtextextended`` gives a bigint order: sorting cells by it instead of md5's text, and keeping a
     #: unit's first rows with ROW_NUMBER, brought grouped person-level queries near their floor
     #: (bench/person.py, bench/README.md).
@@ -117,8 +129,75 @@ class PostgresBackend(BackendDefaults):
         self.statement_timeout_ms = statement_timeout_ms
         self._pool = ConnectionPool(self._connect_read_only, pool_size)
 
+    @classmethod
+    def from_url(cls, url: str, *, statement_timeout_ms: int | None, pool_size: int, read_only: bool) -> Self:
+        """Every pooled connection is read-only (``default_transaction_read_only``) whatever ``read_only``
+        says: PostgreSQL takes no lock at opening, so there is nothing else to leave out."""
+        return cls(url, statement_timeout_ms=statement_timeout_ms, pool_size=pool_size)
+
     def __repr__(self) -> str:
         return f"PostgresBackend({redact_url(self.url)!r})"
+
+    def identity(self) -> str:
+        """The redacted URL plus the cluster's system identifier (when readable) and the database's OID."""
+        parts = [redact_url(self.url)]
+        for sql in (
+            "SELECT system_identifier::text FROM pg_control_system()",
+            "SELECT oid::text || ':' || datname FROM pg_database WHERE datname = current_database()",
+        ):
+            try:
+                parts.append(str(self.execute(sql)[1][0][0]))
+            except Exception:  # not readable for this role: the URL (and the OID) must do
+                parts.append("?")
+        return "postgres:" + ":".join(parts)
+
+    def data_stamp(self) -> str:
+        """The write counter and the next transaction id (it moves exactly when some transaction in the
+        cluster writes: read-only queries, hint bits and checkpoints leave it alone, unlike the WAL
+        position). A writing transaction is assigned an xid when it first writes, before it can commit:
+        any committed write since the last stamp moved xmax (a miss, never stale). On a standby the
+        replayed WAL position is the only signal."""
+        _, rows = self.execute(
+            "SELECT CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn()::text "
+            "ELSE pg_snapshot_xmax(pg_current_snapshot())::text END"
+        )
+        return f"{self.data_version}:{rows[0][0]}"
+
+    def tables(self) -> list[str]:
+        return information_schema_tables(self)
+
+    def columns(self, table: str) -> dict[str, str] | None:
+        return information_schema_columns(self, table)
+
+    def write_catalog(self, table: str) -> WriteCatalog:
+        """Constraints, unique or exclusion indexes, defaults, triggers and rules from ``pg_catalog``."""
+        regclass = quote_ident(table).replace("'", "''")
+        relation = f"to_regclass('{regclass}')"
+        _, rows = self.execute(
+            "SELECT c.contype::text, ARRAY(SELECT a.attname::text FROM unnest(c.conkey) k "
+            "JOIN pg_attribute a ON a.attrelid = c.conrelid AND a.attnum = k) "
+            f"FROM pg_constraint c WHERE c.conrelid = {relation} AND c.contype IN ('p', 'u', 'f', 'x')"
+        )
+        keys: list[tuple[str, list[str] | None]] = [(_CONSTRAINTS[contype], list(columns)) for contype, columns in rows]
+        _, rows = self.execute(
+            "SELECT i.indexprs IS NOT NULL OR i.indpred IS NOT NULL, ARRAY(SELECT a.attname::text "
+            "FROM unnest(i.indkey) k JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k) "
+            f"FROM pg_index i WHERE i.indrelid = {relation} AND (i.indisunique OR i.indisexclusion) "
+            "AND NOT EXISTS (SELECT 1 FROM pg_constraint c WHERE c.conindid = i.indexrelid)"
+        )
+        keys += [("unique index", None if expression else list(columns)) for expression, columns in rows]
+        _, rows = self.execute(
+            f"SELECT a.attname::text, pg_get_expr(d.adbin, d.adrelid) FROM pg_attribute a LEFT JOIN pg_attrdef d "
+            f"ON d.adrelid = a.attrelid AND d.adnum = a.attnum WHERE a.attrelid = {relation} AND a.attnum > 0 "
+            "AND NOT a.attisdropped"
+        )
+        defaults = {str(c): d for c, d in rows}
+        _, rows = self.execute(
+            f"SELECT (SELECT count(*) FROM pg_trigger WHERE tgrelid = {relation} AND NOT tgisinternal) "
+            f"+ (SELECT count(*) FROM pg_rewrite WHERE ev_class = {relation} AND rulename <> '_RETURN')"
+        )
+        triggers = ["a trigger or rule"] if rows and rows[0][0] else []
+        return WriteCatalog(keys, defaults, triggers)
 
     def _connect(self) -> psycopg.Connection:
         try:

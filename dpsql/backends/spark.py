@@ -5,23 +5,15 @@ SparkContext) a local session for development and tests; every backend gets its 
 ``newSession()`` so temporary views and the current database stay separate.
 ``sc://host:port[/;token=…]`` talks to a Spark Connect server (``start-connect-server.sh``).
 
-Spark has no read-only transactions, so :func:`prepare_query` parses each statement with sqlglot,
-refuses anything but one SELECT and runs the SQL *sqlglot* regenerated (no parser differential can
-smuggle a second statement through). It also makes Spark compute what PostgreSQL/DuckDB compute:
-
-* policy ``source:`` names: ``db.table`` / ``catalog.db.table`` become multi-part names and
-  ``parquet:/path`` (or ``orc:``) a temporary view registered once per backend;
-* ``EXTRACT(DOW …)`` is 0–6 from Sunday (Spark counts 1–7), ``ISODOW`` is Spark's ``DAYOFWEEK_ISO``;
-* inside ``MD5(…)`` (the contribution-bounding row order) doubles are rendered as DuckDB does
-  (Python's ``repr``: ``1e-05``, ``12345678.9``) rather than Java's ``1.0E-5`` / ``1.23456789E7``.
+Spark has no read-only transactions: a query runs only as sqlglot's rendering of a tree checked to
+be one SELECT, with Spark's differences from PostgreSQL/DuckDB fixed on the way (see
+:mod:`dpsql.backends.spark_sql`). Queries dpsql builds are rendered once (:meth:`SparkBackend.render`).
 
 pyspark is optional (``pip install 'dpsql[spark]'``) and only imported when a Spark URL is opened.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import itertools
 import logging
 import os
@@ -32,31 +24,50 @@ import threading
 import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 from urllib.parse import parse_qsl
 
 import sqlglot
 from sqlglot import exp
-from sqlglot.dialects.dialect import Dialect
-from sqlglot.tokens import TokenType
 
-from dpsql.backends import (
-    _SQL_TYPE,
+from dpsql.backends.base import (
     QUERY_FAILED,
-    BackendDefaults,
+    SQL_TYPE,
+    BackendBase,
+    WriteCatalog,
     cancellable,
     log_database_error,
     normalize_rows,
     redact_url,
 )
-from dpsql.errors import BackendError, Error, InsufficientPrivilege, ReadOnlyViolation
+from dpsql.backends.spark_sql import (
+    DIALECT,
+    PreparedQuery,
+    prepare_query,
+    prepare_tree,
+    resolve_sources,
+    split_statements,
+    with_sources,
+)
+from dpsql.errors import BackendError, Error
+from dpsql.lru import LRU
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
+__all__ = [
+    "SparkBackend",
+    "parse_url",
+    "prepare_query",
+    "redact",
+    "resolve_sources",
+    "spark_column_type",
+    "spark_ident",
+    "split_statements",
+]
+
 log = logging.getLogger(__name__)
 
-DIALECT = "spark"
 INSTALL_HINT = "pip install 'dpsql[spark]' (pyspark 4 with Spark Connect; local mode needs Java 17+)"
 START_FAILED = "could not start Spark"
 CONNECT_FAILED = "could not connect to Spark"
@@ -66,26 +77,6 @@ CONNECT_RETRY = {"max_retries": 4, "initial_backoff": 100, "backoff_multiplier":
 _LOG_LIMIT = 4000
 _LOCAL_MASTER = re.compile(r"^local(\[(\d+|\*)(,\d+)?\])?$")
 _DATABASE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-#: Self-describing file formats a policy ``source:`` may name as ``format:path``.
-FILE_FORMATS = ("parquet", "orc")
-#: Spark functions that call arbitrary JVM methods: never part of a query dpsql generates.
-_FORBIDDEN_FUNCTIONS = {"reflect", "java_method", "try_reflect"}
-_NOT_READ_ONLY = (
-    exp.Insert,
-    exp.Update,
-    exp.Delete,
-    exp.Merge,
-    exp.Create,
-    exp.Drop,
-    exp.Alter,
-    exp.Command,
-    exp.Set,
-    exp.Use,
-    exp.Cache,
-    exp.Uncache,
-    exp.Refresh,
-    exp.LoadData,
-)
 
 
 # --- URLs -------------------------------------------------------------------------------------
@@ -143,165 +134,12 @@ def spark_ident(name: str) -> str:
     return ".".join("`" + part.replace("`", "``") + "`" for part in parts)
 
 
-# --- Queries: refuse, then make Spark compute what PostgreSQL/DuckDB compute -------------------
-
-
-@dataclass(frozen=True, slots=True)
-class PreparedQuery:
-    sql: str
-    #: File sources to register as temporary views first: view name → (format, path).
-    files: dict[str, tuple[str, str]]
-    #: An aggregate without GROUP BY: one row, so collecting it at once is cheapest.
-    one_row: bool
-
-
-def prepare_query(sql: str) -> PreparedQuery:
-    """Parse (Spark dialect), refuse all but one read-only SELECT, apply the Spark fixes."""
-    try:
-        statements = [s for s in sqlglot.parse(sql, read=DIALECT) if s is not None]
-    except sqlglot.errors.SqlglotError as exc:
-        log_database_error("Spark query refused, unparsable", exc)
-        raise BackendError(QUERY_FAILED) from None
-    if len(statements) != 1:
-        raise BackendError("the database backend runs exactly one statement per query")
-    tree = statements[0]
-    if not isinstance(tree, exp.Query) or tree.find(*_NOT_READ_ONLY) is not None:
-        raise ReadOnlyViolation("the Spark backend runs only SELECT statements")
-    for func in tree.find_all(exp.Anonymous):
-        if func.name.lower() in _FORBIDDEN_FUNCTIONS:
-            raise InsufficientPrivilege(f"function {func.name} is not allowed")
-    files = resolve_sources(tree)
-    _postgres_date_parts(tree)
-    _duckdb_double_text(tree)
-    one_row = (
-        isinstance(tree, exp.Select)
-        and not tree.args.get("group")
-        and not tree.args.get("limit")
-        and not tree.args.get("offset")
-        and bool(tree.expressions)
-        and all(p.find(exp.AggFunc) is not None for p in tree.expressions)
-    )
-    return PreparedQuery(tree.sql(dialect=DIALECT), files, one_row)
-
-
-def resolve_sources(tree: exp.Expr) -> dict[str, tuple[str, str]]:
-    """Policy ``source:`` names arrive as one quoted identifier; give them their Spark meaning.
-
-    ``db.table``/``catalog.db.table`` → a multi-part name; ``parquet:/path`` → a temporary view
-    (returned, to be registered) named after the path. Plain names are left alone.
-    """
-    files: dict[str, tuple[str, str]] = {}
-    for table in tree.find_all(exp.Table):
-        if table.args.get("db") or not isinstance(table.this, exp.Identifier):
-            continue
-        name = table.name
-        fmt, sep, path = name.partition(":")
-        if sep and fmt.lower() in FILE_FORMATS and path:
-            view = f"dpsql_{fmt.lower()}_{hashlib.sha256(path.encode()).hexdigest()[:16]}"
-            files[view] = (fmt.lower(), path)
-            table.set("this", exp.to_identifier(view, quoted=True))
-        elif "." in name:
-            parts = name.split(".")
-            if len(parts) > 3 or not all(parts):
-                raise BackendError(f"invalid Spark table name {name!r}", hint="use table, db.table or catalog.db.table")
-            idents = [exp.to_identifier(p, quoted=True) for p in parts]
-            table.set("this", idents[-1])
-            table.set("db", idents[-2])
-            if len(idents) == 3:
-                table.set("catalog", idents[0])
-    return files
-
-
-def _postgres_date_parts(tree: exp.Expr) -> None:
-    """PostgreSQL's DOW is 0–6 from Sunday, Spark's 1–7; Spark spells ISODOW ``DAYOFWEEK_ISO``."""
-    for node in list(tree.find_all(exp.Extract)):
-        part = node.this.name.upper() if isinstance(node.this, exp.Var | exp.Identifier) else ""
-        if part == "ISODOW":
-            node.set("this", exp.var("DAYOFWEEK_ISO"))
-        elif part in ("DOW", "DAYOFWEEK"):
-            node.set("this", exp.var("DAYOFWEEK"))
-            node.replace(exp.paren(exp.Sub(this=node.copy(), expression=exp.Literal.number(1)), copy=False))
-
-
-_DOUBLE_TEXT_TEMPLATE = """
-CASE WHEN TYPEOF(__v) NOT IN ('double', 'float') THEN CAST(__v AS STRING)
-WHEN CAST(__v AS STRING) LIKE '%E%' THEN (LAYOUT)
-WHEN CAST(__v AS STRING) = 'NaN' THEN 'nan'
-WHEN CAST(__v AS STRING) = 'Infinity' THEN 'inf'
-WHEN CAST(__v AS STRING) = '-Infinity' THEN '-inf'
-ELSE CAST(__v AS STRING) END
-"""  # flat, so Spark computes CAST(__v AS STRING) once per row (it is in the first condition and every branch)
-
-
-@functools.cache
-def _double_text_template() -> exp.Expression:
-    """Java's ``Double.toString`` re-laid out as Python's ``repr`` (what DuckDB prints).
-
-    Java writes ``d.fffE±n`` outside [1e-3, 1e7) and positional otherwise; repr is positional for
-    exponents in [-4, 16) and ``d.fffe±nn`` beyond. Digits are the same (shortest round-trip on
-    Java 19+; Java 17 very rarely prints one digit more).
-    """
-    s = "CAST(__v AS STRING)"
-    pattern = "'^(-?)([0-9])[.]([0-9]+)E(-?[0-9]+)$'"
-    sign = f"REGEXP_EXTRACT({s}, {pattern}, 1)"
-    frac = f"REGEXP_EXTRACT({s}, {pattern}, 3)"
-    digits = f"(REGEXP_EXTRACT({s}, {pattern}, 2) || CASE WHEN {frac} = '0' THEN '' ELSE {frac} END)"
-    e = f"CAST(REGEXP_EXTRACT({s}, {pattern}, 4) AS INT)"
-    scientific = (
-        f"{sign} || REGEXP_EXTRACT({s}, {pattern}, 2) || CASE WHEN {frac} = '0' THEN '' ELSE '.' || {frac} END"
-        f" || 'e' || CASE WHEN {e} < 0 THEN '-' ELSE '+' END"
-        f" || CASE WHEN ABS({e}) < 10 THEN '0' ELSE '' END || CAST(ABS({e}) AS STRING)"
-    )
-    layout = (
-        f"CASE WHEN {e} < -4 OR {e} >= 16 THEN {scientific}"
-        f" WHEN {e} < 0 THEN {sign} || '0.' || REPEAT('0', -{e} - 1) || {digits}"
-        f" WHEN LENGTH({digits}) <= {e} + 1 THEN {sign} || {digits} || REPEAT('0', {e} + 1 - LENGTH({digits})) || '.0'"
-        f" ELSE {sign} || SUBSTRING({digits}, 1, {e} + 1) || '.' || SUBSTRING({digits}, {e} + 2) END"
-    )
-    template = sqlglot.parse_one(_DOUBLE_TEXT_TEMPLATE.replace("LAYOUT", layout), read=DIALECT)
-    assert isinstance(template, exp.Expression)
-    return template
-
-
-def _duckdb_double_text(tree: exp.Expr) -> None:
-    """Inside MD5 (the row order of contribution bounding) render doubles like DuckDB.
-
-    The order must not depend on the backend, or Spark would keep different rows of a person
-    than DuckDB. ``TYPEOF`` is constant-folded, so other types pay nothing.
-    """
-    for md5 in list(tree.find_all(exp.MD5)):
-        for cast in list(md5.find_all(exp.Cast)):
-            if not cast.to.is_type(exp.DataType.Type.TEXT, exp.DataType.Type.VARCHAR):
-                continue
-            value = cast.this
-            replacement = _double_text_template().copy()
-            for placeholder in list(replacement.find_all(exp.Column)):
-                if placeholder.name == "__v":
-                    placeholder.replace(value.copy())
-            cast.replace(replacement)
-
-
-def split_statements(sql: str) -> list[str]:
-    """Split a script on top-level semicolons (string literals and comments respected), text unchanged."""
-    try:
-        tokens = Dialect.get_or_raise(DIALECT).tokenize(sql)
-    except sqlglot.errors.SqlglotError:
-        return [sql.strip()] if sql.strip() else []
-    parts, start = [], 0
-    for token in tokens:
-        if token.token_type == TokenType.SEMICOLON:
-            parts.append(sql[start : token.start])
-            start = token.end + 1
-    parts.append(sql[start:])
-    return [p.strip() for p in parts if p.strip()]
-
-
 # --- Types for load_rows ----------------------------------------------------------------------
 
 
 def spark_column_type(sql_type: str) -> tuple[str, str]:
     """(Spark DDL type, Arrow type spec) for a SQL column type as the demo/test loaders write it."""
-    if not _SQL_TYPE.match(sql_type.strip()):
+    if not SQL_TYPE.match(sql_type.strip()):
         raise BackendError(f"invalid column type {sql_type!r}")
     try:
         dtype = exp.DataType.build(sql_type.strip(), dialect="postgres")
@@ -457,10 +295,24 @@ def _start_local(target: SparkTarget) -> tuple[Any, str | None]:
 # --- The backend ------------------------------------------------------------------------------
 
 
-class SparkBackend(BackendDefaults):
+#: SQL texts :meth:`SparkBackend.render` produced, kept with what running them needs (not parsed again).
+_RENDERED_ENTRIES = 1024
+_RENDERED_BYTES = 32 << 20
+
+
+class SparkBackend(BackendBase):
     """Thread-safe: one Spark session per backend, each call tagged so a timeout cancels only its jobs."""
 
+    schemes = ("spark", "sc")
     dialect = DIALECT
+    #: Spark tables are files written by any job, and Spark keeps no cheap cluster-wide write counter:
+    #: the stamp counts only writes through this object, so the result cache keeps Spark answers for a
+    #: short window only (:data:`dpsql.cache.UNSEEN_WRITES_WINDOW`).
+    sees_outside_writes = False
+    #: No ``information_schema``: the curator's constraint and NOT NULL checks cannot run here (stored
+    #: column types and table names come from Spark's own catalog instead).
+    information_schema = False
+    pg_roles = False
 
     def __init__(self, url: str, *, statement_timeout_ms: int | None = None) -> None:
         self.url = url
@@ -470,6 +322,8 @@ class SparkBackend(BackendDefaults):
         _quiet_pyspark_loggers()
         self._lock = threading.Lock()
         self._views: set[str] = set()
+        self._rendered: LRU[str, PreparedQuery] = LRU(_RENDERED_ENTRIES, _RENDERED_BYTES)
+        self.data_version = 0  # writes through this object (scripts, loads)
         self._spark: Any = None
         self._closed = False
         self._local = self.target.connect is None
@@ -486,8 +340,59 @@ class SparkBackend(BackendDefaults):
                 log.warning("cannot open Spark session: %s", str(exc)[:_LOG_LIMIT])
                 raise BackendError(START_FAILED) from None
 
+    @classmethod
+    def from_url(cls, url: str, *, statement_timeout_ms: int | None, pool_size: int, read_only: bool) -> Self:
+        """Spark takes no lock at opening and runs nothing but checked SELECTs (:meth:`execute`), so
+        ``read_only`` changes nothing; a session is not pooled."""
+        return cls(url, statement_timeout_ms=statement_timeout_ms)
+
     def __repr__(self) -> str:
         return f"SparkBackend({redact(self.url)!r})"
+
+    def identity(self) -> str:
+        """A token of this object: a Spark URL does not tell which data it reads (a Connect server's
+        catalog, a local session's warehouse), so answers are never shared with another process."""
+        return self.object_identity()
+
+    def data_stamp(self) -> str:
+        """Writes through this object only (see :attr:`sees_outside_writes`)."""
+        return str(self.data_version)
+
+    def render(self, tree: exp.Expression, *, copy: bool = True) -> str:
+        """Checked and fixed for Spark on the tree and generated once; :meth:`execute` then runs the
+        text as rendered (while it is remembered) instead of parsing it again."""
+        query = prepare_tree(tree.copy() if copy else tree)
+        self._rendered.put(query.sql, query, len(query.sql))
+        return query.sql
+
+    def tables(self) -> list[str]:
+        """Tables and views of the current database (this session's temporary views left out)."""
+        spark = self._session()
+        try:
+            return sorted(t.name for t in spark.catalog.listTables() if not t.isTemporary)
+        except Exception as exc:
+            log_database_error("Spark catalog listing failed", exc)
+            raise BackendError(QUERY_FAILED) from None
+
+    def columns(self, table: str) -> dict[str, str] | None:
+        """Column → Spark type name (``string``, ``bigint``…) of a policy source, read from its schema
+        (analysis only, no job runs); the stored-type refusal applies on Spark as everywhere."""
+        query = prepare_tree(exp.select("*").from_(exp.table_(table, quoted=True)))
+        spark = self._session()
+        try:
+            self._register_files(spark, query.files)
+            return dict(spark.sql(query.sql).dtypes) or None
+        except Exception as exc:
+            from pyspark.errors import AnalysisException
+
+            log_database_error(f"Spark schema of {table} not readable", exc)
+            if isinstance(exc, AnalysisException):  # no such table or path: absent, as on the other backends
+                return None
+            raise BackendError(QUERY_FAILED) from None
+
+    def write_catalog(self, table: str) -> WriteCatalog | None:
+        """Unknown: Spark's catalog does not say what a write would meet, so no INSERT is allowed."""
+        return None
 
     def _session(self) -> Any:
         """The Spark session; a Connect one is created on first use (like the PostgreSQL pool)."""
@@ -527,7 +432,7 @@ class SparkBackend(BackendDefaults):
 
     def execute(self, sql: str) -> tuple[list[str], list[tuple[Any, ...]]]:
         """One SELECT; grouped results are streamed partition by partition, not collected at once."""
-        query = prepare_query(sql)
+        query = self._rendered.get(sql) or prepare_query(sql)
         spark = self._session()
         try:
             self._register_files(spark, query.files)
@@ -543,11 +448,13 @@ class SparkBackend(BackendDefaults):
             raise BackendError(QUERY_FAILED) from None
 
     def execute_script(self, sql: str) -> None:
-        """DDL/loading statements, one at a time (Spark runs one per call); demo data and tests only."""
+        """DDL/loading statements, one at a time (Spark runs one per call): demo data, tests and
+        randomized-response INSERTs."""
+        self.data_version += 1
         spark = self._session()
         try:
             for statement in split_statements(sql):
-                spark.sql(_with_sources(statement))
+                spark.sql(with_sources(statement))
         except BackendError:
             raise
         except Exception as exc:
@@ -567,6 +474,7 @@ class SparkBackend(BackendDefaults):
 
         if not columns:
             raise BackendError("a table needs at least one column")
+        self.data_version += 1
         target = spark_ident(table)
         types = [spark_column_type(sql_type) for _, sql_type in columns]
         defs = ", ".join(f"{spark_ident(name)} {ddl}" for (name, _), (ddl, _) in zip(columns, types, strict=True))
@@ -648,20 +556,3 @@ def _chunks(rows: Iterable[tuple[Any, ...]]) -> Iterator[list[tuple[Any, ...]]]:
     it = iter(rows)
     while chunk := list(itertools.islice(it, _LOAD_CHUNK)):
         yield chunk
-
-
-def _with_sources(statement: str) -> str:
-    """A script statement with dotted policy source names resolved (the randomized-response INSERT)."""
-    if "." not in statement:
-        return statement
-    try:
-        tree = sqlglot.parse_one(statement, read=DIALECT)
-    except sqlglot.errors.SqlglotError:
-        return statement
-    if not isinstance(tree, exp.Insert):
-        return statement
-    before = tree.sql(dialect=DIALECT)
-    if resolve_sources(tree):
-        raise BackendError("cannot write to a file source")
-    after = tree.sql(dialect=DIALECT)
-    return after if after != before else statement

@@ -27,9 +27,11 @@ from typing import Any, Literal
 import yaml
 
 from dpsql.backends import quote_ident
+from dpsql.errors import Error, PolicyError
 from dpsql.policy import ColumnPolicy, Policy, _line_index, parse_policy
 
 from . import introspect
+from .report import summary_findings, table_report
 
 #: A privacy unit with fewer distinct values than this is an error (it is surely the wrong column) …
 MIN_UNITS = 10
@@ -314,8 +316,6 @@ class Report:
 def check_text(text: str, where: str, backend: Any | None = None, *, bias: bool = False) -> Report:
     """Load and check a policy's text; ``backend`` (optional) for the database checks; ``bias`` adds
     the exact bias summary of :func:`bias_findings` (``dpsql policy check`` only)."""
-    from dpsql.errors import PolicyError
-
     try:
         policy = parse_policy(text, where)
     except PolicyError as exc:
@@ -341,10 +341,6 @@ def bias_findings(policy: Policy, backend: Any, notes: list[str]) -> Iterator[Fi
     Exact figures read from the data (:mod:`dpsql.curator.report`): asked for by ``dpsql policy
     check`` only, for the curator's terminal. ``dpsql serve`` and ``dpsql reload`` do not ask (their
     checks stay the same on neighbouring databases, and cost the same on any table size)."""
-    from dpsql.errors import Error
-
-    from .report import summary_findings, table_report
-
     for name, table in policy.tables.items():
         if table.public or (table.source or name).startswith(("parquet:", "orc:")):
             continue

@@ -1,53 +1,46 @@
 """The curator's subcommands, registered on ``dpsql``'s parser: ``policy draft``, ``policy check``,
-``cache clear`` and ``reload``."""
+``policy report``, ``cache clear`` and ``reload`` (the ledger's are :mod:`dpsql.curator.ledger_cli`)."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import sys
 from pathlib import Path
-from typing import Any
+
+from dpsql.backends import Backend, open_backend, redact_url
+from dpsql.cache import ResultCache, default_cache_url
+from dpsql.commands import require_policy
+from dpsql.dev.demo import DEMO_TABLES, load_demo
+from dpsql.errors import BackendError, InvalidParameterValue, UndefinedTable
+from dpsql.ledger import Ledger, default_ledger, resolve_ledger_url
+from dpsql.policy import load_policy
+from dpsql.server.protocol import DEFAULT_PORT
+
+from . import introspect
+from .check import check_file
+from .dp_bounds import DP_COVERAGE, charge_dp_bounds, curator_name, dp_bounds, dp_targets
+from .draft import draft_policy
+from .reload import await_verdicts, default_pid_file, signal_reload
+from .report import build_report, render
+from .serve import missing_database_file
 
 
-def _open_database(url: str | None, dataset: str | None) -> Any:
+def _open_database(url: str | None, dataset: str | None) -> Backend:
     """The database to check against: a URL, or the demo (in-memory DuckDB with the demo tables)."""
-    from dpsql.backends import open_backend
-
     if url is None or url == "demo":
-        from dpsql.demo import DEMO_TABLES, load_demo
-
         backend = open_backend("duckdb://")
         load_demo(backend, [dataset] if dataset in DEMO_TABLES else [])
         return backend
-    from .serve import missing_database_file
-
     path = missing_database_file(url)
     if path is not None:
-        from dpsql.errors import BackendError
-
         raise BackendError(f'database file "{path}" does not exist')
     return open_backend(url, read_only=True)  # curator tools only read: the file stays shared
 
 
-def require_policy(args: argparse.Namespace, command: str) -> Path | None:
-    """The ``--policy`` a curator command acts on; None (after saying so) when it was not given.
-
-    Curator commands never fall back to the demo's policy: a grant, a check or a cache clear
-    silently applied to the demo dataset instead of the curator's own would mislead exactly when
-    it matters. ``dpsql serve``/``query`` keep the demo default (the README's first command)."""
-    policy = getattr(args, "policy", None)
-    if policy:
-        return Path(policy)
-    why = "curator commands act on the dataset a policy names"
-    print(f"ERROR:  dpsql {command} needs --policy: {why}", file=sys.stderr)
-    print("HINT:  For the demo, give --policy schemas/health.yaml.", file=sys.stderr)
-    return None
-
-
 def cmd_policy_check(args: argparse.Namespace) -> int:
     """Exit 0 when the policy loads and fits the database (warnings printed), 1 on any error."""
-    from .check import check_file
-
     path = require_policy(args, "policy check")
     if path is None:
         return 1
@@ -79,12 +72,6 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
 
 
 def cmd_policy_draft(args: argparse.Namespace) -> int:
-    from dpsql.backends import open_backend
-
-    from . import introspect
-    from .draft import draft_policy
-    from .serve import missing_database_file
-
     path = missing_database_file(args.database)
     if path is not None:
         print(f'ERROR:  database file "{path}" does not exist', file=sys.stderr)
@@ -114,11 +101,6 @@ def cmd_policy_draft(args: argparse.Namespace) -> int:
 def cmd_cache_clear(args: argparse.Namespace) -> int:
     """Delete every cached result next to the ledger (answers already released stay released: the
     next repeat is simply charged again)."""
-    from dpsql.backends import redact_url
-    from dpsql.cache import ResultCache, default_cache_url
-    from dpsql.ledger import default_ledger
-    from dpsql.policy import load_policy
-
     path = require_policy(args, "cache clear")
     if path is None:
         return 1
@@ -135,9 +117,59 @@ def cmd_cache_clear(args: argparse.Namespace) -> int:
     return 0
 
 
-def _demo_datasets() -> frozenset[str]:
-    from dpsql.demo import DEMO_TABLES
+def cmd_policy_report(args: argparse.Namespace) -> int:
+    """``dpsql policy report``: print the report (text or ``--json``); with ``--dp-bounds``, charge the
+    curator's ε to the ledger first, then add DP-suggested bounds. Errors propagate to ``dpsql``'s
+    handler (``ERROR:`` lines, exit 1)."""
+    path = require_policy(args, "policy report")  # never the demo's policy by default (as policy check)
+    if path is None:
+        return 1
+    policy = load_policy(path)
+    if args.database is None and policy.dataset not in _demo_datasets():
+        print(f'ERROR:  dpsql policy report needs --database for dataset "{policy.dataset}"', file=sys.stderr)
+        return 1
+    tables = args.table or list(policy.tables)
+    unknown = [t for t in tables if t not in policy.tables]
+    if unknown:
+        raise UndefinedTable(
+            f'table "{unknown[0]}" is not in the policy', hint=f"Tables: {', '.join(sorted(policy.tables))}."
+        )
+    if args.dp_bounds and not (args.epsilon is not None and math.isfinite(args.epsilon) and args.epsilon > 0):
+        raise InvalidParameterValue("--dp-bounds needs --epsilon E > 0 (charged to the curator's budget)")
+    if not 0.5 < args.coverage < 1:
+        raise InvalidParameterValue("--coverage must be between 0.5 and 1 (exclusive), e.g. 0.99")
+    backend = _open_database(args.database, policy.dataset)
+    targets: list[tuple[str, str]] = []
+    try:
+        dp = None
+        if args.dp_bounds:
+            targets = dp_targets(policy, tables)
+            if not targets:
+                raise InvalidParameterValue("no bounded numeric column to suggest bounds for")
+            ledger = Ledger.open(resolve_ledger_url(args.ledger, policy.dataset))
+            try:
+                charge = charge_dp_bounds(policy, ledger, args.epsilon, args.charge_as or curator_name(), targets)
+            finally:
+                ledger.close()
+            print(
+                f"charged ε={args.epsilon:g} to {charge.analyst} (dataset {policy.dataset} now at "
+                f"ε={charge.dataset_spent.epsilon:g} spent)",
+                file=sys.stderr,
+            )
+            dp = dp_bounds(policy, backend, targets, args.epsilon, args.coverage)
+        report = build_report(policy, backend, tables, dp)
+    finally:
+        backend.close()
+    if args.dp_bounds:
+        report.dp_epsilon, report.dp_columns = args.epsilon, len(targets)
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2, ensure_ascii=False))
+    else:
+        sys.stdout.write(render(report))
+    return 0
 
+
+def _demo_datasets() -> frozenset[str]:
     return frozenset(DEMO_TABLES)
 
 
@@ -145,9 +177,6 @@ def cmd_reload(args: argparse.Namespace) -> int:
     """Signal a running ``dpsql serve`` to re-read its policy and wait for its verdict (every worker's
     with ``--processes``): exit 0 when all accepted it, 1 when any refused it or none answered in
     time. With ``--policy``, check the file first and signal nothing if it has errors."""
-    from .check import check_file
-    from .reload import await_verdicts, default_pid_file, signal_reload
-
     if args.policy:
         report = check_file(args.policy)
         if not report.ok:
@@ -185,10 +214,8 @@ def cmd_reload(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: Any) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the curator's subcommands to ``dpsql``'s subparsers."""
-    from dpsql.server.protocol import DEFAULT_PORT
-
     policy = sub.add_parser("policy", help="draft a policy from a database, or check one against it")
     psub = policy.add_subparsers(dest="policy_command", required=True)
 
@@ -207,9 +234,24 @@ def register(sub: Any) -> None:
     )
     check.set_defaults(func=cmd_policy_check)
 
-    from .report import register as register_report
-
-    register_report(psub)  # policy report: bias of the caps and bounds (curator only)
+    # curator only: the exact figures of dpsql.curator.report, the noisy bounds of dpsql.curator.dp_bounds
+    report = psub.add_parser(
+        "report", help="curator only: bias of the caps and bounds (exact, from the data) and suggested values"
+    )
+    report.add_argument("--policy", help="policy YAML (required)")
+    report.add_argument(
+        "--database", help="duckdb:///path, postgresql://… (default: the demo data, demo datasets only)"
+    )
+    report.add_argument("--table", action="append", help="a table to report on (repeatable; default: all)")
+    report.add_argument("--json", action="store_true", help="machine-readable output")
+    report.add_argument(
+        "--dp-bounds", action="store_true", help="also suggest bounds through a DP mechanism (needs --epsilon)"
+    )
+    report.add_argument("--epsilon", type=float, help="ε for --dp-bounds, charged to the ledger")
+    report.add_argument("--coverage", type=float, default=DP_COVERAGE, help="share the DP bounds keep inside")
+    report.add_argument("--ledger", help="sqlite:///abs/path or postgresql://… (default: under $DPSQL_HOME)")
+    report.add_argument("--charge-as", help="the ledger identity charged (default: curator:<OS user>)")
+    report.set_defaults(func=cmd_policy_report)
 
     cache = sub.add_parser("cache", help="the result cache next to the ledger")
     csub = cache.add_subparsers(dest="cache_command", required=True)

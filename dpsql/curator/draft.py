@@ -31,6 +31,7 @@ from typing import Any
 import yaml
 
 from dpsql.backends import quote_ident
+from dpsql.errors import UndefinedTable
 
 from . import introspect
 
@@ -120,16 +121,6 @@ def _column_lines(
     return [f"      {key}: {{type: {policy_type}{null}}}"]
 
 
-def _singular(name: str) -> set[str]:
-    """Names a column may use for a table: ``patients`` → patient, patients; ``classes`` → class."""
-    name = name.lower()
-    out = {name}
-    for suffix in ("es", "s"):
-        if name.endswith(suffix):
-            out.add(name[: -len(suffix)])
-    return out
-
-
 def _subset(backend: Any, table: str, column: str, person: str, key: str) -> bool:
     """Whether every stored value of ``table.column`` is a key of the person table (the curator's tool
     reads it: the answer is a yes or no, never a value)."""
@@ -211,8 +202,6 @@ def draft_policy(backend: Any, tables: list[str], dataset: str) -> str:
     for table in tables:
         stored = introspect.columns(backend, table)
         if stored is None:
-            from dpsql.errors import UndefinedTable
-
             raise UndefinedTable(f'relation "{table}" does not exist')
         stored_by[table] = stored
     person, key, referencing = _people(backend, tables, stored_by)

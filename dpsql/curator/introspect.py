@@ -1,13 +1,17 @@
 """Which tables and columns a database holds, and the type family of each stored column.
 
-Read from ``information_schema`` (DuckDB and PostgreSQL both have it): schema only, the same on
-neighbouring databases, so nothing here depends on any person's data.
+Tables and stored types come from the backend's own catalog (:meth:`Backend.tables`,
+:meth:`Backend.columns`); NOT NULL and keys from ``information_schema``, on backends that have it
+(:attr:`Backend.information_schema`: DuckDB and PostgreSQL). Schema only, the same on neighbouring
+databases, so nothing here depends on any person's data.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Literal
+
+from dpsql.backends import Backend
 
 Family = Literal["int", "float", "text", "date", "timestamp", "boolean", "other"]
 
@@ -41,51 +45,31 @@ def family(stored: str) -> Family:
     return "other"
 
 
-def _quoted(text: str) -> str:
-    return "'" + text.replace("'", "''") + "'"
-
-
-def _where(backend: Any, table: str) -> str:
-    *schema, name = table.split(".")
-    schema_sql = _quoted(schema[-1]) if schema else "current_schema()"
-    if backend.dialect == "duckdb":  # DuckDB identifiers are case-insensitive
-        return f"lower(table_name) = lower({_quoted(name)}) AND lower(table_schema) = lower({schema_sql})"
-    return f"table_name = {_quoted(name)} AND table_schema = {schema_sql}"
-
-
-def tables(backend: Any) -> list[str]:
+def tables(backend: Backend) -> list[str]:
     """Tables and views of the current schema, sorted."""
-    _, rows = backend.execute(
-        "SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema() ORDER BY 1"
-    )
-    return [str(r[0]) for r in rows]
+    return backend.tables()
 
 
-def columns(backend: Any, table: str) -> dict[str, str] | None:
+def columns(backend: Backend, table: str) -> dict[str, str] | None:
     """Column name → stored type of ``table`` (optionally ``schema.table``) in table order; None if absent."""
-    _, rows = backend.execute(
-        "SELECT column_name, data_type FROM information_schema.columns "
-        f"WHERE {_where(backend, table)} ORDER BY ordinal_position"
-    )
-    if not rows:
-        return None
-    return {str(name): str(type_name) for name, type_name in rows}
+    return backend.columns(table)
 
 
-def checkable(backend: Any) -> bool:
+def checkable(backend: Backend) -> bool:
     """Backends whose schema can be read here (Spark has no information_schema to ask)."""
-    return getattr(backend, "dialect", "") in ("duckdb", "postgres")
+    return backend.information_schema
 
 
-def not_null(backend: Any, table: str) -> set[str]:
+def not_null(backend: Backend, table: str) -> set[str]:
     """Columns of ``table`` declared NOT NULL (a primary key's included): ``nullable: false`` in a draft."""
     _, rows = backend.execute(
-        f"SELECT column_name FROM information_schema.columns WHERE {_where(backend, table)} AND is_nullable = 'NO'"
+        "SELECT column_name FROM information_schema.columns "
+        f"WHERE {backend.catalog_where(table)} AND is_nullable = 'NO'"
     )
     return {str(r[0]) for r in rows}
 
 
-def primary_keys(backend: Any) -> dict[str, list[str]]:
+def primary_keys(backend: Backend) -> dict[str, list[str]]:
     """Table → its primary key's columns, in key order, for the current schema."""
     _, rows = backend.execute(
         "SELECT k.table_name, k.column_name FROM information_schema.table_constraints c "
@@ -100,7 +84,7 @@ def primary_keys(backend: Any) -> dict[str, list[str]]:
     return keys
 
 
-def foreign_keys(backend: Any) -> list[tuple[str, str, str, str]]:
+def foreign_keys(backend: Backend) -> list[tuple[str, str, str, str]]:
     """Single-column foreign keys of the current schema: (table, column, referenced table, referenced column)."""
     _, rows = backend.execute(
         "SELECT k.constraint_name, k.table_name, k.column_name, u.table_name, u.column_name "

@@ -30,15 +30,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from dpsql.cache import policy_hash
+from dpsql.engine import Engine
 from dpsql.errors import PolicyError
+from dpsql.ledger import dpsql_home
 
 from .check import check_file
-
-if TYPE_CHECKING:
-    from dpsql.engine import Engine
 
 log = logging.getLogger("dpsql.curator")
 
@@ -79,8 +77,6 @@ def _plural(n: int, word: str) -> str:
 
 def _reloader(path: Path) -> Callable[[Engine], Engine]:
     def reload(current: Engine) -> Engine:
-        from dpsql.engine import Engine
-
         report = check_file(path, current.backend)
         for warning in report.warnings:
             log.warning("policy: %s", warning)
@@ -104,8 +100,6 @@ def _reloader(path: Path) -> Callable[[Engine], Engine]:
 
 def default_pid_file(port: int) -> Path:
     """``$DPSQL_HOME/serve-<port>.pid``: where ``dpsql serve`` says which process to signal."""
-    from dpsql.ledger import dpsql_home
-
     return dpsql_home() / f"serve-{port}.pid"
 
 

@@ -20,30 +20,20 @@ data (counts, quantiles, maxima: someone's exact values). That is acceptable bec
 curator's own command reading the database they own, printing to their terminal; nothing here is
 reachable from ``dpsql serve``, the engine or any analyst, and nothing is written anywhere. Bounds
 chosen from these figures are themselves a function of the data: publish them (in the policy) only
-if they are public knowledge, or use ``--dp-bounds``.
-
-**DP bounds** (:func:`dp_bounds`, Tumult Analytics' ``get_bounds`` approach): per column a histogram
-of the values in signed power-of-two bins (``[2^k, 2^(k+1))`` and their negatives, over a range set
-by the declared bounds: the policy, never the data), each unit's rows cut to the table's
-``max_rows_per_unit`` in a random order, with exact discrete Laplace noise of scale
-``max_rows_per_unit / ε_column`` on every bin (one unit changes the histogram by at most that many
-rows in L1, so each histogram is ε_column-DP; bins are disjoint). The bounds are the outer edges of
-the bins where the noisy cumulative count clears ``1 − coverage`` of the noisy total from either
-end: post-processing. The ε given is split evenly over the columns and charged, before anything is
-read, to the curator's identity in the ledger (dataset budget included: it bounds what everyone
-together learns about the data), with an audit row naming the columns.
+if they are public knowledge, or use ``--dp-bounds`` (:mod:`dpsql.curator.dp_bounds`: noisy bounds,
+charged to the ledger). The command itself is :func:`dpsql.curator.cli.cmd_policy_report`.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import getpass
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dpsql.backends import quote_ident
+from dpsql.noise.mechanisms import gaussian_spec, laplace_spec
 from dpsql.policy import ColumnPolicy, Policy, TablePolicy
 
 from . import introspect
@@ -54,17 +44,6 @@ WARN_SHARE = 0.05
 CAP_LADDER = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10_000, 20_000, 50_000, 100_000)
 #: Quantiles whose values are tried as bounds (upper: q, lower: 1 − q, each widened to include 0).
 BOUND_QUANTILES = (0.90, 0.95, 0.99, 1.0)
-#: The DP bounds' bins reach 2^DP_ABOVE beyond the declared reach and span DP_SPAN powers of two.
-DP_ABOVE = 6
-DP_SPAN = 28
-#: Standard deviations of summed noise a DP bound's crossing must clear (see dp_bounds_from_counts) …
-DP_MARGIN = 3.0
-#: … and at most this many times the tail (1 − coverage) that margin may be, else no bound is given.
-DP_MAX_MARGIN = 4.0
-#: Share of the (noisy) values the DP bounds keep inside, from each end.
-DP_COVERAGE = 0.99
-#: The ledger fingerprint of a DP-bounds charge.
-DP_FINGERPRINT = "dpsql policy report --dp-bounds"
 
 
 # --- what the report holds ------------------------------------------------------------------------
@@ -159,7 +138,8 @@ class PolicyReport:
         out = asdict(self)
         for table, raw in zip(self.tables, out["tables"], strict=True):
             raw["units_share"], raw["rows_share"] = table.units_share, table.rows_share
-        return _finite(out)
+        finite: dict[str, Any] = _finite(out)
+        return finite
 
 
 def _finite(value: Any) -> Any:
@@ -199,7 +179,7 @@ def _clamp(x: str, low: str, high: str) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class _Relation:
+class Relation:
     """How to read one table with its unit: ``SELECT … FROM {from_sql}`` with ``{unit}`` the unit."""
 
     from_sql: str
@@ -210,28 +190,30 @@ class _Relation:
         return f"t.{quote_ident(name)}"
 
 
-def _relation(policy: Policy, name: str, table: TablePolicy, stored: dict[str, str]) -> _Relation:
+def relation(policy: Policy, name: str, table: TablePolicy, stored: dict[str, str]) -> Relation:
     """The table aliased ``t`` and its unit expression, the way the engine finds the unit
     (``analyze.sources``): its own ``privacy_unit``, a foreign key to the unit, or the coarser unit
     of the referenced table through a join (households). No unit: each row is one person."""
     source = quote_ident(table.source or name)
     base = f"{source} AS t"
     if table.privacy_unit is not None:
-        return _Relation(base, f"t.{quote_ident(_stored(stored, table.privacy_unit))}", f"{name}.{table.privacy_unit}")
+        return Relation(
+            base, f"t.{quote_ident(stored_column(stored, table.privacy_unit))}", f"{name}.{table.privacy_unit}"
+        )
     ref = table.references
     if ref is None:
-        return _Relation(base, None, None)
+        return Relation(base, None, None)
     target = policy.tables[ref.table]
     if target.privacy_unit is None:
-        return _Relation(base, None, None)
-    column = quote_ident(_stored(stored, ref.column))
+        return Relation(base, None, None)
+    column = quote_ident(stored_column(stored, ref.column))
     if target.privacy_unit == ref.to:
-        return _Relation(base, f"t.{column}", f"{ref.table}.{ref.to} via {ref.column}")
+        return Relation(base, f"t.{column}", f"{ref.table}.{ref.to} via {ref.column}")
     joined = f"{base} LEFT JOIN {quote_ident(target.source or ref.table)} AS u ON t.{column} = u.{quote_ident(ref.to)}"
-    return _Relation(joined, f"u.{quote_ident(target.privacy_unit)}", f"{ref.table}.{target.privacy_unit}")
+    return Relation(joined, f"u.{quote_ident(target.privacy_unit)}", f"{ref.table}.{target.privacy_unit}")
 
 
-def _stored(stored: dict[str, str], column: str) -> str:
+def stored_column(stored: dict[str, str], column: str) -> str:
     if column in stored:
         return column
     lowered = {k.lower(): k for k in stored}
@@ -250,8 +232,6 @@ def noise_std(policy: Policy, sensitivity: float, *, integer: bool) -> float:
     """Standard deviation of the noise one measurement of ``sensitivity`` gets at the policy's default
     ε, δ and mechanism (the whole ε on it: ``SELECT COUNT(*)`` or ``SELECT SUM(x)`` alone), with the
     engine's own calibration (grid included). Policy only: no data."""
-    from dpsql.release.mechanisms import gaussian_spec, laplace_spec
-
     if sensitivity <= 0:
         return 0.0
     d = policy.defaults
@@ -311,7 +291,7 @@ def table_report(
     if stored is None:
         report.skipped = f'table "{source}" does not exist'
         return report
-    rel = _relation(policy, name, table, stored)
+    rel = relation(policy, name, table, stored)
     report.unit = rel.description
     m = table.max_rows_per_unit if rel.unit is not None else 1
     if rel.unit is None:
@@ -322,7 +302,7 @@ def table_report(
         report.caps = _caps(policy, report, histogram) if tradeoffs else []
         if table.max_groups_per_unit is not None:
             report.groups = [
-                _group_cap(backend, rel, _stored(stored, col), col, table.max_groups_per_unit, report)
+                _group_cap(backend, rel, stored_column(stored, col), col, table.max_groups_per_unit, report)
                 for col, c in table.columns.items()
                 if _groupable(c) and _present(stored, col)
             ]
@@ -330,7 +310,7 @@ def table_report(
         if c.identifier or not c.bounded or not _present(stored, col):
             continue
         report.columns.append(
-            _column(policy, backend, rel, name, col, _stored(stored, col), c, m, dp or {}, tradeoffs=tradeoffs)
+            _column(policy, backend, rel, name, col, stored_column(stored, col), c, m, dp or {}, tradeoffs=tradeoffs)
         )
     return report
 
@@ -344,7 +324,7 @@ def _groupable(column: ColumnPolicy) -> bool:
     return not column.identifier and (column.type in ("text", "boolean") or column.domain is not None)
 
 
-def _units(backend: Any, rel: _Relation, report: TableReport) -> list[tuple[int, int]]:
+def _units(backend: Any, rel: Relation, report: TableReport) -> list[tuple[int, int]]:
     """Rows per unit as a histogram (rows per unit → units): every figure below is exact from it."""
     _, rows = backend.execute(
         f"SELECT n, COUNT(*) FROM (SELECT {rel.unit} AS unit, COUNT(*) AS n FROM {rel.from_sql} "
@@ -395,7 +375,7 @@ def _caps(policy: Policy, report: TableReport, histogram: list[tuple[int, int]])
     return _choose(choices)
 
 
-def _group_cap(backend: Any, rel: _Relation, stored_col: str, col: str, limit: int, report: TableReport) -> GroupCap:
+def _group_cap(backend: Any, rel: Relation, stored_col: str, col: str, limit: int, report: TableReport) -> GroupCap:
     """Units holding more than ``limit`` groups of ``col`` (NULL is a group), and the rows expected
     in their groups beyond the limit (each unit keeps ``limit`` of its k groups, in a salted order)."""
     c = rel.col(stored_col)
@@ -419,7 +399,7 @@ def _group_cap(backend: Any, rel: _Relation, stored_col: str, col: str, limit: i
 def _column(
     policy: Policy,
     backend: Any,
-    rel: _Relation,
+    rel: Relation,
     table: str,
     col: str,
     stored_col: str,
@@ -489,7 +469,7 @@ def _candidate_bounds(c: ColumnPolicy, report: ColumnReport) -> list[tuple[str, 
 
 
 def _bounds(
-    policy: Policy, backend: Any, rel: _Relation, x: str, c: ColumnPolicy, m: int, report: ColumnReport
+    policy: Policy, backend: Any, rel: Relation, x: str, c: ColumnPolicy, m: int, report: ColumnReport
 ) -> list[Choice]:
     """``SELECT SUM(column)`` at each candidate bounds, as the engine computes it without GROUP BY:
     each unit's sum of clamped values, capped at ``m`` × the bounds widened to 0. Bias against the
@@ -516,184 +496,6 @@ def _bounds(
         declared = label == "declared"
         choices.append(Choice(label, None, lo, hi, bias, std, math.hypot(bias, std), declared=declared))
     return _choose(choices)
-
-
-# --- DP bounds -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Bin:
-    low: float  # the edge a lower bound takes when this bin is the first kept
-    high: float  # the edge an upper bound takes when this bin is the last kept
-
-
-def dp_exponents(column: ColumnPolicy) -> tuple[int, int]:
-    """The bins' power-of-two exponents: 2^6 beyond the declared reach max(|lower|, |upper|) down to
-    2^-22 of it (int columns: not below 1). From the policy alone (public), never the data; fewer
-    bins mean less noise summed over empty ones. Bounds off by more than that end at the edge bin."""
-    reach = max(abs(float(column.lower)), abs(float(column.upper)), 1.0)  # type: ignore[arg-type]
-    kmax = math.ceil(math.log2(reach)) + DP_ABOVE
-    kmin = kmax - DP_SPAN
-    return (max(0, kmin), kmax) if column.type == "int" else (kmin, kmax)
-
-
-def _bins(kmin: int, kmax: int) -> list[tuple[tuple[int, int], _Bin]]:
-    """The signed power-of-two bins in ascending order: ((sign, k), edges). k = kmin − 1 is the bin
-    next to zero, k = kmax the bin beyond ±2^kmax (infinities and NaN included)."""
-    out: list[tuple[tuple[int, int], _Bin]] = []
-    for k in range(kmax, kmin - 2, -1):  # negatives, most negative first: (−2^(k+1), −2^k]
-        high = -(2.0**k) if k >= kmin else 0.0
-        low = -(2.0 ** (k + 1)) if k < kmax else -(2.0**kmax)
-        out.append(((-1, k), _Bin(low, high)))
-    for k in range(kmin - 1, kmax + 1):  # non-negatives: [2^k, 2^(k+1))
-        low = 2.0**k if k >= kmin else 0.0
-        high = 2.0 ** (k + 1) if k < kmax else 2.0**kmax
-        out.append(((1, k), _Bin(low, high)))
-    return out
-
-
-def _dp_histogram_sql(rel: _Relation, x: str, m: int, kmin: int, kmax: int) -> str:
-    """Exact counts per (sign, k) bin of each unit's first ``m`` non-NULL values in a random order (a
-    unit's rows kept depend on its own rows and fresh randomness only). ``k`` is ⌊log2 |v|⌋ corrected
-    against exact powers of two (a rounding error moves no row out of every bin, only between two)."""
-    two = "CAST(2 AS DOUBLE PRECISION)"
-    xd = f"CAST({x} AS DOUBLE PRECISION)"
-    if rel.unit is None:
-        kept = f"SELECT {xd} AS v FROM {rel.from_sql} WHERE {x} IS NOT NULL"
-    else:
-        shuffled = f"SELECT {xd} AS v, {rel.unit} AS unit, random() AS r FROM {rel.from_sql} WHERE {x} IS NOT NULL"
-        kept = (
-            "SELECT v FROM (SELECT v, ROW_NUMBER() OVER (PARTITION BY unit ORDER BY r) AS rn "
-            f"FROM ({shuffled}) AS shuffled) AS numbered WHERE rn <= {m}"
-        )
-    k0 = (
-        f"CASE WHEN ABS(v) >= POWER({two}, {kmax}) THEN {kmax} WHEN ABS(v) < POWER({two}, {kmin}) THEN {kmin - 1} "
-        f"ELSE CAST(FLOOR(LN(ABS(v)) / LN({two})) AS INTEGER) END"
-    )
-    fixed = (
-        f"CASE WHEN k0 >= {kmin} AND k0 < {kmax} AND a < POWER({two}, k0) THEN k0 - 1 "
-        f"WHEN k0 >= {kmin - 1} AND k0 < {kmax} AND a >= POWER({two}, k0 + 1) THEN k0 + 1 ELSE k0 END"
-    )
-    return (
-        f"SELECT s, {fixed} AS k, COUNT(*) FROM (SELECT CASE WHEN v < 0 THEN -1 ELSE 1 END AS s, ABS(v) AS a, "
-        f"{k0} AS k0 FROM ({kept}) AS kept) AS binned GROUP BY s, {fixed}"
-    )
-
-
-def dp_bounds_from_counts(
-    counts: dict[tuple[int, int], int],
-    kmin: int,
-    kmax: int,
-    epsilon: float,
-    max_rows: int,
-    coverage: float = DP_COVERAGE,
-    *,
-    integer: bool = False,
-) -> tuple[float, float] | None:
-    """ε-DP bounds from exact bin counts. Exact discrete Laplace noise of scale ``max_rows/ε`` on
-    every bin (OS CSPRNG) makes the histogram ε-DP; the rest is post-processing of noisy counts and
-    public constants. From each end, the bound is the outer edge of the first bin where the noisy
-    count so far (unclipped: its noise has mean 0) exceeds ``1 − coverage`` of the noisy total by
-    :data:`DP_MARGIN` standard deviations of the noise summed so far, so that noise over empty bins
-    beyond the data rarely places a bound there. None when no bin qualifies, or when that margin
-    exceeds :data:`DP_MAX_MARGIN` tails (the bound would leave far more than ``1 − coverage`` of the
-    values outside: too few values for this ε)."""
-    from dpsql.release.samplers import discrete_laplace, laplace_rational_scale
-
-    bins = _bins(kmin, kmax)
-    scale = max_rows / epsilon
-    noise = discrete_laplace(scale, len(bins))
-    noisy = [counts.get(key, 0) + int(z) for (key, _), z in zip(bins, noise, strict=True)]
-    total = sum(noisy)
-    t, s = laplace_rational_scale(scale)
-    alpha = math.exp(-s / t)
-    variance = 2 * alpha / (1 - alpha) ** 2  # of one bin's discrete Laplace noise
-    tail = (1 - coverage) * total
-
-    def crossing(order: Iterable[tuple[_Bin, int]]) -> _Bin | None:
-        running = 0
-        for j, (edges, count) in enumerate(order, start=1):
-            margin = DP_MARGIN * math.sqrt(j * variance)
-            running += count
-            if running > tail + margin:
-                # the margin moved the crossing inward by a few tails at most, else it says little
-                return edges if margin <= DP_MAX_MARGIN * tail else None
-        return None
-
-    first = crossing(zip((b for _, b in bins), noisy, strict=True))
-    last = crossing(zip((b for _, b in reversed(bins)), reversed(noisy), strict=True))
-    if total <= 0 or first is None or last is None or first.low > last.high:
-        return None
-    lower, upper = first.low, last.high
-    if integer:
-        return float(math.floor(lower)), float(math.ceil(upper))
-    return lower, upper
-
-
-def dp_targets(policy: Policy, tables: Iterable[str]) -> list[tuple[str, str]]:
-    """(table, column) of every bounded numeric, non-identifier column of the private tables: what
-    ``--dp-bounds`` measures (the ε is split evenly over them)."""
-    return [
-        (name, col)
-        for name in tables
-        if not policy.tables[name].public
-        for col, c in policy.tables[name].columns.items()
-        if c.numeric and c.bounded and not c.identifier
-    ]
-
-
-def dp_bounds(
-    policy: Policy, backend: Any, targets: Sequence[tuple[str, str]], epsilon: float, coverage: float = DP_COVERAGE
-) -> dict[tuple[str, str], tuple[float, float] | None]:
-    """ε-DP suggested bounds for ``targets`` (ε split evenly). The caller charges ε first."""
-    out: dict[tuple[str, str], tuple[float, float] | None] = {}
-    if not targets:
-        return out
-    share = epsilon / len(targets)
-    for name, col in targets:
-        table = policy.tables[name]
-        stored = introspect.columns(backend, table.source or name) or {}
-        rel = _relation(policy, name, table, stored)
-        m = table.max_rows_per_unit if rel.unit is not None else 1
-        c = table.columns[col]
-        kmin, kmax = dp_exponents(c)
-        _, rows = backend.execute(_dp_histogram_sql(rel, rel.col(_stored(stored, col)), m, kmin, kmax))
-        counts = {(int(s), int(k)): int(n) for s, k, n in rows}
-        out[(name, col)] = dp_bounds_from_counts(counts, kmin, kmax, share, m, coverage, integer=c.type == "int")
-    return out
-
-
-def curator_name() -> str:
-    """Who a DP-bounds charge is recorded for by default: ``curator:<OS user>``."""
-    try:
-        return f"curator:{getpass.getuser()}"
-    except Exception:  # no login name (containers)
-        return "curator"
-
-
-def charge_dp_bounds(policy: Policy, ledger: Any, epsilon: float, who: str, targets: Sequence[tuple[str, str]]) -> Any:
-    """Charge ε to ``who`` and the dataset before any DP bounds are computed (refused when the
-    budget is exhausted). The audit row's shape names the columns, never a value."""
-    from dpsql.accountant import Cost
-    from dpsql.audit import AuditTrail, note_charge
-
-    reason = f"{DP_FINGERPRINT} (curator bounds suggestion): " + ", ".join(f"{t}.{c}" for t, c in targets)
-    trail = AuditTrail(ledger, policy.dataset, lambda sql: (DP_FINGERPRINT, sql))
-    try:
-        with trail.recording(reason, who):
-            return note_charge(
-                ledger.reserve(
-                    dataset=policy.dataset,
-                    analyst=who,
-                    cost=Cost(epsilon=epsilon),
-                    dataset_budget=policy.budget.dataset,
-                    analyst_budget=policy.analyst_budget(who),
-                    fingerprint=DP_FINGERPRINT,
-                    accounting=policy.budget.accounting,
-                )
-            )
-    finally:
-        trail.close()
 
 
 # --- text ----------------------------------------------------------------------------------------
@@ -822,89 +624,3 @@ def summary_findings(report: TableReport) -> tuple[str, list[tuple[tuple[str, ..
             )
     line = f"{report.name}: " + ("; ".join(parts) if parts else "nothing bounded")
     return line, warnings
-
-
-# --- the command ---------------------------------------------------------------------------------
-
-
-def cmd_policy_report(args: Any) -> int:
-    """``dpsql policy report``: print the report (text or ``--json``); with ``--dp-bounds``, charge the
-    curator's ε to the ledger first, then add DP-suggested bounds. Errors propagate to ``dpsql``'s
-    handler (``ERROR:`` lines, exit 1)."""
-    import json
-    import sys
-
-    from dpsql.errors import InvalidParameterValue, UndefinedTable
-    from dpsql.policy import load_policy
-
-    from .cli import _demo_datasets, _open_database, require_policy
-
-    path = require_policy(args, "policy report")  # never the demo's policy by default (as policy check)
-    if path is None:
-        return 1
-    policy = load_policy(path)
-    if args.database is None and policy.dataset not in _demo_datasets():
-        print(f'ERROR:  dpsql policy report needs --database for dataset "{policy.dataset}"', file=sys.stderr)
-        return 1
-    tables = args.table or list(policy.tables)
-    unknown = [t for t in tables if t not in policy.tables]
-    if unknown:
-        raise UndefinedTable(
-            f'table "{unknown[0]}" is not in the policy', hint=f"Tables: {', '.join(sorted(policy.tables))}."
-        )
-    if args.dp_bounds and not (args.epsilon is not None and math.isfinite(args.epsilon) and args.epsilon > 0):
-        raise InvalidParameterValue("--dp-bounds needs --epsilon E > 0 (charged to the curator's budget)")
-    if not 0.5 < args.coverage < 1:
-        raise InvalidParameterValue("--coverage must be between 0.5 and 1 (exclusive), e.g. 0.99")
-    backend = _open_database(args.database, policy.dataset)
-    targets: list[tuple[str, str]] = []
-    try:
-        dp = None
-        if args.dp_bounds:
-            targets = dp_targets(policy, tables)
-            if not targets:
-                raise InvalidParameterValue("no bounded numeric column to suggest bounds for")
-            from dpsql.ledger import Ledger, resolve_ledger_url
-
-            ledger = Ledger.open(resolve_ledger_url(args.ledger, policy.dataset))
-            try:
-                charge = charge_dp_bounds(policy, ledger, args.epsilon, args.charge_as or curator_name(), targets)
-            finally:
-                ledger.close()
-            print(
-                f"charged ε={args.epsilon:g} to {charge.analyst} (dataset {policy.dataset} now at "
-                f"ε={charge.dataset_spent.epsilon:g} spent)",
-                file=sys.stderr,
-            )
-            dp = dp_bounds(policy, backend, targets, args.epsilon, args.coverage)
-        report = build_report(policy, backend, tables, dp)
-    finally:
-        backend.close()
-    if args.dp_bounds:
-        report.dp_epsilon, report.dp_columns = args.epsilon, len(targets)
-    if args.json:
-        print(json.dumps(report.as_dict(), indent=2, ensure_ascii=False))
-    else:
-        sys.stdout.write(render(report))
-    return 0
-
-
-def register(psub: Any) -> None:
-    """``dpsql policy report``'s parser (called from :func:`dpsql.curator.cli.register`)."""
-    report = psub.add_parser(
-        "report", help="curator only: bias of the caps and bounds (exact, from the data) and suggested values"
-    )
-    report.add_argument("--policy", help="policy YAML (required)")
-    report.add_argument(
-        "--database", help="duckdb:///path, postgresql://… (default: the demo data, demo datasets only)"
-    )
-    report.add_argument("--table", action="append", help="a table to report on (repeatable; default: all)")
-    report.add_argument("--json", action="store_true", help="machine-readable output")
-    report.add_argument(
-        "--dp-bounds", action="store_true", help="also suggest bounds through a DP mechanism (needs --epsilon)"
-    )
-    report.add_argument("--epsilon", type=float, help="ε for --dp-bounds, charged to the ledger")
-    report.add_argument("--coverage", type=float, default=DP_COVERAGE, help="share the DP bounds keep inside")
-    report.add_argument("--ledger", help="sqlite:///abs/path or postgresql://… (default: under $DPSQL_HOME)")
-    report.add_argument("--charge-as", help="the ledger identity charged (default: curator:<OS user>)")
-    report.set_defaults(func=cmd_policy_report)

@@ -22,9 +22,12 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 from dpsql.backends import redact_url
+from dpsql.backends.duckdb import _database_path
+from dpsql.cache import database_identity
+from dpsql.engine import Engine
+from dpsql.ledger import dpsql_home, warn_about_roles
 
 from .check import check_file
 
@@ -35,8 +38,6 @@ def missing_database_file(database: str | None) -> str | None:
     """The path of a ``duckdb:///path`` that does not exist (None when the URL is fine)."""
     if not database or not database.lower().startswith("duckdb:"):
         return None
-    from dpsql.backends.duckdb import _database_path
-
     path = _database_path(database)
     if path == ":memory:" or Path(path).exists():
         return None
@@ -57,7 +58,7 @@ def refuse_missing_database(database: str | None) -> bool:
     return True
 
 
-def check_at_start(policy_path: str | Path, engine: Any) -> bool:
+def check_at_start(policy_path: str | Path, engine: Engine) -> bool:
     """Run the policy check against the engine's database; print findings; False refuses the start."""
     report = check_file(policy_path, engine.backend)
     for warning in report.warnings:
@@ -70,8 +71,6 @@ def check_at_start(policy_path: str | Path, engine: Any) -> bool:
             file=sys.stderr,
         )
         return False
-    from dpsql.ledger import warn_about_roles
-
     warn_about_roles(engine)  # a superuser or table-owner role for the ledger or the data: one WARNING line each
     return True
 
@@ -79,23 +78,20 @@ def check_at_start(policy_path: str | Path, engine: Any) -> bool:
 # --- the ledger marker ---------------------------------------------------------------------------
 
 
-def _marker_path(engine: Any) -> Path | None:
-    from dpsql.cache import database_identity
-    from dpsql.ledger import dpsql_home
-
+def _marker_path(engine: Engine) -> Path | None:
     backend = engine.backend
-    if getattr(backend, "dialect", "") == "duckdb" and getattr(backend, "path", ":memory:") == ":memory:":
-        return None  # in-memory data (the demo): nothing outlives the process
+    if backend.in_memory:  # DuckDB's in-memory database (the demo)
+        return None  # nothing outlives the process
     identity = database_identity(backend)
     digest = hashlib.sha256(f"{identity}\x1f{engine.policy.dataset}".encode()).hexdigest()[:32]
     return dpsql_home() / "markers" / f"{digest}.json"
 
 
-def _queries(engine: Any) -> int:
+def _queries(engine: Engine) -> int:
     return int(engine.ledger.spent(engine.policy.dataset).queries)
 
 
-def note_ledger(engine: Any, ledger_url: str, *, at_start: bool) -> str | None:
+def note_ledger(engine: Engine, ledger_url: str, *, at_start: bool) -> str | None:
     """Record which ledger serves this database and how many charges it holds; at start, return a
     warning when the ledger is empty but the last one recorded here for this database was not."""
     try:

@@ -20,9 +20,9 @@ from string import Template
 from typing import Any
 
 from dpsql.accountant import Allowance, Spent, remaining_budget
-from dpsql.audit import SPENT_OUTCOMES, audit_rows, parse_since
 from dpsql.errors import InvalidParameterValue
 from dpsql.ledger import LEVER_KINDS, Ledger
+from dpsql.ledger.audit_report import SPENT_OUTCOMES, audit_rows, parse_since
 from dpsql.policy import DomainReference, Policy
 
 #: Audit outcomes and curator actions the filter accepts (anything else is 22023).

@@ -7,8 +7,8 @@ LIMIT 5``, CTEs over aggregates, ``UNION ALL`` of DP queries and windows over ag
 1. every inner query is validated and priced by the ordinary engine, and the outer statement is
    bound against empty tables of the inner queries' declared columns, before anything is charged —
    so every refusal depends on the SQL and the policy only, and costs nothing;
-2. the sum of the inner costs is reserved once, durably, before any inner query runs (sequential
-   composition; one reservation, so no inner answer can be charged without the others);
+2. the inner costs, composed by the accountant (sequential composition), are reserved once, durably,
+   before any inner query runs (one reservation, so no inner answer can be charged without the others);
 3. each inner query is run and released with noise exactly as if it had been sent alone;
 4. the outer statement runs in a fresh sandbox (:mod:`.sandbox`) holding only the released rows and
    public tables, once admitted (:mod:`.admission`: memory, per-analyst share, CPU time charged), on a
@@ -27,27 +27,26 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlglot import exp
 from sqlglot.optimizer.simplify import simplify
 
 from dpsql.analyze import analyze_tree, infer_parameter_types
 from dpsql.analyze.parse import Params, bind_parameters, parse_statement, placeholder_value
-from dpsql.errors import ProgramLimitExceeded, charged_on_failure
-from dpsql.outer import run
+from dpsql.errors import ProgramLimitExceeded
 from dpsql.outer.admission import Table, post_process
 from dpsql.outer.explain import CompositeExplanation, SubPlan
+from dpsql.outer.host import Host
 from dpsql.outer.sandbox import MAX_PUBLIC_ROWS, Sandbox, outer_sql, pg_type
 from dpsql.outer.series import answer_series, describe_series, explain_series, split_series
 from dpsql.outer.shapes import Composite, decompose, needs_outer, own_aggregates, refuse_recursion
 from dpsql.pgtypes import PgType
 from dpsql.policy import PG_TYPE_NAMES, Policy
+from dpsql.prepared import Description
 from dpsql.release.accuracy import confidence as confidence_level
 from dpsql.session import OutputColumn, Result, Session
-
-if TYPE_CHECKING:
-    from dpsql.engine import Description, Engine
+from dpsql.step import Notice, NoticeKind, Part, Step
 
 __all__ = ["describe", "explain", "route"]
 
@@ -57,8 +56,10 @@ _MAYBE = re.compile(
     re.IGNORECASE,
 )
 
-POSTPROCESSED_NOTICE = "dpsql: confidence intervals are not computed for post-processed columns"
-PROBE_NOTICE = "dpsql: the query cannot return rows (LIMIT 0 or a false WHERE); nothing charged"
+POSTPROCESSED_NOTICE = Notice("dpsql: confidence intervals are not computed for post-processed columns")
+PROBE_NOTICE = Notice(
+    "dpsql: the query cannot return rows (LIMIT 0 or a false WHERE); nothing charged", NoticeKind.FREE
+)
 
 
 def _constant_false(where: exp.Expression) -> bool:
@@ -129,7 +130,7 @@ def _parse(sql: str, params: Params, tree: exp.Expression | None = None) -> exp.
 
 
 def route(
-    engine: Engine, sql: str, session: Session, params: Params = None, parsed: exp.Expression | None = None
+    engine: Host, sql: str, session: Session, params: Params = None, parsed: exp.Expression | None = None
 ) -> Result | None:
     """Answer ``sql`` (``parsed``: its tree, if already parsed) when it is a schema probe or a composite
     statement; None: the engine's usual path.
@@ -137,7 +138,7 @@ def route(
     A text without parameters found to be neither is remembered (:meth:`Statements.mark_plain`), so a
     repeated plain query costs a dict lookup here, not a copy of its tree. With parameters, a probe
     can depend on their values (``LIMIT $1``), so nothing is remembered."""
-    statements = engine._statements
+    statements = engine.statements
     if statements.plain(sql):
         return None
     if parsed is not None and _plain(sql, parsed, engine.policy):
@@ -166,11 +167,11 @@ def route(
 
 
 def explain(
-    engine: Engine, sql: str, session: Session, params: Params = None, parsed: exp.Expression | None = None
+    engine: Host, sql: str, session: Session, params: Params = None, parsed: exp.Expression | None = None
 ) -> CompositeExplanation | None:
     """EXPLAIN of a composite statement: every DP query priced and explained, the outer statement bound
     (so EXPLAIN refuses what execution would), nothing run or charged. None: not a composite."""
-    if engine._statements.plain(sql):
+    if engine.statements.plain(sql):
         return None
     tree = _parse(sql, params, parsed)
     if tree is None or not needs_outer(tree, engine.policy):
@@ -184,7 +185,7 @@ def explain(
         return None
     prepared = [engine.prepare(inner.sql, session) for inner in composite.inners]
     _shape(engine, composite, [_inner_columns([o.column for o in p.plan.outputs]) for p in prepared])
-    cost = run.total([run.Part(p) for p in prepared])
+    cost = Step.total([Part(p) for p in prepared])
     subplans = [
         SubPlan(f"DP sub-query, released as {inner.table}", engine.explain(inner.sql, session))
         for inner in composite.inners
@@ -195,10 +196,8 @@ def explain(
     )
 
 
-def describe(engine: Engine, sql: str, session: Session, parsed: exp.Expression | None = None) -> Description | None:
+def describe(engine: Host, sql: str, session: Session, parsed: exp.Expression | None = None) -> Description | None:
     """Columns and parameter types of a probe or composite statement, spending nothing (None: not one)."""
-    from dpsql.engine import Description
-
     if not _MAYBE.search(sql):
         return None
     tree = parse_statement(sql) if parsed is None else parsed.copy()
@@ -226,7 +225,7 @@ def describe(engine: Engine, sql: str, session: Session, parsed: exp.Expression 
     return Description(_shape(engine, composite, inputs), param_types)
 
 
-def deadline(engine: Engine) -> float | None:
+def deadline(engine: Host) -> float | None:
     """When a statement starting now must end (:func:`time.monotonic`): the engine's statement timeout,
     the one its backend applies to every database statement (None: no timeout)."""
     timeout_ms = getattr(engine.backend, "statement_timeout_ms", None)
@@ -248,14 +247,14 @@ def _inner_columns(columns: list[OutputColumn]) -> list[OutputColumn]:
     return out
 
 
-def _public_columns(engine: Engine, name: str) -> list[tuple[str, PgType]]:
+def _public_columns(engine: Host, name: str) -> list[tuple[str, PgType]]:
     table = engine.policy.table(name)
     assert table is not None
     return [(c, PG_TYPE_NAMES[col.type]) for c, col in table.columns.items() if not col.identifier]
 
 
 def _shape(
-    engine: Engine, composite: Composite, inputs: list[list[OutputColumn]], ends: float | None = None
+    engine: Host, composite: Composite, inputs: list[list[OutputColumn]], ends: float | None = None
 ) -> list[OutputColumn]:
     """Bind the outer statement to empty tables of the inner and public columns: its output columns,
     or its error, known from the SQL and the policy alone (nothing has been read or charged)."""
@@ -286,11 +285,11 @@ def _shape(
     return out
 
 
-def answer(engine: Engine, composite: Composite, session: Session, sql: str) -> Result:
+def answer(engine: Host, composite: Composite, session: Session, sql: str) -> Result:
     """Validate and price every inner query and the outer statement, reserve the total of the inner
-    queries not already released (:mod:`.run`: the result cache) once, release them, then post-process
-    the released rows in the sandbox, interrupted at the statement's deadline (57014, charged: the
-    budget was reserved, as for a database statement that times out)."""
+    queries not already released (the DP step of :mod:`dpsql.step`: the result cache first) once,
+    release them, then post-process the released rows in the sandbox, interrupted at the statement's
+    deadline (57014, charged: the budget was reserved, as for a database statement that times out)."""
     ends = deadline(engine)
     prepared = [engine.prepare(inner.sql, session) for inner in composite.inners]
     confidence = confidence_level(engine.policy, session)
@@ -298,11 +297,11 @@ def answer(engine: Engine, composite: Composite, session: Session, sql: str) -> 
     columns = _shape(engine, composite, inputs, ends)
     if composite.limit_zero:
         return _empty(columns)
-    parts = [run.lookup(engine, p, confidence) for p in prepared]
-    cost = run.total(parts)
-    charge = run.reserve(engine, cost, session, sql)
-    with charged_on_failure(cost.epsilon if charge is not None and cost is not None else 0.0):
-        released = [run.release(engine, part, confidence) for part in parts]
+    step = engine.step
+    parts = [step.lookup(p, confidence) for p in prepared]
+    cost = step.total(parts)
+    with step.reserved(cost, session, engine.fingerprint(sql)) as charge:
+        released = [step.release(part, confidence) for part in parts]
         tables: list[Table] = [
             (inner.table, [(c.name, c.type) for c in cols], result.rows)
             for inner, cols, result in zip(composite.inners, inputs, released, strict=True)
@@ -312,12 +311,12 @@ def answer(engine: Engine, composite: Composite, session: Session, sql: str) -> 
         values = post_process(session.analyst, ends, tables, outer_sql(composite.outer), kinds)
     exact = tuple(None for _ in columns)
     result = Result(columns, values, [exact] * len(values), 0.0, 0.0)
-    run.charged_notice(engine, result, cost, charge, session, parts)
+    step.notice(result, cost, charge, session, parts)
     result.notices.append(POSTPROCESSED_NOTICE)
     return result
 
 
-def _read_public(engine: Engine, name: str) -> tuple[list[tuple[str, PgType]], list[tuple[Any, ...]]]:
+def _read_public(engine: Host, name: str) -> tuple[list[tuple[str, PgType]], list[tuple[Any, ...]]]:
     """A public table's declared columns, read from the backend (public by policy: no noise needed)."""
     table = engine.policy.table(name)
     assert table is not None
@@ -325,7 +324,7 @@ def _read_public(engine: Engine, name: str) -> tuple[list[tuple[str, PgType]], l
     source = table.source or name
     where = exp.to_table(source) if "." in source else exp.to_table(source, quoted=True)
     select = exp.select(*(exp.column(c, quoted=True) for c, _ in columns)).from_(where)
-    rows = engine._run(select.limit(MAX_PUBLIC_ROWS + 1).sql(dialect=engine.backend.dialect))
+    rows = engine.step.query(engine.backend.render(select.limit(MAX_PUBLIC_ROWS + 1)))
     if len(rows) > MAX_PUBLIC_ROWS:
         raise ProgramLimitExceeded(f'public table "{name}" has more than {MAX_PUBLIC_ROWS} rows')
     return columns, rows

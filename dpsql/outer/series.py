@@ -30,7 +30,7 @@ The privacy argument, in order:
    and whether the list is empty depends on noise). Errors after the charge (the list too long
    for the group cap) depend on released keys only.
 
-Each DP part is looked up in the result cache first (:mod:`.run`), so an exact repeat is free.
+Each DP part is looked up in the result cache first (:mod:`dpsql.step`), so an exact repeat is free.
 """
 
 from __future__ import annotations
@@ -40,25 +40,24 @@ import decimal
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlglot import exp
 
+from dpsql.accountant import Cost
 from dpsql.analyze import analyze_tree
 from dpsql.analyze.parse import Params, parse_statement
-from dpsql.analyze.sources import ident_name
-from dpsql.errors import FeatureNotSupported, InternalError, SyntaxError_, charged_on_failure
-from dpsql.outer import run
+from dpsql.errors import FeatureNotSupported, InternalError, SyntaxError_
+from dpsql.ledger import Charge
 from dpsql.outer.explain import CompositeExplanation, SubPlan
+from dpsql.outer.host import Host
 from dpsql.outer.shapes import own_aggregates, pg_name
+from dpsql.plan import Plan
+from dpsql.plan.sources import ident_name
+from dpsql.prepared import Prepared
 from dpsql.release.accuracy import confidence as confidence_level
 from dpsql.session import OutputColumn, Result, Session
-
-if TYPE_CHECKING:
-    from dpsql.accountant import Cost
-    from dpsql.engine import Engine, Prepared
-    from dpsql.ledger import Charge
-    from dpsql.plan import Plan
+from dpsql.step import Notice, Part, Step
 
 __all__ = ["Series", "answer_series", "describe_series", "explain_series", "split_series"]
 
@@ -225,7 +224,7 @@ def _stand_in(inner: Plan, series: Series) -> list[tuple[Any, ...]]:
     return [tuple(_STAND_IN.get(t, "") for t in types)]
 
 
-def describe_series(engine: Engine, series: Series) -> list[OutputColumn]:
+def describe_series(engine: Host, series: Series) -> list[OutputColumn]:
     """The outer query's columns, from the SQL and the policy alone (nothing run or charged)."""
     inner = analyze_tree(parse_statement(series.inner), engine.policy)
     outer = analyze_tree(parse_statement(series.outer_sql(_stand_in(inner, series))), engine.policy)
@@ -261,13 +260,14 @@ def _only_listed(result: Result, series: Series, keys: list[tuple[Any, ...]], ou
     result.accuracy = [result.accuracy[i] for i in kept]
 
 
-def answer_series(engine: Engine, series: Series, session: Session, sql: str) -> Result:
+def answer_series(engine: Host, series: Series, session: Session, sql: str) -> Result:
     """Price the inner and (with stand-in keys) the outer, reserve both at once, release the inner,
     then the outer restricted to its released keys (see the module's privacy argument)."""
     inner = engine.prepare(series.inner, session)  # refused exactly as the sub-query alone would be
     stand_in = engine.prepare(series.outer_sql(_stand_in(inner.plan, series)), session)
     confidence = confidence_level(engine.policy, session)
-    first = run.lookup(engine, inner, confidence)
+    step = engine.step
+    first = step.lookup(inner, confidence)
     parts = [first]
     outer: Prepared | None = None
     keys: list[tuple[Any, ...]] | None = None
@@ -275,22 +275,21 @@ def answer_series(engine: Engine, series: Series, session: Session, sql: str) ->
         keys = _keys(first.hit.rows, series)
         if keys:
             outer = engine.prepare(series.outer_sql(keys), session)
-            parts.append(run.lookup(engine, outer, confidence))
+            parts.append(step.lookup(outer, confidence))
     else:
-        parts.append(run.Part(stand_in))
-    cost = run.total(parts)
-    charge = run.reserve(engine, cost, session, sql)
-    with charged_on_failure(cost.epsilon if charge is not None and cost is not None else 0.0):
+        parts.append(Part(stand_in))
+    cost = step.total(parts)
+    with step.reserved(cost, session, engine.fingerprint(sql)) as charge:
         return _released_series(engine, series, session, confidence, parts, first, keys, outer, stand_in, cost, charge)
 
 
 def _released_series(
-    engine: Engine,
+    engine: Host,
     series: Series,
     session: Session,
     confidence: float,
-    parts: list[run.Part],
-    first: run.Part,
+    parts: list[Part],
+    first: Part,
     keys: list[tuple[Any, ...]] | None,
     outer: Prepared | None,
     stand_in: Prepared,
@@ -298,37 +297,39 @@ def _released_series(
     charge: Charge | None,
 ) -> Result:
     """Release the ranking and the outer query, after their one reservation."""
-    released = run.release(engine, first, confidence)
+    step = engine.step
+    released = step.release(first, confidence)
     if keys is None:
         keys = _keys(released.rows, series)
         if keys:
             outer = engine.prepare(series.outer_sql(keys), session)
-            parts[1] = run.lookup(engine, outer, confidence)  # reserved; a stored release of these keys is reused
+            parts[1] = step.lookup(outer, confidence)  # reserved; a stored release of these keys is reused
     if outer is None:
         columns = [o.column for o in stand_in.plan.outputs]
         result = Result(columns, [], [], 0.0, 0.0)
     else:
         if outer.budgeting.cost != stand_in.budgeting.cost:  # priced before the charge: must not change
             raise InternalError("the series-limit query's cost changed with its released keys")
-        released = run.release(engine, parts[1], confidence)
-        notices = [n for n in released.notices if "charged" not in n and "result cache" not in n]
+        released = step.release(parts[1], confidence)
+        # the part's own charge (or cache) notice dropped: this statement's is added below
+        notices = [n for n in map(Notice.of, released.notices) if not n.budget]
         result = Result(list(released.columns), list(released.rows), list(released.accuracy), 0.0, 0.0)
         result.notices.extend(notices)
         _only_listed(result, series, keys, outer)
-    run.charged_notice(engine, result, cost, charge, session, parts)
+    step.notice(result, cost, charge, session, parts)
     result.notices.append(
-        f'dpsql: series limit: {len(keys)} series chosen by the DP sub-query "{series.name}", released first'
+        Notice(f'dpsql: series limit: {len(keys)} series chosen by the DP sub-query "{series.name}", released first')
     )
     return result
 
 
-def explain_series(engine: Engine, series: Series, session: Session, params: Params = None) -> CompositeExplanation:
+def explain_series(engine: Host, series: Series, session: Session, params: Params = None) -> CompositeExplanation:
     """EXPLAIN of a series limit: the ranking and the outer query (with its stand-in keys), each priced
     as execution prices them, their sum reserved together; nothing run or charged."""
     inner = engine.prepare(series.inner, session)
     stand_in = series.outer_sql(_stand_in(inner.plan, series))
     outer = engine.prepare(stand_in, session)
-    cost = run.total([run.Part(inner), run.Part(outer)])
+    cost = Step.total([Part(inner), Part(outer)])
     keys = ", ".join(k.sql(dialect="postgres") for k in series.keys)
     subplans = [
         SubPlan(

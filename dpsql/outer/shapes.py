@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 from sqlglot import exp
 
-from dpsql.analyze.sources import ident_name
 from dpsql.errors import FeatureNotSupported, UndefinedTable
+from dpsql.plan.sources import ident_name
 from dpsql.policy import Policy
 
 #: Functions refused in the outer statement (0A000, before anything is charged): they make rows

@@ -16,6 +16,7 @@ from typing import Any
 
 from sqlglot import exp
 
+from dpsql.aggregates import RELEASE_FUNCTIONS
 from dpsql.errors import DivisionByZero, FeatureNotSupported, InvalidParameterValue
 
 Env = Mapping[str, Any]
@@ -55,8 +56,6 @@ def _release_function(node: exp.Expression) -> Callable[..., Any] | None:
     """The function an aggregate registered for combining its measures (``dp_avg``, ``dp_variance``…)."""
     if not isinstance(node, exp.Anonymous):
         return None
-    from dpsql.aggregates import RELEASE_FUNCTIONS  # the aggregates import the release stage
-
     return RELEASE_FUNCTIONS.get(node.name.lower())
 
 

@@ -1,6 +1,7 @@
-"""Noise mechanisms: exact CSPRNG integer samplers, calibration, release and accuracy helpers."""
+"""The release stage: noise applied to measured rows. Re-exports the noise primitives of
+:mod:`dpsql.noise` under their historical names (``from dpsql.release import release``)."""
 
-from dpsql.release.mechanisms import (
+from dpsql.noise.mechanisms import (
     NoiseSpec,
     cdp_delta,
     check_samplable,
@@ -15,7 +16,7 @@ from dpsql.release.mechanisms import (
     sample_noise,
     snap,
 )
-from dpsql.release.samplers import discrete_gaussian, discrete_laplace, laplace_rational_scale
+from dpsql.noise.samplers import discrete_gaussian, discrete_laplace, laplace_rational_scale
 
 __all__ = [
     "NoiseSpec",

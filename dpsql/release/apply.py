@@ -20,10 +20,9 @@ import numpy as np
 from dpsql.aggregates import Selection
 from dpsql.analyze.randomized import LocalQuery
 from dpsql.errors import FeatureNotSupported
+from dpsql.noise.mechanisms import half_width, release
 from dpsql.plan import Plan
 from dpsql.release.calibrate import Budgeting
-from dpsql.release.mechanisms import half_width, release
-from dpsql.rewrite import centre_rows
 
 #: Largest cross product of public key domains released in one query.
 MAX_PUBLIC_GROUPS = 1_000_000
@@ -44,6 +43,23 @@ class Released(NamedTuple):
     rows: list[tuple[Any, ...]]
     columns: list[list[Any]]
     widths: list[list[float | None]]
+
+
+def centre_rows(plan: Plan, rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """Rows of the measurement query with each ``m<i> − centre·z<i>`` folded in and the ``z`` columns
+    dropped (the ``z<i>`` counts come from :func:`dpsql.rewrite.centre.centre_sums`). Exact arithmetic
+    on the raw measures, before noise: the released sum is that of the centred values."""
+    centred = plan.post_centred()
+    if not centred:
+        return rows
+    width = len(plan.keys) + len(plan.measures)
+    columns = [list(c) for c in zip(*rows, strict=True)] if rows else [[] for _ in range(width + len(centred))]
+    for z, i in enumerate(centred, start=width):
+        measure, c = plan.measures[i], plan.measures[i].centre
+        centre = int(c) if measure.integer and float(c).is_integer() else c
+        m = len(plan.keys) + i
+        columns[m] = [(v or 0) - centre * n for v, n in zip(columns[m], columns[z], strict=True)]
+    return list(zip(*columns[:width], strict=True))
 
 
 def apply(

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 from dpsql.accountant import Cost
 from dpsql.errors import InvalidParameterValue
+from dpsql.noise.mechanisms import MECHANISMS, NoiseSpec, check_samplable, mechanism_names
 from dpsql.plan import Plan, integer_valued
 from dpsql.policy import Policy
-from dpsql.release.mechanisms import MECHANISMS, NoiseSpec, check_samplable, mechanism_names
 from dpsql.release.selection import selection_threshold
 from dpsql.session import Session
 

@@ -5,7 +5,7 @@ is rounded to two significant digits of its half-width (the resolution r = 10^(â
 h/10), and the half-width is rounded *up* to a multiple of r (never narrower than computed). A noisy
 float without an interval (a ratio, a correlation) keeps six significant digits. Integer cells
 (counts, integer sums), keys, NULLs and exact cells (half-width 0) are left as they are; quantile
-values are already grid values (:meth:`dpsql.release.selection.QuantileGrid.value`).
+values are already grid values (:meth:`dpsql.noise.exponential.QuantileGrid.value`).
 
 Privacy: a deterministic function of released values and public half-widths (post-processing): it
 costs nothing and reveals nothing more. Applied by the engine to the answer a session receives,

@@ -4,9 +4,10 @@ The generated query computes only the plan's measures (counts and clamped, possi
 centred, sums) per group key. Passes run in the order of ``REWRITE_PASSES``, each
 ``(select, plan) -> select`` (building on the select it is given), one module per pass, and the
 result is transpiled to the backend's dialect. Keys are aliased ``k<i>`` and measures ``m<i>`` so
-release code never parses names; a centred sum also reads ``z<i>`` (its exact count), folded into
-``m<i>`` by :func:`centre_rows` before noise. A selection measure's histogram query replaces the
-measure passes with :func:`~dpsql.rewrite.histogram.select_histogram` and runs the row passes.
+release code never parses names; a centred sum also reads ``z<i>`` (its exact count), folded
+into ``m<i>`` by :func:`dpsql.release.apply.centre_rows` before noise. A selection measure's
+histogram query replaces the measure passes with :func:`~dpsql.rewrite.histogram.select_histogram`
+and runs the row passes.
 """
 
 from __future__ import annotations
@@ -14,11 +15,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from sqlglot import exp
-from sqlglot.dialects.dialect import DialectType
 
 from dpsql.plan import Plan
 from dpsql.rewrite.bounding import bound_contributions
-from dpsql.rewrite.centre import centre_rows, centre_sums
+from dpsql.rewrite.centre import centre_sums
 from dpsql.rewrite.clamp import clamp_inputs
 from dpsql.rewrite.coalesce import coalesce_sums
 from dpsql.rewrite.filter import filter_rows
@@ -31,7 +31,6 @@ __all__ = [
     "MEASURE_PASSES",
     "REWRITE_PASSES",
     "ROW_PASSES",
-    "centre_rows",
     "histogram_queries",
     "histogram_query",
     "rewrite",
@@ -64,9 +63,10 @@ def histogram_query(plan: Plan, index: int, bins: int | None = None) -> exp.Sele
     return select
 
 
-def histogram_queries(plan: Plan, dialect: DialectType) -> list[tuple[int, str]]:
-    """(measure index, SQL) of the histogram each selection (quantile, mode) measure is chosen from."""
-    return [(i, histogram_query(plan, i).sql(dialect=dialect)) for i, m in enumerate(plan.measures) if m.selected]
+def histogram_queries(plan: Plan, render: Callable[[exp.Expression], str]) -> list[tuple[int, str]]:
+    """(measure index, SQL) of the histogram each selection (quantile, mode) measure is chosen from,
+    rendered by the backend (``Backend.render``)."""
+    return [(i, render(histogram_query(plan, i))) for i, m in enumerate(plan.measures) if m.selected]
 
 
 def to_sql(plan: Plan, dialect: str) -> str:

@@ -22,15 +22,11 @@ def key_column(plan: Plan, index: int) -> exp.Expression:
     return exp.column(key.column, table=key.table, quoted=True)
 
 
-def key_input_columns(plan: Plan) -> set[str]:
-    """SQL of every column the keys read (the columns themselves, or those inside key expressions)."""
-    return {column.sql() for i in range(len(plan.keys)) for column in key_column(plan, i).find_all(exp.Column)}
-
-
 def sum_argument(select: exp.Select, index: int) -> exp.Expression:
     aggregate = select.expressions[index].this
     assert isinstance(aggregate, exp.Sum)
-    return aggregate.this
+    argument: exp.Expression = aggregate.this
+    return argument
 
 
 def literal_number(value: float | None) -> exp.Expression:

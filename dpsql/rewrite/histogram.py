@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from sqlglot import exp
 
+from dpsql.aggregates import Selection
 from dpsql.analyze.expressions import clamp_sql
-from dpsql.analyze.sources import from_node
+from dpsql.noise.exponential import QuantileGrid
 from dpsql.plan import Plan
-from dpsql.release.selection import QuantileGrid, quantile_grid
+from dpsql.plan.sources import from_node
 from dpsql.rewrite._sql import key_column, literal_number, measure_input
 
 
@@ -33,8 +34,8 @@ def _cell(column: exp.Expression, grid: QuantileGrid) -> exp.Expression:
 
 
 def select_histogram(plan: Plan, index: int, bins: int | None = None) -> exp.Select:
-    """Counts per group key of a quantile measure's clamped values in the cells of its
-    :func:`~dpsql.release.selection.quantile_grid` (or ``bins`` equal cells when given), or of a
+    """Counts per group key of a quantile measure's clamped values in the cells of its grid
+    (:meth:`dpsql.aggregates.Selection.grid`; or ``bins`` equal cells when given), or of a
     mode measure's values: keys ``k<i>``, cell ``b`` and count ``n`` over the sources.
 
     The row passes then filter, group and bound it per unit like the main query; the exponential
@@ -42,13 +43,14 @@ def select_histogram(plan: Plan, index: int, bins: int | None = None) -> exp.Sel
     """
     measure = plan.measures[index]
     column = measure_input(measure)
-    if measure.domain is not None:  # chosen among public candidates (mode): the values are the bins
+    selection = measure.aggregate
+    assert isinstance(selection, Selection)
+    grid = selection.grid(measure)
+    if grid is None:  # chosen among public candidates (mode): the values are the bins
         bin_ = column
     else:
-        assert measure.lower is not None and measure.upper is not None
-        grid = quantile_grid(measure.lower, measure.upper, measure.integer)
         if bins is not None:
-            grid = QuantileGrid(measure.lower, measure.upper, bins, False)
+            grid = QuantileGrid(grid.lower, grid.upper, bins, False)
         bin_ = _cell(column, grid)
     keys = [key_column(plan, i) for i in range(len(plan.keys))]
     select = exp.select(

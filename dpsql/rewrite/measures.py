@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from sqlglot import exp
 
-from dpsql.analyze.sources import from_node
 from dpsql.plan import Measure, Plan
+from dpsql.plan.sources import from_node
 from dpsql.rewrite._sql import key_column, measure_input
 
 

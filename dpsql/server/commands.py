@@ -1,7 +1,7 @@
 """Session commands the connection answers itself, and the transaction status they drive.
 
 dpsql is read-only, so a transaction is bookkeeping only: :class:`TxStatus` (PostgreSQL's
-ReadyForQuery I/T/E) plus the savepoint names. Each :class:`~.local.Action` has one handler in
+ReadyForQuery I/T/E) plus the savepoint names. Each :class:`~.answers.Action` has one handler in
 :data:`SessionCommands.handlers`; ``SET``/``SHOW`` go through the session's :class:`Settings`.
 
 Cursors (``DECLARE``, run by the connection) are the *released* rows of one query, kept here:
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
+from dpsql.budget_view import BUDGET_COLUMNS, own_budget
 from dpsql.errors import (
     ActiveTransaction,
     FailedTransaction,
@@ -27,7 +28,7 @@ from dpsql.errors import (
 )
 from dpsql.pgtypes import PG_TYPE_OIDS, TEXT
 
-from .local import Action, FetchSpec, LocalCommand
+from .answers import Action, FetchSpec, SessionCommand
 from .memory import HeldStore
 from .protocol import Diagnostic, FieldDescription
 from .results import Outcome
@@ -36,8 +37,8 @@ from .types import encode_value
 if TYPE_CHECKING:
     from dpsql.engine import Engine
 
-    from .extended import Portal, Statement
-    from .local import Settings
+    from .answers import Settings
+    from .extended import PlannedStatement, Portal
 
 SHOW_ALL_COLUMNS = ("name", "setting", "description")
 #: ``SHOW dpsql.budget``: the connected analyst's own budget row (see :mod:`dpsql.budget_view`).
@@ -105,9 +106,9 @@ class Cursor:
 
 
 class SessionCommands:
-    """Transaction status, savepoints and the handlers of the statements in :mod:`.local`."""
+    """Transaction status, savepoints and the handlers of the statements in :mod:`.answers`."""
 
-    def __init__(self, statements: dict[str, Statement], portals: dict[str, Portal]) -> None:
+    def __init__(self, statements: dict[str, PlannedStatement], portals: dict[str, Portal]) -> None:
         self.tx = TxStatus.IDLE
         self.savepoints: list[str] = []
         self.settings: Settings | None = None
@@ -119,7 +120,7 @@ class SessionCommands:
         #: Open cursors by name (DECLARE: the connection runs the query and adds them here, with the
         #: bytes of their rows: given back however a cursor closes, see :mod:`.memory`).
         self.cursors: HeldStore[str, Cursor] = HeldStore()
-        self.handlers: dict[Action, Callable[[LocalCommand], Outcome | None]] = {
+        self.handlers: dict[Action, Callable[[SessionCommand], Outcome | None]] = {
             Action.NOOP: lambda cmd: None,
             Action.SET: self.set,
             Action.RESET: self.reset,
@@ -155,25 +156,23 @@ class SessionCommands:
             else:
                 del self.cursors[name]
 
-    def check_not_failed(self, command: LocalCommand | None) -> None:
+    def check_not_failed(self, command: SessionCommand | None) -> None:
         allowed = command is not None and command.action in (Action.COMMIT, Action.ROLLBACK, Action.ROLLBACK_TO)
         if self.tx is TxStatus.FAILED and not allowed:
             raise FailedTransaction("current transaction is aborted, commands ignored until end of transaction block")
 
     # -- dispatch ------------------------------------------------------------------------------------
 
-    def run(self, cmd: LocalCommand) -> Outcome:
+    def run(self, cmd: SessionCommand) -> Outcome:
         assert self.settings is not None
         return self.handlers[cmd.action](cmd) or Outcome(None, [], cmd.tag)
 
-    def fields(self, cmd: LocalCommand, settings: Settings) -> list[FieldDescription] | None:
+    def fields(self, cmd: SessionCommand, settings: Settings) -> list[FieldDescription] | None:
         """The columns a command returns (Describe), None for none."""
         if cmd.action is Action.FETCH:
             cursor = self.cursors.get(cmd.name)
             return cursor.fields if cursor is not None else None
         if cmd.action is Action.SHOW and cmd.name.lower() == SHOW_BUDGET:
-            from dpsql.budget_view import BUDGET_COLUMNS
-
             return [FieldDescription(name, PG_TYPE_OIDS[type_]) for name, type_ in BUDGET_COLUMNS]
         if cmd.action is Action.SHOW:
             return [FieldDescription(settings.canonical(cmd.name), TEXT)]
@@ -183,7 +182,7 @@ class SessionCommands:
 
     # -- settings ------------------------------------------------------------------------------------
 
-    def set(self, cmd: LocalCommand) -> Outcome:
+    def set(self, cmd: SessionCommand) -> Outcome:
         assert self.settings is not None
         reported = self.settings.set(cmd.name, cmd.value)
         out = Outcome(None, [], "SET")
@@ -191,30 +190,29 @@ class SessionCommands:
             out.status.append((reported, self.settings.values[reported]))
         return out
 
-    def reset(self, cmd: LocalCommand) -> Outcome:
-        return self.set(LocalCommand(Action.SET, "RESET", cmd.name, None))
+    def reset(self, cmd: SessionCommand) -> Outcome:
+        return self.set(SessionCommand(Action.SET, "RESET", cmd.name, None))
 
-    def reset_all(self, cmd: LocalCommand) -> Outcome:
+    def reset_all(self, cmd: SessionCommand) -> Outcome:
         assert self.settings is not None
         changed = self.settings.reset_all()
         return Outcome(None, [], cmd.tag, status=[(k, self.settings.values[k]) for k in changed])
 
-    def show(self, cmd: LocalCommand) -> Outcome:
+    def show(self, cmd: SessionCommand) -> Outcome:
         assert self.settings is not None
         if cmd.name.lower() == SHOW_BUDGET and self.engine is not None:
-            from dpsql.budget_view import own_budget  # the analyst's own figures only; the ledger, not the data
-
+            # the analyst's own figures only; the ledger, not the data
             row = own_budget(self.engine.ledger, self.engine.policy, self.settings.session.analyst)
             return Outcome(self.fields(cmd, self.settings), [row], "SHOW")
         value = self.settings.get(cmd.name)
         return Outcome(self.fields(cmd, self.settings), [(value,)], "SHOW")
 
-    def show_all(self, cmd: LocalCommand) -> Outcome:
+    def show_all(self, cmd: SessionCommand) -> Outcome:
         assert self.settings is not None
         rows = [(k, v, "") for k, v in sorted(self.settings.values.items(), key=lambda kv: kv[0].lower())]
         return Outcome(self.fields(cmd, self.settings), rows, "SHOW")
 
-    def discard_all(self, cmd: LocalCommand) -> Outcome:
+    def discard_all(self, cmd: SessionCommand) -> Outcome:
         if self.tx is not TxStatus.IDLE:
             raise ActiveTransaction("DISCARD ALL cannot run inside a transaction block")
         out = self.reset_all(cmd)
@@ -225,7 +223,7 @@ class SessionCommands:
 
     # -- transactions --------------------------------------------------------------------------------
 
-    def begin(self, cmd: LocalCommand) -> Outcome:
+    def begin(self, cmd: SessionCommand) -> Outcome:
         out = Outcome(None, [], "BEGIN")
         if self.tx is not TxStatus.IDLE:
             out.notices.append(_warning("25001", "there is already a transaction in progress"))
@@ -233,14 +231,14 @@ class SessionCommands:
             self.tx, self.savepoints = TxStatus.IN_TRANSACTION, []
         return out
 
-    def commit(self, cmd: LocalCommand) -> Outcome:
+    def commit(self, cmd: SessionCommand) -> Outcome:
         out = Outcome(None, [], "ROLLBACK" if self.tx is TxStatus.FAILED else "COMMIT")
         if self.tx is TxStatus.IDLE:
             out.notices.append(_warning("25P01", "there is no transaction in progress"))
         self._end(commit=self.tx is TxStatus.IN_TRANSACTION)
         return out
 
-    def rollback(self, cmd: LocalCommand) -> Outcome:
+    def rollback(self, cmd: SessionCommand) -> Outcome:
         out = Outcome(None, [], "ROLLBACK")
         if self.tx is TxStatus.IDLE:
             out.notices.append(_warning("25P01", "there is no transaction in progress"))
@@ -254,24 +252,24 @@ class SessionCommands:
             raise InvalidSavepoint(f'savepoint "{name}" does not exist')
         return len(self.savepoints) - 1 - self.savepoints[::-1].index(name)
 
-    def rollback_to(self, cmd: LocalCommand) -> None:
+    def rollback_to(self, cmd: SessionCommand) -> None:
         index = self._find_savepoint(cmd.name, "ROLLBACK TO SAVEPOINT")
         self.savepoints = self.savepoints[: index + 1]
         self.tx = TxStatus.IN_TRANSACTION
         for name in [n for n, c in self.cursors.items() if c.depth > index]:  # declared after the savepoint
             del self.cursors[name]
 
-    def savepoint(self, cmd: LocalCommand) -> None:
+    def savepoint(self, cmd: SessionCommand) -> None:
         if self.tx is TxStatus.IDLE:
             raise NoActiveTransaction("SAVEPOINT can only be used in transaction blocks")
         self.savepoints.append(cmd.name)
 
-    def release(self, cmd: LocalCommand) -> None:
+    def release(self, cmd: SessionCommand) -> None:
         self.savepoints = self.savepoints[: self._find_savepoint(cmd.name, "RELEASE SAVEPOINT")]
 
     # -- cursors and prepared statements ---------------------------------------------------------------
 
-    def close(self, cmd: LocalCommand) -> None:
+    def close(self, cmd: SessionCommand) -> None:
         if cmd.tag == "CLOSE CURSOR ALL":
             self.cursors.clear()
         elif self.cursors.pop(cmd.name, None) is None:
@@ -283,17 +281,17 @@ class SessionCommands:
             raise InvalidCursorName(f'cursor "{name}" does not exist')
         return cursor
 
-    def fetch(self, cmd: LocalCommand) -> Outcome:
+    def fetch(self, cmd: SessionCommand) -> Outcome:
         assert cmd.fetch is not None
         cursor = self.cursor(cmd.name)
         rows = cursor.step(cmd.fetch)
         return Outcome(cursor.fields, rows, f"FETCH {len(rows)}", encoded=cursor.encoded)
 
-    def move(self, cmd: LocalCommand) -> Outcome:
+    def move(self, cmd: SessionCommand) -> Outcome:
         assert cmd.fetch is not None
         return Outcome(None, [], f"MOVE {len(self.cursor(cmd.name).step(cmd.fetch))}")
 
-    def declared(self, name: str, outcome: Outcome, cmd: LocalCommand) -> Outcome:
+    def declared(self, name: str, outcome: Outcome, cmd: SessionCommand) -> Outcome:
         """Keep a DECLAREd query's released rows as cursor ``name``; BINARY cursors hold them encoded."""
         assert outcome.fields is not None and cmd.declare is not None
         fields, rows = outcome.fields, outcome.rows
@@ -314,7 +312,7 @@ class SessionCommands:
         )
         return Outcome(None, [], "DECLARE CURSOR", notices=outcome.notices, epsilon=0.0)
 
-    def deallocate(self, cmd: LocalCommand) -> None:
+    def deallocate(self, cmd: SessionCommand) -> None:
         if cmd.tag == "DEALLOCATE ALL":
             for name in [k for k in self.statements if k]:
                 del self.statements[name]

@@ -2,10 +2,12 @@
 
 A small state machine: :mod:`.startup` (SSL/GSSENC negotiation, cancel requests,
 StartupMessage, SCRAM or trust) → ready (message loop). Every statement is first *planned*
-(:class:`~.extended.Statement`: empty / local / table-free / catalog / engine / mixed) and then
-run; planning never runs a query, so Describe never spends budget. Engine and catalog work runs
-in the server's thread pool so the event loop keeps serving other clients. The extended protocol's
-stores live in :mod:`.extended`, session commands and the transaction status in :mod:`.commands`.
+(:class:`~.extended.PlannedStatement`: empty / local / table-free / catalog / engine / mixed)
+and then run; planning never runs a query, so Describe never spends budget. Engine and catalog
+work runs in the server's thread pool (:mod:`.runner`) so the event loop keeps serving other
+clients; replies go out with back-pressure (:mod:`.replies`). The extended protocol's stores live
+in :mod:`.extended`, session commands and the transaction status in :mod:`.commands`, the
+statements answered here in :mod:`.answers`.
 """
 
 from __future__ import annotations
@@ -15,15 +17,12 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from dpsql.analyze.parse import MAX_STATEMENT_CHARS
-from dpsql.audit import Trace
 from dpsql.errors import (
     AdminShutdown,
     ConfigurationLimitExceeded,
-    ConnectionFailure,
     DuplicateCursor,
     Error,
     FeatureNotSupported,
@@ -31,36 +30,34 @@ from dpsql.errors import (
     IdleSessionTimeout,
     NoActiveTransaction,
     ProgramLimitExceeded,
-    QueryCanceled,
+    ProtocolViolation,
     SyntaxError_,
 )
-from dpsql.errors import ProtocolViolation as StartupTimeout
+from dpsql.ledger.audit import Trace
 from dpsql.session import Session
+from dpsql.sqltext import after_keyword, split_statements, strip_comments
 
 from . import protocol as pq
-from .catalog import CatalogUnavailable, classify, refuse_mixed
+from .answers import Action, AnswerContext, SessionCommand, Settings, evaluate_select, parse_session_command
+from .catalog import refuse_mixed, route_of
 from .commands import SessionCommands, TxStatus
-from .extended import ExtendedProtocol, Portal, Statement, expand_formats
+from .extended import ExtendedProtocol, PlannedStatement, Portal, expand_formats
 from .frontdoor import Pending
-from .limits import Job, is_broken
-from .local import Action, LocalCommand, LocalContext, Settings, evaluate_select, parse_local
 from .memory import release_to_os, rows_size
-from .protocol import Diagnostic, FieldDescription, ProtocolViolation
+from .protocol import Diagnostic, FieldDescription, WireViolation
+from .replies import Replies
 from .results import Outcome, engine_fields, engine_rows, noisy_flags, result_notices
-from .sqltext import after_keyword, split_statements, strip_comments
+from .runner import WorkRunner
 from .startup import startup
-from .types import decode_param, encode_value, type_size
+from .types import decode_param, type_size
 
 if TYPE_CHECKING:
     from .server import ServerContext
 
 log = logging.getLogger("dpsql.server")
 
-__all__ = ["Connection", "Portal", "Statement"]
+__all__ = ["Connection"]
 
-#: Reply bytes written between two drains of the socket (backpressure from slow clients): a client
-#: that does not read stops the server producing more, whatever the size of its rows.
-_DRAIN_BYTES = 256 * 1024
 #: Statements longer than this are split, parsed and routed in the worker pool, not on the event loop.
 _INLINE_SQL = 4096
 
@@ -88,21 +85,15 @@ class Connection:
         self.commands = SessionCommands(self.extended.statements, self.extended.portals)
         self.commands.engine = ctx.engine  # SHOW dpsql.budget
         self.ignore_till_sync = False
-        self._cancel = asyncio.Event()
-        #: Work of this connection still running in the pool (abandoned or not), interrupted on close.
-        self._jobs: set[Job] = set()
+        #: Its statements' work in the worker pool (fair share, timeout, cancel).
+        self.work = WorkRunner(ctx, lambda: self.user)
         self.admitted = False
-        #: Set when the statement being executed was abandoned and will be logged when it ends.
-        self._late = False
-        #: When the current message's statement timeout expires (loop time), None: no timeout.
-        self._deadline: float | None = None
         self.tls = False
         #: Its place in the pre-auth budget until it authenticates (set by the server).
         self.pending: Pending | None = None
-        #: The bytes this session holds (:mod:`.memory`); ``_wire``: a large reply not yet drained.
+        #: The bytes this session holds (:mod:`.memory`).
         self.memory = ctx.memory.session()
-        self._wire = self.memory.hold("reply")
-        self._unflushed = 0
+        self.replies = Replies(writer, self.memory)
 
     @property
     def address(self) -> str:
@@ -128,155 +119,9 @@ class Connection:
             self.writer.write(pq.error_response(diag))
         self.writer.close()
 
-    # -- plumbing ---------------------------------------------------------------------------------
-
-    def send(self, data: bytes) -> None:
-        self.writer.write(data)
-        self._unflushed += len(data)
-
-    async def flush(self) -> None:
-        """Wait until the socket buffer has drained below asyncio's high-water mark (at once when it
-        is below already): until the client reads, nothing more is produced for it."""
-        await self.writer.drain()
-        self._unflushed = 0
-        if self._wire.nbytes:
-            self._wire.give_back()
-
-    def send_error(self, exc: BaseException, severity: str | None = None) -> Diagnostic:
-        diag = self.diagnostic(exc, severity)
-        self.send(pq.error_response(diag))
-        return diag
-
-    @staticmethod
-    def diagnostic(exc: BaseException, severity: str | None = None) -> Diagnostic:
-        if isinstance(exc, ProtocolViolation):
-            return Diagnostic("FATAL", "08P01", str(exc))
-        if isinstance(exc, Error) and exc.sqlstate != "XX000":
-            sev = severity or str(getattr(exc, "severity", "ERROR"))
-            return Diagnostic(sev, exc.sqlstate, exc.message, exc.detail, exc.hint, exc.position)
-        # anything unexpected: the details (and the traceback) go to the operator's log only
-        log.error("internal error", exc_info=exc)
-        return Diagnostic(severity or "ERROR", "XX000", "internal error")
-
-    async def run_blocking(
-        self,
-        fn: Callable[..., Any],
-        *args: Any,
-        timeout_ms: int = 0,
-        on_done: Callable[[Any], None] | None = None,
-        on_late: Callable[[Any], None] | None = None,
-        pure: bool = False,
-        checkout: Callable[[], Awaitable[object]] | None = None,
-    ) -> Any:
-        """Run ``fn`` in the pool under this analyst's fair share of worker slots.
-
-        The statement timeout covers the wait for a slot and the run. A CancelRequest, the
-        timeout or the client going away interrupts the backend statement when the backend
-        allows it; the slot stays taken until the work has really stopped. ``on_done`` runs
-        (on the loop) exactly once: when the work finishes, whoever still waits for it, or with
-        None when it never started. ``on_late`` runs only if nobody waits for the work any more.
-        ``checkout`` is awaited once the slot is held, before ``fn`` starts (a shared resource such
-        as a catalog connection is then held for the run only, never while waiting for a slot);
-        ``on_done`` gives it back.
-        """
-        loop = asyncio.get_running_loop()
-        self._cancel.clear()
-        deadline = loop.time() + timeout_ms / 1000 if timeout_ms > 0 else None
-        if self._deadline is not None:  # the statement timeout runs from the message's arrival
-            deadline = self._deadline if deadline is None else min(deadline, self._deadline)
-
-        def remaining() -> float | None:
-            return None if deadline is None else max(0.0, deadline - loop.time())
-
-        slots, user = self.ctx.slots, self.user or "?"
-        waiter: asyncio.Future[Any] = asyncio.ensure_future(self._cancel.wait())
-        try:
-            admission = asyncio.ensure_future(slots.acquire(user))
-            try:
-                try:
-                    done, _ = await asyncio.wait(
-                        {admission, waiter}, timeout=remaining(), return_when=asyncio.FIRST_COMPLETED
-                    )
-                except BaseException:
-                    _drop_admission(admission, slots, user)
-                    raise
-                if admission not in done:
-                    _drop_admission(admission, slots, user)
-                    raise self._canceled()
-                admission.result()  # 53400 when the queue is full
-                if checkout is not None:
-                    await self._checkout(checkout, waiter, remaining(), slots, user)
-                job = Job(pure)
-                self._jobs.add(job)
-                try:
-                    future = loop.run_in_executor(self.ctx.executor, job.run, fn, *args)
-                except BaseException:
-                    self._jobs.discard(job)
-                    slots.release(user)
-                    raise
-            except BaseException:
-                if on_done is not None:
-                    on_done(None)
-                raise
-
-            def finished(f: asyncio.Future[Any]) -> None:
-                slots.release(user)
-                self._jobs.discard(job)
-                self.ctx.inflight.discard(f)
-                if on_done is not None:
-                    on_done(f)
-
-            self.ctx.inflight.add(future)
-            future.add_done_callback(finished)
-            try:
-                waiting: set[asyncio.Future[Any]] = {future, waiter}
-                done, _ = await asyncio.wait(waiting, timeout=remaining(), return_when=asyncio.FIRST_COMPLETED)
-            except BaseException:
-                self._abandon(job, future, on_late)
-                raise
-            if future in done:
-                return future.result()
-            self._abandon(job, future, on_late)
-            raise self._canceled()
-        finally:
-            waiter.cancel()
-
-    async def _checkout(
-        self,
-        checkout: Callable[[], Awaitable[object]],
-        waiter: asyncio.Future[Any],
-        timeout: float | None,
-        slots: Any,
-        user: str,
-    ) -> None:
-        """Await ``checkout`` while holding a worker slot; on failure, cancel or timeout give the slot back."""
-        got = asyncio.ensure_future(checkout())
-        try:
-            done, _ = await asyncio.wait({got, waiter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-            if got not in done:
-                raise self._canceled()
-            got.result()
-        except BaseException:
-            got.cancel()  # its own cleanup gives back whatever it had not handed over yet
-            slots.release(user)
-            raise
-
-    def _canceled(self) -> QueryCanceled:
-        if self._cancel.is_set():
-            return QueryCanceled("canceling statement due to user request")
-        return QueryCanceled("canceling statement due to statement timeout")
-
-    def _abandon(self, job: Job, future: asyncio.Future[Any], on_late: Callable[[Any], None] | None) -> None:
-        """Nobody waits for ``future`` any more: stop its backend statement if possible, log its end."""
-        if not future.done():
-            asyncio.get_running_loop().run_in_executor(None, job.interrupt)
-        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # silence late failures
-        if on_late is not None:
-            self._late = True
-            future.add_done_callback(on_late)
-
     def cancel(self) -> None:
-        self._cancel.set()
+        """A CancelRequest for this connection (see :class:`~.runner.WorkRunner`)."""
+        self.work.cancel()
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -287,10 +132,10 @@ class Connection:
                     started = await startup(self)
             except TimeoutError:
                 log.info("authentication timeout from %s", self.peer)
-                raise StartupTimeout("canceling authentication due to timeout").fatal() from None
+                raise ProtocolViolation("canceling authentication due to timeout").fatal() from None
             if started:
                 await self.message_loop()
-        except ProtocolViolation as exc:
+        except WireViolation as exc:
             log.info("protocol violation from %s: %s", self.peer, exc)
             self._send_fatal(exc)
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
@@ -312,16 +157,14 @@ class Connection:
 
     def _send_fatal(self, exc: BaseException) -> None:
         with contextlib.suppress(Exception):
-            self.send_error(exc, "FATAL")
+            self.replies.send_error(exc, "FATAL")
 
     async def close(self) -> None:
         self.ctx.unregister(self)
         if self.admitted:
             self.admitted = False
             self.ctx.leave(self.user)
-        loop = asyncio.get_running_loop()
-        for job in list(self._jobs):  # the client is gone: its statements need not finish
-            loop.run_in_executor(None, job.interrupt)
+        self.work.interrupt_all()  # the client is gone: its statements need not finish
         # everything the session held goes now, not when the connection object happens to be collected
         self.extended.portals.clear()
         self.extended.statements.clear()
@@ -373,42 +216,42 @@ class Connection:
             await self.dispatch(msg)
             # the next message is read only once this one's replies are on their way: a client that
             # pipelines without reading is not served further (as PostgreSQL, which blocks in send)
-            await self.flush()
+            await self.replies.flush()
             self.trim_memory()
 
     async def dispatch(self, msg: pq.FrontendMessage) -> None:
         timeout = self.timeout_ms()
-        self._deadline = asyncio.get_running_loop().time() + timeout / 1000 if timeout else None
+        self.work.deadline = asyncio.get_running_loop().time() + timeout / 1000 if timeout else None
         if isinstance(msg, pq.Query):
             await self.simple_query(msg.sql)
         elif isinstance(msg, pq.Sync):
             self.ignore_till_sync = False
             self.extended.sync(self.commands)
-            self.send(pq.ready_for_query(self.commands.tx))
-            await self.flush()
+            self.replies.send(pq.ready_for_query(self.commands.tx))
+            await self.replies.flush()
         elif isinstance(msg, pq.Flush):
-            await self.flush()
+            await self.replies.flush()
         elif isinstance(msg, pq.PasswordData):
-            raise ProtocolViolation("unexpected password message")
+            raise WireViolation("unexpected password message")
         elif isinstance(msg, pq.Unsupported):
             await self._extended_error(FeatureNotSupported("COPY and function calls are not supported by dpsql"))
         else:
             try:
                 await self.extended.handle(msg)
-            except ProtocolViolation:
+            except WireViolation:
                 raise
             except Exception as exc:
                 await self._extended_error(exc)
 
     # -- planning and running ----------------------------------------------------------------------
 
-    async def plan_async(self, sql: str) -> Statement:
+    async def plan_async(self, sql: str) -> PlannedStatement:
         """:meth:`plan`, in the worker pool unless the statement is short (parsing can take seconds)."""
         if len(sql) > MAX_STATEMENT_CHARS:
             raise _too_long(sql)
         if len(sql) <= _INLINE_SQL:
             return self.plan(sql)
-        stmt: Statement = await self.run_blocking(self.plan, sql, timeout_ms=self.timeout_ms(), pure=True)
+        stmt: PlannedStatement = await self.work.run(self.plan, sql, timeout_ms=self.timeout_ms(), pure=True)
         return stmt
 
     async def split(self, sql: str) -> list[str]:
@@ -416,39 +259,39 @@ class Connection:
             raise _too_long(sql)
         if len(sql) <= _INLINE_SQL:
             return split_statements(sql)
-        parts: list[str] = await self.run_blocking(
+        parts: list[str] = await self.work.run(
             self.ctx.offload.split, self.user or "?", sql, timeout_ms=self.timeout_ms(), pure=True
         )
         return parts
 
-    def evaluate_local(self, sql: str) -> Any:
+    def answer_select(self, sql: str) -> Any:
         """A table-free SELECT answered here; long ones go to the shadow (parsed off the event loop)."""
         if len(sql) > _INLINE_SQL:
             return None
-        return evaluate_select(sql, self._local_context())
+        return evaluate_select(sql, self._answer_context())
 
-    def plan(self, sql: str) -> Statement:
+    def plan(self, sql: str) -> PlannedStatement:
         """Route a single statement without running anything (a long one's parsing in the helper
         process, :mod:`.offload`: this thread only waits, so it never holds the GIL for long)."""
         long = len(sql) > _INLINE_SQL
         if not long and not split_statements(sql):
-            return Statement(sql, "empty")
-        command = parse_local(sql)
+            return PlannedStatement(sql, "empty")
+        command = parse_session_command(sql)
         if command is not None:
-            return Statement(sql, "local", command)
+            return PlannedStatement(sql, "local", command)
         if (problem := _explain_syntax(sql)) is not None:
             raise SyntaxError_(problem)  # as PostgreSQL, never an internal error
         if not long:
-            return Statement(sql, classify(sql, self.ctx.policy))
-        route = self.ctx.offload.classify(self.user or "?", sql, frozenset(self.ctx.policy.tables))
-        return Statement(sql, "empty" if route == "empty" else route)  # type: ignore[arg-type]
+            return PlannedStatement(sql, route_of(sql, self.ctx.policy))
+        route = self.ctx.offload.route_of(self.user or "?", sql, frozenset(self.ctx.policy.tables))
+        return PlannedStatement(sql, "empty" if route == "empty" else route)  # type: ignore[arg-type]
 
-    async def execute(self, stmt: Statement, portal: Portal | None = None) -> Outcome:
+    async def execute(self, stmt: PlannedStatement, portal: Portal | None = None) -> Outcome:
         """Run a planned statement; logs one line with analyst, fingerprint, ε, outcome and latency."""
         started = time.monotonic()
         outcome: Outcome | None = None
         state, charged = "ok", 0.0
-        self._late = False
+        self.work.late = False
         try:
             self.commands.check_not_failed(stmt.command)
             outcome = await self._execute(stmt, portal)
@@ -461,7 +304,7 @@ class Connection:
             charged = exc.charged_epsilon if isinstance(exc, Error) else 0.0
             raise
         finally:
-            if not self._late:  # else logged when the engine work ends, with what it really charged
+            if not self.work.late:  # else logged when the engine work ends, with what it really charged
                 self._log_query(stmt, outcome.epsilon if outcome else charged, state, started)
 
     def audit_refusal(self, sql: str, sqlstate: str, started: float) -> None:
@@ -469,7 +312,7 @@ class Connection:
         free, but a curator spotting a probing analyst needs it in the audit. Never raises."""
         self.ctx.engine.audit.record(Trace(sql, self.user, started), sqlstate)
 
-    def _log_query(self, stmt: Statement, epsilon: float, state: str, started: float, note: str = "") -> None:
+    def _log_query(self, stmt: PlannedStatement, epsilon: float, state: str, started: float, note: str = "") -> None:
         if state != "ok" and stmt.route in ("catalog", "mixed", "tableless"):  # the engine audits its own
             self.audit_refusal(stmt.sql, state, started)
         level = logging.DEBUG if stmt.route in ("local", "empty", "tableless") else logging.INFO
@@ -485,7 +328,7 @@ class Connection:
             note,
         )
 
-    async def _execute(self, stmt: Statement, portal: Portal | None) -> Outcome:
+    async def _execute(self, stmt: PlannedStatement, portal: Portal | None) -> Outcome:
         if stmt.route == "empty":
             return Outcome(None, [], "")
         if stmt.route == "local":
@@ -496,7 +339,7 @@ class Connection:
         if stmt.route == "mixed":
             raise refuse_mixed()
         if stmt.route == "tableless" and not (portal and portal.params):
-            values = self.evaluate_local(stmt.sql)
+            values = self.answer_select(stmt.sql)
             if values is not None:
                 fields = [FieldDescription(v.name, v.type_oid, type_size(v.type_oid)) for v in values]
                 return Outcome(fields, [tuple(v.value for v in values)], "SELECT 1")
@@ -506,7 +349,7 @@ class Connection:
 
     # -- cursors -----------------------------------------------------------------------------------
 
-    async def _cursor_query(self, stmt: Statement) -> Statement:
+    async def _cursor_query(self, stmt: PlannedStatement) -> PlannedStatement:
         """The query of ``DECLARE … FOR <query>``, planned like any statement (same routes, same refusals;
         a long one off the event loop)."""
         assert stmt.command is not None and stmt.command.value is not None
@@ -516,14 +359,14 @@ class Connection:
         inner.param_oids = list(stmt.param_oids)
         return inner
 
-    async def describe_local(self, stmt: Statement) -> None:
+    async def describe_session_command(self, stmt: PlannedStatement) -> None:
         """Parse of a session statement: DECLARE describes its query (parameter types), nothing runs."""
         if stmt.command is not None and stmt.command.action is Action.DECLARE:
             inner = await self._cursor_query(stmt)
             await self.extended.describe_statement(inner)
             stmt.param_oids = inner.param_oids
 
-    def _check_declare(self, cmd: LocalCommand) -> None:
+    def _check_declare(self, cmd: SessionCommand) -> None:
         """Everything DECLARE refuses, checked before its query runs (so before any charge)."""
         assert cmd.declare is not None
         if self.commands.tx is TxStatus.IDLE and not cmd.declare.hold:
@@ -537,7 +380,7 @@ class Connection:
                 hint="CLOSE cursors that are no longer needed; COMMIT or ROLLBACK closes them all.",
             )
 
-    async def _declare(self, stmt: Statement, portal: Portal | None) -> Outcome:
+    async def _declare(self, stmt: PlannedStatement, portal: Portal | None) -> Outcome:
         """``DECLARE name CURSOR FOR <query>``: run the query once, exactly as if sent alone (same
         analysis, refusals, single charge, audit row and log line), and keep its released rows.
 
@@ -549,7 +392,7 @@ class Connection:
         assert cmd is not None and cmd.declare is not None
         self._check_declare(cmd)
         inner = await self._cursor_query(stmt)
-        if cmd.declare.binary and inner.route in ("catalog", "tableless") and self.evaluate_local(inner.sql) is None:
+        if cmd.declare.binary and inner.route in ("catalog", "tableless") and self.answer_select(inner.sql) is None:
             raise FeatureNotSupported("DECLARE BINARY is not supported for catalog queries")
         inner_portal = None
         if portal is not None and portal.params:
@@ -573,54 +416,11 @@ class Connection:
         finally:
             outcome.release()
 
-    def _local_context(self) -> LocalContext:
+    def _answer_context(self) -> AnswerContext:
         assert self.settings is not None
-        return LocalContext(self.user, self.ctx.database, self.ctx.server_version, self.pid, self.settings.get)
+        return AnswerContext(self.user, self.ctx.database, self.ctx.server_version, self.pid, self.settings.get)
 
-    async def shadow_call(self, method: str, *args: Any, timeout_ms: int = 0, **kwargs: Any) -> Any:
-        """Run one call on a pooled shadow connection; it returns to the pool when the call has ended."""
-        if not self.ctx.catalog_available:
-            raise CatalogUnavailable()
-        pool = self.ctx.pool()
-        user = self.user
-        held: list[Any] = []
-
-        async def checkout() -> None:
-            """A pooled connection, taken only once the worker slot is held."""
-            try:
-                held.append(await pool.acquire(user))
-            except Error:
-                raise
-            except Exception as exc:
-                log.warning("cannot connect to the catalog server: %s", exc)
-                raise ConnectionFailure(
-                    "could not connect to the catalog server",
-                    hint="DP queries still work; retry catalog queries later.",
-                ) from None
-
-        def checkin(_f: Any) -> None:
-            if held:
-                pool.release(user, held.pop())
-
-        def call() -> Any:
-            session = held[0]
-            job = Job.current()
-            session.arm()
-            try:
-                with job.stoppable(session.cancel) if job else contextlib.nullcontext():
-                    return getattr(session, method)(*args, **kwargs)
-            except Exception as exc:
-                if is_broken(session):
-                    log.warning("catalog server connection lost: %s", exc)
-                    raise ConnectionFailure(
-                        "the connection to the catalog server was lost",
-                        hint="DP queries still work; retry catalog queries later.",
-                    ) from None
-                raise
-
-        return await self.run_blocking(call, timeout_ms=timeout_ms, on_done=checkin, checkout=checkout)
-
-    async def _run_catalog(self, stmt: Statement, portal: Portal | None) -> Outcome:
+    async def _run_catalog(self, stmt: PlannedStatement, portal: Portal | None) -> Outcome:
         if portal is None:
             args: tuple[Any, ...] = (stmt.sql,)
         else:
@@ -628,7 +428,7 @@ class Connection:
         # the rows' bytes are taken while they are read: a result the session cannot hold is cut there
         hold = self.memory.hold("result")
         try:
-            res = await self.shadow_call("execute", *args, timeout_ms=self.timeout_ms(), reserve=hold.grow)
+            res = await self.work.shadow_call("execute", *args, timeout_ms=self.timeout_ms(), reserve=hold.grow)
         except BaseException:
             hold.release()
             raise
@@ -639,7 +439,7 @@ class Connection:
             return self.ctx.default_statement_timeout_ms
         return self.ctx.statement_timeout_ms(self.settings.statement_timeout_ms)
 
-    def decode_params(self, stmt: Statement, portal: Portal | None) -> list[Any] | None:
+    def decode_params(self, stmt: PlannedStatement, portal: Portal | None) -> list[Any] | None:
         if portal is None or not portal.params:
             return None
         formats = expand_formats(portal.param_formats, len(portal.params))
@@ -650,7 +450,7 @@ class Connection:
         assert self.session is not None
         return self.session.confidence or self.ctx.defaults.confidence
 
-    async def _run_engine(self, stmt: Statement, portal: Portal | None) -> Outcome:
+    async def _run_engine(self, stmt: PlannedStatement, portal: Portal | None) -> Outcome:
         assert self.session is not None and self.settings is not None
         params = self.decode_params(stmt, portal)
         show = portal.show_intervals if portal is not None else self.settings.show_intervals
@@ -674,7 +474,7 @@ class Connection:
             else:
                 self._log_query(stmt, f.result()[0].epsilon_spent, "ok", started, note)
 
-        result, flags, rows, size = await self.run_blocking(work, timeout_ms=self.timeout_ms(), on_late=late)
+        result, flags, rows, size = await self.work.run(work, timeout_ms=self.timeout_ms(), on_late=late)
         try:
             hold = self.memory.hold("result", size)
         except Error as exc:  # too large to hold: refused after the charge, as the cursor row cap
@@ -687,75 +487,47 @@ class Connection:
         outcome.notices = result_notices(result, self.confidence(), per_row=flags is None)
         return outcome
 
-    # -- sending results ---------------------------------------------------------------------------
-
-    async def send_rows(self, outcome: Outcome, rows: Sequence[tuple[Any, ...]], formats: Sequence[int]) -> None:
-        """DataRow messages, drained every ``_DRAIN_BYTES``: a large result streams to the client with
-        backpressure instead of piling up, encoded, in the socket buffer. A single message larger
-        than that is a second copy of its row until the client reads it: its bytes are held
-        (53200 when the session cannot, the reply then ends with the error)."""
-        assert outcome.fields is not None
-        oids = [f.type_oid for f in outcome.fields]
-        for row in rows:
-            cells = (
-                row if outcome.encoded else [encode_value(v, o, f) for v, o, f in zip(row, oids, formats, strict=True)]
-            )
-            message = pq.data_row(cells)
-            del cells
-            if len(message) > _DRAIN_BYTES:
-                self._wire.grow(len(message))
-            self.send(message)
-            del message  # the socket buffer's copy is the only one while we wait for the client
-            if self._unflushed >= _DRAIN_BYTES:
-                await self.flush()
-
-    def send_side_effects(self, outcome: Outcome) -> None:
-        for name, value in outcome.status:
-            self.send(pq.parameter_status(name, value))
-        for notice in outcome.notices:
-            self.send(pq.notice_response(notice))
-
     # -- simple query ------------------------------------------------------------------------------
 
     async def simple_query(self, sql: str) -> None:
         try:
             statements = await self.split(sql)
         except Exception as exc:
-            self.send_error(exc)
+            self.replies.send_error(exc)
             self.commands.fail()
             statements = None
         if statements == []:
-            self.send(pq.empty_query_response())
+            self.replies.send(pq.empty_query_response())
         for text in statements or ():
             try:
                 stmt = await self.plan_async(text)
                 outcome = await self.execute(stmt)
             except Exception as exc:
-                self.send_error(exc)
+                self.replies.send_error(exc)
                 self.commands.fail()
                 break
             try:
-                self.send_side_effects(outcome)
+                self.replies.send_side_effects(outcome)
                 if outcome.fields is not None:
-                    self.send(pq.row_description(outcome.fields))
-                    await self.send_rows(outcome, outcome.rows, [0] * len(outcome.fields))
-                self.send(pq.command_complete(outcome.tag))
+                    self.replies.send(pq.row_description(outcome.fields))
+                    await self.replies.send_rows(outcome, outcome.rows, [0] * len(outcome.fields))
+                self.replies.send(pq.command_complete(outcome.tag))
             except Error as exc:  # a reply too large to hold in the socket buffer (53200)
-                self.send_error(exc)
+                self.replies.send_error(exc)
                 self.commands.fail()
                 break
             finally:
                 outcome.release()
             # each statement's reply drains before the next statement runs: many statements in one
             # message never pile their replies up in the socket buffer of a client that does not read
-            await self.flush()
-        self.send(pq.ready_for_query(self.commands.tx))
-        await self.flush()
+            await self.replies.flush()
+        self.replies.send(pq.ready_for_query(self.commands.tx))
+        await self.replies.flush()
 
     # -- extended query ----------------------------------------------------------------------------
 
     async def _extended_error(self, exc: BaseException) -> None:
-        self.send_error(exc)
+        self.replies.send_error(exc)
         self.commands.fail()
         self.ignore_till_sync = True
 
@@ -774,11 +546,3 @@ def _explain_syntax(sql: str) -> str | None:
     if after_keyword(rest, "explain") is not None:
         return 'syntax error at or near "EXPLAIN"'
     return None
-
-
-def _drop_admission(admission: asyncio.Future[None], slots: Any, user: str) -> None:
-    """Give back a worker slot whose statement will not run (or stop waiting for it)."""
-    if not admission.done():
-        admission.cancel()  # the acquire coroutine releases whatever it already holds
-    elif not admission.cancelled() and admission.exception() is None:
-        slots.release(user)

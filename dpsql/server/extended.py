@@ -1,6 +1,6 @@
 """The extended query protocol: Parse, Bind, Describe, Execute and Close over two stores.
 
-A :class:`Statement` is planned once at Parse (routed, its parameter types and columns
+A :class:`PlannedStatement` is planned once at Parse (routed, its parameter types and columns
 described without running anything, so Describe never spends budget); a :class:`Portal` binds
 parameters to it and keeps its outcome while Execute pages through the rows.
 """
@@ -12,27 +12,28 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from dpsql.analyze.statement import explain_target
 from dpsql.errors import (
+    CatalogUnavailable,
     ConfigurationLimitExceeded,
     DuplicateCursor,
     DuplicatePreparedStatement,
     Error,
     InvalidCursorName,
     InvalidStatementName,
+    ProtocolViolation,
     SyntaxError_,
 )
-from dpsql.errors import ProtocolViolation as BindMismatch
-from dpsql.explain import explain_target
 from dpsql.session import OutputColumn
+from dpsql.sqltext import after_keyword
 
 from . import protocol as pq
-from .catalog import CatalogUnavailable, refuse_mixed
+from .answers import SessionCommand
+from .catalog import refuse_mixed
 from .commands import SessionCommands
-from .local import LocalCommand
 from .memory import HeldStore, params_size, statement_size
-from .protocol import FieldDescription, ProtocolViolation
+from .protocol import FieldDescription, WireViolation
 from .results import Outcome, engine_fields, noisy_flags
-from .sqltext import after_keyword
 from .types import oid_for, type_size
 
 if TYPE_CHECKING:
@@ -44,12 +45,12 @@ StatementRoute = Literal["empty", "local", "tableless", "catalog", "engine", "mi
 
 
 @dataclass(slots=True)
-class Statement:
+class PlannedStatement:
     """A planned statement (a prepared statement in the extended protocol)."""
 
     sql: str
     route: StatementRoute
-    command: LocalCommand | None = None
+    command: SessionCommand | None = None
     param_oids: list[int] = field(default_factory=list)
     engine_columns: list[OutputColumn] | None = None
     catalog_fields: list[FieldDescription] | None = None
@@ -63,7 +64,7 @@ class Statement:
 
 @dataclass(slots=True)
 class Portal:
-    statement: Statement
+    statement: PlannedStatement
     params: tuple[bytes | None, ...] = ()
     param_formats: tuple[int, ...] = ()
     result_formats: tuple[int, ...] = ()
@@ -79,13 +80,13 @@ def expand_formats(formats: Sequence[int], n: int) -> list[int]:
     if len(formats) == 1:
         return [formats[0]] * n
     if len(formats) != n:
-        raise BindMismatch(f"bind message has {len(formats)} result formats but query has {n} columns")
+        raise ProtocolViolation(f"bind message has {len(formats)} result formats but query has {n} columns")
     return list(formats)
 
 
 def _check_formats(formats: Sequence[int]) -> None:
     if any(f not in (0, 1) for f in formats):
-        raise ProtocolViolation("unsupported format code")
+        raise WireViolation("unsupported format code")
 
 
 def _with_format(f: FieldDescription, fmt: int) -> FieldDescription:
@@ -98,7 +99,7 @@ class ExtendedProtocol:
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         #: Each entry with the bytes it holds (:mod:`.memory`), given back however it leaves.
-        self.statements: HeldStore[str, Statement] = HeldStore()
+        self.statements: HeldStore[str, PlannedStatement] = HeldStore()
         self.portals: HeldStore[str, Portal] = HeldStore()
 
     async def handle(self, msg: pq.FrontendMessage) -> None:
@@ -139,7 +140,7 @@ class ExtendedProtocol:
             hold.release()
             raise
         self.statements.attach(msg.name, hold)
-        conn.send(pq.parse_complete())
+        conn.replies.send(pq.parse_complete())
 
     async def _parse(self, msg: pq.Parse) -> None:
         conn = self.conn
@@ -157,28 +158,28 @@ class ExtendedProtocol:
             raise
         self.statements[msg.name] = stmt
 
-    async def _describe_statement(self, stmt: Statement) -> None:
+    async def _describe_statement(self, stmt: PlannedStatement) -> None:
         """Fill parameter types and result columns without running the query (no budget spent)."""
         conn = self.conn
-        if stmt.route in ("catalog", "tableless") and (
-            stmt.route == "catalog" or conn.evaluate_local(stmt.sql) is None
-        ):
+        if stmt.route in ("catalog", "tableless") and (stmt.route == "catalog" or conn.answer_select(stmt.sql) is None):
             if not conn.ctx.catalog_available:
                 if stmt.route == "catalog":
                     raise CatalogUnavailable()
                 return
-            oids, fields = await conn.shadow_call("describe", stmt.sql, stmt.param_oids, timeout_ms=conn.timeout_ms())
+            oids, fields = await conn.work.shadow_call(
+                "describe", stmt.sql, stmt.param_oids, timeout_ms=conn.timeout_ms()
+            )
             stmt.route, stmt.param_oids, stmt.catalog_fields = "catalog", oids, fields
         elif stmt.route == "engine":
             await self._describe_engine(stmt)
         elif stmt.route == "mixed":
             raise refuse_mixed()
         elif stmt.route == "local":
-            await conn.describe_local(stmt)  # DECLARE: its query's parameter types
+            await conn.describe_session_command(stmt)  # DECLARE: its query's parameter types
 
     describe_statement = _describe_statement
 
-    async def _describe_engine(self, stmt: Statement) -> None:
+    async def _describe_engine(self, stmt: PlannedStatement) -> None:
         conn = self.conn
         assert conn.session is not None
         explain = stmt.explain_target
@@ -190,7 +191,7 @@ class ExtendedProtocol:
             noisy = None if explain is not None else noisy_flags(description.columns)
             return description, noisy
 
-        description, stmt.noisy = await conn.run_blocking(work, timeout_ms=conn.timeout_ms())
+        description, stmt.noisy = await conn.work.run(work, timeout_ms=conn.timeout_ms())
         inferred = [oid_for(t) for t in description.param_types]
         given = stmt.param_oids
         oids = [given[i] if i < len(given) and given[i] else inferred[i] for i in range(len(inferred))]
@@ -198,7 +199,7 @@ class ExtendedProtocol:
         explained = [OutputColumn("QUERY PLAN", "text", noisy=False)]
         stmt.engine_columns = explained if explain is not None else list(description.columns)
 
-    def fields_for(self, stmt: Statement, show_intervals: bool) -> list[FieldDescription] | None:
+    def fields_for(self, stmt: PlannedStatement, show_intervals: bool) -> list[FieldDescription] | None:
         conn = self.conn
         if stmt.route == "engine":
             if stmt.engine_columns is None:
@@ -208,7 +209,7 @@ class ExtendedProtocol:
         if stmt.route == "catalog":
             return stmt.catalog_fields
         if stmt.route == "tableless":
-            values = conn.evaluate_local(stmt.sql)
+            values = conn.answer_select(stmt.sql)
             return [FieldDescription(v.name, v.type_oid, type_size(v.type_oid)) for v in values] if values else None
         if stmt.route == "local" and stmt.command is not None:
             assert conn.settings is not None
@@ -235,10 +236,10 @@ class ExtendedProtocol:
         _check_formats(msg.param_formats)
         _check_formats(msg.result_formats)
         if len(msg.param_formats) not in (0, 1, len(msg.params)):
-            raise ProtocolViolation("bind message has an invalid number of parameter formats")
+            raise WireViolation("bind message has an invalid number of parameter formats")
         expected = len(stmt.param_oids)
         if len(msg.params) != expected:
-            raise BindMismatch(
+            raise ProtocolViolation(
                 f"bind message supplies {len(msg.params)} parameters, but prepared statement "
                 f'"{msg.statement}" requires {expected}'
             )
@@ -249,7 +250,7 @@ class ExtendedProtocol:
         if (text := self.statements.hold_of(msg.statement)) is not None:
             hold.parts.append(text.share())  # it keeps the statement alive after a Close of it
         self.portals.put(msg.portal, portal, hold)
-        conn.send(pq.bind_complete())
+        conn.replies.send(pq.bind_complete())
 
     # -- Describe ------------------------------------------------------------------------------------
 
@@ -260,13 +261,13 @@ class ExtendedProtocol:
             stmt = self.statements.get(msg.name)
             if stmt is None:
                 raise InvalidStatementName(f'prepared statement "{msg.name}" does not exist')
-            conn.send(pq.parameter_description(stmt.param_oids))
+            conn.replies.send(pq.parameter_description(stmt.param_oids))
             fields = self.fields_for(stmt, conn.settings.show_intervals)
         elif msg.name not in self.portals and msg.name in conn.commands.cursors:  # cursors are portals too
             fields = conn.commands.cursors[msg.name].fields
         else:
             fields = self._portal_fields(self._portal(msg.name))
-        conn.send(pq.row_description(fields) if fields is not None else pq.no_data())
+        conn.replies.send(pq.row_description(fields) if fields is not None else pq.no_data())
 
     def _portal(self, name: str) -> Portal:
         portal = self.portals.get(name)
@@ -290,13 +291,13 @@ class ExtendedProtocol:
             portal.outcome = await conn.execute(portal.statement, portal)
             if (hold := portal.outcome.take_hold()) is not None:  # the portal keeps the rows till it closes
                 self.portals.attach(msg.portal, hold)
-            conn.send_side_effects(portal.outcome)
+            conn.replies.send_side_effects(portal.outcome)
         outcome = portal.outcome
         if portal.statement.route == "empty":
-            conn.send(pq.empty_query_response())
+            conn.replies.send(pq.empty_query_response())
             return
         if outcome.fields is None:
-            conn.send(pq.command_complete(outcome.tag))
+            conn.replies.send(pq.command_complete(outcome.tag))
             return
         if outcome.encoded:
             formats = [f.format for f in outcome.fields]
@@ -304,19 +305,19 @@ class ExtendedProtocol:
             formats = expand_formats(portal.result_formats, len(outcome.fields))
         end = len(outcome.rows) if msg.max_rows <= 0 else min(len(outcome.rows), portal.sent + msg.max_rows)
         batch = outcome.rows[portal.sent : end]
-        await conn.send_rows(outcome, batch, formats)
+        await conn.replies.send_rows(outcome, batch, formats)
         portal.sent = end
         if end < len(outcome.rows):
-            conn.send(pq.portal_suspended())
+            conn.replies.send(pq.portal_suspended())
         else:
             tag = outcome.tag
             if tag.startswith("SELECT "):
                 tag = f"SELECT {len(batch)}"
-            conn.send(pq.command_complete(tag))
+            conn.replies.send(pq.command_complete(tag))
 
     def on_close(self, msg: pq.Close) -> None:
         if msg.target == "S":
             self.statements.pop(msg.name, None)
         elif self.portals.pop(msg.name, None) is None:
             self.conn.commands.cursors.pop(msg.name, None)  # a DECLAREd cursor is a portal too
-        self.conn.send(pq.close_complete())
+        self.conn.replies.send(pq.close_complete())

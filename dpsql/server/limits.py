@@ -152,7 +152,7 @@ class ShadowPool:
     are busy, or the analyst holds its share, it waits at most ``wait`` seconds, then gets 53300:
     an analyst flooding the catalog waits for its own connections, never takes all of them. A
     connection comes back when its call has ended, which the session's own deadline bounds
-    (:class:`~dpsql.server.catalog.ShadowSession`); a broken one is discarded. Connecting and
+    (:class:`~dpsql.server.shadow_session.ShadowSession`); a broken one is discarded. Connecting and
     closing run on ``executor`` (None: the loop's default one), not on the statements' workers.
     """
 

@@ -4,7 +4,7 @@ Splitting and routing a statement is CPU-bound Python (sqlglot): ~0.3 s for a 25
 statement. Run on the server's worker threads, a few such statements keep the GIL busy and every
 other analyst's statement waits for it at each step (issue #27 item 1: another analyst's DP COUNT
 went from 11 ms to 167 ms while one analyst sent 250 kB catalog statements on 8 connections).
-Statements longer than the inline threshold are therefore split and classified by one helper
+Statements longer than the inline threshold are therefore split and routed by one helper
 process (``spawn``), which parses on its own core and GIL; the calling worker thread only waits.
 
 Fair share: each analyst has at most one statement in the helper at a time (its others wait in
@@ -32,7 +32,11 @@ from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
+from dpsql import errors
 from dpsql.errors import Error, InternalError, QueryCanceled
+from dpsql.sqltext import split_statements
+
+from . import catalog
 
 log = logging.getLogger("dpsql.server")
 
@@ -43,7 +47,7 @@ _POLL = 0.05
 
 
 class _Names:
-    """What :func:`~dpsql.server.catalog.classify` asks of a policy, for the helper: its table names."""
+    """What :func:`~dpsql.server.catalog.route_of` asks of a policy, for the helper: its table names."""
 
     def __init__(self, names: frozenset[str]) -> None:
         self.names = names
@@ -52,26 +56,22 @@ class _Names:
         return True if name.lower() in self.names or name in self.names else None
 
 
-def _classify(sql: str, names: frozenset[str]) -> tuple[str, Any]:
-    from .catalog import classify
-    from .sqltext import split_statements
-
+def _route_of(sql: str, names: frozenset[str]) -> tuple[str, Any]:
     if not split_statements(sql):
         return "ok", "empty"
     try:
-        return "ok", classify(sql, _Names(names))  # type: ignore[arg-type]
+        return "ok", catalog.route_of(sql, _Names(names))  # type: ignore[arg-type]
     except Error as exc:
         return "error", (type(exc).__name__, exc.message, exc.hint)
 
 
 def _split(sql: str) -> tuple[str, Any]:
-    from .sqltext import split_statements
-
     return "ok", split_statements(sql)
 
 
 def _warm() -> None:
-    from . import catalog, sqltext  # noqa: F401  (imports sqlglot once, before the first real call)
+    """Nothing: the helper imports this module (so the router and sqlglot) to run it, once, before
+    the first real call."""
 
 
 class Offload:
@@ -124,11 +124,10 @@ class Offload:
                 sem = self._analysts[analyst] = threading.Semaphore(1)
             return sem
 
-    def classify(self, analyst: str, sql: str, tables: frozenset[str]) -> str:
-        status, value = self._call(analyst, _classify, sql, tables)
+    def route_of(self, analyst: str, sql: str, tables: frozenset[str]) -> str:
+        """:func:`~dpsql.server.catalog.route_of` in the helper ("empty" for no statement)."""
+        status, value = self._call(analyst, _route_of, sql, tables)
         if status == "error":
-            from dpsql import errors
-
             name, message, hint = value
             cls = getattr(errors, name, None)
             if isinstance(cls, type) and issubclass(cls, Error):

@@ -3,7 +3,7 @@
 Everything here is pure (bytes in, dataclasses out; values in, bytes out) except the two
 ``read_*`` coroutines, so the codec can be tested without sockets. Lengths are validated
 strictly: a frame whose declared length is negative, too small, larger than the configured
-maximum, or whose payload does not parse exactly, raises :class:`ProtocolViolation`, which
+maximum, or whose payload does not parse exactly, raises :class:`WireViolation`, which
 the connection turns into ``FATAL 08P01`` and a closed socket.
 """
 
@@ -24,8 +24,11 @@ DEFAULT_MAX_MESSAGE = 1 << 20  # 1 MiB
 MAX_STARTUP_PACKET = 10_000  # PostgreSQL's own limit
 
 
-class ProtocolViolation(Exception):
-    """The peer broke framing or message syntax; the connection must be closed."""
+class WireViolation(Exception):
+    """The peer broke framing, message syntax or message order; the connection must be closed.
+
+    Not :class:`dpsql.errors.ProtocolViolation` (08P01 too): that one is an ERROR the session
+    survives (a Bind that does not match its statement), unless raised ``.fatal()``."""
 
 
 # --- frontend messages --------------------------------------------------------------------------
@@ -136,7 +139,7 @@ class Cursor:
 
     def _take(self, n: int) -> bytes:
         if n < 0 or self.pos + n > len(self.data):
-            raise ProtocolViolation("invalid message format")
+            raise WireViolation("invalid message format")
         chunk = self.data[self.pos : self.pos + n]
         self.pos += n
         return chunk
@@ -153,13 +156,13 @@ class Cursor:
     def cstring(self) -> str:
         end = self.data.find(b"\0", self.pos)
         if end < 0:
-            raise ProtocolViolation("invalid string in message")
+            raise WireViolation("invalid string in message")
         raw = self.data[self.pos : end]
         self.pos = end + 1
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError:
-            raise ProtocolViolation('invalid byte sequence for encoding "UTF8"') from None
+            raise WireViolation('invalid byte sequence for encoding "UTF8"') from None
 
     def bytes_(self, n: int) -> bytes:
         return self._take(n)
@@ -169,13 +172,13 @@ class Cursor:
 
     def finish(self) -> None:
         if self.pos != len(self.data):
-            raise ProtocolViolation("invalid message format")
+            raise WireViolation("invalid message format")
 
 
 def _count(c: Cursor, limit: int = 65535) -> int:
     n = c.int16()
     if n < 0 or n > limit:
-        raise ProtocolViolation("invalid message format")
+        raise WireViolation("invalid message format")
     return n
 
 
@@ -210,7 +213,7 @@ def _parse_bind(c: Cursor) -> Bind:
     for _ in range(_count(c)):
         n = c.int32()
         if n < -1:
-            raise ProtocolViolation("invalid message format")
+            raise WireViolation("invalid message format")
         values.append(None if n == -1 else c.bytes_(n))
     result_formats = tuple(c.int16() for _ in range(_count(c)))
     return Bind(portal, statement, param_formats, tuple(values), result_formats)
@@ -219,7 +222,7 @@ def _parse_bind(c: Cursor) -> Bind:
 def _parse_target_name(c: Cursor) -> tuple[str, str]:
     target = c.byte()
     if target not in ("S", "P"):
-        raise ProtocolViolation(f"invalid DESCRIBE/CLOSE message subtype {ord(target)}")
+        raise WireViolation(f"invalid DESCRIBE/CLOSE message subtype {ord(target)}")
     return target, c.cstring()
 
 
@@ -251,7 +254,7 @@ def parse_message(type_: str, payload: bytes) -> FrontendMessage:
     elif type_ in ("d", "c", "f", "F"):
         return Unsupported(type_)
     else:
-        raise ProtocolViolation(f"invalid frontend message type {ord(type_)}")
+        raise WireViolation(f"invalid frontend message type {ord(type_)}")
     c.finish()
     return msg
 
@@ -261,7 +264,7 @@ async def read_startup(reader: asyncio.StreamReader) -> bytes:
     header = await reader.readexactly(4)
     (length,) = struct.unpack("!i", header)
     if length < 8 or length > MAX_STARTUP_PACKET:
-        raise ProtocolViolation("invalid length of startup packet")
+        raise WireViolation("invalid length of startup packet")
     return await reader.readexactly(length - 4)
 
 
@@ -271,9 +274,9 @@ async def read_message(reader: asyncio.StreamReader, max_size: int = DEFAULT_MAX
     type_ = chr(header[0])
     (length,) = struct.unpack("!i", header[1:])
     if length < 4:
-        raise ProtocolViolation(f"invalid message length {length}")
+        raise WireViolation(f"invalid message length {length}")
     if length > max_size:
-        raise ProtocolViolation(f"message of {length} bytes exceeds the {max_size}-byte limit")
+        raise WireViolation(f"message of {length} bytes exceeds the {max_size}-byte limit")
     return type_, await reader.readexactly(length - 4)
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from dpsql.pgtypes import FLOAT8, type_size
 from dpsql.session import OutputColumn, Result, ci_label
+from dpsql.step import Notice, NoticeKind
 
 from .protocol import Diagnostic, FieldDescription
 
@@ -155,24 +156,18 @@ def interval_summary(result: Result, confidence: float, per_row: bool = True) ->
 def result_notices(result: Result, confidence: float, per_row: bool = True) -> list[Diagnostic]:
     """NOTICEs after a DP query: the charge and remaining budget (or the cache hit), the interval
     half-widths (per row in a DETAIL when they differ), then what ± cannot say (quantiles, modes, NULLs)."""
-    accounting = [t for t in result.notices if "charged" in t]
-    others = [t for t in result.notices if "charged" not in t]
+    typed = [Notice.of(t) for t in result.notices]
+    accounting = [n for n in typed if n.budget]
     if result.epsilon_spent and not accounting:
         remaining = "" if result.remaining_epsilon is None else f"; remaining ε={result.remaining_epsilon:g}"
-        accounting.append(f"dpsql: charged ε={result.epsilon_spent:g}{remaining}")
-    notices = [Diagnostic("NOTICE", "00000", t) for t in accounting]
+        accounting.append(Notice(f"dpsql: charged ε={result.epsilon_spent:g}{remaining}", NoticeKind.CHARGE))
+    notices = [_diagnostic(n) for n in accounting]
     summary = interval_summary(result, confidence, per_row)
     if summary is not None:
         notices.append(summary)
-    return notices + [_note(t) for t in others]
+    return notices + [_diagnostic(n) for n in typed if not n.budget]
 
 
-#: A note the engine marks as a warning (a quantile of a group too small to mean anything).
-_WARNING = "dpsql: WARNING: "
-
-
-def _note(text: str) -> Diagnostic:
-    """A note as a NOTICE, or as a WARNING (SQLSTATE 01000, the marker dropped) when marked one."""
-    if text.startswith(_WARNING):
-        return Diagnostic("WARNING", "01000", "dpsql: " + text.removeprefix(_WARNING))
-    return Diagnostic("NOTICE", "00000", text)
+def _diagnostic(notice: Notice) -> Diagnostic:
+    """A typed notice as sent: its severity and SQLSTATE (a warning: 01000, its text's marker dropped)."""
+    return Diagnostic(notice.severity.value, notice.sqlstate, notice.message)

@@ -15,14 +15,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dpsql.version import __version__
-from dpsql.errors import Error
+from dpsql.errors import Error, TooManyConnections
 from dpsql.outer.admission import configure as sandbox_admission
+from dpsql.version import __version__
 
 from .catalog import CatalogShadow
 from .connection import Connection
 from .frontdoor import LoginLimiter, PreAuth
-from .limits import ShadowPool, TooManyConnections, WorkSlots
+from .limits import ShadowPool, WorkSlots
 from .memory import ANALYST_MEMORY, SERVER_MEMORY, SESSION_MEMORY, STATEMENT_MEMORY, Memory, tune_allocator
 from .offload import Offload
 from .protocol import DEFAULT_MAX_MESSAGE, DEFAULT_PORT

@@ -4,7 +4,7 @@ Everything routed to the shadow (a statement naming only catalog relations, or n
 free and runs on a server that every analyst shares, so it must not be able to *do* anything:
 sleep for long, write large objects, take advisory locks, read files, see other analysts'
 sessions. The statement itself is already a read-only head (``SELECT``/``WITH``/``VALUES``/
-``TABLE``, see :func:`dpsql.server.catalog.classify`); here every *function call* in it must be
+``TABLE``, see :func:`dpsql.server.catalog.route_of`); here every *function call* in it must be
 on :data:`ALLOWED_FUNCTIONS` (catalog introspection, formatting, string/array/JSON helpers,
 aggregates: what psql, pgcli, JDBC, SQLAlchemy, asyncpg and pg8000 send) and no relation may be
 one of the views that show other sessions (:func:`denied_relation`). The check is lexical
@@ -19,8 +19,7 @@ a hint, the shadow's own permissions are the backstop.
 from __future__ import annotations
 
 from dpsql.errors import Error, InsufficientPrivilege
-
-from .sqltext import Lexeme, Token, catalog_tokens
+from dpsql.sqltext import Lexeme, Token, catalog_tokens
 
 
 def _words(text: str) -> frozenset[str]:

@@ -23,9 +23,9 @@ from dpsql.errors import (
 from dpsql.session import Session
 
 from . import protocol as pq
+from .answers import REPORTED, Settings, default_gucs
 from .auth import ScramExchange, Verifier, mock_exchange, parse_sasl_initial
-from .local import REPORTED, Settings, default_gucs
-from .protocol import ProtocolViolation
+from .protocol import WireViolation
 
 if TYPE_CHECKING:
     from .connection import Connection
@@ -44,8 +44,8 @@ async def startup(conn: Connection) -> bool:
         if isinstance(msg, pq.SSLRequest):
             await _negotiate_tls(conn)
         elif isinstance(msg, pq.GSSEncRequest):
-            conn.send(b"N")
-            await conn.flush()
+            conn.replies.send(b"N")
+            await conn.replies.flush()
         elif isinstance(msg, pq.CancelRequest):
             conn.ctx.cancel(msg.pid, msg.secret)
             return False
@@ -57,14 +57,14 @@ async def startup(conn: Connection) -> bool:
 
 async def _negotiate_tls(conn: Connection) -> None:
     if conn.ctx.ssl_context is None or conn.tls:
-        conn.send(b"N")
-        await conn.flush()
+        conn.replies.send(b"N")
+        await conn.replies.flush()
         return
     # Data pipelined after SSLRequest would be read as if it came over TLS (CVE-2021-23214).
     if len(getattr(conn.reader, "_buffer", b"")):
-        raise ProtocolViolation("received unencrypted data after SSL request")
-    conn.send(b"S")
-    await conn.flush()
+        raise WireViolation("received unencrypted data after SSL request")
+    conn.replies.send(b"S")
+    await conn.replies.flush()
     await conn.writer.start_tls(conn.ctx.ssl_context)
     conn.tls = True
 
@@ -79,7 +79,7 @@ async def _start_session(conn: Connection, msg: pq.StartupMessage) -> None:
     params = msg.params
     unknown_options = [k for k in params if k.startswith("_pq_.")]
     if msg.minor > 0 or unknown_options:
-        conn.send(pq.negotiate_protocol_version(0, unknown_options))
+        conn.replies.send(pq.negotiate_protocol_version(0, unknown_options))
     if params.get("replication", "false").lower() not in ("false", "off", "no", "0"):
         raise FeatureNotSupported("replication connections are not supported by dpsql").fatal()
     user = params.get("user", "")
@@ -105,11 +105,11 @@ async def _start_session(conn: Connection, msg: pq.StartupMessage) -> None:
     conn.settings = conn.commands.settings = settings
     _apply_startup_settings(settings, params)
     for name in REPORTED:
-        conn.send(pq.parameter_status(name, settings.values.get(name, "")))
+        conn.replies.send(pq.parameter_status(name, settings.values.get(name, "")))
     conn.pid = ctx.register(conn)
-    conn.send(pq.backend_key_data(conn.pid, conn.secret))
-    conn.send(pq.ready_for_query(conn.commands.tx))
-    await conn.flush()
+    conn.replies.send(pq.backend_key_data(conn.pid, conn.secret))
+    conn.replies.send(pq.ready_for_query(conn.commands.tx))
+    await conn.replies.flush()
     log.info("connection analyst=%s pid=%d peer=%s tls=%s", user, conn.pid, conn.peer, conn.tls)
 
 
@@ -130,7 +130,7 @@ async def _authenticate(conn: Connection, user: str) -> None:
     if policy.auth.trust:
         # As PostgreSQL under trust: authentication succeeds, then the role lookup fails (a known
         # name simply logs in, so no answer could hide which names exist).
-        conn.send(pq.auth_ok())
+        conn.replies.send(pq.auth_ok())
         if analyst is None:
             raise InvalidAuthorization(f'role "{user}" does not exist').fatal()
         return
@@ -142,14 +142,14 @@ async def _authenticate(conn: Connection, user: str) -> None:
     else:  # unknown role or no verifier: the same exchange, doomed to fail at the same point
         exchange = mock_exchange(conn.ctx.engine, user)
         reason = "unknown role" if analyst is None else "no password set"
-    conn.send(pq.auth_sasl(["SCRAM-SHA-256"]))
-    await conn.flush()
+    conn.replies.send(pq.auth_sasl(["SCRAM-SHA-256"]))
+    await conn.replies.flush()
     try:
         mechanism, first = parse_sasl_initial(await _read_password(conn))
         if mechanism != "SCRAM-SHA-256":
             raise ScramProtocolError("client selected an invalid SASL authentication mechanism")
-        conn.send(pq.auth_sasl_continue(exchange.first(first)))
-        await conn.flush()
+        conn.replies.send(pq.auth_sasl_continue(exchange.first(first)))
+        await conn.replies.flush()
         proof = await _read_password(conn)
         _refuse_if_locked(conn, user)  # again: parallel attempts must not all get their guess checked
         final = exchange.final(proof)
@@ -160,8 +160,8 @@ async def _authenticate(conn: Connection, user: str) -> None:
     except ScramProtocolError as exc:
         raise exc.fatal() from None
     conn.ctx.logins.succeeded(user, conn.address)
-    conn.send(pq.auth_sasl_final(final))
-    conn.send(pq.auth_ok())
+    conn.replies.send(pq.auth_sasl_final(final))
+    conn.replies.send(pq.auth_ok())
 
 
 def _refuse_if_locked(conn: Connection, user: str) -> None:
@@ -182,5 +182,5 @@ async def _read_password(conn: Connection) -> bytes:
         pq.read_message(conn.reader, options.max_message_size), options.startup_timeout
     )
     if type_ != "p":
-        raise ProtocolViolation(f"expected SASL response, got message type {ord(type_)}")
+        raise WireViolation(f"expected SASL response, got message type {ord(type_)}")
     return payload

@@ -36,8 +36,11 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from dpsql.curator.reload import default_pid_file, remove_pid_file, write_pid_file
 
 log = logging.getLogger("dpsql.server.workers")
 
@@ -84,8 +87,11 @@ def _die_with(supervisor: int) -> None:
     threading.Thread(target=watch, name="dpsql-supervisor-watch", daemon=True).start()
 
 
-def _worker_main(options: dict[str, Any], index: int, supervisor: int | None = None) -> None:
-    """One worker: ``dpsql serve`` on the shared port, its log lines tagged with its index and pid."""
+def _worker_main(
+    serve: Callable[[argparse.Namespace], int], options: dict[str, Any], index: int, supervisor: int | None = None
+) -> None:
+    """One worker: ``serve`` (``dpsql serve``'s command, handed down by it: pickled by name for the
+    spawned process) on the shared port, its log lines tagged with its index and pid."""
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a reload before the server listens must not kill it
     logging.basicConfig(
         level=str(options["log_level"]).upper(),
@@ -94,18 +100,17 @@ def _worker_main(options: dict[str, Any], index: int, supervisor: int | None = N
     )
     if supervisor is not None:
         _die_with(supervisor)
-    from dpsql.cli import cmd_serve
-
     args = argparse.Namespace(**options)
     try:
-        code = cmd_serve(args)
+        code = serve(args)
     except KeyboardInterrupt:
         code = 130
     sys.exit(code)
 
 
-def supervise(args: argparse.Namespace) -> int:
-    """Run ``args.processes`` workers on ``args.host:args.port`` until SIGINT/SIGTERM or a worker exits."""
+def supervise(args: argparse.Namespace, serve: Callable[[argparse.Namespace], int]) -> int:
+    """Run ``args.processes`` workers of ``serve`` (a module-level function, ``dpsql serve``'s command)
+    on ``args.host:args.port`` until SIGINT/SIGTERM or a worker exits."""
     count = int(args.processes)
     if not hasattr(socket, "SO_REUSEPORT"):
         print("ERROR:  --processes needs SO_REUSEPORT (Linux, BSD, macOS)", file=sys.stderr)
@@ -137,8 +142,6 @@ def supervise(args: argparse.Namespace) -> int:
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, forward_reload)
     workers: list[Any] = []
-    from dpsql.curator.reload import default_pid_file, remove_pid_file, write_pid_file
-
     pid_file = Path(args.pid_file) if getattr(args, "pid_file", None) else default_pid_file(port)
     if getattr(args, "pid_file", None) != "":
         write_pid_file(pid_file, count)
@@ -146,7 +149,9 @@ def supervise(args: argparse.Namespace) -> int:
     code = 0
     try:
         for index in range(count):
-            proc = ctx.Process(target=_worker_main, args=(options, index, os.getpid()), name=f"dpsql-worker-{index}")
+            proc = ctx.Process(
+                target=_worker_main, args=(serve, options, index, os.getpid()), name=f"dpsql-worker-{index}"
+            )
             proc.start()
             workers.append(proc)
         log.info("dpsql supervisor: %d worker processes on %s:%d", count, args.host, port)

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from dpsql.backends import Backend, open_backend
-from dpsql.demo import demo_policy_path, load_demo
+from dpsql.dev.demo import demo_policy_path, load_demo
 from dpsql.engine import Engine
 from dpsql.ledger import Ledger
 from dpsql.policy import load_policy

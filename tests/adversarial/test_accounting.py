@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from dpsql.backends import Backend, open_backend
-from dpsql.demo import HEALTH_COLUMNS, health_rows
+from dpsql.dev.demo import HEALTH_COLUMNS, health_rows
 from dpsql.engine import Engine
 from dpsql.errors import Error
 from dpsql.ledger import Cost, Ledger, remaining_budget

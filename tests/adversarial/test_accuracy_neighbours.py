@@ -149,7 +149,7 @@ def test_accuracy_notices_depend_on_released_values_only(
     database, fed this run's released values: the texts must not change, so nothing the plan might
     carry from its own database (it carries nothing: it is built from SQL and policy) reaches them.
     """
-    import dpsql.engine
+    import dpsql.step
     from dpsql.release.accuracy import accuracy_notes
 
     calls: list[tuple[Any, ...]] = []
@@ -158,7 +158,7 @@ def test_accuracy_notices_depend_on_released_values_only(
         calls.append(args)
         return accuracy_notes(*args)
 
-    monkeypatch.setattr(dpsql.engine, "accuracy_notes", recording)
+    monkeypatch.setattr(dpsql.step, "accuracy_notes", recording)
     policy = parse_policy(POLICY)
     fixed: set[tuple[str, ...]] = set()
     valued = 0

@@ -748,7 +748,7 @@ def test_cast_literal_error_oracle(health: Engine, where: str) -> None:
 _TINY_EPSILON_SCRIPT = """
 import sys
 from dpsql.backends import open_backend
-from dpsql.demo import HEALTH_COLUMNS, demo_policy_path, health_rows
+from dpsql.dev.demo import HEALTH_COLUMNS, demo_policy_path, health_rows
 from dpsql.engine import Engine
 from dpsql.errors import Error
 from dpsql.ledger import Ledger

@@ -19,7 +19,7 @@ import pytest
 
 import dpsql
 from dpsql.budget_view import BUDGET_COLUMNS
-from dpsql.demo import demo_policy_path, load_demo
+from dpsql.dev.demo import demo_policy_path, load_demo
 from dpsql.engine import Engine
 from dpsql.errors import (
     Error,

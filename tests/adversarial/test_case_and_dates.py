@@ -23,10 +23,11 @@ from typing import Any
 import psycopg
 import pytest
 
-from dpsql.analyze import analyze, domains
+from dpsql.analyze import analyze
 from dpsql.analyze.checks import MAX_CASE_BRANCHES
+from dpsql.analyze.keys import choices
 from dpsql.backends import Backend, open_backend
-from dpsql.demo import demo_policy_path, load_demo
+from dpsql.dev.demo import demo_policy_path, load_demo
 from dpsql.engine import Engine
 from dpsql.errors import Error, QueryCanceled
 from dpsql.ledger import Ledger
@@ -116,14 +117,14 @@ def test_server_stops_analysis_at_the_statement_timeout(health: Engine, monkeypa
     (each branch slowed to 5 ms here) -> 57014, and the abandoned analysis stops at the next branch
     instead of running on unseen (the server waits for it when stopping), nothing charged."""
     analysed: list[float] = []
-    checkpoint = domains.checkpoint
+    checkpoint = choices.checkpoint
 
     def slow_checkpoint() -> None:
         analysed.append(time.monotonic())
         time.sleep(0.005)
         checkpoint()
 
-    monkeypatch.setattr(domains, "checkpoint", slow_checkpoint)
+    monkeypatch.setattr(choices, "checkpoint", slow_checkpoint)  # CASE branches are checked there
     sql = f"SELECT {_age_case(MAX_CASE_BRANCHES)} AS k, COUNT(*) FROM patients GROUP BY k"
     server = ThreadedServer(health, catalog_dsn="")
     try:

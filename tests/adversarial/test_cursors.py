@@ -16,7 +16,7 @@ import psycopg
 import pytest
 
 from dpsql.backends import open_backend
-from dpsql.demo import demo_policy_path, load_demo
+from dpsql.dev.demo import demo_policy_path, load_demo
 from dpsql.engine import Engine
 from dpsql.ledger import Ledger
 from dpsql.policy import Auth, load_policy

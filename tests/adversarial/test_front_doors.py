@@ -217,7 +217,7 @@ def test_parameter_count_mismatch_refused(health_engine: Engine) -> None:
 
 def test_dbapi_binds_in_source_order(tmp_path: Path) -> None:
     with dpsql.connect(HEALTH, "duckdb://", "alice", ledger="memory") as conn:
-        from dpsql.demo import load_demo
+        from dpsql.dev.demo import load_demo
 
         load_demo(conn.engine.backend, ["health"])
         cur = conn.cursor()

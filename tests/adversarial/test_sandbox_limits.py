@@ -17,7 +17,7 @@ import pytest
 import dpsql
 from dpsql.backends import Backend, open_backend
 from dpsql.cache import ResultCache
-from dpsql.demo import demo_policy_path, load_demo
+from dpsql.dev.demo import demo_policy_path, load_demo
 from dpsql.engine import Engine
 from dpsql.errors import Error, QueryCanceled
 from dpsql.ledger import Ledger

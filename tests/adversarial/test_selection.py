@@ -18,12 +18,13 @@ import pytest
 
 from dpsql.analyze import analyze
 from dpsql.backends import Backend, open_backend
-from dpsql.demo import DEPARTMENTS, load_demo
+from dpsql.dev.demo import DEPARTMENTS, load_demo
 from dpsql.engine import Engine
 from dpsql.ledger import Ledger
 from dpsql.plan import Physical
 from dpsql.policy import Budget, Budgets, Policy
-from dpsql.rewrite import centre_rows, to_sql
+from dpsql.release.apply import centre_rows
+from dpsql.rewrite import to_sql
 from dpsql.session import Session
 from tests.policies import clinic_selection_policy
 

@@ -34,7 +34,8 @@ from dpsql.backends import Backend, open_backend
 from dpsql.errors import Error
 from dpsql.plan import Plan
 from dpsql.policy import Policy, parse_policy
-from dpsql.rewrite import centre_rows, histogram_queries, to_sql
+from dpsql.release.apply import centre_rows
+from dpsql.rewrite import histogram_queries, to_sql
 from dpsql.rewrite.physical import choose_physical
 from tests.adversarial.fuzz_grammar import (
     ADVERSARIES,
@@ -165,7 +166,7 @@ def _measured(bound: Plan, backend: Backend) -> dict[tuple, list[float]]:
 def _histograms(bound: Plan, backend: Backend) -> dict[int, dict[tuple, float]]:
     """Each selected measure's bounded histogram: (group key, bin) → count."""
     out = {}
-    for i, sql in histogram_queries(bound, backend.dialect):
+    for i, sql in histogram_queries(bound, backend.render):
         _, rows = backend.execute(sql)
         out[i] = {tuple(_key(v) for v in row[:-1]): float(row[-1]) for row in rows}
     return out

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from dpsql.backends import Backend, open_backend
-from dpsql.demo import demo_policy_path, load_demo
+from dpsql.dev.demo import demo_policy_path, load_demo
 from dpsql.engine import Engine
 from dpsql.errors import Error
 from dpsql.ledger import Ledger

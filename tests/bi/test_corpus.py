@@ -18,7 +18,7 @@ import psycopg
 import pytest
 import yaml
 
-from dpsql.demo import demo_policy_path, load_demo
+from dpsql.dev.demo import demo_policy_path, load_demo
 from dpsql.engine import Engine
 from dpsql.errors import Error
 from dpsql.pgtypes import OIDS

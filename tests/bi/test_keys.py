@@ -10,7 +10,7 @@ import pytest
 
 from dpsql.analyze import analyze
 from dpsql.backends import Backend, open_backend
-from dpsql.demo import demo_policy_path, load_demo
+from dpsql.dev.demo import demo_policy_path, load_demo
 from dpsql.engine import Engine
 from dpsql.errors import Error
 from dpsql.ledger import Ledger

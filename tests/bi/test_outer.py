@@ -308,7 +308,7 @@ def test_plain_queries_are_remembered_probes_and_parameters_are_not(health: Engi
     plain = "SELECT sex, COUNT(*) AS n FROM patients GROUP BY sex ORDER BY n DESC LIMIT 1"
     probe = "SELECT sex, COUNT(*) FROM patients GROUP BY sex LIMIT 0"
     by_parameter = "SELECT sex, COUNT(*) FROM patients GROUP BY sex LIMIT %s"
-    statements = health._statements
+    statements = health.statements
     run(health, plain)
     assert statements.plain(plain)
     for _ in range(2):

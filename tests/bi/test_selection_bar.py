@@ -16,7 +16,7 @@ import psycopg
 import pytest
 
 from dpsql.backends import Backend, open_backend
-from dpsql.demo import DEPARTMENTS, demo_policy_path, load_demo
+from dpsql.dev.demo import DEPARTMENTS, demo_policy_path, load_demo
 from dpsql.engine import Engine
 from dpsql.ledger import Ledger
 from dpsql.policy import Policy, load_policy

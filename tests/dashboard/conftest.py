@@ -26,7 +26,7 @@ import pytest
 
 from dpsql.dashboard.auth import Curator
 from dpsql.dashboard.server import Dashboard, DashboardServer, make_server
-from dpsql.demo import demo_policy_path
+from dpsql.dev.demo import demo_policy_path
 from dpsql.ledger import Ledger
 from dpsql.policy import Policy, load_policy
 from dpsql.server.auth import Verifier, make_verifier

@@ -185,7 +185,7 @@ def test_refusal_has_hint_naming_the_fix(health_policy: Policy) -> None:
 
 
 def test_unbounded_sum_refused_with_policy_hint() -> None:
-    from dpsql.demo import demo_policy_path
+    from dpsql.dev.demo import demo_policy_path
     from dpsql.policy import load_policy
 
     adult = load_policy(demo_policy_path("adult"))

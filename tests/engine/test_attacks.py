@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from dpsql.attack import differencing_attack
+from dpsql.dev.attack import differencing_attack
 
 
 def test_differencing_attack_on_igor_is_capped_by_epsilon() -> None:

@@ -8,7 +8,7 @@ the bounds and caps that apply: policy facts only, the same on every neighbourin
 from __future__ import annotations
 
 from dpsql.backends import open_backend
-from dpsql.demo import demo_policy_path, load_demo
+from dpsql.dev.demo import demo_policy_path, load_demo
 from dpsql.engine import Engine
 from dpsql.ledger import Ledger
 from dpsql.policy import load_policy

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import dpsql
-from dpsql.demo import demo_policy_path, load_demo
+from dpsql.dev.demo import demo_policy_path, load_demo
 from dpsql.engine import Engine
 
 

@@ -192,7 +192,7 @@ def test_count_rmse_and_bias_at_epsilon_one(engine: Engine, mechanism: str) -> N
         theory = spec.scale  # discrete Gaussian variance is within 1e-9 of σ² for σ > 1
     ratios = []
     for _ in range(3):
-        errors = [engine._release(prepared, [(truth,)], 0.95).rows[0][0] - truth for _ in range(2000)]
+        errors = [engine.step.release_rows(prepared, [(truth,)], 0.95).rows[0][0] - truth for _ in range(2000)]
         ratios.append(math.sqrt(statistics.fmean(e * e for e in errors)) / theory)
         if abs(ratios[-1] - 1) < 0.05:
             break
@@ -226,8 +226,8 @@ def test_variance_intervals_cover_the_truth(engine: Engine, alice: Session) -> N
     sql = "SELECT stddev(age), var_pop(bmi) FROM patients"
     truth = engine.backend.execute(sql)[1][0]
     prepared = engine.prepare(sql, alice)
-    rows = engine._run(prepared.sql)
-    releases = [engine._release(prepared, rows, 0.95) for _ in range(300)]
+    rows = engine.step.query(prepared.sql)
+    releases = [engine.step.release_rows(prepared, rows, 0.95) for _ in range(300)]
     for column in range(2):
         covered = sum(abs(r.rows[0][column] - truth[column]) <= r.accuracy[0][column] for r in releases)
         assert covered >= 0.88 * len(releases)
@@ -241,7 +241,7 @@ def test_columnwise_fast_path_matches_the_interpreter(
     sql = "SELECT zip, COUNT(*), SUM(age) AS s FROM patients GROUP BY zip LIMIT 40 OFFSET 3"
     prepared = engine.prepare(sql, alice)
     assert finish_module._direct_columns(prepared.plan) is not None
-    rows = engine._run(prepared.sql)
+    rows = engine.step.query(prepared.sql)
     columns = [[r[1] for r in rows], [r[2] for r in rows]]
     widths = [[3.0, 330.0]] * len(rows)
     fast = finish_module.finish(prepared.plan, rows, columns, widths)

@@ -10,12 +10,12 @@ from scipy.stats import beta
 
 from dpsql.analyze import analyze
 from dpsql.backends import Backend, open_backend
-from dpsql.demo import load_demo
+from dpsql.dev.demo import load_demo
 from dpsql.engine import Engine
 from dpsql.errors import Error
 from dpsql.ledger import Ledger
+from dpsql.noise.exponential import select_mode
 from dpsql.policy import Policy
-from dpsql.release.selection import select_mode
 from dpsql.rewrite import histogram_query
 from dpsql.session import Session
 
@@ -70,7 +70,7 @@ def test_mode_histogram_identical_on_duckdb_and_postgres(health_policy: Policy, 
 
 
 def test_mode_needs_a_public_domain() -> None:
-    from dpsql.demo import demo_policy_path
+    from dpsql.dev.demo import demo_policy_path
     from dpsql.policy import load_policy
 
     with pytest.raises(Error) as info:
@@ -82,7 +82,7 @@ def test_mode_needs_a_public_domain() -> None:
 
 
 def test_mode_on_person_level_data_bounds_heavy_patients() -> None:
-    from dpsql.demo import demo_policy_path
+    from dpsql.dev.demo import demo_policy_path
     from dpsql.policy import load_policy
 
     backend = open_backend("duckdb://")

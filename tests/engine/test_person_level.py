@@ -9,13 +9,14 @@ import pytest
 
 from dpsql.analyze import analyze
 from dpsql.backends import Backend, open_backend
-from dpsql.demo import HEAVY_PATIENTS, demo_policy_path, load_demo
+from dpsql.dev.demo import HEAVY_PATIENTS, demo_policy_path, load_demo
 from dpsql.engine import Engine
 from dpsql.errors import Error
 from dpsql.ledger import Ledger
 from dpsql.plan import Physical, Plan
 from dpsql.policy import Policy, load_policy, parse_policy
-from dpsql.rewrite import centre_rows, to_sql
+from dpsql.release.apply import centre_rows
+from dpsql.rewrite import to_sql
 from dpsql.session import Session
 
 HEAVY = HEAVY_PATIENTS[1]

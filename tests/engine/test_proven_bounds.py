@@ -69,7 +69,7 @@ def test_a_write_after_planning_runs_the_clamped_query(engine: Engine) -> None:
     assert "CASE" not in prepared.sql
     backend = engine.backend
     assert isinstance(backend, DuckDBBackend)
-    run = engine._run
+    run = engine.step.query
     seen: list[str] = []
 
     def write_then_run(statement: str) -> list[tuple[object, ...]]:
@@ -78,7 +78,7 @@ def test_a_write_after_planning_runs_the_clamped_query(engine: Engine) -> None:
         seen.append(statement)
         return run(statement)
 
-    engine._run = write_then_run  # type: ignore[method-assign]
+    engine.step.query = write_then_run  # type: ignore[method-assign,assignment]
     engine._plans.clear()
     engine._plans.put((sql, None, (session.epsilon, session.delta, session.mechanism), backend.data_version), prepared)
     result = engine.execute(sql, session)

@@ -13,8 +13,8 @@ from dpsql.backends import Backend, open_backend
 from dpsql.engine import Engine
 from dpsql.errors import Error
 from dpsql.ledger import Ledger
+from dpsql.noise.exponential import _noisy_max, quantile_utilities
 from dpsql.policy import Policy, parse_policy
-from dpsql.release.selection import _noisy_max, quantile_utilities
 from dpsql.rewrite import histogram_query
 from dpsql.session import Session
 
@@ -45,9 +45,9 @@ def test_median_of_100k_within_one_percent_of_range_95_percent_of_runs(big: tupl
     engine = Engine(policy, backend, Ledger.open("sqlite:///:memory:"))
     prepared = engine.prepare("SELECT median(x) FROM t", Session("alice", epsilon=1.0))
     truth = backend.execute("SELECT median(x) FROM t")[1][0][0]
-    rows = engine._run(prepared.sql)
-    histograms = {i: engine._run(sql) for i, sql in prepared.histograms}
-    errors = [abs(engine._release(prepared, rows, 0.95, histograms).rows[0][0] - truth) for _ in range(200)]
+    rows = engine.step.query(prepared.sql)
+    histograms = {i: engine.step.query(sql) for i, sql in prepared.histograms}
+    errors = [abs(engine.step.release_rows(prepared, rows, 0.95, histograms).rows[0][0] - truth) for _ in range(200)]
     assert sum(e < 0.01 * 1000 for e in errors) >= 0.95 * len(errors)
 
 
@@ -105,9 +105,9 @@ def test_extremes_stay_inside_bounds_and_near_truth(big: tuple[Policy, Backend])
     policy, backend = big
     engine = Engine(policy, backend, Ledger.open("sqlite:///:memory:"))
     prepared = engine.prepare("SELECT MIN(x), MAX(x) FROM t", Session("alice"))
-    rows = engine._run(prepared.sql)
-    histograms = {i: engine._run(sql) for i, sql in prepared.histograms}
-    released = [engine._release(prepared, rows, 0.95, histograms).rows[0] for _ in range(100)]
+    rows = engine.step.query(prepared.sql)
+    histograms = {i: engine.step.query(sql) for i, sql in prepared.histograms}
+    released = [engine.step.release_rows(prepared, rows, 0.95, histograms).rows[0] for _ in range(100)]
     assert all(0 <= low <= 1000 and 0 <= high <= 1000 for low, high in released)
     # the exponential mechanism lands in an empty run below/above the data with a small probability
     # (measured: both near the truth in 96.5 % of 1,000 releases); 100 releases and an 85 % bar put a

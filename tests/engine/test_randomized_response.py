@@ -9,7 +9,7 @@ import pytest
 from scipy.stats import beta
 
 from dpsql.backends import Backend, open_backend
-from dpsql.demo import demo_policy_path, load_demo
+from dpsql.dev.demo import demo_policy_path, load_demo
 from dpsql.engine import Engine
 from dpsql.errors import Error, PolicyError
 from dpsql.ledger import Ledger

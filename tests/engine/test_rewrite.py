@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dpsql.analyze import analyze
 from dpsql.policy import Policy
-from dpsql.rewrite import centre_rows, to_sql
+from dpsql.release.apply import centre_rows
+from dpsql.rewrite import to_sql
 
 
 def test_count_with_where(health_policy: Policy) -> None:

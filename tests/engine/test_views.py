@@ -47,7 +47,7 @@ CLINIC_EQUIVALENT = [
 @pytest.mark.parametrize(("view_sql", "flat_sql"), CLINIC_EQUIVALENT)
 def test_ibis_views_measure_what_the_flat_query_measures(view_sql: str, flat_sql: str) -> None:
     from dpsql.backends import open_backend
-    from dpsql.demo import demo_policy_path, load_demo
+    from dpsql.dev.demo import demo_policy_path, load_demo
     from dpsql.policy import load_policy
 
     policy = load_policy(demo_policy_path("clinic"))

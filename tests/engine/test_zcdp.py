@@ -42,7 +42,7 @@ def test_one_remaining_epsilon_everywhere_under_zcdp(tmp_path, capsys) -> None: 
 
     import dpsql
     from dpsql.cli import main
-    from dpsql.demo import demo_policy_path, load_demo
+    from dpsql.dev.demo import demo_policy_path, load_demo
     from dpsql.ledger import remaining_budget
 
     text = Path(demo_policy_path("health")).read_text()

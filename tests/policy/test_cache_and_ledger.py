@@ -10,7 +10,7 @@ from dpsql.backends import open_backend
 from dpsql.cache import ResultCache
 from dpsql.cli import main
 from dpsql.curator.serve import note_ledger
-from dpsql.demo import demo_policy_path, load_demo
+from dpsql.dev.demo import demo_policy_path, load_demo
 from dpsql.engine import Engine
 from dpsql.ledger import Ledger
 from dpsql.policy import parse_policy

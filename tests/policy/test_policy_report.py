@@ -20,14 +20,8 @@ from dpsql.analyze import analyze
 from dpsql.backends import Backend, open_backend
 from dpsql.cli import main
 from dpsql.curator.check import check_text
-from dpsql.curator.report import (
-    Choice,
-    build_report,
-    dp_bounds,
-    dp_bounds_from_counts,
-    dp_exponents,
-    noise_std,
-)
+from dpsql.curator.dp_bounds import dp_bounds, dp_bounds_from_counts, dp_exponents
+from dpsql.curator.report import Choice, build_report, noise_std
 from dpsql.ledger import Ledger
 from dpsql.policy import Policy, parse_policy
 from dpsql.rewrite import to_sql
@@ -95,7 +89,7 @@ def _load(backend: Backend) -> Backend:
     return backend
 
 
-@pytest.fixture(params=["duckdb", "postgres"])
+@pytest.fixture(params=["duckdb", pytest.param("postgres", marks=pytest.mark.postgres)])
 def clinic(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, Backend]]:
     if request.param == "duckdb":
         url = f"duckdb://{tmp_path}/clinic.duckdb"

@@ -13,7 +13,7 @@ import psycopg
 import pytest
 
 from dpsql.cli import main
-from dpsql.demo import demo_policy_path
+from dpsql.dev.demo import demo_policy_path
 
 from .serving import Served
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dpsql.demo import demo_policy_path
+from dpsql.dev.demo import demo_policy_path
 
 from .serving import Served
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from dpsql.demo import demo_policy_path
+from dpsql.dev.demo import demo_policy_path
 from dpsql.errors import PolicyError
 from dpsql.policy import load_policy, parse_policy
 

@@ -17,12 +17,11 @@ import pytest
 from scipy.stats import beta
 
 from dpsql.backends import Backend, open_backend
-from dpsql.demo import demo_policy_path, load_demo
+from dpsql.dev.demo import demo_policy_path, load_demo
 from dpsql.engine import Engine, Prepared
 from dpsql.errors import Error
 from dpsql.ledger import Ledger
-from dpsql.policy import load_policy, parse_policy
-from dpsql.release.selection import (
+from dpsql.noise.exponential import (
     FINE_CELLS,
     QUANTILE_BINS,
     QuantileGrid,
@@ -30,6 +29,7 @@ from dpsql.release.selection import (
     quantile_rank_error,
     select_quantile,
 )
+from dpsql.policy import load_policy, parse_policy
 from dpsql.session import Session
 
 POLICY = """
@@ -48,9 +48,9 @@ tables:
 def _releases(engine: Engine, sql: str, epsilon: float, runs: int) -> list[float]:
     """``runs`` released values of ``sql`` over one measurement (the mechanism's distribution)."""
     prepared: Prepared = engine.prepare(sql, Session("alice", epsilon=epsilon))
-    rows = engine._run(prepared.sql)
-    histograms = {i: engine._run(q) for i, q in prepared.histograms}
-    return [engine._release(prepared, rows, 0.95, histograms).rows[0][0] for _ in range(runs)]
+    rows = engine.step.query(prepared.sql)
+    histograms = {i: engine.step.query(q) for i, q in prepared.histograms}
+    return [engine.step.release_rows(prepared, rows, 0.95, histograms).rows[0][0] for _ in range(runs)]
 
 
 # ------------------------------------------------------------------------------ the grid

@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 
 from dpsql.analyze import analyze
-from dpsql.demo import demo_policy_path
+from dpsql.dev.demo import demo_policy_path
+from dpsql.noise.mechanisms import noise_tail
 from dpsql.policy import Policy, load_policy
 from dpsql.release import partition_threshold
 from dpsql.release.calibrate import Budgeting, budget
-from dpsql.release.mechanisms import noise_tail
 from dpsql.session import Session
 from tests.policies import clinic_selection_policy
 

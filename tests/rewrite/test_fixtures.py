@@ -20,7 +20,7 @@ import pytest
 from sqlglot import exp
 
 from dpsql.analyze import analyze
-from dpsql.demo import demo_policy_path
+from dpsql.dev.demo import demo_policy_path
 from dpsql.plan import Physical, Plan
 from dpsql.policy import Policy, load_policy
 from dpsql.rewrite import REWRITE_PASSES, histogram_query

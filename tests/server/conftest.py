@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from dpsql.demo import demo_policy_path, load_demo
+from dpsql.dev.demo import demo_policy_path, load_demo
 from dpsql.engine import Engine
 from dpsql.policy import Analyst, Auth, Budget, Budgets, Policy, load_policy
 from dpsql.server import ThreadedServer, make_verifier

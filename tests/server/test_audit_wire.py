@@ -1,7 +1,7 @@
 """Statements refused before the engine runs them — by the catalog guard, or at Parse in the extended
 protocol drivers use — are in the audit trail too (free refusals are how a curator spots an analyst
 probing), once each, with no constant recorded. Identical refusals share one row (its ``repeats``
-count them: see dpsql/audit.py), so statements are counted as the sum of repeats."""
+count them: see dpsql/ledger/audit.py), so statements are counted as the sum of repeats."""
 
 from __future__ import annotations
 

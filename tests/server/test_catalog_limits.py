@@ -13,7 +13,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from dpsql.server.catalog import MAX_CATALOG_RESULT_ROWS
+from dpsql.server.shadow_session import MAX_CATALOG_RESULT_ROWS
 
 from .conftest import Running
 

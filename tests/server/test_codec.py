@@ -11,10 +11,10 @@ from psycopg.pq import Format
 
 from dpsql.errors import DataError
 from dpsql.fingerprint import fingerprint_key, keyed, statement_shape
-from dpsql.server.local import parse_local
-from dpsql.server.protocol import ProtocolViolation, parse_message, parse_startup
-from dpsql.server.sqltext import split_statements
+from dpsql.server.answers import parse_session_command
+from dpsql.server.protocol import WireViolation, parse_message, parse_startup
 from dpsql.server.types import decode_param, encode_binary, encode_text
+from dpsql.sqltext import split_statements
 
 
 def test_split_respects_quotes_comments_and_dollar_quotes() -> None:
@@ -52,9 +52,9 @@ def test_fingerprint_ignores_comments_spacing_and_constants() -> None:
     ],
 )
 def test_session_statements(sql: str, tag: str) -> None:
-    cmd = parse_local(sql)
+    cmd = parse_session_command(sql)
     assert cmd is not None and cmd.tag == tag
-    assert parse_local("SELECT 1") is None
+    assert parse_session_command("SELECT 1") is None
 
 
 @pytest.mark.parametrize(
@@ -90,11 +90,11 @@ def test_bad_params_are_data_errors() -> None:
 
 
 def test_strict_framing() -> None:
-    with pytest.raises(ProtocolViolation):
+    with pytest.raises(WireViolation):
         parse_message("E", b"portal")  # missing terminator and row count
-    with pytest.raises(ProtocolViolation):
+    with pytest.raises(WireViolation):
         parse_message("S", b"x")  # trailing bytes
-    with pytest.raises(ProtocolViolation):
+    with pytest.raises(WireViolation):
         parse_startup(b"\x00\x03\x00\x00user\x00x")  # unterminated parameter
 
 
@@ -114,8 +114,8 @@ def test_strict_framing() -> None:
     ],
 )
 def test_routing(sql: str, route: str) -> None:
-    from dpsql.demo import demo_policy_path
+    from dpsql.dev.demo import demo_policy_path
     from dpsql.policy import load_policy
-    from dpsql.server.catalog import classify
+    from dpsql.server.catalog import route_of
 
-    assert classify(sql, load_policy(demo_policy_path("health"))) == route
+    assert route_of(sql, load_policy(demo_policy_path("health"))) == route

@@ -14,11 +14,11 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from dpsql.demo import demo_policy_path
+from dpsql.dev.demo import demo_policy_path
 from dpsql.engine import Engine
 from dpsql.policy import Policy, load_policy
 from dpsql.server import ThreadedServer
-from dpsql.server.catalog import column_comment, table_comment
+from dpsql.server.shadow_schema import column_comment, table_comment
 
 pytestmark = pytest.mark.postgres  # starts a local PostgreSQL (shadow catalog or cluster)
 

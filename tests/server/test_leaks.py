@@ -36,7 +36,7 @@ from .conftest import PASSWORD, Running, make_policy, open_engine
 @pytest.fixture(scope="module")
 def small_dataset_server() -> Iterator[Running]:
     """Trust auth, no catalog; the dataset's budget ε=2.5 is far below the analysts' ε=10 each."""
-    from dpsql.demo import load_demo
+    from dpsql.dev.demo import load_demo
 
     policy = make_policy(trust=True)
     policy = policy.model_copy(

@@ -7,12 +7,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from dpsql.demo import demo_policy_path
+from dpsql.dev.demo import demo_policy_path
 from dpsql.errors import InternalError, StatementTooComplex
 from dpsql.policy import load_policy
-from dpsql.server.catalog import classify
+from dpsql.server.catalog import route_of
 from dpsql.server.offload import Offload
-from dpsql.server.sqltext import split_statements
+from dpsql.sqltext import split_statements
 
 POLICY = load_policy(demo_policy_path("health"))
 PAD = "/*" + "x" * 5000 + "*/ "
@@ -40,8 +40,8 @@ def offload() -> Iterator[Offload]:
 def test_routes_match_in_process(offload: Offload) -> None:
     tables = frozenset(POLICY.tables)
     for sql in LONG:
-        assert offload.classify("alice", sql, tables) == classify(sql, POLICY), sql[-60:]
-    assert offload.classify("alice", PAD + " -- only comments\n ;", tables) == "empty"
+        assert offload.route_of("alice", sql, tables) == route_of(sql, POLICY), sql[-60:]
+    assert offload.route_of("alice", PAD + " -- only comments\n ;", tables) == "empty"
 
 
 def test_split_matches_in_process(offload: Offload) -> None:
@@ -52,23 +52,23 @@ def test_split_matches_in_process(offload: Offload) -> None:
 def test_too_complex_keeps_its_sqlstate(offload: Offload) -> None:
     deep = "SELECT " + "(" * 5000 + "1" + ")" * 5000 + " FROM pg_class"
     with pytest.raises(StatementTooComplex) as info:
-        offload.classify("alice", deep, frozenset(POLICY.tables))
+        offload.route_of("alice", deep, frozenset(POLICY.tables))
     assert info.value.sqlstate == "54001"
 
 
 def test_a_killed_helper_is_replaced(offload: Offload) -> None:
     tables = frozenset(POLICY.tables)
-    assert offload.classify("alice", LONG[0], tables) == "catalog"
+    assert offload.route_of("alice", LONG[0], tables) == "catalog"
     pool = offload._pool
     assert pool is not None
     for proc in list(pool._processes.values()):  # type: ignore[attr-defined]
         proc.kill()
     with pytest.raises(InternalError, match="statement parser process stopped"):
         for _ in range(3):  # the pool notices the dead process on the next call
-            offload.classify("alice", LONG[0], tables)
-    assert offload.classify("alice", LONG[0], tables) == "catalog"  # in this thread while a new one starts
+            offload.route_of("alice", LONG[0], tables)
+    assert offload.route_of("alice", LONG[0], tables) == "catalog"  # in this thread while a new one starts
     assert offload.start(timeout=120) and offload._pool is not pool
-    assert offload.classify("alice", LONG[0], tables) == "catalog"
+    assert offload.route_of("alice", LONG[0], tables) == "catalog"
 
 
 def test_calls_are_answered_here_until_the_helper_is_ready() -> None:
@@ -76,7 +76,7 @@ def test_calls_are_answered_here_until_the_helper_is_ready() -> None:
     calling thread routes the statement itself."""
     helper = Offload()
     try:
-        assert helper.classify("alice", LONG[0], frozenset(POLICY.tables)) == "catalog"
+        assert helper.route_of("alice", LONG[0], frozenset(POLICY.tables)) == "catalog"
         assert helper.split("alice", LONG[0] + ";" + LONG[2]) == split_statements(LONG[0] + ";" + LONG[2])
     finally:
         helper.close()

@@ -20,8 +20,9 @@ import psycopg
 import pytest
 
 from dpsql.server import ThreadedServer
-from dpsql.server.catalog import CatalogShadow, shadow_role
+from dpsql.server.catalog import CatalogShadow
 from dpsql.server.shadow_guard import check_catalog_sql
+from dpsql.server.shadow_schema import shadow_role
 from tests.trust.serverproc import DPSQL, ROOT, write_policy
 
 from .conftest import open_engine

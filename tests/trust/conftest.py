@@ -20,7 +20,7 @@ import pytest
 from scipy import stats
 
 from dpsql.backends import Backend, open_backend
-from dpsql.demo import HEALTH_COLUMNS, HEAVY_PATIENTS, demo_policy_path, health_rows, load_demo
+from dpsql.dev.demo import HEALTH_COLUMNS, HEAVY_PATIENTS, demo_policy_path, health_rows, load_demo
 from dpsql.engine import Engine
 from dpsql.ledger import Ledger
 from dpsql.policy import Policy, load_policy, parse_policy

@@ -53,8 +53,8 @@ def _engine(policy: Policy, backend: Backend) -> Engine:
 
 def _sample(engine: Engine, prepared: Prepared, backend: Backend, n: int, extract: Extract) -> list[Any]:
     """Run the generated SQL once on ``backend`` and release its true aggregates ``n`` times."""
-    rows = engine._run(prepared.sql) if backend is engine.backend else _run_on(backend, prepared.sql)
-    return [extract(engine._release(prepared, rows, 0.95)) for _ in range(n)]
+    rows = engine.step.query(prepared.sql) if backend is engine.backend else _run_on(backend, prepared.sql)
+    return [extract(engine.step.release_rows(prepared, rows, 0.95)) for _ in range(n)]
 
 
 def _prepare(
@@ -282,10 +282,10 @@ def test_released_values_lie_on_their_grid(
     """Counts and integer sums are ints; real sums are exact multiples of the power-of-two grid."""
     engine = _engine(health_policy, health_neighbours[1])
     prepared = engine.prepare(sql, Session("t", epsilon=0.7))
-    rows = engine._run(prepared.sql)
+    rows = engine.step.query(prepared.sql)
     specs = prepared.budgeting.specs
     for _ in range(300):
-        result = engine._release(prepared, rows, 0.95)
+        result = engine.step.release_rows(prepared, rows, 0.95)
         for row in result.rows:
             for out, value in zip(prepared.plan.outputs, row, strict=True):
                 if out.kind in ("count",) or (out.kind == "sum" and specs[out.measures[0]].grid == 1.0):

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.postgres
 
 @pytest.fixture(scope="module")
 def clusters() -> Iterator[tuple[object, object]]:
-    from dpsql.local_postgres import start_local_postgres
+    from dpsql.dev.local_postgres import start_local_postgres
 
     with contextlib.ExitStack() as stack:
         try:
@@ -56,7 +56,7 @@ def _new_database(pg: object) -> str:
 @pytest.fixture(scope="module")
 def data_url(clusters: tuple[object, object]) -> str:
     from dpsql.backends import open_backend
-    from dpsql.demo import load_demo
+    from dpsql.dev.demo import load_demo
 
     url = _new_database(clusters[1])
     backend = open_backend(url)
@@ -185,7 +185,7 @@ def test_repeat_answered_by_one_process_is_a_free_hit_on_the_other(
 def test_processes_on_one_ledger_share_the_row_selection_salt(ledger_url: str, tmp_path: Path) -> None:
     """Every engine on a ledger picks a heavy person's rows with the same salt (a repeat sent to another
     worker sees the same sample); another installation (ledger) gets another salt."""
-    from dpsql.cli import open_engine
+    from dpsql.commands import open_engine
 
     policy = write_policy(tmp_path)
     ns = argparse.Namespace(policy=str(policy), database="demo", statement_timeout=10.0, ledger=ledger_url)

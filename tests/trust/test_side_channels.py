@@ -58,7 +58,7 @@ REFUSED = (
 def _time_release(engine: Engine, prepared: Any, rows: list[tuple[Any, ...]]) -> Callable[[], float]:
     def once() -> float:
         started = time.perf_counter_ns()
-        engine._release(prepared, rows, 0.95)
+        engine.step.release_rows(prepared, rows, 0.95)
         return float(time.perf_counter_ns() - started)
 
     return once

@@ -1,0 +1,380 @@
+"""The ledger's contract, written once for both stores: reserve (check and charge in one transaction,
+with the statement's audit row), what was spent and remains, the audit rows, the installation key.
+
+A store (:mod:`dpsql.ledger.sqlite`, :mod:`dpsql.ledger.postgres`) supplies the primitives of
+:class:`~dpsql.ledger.store.Store` only, and registers its URL schemes in :data:`STORES`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from dpsql.accountant import Accounting, Allowance, BudgetLike, Cost, Remaining, Spent, check_budget, remaining_budget
+from dpsql.errors import LedgerUnavailable
+from dpsql.ledger.audit import charged_entry
+from dpsql.ledger.integrity import ANCHORS_SQL, NO_ROWS, anchors, reconciled, require_finite, verify
+from dpsql.ledger.levers import LEVERS_SQL, CuratorLevers, levers_of
+from dpsql.ledger.records import (
+    AnalystSpent,
+    AuditEntry,
+    Charge,
+    ChargeRecord,
+    Levers,
+    audit_entry,
+    charge_record,
+    frozen_error,
+    min_remaining,
+    parse_ts,
+    spent_of,
+)
+from dpsql.ledger.store import HINT_UNAVAILABLE, INSTALLATION_KEY, Execute, unavailable
+
+#: Ledger URLs that ask explicitly for a throwaway in-memory ledger (a fresh budget per engine).
+MEMORY_LEDGER_URLS = ("memory", "sqlite:///:memory:")
+
+#: URL scheme (before ``://``) → the store that opens such a URL; each store's module registers its own,
+#: and ``dpsql.ledger`` imports every store, so the table is full before any ledger is opened.
+STORES: dict[str, Callable[[str], Ledger]] = {}
+
+
+def dpsql_home() -> Path:
+    """``$DPSQL_HOME``, else ``~/.local/share/dpsql``: where default ledgers (and result caches) live."""
+    return Path(os.environ.get("DPSQL_HOME") or Path.home() / ".local" / "share" / "dpsql")
+
+
+def default_ledger(dataset: str) -> str:
+    """The persistent SQLite ledger every front door (CLI, ``dpsql.connect``, ``Engine.open``) shares
+    for ``dataset`` when no ledger is given: one budget per dataset, however many connections."""
+    home = dpsql_home()
+    home.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{home.resolve() / f'ledger-{dataset}.sqlite'}"
+
+
+def resolve_ledger_url(url: str | None, dataset: str) -> str:
+    """The ledger URL to open: the persistent default when none is given; ``memory`` only on request."""
+    if url is None or url == "":
+        return default_ledger(dataset)
+    return "sqlite:///:memory:" if url in MEMORY_LEDGER_URLS else url
+
+
+_TOTALS_SQL = (
+    "SELECT analyst, epsilon, delta, rho, queries, selection_delta FROM dpsql_ledger_totals "
+    "WHERE dataset = ? ORDER BY analyst"
+)
+_INSERT_CHARGE_SQL = (
+    "INSERT INTO dpsql_ledger (at, dataset, analyst, fingerprint, epsilon, delta, rho, accounting, selection_delta, "
+    "sum_epsilon, sum_delta, sum_rho, sum_selection_delta, sum_queries, "
+    "ds_epsilon, ds_delta, ds_rho, ds_selection_delta, ds_queries) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+# Each analyst's totals next to the sums on their last charge row.
+_SUMMARY_SQL = (
+    "SELECT t.analyst, t.epsilon, t.delta, t.rho, t.queries, t.last_at, t.selection_delta, "
+    "l.id, l.sum_epsilon, l.sum_delta, l.sum_rho, l.sum_queries, l.sum_selection_delta "
+    "FROM dpsql_ledger_totals t LEFT JOIN dpsql_ledger l ON l.id = "
+    "(SELECT MAX(m.id) FROM dpsql_ledger m WHERE m.dataset = t.dataset AND m.analyst = t.analyst) "
+    "WHERE t.dataset = ? ORDER BY t.analyst"
+)
+_SELECT_CHARGES_SQL = (
+    "SELECT id, at, dataset, analyst, fingerprint, epsilon, delta, rho, accounting, selection_delta "
+    "FROM dpsql_ledger WHERE dataset = ?"
+)
+_INSERT_AUDIT_SQL = (
+    "INSERT INTO dpsql_audit (at, dataset, analyst, fingerprint, shape, outcome, sqlstate, epsilon, delta, rho, "
+    "latency_ms, charge_id, repeats, last_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+# The two updates the audit's triggers allow: a charge's row gets its statement's end, a free row more repeats.
+_FINALISE_AUDIT_SQL = (
+    "UPDATE dpsql_audit SET outcome = ?, sqlstate = ?, latency_ms = ? WHERE id = ? AND outcome = 'charged'"
+)
+_REPEAT_AUDIT_SQL = "UPDATE dpsql_audit SET repeats = repeats + ?, last_at = ? WHERE id = ? AND charge_id IS NULL"
+_SELECT_AUDIT_SQL = (
+    "SELECT id, at, dataset, analyst, fingerprint, shape, outcome, sqlstate, epsilon, delta, rho, latency_ms, "
+    "charge_id, repeats, last_at FROM dpsql_audit WHERE dataset = ?"
+)
+
+
+class Ledger(CuratorLevers):
+    """A durable, concurrency-safe privacy ledger; open with :meth:`Ledger.open`."""
+
+    @staticmethod
+    def open(url: str) -> Ledger:
+        """``sqlite:///abs/path.sqlite``, ``sqlite:///:memory:`` (or ``memory``) or ``postgresql://…``."""
+        if url == "memory":
+            url = "sqlite:///:memory:"
+        store = STORES.get(url.partition("://")[0]) if "://" in url else None
+        if store is None:
+            raise LedgerUnavailable(
+                "privacy ledger unavailable: unsupported ledger URL scheme",
+                detail="Use sqlite:///<absolute path> or postgresql://…",
+                hint=HINT_UNAVAILABLE,
+            )
+        return store(url)
+
+    def reserve(
+        self,
+        *,
+        dataset: str,
+        analyst: str,
+        cost: Cost,
+        dataset_budget: BudgetLike,
+        analyst_budget: BudgetLike,
+        fingerprint: str,
+        accounting: Accounting = "pure",
+        rho_delta: float | None = None,
+    ) -> Charge:
+        """Atomically check both budgets and durably record the charge, or raise.
+
+        Raises :class:`PrivacyBudgetExhausted` (nothing recorded) or
+        :class:`LedgerUnavailable` (nothing may be released).
+        """
+        if accounting not in ("pure", "zcdp"):
+            raise ValueError(f"unknown accounting {accounting!r}")
+        rho = cost.zcdp_rho() if accounting == "zcdp" else self._recorded_rho(cost)
+        recorded = Cost(cost.epsilon, cost.delta, rho, cost.selection_delta)
+        now = dt.datetime.now(dt.UTC)
+        limit = Allowance.of(analyst_budget)
+        # The statement's audit row, written in the charge's transaction: a charge never lacks one.
+        audit_row = charged_entry(dataset, analyst, fingerprint, cost, now)
+
+        def check(analyst_spent: Spent, dataset_spent: Spent, levers: Levers) -> None:
+            # Read in the reservation's transaction: a freeze or grant committed before it counts.
+            nonlocal limit
+            if levers.frozen:
+                raise frozen_error(analyst)
+            limit = levers.limit(analyst_budget)
+            require_finite("analyst", analyst, analyst_spent + cost)
+            require_finite("dataset", dataset, dataset_spent + cost)
+            common: dict[str, Any] = {
+                "cost": cost,
+                "accounting": accounting,
+                "rho_delta": rho_delta,
+            }
+            check_budget(who="analyst", name=analyst, spent=analyst_spent, budget=limit, **common)
+            check_budget(who="dataset", name=dataset, spent=dataset_spent, budget=dataset_budget, **common)
+
+        charge_id, audit_id, analyst_spent, dataset_spent = self._reserve(
+            dataset=dataset,
+            analyst=analyst,
+            fingerprint=fingerprint,
+            cost=recorded,
+            accounting=accounting,
+            at=now,
+            check=check,
+            audit=audit_row,
+        )
+        return Charge(
+            id=charge_id,
+            at=now,
+            dataset=dataset,
+            analyst=analyst,
+            fingerprint=fingerprint,
+            cost=cost,
+            accounting=accounting,
+            analyst_spent=analyst_spent,
+            dataset_spent=dataset_spent,
+            analyst_limit=limit,
+            audit_id=audit_id,
+            dataset_limit=Allowance.of(dataset_budget),
+        )
+
+    @staticmethod
+    def _recorded_rho(cost: Cost) -> float:
+        # Under pure accounting still record a sound ρ when one exists, so that a later switch
+        # of the policy to zcdp does not undercount earlier pure-DP charges.
+        if cost.rho > 0:
+            return cost.rho
+        return cost.epsilon * cost.epsilon / 2 if cost.delta == cost.selection_delta else 0.0
+
+    def _reserve(
+        self,
+        *,
+        dataset: str,
+        analyst: str,
+        fingerprint: str,
+        cost: Cost,
+        accounting: Accounting,
+        at: dt.datetime,
+        check: Callable[[Spent, Spent, Levers], None],
+        audit: AuditEntry,
+    ) -> tuple[int, int, Spent, Spent]:
+        """The reservation, in one transaction that holds the dataset's write lock: read the spending and
+        the levers → ``check`` them (raises to refuse) → insert the charge with its sums → set the totals
+        (here or by the store's trigger) → insert the statement's audit row → commit."""
+        stamp = self._timestamp(at)
+        eps, delta, rho, sel = cost.epsilon, cost.delta, cost.rho, cost.selection_delta
+        with self._reservation(dataset) as execute:
+            analyst_spent, dataset_spent = self._spent_in(execute, dataset, analyst)
+            levers = levers_of(execute(self._sql(LEVERS_SQL), (dataset, analyst, dataset, analyst)).fetchone())
+            check(analyst_spent, dataset_spent, levers)  # refuses (42501, 53P01) before anything is written
+            mine, all_ = analyst_spent + cost, dataset_spent + cost
+            sums = (mine.epsilon, mine.delta, mine.rho, mine.selection_delta, mine.queries)
+            ds_sums = (all_.epsilon, all_.delta, all_.rho, all_.selection_delta, all_.queries)
+            charge = (stamp, dataset, analyst, fingerprint, eps, delta, rho, accounting, sel, *sums, *ds_sums)
+            charge_id = self._insert_id(execute, self._sql(_INSERT_CHARGE_SQL), charge)
+            upsert = self.dialect.upsert_totals
+            if upsert is not None:  # PostgreSQL: the insert trigger sets the totals
+                execute(upsert, (dataset, analyst, *sums[:3], mine.queries, stamp, sums[3]))
+            row = replace(audit, charge_id=charge_id)
+            audit_id = self._insert_id(execute, self._sql(_INSERT_AUDIT_SQL), self._audit_params(row))
+        return charge_id, audit_id, mine, all_
+
+    def _spent_in(self, execute: Execute, dataset: str, analyst: str) -> tuple[Spent, Spent]:
+        """(analyst's, dataset's) spending inside a transaction: totals reconciled with the charge rows."""
+        rows = execute(self._sql(_TOTALS_SQL), (dataset,)).fetchall()
+        per_analyst = {row[0]: spent_of(row[1], row[2], row[3], row[4], row[5]) for row in rows}
+        mine, everyone = anchors(execute(self._sql(ANCHORS_SQL), (dataset, analyst, dataset)).fetchall())
+        return (
+            reconciled(self.url, dataset, f'analyst "{analyst}"', per_analyst.get(analyst), mine),
+            reconciled(self.url, dataset, "the dataset", Spent.total(per_analyst.values()), everyone),
+        )
+
+    def summary(self, dataset: str) -> list[AnalystSpent]:
+        """Per-analyst spending on ``dataset``, sorted by analyst name (for ``dpsql budget``)."""
+        rows = self._read(_SUMMARY_SQL, (dataset,))
+        out = []
+        for r in rows:
+            totals = spent_of(r[1], r[2], r[3], r[4], r[6])
+            anchor = NO_ROWS if r[7] is None else None if r[8] is None else spent_of(*r[8:13])
+            spent = reconciled(self.url, dataset, f'analyst "{r[0]}"', totals, anchor)
+            out.append(AnalystSpent(r[0], spent, parse_ts(r[5])))
+        return out
+
+    def spent(self, dataset: str, analyst: str | None = None) -> Spent:
+        """Totals for one analyst, or for the whole dataset (all analysts) when ``analyst`` is None; each
+        reconciled with the append-only charge rows (the larger wins)."""
+        rows = self.summary(dataset)
+        mine, everyone = anchors(self._read(ANCHORS_SQL, (dataset, analyst or "", dataset)))
+        if analyst is None:
+            return reconciled(self.url, dataset, "the dataset", Spent.total(r.spent for r in rows), everyone)
+        own = next((r.spent for r in rows if r.analyst == analyst), None)
+        return reconciled(self.url, dataset, f'analyst "{analyst}"', own, mine)
+
+    def remaining(
+        self,
+        dataset: str,
+        analyst: str | None = None,
+        *,
+        budget: BudgetLike,
+        accounting: Accounting = "pure",
+        rho_delta: float | None = None,
+        dataset_budget: BudgetLike | None = None,
+    ) -> Remaining:
+        """What is left of ``budget`` (plus the analyst's grants) given what the analyst (or the
+        dataset) has spent; with ``dataset_budget``, no more than the dataset has left (what the analyst
+        can really spend: :func:`min_remaining`)."""
+        if analyst is not None:
+            budget = self.levers(dataset, analyst).limit(budget)
+        left = remaining_budget(self.spent(dataset, analyst), budget, accounting, rho_delta=rho_delta)
+        if analyst is None or dataset_budget is None:
+            return left
+        everyone = remaining_budget(self.spent(dataset), dataset_budget, accounting, rho_delta=rho_delta)
+        return min_remaining(left, everyone)
+
+    def charges(self, dataset: str, analyst: str | None = None, *, limit: int = 100) -> list[ChargeRecord]:
+        """Most recent charges first, for auditing."""
+        sql = _SELECT_CHARGES_SQL
+        params: tuple[Any, ...] = (dataset,)
+        if analyst is not None:
+            sql, params = sql + " AND analyst = ?", (*params, analyst)
+        return [charge_record(row) for row in self._read(sql + " ORDER BY id DESC LIMIT ?", (*params, limit))]
+
+    def verify(self, dataset: str | None = None) -> list[str]:
+        """Check the whole ledger against itself; one line per problem (none: consistent). See
+        :func:`dpsql.ledger.integrity.verify`: O(charges), for ``dpsql ledger verify`` only."""
+        return verify(self._read, dataset)
+
+    # -- the audit trail (append-only but for the two updates its triggers allow) -----------------------
+
+    def record_audit(self, entries: list[AuditEntry]) -> None:
+        """Append audit rows in one transaction."""
+        self.write_audit(entries)
+
+    def write_audit(
+        self,
+        inserts: Sequence[AuditEntry],
+        finals: Sequence[AuditEntry] = (),
+        repeats: Sequence[tuple[int, int, dt.datetime]] = (),
+    ) -> list[int]:
+        """One transaction of :class:`dpsql.ledger.audit.AuditTrail`'s writer: append ``inserts`` (their ids
+        are returned, in order), finalise the ``charged`` rows named by ``finals`` (``id``: the row written
+        with the charge; its outcome, SQLSTATE and latency are set) and add ``(id, n, last_at)``
+        repeats to free rows. The triggers allow exactly these two updates, nothing else."""
+        if not (inserts or finals or repeats):
+            return []
+        ids: list[int] = []
+        with self._append() as execute:
+            for entry in inserts:
+                ids.append(self._insert_id(execute, self._sql(_INSERT_AUDIT_SQL), self._audit_params(entry)))
+            for entry in finals:
+                execute(self._sql(_FINALISE_AUDIT_SQL), (entry.outcome, entry.sqlstate, entry.latency_ms, entry.id))
+            for row_id, count, last_at in repeats:
+                execute(self._sql(_REPEAT_AUDIT_SQL), (count, self._timestamp(last_at), row_id))
+        return ids
+
+    def _audit_params(self, e: AuditEntry) -> tuple[Any, ...]:
+        return (
+            self._timestamp(e.at),
+            e.dataset,
+            e.analyst,
+            e.fingerprint,
+            e.shape,
+            e.outcome,
+            e.sqlstate,
+            e.epsilon,
+            e.delta,
+            e.rho,
+            e.latency_ms,
+            e.charge_id,
+            e.repeats,
+            None if e.last_at is None else self._timestamp(e.last_at),
+        )
+
+    def audit(
+        self,
+        dataset: str,
+        analyst: str | None = None,
+        *,
+        since: dt.datetime | None = None,
+        limit: int = 100,
+        outcomes: Sequence[str] | None = None,
+    ) -> list[AuditEntry]:
+        """Audited statements, most recent first by time (a row of repeats counts from its first
+        statement; ``since`` also matches its last one); only ``outcomes`` when given."""
+        sql = _SELECT_AUDIT_SQL
+        params: tuple[Any, ...] = (dataset,)
+        if analyst is not None:
+            sql, params = sql + " AND analyst = ?", (*params, analyst)
+        if since is not None:
+            sql, params = sql + " AND (at >= ? OR last_at >= ?)", (*params, since, since)
+        if outcomes is not None:
+            if not outcomes:
+                return []
+            sql += f" AND outcome IN ({', '.join('?' for _ in outcomes)})"
+            params = (*params, *outcomes)
+        # By time, not id: a charge's row is written at once, free rows a moment later by the writer.
+        rows = self._read(sql + " ORDER BY at DESC, id DESC LIMIT ?", (*params, limit))
+        return [audit_entry(row) for row in rows]
+
+    def installation_key(self) -> bytes:
+        """This installation's secret (32 random bytes), generated once and kept in the ledger's own
+        database (``dpsql_ledger_meta``, key ``installation_key``), so every process sharing a ledger
+        shares it and another installation has another. It keys the query fingerprints (log and
+        ledger), the mock SCRAM salts of the server and the row-selection salt of every Engine
+        (:mod:`dpsql.fingerprint`); it never leaves the process otherwise.
+        An in-memory ledger gets a fresh one."""
+        key: bytes | None = getattr(self, "_installation_key", None)
+        if key is None:
+            candidate = secrets.token_hex(32)
+            try:
+                key = bytes.fromhex(self._meta_setdefault(INSTALLATION_KEY, candidate))
+            except ValueError as exc:
+                raise unavailable("the installation key in the ledger is corrupt", exc) from exc
+            self._installation_key = key
+        return key

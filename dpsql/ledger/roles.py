@@ -1,0 +1,93 @@
+"""Least privilege: warn when dpsql's PostgreSQL roles hold more than they need.
+
+The ledger's integrity rests on its triggers and on the server's role holding INSERT on the charges
+and the audit trail only; a superuser or a table owner can disable triggers and rewrite rows. So
+``dpsql serve`` logs one WARNING line per such connection at start (never a reason not to start).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from dpsql.ledger.postgres import PostgresLedger
+
+log = logging.getLogger("dpsql.ledger")
+
+#: The ledger's tables (and the result cache beside it): owned by a ledger-owner role, never by the server's.
+LEDGER_TABLES = (
+    "dpsql_ledger",
+    "dpsql_ledger_totals",
+    "dpsql_ledger_levers",
+    "dpsql_audit",
+    "dpsql_ledger_meta",
+    "dpsql_result_cache",
+)
+_ROLES_README = 'README "Least-privilege database roles"'
+
+
+def _sql_literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def pg_role_warnings(
+    query: Callable[[str], Sequence[Sequence[Any]]], what: str, tables: Sequence[str], should_be: str
+) -> list[str]:
+    """One warning line when the connection ``query`` runs on is a superuser, else one when its role owns
+    (or is a member of the owner of) any of ``tables``: either can disable triggers, or rewrite and delete
+    rows, which is all the ledger's integrity rests on. ``query`` runs one parameterless SQL statement."""
+    user, superuser = query("SELECT current_user, rolsuper FROM pg_roles WHERE rolname = current_user")[0]
+    if superuser:
+        return [
+            f'{what} connects as role "{user}", a superuser: it can disable the ledger\'s triggers and rewrite '
+            f"any charge, total or audit row; connect as {should_be} ({_ROLES_README})"
+        ]
+    names = ", ".join(_sql_literal(t) for t in tables)
+    owned = query(
+        f"SELECT t FROM unnest(ARRAY[{names}]::text[]) WITH ORDINALITY AS u(t, n) "
+        "JOIN pg_class c ON c.oid = to_regclass(t) WHERE pg_has_role(current_user, c.relowner, 'USAGE') ORDER BY n"
+    )
+    if not owned:
+        return []
+    listed = ", ".join(str(row[0]) for row in owned)
+    return [
+        f'{what} connects as role "{user}", owner of {listed}: an owner can disable triggers and rewrite or '
+        f"delete rows; connect as {should_be} ({_ROLES_README})"
+    ]
+
+
+def serve_role_warnings(engine: Any) -> list[str]:
+    """The warnings ``dpsql serve`` logs at start for its PostgreSQL ledger and data connections
+    (:func:`pg_role_warnings`); a check that cannot run is skipped (it never stops a start)."""
+    warnings: list[str] = []
+    ledger = engine.ledger
+    if isinstance(ledger, PostgresLedger):
+        try:
+            warnings += pg_role_warnings(
+                lambda sql: ledger._fetch(sql, ()),
+                "the privacy ledger",
+                LEDGER_TABLES,
+                "a ledger-writer role such as dpsql_ledger_writer (INSERT on the charges and the audit trail only)",
+            )
+        except Exception as exc:  # a warning, never a reason not to start
+            log.debug("ledger role check skipped: %s", exc)
+    backend = engine.backend
+    if backend.pg_roles:
+        sources = sorted({table.source or name for name, table in engine.policy.tables.items()})
+        try:
+            warnings += pg_role_warnings(
+                lambda sql: backend.execute(sql)[1],
+                "the data database",
+                sources,
+                "a read-only role such as dpsql_data_reader (SELECT on the served tables only)",
+            )
+        except Exception as exc:
+            log.debug("data role check skipped: %s", exc)
+    return warnings
+
+
+def warn_about_roles(engine: Any) -> None:
+    """Log each of :func:`serve_role_warnings` as one WARNING line (``dpsql serve`` calls it at start)."""
+    for warning in serve_role_warnings(engine):
+        log.warning("%s", warning)

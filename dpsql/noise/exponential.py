@@ -1,0 +1,288 @@
+"""The exponential mechanism for quantiles (MIN, MAX, median, percentiles) and report-noisy-max
+for the mode: pure math over public grids and histogram counts (no plan, no SQL).
+
+Privacy argument. Values are clamped to the column bounds [L, U] and counted in the cells of a
+public grid (:func:`quantile_grid`: one cell per integer for an int column of at most
+:data:`FINE_CELLS` values, else :data:`FINE_CELLS` equal cells), in SQL, after contribution
+bounding, so one unit changes at most ``max_rows`` of the counts by one each. For a target rank
+t = q·n, a candidate (a cell, or a run of cells) covering ranks (C_j, C_{j+1}] gets utility
+
+    u_j = −max(0, C_j − t, t − C_{j+1})      (C_j = number of values below candidate j)
+
+i.e. minus the distance from the target rank to the ranks it covers. Adding or removing one
+value changes every C_j by at most 1 and t by at most q ≤ 1, so every u_j moves by at most 1
+(``max_rows`` for a unit): Δu = max_rows. OpenDP's ``make_noisy_max`` (report-noisy-max with
+exponential noise = the exponential mechanism, [MS20]) with scale 2Δu/ε selects a candidate ε-DP;
+it samples exactly from the OS CSPRNG.
+
+Two stages (:func:`select_quantile`). Over more than :data:`QUANTILE_BINS` cells an interior
+quantile (0 < q < 1) is chosen by two exponential mechanisms: stage 1 picks one of at most
+:data:`QUANTILE_BINS` runs of consecutive cells with ε₁ = :data:`STAGE1_SHARE`·ε, stage 2 picks a
+cell in that run or the :data:`STAGE2_REACH` runs either side with ε₂ = ε − ε₁, its utilities using
+the same global ranks (counts below the window included, so Δu is unchanged). Each stage is an
+ε_i-DP exponential mechanism whatever the other's outcome (stage 2's candidate set is a function of
+stage 1's released run only), so by adaptive sequential composition the pair is (ε₁ + ε₂) = ε-DP.
+Both stages read the same histogram: one query, whose shape depends only on the public bounds.
+MIN and MAX (q = 0, 1) use one stage over the runs at full ε (their error is the rank depth they
+must aim at, which a split would double), released at the run's middle. Otherwise the released
+value is the cell's (the integer itself, or the cell's midpoint rounded to two significant digits
+of the cell's width, which keeps it inside the cell): post-processing. Across groups the caller
+passes Δ = max_rows·max_groups, so the mechanisms of all groups one unit touches compose to ε.
+
+MIN and MAX aim at a rank per candidate (:func:`extreme_aims`): the j-th candidate from the
+extreme end aims k_j = (2Δ/ε)·ln(j·H_B/β) values in (H_B the B-th harmonic number, β =
+:data:`EXTREME_BETA`). The empty candidates beyond the data (j = 1 … E) score −k_j while a
+candidate covering its own aim scores 0, and report-noisy-max with exponential noise (permute-and-
+flip) picks a candidate g below the best with probability ≤ e^{−g·ε/2Δ}; so they win together with
+probability ≤ Σ_j β/(j·H_B) ≤ β whatever E is, as with one constant aim k = (2Δ/ε)·ln(B/β) (once
+the group holds enough values to reach the aims); but data reaching the bound meet an aim of (2Δ/ε)·ln(H_B/β),
+about half as deep (MAX of data up to the cap lands near the cap), at the price of at most
+(2Δ/ε)·ln H_B more ranks when the extreme lies far inside the bounds. The aims are constants
+(ε, Δ, B only), so every utility still moves by at most Δ per unit: the privacy argument above is
+unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import opendp.prelude as dp
+
+dp.enable_features("contrib")
+
+
+#: Candidates of one exponential mechanism (a stage): at most 512, which keeps one selection at
+#: ~2 ms (OpenDP's exact sampler costs ~3 µs a candidate) and its rank error at (2Δ/ε)·ln(512/β).
+QUANTILE_BINS = 512
+#: Cells of the finest grid: 512 runs of 128 cells, resolution (U − L)/65536.
+FINE_CELLS = QUANTILE_BINS * 128
+#: Share of ε spent choosing the run (stage 1); the rest chooses the cell inside it (stage 2).
+STAGE1_SHARE = 0.5
+#: Stage 2 chooses among the cells of the chosen run and of this many runs on either side, so a
+#: stage-1 choice one run off (likely at ε₁ when the data are sparse) is corrected at the cell level.
+STAGE2_REACH = 1
+
+
+@dataclass(frozen=True)
+class QuantileGrid:
+    """The public cells a quantile is released from, a function of the bounds and column type only."""
+
+    lower: float
+    upper: float
+    #: Number of cells (histogram bins 0 … cells − 1).
+    cells: int
+    #: Cell j is the integer lower + j (an int column with few enough values); else equal widths.
+    integer: bool
+
+    @property
+    def stride(self) -> int:
+        """Cells per stage-1 run: 1 means a single exponential mechanism over the cells."""
+        return -(-self.cells // QUANTILE_BINS)
+
+    @property
+    def runs(self) -> int:
+        return -(-self.cells // self.stride)
+
+    @property
+    def width(self) -> float:
+        """Width of one cell (1 for exact integers)."""
+        return 1.0 if self.integer else (self.upper - self.lower) / self.cells
+
+    def value(self, cell: int) -> float:
+        """The released value of a cell: the integer itself, or the cell's midpoint (rounded to two
+        significant digits of the width: no 17-digit grid arithmetic, still inside the cell)."""
+        if self.integer:
+            return self.lower + cell
+        return min(self.upper, nice(self.lower + (cell + 0.5) * self.width, self.width))
+
+    def run_value(self, run: int) -> float:
+        """The released value of a stage-1 run: its middle (rounded like :meth:`value`)."""
+        first, last = run * self.stride, min((run + 1) * self.stride, self.cells) - 1
+        low, high = self.span(first, last)
+        if self.integer:
+            return (low + high) / 2
+        return min(self.upper, nice((low + high) / 2, high - low))
+
+    def span(self, first: int, last: int) -> tuple[float, float]:
+        """The values cells ``first`` … ``last`` cover: [first integer, last integer], or the cells' edges."""
+        if self.integer:
+            return self.lower + first, self.lower + last
+        return self.lower + first * self.width, min(self.upper, self.lower + (last + 1) * self.width)
+
+    def candidate(self, value: float, runs: bool) -> tuple[int, float, float]:
+        """The candidate (a run when ``runs``, else a cell) a released ``value`` stands for, and the
+        values it covers: post-processing of the released value and the public grid only."""
+        size = self.stride if runs else 1
+        count = self.runs if runs else self.cells
+        step = size * self.width
+        index = math.floor((value - self.lower) / step + (0.0 if size > 1 or not self.integer else 0.5))
+        index = min(max(index, 0), count - 1)
+        low, high = self.span(index * size, min((index + 1) * size, self.cells) - 1)
+        return index, low, high
+
+
+def nice(x: float, width: float) -> float:
+    """``x`` rounded to two significant digits of ``width`` (≤ width/20 away): deterministic
+    post-processing of a released value, which keeps it inside a cell of that width around it."""
+    if not (width > 0 and math.isfinite(width) and math.isfinite(x)):
+        return x
+    digits = 1 - math.floor(math.log10(width))
+    return round(x, digits)
+
+
+def quantile_grid(lower: float, upper: float, integer: bool) -> QuantileGrid:
+    """The grid of a quantile over [lower, upper]: exact integers when the int column has at most
+    :data:`FINE_CELLS` values (MIN/MAX/percentile_disc of an int column land on a possible value,
+    and nothing is lost to rounding), else :data:`FINE_CELLS` equal cells."""
+    if integer and float(lower).is_integer() and float(upper).is_integer() and upper - lower < FINE_CELLS:
+        return QuantileGrid(lower, upper, int(upper - lower) + 1, True)
+    return QuantileGrid(lower, upper, FINE_CELLS, False)
+
+
+@lru_cache(maxsize=256)
+def _noisy_max(scale: float) -> Any:
+    domain = dp.vector_domain(dp.atom_domain(T=float, nan=False))
+    return dp.m.make_noisy_max(domain, dp.linf_distance(T=float), dp.max_divergence(), scale=scale)
+
+
+def rank_utilities(
+    counts: Sequence[int], q: float, total: int, before: int, target: float | Sequence[float]
+) -> list[float]:
+    """Utilities of consecutive candidates with ``counts`` values each, ``before`` values lying
+    before the first one (below it; above the last one when q = 1, the candidates then read from
+    the top). ``target`` is the rank aimed at, counted from the same end: one for all candidates,
+    or one per candidate in that order (MIN/MAX, :func:`extreme_aims`; data-independent constants).
+
+    For MIN and MAX (q = 0 or 1) a candidate starting exactly at the target rank is half a rank
+    worse than one covering it, so the extreme is approached from the inside.
+    """
+    extreme = q in (0.0, 1.0)
+    ordered = list(reversed(counts)) if q == 1.0 else list(counts)
+    targets = [float(target)] * len(ordered) if isinstance(target, int | float) else list(target)
+    utilities = []
+    below = float(before)
+    for count, aim in zip(ordered, targets, strict=True):
+        above = below + count
+        start = below + 0.5 if extreme else below
+        utilities.append(-max(0.0, start - aim, aim - above))
+        below = above
+    return utilities[::-1] if q == 1.0 else utilities
+
+
+#: β of MIN/MAX's aims: the empty candidates beyond the data win with probability ≤ β in all.
+EXTREME_BETA = 0.05
+
+
+@lru_cache(maxsize=256)
+def extreme_aims(epsilon: float, sensitivity: float, candidates: int) -> tuple[float, ...]:
+    """The rank each MIN/MAX candidate aims at, counted from the extreme end (index 0: the outermost).
+
+    k_j = max(1, (2Δ/ε)·ln(j·H_B/β)) for the j-th candidate from the end: the candidates beyond the
+    data, whichever they are, then win with probability ≤ β together (module docstring), and data
+    that reach the bound are met about half as deep as by one constant aim (2Δ/ε)·ln(B/β). A
+    function of ε, Δ and B only (public), never of the data.
+    """
+    harmonic = sum(1.0 / j for j in range(1, candidates + 1))
+    scale = 2.0 * sensitivity / epsilon
+    return tuple(max(1.0, scale * math.log(j * harmonic / EXTREME_BETA)) for j in range(1, candidates + 1))
+
+
+def quantile_utilities(
+    counts: Mapping[int, int], q: float, bins: int = QUANTILE_BINS, *, extreme_rank: float = 1.0
+) -> list[float]:
+    """Utility of each bin for the q-quantile of the histogram ``counts`` (bin index → count).
+
+    A bin covering ranks (C_j, C_{j+1}] scores minus its distance to the target rank. For
+    MIN and MAX (q = 0 or 1) the target is the ``extreme_rank``-th value from the bottom or
+    the top, a constant: below the true minimum every empty bin is one rank away from rank
+    1, so no DP mechanism can find the exact minimum; aiming ``extreme_rank`` values in
+    makes the answer land between the true extreme and that rank with high probability.
+    Either way each utility changes by at most 1 per added or removed value.
+    """
+    total = sum(counts.values())
+    target = extreme_rank if q in (0.0, 1.0) else q * total
+    return rank_utilities([counts.get(j, 0) for j in range(bins)], q, total, 0, target)
+
+
+def _choose(counts: Sequence[int], q: float, total: int, before: int, epsilon: float, sensitivity: float) -> int:
+    """One ε-DP exponential mechanism over consecutive candidates (see :func:`rank_utilities`)."""
+    target = extreme_aims(epsilon, sensitivity, len(counts)) if q in (0.0, 1.0) else q * total
+    utilities = rank_utilities(counts, q, total, before, target)
+    return int(_noisy_max(2.0 * sensitivity / epsilon)(utilities))
+
+
+def select_quantile(
+    counts: Mapping[int, int], q: float, epsilon: float, sensitivity: float, grid: QuantileGrid
+) -> float:
+    """An ε-DP q-quantile of the histogram ``counts`` (cell → count) on ``grid``: one exponential
+    mechanism over at most :data:`QUANTILE_BINS` cells, else two (run, then cell: module docstring)."""
+    total = sum(counts.values())
+    stride = grid.stride
+    if stride == 1:
+        return grid.value(_choose([counts.get(j, 0) for j in range(grid.cells)], q, total, 0, epsilon, sensitivity))
+    runs = [0] * grid.runs
+    for cell, count in counts.items():
+        runs[cell // stride] += count
+    if q in (0.0, 1.0):
+        # MIN/MAX aim (2Δ/ε)·ln(B/β) ranks inside the data: splitting ε would double that depth
+        # and cost more than the run's width, so one stage at full ε, released at the run's middle.
+        return grid.run_value(_choose(runs, q, total, 0, epsilon, sensitivity))
+    epsilon1 = epsilon * STAGE1_SHARE
+    run = _choose(runs, q, total, 0, epsilon1, sensitivity)
+    first, last = max(0, run - STAGE2_REACH), min(grid.runs - 1, run + STAGE2_REACH)
+    start, stop = first * stride, min((last + 1) * stride, grid.cells)
+    cells = [counts.get(j, 0) for j in range(start, stop)]
+    return grid.value(start + _choose(cells, q, total, sum(runs[:first]), epsilon - epsilon1, sensitivity))
+
+
+def rank_error_bound(epsilon: float, sensitivity: float, confidence: float = 0.95, bins: int = QUANTILE_BINS) -> float:
+    """With probability ≥ ``confidence`` the chosen bin's utility is within this many ranks of the best.
+
+    The exponential mechanism's standard bound: OPT − (2Δ/ε)·ln(B/β) with β = 1 − confidence.
+    It bounds the *rank* error; the value error depends on the data's spread and is not
+    reported per cell (it would depend on private data).
+    """
+    return 2.0 * sensitivity / epsilon * math.log(bins / (1.0 - confidence))
+
+
+def quantile_rank_error(
+    epsilon: float, sensitivity: float, grid: QuantileGrid, confidence: float = 0.95, *, extreme: bool = False
+) -> float:
+    """The rank error bound of :func:`select_quantile` at ``confidence``.
+
+    Two stages: the run is within E₁ ranks of the best (probability 1 − β/2), and the best cell
+    of stage 2's window (which holds the run) is as good as the run, so the cell is within E₁ + E₂
+    (probability ≥ 1 − β by a union bound).
+    """
+    if grid.stride == 1:
+        return rank_error_bound(epsilon, sensitivity, confidence, grid.cells)
+    if extreme:
+        return rank_error_bound(epsilon, sensitivity, confidence, grid.runs)
+    half = (1.0 + confidence) / 2.0
+    epsilon1 = epsilon * STAGE1_SHARE
+    window = (2 * STAGE2_REACH + 1) * grid.stride
+    return rank_error_bound(epsilon1, sensitivity, half, grid.runs) + rank_error_bound(
+        epsilon - epsilon1, sensitivity, half, window
+    )
+
+
+@lru_cache(maxsize=256)
+def _noisy_max_monotonic(scale: float) -> Any:
+    domain = dp.vector_domain(dp.atom_domain(T=int))
+    return dp.m.make_noisy_max(domain, dp.linf_distance(T=int, monotonic=True), dp.max_divergence(), scale=scale)
+
+
+def select_mode(counts: list[int], epsilon: float, sensitivity: float) -> int:
+    """Report-noisy-max over candidate counts: an ε-DP arg-max.
+
+    Privacy argument. Candidates are the column's public domain, so which candidates exist
+    reveals nothing. One unit changes the counts by at most ``sensitivity`` each, all in the
+    same direction (adding rows only raises counts): the utility is monotonic, and OpenDP's
+    noisy max with exponential noise of scale Δ/ε is then ε-DP ([MS20], exact CSPRNG sampling).
+    The released value is the winning candidate only, never its count.
+    """
+    return int(_noisy_max_monotonic(sensitivity / epsilon)(counts))

@@ -1,0 +1,327 @@
+"""The DP step: look up → reserve → measure → store → notice, written once for every release.
+
+:meth:`dpsql.engine.Engine.execute` answers a query alone with :meth:`Step.answer`; a composite
+statement (:mod:`dpsql.outer`: post-processing over DP sub-queries, the series limit) runs the same
+parts over several DP queries: :meth:`Step.lookup` each, :meth:`Step.total` (the accountant's
+composition), one :meth:`Step.reserved`, :meth:`Step.release` each, :meth:`Step.notice`. The
+order is the privacy argument:
+
+1. validation and pricing come first (:meth:`Engine.prepare`, the confidence level): a refusal
+   depends on the SQL, the settings and the policy only, and is free;
+2. the result cache is looked up. An answer already released (alone or inside any composite, at this
+   confidence level, on this database and data) is public: served again, never charged or noised
+   again, so averaging fresh noise over repeats is impossible. Whether an entry exists depends on
+   what was released before, never on the data;
+3. the cost is reserved durably in the ledger before the backend runs; the costs of several parts
+   are composed by the accountant (:meth:`dpsql.accountant.Cost.total`), nowhere else;
+4. raw measures never leave :func:`dpsql.release.apply.apply` un-noised, and what follows is
+   post-processing. A failure after the reservation is charged, never refunded
+   (:func:`dpsql.errors.charged_on_failure`): whether it fails may depend on the data or the noise;
+5. the release is stored under the key an ordinary query of the same text gets
+   (:meth:`Step.result_key`). A composite stores each *inner* query's release, not its own answer:
+   the outer statement is post-processing, free to recompute, so two dashboards wrapping one
+   aggregate differently share one release;
+6. the notices are typed values (:class:`Notice`), rendered at the edges (server, DB-API, CLI).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from enum import Enum, StrEnum
+from typing import Any
+
+from dpsql.accountant import Cost
+from dpsql.backends import Backend, log_database_error
+from dpsql.cache import ResultCache, data_stamp, database_identity, policy_hash, result_key
+from dpsql.errors import BackendError, Error, charged_on_failure
+from dpsql.ledger import Charge, Ledger
+from dpsql.ledger.audit import note_cache_hit, note_charge
+from dpsql.plan import Plan
+from dpsql.policy import Policy
+from dpsql.postprocess.finish import finish, from_cache
+from dpsql.prepared import Prepared
+from dpsql.release.accuracy import accuracy_notes, bias_note
+from dpsql.release.apply import apply, apply_local
+from dpsql.rewrite import rewrite
+from dpsql.rewrite.physical import data_version
+from dpsql.session import Result, Session
+
+__all__ = ["Notice", "NoticeKind", "Part", "Severity", "Step"]
+
+
+class NoticeKind(Enum):
+    """What a notice is about. The budget kinds (CHARGE, FREE) are sent first by the server."""
+
+    CHARGE = "charge"  # the budget this statement spent and what is left
+    FREE = "free"  # why nothing was charged: the result cache, randomized response, a schema probe
+    NOTE = "note"  # about the released values: accuracy, post-processing, the series chosen
+
+
+class Severity(StrEnum):
+    NOTICE = "NOTICE"
+    WARNING = "WARNING"
+
+
+#: How a note of :mod:`dpsql.release.accuracy` marks itself a warning (a quantile of a tiny group).
+_WARNING_MARK = "dpsql: WARNING: "
+
+
+class Notice(str):
+    """A notice: its text (what the CLI prints and DB-API returns, byte for byte) with its kind,
+    severity and SQLSTATE typed. A ``str``, so the result cache and every caller reading text keep
+    working; immutable."""
+
+    kind: NoticeKind
+    severity: Severity
+    sqlstate: str
+
+    def __new__(
+        cls, text: str, kind: NoticeKind = NoticeKind.NOTE, severity: Severity = Severity.NOTICE, sqlstate: str = ""
+    ) -> Notice:
+        self = super().__new__(cls, text)
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "severity", severity)
+        object.__setattr__(self, "sqlstate", sqlstate or ("01000" if severity is Severity.WARNING else "00000"))
+        return self
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"Notice is immutable: cannot set {name}")
+
+    def __reduce__(self) -> tuple[type[Notice], tuple[str, NoticeKind, Severity, str]]:
+        return Notice, (str(self), self.kind, self.severity, self.sqlstate)
+
+    @property
+    def budget(self) -> bool:
+        """Whether it says what the statement cost (charged, or why nothing was)."""
+        return self.kind is not NoticeKind.NOTE
+
+    @property
+    def message(self) -> str:
+        """The text as the server sends it: a warning's severity is its own field, not a marker."""
+        return "dpsql: " + self.removeprefix(_WARNING_MARK) if self.severity is Severity.WARNING else str(self)
+
+    @classmethod
+    def of(cls, text: str) -> Notice:
+        """A note produced as text below the engine (accuracy, post-processing, a stored answer) typed
+        by its markers: a budget notice says "charged", a warning starts with ``dpsql: WARNING:``."""
+        if isinstance(text, Notice):
+            return text
+        if "charged" in text:
+            free = "no budget charged" in text or "nothing charged" in text
+            return cls(text, NoticeKind.FREE if free else NoticeKind.CHARGE)
+        if text.startswith(_WARNING_MARK):
+            return cls(text, NoticeKind.NOTE, Severity.WARNING)
+        return cls(text)
+
+    @classmethod
+    def charged(cls, cost: Cost, remaining_epsilon: float, analyst: str, queries: int | None = None) -> Notice:
+        """What was charged (``queries``: for how many DP sub-queries of a composite) and what is left."""
+        text = f"dpsql: charged ε={cost.epsilon:g}" + (f", δ={cost.delta:g}" if cost.delta else "")
+        if queries is not None:
+            text += f" for {queries} DP sub-quer{'y' if queries == 1 else 'ies'}"
+        return cls(text + f'; remaining ε={remaining_epsilon:g} for analyst "{analyst}"', NoticeKind.CHARGE)
+
+
+ALL_CACHED = Notice("dpsql: every DP sub-query was answered from the result cache; no budget charged", NoticeKind.FREE)
+LOCAL = Notice("dpsql: randomized-response estimate from perturbed answers; no budget charged", NoticeKind.FREE)
+
+
+def typed(result: Result) -> Result:
+    """``result`` with every notice a :class:`Notice` (those made as text below the engine typed)."""
+    result.notices = [Notice.of(n) for n in result.notices]
+    return result
+
+
+@dataclass(slots=True)
+class Part:
+    """One DP query of a statement, with its result-cache key and, on a hit, its stored release."""
+
+    prepared: Prepared
+    key: str | None = None
+    hit: Result | None = None
+    #: When the stored release was first computed (seconds since the epoch), on a hit.
+    created: float = 0.0
+
+    @property
+    def charged(self) -> bool:
+        """Whether releasing it costs budget: it measures something, is not free and is not cached."""
+        return bool(self.prepared.plan.measures) and self.prepared.local is None and self.hit is None
+
+    @property
+    def cost(self) -> Cost:
+        return self.prepared.budgeting.cost
+
+
+class Step:
+    """The DP step over one engine's policy, backend, ledger and result cache."""
+
+    def __init__(self, policy: Policy, backend: Backend, ledger: Ledger, cache: ResultCache | None) -> None:
+        self.policy = policy
+        self.backend = backend
+        self.ledger = ledger
+        self.cache = cache
+        self._policy_hash = policy_hash(policy)
+        self._database_identity: str | None = None
+
+    # -- a query alone ---------------------------------------------------------------------------
+
+    def answer(self, prepared: Prepared, session: Session, confidence: float) -> Result:
+        """A validated, priced query: its stored release (free), or its cost reserved, then measured,
+        stored and noticed. Its one cost is charged as it is (nothing to compose)."""
+        part = self.lookup(prepared, confidence)
+        if part.hit is not None:
+            note_cache_hit()
+            return typed(from_cache(part.hit, part.created))
+        cost = part.cost if part.charged else None
+        with self.reserved(cost, session, prepared.fingerprint) as charge:
+            result = self.release(part, confidence)
+        self.notice(result, cost, charge, session)
+        return result
+
+    # -- the parts, shared with composite statements ------------------------------------------------
+
+    def lookup(self, prepared: Prepared, confidence: float) -> Part:
+        """``prepared`` with its stored release, if this exact query was released before at this
+        confidence level (nothing charged). Free and unmeasured queries are never cached."""
+        if self.cache is None or not prepared.plan.measures or prepared.local is not None:
+            return Part(prepared)
+        key = self.result_key(prepared, confidence)
+        entry = self.cache.get_entry(key)
+        if entry is None:
+            return Part(prepared, key)
+        return Part(prepared, key, typed(entry[0]), entry[1])
+
+    @staticmethod
+    def total(parts: Sequence[Part]) -> Cost | None:
+        """The cost of the parts released now, composed by the accountant (sequential composition);
+        None when none costs anything (free, or cached)."""
+        costs = [p.cost for p in parts if p.charged]
+        return Cost.total(costs) if costs else None
+
+    def reserve(self, cost: Cost, session: Session, fingerprint: str) -> Charge:
+        """Charge ``cost`` to the analyst and the dataset, durably, before anything runs (audited)."""
+        return note_charge(
+            self.ledger.reserve(
+                dataset=self.policy.dataset,
+                analyst=session.analyst,
+                cost=cost,
+                dataset_budget=self.policy.budget.dataset,
+                analyst_budget=self.policy.analyst_budget(session.analyst),
+                fingerprint=fingerprint,
+                accounting=self.policy.budget.accounting,
+            )
+        )
+
+    @contextlib.contextmanager
+    def reserved(self, cost: Cost | None, session: Session, fingerprint: str) -> Iterator[Charge | None]:
+        """Reserve ``cost`` (None: nothing to charge) before the work inside runs; a dpsql error raised
+        there says what was charged, and nothing is refunded."""
+        charge = self.reserve(cost, session, fingerprint) if cost is not None else None
+        with charged_on_failure(0.0 if cost is None else cost.epsilon):
+            yield charge
+
+    def release(self, part: Part, confidence: float) -> Result:
+        """The part's released rows: its stored release, a free randomized-response estimate, or
+        measured and noised (called only inside :meth:`reserved`), then stored so an exact repeat is free."""
+        if part.hit is not None:
+            note_cache_hit()
+            return part.hit
+        prepared = part.prepared
+        if prepared.local is not None:
+            return self._release_local(prepared, confidence)
+        result = self.measure(prepared, confidence)
+        if self.cache is not None and part.key is not None:
+            self.cache.put(part.key, result)
+        return result
+
+    def notice(
+        self,
+        result: Result,
+        cost: Cost | None,
+        charge: Charge | None,
+        session: Session,
+        parts: Sequence[Part] | None = None,
+    ) -> None:
+        """Set what the statement spent and has left, and say so (``parts``: a composite's DP queries,
+        counted in the notice, or all answered from the cache)."""
+        result.epsilon_spent = cost.epsilon if cost is not None else 0.0
+        result.delta_spent = cost.delta if cost is not None else 0.0
+        if charge is None or cost is None:
+            if parts is not None and any(p.hit is not None for p in parts):
+                result.notices.append(ALL_CACHED)
+            return
+        # the ledger's own accountant (Σε under pure, ε(Σρ, δ − Σδ_sel) under zcdp) on the policy's budget plus
+        # the curator's grants, capped by what the dataset has left: what the analyst can really spend
+        result.remaining_epsilon = charge.remaining(self.policy.budget.accounting).epsilon
+        queries = None if parts is None else sum(p.charged for p in parts)
+        result.notices.append(Notice.charged(cost, result.remaining_epsilon, session.analyst, queries))
+
+    # -- measuring and releasing ----------------------------------------------------------------
+
+    def measure(self, prepared: Prepared, confidence: float) -> Result:
+        """Run the measurement query (and its histograms) and release the noisy result; only ever
+        after the reservation."""
+        rows = self.query(prepared.sql)
+        if prepared.plan.physical.proven and data_version(self.backend) != prepared.data_version:
+            # a write raced the proof: run it again with every clamp in place
+            rows = self.query(self.clamped_sql(prepared.plan))
+        histograms = {i: self.query(sql) for i, sql in prepared.histograms}
+        return self.release_rows(prepared, rows, confidence, histograms)
+
+    def release_rows(
+        self,
+        prepared: Prepared,
+        rows: list[tuple[Any, ...]],
+        confidence: float,
+        histograms: dict[int, list[tuple[Any, ...]]] | None = None,
+    ) -> Result:
+        """Noise the measures (:func:`dpsql.release.apply.apply`), then post-process the released values."""
+        plan, budgeting = prepared.plan, prepared.budgeting
+        released = apply(plan, budgeting, rows, confidence, histograms, prepared.cache)
+        result = typed(finish(plan, *released, prepared.cache))
+        result.epsilon_spent, result.delta_spent = budgeting.epsilon, budgeting.delta
+        # what ± cannot say, nor what it leaves out
+        result.notices.extend(Notice.of(n) for n in accuracy_notes(plan, budgeting, confidence, result, released))
+        if (bias := bias_note(plan, confidence)) is not None:
+            result.notices.append(Notice.of(bias))
+        return result
+
+    def _release_local(self, prepared: Prepared, confidence: float) -> Result:
+        """Counts of a randomized-response column, debiased from its stored (perturbed) values; free."""
+        local = prepared.local
+        assert local is not None
+        observed = {value: int(count) for value, count in self.query(local.sql)}
+        result = typed(finish(prepared.plan, *apply_local(prepared.plan, local, observed, confidence), prepared.cache))
+        result.notices.append(LOCAL)
+        return result
+
+    def result_key(self, prepared: Prepared, confidence: float) -> str:
+        """The result-cache key: the query's, on this database, at its current data version, under this
+        policy, at this confidence level (a stored answer's intervals and notes are computed at it)."""
+        if self._database_identity is None:
+            self._database_identity = database_identity(self.backend)
+        try:
+            stamp = data_stamp(self.backend)
+        except Exception:  # no version readable: a key no other query shares (never served stale)
+            stamp = secrets.token_hex(16)
+        return result_key(prepared.cache_key, self._database_identity, stamp, self._policy_hash, confidence)
+
+    def clamped_sql(self, plan: Plan) -> str:
+        """The measurement query with every clamp in place, whatever the statistics prove."""
+        if plan.physical.proven:
+            plan = replace(plan, physical=replace(plan.physical, proven=frozenset()))
+        return self.backend.render(rewrite(plan), copy=False)
+
+    def query(self, sql: str) -> list[tuple[Any, ...]]:
+        """Rows of ``sql`` on the backend; the database's own error text is never surfaced."""
+        try:
+            _, rows = self.backend.execute(sql)
+        except Error:
+            raise
+        except Exception as exc:  # its text may depend on data
+            log_database_error("reading the query's result failed", exc)
+            raise BackendError("the database failed to run the query") from None
+        return rows
