@@ -173,6 +173,7 @@ class Backend(Protocol):
     #: Whether the database has PostgreSQL's roles and privileges (``dpsql serve`` warns about a
     #: superuser or table-owner login on the data database).
     pg_roles: bool
+
     @property
     def in_memory(self) -> bool:
         """Whether the data lives only in this process (DuckDB ``:memory:``, the demo): nothing outlives it."""
