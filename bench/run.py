@@ -92,7 +92,7 @@ TESTED_BARS: list[tuple[str, str]] = [
     ),
     (
         "Spark Connect: same pre-noise numbers as DuckDB/PostgreSQL, core checks through a standalone server",
-        "tests/test_spark.py::test_spark_connect tests/test_spark.py -k standalone_connect",
+        "tests/backends/test_spark.py::test_spark_connect tests/backends/test_spark.py -k standalone_connect",
     ),
 ]
 

@@ -69,7 +69,7 @@ if [ "$mode" = test ]; then
   }
   installed postgresql || has_pg_server || need_pkg postgresql
   command -v javac > /dev/null || need_pkg default-jdk-headless
-  # Spark 4 (the spark extra; tests/test_spark.py runs a local Spark) needs Java 17+.
+  # Spark 4 (the spark extra; tests/backends/test_spark.py runs a local Spark) needs Java 17+.
   java_major() { java -version 2>&1 | sed -n 's/.* version "\(1\.\)\{0,1\}\([0-9]*\).*/\2/p' | head -n 1; }
   if ! command -v java > /dev/null || [ "$(java_major)" -lt 17 ] 2> /dev/null; then
     need_pkg openjdk-17-jre-headless
@@ -88,7 +88,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 
 extras=".[serve]"  # serve: PostgreSQL binaries for the schema-only catalog psql's \d reads
-[ "$mode" = test ] && extras=".[test,serve,spark]"  # spark: pyspark for tests/test_spark.py
+[ "$mode" = test ] && extras=".[test,serve,spark]"  # spark: pyspark for tests/backends/test_spark.py
 stamp=".venv/.dpsql-setup-$mode"
 want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
 up_to_date() {  # the test extras include the runtime ones

@@ -130,7 +130,7 @@ time.sleep(600)
 
 def test_sigkill_of_owner_leaves_nothing_behind(bindir: Path) -> None:
     """The watchdog stops the postmaster and removes the datadir when its owner is SIGKILLed."""
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     proc = subprocess.Popen([sys.executable, "-c", _OWNER], stdout=subprocess.PIPE, env=env, text=True)
     try:
         assert proc.stdout is not None
