@@ -5,11 +5,14 @@ again and getting *fresh* noise would cost ε again and let repeats be averaged.
 the normalised statement (sqlglot's canonical SQL, so whitespace, keyword case and
 unquoted identifier case don't matter) with its bound parameters, the dataset, the
 session's (ε, δ, mechanism) and its confidence level (``SET dpsql.confidence``: the stored
-intervals, ``<name>_ci95`` columns and accuracy notes are computed at it). Rephrasings get
-different keys and are charged normally; so is a repeat at another confidence level (fresh noise,
-charged: recomputing intervals for stored values would need the pre-finish release, e.g. the noisy
-count behind an AVG, which is not stored). Every other ``dpsql.*`` setting is either in the key or only
-shapes the wire output from the stored result (``show_intervals``).
+intervals, ``<name>_ci95`` columns and accuracy notes are computed at it). Every other ``dpsql.*``
+setting is either in the key or only shapes the wire output from the stored result (``show_intervals``).
+
+Beside each answer the released *measurements* are stored (noisy keys and measures before the output
+post-processing) under :func:`stored_measurement_key`: a rephrasing that measures the same thing the
+same way (another LIMIT, ORDER BY, HAVING, aliases or confidence level) is finished again from them
+for free (:mod:`dpsql.step`, "Measurement reuse"). A rephrasing that measures something else (another
+filter, another ε) has another measurement key and is charged normally.
 Entries are shared by all analysts of a dataset (an answer one analyst paid for is public
 to the others at no extra privacy cost). A SQLite file makes the cache survive restarts; a
 PostgreSQL table (``ResultCache.open("postgresql://…")``, the default next to a PostgreSQL ledger)
@@ -331,6 +334,55 @@ def unseal(mac_key: bytes, key: str, entry: Any) -> tuple[Result, float]:
 def cache_key(dataset: str, normalised_sql: str, params: Any, settings: tuple[Any, ...]) -> str:
     material = "\x1f".join([dataset, normalised_sql, repr(params), repr(settings)])
     return hashlib.sha256(material.encode()).hexdigest()
+
+
+def measurement_key(dataset: str, measurement_sql: str, histograms: Any, params: Any, plan: Any, budgeting: Any) -> str:
+    """The key of a query's *measurement*, whatever its output post-processing (see :mod:`dpsql.step`):
+    the rewritten DP query as rendered (table, filters, keys, bounds, clamps, the salted physical
+    choices), its histogram queries, its bound parameters, what the plan measures (``plan``: the keys
+    with their domains, the measures with their bounds, quantiles and candidates, the selection count)
+    and the budgeting (ε, δ, mechanism, every noise spec and share, the selection threshold): everything
+    that sets the distribution of the released measurements. Output expressions, aliases, HAVING,
+    ORDER BY and LIMIT/OFFSET are not in it: they are applied after the noise, never in the SQL."""
+    parts = [dataset, measurement_sql, repr(histograms), repr(params), repr(plan), repr(budgeting)]
+    material = "\x1f".join(["measurement", *parts])
+    return hashlib.sha256(material.encode()).hexdigest()
+
+
+def stored_measurement_key(measurement: str, database: str, data_stamp: str, policy_hash: str) -> str:
+    """The stored key of released measurements: the measurement's key on this database, at this data
+    version, under this policy (the rules of :func:`result_key`). No confidence level: the intervals
+    are recomputed from the noise specs at the asking query's level. Domain-separated from result keys."""
+    material = "\x1f".join(["released measurements", measurement, database, data_stamp, policy_hash])
+    return hashlib.sha256(material.encode()).hexdigest()
+
+
+#: The command tag of a stored measurement (a :class:`Result` holding released keys and noisy measures).
+MEASUREMENT_TAG = "DPSQL MEASUREMENT"
+
+
+def measurement_result(nkeys: int, keys: list[tuple[Any, ...]], columns: list[list[Any]]) -> Result:
+    """Released measurements as a storable :class:`Result`: per released group its ``nkeys`` key values,
+    then each measure's noisy value. Only released values: raw measures are never passed here."""
+    names = [f"k{i}" for i in range(nkeys)] + [f"m{i}" for i in range(len(columns))]
+    rows = [(*key[:nkeys], *(column[j] for column in columns)) for j, key in enumerate(keys)]
+    return Result(
+        columns=[OutputColumn(name, "text", None) for name in names],
+        rows=rows,
+        accuracy=[],
+        epsilon_spent=0.0,
+        delta_spent=0.0,
+        command_tag=MEASUREMENT_TAG,
+    )
+
+
+def measurements(stored: Result, nkeys: int, nmeasures: int) -> tuple[list[tuple[Any, ...]], list[list[Any]]] | None:
+    """The released keys and noisy measure columns in a stored measurement; None when it is not one of
+    this shape (never served then)."""
+    if stored.command_tag != MEASUREMENT_TAG or len(stored.columns) != nkeys + nmeasures:
+        return None
+    keys = [row[:nkeys] for row in stored.rows]
+    return keys, [[row[nkeys + i] for row in stored.rows] for i in range(nmeasures)]
 
 
 def result_key(query_key: str, database: str, data_stamp: str, policy_hash: str, confidence: float) -> str:

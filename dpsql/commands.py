@@ -24,7 +24,7 @@ from typing import Any
 
 from dpsql.backends import DEFAULT_STATEMENT_TIMEOUT_MS, open_backend
 from dpsql.cache import ResultCache, default_cache_url
-from dpsql.dev.demo import DEMO_TABLES, demo_policy_path, load_demo
+from dpsql.dev.demo import DEMO_TABLES, demo_identity, demo_policy_path, load_demo
 from dpsql.engine import Engine
 from dpsql.ledger import Ledger, default_ledger
 from dpsql.policy import load_policy
@@ -48,7 +48,10 @@ def open_engine(args: argparse.Namespace) -> Engine:
     timeout_ms = round(args.statement_timeout * 1000)
     if database == DEMO_DATABASE:
         backend = open_backend("duckdb://", statement_timeout_ms=timeout_ms)
-        load_demo(backend, [policy.dataset] if policy.dataset in DEMO_TABLES else [])
+        datasets = [policy.dataset] if policy.dataset in DEMO_TABLES else []
+        load_demo(backend, datasets)
+        if not policy.writes.randomized_response:  # seeded and never written: every process's rows are the same
+            backend.pin_identity(demo_identity(datasets))
     else:
         writes = policy.writes.randomized_response  # else the file is shared read-only with other processes
         backend = open_backend(database, statement_timeout_ms=timeout_ms, read_only=not writes)

@@ -33,7 +33,7 @@ from dpsql.analyze.randomized import local_query
 from dpsql.analyze.statement import CACHE_BYTES as PLAN_CACHE_BYTES
 from dpsql.analyze.statement import Kind, Statements, tree_bytes
 from dpsql.backends import DEFAULT_STATEMENT_TIMEOUT_MS, Backend, open_backend
-from dpsql.cache import ResultCache, cache_key
+from dpsql.cache import ResultCache, cache_key, measurement_key
 from dpsql.errors import InvalidAuthorization
 from dpsql.explain import Explanation, explain, explain_format
 from dpsql.fingerprint import fingerprint_key, keyed, row_selection_salt, statement_shape
@@ -173,10 +173,12 @@ class Engine:
         histograms = histogram_queries(plan, self.backend.render)
         settings = (budgeting.epsilon, budgeting.delta, budgeting.mechanism)
         key = cache_key(self.policy.dataset, normalised, params_key(params), settings)
+        sql = self.backend.render(select, copy=False)
+        measured = (plan.keys, plan.measures, plan.selection_measure)  # what the measurement's columns mean
+        measurement = measurement_key(self.policy.dataset, sql, histograms, params_key(params), measured, budgeting)
         if local is not None:
             budgeting = FREE
-        sql = self.backend.render(select, copy=False)
-        return Prepared(plan, sql, budgeting, fingerprint, histograms, key, local, version)
+        return Prepared(plan, sql, budgeting, fingerprint, histograms, key, local, version, measurement_key=measurement)
 
     # -- front-door API ------------------------------------------------------------------------
 

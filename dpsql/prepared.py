@@ -39,5 +39,8 @@ class Prepared:
     local: LocalQuery | None = None
     #: The backend's data version the clamp proofs (``plan.physical.proven``) were read at.
     data_version: int = 0
+    #: Measurement key (:func:`dpsql.cache.measurement_key`): what is measured and how it is noised,
+    #: whatever the outputs, aliases, HAVING, ORDER BY and LIMIT; queries sharing it share one release.
+    measurement_key: str = ""
     #: Compiled post-processing and the public-key grid, built on first release.
     cache: ReleaseCache = field(default_factory=ReleaseCache)

@@ -22,6 +22,25 @@ order is the privacy argument:
    the outer statement is post-processing, free to recompute, so two dashboards wrapping one
    aggregate differently share one release;
 6. the notices are typed values (:class:`Notice`), rendered at the edges (server, DB-API, CLI).
+
+Measurement reuse. Besides the answer, every release stores its *measurements*: the released keys and
+noisy measures after noise and partition selection (:func:`dpsql.release.apply.apply`), before the
+output post-processing (output expressions, HAVING, DISTINCT, ORDER BY, LIMIT/OFFSET, aliases), keyed
+by :func:`dpsql.cache.measurement_key` on this database, data stamp and policy
+(:func:`dpsql.cache.stored_measurement_key`). A later query whose measurement key matches (the same
+``GROUP BY`` asked with another LIMIT, other aliases, without ORDER BY, with a HAVING on the count, at
+another confidence level) is answered by finishing the stored measurements again, free: no reservation,
+no charge, a notice naming the earlier release. Privacy: re-finishing released measurements reads only
+released values and public scales, so it is post-processing and costs nothing; the key covers
+everything that sets the measurements' distribution (the rendered DP query with its filters, keys,
+bounds, clamps and salted physical choices, the histogram queries, the parameters, the plan's keys and
+measures, the noise specs, shares and selection threshold from ε, δ and the mechanism) and the data it
+ran on (database identity, data stamp, policy hash), so a stored measurement is only ever served for a
+query that would have drawn from the very same distribution over the very same data. ORDER BY, LIMIT
+and HAVING are never part of the measurement SQL (:mod:`dpsql.rewrite` renders none), and the raw
+measures :func:`~dpsql.release.apply.apply` leaves in its rows are never stored. Intervals are
+recomputed at the asking query's confidence: they are functions of the noise specs and the level only
+(:func:`dpsql.release.apply.widths_at`), and the accuracy notes of the released values.
 """
 
 from __future__ import annotations
@@ -35,16 +54,25 @@ from typing import Any
 
 from dpsql.accountant import Cost
 from dpsql.backends import Backend, log_database_error
-from dpsql.cache import ResultCache, data_stamp, database_identity, policy_hash, result_key
+from dpsql.cache import (
+    ResultCache,
+    data_stamp,
+    database_identity,
+    measurement_result,
+    measurements,
+    policy_hash,
+    result_key,
+    stored_measurement_key,
+)
 from dpsql.errors import BackendError, Error, charged_on_failure
 from dpsql.ledger import Charge, Ledger
 from dpsql.ledger.audit import note_cache_hit, note_charge
 from dpsql.plan import Plan
 from dpsql.policy import Policy
-from dpsql.postprocess.finish import finish, from_cache
+from dpsql.postprocess.finish import finish, from_cache, from_release
 from dpsql.prepared import Prepared
 from dpsql.release.accuracy import accuracy_notes, bias_note
-from dpsql.release.apply import apply, apply_local
+from dpsql.release.apply import Released, apply, apply_local, released_again
 from dpsql.rewrite import rewrite
 from dpsql.rewrite.physical import data_version
 from dpsql.session import Result, Session
@@ -144,6 +172,10 @@ class Part:
     hit: Result | None = None
     #: When the stored release was first computed (seconds since the epoch), on a hit.
     created: float = 0.0
+    #: The stored key of its measurements (:func:`dpsql.cache.stored_measurement_key`), when cached.
+    measurement: str | None = None
+    #: Whether the hit was finished from an earlier release's measurements (not this exact query's answer).
+    reused: bool = False
 
     @property
     def charged(self) -> bool:
@@ -174,7 +206,7 @@ class Step:
         part = self.lookup(prepared, confidence)
         if part.hit is not None:
             note_cache_hit()
-            return typed(from_cache(part.hit, part.created))
+            return typed((from_release if part.reused else from_cache)(part.hit, part.created))
         cost = part.cost if part.charged else None
         with self.reserved(cost, session, prepared.fingerprint) as charge:
             result = self.release(part, confidence)
@@ -185,14 +217,27 @@ class Step:
 
     def lookup(self, prepared: Prepared, confidence: float) -> Part:
         """``prepared`` with its stored release, if this exact query was released before at this
-        confidence level (nothing charged). Free and unmeasured queries are never cached."""
+        confidence level, or else finished again from the stored measurements of an earlier release
+        of the same measurement (nothing charged either way). Free and unmeasured queries are never cached."""
         if self.cache is None or not prepared.plan.measures or prepared.local is not None:
             return Part(prepared)
-        key = self.result_key(prepared, confidence)
+        stamp = self._data_stamp()
+        key = self.result_key(prepared, confidence, stamp)
         entry = self.cache.get_entry(key)
-        if entry is None:
-            return Part(prepared, key)
-        return Part(prepared, key, typed(entry[0]), entry[1])
+        if entry is not None:
+            return Part(prepared, key, typed(entry[0]), entry[1])
+        assert self._database_identity is not None
+        measurement = stored_measurement_key(
+            prepared.measurement_key, self._database_identity, stamp, self._policy_hash
+        )
+        stored = self.cache.get_entry(measurement)
+        found = (
+            None if stored is None else measurements(stored[0], len(prepared.plan.keys), len(prepared.plan.measures))
+        )
+        if stored is None or found is None:
+            return Part(prepared, key, measurement=measurement)
+        released = released_again(prepared.budgeting, *found, confidence)
+        return Part(prepared, key, self.finish_released(prepared, released, confidence), stored[1], measurement, True)
 
     @staticmethod
     def total(parts: Sequence[Part]) -> Cost | None:
@@ -232,7 +277,7 @@ class Step:
         prepared = part.prepared
         if prepared.local is not None:
             return self._release_local(prepared, confidence)
-        result = self.measure(prepared, confidence)
+        result = self.measure(prepared, confidence, part.measurement)
         if self.cache is not None and part.key is not None:
             self.cache.put(part.key, result)
         return result
@@ -261,15 +306,15 @@ class Step:
 
     # -- measuring and releasing ----------------------------------------------------------------
 
-    def measure(self, prepared: Prepared, confidence: float) -> Result:
+    def measure(self, prepared: Prepared, confidence: float, measurement: str | None = None) -> Result:
         """Run the measurement query (and its histograms) and release the noisy result; only ever
-        after the reservation."""
+        after the reservation. The released measurements are stored under ``measurement`` (if given)."""
         rows = self.query(prepared.sql)
         if prepared.plan.physical.proven and data_version(self.backend) != prepared.data_version:
             # a write raced the proof: run it again with every clamp in place
             rows = self.query(self.clamped_sql(prepared.plan))
         histograms = {i: self.query(sql) for i, sql in prepared.histograms}
-        return self.release_rows(prepared, rows, confidence, histograms)
+        return self.release_rows(prepared, rows, confidence, histograms, measurement)
 
     def release_rows(
         self,
@@ -277,10 +322,22 @@ class Step:
         rows: list[tuple[Any, ...]],
         confidence: float,
         histograms: dict[int, list[tuple[Any, ...]]] | None = None,
+        measurement: str | None = None,
     ) -> Result:
-        """Noise the measures (:func:`dpsql.release.apply.apply`), then post-process the released values."""
+        """Noise the measures (:func:`dpsql.release.apply.apply`), store the released measurements under
+        ``measurement`` (if given), then post-process the released values."""
+        plan = prepared.plan
+        released = apply(plan, prepared.budgeting, rows, confidence, histograms, prepared.cache)
+        # the keys only: the raw measures apply leaves in its rows are never stored nor post-processed
+        nkeys = len(plan.keys)
+        released = Released([row[:nkeys] for row in released.rows], released.columns, released.widths)
+        if self.cache is not None and measurement is not None:
+            self.cache.put(measurement, measurement_result(nkeys, released.rows, released.columns))
+        return self.finish_released(prepared, released, confidence)
+
+    def finish_released(self, prepared: Prepared, released: Released, confidence: float) -> Result:
+        """Post-process released measurements: outputs, HAVING, ORDER BY, LIMIT, intervals and notes."""
         plan, budgeting = prepared.plan, prepared.budgeting
-        released = apply(plan, budgeting, rows, confidence, histograms, prepared.cache)
         result = typed(finish(plan, *released, prepared.cache))
         result.epsilon_spent, result.delta_spent = budgeting.epsilon, budgeting.delta
         # what ± cannot say, nor what it leaves out
@@ -298,16 +355,21 @@ class Step:
         result.notices.append(LOCAL)
         return result
 
-    def result_key(self, prepared: Prepared, confidence: float) -> str:
-        """The result-cache key: the query's, on this database, at its current data version, under this
-        policy, at this confidence level (a stored answer's intervals and notes are computed at it)."""
+    def result_key(self, prepared: Prepared, confidence: float, stamp: str | None = None) -> str:
+        """The result-cache key: the query's, on this database, at its current data version (or
+        ``stamp``), under this policy, at this confidence level (a stored answer's intervals and notes
+        are computed at it)."""
         if self._database_identity is None:
             self._database_identity = database_identity(self.backend)
-        try:
-            stamp = data_stamp(self.backend)
-        except Exception:  # no version readable: a key no other query shares (never served stale)
-            stamp = secrets.token_hex(16)
+        if stamp is None:
+            stamp = self._data_stamp()
         return result_key(prepared.cache_key, self._database_identity, stamp, self._policy_hash, confidence)
+
+    def _data_stamp(self) -> str:
+        try:
+            return data_stamp(self.backend)
+        except Exception:  # no version readable: a key no other query shares (never served stale)
+            return secrets.token_hex(16)
 
     def clamped_sql(self, plan: Plan) -> str:
         """The measurement query with every clamp in place, whatever the statistics prove."""

@@ -183,6 +183,10 @@ class Backend(Protocol):
         """Which database this is, for the result cache and the ledger marker."""
         ...
 
+    def pin_identity(self, name: str) -> None:
+        """Name a private (in-memory) database whose rows are the same wherever ``name`` is used."""
+        ...
+
     def data_stamp(self) -> str:
         """A text that changes whenever the data may have (see :attr:`sees_outside_writes`)."""
         ...
@@ -303,8 +307,18 @@ class BackendBase(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
+    def pin_identity(self, name: str) -> None:
+        """Name a private (in-memory) database for the result cache across processes. Only for data that
+        is the same wherever the name is used — the seeded demo, named by its generator's digest — so a
+        release made by one ``dpsql query`` process is post-processing, not a new measurement, for the next."""
+        self._pinned_identity = name
+
     def object_identity(self) -> str:
-        """A token drawn once per backend object: answers are then never shared with another process."""
+        """A token drawn once per backend object: answers are then never shared with another process
+        (unless :meth:`pin_identity` named the data)."""
+        pinned: str | None = getattr(self, "_pinned_identity", None)
+        if pinned is not None:
+            return pinned
         token: str | None = getattr(self, "_identity_token", None)
         if token is None:
             token = secrets.token_hex(16)

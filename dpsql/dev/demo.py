@@ -8,6 +8,7 @@ Data generation uses a seeded PRNG on purpose: it is fixture data, not noise.
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from dpsql.localdp import RandomizedResponse
+from dpsql.version import __version__
 
 SCHEMAS_DIR = Path(__file__).resolve().parent.parent.parent / "schemas"
 
@@ -340,3 +342,10 @@ def load_demo(backend: Any, datasets: Iterable[str] = ("health", "adult")) -> No
         for table, columns, factory in DEMO_TABLES[dataset]():
             backend.execute_script(f"DROP TABLE IF EXISTS {table}")
             backend.load_rows(table, columns, factory())
+
+
+def demo_identity(datasets: Iterable[str]) -> str:
+    """A name for the demo data that every process generating it computes alike: the datasets, dpsql's
+    version and a digest of this module (the seeded generator). Equal name, equal rows."""
+    digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+    return f"demo:{','.join(sorted(datasets))}:{__version__}:{digest}"

@@ -161,3 +161,23 @@ def from_cache(cached: Result, created: float) -> Result:
             *(text for text in cached.notices if "charged" not in text),
         ],
     )
+
+
+def from_release(finished: Result, created: float) -> Result:
+    """An answer finished again from measurements an earlier query released (the same DP measurement
+    with other outputs, aliases, HAVING, ORDER BY or LIMIT): nothing charged, nothing noised again;
+    the notice names that release in place of the charge notice."""
+    when = dt.datetime.fromtimestamp(created, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return Result(
+        columns=finished.columns,
+        rows=finished.rows,
+        accuracy=finished.accuracy,
+        epsilon_spent=0.0,
+        delta_spent=0.0,
+        notices=[
+            f"dpsql: answered from an earlier release (its measurements were first released at {when}: the same "
+            "DP measurement on this database and data, post-processed again for this query's outputs); "
+            "no budget charged",
+            *(text for text in finished.notices if "charged" not in text),
+        ],
+    )

@@ -87,7 +87,7 @@ def apply(
             continue
         values = measured[i] if measured is not None else [0 if r[nkeys + i] is None else r[nkeys + i] for r in rows]
         noisy.append(release(values, spec) if values else np.zeros(0))
-    widths = [None if spec is None else half_width(spec, confidence) for spec in budgeting.specs]
+    widths = widths_at(budgeting, confidence)
     columns = [values.tolist() if isinstance(values, np.ndarray) else values for values in noisy]
     if budgeting.threshold is not None and plan.selection_measure is not None:
         counts = columns[plan.selection_measure]
@@ -95,6 +95,21 @@ def apply(
         rows = [rows[j] for j in keep]
         columns = [[values[j] for j in keep] for values in columns]
     return Released(rows, columns, [widths] * len(rows))
+
+
+def widths_at(budgeting: Budgeting, confidence: float) -> list[float | None]:
+    """Each measure's CI half-width at ``confidence``: a function of its noise spec alone (public), the
+    same for every released row; None for selected measures (quantiles, modes)."""
+    return [None if spec is None else half_width(spec, confidence) for spec in budgeting.specs]
+
+
+def released_again(
+    budgeting: Budgeting, keys: list[tuple[Any, ...]], columns: list[list[Any]], confidence: float
+) -> Released:
+    """Measurements released earlier (their keys and noisy columns), with their half-widths at this
+    ``confidence``: exactly what :func:`apply` returned for them, minus the raw measures it leaves in
+    the rows (post-processing never reads them). No noise drawn, nothing read: post-processing."""
+    return Released(keys, columns, [widths_at(budgeting, confidence)] * len(keys))
 
 
 def apply_local(plan: Plan, local: LocalQuery, observed: dict[Any, int], confidence: float) -> Released:

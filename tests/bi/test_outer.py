@@ -216,7 +216,9 @@ def test_through_the_wire_with_psycopg(clinic_server: tuple[str, Engine]) -> Non
             "WITH t AS (SELECT urgent, AVG(cost) AS a FROM visits GROUP BY urgent) SELECT urgent, a FROM t"
         )
         assert [d.name for d in cur.description] == ["urgent", "a", "a_ci95"]
-    assert engine.ledger.spent("clinic", "analyst").epsilon == pytest.approx(before + 3.0)
+    # the window total is post-processing of the first statement's released department counts
+    # (the same measurement, another output): free, so two charges for three statements
+    assert engine.ledger.spent("clinic", "analyst").epsilon == pytest.approx(before + 2.0)
 
 
 @pytest.fixture

@@ -32,6 +32,7 @@ from dpsql import cache as cache_module
 from dpsql.backends import Backend
 from dpsql.cache import (
     ENTRY_TAG,
+    MEASUREMENT_TAG,
     RESULT_FIELDS,
     PostgresResultCache,
     ResultCache,
@@ -48,6 +49,8 @@ ROOT = Path(__file__).resolve().parents[2]
 COUNT = "SELECT COUNT(*) FROM patients WHERE age > 30"
 GROUPED = "SELECT sex, COUNT(*) FROM patients GROUP BY sex"
 EPSILON = 0.1
+#: How a stored measurement (not an answer) reads in its entry.
+MEASUREMENT = f'"command_tag":"{MEASUREMENT_TAG}"'.encode()
 
 #: pickle of the old exploit: BUILD on the class ``Result`` with slot state {"__init__": set}, i.e.
 #: ``setattr(Result, "__init__", set)``; every name in it was on the old unpickler's allow-list.
@@ -71,13 +74,24 @@ class Table:
             return cur.fetchall() if cur.description else []
 
     def entries(self) -> dict[str, bytes]:
-        return {key: bytes(blob) for key, blob in self._run("SELECT key, result FROM dpsql_result_cache")}
+        """The answers stored (the released measurements stored beside them left out)."""
+        rows = self._run("SELECT key, result FROM dpsql_result_cache")
+        return {key: bytes(blob) for key, blob in rows if MEASUREMENT not in bytes(blob)}
 
     def write(self, key: str, blob: bytes) -> None:
+        self._drop_measurements()
         self._run("UPDATE dpsql_result_cache SET result = ? WHERE key = ?", (blob, key))
 
     def insert(self, key: str, blob: bytes) -> None:
+        self._drop_measurements()
         self._run("INSERT INTO dpsql_result_cache (key, created, result) VALUES (?, ?, ?)", (key, time.time(), blob))
+
+    def _drop_measurements(self) -> None:
+        """A tampered answer must be a charged miss: no earlier release of its measurement to be
+        finished again from instead (that path: tests/engine/test_measurement_reuse.py)."""
+        for key, blob in self._run("SELECT key, result FROM dpsql_result_cache"):
+            if MEASUREMENT in bytes(blob):
+                self._run("DELETE FROM dpsql_result_cache WHERE key = ?", (key,))
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
