@@ -93,7 +93,7 @@ _GENERAL_FUNCTIONS = """
     row_to_json to_json to_jsonb json_build_object jsonb_build_object json_build_array
     jsonb_build_array json_extract_path_text jsonb_extract_path_text json_array_elements
     jsonb_array_elements json_each jsonb_each json_typeof jsonb_typeof jsonb_pretty
-    array_to_json quote_ident quote_literal quote_nullable format localtime localtimestamp
+    array_to_json quote_ident quote_literal quote_nullable parse_ident format localtime localtimestamp
     current_date current_time current_timestamp
 """
 

@@ -195,6 +195,27 @@ def test_copy_from_program_refused_through_dpsql(shadowed: Shadowed) -> None:
         assert info.value.diag.sqlstate not in (None, "XX000")
 
 
+#: Grafana's PostgreSQL data source lists a table's columns with this query (parse_ident splits a
+#: possibly schema-qualified name); it was refused 42501 when parse_ident left the allow-list.
+GRAFANA_COLUMNS = (
+    'SELECT quote_ident(column_name) AS "column", data_type AS "type" FROM information_schema.columns '
+    "WHERE CASE WHEN array_length(parse_ident('patients'),1) = 2 "
+    "THEN quote_ident(table_schema) = (parse_ident('patients'))[1] "
+    "AND quote_ident(table_name) = (parse_ident('patients'))[2] "
+    "ELSE quote_ident(table_name) = 'patients' AND table_schema IN ("
+    "SELECT CASE WHEN trim(s[i]) = '\"$user\"' THEN user ELSE trim(s[i]) END FROM generate_series("
+    "array_lower(string_to_array(current_setting('search_path'),','),1), "
+    "array_upper(string_to_array(current_setting('search_path'),','),1)) as i, "
+    "string_to_array(current_setting('search_path'),',') s) END"
+)
+
+
+def test_grafana_column_list_is_answered(shadowed: Shadowed) -> None:
+    with shadowed.connect() as conn:
+        columns = [row[0] for row in conn.execute(GRAFANA_COLUMNS).fetchall()]
+    assert "problem" in columns and "zip" in columns
+
+
 def test_pg_sleep_is_cut_by_the_shadow_timeout(shadowed: Shadowed) -> None:
     with shadowed.connect() as conn:
         started = time.monotonic()
