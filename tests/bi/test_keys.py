@@ -115,6 +115,37 @@ def test_where_equality_releases_one_row(health: Engine) -> None:
     assert sorted(r[0] for r in result.rows) == ["Asthma", "Diabetes"]
 
 
+@pytest.mark.parametrize(
+    ("where", "kept"),
+    [
+        # #29 item 6: NOT IN, LIKE/ILIKE and OR-ed equalities narrow the released groups as = and IN do
+        (
+            "problem NOT IN ('Asthma', 'Obesity')",
+            ["Chest pain", "Diabetes", "Hypertension", "None", "Shortness of breath"],
+        ),
+        ("problem = 'Asthma' OR problem = 'Gout' OR problem IN ('Diabetes')", ["Asthma", "Diabetes"]),
+        ("(problem = 'Asthma' OR 'Obesity' = problem)", ["Asthma", "Obesity"]),
+        ("problem LIKE '%ss%'", ["Shortness of breath"]),
+        ("problem LIKE 'H_pertension'", ["Hypertension"]),
+        ("problem ILIKE 'a%'", ["Asthma"]),
+        (
+            "problem NOT LIKE 'A%'",
+            ["Asthma", "Chest pain", "Diabetes", "Hypertension", "None", "Obesity", "Shortness of breath"],
+        ),  # NOT LIKE: not narrowed (a superset)
+        ("problem LIKE '%\\_%'", []),  # an escaped _ is a literal underscore: no declared value has one
+        ("problem ILIKE '%BREATH'", ["Shortness of breath"]),
+        (
+            "problem = 'Asthma' OR age > 3",
+            ["Asthma", "Chest pain", "Diabetes", "Hypertension", "None", "Obesity", "Shortness of breath"],
+        ),  # not one column's equalities
+    ],
+)
+def test_where_narrows_by_not_in_like_and_or(health: Engine, where: str, kept: list[str]) -> None:
+    result = health.execute(f"SELECT problem, COUNT(*) FROM patients WHERE {where} GROUP BY problem", SESSION)
+    assert sorted(r[0] for r in result.rows) == kept
+    assert result.delta_spent == 0  # still the public domain, no partition selection
+
+
 def test_is_not_null_drops_the_null_group(health: Engine) -> None:
     both = health.execute("SELECT bmi > 30 AS obese, COUNT(*) FROM patients GROUP BY 1", SESSION)
     assert [r[0] for r in both.rows] == [False, True, None]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -96,8 +97,11 @@ def narrow_policies(
 
     ``where`` is the checked predicate (columns qualified, constants typed). Only rows satisfying
     every conjunct are grouped, so a narrowed domain still contains every key such a row can have;
-    anything not understood (OR, NOT, LIKE…) only narrows nullability or nothing. The result
-    depends on the query's constants and the policy, never on data.
+    ``NOT IN`` removes its constants, an OR of equalities/INs on one column keeps their union, and
+    ``LIKE``/``ILIKE`` keep the declared domain values the pattern matches (evaluated here only when the
+    evaluation is certainly the database's: no escapes, ASCII for ILIKE — otherwise a value is kept, a
+    superset); anything else not understood only narrows nullability or nothing. The result depends on the
+    query's constants and the policy, never on data.
     """
     found: dict[tuple[str, str], _Narrow] = {}
 
@@ -109,12 +113,25 @@ def narrow_policies(
         return found.setdefault(key, _Narrow()), policy
 
     for conjunct in _conjuncts(where):
+        union = _or_of_equalities(conjunct)
+        if union is not None:
+            got = note(union[0])
+            if got:
+                narrow, policy = got
+                values = {_constant(v, policy) for v in union[1]}
+                narrow.not_null = True
+                if exp.Expression not in values:
+                    values.discard(None)
+                    narrow.values = values if narrow.values is None else narrow.values & values
+            continue
         negated = False
         if isinstance(conjunct, exp.Not):
             negated, conjunct = True, conjunct.this
             while isinstance(conjunct, exp.Paren):
                 conjunct = conjunct.this
+        escape: str | None = None  # the checked WHERE sends every LIKE with ESCAPE '\\' (where.py)
         if isinstance(conjunct, exp.Escape):
+            escape = conjunct.expression.name if isinstance(conjunct.expression, exp.Literal) else ""
             conjunct = conjunct.this
         if conjunct.args.get("negate"):  # sqlglot's IS NOT / NOT IN / NOT LIKE
             negated = not negated
@@ -141,11 +158,21 @@ def narrow_policies(
                 got = note(conjunct.this)
                 if got:
                     got[0].not_null = True
+                    if isinstance(conjunct, exp.In) and not conjunct.args.get("query"):
+                        # x NOT IN (a, b): a and b are not grouped (a NULL in the list passes no row at
+                        # all; not narrowed further then, a superset)
+                        values = {_constant(v, got[1]) for v in conjunct.expressions}
+                        if exp.Expression not in values and None not in values:
+                            got[0].excluded = (got[0].excluded or set()) | values
             continue
         if isinstance(conjunct, exp.Like | exp.ILike):
             got = note(conjunct.this)
             if got:
-                got[0].not_null = True
+                narrow, policy = got
+                narrow.not_null = True
+                matched = _like_domain(conjunct, policy, escape)
+                if matched is not None:
+                    narrow.values = matched if narrow.values is None else narrow.values & matched
             continue
         if isinstance(conjunct, exp.In):
             got = note(conjunct.this)
@@ -178,6 +205,77 @@ def narrow_policies(
             if got:
                 _bound_range(got[0], got[1], op, _constant(other, got[1]))
     return {key: _narrowed(policies(*key), narrow) for key, narrow in found.items()}  # type: ignore[arg-type]
+
+
+def _or_of_equalities(node: exp.Expression) -> tuple[exp.Expression, list[exp.Expression]] | None:
+    """``x = a OR x = b OR x IN (c, d)`` (one column, constants only): the column and every constant."""
+    while isinstance(node, exp.Paren):
+        node = node.this
+    if not isinstance(node, exp.Or):
+        return None
+    column: tuple[str, str] | None = None
+    node_of_column: exp.Expression | None = None
+    constants: list[exp.Expression] = []
+    stack: list[exp.Expression] = [node]
+    while stack:
+        part = stack.pop()
+        while isinstance(part, exp.Paren):
+            part = part.this
+        if isinstance(part, exp.Or):
+            stack += [part.this, part.expression]
+            continue
+        if isinstance(part, exp.EQ):
+            side, other = part.this, part.expression
+            if _key(side) is None:
+                side, other = other, side
+            found = [other]
+        elif isinstance(part, exp.In) and not part.args.get("negate") and not part.args.get("query"):
+            side, found = part.this, list(part.expressions)
+        else:
+            return None
+        key = _key(side)
+        if key is None or any(_key(c) is not None for c in found) or column not in (None, key):
+            return None
+        column, node_of_column = key, side
+        constants += found
+    assert node_of_column is not None
+    return node_of_column, constants
+
+
+def _like_domain(node: exp.Like | exp.ILike, policy: ColumnPolicy, escape: str | None) -> set[object] | None:
+    """The declared text domain values ``LIKE``/``ILIKE`` keeps, or None (not evaluated here).
+
+    The checked WHERE sends every pattern in canonical form with ``ESCAPE '\\'`` to both backends
+    (:func:`dpsql.analyze.where.canonical_like_pattern`), so ``%`` and ``_`` are wildcards and a
+    backslash makes the next character literal, everywhere alike; any other escape is not evaluated.
+    ILIKE folds ASCII case only: a value or pattern outside ASCII is kept (a superset, never a lost group).
+    """
+    pattern = node.expression
+    if policy.type != "text" or policy.domain is None or not isinstance(pattern, exp.Literal) or not pattern.is_string:
+        return None
+    if escape not in (None, "\\"):
+        return None
+    text = pattern.this
+    parts: list[str] = []
+    chars = iter(text)
+    for char in chars:
+        if char == "\\" and escape is not None:
+            literal = next(chars, None)
+            if literal is None:
+                return None
+            parts.append(re.escape(literal))
+        else:
+            parts.append(".*" if char == "%" else "." if char == "_" else re.escape(char))
+    insensitive = isinstance(node, exp.ILike)
+    regex = re.compile("".join(parts), re.DOTALL | (re.IGNORECASE if insensitive else 0))
+    kept: set[object] = set()
+    for value in policy.domain:
+        if not isinstance(value, str):
+            return None
+        unsure = insensitive and not (value.isascii() and text.isascii())
+        if unsure or regex.fullmatch(value):
+            kept.add(value)
+    return kept
 
 
 def _bound_range(narrow: _Narrow, policy: ColumnPolicy, op: type[exp.Expression], value: Any) -> None:
