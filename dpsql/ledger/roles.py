@@ -73,7 +73,7 @@ def serve_role_warnings(engine: Any) -> list[str]:
         except Exception as exc:  # a warning, never a reason not to start
             log.debug("ledger role check skipped: %s", exc)
     backend = engine.backend
-    if backend.pg_roles:
+    if getattr(backend, "pg_roles", False):  # an engine without a data backend (a ledger-only check) has none
         sources = sorted({table.source or name for name, table in engine.policy.tables.items()})
         try:
             warnings += pg_role_warnings(
