@@ -460,8 +460,10 @@ def test_dead_shadow_is_a_connection_error(engine: Engine) -> None:
             assert info.value.sqlstate == "08006"
             assert conn.execute(COUNT_SQL).fetchone() is not None  # DP queries still work
     finally:
-        ctx.shadow = None
+        shadow, ctx.shadow = ctx.shadow, None
         server.stop()
+        if shadow is not None:  # its supervisor would start a new one after this test (unmarked tests saw it)
+            shadow.stop()
 
 
 # --- 4. timeouts -------------------------------------------------------------------------------------
