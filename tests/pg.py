@@ -29,7 +29,7 @@ PG_FIXTURES = {"pg_dsn", "pg_new_database", "pg_backend"}
 
 
 #: Fixtures of other conftests that start a PostgreSQL of their own (the server's shadow catalog).
-SHADOW_FIXTURES = {"dp_server", "catalog_server", "shadow_server"}
+SHADOW_FIXTURES = {"dp_server", "catalog_server", "shadow_server", "data_pg"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

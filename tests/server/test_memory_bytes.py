@@ -201,6 +201,7 @@ class Watch:
 BIG = "SELECT lpad('x', 10000000)"
 
 
+@pytest.mark.postgres  # `serve` starts dpsql serve with its shadow catalog
 def test_unread_replies_stop_the_server_not_fill_it(serve: tuple[subprocess.Popen[bytes], int]) -> None:
     """31 kB of 10 MB statements in one message (or pipelined Parse/Bind/Execute) on sockets that never
     read: each session stops at its first undrained reply (back-pressure); the analyst's sessions together
@@ -231,6 +232,7 @@ def test_unread_replies_stop_the_server_not_fill_it(serve: tuple[subprocess.Pope
     bob_is_answered(port)
 
 
+@pytest.mark.postgres  # `serve` starts dpsql serve with its shadow catalog
 def test_twenty_cursors_per_session(serve: tuple[subprocess.Popen[bytes], int]) -> None:
     server, port = serve
     watch = Watch(server.pid)
@@ -262,6 +264,7 @@ def test_twenty_cursors_per_session(serve: tuple[subprocess.Popen[bytes], int]) 
     watch.settles("20 cursors")
 
 
+@pytest.mark.postgres  # `serve` starts dpsql serve with its shadow catalog
 def test_twenty_portals(serve: tuple[subprocess.Popen[bytes], int]) -> None:
     server, port = serve
     watch = Watch(server.pid)
@@ -290,6 +293,7 @@ def test_twenty_portals(serve: tuple[subprocess.Popen[bytes], int]) -> None:
     watch.settles("20 portals")
 
 
+@pytest.mark.postgres  # `serve` starts dpsql serve with its shadow catalog
 def test_prepared_statements_in_four_sessions(serve: tuple[subprocess.Popen[bytes], int]) -> None:
     """Prepared statements were capped by count only: 1,000 per session of up to 256k characters, 4 bytes
     each (emoji in a comment), were 1 GB per session. Now the analyst's 256 MiB stop 4 sessions: 53200."""
