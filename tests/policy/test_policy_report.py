@@ -313,11 +313,17 @@ def test_dp_bounds_land_near_the_quantiles(clinic: tuple[str, Backend]) -> None:
     policy = parse_policy(POLICY.replace("max_rows_per_unit: 10", "max_rows_per_unit: 5"))
     values = sorted(r[3] for r in rows)
     p01, p99 = values[len(values) // 100], values[len(values) * 99 // 100]
+    near = 0
     for _ in range(6):  # each run draws the histogram's truncation and noise afresh
         found = dp_bounds(policy, backend, [("visits", "cost")], 1.0)[("visits", "cost")]
         assert found is not None
         lower, upper = found
-        assert 0.5 < lower / p01 <= 2 and 0.5 < upper / p99 <= 2, (found, p01, p99)
+        # always within the neighbouring power-of-two bins; within a factor 2 in (almost) every run:
+        # 200 of 200 DuckDB runs, while one PostgreSQL CI run drew lower = 4 for p01 = 8.75 (noise
+        # crossed one bin early)
+        assert 0.25 < lower / p01 <= 4 and 0.25 < upper / p99 <= 4, (found, p01, p99)
+        near += 0.5 < lower / p01 <= 2 and 0.5 < upper / p99 <= 2
+    assert near >= 5
 
 
 def test_dp_bounds_noise_only_post_processing() -> None:
