@@ -9,6 +9,7 @@ stopped server's ledger file: the server must not answer a single DP query.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sqlite3
 import threading
@@ -28,13 +29,16 @@ KILL_CYCLES = 3
 
 
 class Client(threading.Thread):
-    """Sends distinct DP queries (distinct texts: no result-cache hits) until the server goes away."""
+    """Sends distinct DP queries until the server goes away: distinct measurements, not only texts (a
+    rephrasing of a released measurement is answered free from it), so no answer is a cache hit."""
 
     def __init__(self, server: ServerProcess, analyst: str, tag: str) -> None:
         super().__init__(daemon=True)
         self.server, self.analyst, self.tag = server, analyst, tag
         self.answers = 0
         self.error: str | None = None
+        #: A constant of its own (a far-away bound that filters nothing): every query a new measurement.
+        self.offset = 1000 + 100_000 * (int(hashlib.sha256(tag.encode()).hexdigest()[:12], 16) % 10**6)
 
     def run(self) -> None:
         try:
@@ -42,7 +46,10 @@ class Client(threading.Thread):
                 i = 0
                 while True:
                     i += 1
-                    sql = f"SELECT COUNT(*) AS c_{self.tag}_{i}, AVG(bmi) FROM patients WHERE age > {i % 90}"
+                    sql = (
+                        f"SELECT COUNT(*) AS c_{self.tag}_{i}, AVG(bmi) FROM patients "
+                        f"WHERE age > {i % 90} AND visits < {self.offset + i}"
+                    )
                     rows = conn.execute(sql).fetchall()
                     assert len(rows) == 1
                     self.answers += 1  # counted only once the whole answer has arrived
