@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dpsql import commands
 from dpsql.curator import cli as curator_cli
 from dpsql.curator import ledger_cli
+from dpsql.curator import synopsis as synopsis_cli
 from dpsql.dashboard import cli as dashboard_cli
 from dpsql.dev import cli as dev_cli
 from dpsql.errors import Error
@@ -29,6 +30,7 @@ FAMILIES: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], 
     dev_cli.register,  # demo, demo-data
     server_cli.register_passwd,  # passwd
     curator_cli.register,  # policy draft|check|report, cache clear, reload
+    synopsis_cli.register,  # synopsis build|refresh|list
 )
 
 

@@ -285,6 +285,45 @@ class Writes(_Strict):
     randomized_response: bool = False
 
 
+class Synopsis(_Strict):
+    """A curator's noisy view (``synopses:``): released once, charged once to the dataset, then every query
+    it answers is post-processing of that release, free for every analyst.
+
+    ``keys`` are GROUP BY expressions with public domains (a declared domain, or a time grain such as
+    ``DATE_TRUNC('month', visit_date)`` of a bounded column); ``measures`` are ``COUNT(*)`` and ``SUM(col)``
+    of bounded columns. ``marginals`` are the key sets measured, each at an equal share of (ε, δ) (default:
+    every key alone, and all keys together); a query is answered from the synopsis when its keys and
+    filter columns fall inside one measured marginal (coarser time grains allowed).
+    """
+
+    table: str
+    keys: Annotated[tuple[str, ...], Field(min_length=1)]
+    measures: Annotated[tuple[str, ...], Field(min_length=1)] = ("COUNT(*)",)
+    marginals: tuple[tuple[str, ...], ...] | None = None
+    epsilon: Annotated[float, Field(gt=0)]
+    delta: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    mechanism: Mechanism | None = None
+    description: str | None = None
+
+    @model_validator(mode="after")
+    def _check_marginals(self) -> Synopsis:
+        if len(set(self.keys)) != len(self.keys):
+            raise ValueError("a synopsis key is listed twice")
+        for marginal in self.marginals or ():
+            unknown = [k for k in marginal if k not in self.keys]
+            if unknown:
+                raise ValueError(f"marginal key {unknown[0]!r} is not one of the synopsis keys")
+        return self
+
+    @property
+    def measured(self) -> tuple[tuple[int, ...], ...]:
+        """The measured marginals as key indices (default: each key alone, then all keys together)."""
+        if self.marginals is not None:
+            return tuple(tuple(sorted(self.keys.index(k) for k in set(m))) for m in self.marginals)
+        alone = tuple((i,) for i in range(len(self.keys)))
+        return alone + ((tuple(range(len(self.keys))),) if len(self.keys) > 1 else ())
+
+
 class Policy(_Strict):
     """A whole policy file."""
 
@@ -296,6 +335,7 @@ class Policy(_Strict):
     auth: Auth = Auth()
     writes: Writes = Writes()
     tables: dict[str, TablePolicy]
+    synopses: dict[str, Synopsis] = {}
 
     @model_validator(mode="before")
     @classmethod
@@ -335,6 +375,11 @@ class Policy(_Strict):
         names = [a.name for a in self.analysts]
         if len(set(names)) != len(names):
             raise ValueError("an analyst is declared twice")
+        for name, synopsis in self.synopses.items():
+            if self.table(synopsis.table) is None:
+                raise ValueError(f"synopsis '{name}': table '{synopsis.table}' is not declared")
+            if synopsis.epsilon > self.budget.dataset.epsilon or synopsis.delta > self.budget.dataset.delta:
+                raise ValueError(f"synopsis '{name}': its (ε, δ) exceeds the dataset's budget")
         self._resolve_domains()
         return self
 

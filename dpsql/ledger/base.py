@@ -362,6 +362,22 @@ class Ledger(CuratorLevers):
         rows = self._read(sql + " ORDER BY at DESC, id DESC LIMIT ?", (*params, limit))
         return [audit_entry(row) for row in rows]
 
+    # -- released synopses (dpsql.synopsis), append-only rows of the meta table --------------------------
+
+    def add_synopsis(self, key: str, document: str) -> bool:
+        """Store one released synopsis under ``key`` (never overwritten: a refresh is a new key); whether
+        this call stored it."""
+        return self._meta_setdefault(key, document) == document
+
+    def synopsis_keys(self, prefix: str) -> list[str]:
+        """The keys of the stored synopses starting with ``prefix``, in order."""
+        sql = "SELECT key FROM dpsql_ledger_meta WHERE substr(key, 1, ?) = ? ORDER BY key"
+        return [str(r[0]) for r in self._read(sql, (len(prefix), prefix))]
+
+    def synopsis_document(self, key: str) -> str | None:
+        rows = self._read("SELECT value FROM dpsql_ledger_meta WHERE key = ?", (key,))
+        return str(rows[0][0]) if rows else None
+
     def installation_key(self) -> bytes:
         """This installation's secret (32 random bytes), generated once and kept in the ledger's own
         database (``dpsql_ledger_meta``, key ``installation_key``), so every process sharing a ledger

@@ -1,0 +1,9 @@
+"""Curator synopses (``synopses:`` in the policy): noisy views released once, charged once to the dataset,
+answering every query they cover by post-processing (:mod:`~dpsql.synopsis.answer`), made consistent by
+least squares (:mod:`~dpsql.synopsis.solve`), stored signed in the ledger (:mod:`~dpsql.synopsis.store`).
+Built by ``dpsql synopsis build`` (:mod:`dpsql.curator.synopsis`)."""
+
+from dpsql.synopsis.answer import answer
+from dpsql.synopsis.store import Released, Synopses, store
+
+__all__ = ["Released", "Synopses", "answer", "store"]

@@ -1,0 +1,249 @@
+"""Released synopses as signed JSON documents in the ledger, and the engine's view of them.
+
+A build appends one document per release (``synopsis:<dataset>:<name>:<time>``, never overwritten: a
+refresh is a new row), holding only what was released — each measured marginal's noisy values and its
+public noise variance — with the public key domains and the measures' meaning. Nothing raw is stored.
+The document is signed (HMAC-SHA-256 under the installation key, as result-cache entries are) so a row
+written by anyone without that key is ignored; it is typed JSON, never pickle.
+
+Which document serves a query: the newest one of a synopsis whose declaration (and its table's policy)
+hashes to the policy's current one, on the same database. A changed declaration makes old releases
+unused (never misread); the charge stays spent.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import hmac
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from dpsql.ledger import Ledger
+from dpsql.policy import Policy, Scalar
+from dpsql.synopsis.solve import Estimate, Marginal, solve
+
+#: How long the engine trusts its list of stored synopses before reading the ledger's again (seconds):
+#: a build in another process is served within this long.
+RELOAD_SECONDS = 1.0
+
+_MAC_CONTEXT = b"dpsql synopsis v1"
+
+
+def prefix(dataset: str, name: str | None = None) -> str:
+    return f"synopsis:{dataset}:" + (f"{name}:" if name is not None else "")
+
+
+def declaration_hash(policy: Policy, name: str) -> str:
+    """The synopsis's declaration and its table's policy (bounds, caps, domains): what its release means."""
+    synopsis = policy.synopses[name]
+    table = policy.table(synopsis.table)
+    assert table is not None
+    text = json.dumps([synopsis.model_dump(mode="json"), table.model_dump(mode="json")], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def encode_value(value: Scalar) -> Any:
+    """A key value as JSON, its type kept (a date is not a string)."""
+    if isinstance(value, dt.datetime):
+        return {"ts": value.isoformat()}
+    if isinstance(value, dt.date):
+        return {"d": value.isoformat()}
+    return value
+
+
+def decode_value(value: Any) -> Scalar:
+    if isinstance(value, dict):
+        if "ts" in value:
+            return dt.datetime.fromisoformat(value["ts"])
+        return dt.date.fromisoformat(value["d"])
+    if isinstance(value, bool | int | float | str) or value is None:
+        return value
+    raise ValueError(f"not a key value: {value!r}")
+
+
+@dataclass(frozen=True)
+class SynopsisKey:
+    """One key of the cube: ``kind`` plain (a column), trunc (``DATE_TRUNC(unit, column)``) or expr (any
+    other expression, matched by its text ``text``)."""
+
+    text: str
+    kind: str
+    column: str | None
+    unit: str | None
+    type: str
+    domain: tuple[Scalar, ...]
+
+
+@dataclass(frozen=True)
+class SynopsisMeasure:
+    """``count_star`` or ``sum`` of ``column`` (clamped to its declared bounds, uncentred)."""
+
+    kind: str
+    column: str | None
+
+
+@dataclass(frozen=True)
+class Released:
+    """One stored release of a synopsis."""
+
+    name: str
+    dataset: str
+    declaration: str
+    identity: str
+    built_at: float
+    epsilon: float
+    delta: float
+    keys: tuple[SynopsisKey, ...]
+    measures: tuple[SynopsisMeasure, ...]
+    #: Per measure, the marginals measured (the same axes for every measure).
+    marginals: tuple[tuple[Marginal, ...], ...]
+    _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(len(k.domain) for k in self.keys)
+
+    @property
+    def axes(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(m.axes for m in self.marginals[0])
+
+    @cached_property
+    def estimates(self) -> tuple[Estimate, ...]:
+        """The consistent cube of each measure (solved once per loaded release)."""
+        with self._lock:
+            return tuple(solve(self.shape, marginals) for marginals in self.marginals)
+
+    def document(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "dataset": self.dataset,
+            "declaration": self.declaration,
+            "identity": self.identity,
+            "built_at": self.built_at,
+            "epsilon": self.epsilon,
+            "delta": self.delta,
+            "keys": [
+                {
+                    "text": k.text,
+                    "kind": k.kind,
+                    "column": k.column,
+                    "unit": k.unit,
+                    "type": k.type,
+                    "domain": [encode_value(v) for v in k.domain],
+                }
+                for k in self.keys
+            ],
+            "measures": [{"kind": m.kind, "column": m.column} for m in self.measures],
+            "marginals": [
+                [{"axes": list(m.axes), "values": list(m.values), "variance": m.variance} for m in per_measure]
+                for per_measure in self.marginals
+            ],
+        }
+
+    @classmethod
+    def from_document(cls, doc: dict[str, Any]) -> Released:
+        return cls(
+            name=str(doc["name"]),
+            dataset=str(doc["dataset"]),
+            declaration=str(doc["declaration"]),
+            identity=str(doc["identity"]),
+            built_at=float(doc["built_at"]),
+            epsilon=float(doc["epsilon"]),
+            delta=float(doc["delta"]),
+            keys=tuple(
+                SynopsisKey(
+                    str(k["text"]),
+                    str(k["kind"]),
+                    k["column"],
+                    k["unit"],
+                    str(k["type"]),
+                    tuple(decode_value(v) for v in k["domain"]),
+                )
+                for k in doc["keys"]
+            ),
+            measures=tuple(SynopsisMeasure(str(m["kind"]), m["column"]) for m in doc["measures"]),
+            marginals=tuple(tuple(_marginal(m) for m in per) for per in doc["marginals"]),
+        )
+
+    @property
+    def released_at(self) -> str:
+        return dt.datetime.fromtimestamp(self.built_at, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _marginal(doc: dict[str, Any]) -> Marginal:
+    return Marginal(tuple(int(a) for a in doc["axes"]), [float(v) for v in doc["values"]], float(doc["variance"]))
+
+
+def _mac(installation_key: bytes, body: bytes) -> str:
+    mac_key = hmac.new(installation_key, _MAC_CONTEXT, hashlib.sha256).digest()
+    return hmac.new(mac_key, body, hashlib.sha256).hexdigest()
+
+
+def seal(released: Released, installation_key: bytes) -> str:
+    body = json.dumps(released.document(), sort_keys=True, separators=(",", ":"))
+    return json.dumps({"mac": _mac(installation_key, body.encode()), "body": body})
+
+
+def unseal(text: str, installation_key: bytes) -> Released | None:
+    """The release in a stored document, or None when it is not one this installation signed."""
+    try:
+        outer = json.loads(text)
+        body = outer["body"]
+        if not hmac.compare_digest(str(outer["mac"]), _mac(installation_key, body.encode())):
+            return None
+        return Released.from_document(json.loads(body))
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def store(ledger: Ledger, released: Released) -> str:
+    """Append ``released`` to the ledger; its key."""
+    key = prefix(released.dataset, released.name) + f"{int(released.built_at * 1e6):020d}"
+    ledger.add_synopsis(key, seal(released, ledger.installation_key()))
+    return key
+
+
+class Synopses:
+    """The engine's view of the stored synopses of its policy: the newest valid release of each declared
+    synopsis, re-read from the ledger at most every :data:`RELOAD_SECONDS`."""
+
+    def __init__(self, policy: Policy, ledger: Ledger) -> None:
+        self.policy = policy
+        self.ledger = ledger
+        self._declarations = {name: declaration_hash(policy, name) for name in policy.synopses}
+        self._loaded: dict[str, Released] = {}
+        self._keys: list[str] = []
+        self._read_at = -RELOAD_SECONDS
+        self._lock = threading.Lock()
+
+    def current(self, identity: str) -> list[Released]:
+        """The newest valid release of every declared synopsis built on the database ``identity``."""
+        if not self._declarations:
+            return []
+        with self._lock:
+            if time.monotonic() - self._read_at >= RELOAD_SECONDS:
+                self._keys = self.ledger.synopsis_keys(prefix(self.policy.dataset))
+                self._read_at = time.monotonic()
+            keys = self._keys
+        newest: dict[str, Released] = {}
+        for key in reversed(keys):  # newest first within each name
+            released = self._load(key)
+            if released is None or released.name in newest:
+                continue
+            if released.declaration == self._declarations.get(released.name) and released.identity == identity:
+                newest[released.name] = released
+        return list(newest.values())
+
+    def _load(self, key: str) -> Released | None:
+        released = self._loaded.get(key)
+        if released is None and key not in self._loaded:
+            text = self.ledger.synopsis_document(key)
+            released = None if text is None else unseal(text, self.ledger.installation_key())
+            if released is not None:
+                self._loaded[key] = released
+        return released
