@@ -22,6 +22,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing the package
 
+import accounting  # noqa: E402
 import attacks  # noqa: E402
 import common  # noqa: E402
 import e2e  # noqa: E402
@@ -72,6 +73,7 @@ BENCHMARKS: dict[str, Callable[[bool], common.Section]] = {
     "peers": peers.run,
     "wire": wire.run,
     "attacks": attacks.run,
+    "accounting": accounting.run,
     "spark": run_spark,
 }
 

@@ -59,12 +59,18 @@ class Cost:
     partition selection (≤ ``delta``), which zCDP accounting adds up separately. Under
     ``zcdp``, a cost with ``rho == 0`` whose δ is all selection δ is ε-DP apart from the
     selection event and counts as ρ = ε²/2.
+
+    ``mechanism`` optionally names the one mechanism the release is, for privacy-loss-distribution
+    accounting (:data:`dpsql.pld.MECHANISMS` lists the names and what each claims); ``None``, the
+    default and what ``+`` returns (a composition is no single mechanism), claims nothing beyond
+    (ε, δ) and gets the worst-case PLD. The ledger does not record it.
     """
 
     epsilon: float
     delta: float = 0.0
     rho: float = 0.0
     selection_delta: float = 0.0
+    mechanism: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("epsilon", "delta", "rho", "selection_delta"):

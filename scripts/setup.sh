@@ -2,7 +2,7 @@
 # Idempotent bootstrap for a fresh Debian/Ubuntu machine (root, or a user with sudo).
 #
 #   scripts/setup.sh        runtime: psql, .venv + `pip install -e '.[serve]'`
-#   scripts/setup.sh test   also test extras (and the spark extra) and the Debian packages the tests
+#   scripts/setup.sh test   also test extras (and the spark and pld extras) and the Debian packages the tests
 #                           use (PostgreSQL server + psql, a JDK, Java 17+ for Spark, the PostgreSQL
 #                           JDBC driver, Chromium and its WebDriver for tests/dashboard)
 #
@@ -88,7 +88,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 
 extras=".[serve]"  # serve: PostgreSQL binaries for the schema-only catalog psql's \d reads
-[ "$mode" = test ] && extras=".[test,serve,spark]"  # spark: pyspark for tests/backends/test_spark.py
+[ "$mode" = test ] && extras=".[test,serve,spark,pld]"  # spark: pyspark for tests/backends/test_spark.py; pld: dp-accounting
 stamp=".venv/.dpsql-setup-$mode"
 want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
 up_to_date() {  # the test extras include the runtime ones
