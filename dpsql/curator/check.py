@@ -26,12 +26,16 @@ from typing import Any, Literal
 
 import yaml
 
+from dpsql.analyze import analyze_tree
+from dpsql.analyze.parse import parse_statement
 from dpsql.backends import quote_ident
 from dpsql.errors import Error, PolicyError
 from dpsql.policy import ColumnPolicy, Policy, _line_index, parse_policy
+from dpsql.synopsis.solve import MAX_CELLS
 
 from . import introspect
 from .report import summary_findings, table_report
+from .synopsis import check_plan, cube_cells, marginal_sql
 
 #: A privacy unit with fewer distinct values than this is an error (it is surely the wrong column) …
 MIN_UNITS = 10
@@ -134,6 +138,40 @@ def policy_findings(policy: Policy) -> Iterator[Finding]:
                     ("analysts", str(i), "name"),
                     f"analyst '{analyst.name}' has no password and auth.trust is false: they cannot log in "
                     "(generate a verifier with `dpsql passwd`)",
+                )
+
+
+def synopsis_findings(policy: Policy) -> Iterator[Finding]:
+    """Each declared synopsis analysed as the DP queries that would measure it (policy alone): keys without
+    a public domain, measures other than COUNT(*)/SUM, identifiers or a cube too large are errors here,
+    not at ``dpsql synopsis build``; many marginals get a warning (each costs its share of ε)."""
+    for name, synopsis in policy.synopses.items():
+        every = tuple(range(len(synopsis.keys)))
+        for axes in dict.fromkeys((every, *synopsis.measured)):
+            sql = marginal_sql(policy, name, axes)
+            try:
+                plan = analyze_tree(parse_statement(sql), policy, None)
+                check_plan(name, sql, plan)
+            except Error as exc:
+                hint = f" ({exc.hint})" if exc.hint else ""
+                yield Finding("error", ("synopses", name), f"{exc.message}{hint}")
+                break
+            if axes == every and cube_cells(plan) > MAX_CELLS:
+                yield Finding(
+                    "error",
+                    ("synopses", name, "keys"),
+                    f"{cube_cells(plan)} cells, more than {MAX_CELLS}: use fewer keys or a coarser grain",
+                )
+                break
+        else:
+            shares = len(synopsis.measured) * len(synopsis.measures)
+            if shares > 2:
+                yield Finding(
+                    "warning",
+                    ("synopses", name),
+                    f"{len(synopsis.measured)} marginals × {len(synopsis.measures)} measures: each is measured at "
+                    f"1/{shares} of ε={synopsis.epsilon:g}, about {shares}× the noise of one query at that ε; "
+                    "declare only the marginals the dashboard needs",
                 )
 
 
@@ -321,7 +359,7 @@ def check_text(text: str, where: str, backend: Any | None = None, *, bias: bool 
     except PolicyError as exc:
         problems = [exc.message, *(exc.detail.splitlines() if exc.detail else [])]
         return Report(None, problems, [])
-    findings = list(policy_findings(policy))
+    findings = [*policy_findings(policy), *synopsis_findings(policy)]
     notes: list[str] = []
     if backend is not None:
         findings += database_findings(policy, backend)

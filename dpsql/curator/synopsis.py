@@ -10,6 +10,7 @@ the ledger identity ``synopsis:<name>`` (not to any analyst), then stores only t
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 
@@ -19,6 +20,7 @@ from dpsql.commands import open_engine, require_policy
 from dpsql.engine import Engine
 from dpsql.errors import FeatureNotSupported, InvalidParameterValue, charged_on_failure
 from dpsql.plan import Plan
+from dpsql.policy import Policy
 from dpsql.prepared import Prepared
 from dpsql.release.apply import apply
 from dpsql.session import Session
@@ -33,14 +35,15 @@ def ledger_identity(name: str) -> str:
     return f"synopsis:{name}"
 
 
-def marginal_sql(engine: Engine, name: str, axes: tuple[int, ...]) -> str:
-    synopsis = engine.policy.synopses[name]
+def marginal_sql(policy: Policy, name: str, axes: tuple[int, ...]) -> str:
+    """The DP query measuring one marginal: the keys on ``axes`` and every measure, grouped by those keys."""
+    synopsis = policy.synopses[name]
     keys = ", ".join(synopsis.keys[a] for a in axes)
     select = ", ".join([*(synopsis.keys[a] for a in axes), *synopsis.measures])
     return f"SELECT {select} FROM {synopsis.table}" + (f" GROUP BY {keys}" if keys else "")
 
 
-def _check_plan(name: str, sql: str, plan: Plan) -> None:
+def check_plan(name: str, sql: str, plan: Plan) -> None:
     """A synopsis measures public cells only, of COUNT(*) and plain SUMs: refused before any charge."""
     if not plan.public_keys or plan.selection_measure is not None:
         raise FeatureNotSupported(
@@ -56,6 +59,10 @@ def _check_plan(name: str, sql: str, plan: Plan) -> None:
                 detail=sql,
                 hint="AVG is answered from a synopsis that has SUM(column) and COUNT(*).",
             )
+
+
+def cube_cells(plan: Plan) -> int:
+    return math.prod(len(key.domain or ()) for key in plan.keys)
 
 
 def prepare(engine: Engine, name: str) -> tuple[list[Prepared], Prepared]:
@@ -75,20 +82,18 @@ def prepare(engine: Engine, name: str) -> tuple[list[Prepared], Prepared]:
         mechanism=synopsis.mechanism or engine.policy.defaults.mechanism,
     )
     every = tuple(range(len(synopsis.keys)))
-    full = engine.prepare(marginal_sql(engine, name, every), session)
-    _check_plan(name, marginal_sql(engine, name, every), full.plan)
-    cells = 1
-    for key in full.plan.keys:
-        cells *= len(key.domain or ())
+    full = engine.prepare(marginal_sql(engine.policy, name, every), session)
+    check_plan(name, marginal_sql(engine.policy, name, every), full.plan)
+    cells = cube_cells(full.plan)
     if cells > MAX_CELLS:
         raise FeatureNotSupported(
             f'synopsis "{name}" has {cells} cells (more than {MAX_CELLS})', hint="Use fewer keys or a coarser grain."
         )
     parts = []
     for axes in synopsis.measured:
-        sql = marginal_sql(engine, name, axes)
+        sql = marginal_sql(engine.policy, name, axes)
         prepared = engine.prepare(sql, session)
-        _check_plan(name, sql, prepared.plan)
+        check_plan(name, sql, prepared.plan)
         parts.append(prepared)
     return parts, full
 

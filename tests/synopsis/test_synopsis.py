@@ -229,3 +229,15 @@ def test_refusals_before_any_charge(engine: Engine) -> None:
 def test_demo_policy_declares_the_dashboard_synopsis() -> None:
     policy = load_policy(CLINIC)
     assert policy.synopses[DASHBOARD].measured == ((0,), (1,))
+
+
+def test_policy_check_reports_synopses_with_their_line() -> None:
+    from dpsql.curator.check import check_text
+
+    bad = CLINIC.read_text() + "  by_patient:\n    table: visits\n    keys: [patient_id]\n    epsilon: 1.0\n"
+    report = check_text(bad, "clinic.yaml")
+    assert any(": synopses.by_patient: " in e and "patient_id" in e for e in report.errors), report.errors
+    unknown = CLINIC.read_text() + "  nope:\n    table: nowhere\n    keys: [x]\n    epsilon: 1.0\n"
+    assert check_text(unknown, "clinic.yaml").policy is None  # 'table nowhere is not declared' at load
+    wide = check_text(CLINIC.read_text() + CUBE_YAML, "clinic.yaml")
+    assert wide.ok and any("3 marginals × 2 measures" in w for w in wide.warnings), wide.warnings
