@@ -1,7 +1,8 @@
 """Constant folding: constant date/time expressions become literals before analysis.
 
 BI tools write filters such as ``visit_date >= NOW() - INTERVAL '30 days'``,
-``TO_DATE('2022-01-01', 'YYYY-MM-DD')`` or ``DATE '2022-01-01' + INTERVAL '1 month'``. They are
+``TO_DATE('2022-01-01', 'YYYY-MM-DD')``, ``DATE '2022-01-01' + INTERVAL '1 month'`` or Metabase's
+``DATE_TRUNC('year', NOW() + INTERVAL '-30 year')``. They are
 evaluated here, in Python, with PostgreSQL's semantics (month arithmetic clamps the day to the
 month's end, ``date ± interval`` is a timestamp), and replaced by the canonical literals the analyzer
 already accepts: ``CAST('2022-01-01' AS DATE)``, ``CAST('2022-01-01 00:00:00' AS TIMESTAMP)``.
@@ -26,9 +27,16 @@ from fractions import Fraction
 
 from sqlglot import exp
 
-from dpsql.errors import DatetimeFieldOverflow, IntervalFieldOverflow, InvalidDatetimeFormat, UndefinedFunction
+from dpsql.analyze.expressions import date_unit
+from dpsql.errors import (
+    DatetimeFieldOverflow,
+    IntervalFieldOverflow,
+    InvalidDatetimeFormat,
+    InvalidParameterValue,
+    UndefinedFunction,
+)
 
-__all__ = ["fold_constants", "reads_clock"]
+__all__ = ["fold_constants", "reads_clock", "truncate"]
 
 #: Nodes whose value is the statement's start time.
 _CLOCK_NODES = (exp.CurrentTimestamp, exp.Localtimestamp, exp.CurrentDate)
@@ -301,6 +309,61 @@ def to_timestamp(seconds: float) -> dt.datetime:
         raise DatetimeFieldOverflow(f'timestamp out of range: "{seconds:g}"', hint=_YEARS_HINT) from None
 
 
+def truncate(unit: str, value: dt.datetime) -> dt.datetime:
+    """PostgreSQL's ``date_trunc(unit, value)`` of a timestamp without time zone, for every unit it has.
+
+    Weeks start on Monday (ISO); decades, centuries and millennia as PostgreSQL counts them (the 21st
+    century and the 3rd millennium begin in 2001). The decade of years 1..9 begins in 1 BC, which
+    Python's dates cannot hold: 22008, as for other dates outside years 1..9999.
+    """
+    if unit in ("millennium", "century", "decade"):
+        size = {"millennium": 1000, "century": 100, "decade": 10}[unit]
+        first = value.year // 10 * 10 if unit == "decade" else (value.year - 1) // size * size + 1
+        if first < 1:  # the decade of years 1..9 starts in 1 BC
+            raise DatetimeFieldOverflow("timestamp out of range", hint=_YEARS_HINT)
+        return dt.datetime(first, 1, 1)
+    if unit == "year":
+        return dt.datetime(value.year, 1, 1)
+    if unit == "quarter":
+        return dt.datetime(value.year, 3 * ((value.month - 1) // 3) + 1, 1)
+    if unit == "month":
+        return dt.datetime(value.year, value.month, 1)
+    if unit == "week":
+        day = value.date() - dt.timedelta(days=value.weekday())
+        return dt.datetime(day.year, day.month, day.day)
+    if unit == "day":
+        return dt.datetime(value.year, value.month, value.day)
+    if unit == "hour":
+        return value.replace(minute=0, second=0, microsecond=0)
+    if unit == "minute":
+        return value.replace(second=0, microsecond=0)
+    if unit == "second":
+        return value.replace(microsecond=0)
+    if unit == "milliseconds":
+        return value.replace(microsecond=value.microsecond // 1000 * 1000)
+    return value  # microseconds: a timestamp has no finer digits
+
+
+def _date_trunc(node: exp.TimestampTrunc | exp.DateTrunc) -> exp.Expression | None:
+    """``DATE_TRUNC('<unit>', <constant>)`` as a timestamp literal (Metabase's relative filters:
+    ``DATE_TRUNC('year', NOW() + INTERVAL '-30 year')``). PostgreSQL truncates a date as a
+    timestamptz at midnight, which in dpsql's UTC session is the same instant. A word that is no unit
+    (sqlglot reads a bare column name there as a unit too) and a time-zone argument are left alone,
+    for the analyzer to judge as before."""
+    value = _value(node.this)
+    unit_arg = node.args.get("unit")
+    if not isinstance(value, dt.date) or not isinstance(unit_arg, exp.Var | exp.Literal) or node.args.get("zone"):
+        return None
+    stamp = value if isinstance(value, dt.datetime) else dt.datetime(value.year, value.month, value.day)
+    try:
+        unit = date_unit(unit_arg.name, "date_trunc", "timestamp")
+    except InvalidParameterValue:
+        return None
+    if unit.startswith("timezone"):  # PostgreSQL: recognised but not supported for date_trunc
+        return None
+    return _timestamp_literal(truncate(unit, stamp))
+
+
 def _strptime(node: exp.Expression, type_name: str) -> dt.datetime | None:
     text, fmt = _value(node.this), _value(node.args["format"]) if node.args.get("format") else None
     if not isinstance(text, str) or not isinstance(fmt, str):
@@ -325,6 +388,8 @@ def _fold(node: exp.Expression, now: dt.datetime) -> exp.Expression | None:
     if isinstance(node, exp.StrToTime):
         parsed = _strptime(node, "timestamp")
         return None if parsed is None else _timestamp_literal(parsed)
+    if isinstance(node, exp.TimestampTrunc | exp.DateTrunc):
+        return _date_trunc(node)
     if isinstance(node, exp.UnixToTime) and node.args.get("scale") is None:
         seconds = _signed(node.this)
         return None if seconds is None else _timestamp_literal(to_timestamp(float(seconds)))

@@ -30,6 +30,7 @@ def finish(
     cache: ReleaseCache | None = None,
 ) -> Result:
     """Outputs, HAVING, DISTINCT, ORDER BY and LIMIT over released values (row j: keys, measures, widths)."""
+    columns = _empty_groups_counted_empty(plan, columns)
     direct = _direct_columns(plan)
     if direct is not None and (not widths or all(w is widths[0] for w in widths)):
         return _postprocess_direct(plan, rows, columns, widths[0] if widths else [], direct)
@@ -80,6 +81,37 @@ def finish(
         epsilon_spent=0.0,
         delta_spent=0.0,
     )
+
+
+def _empty_groups_counted_empty(plan: Plan, columns: list[list[Any]]) -> list[list[Any]]:
+    """In a row whose released COUNT(*) is 0, read every count measure of the row as at most 0.
+
+    AVG and the variances divide by a count of their own column (a separate noisy measure, or
+    COUNT(*) itself), and are NULL when that noisy count is <= 0. A group released with COUNT(*) = 0
+    could still show a non-NULL AVG beside it. No column's count exceeds the row count, and
+    PostgreSQL's AVG of an empty group is NULL: with the counts under it read as at most 0, that AVG
+    (in outputs, HAVING and ORDER BY alike) is NULL and a COUNT(column) beside it shows 0. Negative
+    noisy counts are kept (sums over groups keep their noise unbiased); only positive ones in such a
+    row become 0. Privacy: the decision reads only the released noisy COUNT(*) (as its output shows
+    it: rounded, never below 0), never a true count: post-processing, free. ``columns`` is not
+    changed in place (it may be stored for measurement reuse).
+    """
+    star = next((i for i, m in enumerate(plan.measures) if m.kind == "count_star"), None)
+    if star is None:
+        return columns
+    convert = converter(plan.measures[star])  # as the COUNT(*) output reads it
+    empty = [j for j, value in enumerate(columns[star]) if value is not None and round(convert(value)) <= 0]
+    if not empty:
+        return columns
+    columns = list(columns)
+    for i, measure in enumerate(plan.measures):
+        if measure.kind not in ("count", "count_star"):
+            continue
+        column = columns[i] = list(columns[i])
+        for j in empty:
+            if column[j] is not None and float(column[j]) > 0:
+                column[j] = 0
+    return columns
 
 
 def _direct_columns(plan: Plan) -> list[tuple[Aggregate, int]] | None:

@@ -393,6 +393,26 @@ CASES: list[dict[str, Any]] = [
         "sql": "SELECT COUNT(*) AS count FROM visits",
     },
     {
+        "name": "dpsql_bad_date_sqllab",
+        "chart": "A refusal without a message of the spec's own (22008) in SQL Lab: dpsql's text and SQLSTATE",
+        "dataset": "dpsql_visits",
+        "kind": "sqllab",
+        "sql": "SELECT COUNT(*) AS count FROM visits WHERE visit_date > MAKE_DATE(2022, 13, 1)",
+    },
+    {
+        "name": "dpsql_sqllab_answered",
+        "chart": "An aggregate run in SQL Lab through dpsql:// (SQL Lab adds its row LIMIT): answered",
+        "dataset": "dpsql_visits",
+        "kind": "sqllab",
+        "sql": "SELECT urgent, COUNT(*) AS count FROM visits GROUP BY urgent",
+    },
+    {
+        "name": "dpsql_virtual_payload",
+        "chart": "The SQL dataset's payload (Explore, dataset API): its select_star names no real table",
+        "dataset": "dpsql_visits_sql",
+        "kind": "dataset_payload",
+    },
+    {
         "name": "dpsql_preview",
         "chart": "SQL Lab's table preview (engine spec's select_star): the synced columns, LIMIT 0",
         "dataset": "dpsql_visits",

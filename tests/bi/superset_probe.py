@@ -20,6 +20,7 @@ server's error with its own text, and the NOTICEs (dpsql's "charged ε=…").
 from __future__ import annotations
 
 import json
+import secrets
 import sys
 import traceback
 from typing import Any
@@ -199,13 +200,20 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
                     record["estimate"] = QueryEstimationCommand({**params, "catalog": None, "schema": "public"}).run()
                     record["sql"] = [case["sql"]]
                     record["rows"] = [len(record["estimate"])]
-                elif case["kind"] == "sqllab":  # a statement run as SQL Lab runs it; errors as SQL Lab reports them
+                elif case["kind"] == "sqllab":  # a statement run by SQL Lab's own task; errors as it reports them
+                    payload = _sqllab(table.database, case["sql"])
                     record["sql"] = [case["sql"]]
-                    try:
-                        record["rows"] = [len(table.database.get_df(case["sql"], None, table.schema))]
-                    except Exception as exc:
-                        errors = table.database.db_engine_spec.extract_errors(exc)
-                        record["sqllab_errors"] = [{"type": str(e.error_type), "message": e.message} for e in errors]
+                    record["sqllab_status"] = str(payload.get("status"))
+                    if payload.get("errors"):
+                        record["sqllab_errors"] = [
+                            {"type": str(e["error_type"]), "message": e["message"]} for e in payload["errors"]
+                        ]
+                    else:
+                        record["rows"] = [len(payload.get("data") or [])]
+                elif case["kind"] == "dataset_payload":  # what Explore and the dataset API load for a dataset
+                    payload = table.data
+                    record["sql"] = [payload["select_star"]]
+                    record["rows"] = [len(payload["columns"])]
                 else:
                     context = QueryContextFactory().create(
                         datasource={"id": table.id, "type": "table"},
@@ -228,6 +236,31 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
                 record.update(outcome="failed", sqlstate=None, message=record.get("exception"))
             out["cases"].append(record)
     return out
+
+
+def _sqllab(database: Any, sql: str) -> dict[str, Any]:
+    """Run ``sql`` as SQL Lab's "Run" does (a ``Query`` row, then the ``get_sql_results`` task, here
+    synchronously): errors go through ``handle_query_error``, which hands the engine spec's
+    ``extract_errors`` the *text* of the failure, as in a real SQL Lab."""
+    from superset import db, security_manager
+    from superset.models.sql_lab import Query
+    from superset.sql_lab import get_sql_results
+
+    admin = security_manager.find_user("admin")
+    query = Query(
+        database_id=database.id,
+        sql=sql,
+        schema="public",
+        select_as_cta=False,
+        limit=1000,
+        status="pending",
+        user_id=admin.id,
+        client_id=secrets.token_hex(5),  # unique, at most 11 characters as SQL Lab's own
+    )
+    db.session.add(query)
+    db.session.commit()
+    payload = get_sql_results(query.id, sql, return_results=True, username="admin")
+    return dict(payload or {})
 
 
 def _engine_specs() -> dict[str, Any]:

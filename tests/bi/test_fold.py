@@ -6,6 +6,7 @@ import datetime as dt
 
 import pytest
 import sqlglot
+from sqlglot import exp
 
 from dpsql.analyze.fold import Interval, add_interval, fold_constants, parse_interval
 from dpsql.errors import Error
@@ -70,3 +71,51 @@ def test_interval_arithmetic_is_postgres() -> None:
     assert parse_interval("1 mon 2 days 03:00:00") == Interval(1, 2, 3 * 3_600_000_000)
     assert add_interval(dt.datetime(2024, 1, 31), Interval(months=1)) == dt.datetime(2024, 2, 29)
     assert add_interval(dt.datetime(2024, 3, 31), -Interval(months=1, days=1)) == dt.datetime(2024, 2, 28)
+
+
+# --- DATE_TRUNC of a constant (issue #29 item 6: Metabase's relative date filters) ----------------------
+
+TRUNCS = [
+    # Metabase's "previous 30 years" filter: the start of the year 30 years ago
+    ("DATE_TRUNC('year', NOW() + INTERVAL '-30 year')", "CAST('1994-01-01 00:00:00' AS TIMESTAMP)"),
+    ("DATE_TRUNC('month', NOW() + INTERVAL '-3 month')", "CAST('2023-12-01 00:00:00' AS TIMESTAMP)"),
+    ("date_trunc('quarter', CAST(now() AS timestamp))", "CAST('2024-01-01 00:00:00' AS TIMESTAMP)"),
+    ("DATE_TRUNC('week', CURRENT_DATE)", "CAST('2024-03-25 00:00:00' AS TIMESTAMP)"),  # ISO week: Monday
+    ("DATE_TRUNC('day', NOW())", "CAST('2024-03-31 00:00:00' AS TIMESTAMP)"),
+    ("DATE_TRUNC('hour', NOW())", "CAST('2024-03-31 12:00:00' AS TIMESTAMP)"),
+    ("DATE_TRUNC('minute', NOW())", "CAST('2024-03-31 12:30:00' AS TIMESTAMP)"),
+    ("DATE_TRUNC('second', NOW())", "CAST('2024-03-31 12:30:15' AS TIMESTAMP)"),
+    ("DATE_TRUNC('milliseconds', NOW())", "CAST('2024-03-31 12:30:15.250000' AS TIMESTAMP)"),
+    ("DATE_TRUNC('mon', NOW())", "CAST('2024-03-01 00:00:00' AS TIMESTAMP)"),  # PostgreSQL's abbreviations
+    ("DATE_TRUNC('decade', NOW())", "CAST('2020-01-01 00:00:00' AS TIMESTAMP)"),
+    ("DATE_TRUNC('century', DATE '2000-05-01')", "CAST('1901-01-01 00:00:00' AS TIMESTAMP)"),
+    ("DATE_TRUNC('millennium', NOW())", "CAST('2001-01-01 00:00:00' AS TIMESTAMP)"),
+    # a truncated constant cast to date (Metabase on a date column)
+    ("CAST(DATE_TRUNC('year', NOW() + INTERVAL '-30 year') AS date)", "CAST('1994-01-01' AS DATE)"),
+    (
+        "DATE_TRUNC('month', TO_DATE('2022-05-17', 'YYYY-MM-DD')) + INTERVAL '1 month'",
+        "CAST('2022-06-01 00:00:00' AS TIMESTAMP)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("sql", "expected"), TRUNCS, ids=[t[0] for t in TRUNCS])
+def test_date_trunc_of_a_constant_folds(sql: str, expected: str) -> None:
+    tree = sqlglot.parse_one(f"SELECT COUNT(*) FROM t WHERE d >= {sql}", read="postgres")
+    assert fold_constants(tree, NOW).args["where"].this.expression.sql(dialect="postgres") == expected
+
+
+LEFT_ALONE = [
+    "DATE_TRUNC('year', d)",  # a column: a key or a filter for the analyzer, not a constant
+    "DATE_TRUNC(u, NOW())",  # a bare name (sqlglot reads it as a unit word): not PostgreSQL's unit
+    "DATE_TRUNC('fortnight', NOW())",  # no such unit: the analyzer's error, as before
+    "DATE_TRUNC('timezone', NOW())",  # a unit date_trunc does not support
+    "DATE_TRUNC('year', NOW(), 'Europe/Paris')",  # a time zone: not folded
+]
+
+
+@pytest.mark.parametrize("sql", LEFT_ALONE)
+def test_date_trunc_that_is_not_a_constant_is_left_alone(sql: str) -> None:
+    tree = sqlglot.parse_one(f"SELECT COUNT(*) FROM t WHERE d >= {sql}", read="postgres")
+    folded = fold_constants(tree, NOW).args["where"].this.expression
+    assert isinstance(folded, exp.TimestampTrunc | exp.DateTrunc), folded.sql(dialect="postgres")

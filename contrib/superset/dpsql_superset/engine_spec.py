@@ -16,15 +16,20 @@ the policy alone, for free. Superset's PostgreSQL spec works against it, except 
 - :meth:`select_star` lists the synced columns with ``LIMIT 0``. SQL Lab's data preview and the
   "SELECT *" it offers would be refused (42803): a ``SELECT *`` releases rows, and ``*`` would also
   name identifier columns. The explicit column list with ``LIMIT 0`` shows the table's shape, free.
+  A SQL (virtual) dataset names no real table: its dataset payload gets ``SELECT * … LIMIT 0``
+  instead of an HTTP 500 from the failed column lookup.
 - ``_time_grain_expressions``: only the ``DATE_TRUNC`` units dpsql derives a public domain for
   (hour, day, week, month, quarter, year). PostgreSQL's second/minute grains and the 5/10/15/30
   minute ``FLOOR(EXTRACT(…))`` arithmetic are refused (0A000), so they are not offered at all.
 - ``custom_errors`` and :meth:`parse_error_exception`: dpsql's refusals (53P01 budget exhausted,
   42803 raw rows, 0A000 unsupported shape, 54000 too many groups) become messages that say what to
-  do in Superset. Superset shows a chart's failure from the exception's text, not from
-  ``custom_errors`` (which only SQL Lab and the connection dialog use), so the same table rewrites
-  the exception raised for a chart too. The messages are built from dpsql's message alone, which is
-  itself a function of the query, the policy and budget figures, never of the data.
+  do in Superset; any other dpsql error shows its own message, DETAIL and HINT with its SQLSTATE.
+  Superset shows a chart's failure from the exception's text, not from ``custom_errors`` (which only
+  SQL Lab and the connection dialog use), so the same table rewrites the exception raised for a chart
+  too. SQL Lab hands ``extract_errors`` the *text* of its own exception (``dpsql error: <SQLSTATE>:
+  …``), not an exception, so the SQLSTATE is read from either. The messages are built from dpsql's
+  message alone, which is itself a function of the query, the policy and budget figures, never of
+  the data.
 - ``supports_file_upload = False``: dpsql refuses every write (25006); CSV upload cannot work.
 - :meth:`estimate_statement_cost`: SQL Lab's "estimate cost" runs ``EXPLAIN``, which dpsql answers
   for free with the ε, δ and mechanism the statement would be charged; PostgreSQL's parser looked
@@ -49,6 +54,7 @@ import re
 from re import Pattern
 from typing import TYPE_CHECKING, Any
 
+from sqlalchemy.exc import SQLAlchemyError
 from sqlglot.dialects.dialect import Dialects
 from superset.constants import TimeGrain
 from superset.db_engine_specs.base import DatabaseCategory
@@ -75,17 +81,35 @@ class DpsqlRefusal(SupersetDBAPIError):
     status = 400
 
 
-def sqlstate_of(ex: BaseException) -> tuple[str, str] | None:
-    """(SQLSTATE, server's message with DETAIL/HINT) of the psycopg2 error under Superset's wrappers."""
-    seen: BaseException | None = ex
+def _refusal(text: str, cause: Exception) -> DpsqlRefusal:
+    refusal = DpsqlRefusal(text)
+    refusal.__cause__ = cause
+    return refusal
+
+
+def sqlstate_of(ex: object) -> tuple[str, str] | None:
+    """(SQLSTATE, server's message with DETAIL/HINT) of a dpsql error, or None.
+
+    ``ex`` is the psycopg2 error under Superset's and SQLAlchemy's wrappers (charts, the connection
+    dialog), or *text*: SQL Lab reports a failed statement by calling ``extract_errors(str(ex))``
+    on the message :meth:`DpsqlEngineSpec.extract_error_message` made, ``dpsql error: 53P01: …``.
+    """
+    if isinstance(ex, str):
+        found = _CODED.match(ex.strip())
+        return None if found is None else (found.group("code"), found.group("message"))
+    seen: object = ex
     for _ in range(10):
-        if seen is None:
+        if not isinstance(seen, BaseException):
             return None
         code = getattr(seen, "pgcode", None)
         if code:
             return str(code), str(seen).strip()
         seen = getattr(seen, "orig", None) or seen.__cause__ or seen.__context__
     return None
+
+
+#: Text made by extract_error_message (``dpsql error: <SQLSTATE>: <message>``), or without the prefix.
+_CODED = re.compile(r"^(?:dpsql error: )?(?P<code>[0-9A-Z]{5}): (?P<message>.*)$", re.S)
 
 
 BUDGET_EXHAUSTED = re.compile(r'^53P01: privacy budget exhausted for (?P<who>analyst|dataset) "(?P<name>[^"]*)"')
@@ -122,6 +146,15 @@ DPSQL_ERRORS: dict[Pattern[str], tuple[str, SupersetErrorType, dict[str, Any]]] 
         {},
     ),
 }
+
+
+#: Any other dpsql error: its own message, DETAIL and HINT, with the SQLSTATE (the PostgreSQL-style error as is).
+OTHER_ERROR = re.compile(r"^(?P<code>[0-9A-Z]{5}): (?P<message>.*?)\s*$", re.S)
+OTHER: tuple[str, SupersetErrorType, dict[str, Any]] = (
+    "dpsql: %(message)s (SQLSTATE %(code)s)",
+    SupersetErrorType.GENERIC_DB_ENGINE_ERROR,
+    {},
+)
 
 
 class DpsqlEngineSpec(PostgresEngineSpec):
@@ -161,10 +194,12 @@ class DpsqlEngineSpec(PostgresEngineSpec):
         TimeGrain.YEAR: "DATE_TRUNC('year', {col})",
     }
 
-    #: dpsql's refusals first, then PostgreSQL's connection and syntax messages.
+    #: dpsql's refusals first, then PostgreSQL's connection and syntax messages, then any other
+    #: SQLSTATE-coded error with its own text (never Superset's "'str' object has no attribute …").
     custom_errors: dict[Pattern[str], tuple[str, SupersetErrorType, dict[str, Any]]] = {
         **DPSQL_ERRORS,
         **PostgresEngineSpec.custom_errors,
+        OTHER_ERROR: OTHER,
     }
 
     @classmethod
@@ -184,9 +219,25 @@ class DpsqlEngineSpec(PostgresEngineSpec):
         latest_partition: bool = True,
         cols: list[ResultSetColumnType] | None = None,
     ) -> str:
-        """The synced columns, ``LIMIT 0``: ``SELECT *`` and any row limit > 0 would be refused (42803)."""
+        """The table's columns, ``LIMIT 0``: ``SELECT *`` and any row limit > 0 would be refused (42803).
+
+        The columns come from the catalog. A SQL (virtual) dataset is named like a table that does not
+        exist: Superset's dataset payload (``SqlaTable.select_star``, asked with ``show_cols=False,
+        latest_partition=False`` precisely so that nothing is inspected) must not fail then, or every
+        Explore/dataset request of that dataset is an HTTP 500. Those callers get ``SELECT * … LIMIT 0``
+        when the catalog has no such table (what PostgreSQL's spec writes, without the rows); SQL Lab's
+        table preview (``latest_partition=True``) still gets ``NoSuchTableError``, which Superset's API
+        turns into its 404 "Table not found".
+        """
+        if not cols:
+            try:
+                cols = database.get_columns(table)
+            except SQLAlchemyError:
+                if latest_partition or show_cols:
+                    raise
+                cols = []
         return super().select_star(
-            database, table, dialect, limit=0, show_cols=True, indent=indent, latest_partition=False, cols=cols
+            database, table, dialect, limit=0, show_cols=bool(cols), indent=indent, latest_partition=False, cols=cols
         )
 
     @classmethod
@@ -199,16 +250,18 @@ class DpsqlEngineSpec(PostgresEngineSpec):
 
     @classmethod
     def parse_error_exception(cls, exception: Exception) -> Exception:
-        """A refusal listed in ``custom_errors`` is raised with its friendly text (what a chart shows)."""
+        """A dpsql error is raised with readable text (what a chart shows): the friendly message of a
+        refusal listed in ``DPSQL_ERRORS``, else dpsql's own message, DETAIL and HINT with its SQLSTATE.
+        The driver's error stays the ``__cause__``."""
         found = sqlstate_of(exception)
         if found is None:
             return exception
         raw = f"{found[0]}: {found[1]}"
         for regex, (message, _error_type, _extra) in DPSQL_ERRORS.items():
             if match := regex.search(raw):
-                friendly = DpsqlRefusal(message % match.groupdict())
-                friendly.__cause__ = exception
-                return friendly
+                return _refusal(message % match.groupdict(), exception)
+        if match := OTHER_ERROR.search(raw):
+            return _refusal(OTHER[0] % match.groupdict(), exception)
         return exception
 
     @classmethod
