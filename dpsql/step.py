@@ -46,7 +46,9 @@ recomputed at the asking query's confidence: they are functions of the noise spe
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import secrets
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum, StrEnum
@@ -72,12 +74,13 @@ from dpsql.policy import Policy
 from dpsql.postprocess.finish import finish, from_cache, from_release
 from dpsql.prepared import Prepared
 from dpsql.release.accuracy import accuracy_notes, bias_note
-from dpsql.release.apply import Released, apply, apply_local, released_again
+from dpsql.release.apply import Released, apply, apply_local, released_again, widths_at
 from dpsql.rewrite import rewrite
 from dpsql.rewrite.physical import data_version
 from dpsql.session import Result, Session
-from dpsql.synopsis import Synopses
+from dpsql.synopsis import Synopses, reuse
 from dpsql.synopsis import answer as synopsis_answer
+from dpsql.synopsis.solve import noise_variance
 
 __all__ = ["Notice", "NoticeKind", "Part", "Severity", "Step"]
 
@@ -159,6 +162,13 @@ ALL_CACHED = Notice("dpsql: every DP sub-query was answered from the result cach
 LOCAL = Notice("dpsql: randomized-response estimate from perturbed answers; no budget charged", NoticeKind.FREE)
 
 
+def _within(widths: Sequence[float | None], limits: Sequence[float | None]) -> bool:
+    """Whether every half-width is at most its limit (a missing one never is)."""
+    return all(
+        w is not None and lim is not None and w <= lim * (1 + 1e-9) for w, lim in zip(widths, limits, strict=True)
+    )
+
+
 def typed(result: Result) -> Result:
     """``result`` with every notice a :class:`Notice` (those made as text below the engine typed)."""
     result.notices = [Notice.of(n) for n in result.notices]
@@ -178,8 +188,11 @@ class Part:
     measurement: str | None = None
     #: Whether the hit was finished from an earlier release's measurements (not this exact query's answer).
     reused: bool = False
-    #: Whether the hit was answered from a curator synopsis (its notices already say so).
-    synopsis: bool = False
+    #: Whether the hit was derived by post-processing other released values (a curator synopsis, or the
+    #: cells of an earlier finer release); its notices already say so.
+    derived: bool = False
+    #: The data stamp the lookup saw (what a release made now is indexed under).
+    stamp: str | None = None
 
     @property
     def charged(self) -> bool:
@@ -209,7 +222,7 @@ class Step:
         """A validated, priced query: its stored release (free), or its cost reserved, then measured,
         stored and noticed. Its one cost is charged as it is (nothing to compose)."""
         part = self.lookup(prepared, confidence)
-        if part.synopsis and part.hit is not None:
+        if part.derived and part.hit is not None:
             return part.hit
         if part.hit is not None:
             note_cache_hit()
@@ -229,7 +242,7 @@ class Step:
         it. Free and unmeasured queries are never cached."""
         synopsis = self.from_synopsis(prepared, confidence)
         if synopsis is not None:
-            return Part(prepared, hit=synopsis, synopsis=True)
+            return Part(prepared, hit=synopsis, derived=True)
         if self.cache is None or not prepared.plan.measures or prepared.local is not None:
             return Part(prepared)
         stamp = self._data_stamp()
@@ -246,7 +259,10 @@ class Step:
             None if stored is None else measurements(stored[0], len(prepared.plan.keys), len(prepared.plan.measures))
         )
         if stored is None or found is None:
-            return Part(prepared, key, measurement=measurement)
+            coarser = self.coarsened(prepared, confidence, stamp)
+            if coarser is not None:
+                return Part(prepared, key, coarser, measurement=measurement, derived=True, stamp=stamp)
+            return Part(prepared, key, measurement=measurement, stamp=stamp)
         released = released_again(prepared.budgeting, *found, confidence)
         return Part(prepared, key, self.finish_released(prepared, released, confidence), stored[1], measurement, True)
 
@@ -279,6 +295,46 @@ class Step:
                 )
             )
             if (bias := bias_note(prepared.plan, confidence)) is not None:
+                result.notices.append(Notice.of(bias))
+            return result
+        return None
+
+    def coarsened(self, prepared: Prepared, confidence: float, stamp: str) -> Result | None:
+        """The query answered by summing the cells of an earlier, finer release of the same base
+        (:mod:`dpsql.synopsis.reuse`), when that is accurate enough: within ``dpsql.accuracy`` if set, else
+        no wider than the fresh query's own intervals. Post-processing of released values, free."""
+        if self.cache is None or self._database_identity is None:
+            return None
+        plan, budgeting = prepared.plan, prepared.budgeting
+        fresh = widths_at(budgeting, confidence)
+        target = getattr(budgeting, "accuracy", None)
+        found = reuse.candidates(
+            self.cache, plan, database=self._database_identity, stamp=stamp, policy=self._policy_hash
+        )
+        for released, residual, created in found:
+            asked = replace(plan, where=residual)
+            answered = synopsis_answer(asked, released, self.policy, confidence)
+            if answered is None:
+                continue
+            limits = [target] * len(fresh) if target is not None else fresh
+            if not all(_within(row, limits) for row in answered[2]):
+                continue
+            result = typed(finish(plan, *answered, prepared.cache))
+            when = dt.datetime.fromtimestamp(created, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+            result.notices.append(
+                Notice(
+                    f"dpsql: answered by summing the cells of an earlier, finer release (first released at {when}: "
+                    "the same table, filters and measures on this database and data); no budget charged",
+                    NoticeKind.FREE,
+                )
+            )
+            result.notices.append(
+                Notice(
+                    f"dpsql: ± are {confidence:.0%} intervals of the summed cells' noise (normal approximation); "
+                    "they cover noise only, not the bias of the caps and bounds"
+                )
+            )
+            if (bias := bias_note(plan, confidence)) is not None:
                 result.notices.append(Notice.of(bias))
             return result
         return None
@@ -321,7 +377,7 @@ class Step:
         prepared = part.prepared
         if prepared.local is not None:
             return self._release_local(prepared, confidence)
-        result = self.measure(prepared, confidence, part.measurement)
+        result = self.measure(prepared, confidence, part.measurement, part.stamp)
         if self.cache is not None and part.key is not None:
             self.cache.put(part.key, result)
         return result
@@ -350,7 +406,9 @@ class Step:
 
     # -- measuring and releasing ----------------------------------------------------------------
 
-    def measure(self, prepared: Prepared, confidence: float, measurement: str | None = None) -> Result:
+    def measure(
+        self, prepared: Prepared, confidence: float, measurement: str | None = None, stamp: str | None = None
+    ) -> Result:
         """Run the measurement query (and its histograms) and release the noisy result; only ever
         after the reservation. The released measurements are stored under ``measurement`` (if given)."""
         rows = self.query(prepared.sql)
@@ -358,7 +416,7 @@ class Step:
             # a write raced the proof: run it again with every clamp in place
             rows = self.query(self.clamped_sql(prepared.plan))
         histograms = {i: self.query(sql) for i, sql in prepared.histograms}
-        return self.release_rows(prepared, rows, confidence, histograms, measurement)
+        return self.release_rows(prepared, rows, confidence, histograms, measurement, stamp)
 
     def release_rows(
         self,
@@ -367,6 +425,7 @@ class Step:
         confidence: float,
         histograms: dict[int, list[tuple[Any, ...]]] | None = None,
         measurement: str | None = None,
+        stamp: str | None = None,
     ) -> Result:
         """Noise the measures (:func:`dpsql.release.apply.apply`), store the released measurements under
         ``measurement`` (if given), then post-process the released values."""
@@ -377,6 +436,18 @@ class Step:
         released = Released([row[:nkeys] for row in released.rows], released.columns, released.widths)
         if self.cache is not None and measurement is not None:
             self.cache.put(measurement, measurement_result(nkeys, released.rows, released.columns))
+            if stamp is not None and self._database_identity is not None and reuse.indexable(plan):
+                variances = [noise_variance(s) for s in prepared.budgeting.specs if s is not None]
+                reuse.record(
+                    self.cache,
+                    plan,
+                    released.columns,
+                    variances,
+                    database=self._database_identity,
+                    stamp=stamp,
+                    policy=self._policy_hash,
+                    built_at=time.time(),
+                )
         return self.finish_released(prepared, released, confidence)
 
     def finish_released(self, prepared: Prepared, released: Released, confidence: float) -> Result:

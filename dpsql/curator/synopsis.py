@@ -137,6 +137,7 @@ def build(engine: Engine, name: str) -> Released:
     result = Released(
         name=name,
         dataset=policy.dataset,
+        table=synopsis.table,
         declaration=declaration_hash(policy, name),
         identity=database_identity(engine.backend),
         built_at=time.time(),

@@ -152,12 +152,13 @@ def _measure_terms(measure: Measure, released: Released) -> list[tuple[int, floa
         return None if count is None else [(count, 1.0)]
     if measure.kind == "sum" and measure.expr is None and not measure.square and measure.column is not None:
         sums = [i for i, m in enumerate(released.measures) if m.kind == "sum" and m.column == measure.column]
-        total = sums[0] if sums else None
-        if total is None:
+        if not sums:
             return None
-        if not measure.centre:
+        # Σ(x − c') = Σ(x − c) + (c − c')·COUNT: another centre needs the count too
+        total, shift = sums[0], released.measures[sums[0]].centre - float(measure.centre)
+        if not shift:
             return [(total, 1.0)]
-        return None if count is None else [(total, 1.0), (count, -float(measure.centre))]
+        return None if count is None else [(total, 1.0), (count, shift)]
     return None
 
 
@@ -289,7 +290,7 @@ def answer(
     """The plan's released rows, measure columns and half-widths from ``released``; None when the
     synopsis cannot answer it exactly (see the module docstring)."""
     sources = plan.sources.sources
-    if len(sources) != 1 or plan.sources.joins or sources[0].name.lower() != policy.synopses[released.name].table:
+    if len(sources) != 1 or plan.sources.joins or sources[0].name.lower() != released.table.lower():
         return None
     if plan.selection_measure is not None or not plan.public_keys or not plan.measures:
         return None

@@ -81,10 +81,11 @@ class SynopsisKey:
 
 @dataclass(frozen=True)
 class SynopsisMeasure:
-    """``count_star`` or ``sum`` of ``column`` (clamped to its declared bounds, uncentred)."""
+    """``count_star``, or ``sum`` of ``column`` clamped to its declared bounds, minus ``centre`` per row."""
 
     kind: str
     column: str | None
+    centre: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,7 @@ class Released:
 
     name: str
     dataset: str
+    table: str
     declaration: str
     identity: str
     built_at: float
@@ -122,6 +124,7 @@ class Released:
         return {
             "name": self.name,
             "dataset": self.dataset,
+            "table": self.table,
             "declaration": self.declaration,
             "identity": self.identity,
             "built_at": self.built_at,
@@ -138,7 +141,7 @@ class Released:
                 }
                 for k in self.keys
             ],
-            "measures": [{"kind": m.kind, "column": m.column} for m in self.measures],
+            "measures": [{"kind": m.kind, "column": m.column, "centre": m.centre} for m in self.measures],
             "marginals": [
                 [{"axes": list(m.axes), "values": list(m.values), "variance": m.variance} for m in per_measure]
                 for per_measure in self.marginals
@@ -150,6 +153,7 @@ class Released:
         return cls(
             name=str(doc["name"]),
             dataset=str(doc["dataset"]),
+            table=str(doc["table"]),
             declaration=str(doc["declaration"]),
             identity=str(doc["identity"]),
             built_at=float(doc["built_at"]),
@@ -166,7 +170,9 @@ class Released:
                 )
                 for k in doc["keys"]
             ),
-            measures=tuple(SynopsisMeasure(str(m["kind"]), m["column"]) for m in doc["measures"]),
+            measures=tuple(
+                SynopsisMeasure(str(m["kind"]), m["column"], float(m.get("centre", 0.0))) for m in doc["measures"]
+            ),
             marginals=tuple(tuple(_marginal(m) for m in per) for per in doc["marginals"]),
         )
 
