@@ -41,6 +41,12 @@ and HAVING are never part of the measurement SQL (:mod:`dpsql.rewrite` renders n
 measures :func:`~dpsql.release.apply.apply` leaves in its rows are never stored. Intervals are
 recomputed at the asking query's confidence: they are functions of the noise specs and the level only
 (:func:`dpsql.release.apply.widths_at`), and the accuracy notes of the released values.
+
+Derived answers. Before the cache, a query a curator synopsis covers is answered from it
+(:meth:`Step.from_synopsis`, :mod:`dpsql.synopsis`); after a measurement miss, one whose groups are unions
+of an earlier release's cells is answered by summing them when that is accurate enough
+(:meth:`Step.coarsened`, :mod:`dpsql.synopsis.reuse`). Both read released values and public variances
+only: post-processing, free, with a notice saying where the answer came from.
 """
 
 from __future__ import annotations
