@@ -179,6 +179,7 @@ def _session(args: argparse.Namespace) -> Session:
         delta=args.delta,
         mechanism=args.mechanism,
         confidence=getattr(args, "confidence", None),
+        accuracy=getattr(args, "accuracy", None),
     )
 
 
@@ -207,14 +208,25 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_accuracy(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--accuracy",
+        metavar="HALF_WIDTH",
+        help="wanted ± of each noisy measure at the confidence level, e.g. 10 or ±10: "
+        "the least ε meeting it is used instead of --epsilon",
+    )
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``dpsql query`` and ``dpsql explain`` to the command parsers."""
     query = sub.add_parser("query", help="run one DP query and print the noisy answer")
     query.add_argument("sql")
     add_common(query)
+    _add_accuracy(query)
     query.set_defaults(func=cmd_query)
 
     explain = sub.add_parser("explain", help="cost, sensitivity and expected error; spends nothing")
     explain.add_argument("sql")
     add_common(explain)
+    _add_accuracy(explain)
     explain.set_defaults(func=cmd_explain)

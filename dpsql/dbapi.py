@@ -90,6 +90,7 @@ def connect(
     delta: float | None = None,
     mechanism: str | None = None,
     confidence: float | None = None,
+    accuracy: float | str | None = None,
     statement_timeout_ms: int = DEFAULT_STATEMENT_TIMEOUT_MS,
 ) -> Connection:
     """Open a DP connection as ``analyst``: give a policy + database URL (+ ledger URL), or an engine.
@@ -98,9 +99,13 @@ def connect(
     CLI (SQLite under ``$DPSQL_HOME``): every connection of a dataset draws on one budget.
     ``ledger="memory"`` (or ``"sqlite:///:memory:"``) gives a throwaway budget, for tests only.
     Statements on the database are cancelled after ``statement_timeout_ms`` (60 s by default; 0: never).
+    ``accuracy`` (``10`` or ``'±10'``, as ``SET dpsql.accuracy``): each query is charged the least ε whose
+    intervals are that narrow, instead of ``epsilon``.
     """
     # the SET dpsql.* grammar: a value the wire server would refuse is refused here too (22023)
-    session = Session.configure(analyst, epsilon=epsilon, delta=delta, mechanism=mechanism, confidence=confidence)
+    session = Session.configure(
+        analyst, epsilon=epsilon, delta=delta, mechanism=mechanism, confidence=confidence, accuracy=accuracy
+    )
     if engine is None:
         if policy is None:
             raise InterfaceError("connect() needs a policy (file path or Policy) or an engine")

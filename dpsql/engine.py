@@ -130,10 +130,21 @@ class Engine:
     # -- planning ------------------------------------------------------------------------------
 
     def _plan_key(self, sql: str, session: Session, params: Params) -> tuple[Any, ...]:
+        # accuracy-first's ε depends on the target, the confidence it is met at, and (its refusal) on the
+        # analyst's whole budget
+        accuracy = (
+            None
+            if session.accuracy is None
+            else (
+                session.accuracy,
+                confidence_level(self.policy, session),
+                self.policy.analyst_budget(session.analyst).epsilon,
+            )
+        )
         return (
             sql,
             params_key(params),
-            (session.epsilon, session.delta, session.mechanism),
+            (session.epsilon, session.delta, session.mechanism, accuracy),
             data_version(self.backend),
         )
 
@@ -168,7 +179,7 @@ class Engine:
         version = data_version(self.backend)
         plan = replace(plan, physical=choose_physical(plan, self.backend, self._salt))
         select = rewrite(plan)
-        budgeting = budget(self.policy, plan, session)
+        budgeting = budget(self.policy, plan, session, confidence_level(self.policy, session))
         normalised = tree.sql(dialect=dialect("postgres"), normalize=True, copy=False)  # tree is not used afterwards
         histograms = histogram_queries(plan, self.backend.render)
         settings = (budgeting.epsilon, budgeting.delta, budgeting.mechanism)

@@ -18,7 +18,7 @@ from dpsql.analyze.statement import EXPLAIN_OPTIONS
 from dpsql.plan import Plan
 from dpsql.release.accuracy import bias_note
 from dpsql.release.calibrate import Budgeting
-from dpsql.session import OutputColumn, Result
+from dpsql.session import OutputColumn, Result, ci_label
 
 
 @dataclass
@@ -34,6 +34,9 @@ class Explanation:
     unit: str = ""
     #: What the intervals leave out (clamping, contribution caps): :func:`dpsql.release.accuracy.bias_note`.
     bias: str = ""
+    #: Accuracy-first (``dpsql.accuracy``): the half-width asked for, met by ``epsilon``; None otherwise.
+    accuracy: float | None = None
+    confidence: float = 0.95
 
     def as_json(self) -> str:
         """PostgreSQL's ``EXPLAIN (FORMAT JSON)`` shape: an array holding one ``{"Plan": …}`` object."""
@@ -49,6 +52,7 @@ class Explanation:
             "Privacy Unit": self.unit,
             "Group Keys": self.keys,
             "Intervals": self.bias or "noise only",
+            **({} if self.accuracy is None else {"Accuracy Target": self.accuracy, "Confidence": self.confidence}),
             "Outputs": [{k: finite(v) for k, v in c.items()} for c in self.columns],
             "Backend SQL": self.sql,
         }
@@ -70,6 +74,8 @@ class Explanation:
             f"  Group keys: {self.keys}",
             f"  Intervals: {self.bias or 'noise only'}",
         ]
+        if self.accuracy is not None:
+            lines.insert(1, f"  {self.accuracy_line()}")
         for c in self.columns:
             lines.append(f"  Output {c['name']}: {c['measure']}" + _figures(c))
         lines.append("  ->  Backend SQL:")
@@ -82,6 +88,10 @@ class Explanation:
             delta_spent=0.0,
             command_tag="EXPLAIN",
         )
+
+    def accuracy_line(self) -> str:
+        """What accuracy-first chose: ``ε chosen for accuracy ±10 at 95 %: 0.37``."""
+        return f"ε chosen for accuracy ±{self.accuracy:g} at {ci_label(self.confidence)} %: {self.epsilon:.4g}"
 
 
 def _figures(c: dict[str, Any]) -> str:
@@ -195,7 +205,18 @@ def explain(plan: Plan, budgeting: Budgeting, confidence: float, shown_sql: str)
         unit += f" (at most {plan.max_rows} rows and {plan.max_groups} groups per unit)"
     note = bias_note(plan, confidence)
     bias = note.split("covers ", 1)[1] if note else ""  # "the noise only, not the bias of …"
-    return Explanation(shown_sql, budgeting.epsilon, budgeting.delta, budgeting.mechanism, columns, keys, unit, bias)
+    return Explanation(
+        shown_sql,
+        budgeting.epsilon,
+        budgeting.delta,
+        budgeting.mechanism,
+        columns,
+        keys,
+        unit,
+        bias,
+        budgeting.accuracy,
+        confidence,
+    )
 
 
 def explain_format(sql: str) -> str:

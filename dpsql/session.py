@@ -35,6 +35,28 @@ def _fraction(value: str, low_open: bool, high: float, high_open: bool, low: flo
     return x
 
 
+def _accuracy(value: str) -> float:
+    """``'±10'``, ``'+-10'`` or ``'10'``: the wanted half-width, in the measure's own units.
+
+    Relative targets (``'10%'``) are refused: the ε meeting one would be chosen from the true
+    value, so the charge (shown to the analyst) would depend on the data, which is not private.
+    """
+    text = value.strip()
+    if text.endswith("%"):
+        raise InvalidParameterValue(
+            f'invalid value for parameter "dpsql.accuracy": "{value}"',
+            hint="A relative accuracy is not supported: choosing ε from the true value would make the ε "
+            "(and so the charge) depend on the data, which is not private. Give an absolute half-width "
+            "in the measure's units, e.g. SET dpsql.accuracy = '±10'.",
+        )
+    for sign in ("±", "+-", "+/-"):
+        text = text.removeprefix(sign)
+    x = float(text.strip())
+    if not (math.isfinite(x) and x > 0):
+        raise ValueError(value)
+    return x
+
+
 def _mechanism(value: str) -> Mechanism:
     name = value.strip().lower()
     if name not in MECHANISMS:
@@ -61,13 +83,17 @@ DPSQL_SETTINGS: dict[str, SettingSpec] = {
     "dpsql.confidence": SettingSpec(
         lambda v: _fraction(v, True, 1.0 - 1e-9, False, 1e-9), "dpsql.confidence must be in (0, 1), e.g. 0.95."
     ),
+    # the wanted CI half-width of each noisy measure: ε is then the least that meets it (release.calibrate)
+    "dpsql.accuracy": SettingSpec(
+        _accuracy, "dpsql.accuracy is a positive half-width in the measure's units, e.g. '±10' (or DEFAULT: none)."
+    ),
     "dpsql.mechanism": SettingSpec(_mechanism, "dpsql.mechanism is 'laplace' or 'gaussian'."),
     "dpsql.show_intervals": SettingSpec(parse_bool, "dpsql.show_intervals is on or off."),
     # noisy floats rounded to two significant digits of their half-width (dpsql.release.rounding)
     "dpsql.round": SettingSpec(parse_bool, "dpsql.round is on (noisy values rounded to their interval) or off."),
 }
 #: The settings that are fields of :class:`Session` (the others only shape the wire output).
-SESSION_FIELDS = ("epsilon", "delta", "confidence", "mechanism")
+SESSION_FIELDS = ("epsilon", "delta", "confidence", "mechanism", "accuracy")
 
 
 def parse_setting(name: str, value: str) -> Any:
@@ -113,6 +139,10 @@ class Session:
     delta: float | None = None
     mechanism: Mechanism | None = None
     confidence: float | None = None
+    #: Accuracy-first: the wanted half-width of every noisy measure at the session's confidence; when
+    #: set, ε is the least that meets it (overrides ``epsilon``). Absolute only: a relative target
+    #: would choose ε from the true value, which is not private.
+    accuracy: float | None = None
     settings: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -124,10 +154,17 @@ class Session:
         delta: float | None = None,
         mechanism: str | None = None,
         confidence: float | None = None,
+        accuracy: float | str | None = None,
     ) -> Session:
         """A session whose settings went through the same checks as ``SET dpsql.…`` (22023 if invalid)."""
         session = cls(analyst)
-        given = {"epsilon": epsilon, "delta": delta, "mechanism": mechanism, "confidence": confidence}
+        given = {
+            "epsilon": epsilon,
+            "delta": delta,
+            "mechanism": mechanism,
+            "confidence": confidence,
+            "accuracy": accuracy,
+        }
         for name, value in given.items():
             if value is not None:
                 key = f"dpsql.{name}"

@@ -274,7 +274,8 @@ class Step:
 
     def from_synopsis(self, prepared: Prepared, confidence: float) -> Result | None:
         """The query answered from the newest release of a declared synopsis that covers it (see
-        :mod:`dpsql.synopsis.answer`): post-processing of released values, free; None when none does."""
+        :mod:`dpsql.synopsis.answer`) and, under ``dpsql.accuracy``, meets it: post-processing of released
+        values, free; None when none does."""
         if not self.policy.synopses or not prepared.plan.measures or prepared.local is not None:
             return None
         if self._synopses is None or self._synopses.ledger is not self.ledger:  # a ledger swapped in
@@ -284,6 +285,9 @@ class Step:
         for released in self._synopses.current(self._database_identity):
             found = synopsis_answer(prepared.plan, released, self.policy, confidence)
             if found is None:
+                continue
+            target = getattr(prepared.budgeting, "accuracy", None)  # SET dpsql.accuracy: met, or a fresh query
+            if target is not None and not all(_within(row, [target] * len(row)) for row in found[2]):
                 continue
             result = typed(finish(prepared.plan, *found, prepared.cache))
             cost = f"ε={released.epsilon:g}" + (f", δ={released.delta:g}" if released.delta else "")

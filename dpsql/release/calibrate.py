@@ -1,7 +1,9 @@
 """Calibration: how one query's (ε, δ) is split into a noise spec per measure and a charge.
 
 Runs at planning time, before anything is reserved or read: every spec is checked samplable
-here, so a setting no exact sampler can serve fails before the ledger is touched.
+here, so a setting no exact sampler can serve fails before the ledger is touched. With
+``dpsql.accuracy`` set (accuracy-first, APEx-style), the ε is the least that meets the wanted
+half-width (:func:`accuracy_epsilon`), found from public figures only.
 """
 
 from __future__ import annotations
@@ -10,12 +12,23 @@ import math
 from dataclasses import dataclass, field
 
 from dpsql.accountant import Cost
-from dpsql.errors import InvalidParameterValue
-from dpsql.noise.mechanisms import MECHANISMS, NoiseSpec, check_samplable, mechanism_names
+from dpsql.errors import FeatureNotSupported, InvalidParameterValue
+from dpsql.noise.mechanisms import (
+    MECHANISMS,
+    NoiseMechanism,
+    NoiseSpec,
+    Split,
+    check_samplable,
+    half_width,
+    mechanism_names,
+)
 from dpsql.plan import Plan, integer_valued
 from dpsql.policy import Policy
 from dpsql.release.selection import selection_threshold
-from dpsql.session import Session
+from dpsql.session import MAX_EPSILON, MIN_EPSILON, Session, ci_label
+
+#: Accuracy-first's bisection stops when its bracket [lo, hi] has hi/lo ≤ 1 + this (then hi is used).
+_ACCURACY_TOLERANCE = 1e-9
 
 
 @dataclass(slots=True)
@@ -33,14 +46,22 @@ class Budgeting:
     #: Partition-selection threshold on the distinct-unit count (None when keys are public).
     threshold: int | None = None
     selection_delta: float = 0.0
+    #: Accuracy-first: the half-width every noisy measure was asked to meet (``dpsql.accuracy``), at the
+    #: session's confidence; None when ε came from ``dpsql.epsilon`` or the policy. Not in the repr, so not
+    #: in the measurement key (:func:`dpsql.cache.measurement_key`): the target sets no noise, ε does.
+    accuracy: float | None = field(default=None, repr=False)
 
 
 #: A query answered from randomized-response values already stored: post-processing, no central cost.
 FREE = Budgeting(0.0, 0.0, "randomized response", [None], Cost(epsilon=0.0), [0.0])
 
 
-def budget(policy: Policy, plan: Plan, session: Session) -> Budgeting:
-    """Validate the session's (or the policy's) ε, δ and mechanism, then calibrate; spends nothing."""
+def budget(policy: Policy, plan: Plan, session: Session, confidence: float | None = None) -> Budgeting:
+    """Validate the session's (or the policy's) ε, δ and mechanism, then calibrate; spends nothing.
+
+    ``confidence`` (the session's checked CI level; None: the session's or the policy's) is what
+    ``session.accuracy`` is measured at: with it set, ε is :func:`accuracy_epsilon`'s, not ``dpsql.epsilon``.
+    """
     defaults = policy.defaults
     epsilon = session.epsilon if session.epsilon is not None else defaults.epsilon
     delta = session.delta if session.delta is not None else defaults.delta
@@ -64,6 +85,17 @@ def budget(policy: Policy, plan: Plan, session: Session) -> Budgeting:
             hint="Grouping by a column without a public domain, and the Gaussian mechanism, "
             "need SET dpsql.delta to a small positive value.",
         )
+    if session.accuracy is not None:
+        level = confidence if confidence is not None else session.confidence or defaults.confidence
+        epsilon = accuracy_epsilon(plan, session.accuracy, level, delta, mechanism, selecting)
+        allowed = policy.analyst_budget(session.analyst).epsilon
+        if epsilon > allowed:
+            raise InvalidParameterValue(
+                f"accuracy ±{session.accuracy:g} needs ε={_rounded_up(epsilon)}, more than your budget "
+                f"(ε={allowed:g} in all)",
+                hint="Ask for a wider interval (a larger dpsql.accuracy), fewer measures or groups, "
+                "or RESET dpsql.accuracy and choose dpsql.epsilon yourself.",
+            )
     try:
         budgeting = calibrate(plan, epsilon, delta, mechanism, selecting)
     except ValueError as exc:  # calibration's own checks: a setting no exact sampler can serve
@@ -71,7 +103,78 @@ def budget(policy: Policy, plan: Plan, session: Session) -> Budgeting:
             f"cannot calibrate noise for ε={epsilon:g}, δ={delta:g}: {exc}",
             hint="Use a larger dpsql.epsilon (or a smaller dpsql.delta) for this query.",
         ) from None
+    budgeting.accuracy = session.accuracy
     return budgeting
+
+
+def accuracy_epsilon(
+    plan: Plan, target: float, confidence: float, delta: float, mechanism: str, selecting: bool
+) -> float:
+    """The least ε at which every additively-noised measure's CI half-width (at ``confidence``) is ≤ ``target``.
+
+    Bisection on log ε over [MIN_EPSILON, MAX_EPSILON]: a half-width only shrinks as ε grows (the
+    noise scale is sensitivity/ε; real-valued measures' power-of-two grid can make it wiggle by half
+    a grid step, ≤ 1/1024 of the scale, where it switches), and the returned ε is one that was checked
+    to meet the target. Privacy: only the plan's public figures (policy bounds, contribution caps,
+    group counts, the number of measures), δ, the mechanism and the confidence are read, never the
+    data, so the choice (and its charge) is public and the same for the same query and settings.
+
+    Refusals, before any charge: 0A000 when a measure is selected (quantile, mode: no half-width
+    describes its error), 22023 when no ε ≤ MAX_EPSILON meets the target.
+    """
+    selected = {i for i, m in enumerate(plan.measures) if m.selected}
+    if selected:
+        names = [o.column.name for o in plan.outputs if selected.intersection(o.measures)]
+        raise FeatureNotSupported(
+            f"dpsql.accuracy cannot be met by column {', '.join(names) or 'a quantile or mode'}",
+            hint="Quantiles (MIN, MAX, percentiles) and modes are chosen by the exponential mechanism: their error "
+            "is a rank or a grid cell, not a ± half-width. RESET dpsql.accuracy and set dpsql.epsilon for this query.",
+        )
+
+    def meets(epsilon: float) -> bool:
+        try:
+            noise = MECHANISMS[mechanism]
+            specs = _specs(plan, noise, noise.split(epsilon, delta, len(plan.measures), selecting))
+            for spec in specs:
+                if spec is not None:
+                    check_samplable(spec)
+        except ValueError:  # no exact sampler at this ε: far too wide anyway
+            return False
+        return all(half_width(s, confidence) <= target for s in specs if s is not None)
+
+    lo, hi = MIN_EPSILON, MAX_EPSILON
+    if meets(lo):
+        return lo
+    if not meets(hi):
+        raise InvalidParameterValue(
+            f"accuracy ±{target:g} at {ci_label(confidence)} % cannot be met by any ε ≤ {MAX_EPSILON:g}",
+            hint="Ask for a wider interval (a larger dpsql.accuracy).",
+        )
+    while hi / lo > 1 + _ACCURACY_TOLERANCE:
+        mid = math.sqrt(lo * hi)
+        if not lo < mid < hi:  # float resolution reached
+            break
+        if meets(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def _rounded_up(epsilon: float) -> str:
+    """ε to 4 significant digits, rounded up: a needed ε just above the budget never reads as equal to it."""
+    step = 10.0 ** (math.floor(math.log10(epsilon)) - 3)
+    return f"{math.ceil(epsilon / step) * step:.4g}"
+
+
+def _specs(plan: Plan, noise: NoiseMechanism, split: Split) -> list[NoiseSpec | None]:
+    """The noise of each measure under ``split``; None for selected ones (exponential mechanism)."""
+    return [
+        None
+        if m.selected
+        else noise.calibrate(plan.sensitivities(m), split, integer=integer_valued(m), cells=plan.max_groups)
+        for m in plan.measures
+    ]
 
 
 def calibrate(plan: Plan, epsilon: float, delta: float, mechanism: str, selecting: bool) -> Budgeting:
@@ -79,12 +182,7 @@ def calibrate(plan: Plan, epsilon: float, delta: float, mechanism: str, selectin
     k = len(plan.measures)
     noise = MECHANISMS[mechanism]
     split = noise.split(epsilon, delta, k, selecting)
-    specs: list[NoiseSpec | None] = [
-        None
-        if m.selected
-        else noise.calibrate(plan.sensitivities(m), split, integer=integer_valued(m), cells=plan.max_groups)
-        for m in plan.measures
-    ]
+    specs = _specs(plan, noise, split)
     shares = [split.share] * k
     cost = split.cost
     budgeting = Budgeting(epsilon, cost.delta, mechanism, specs, cost, shares)

@@ -235,6 +235,7 @@ def default_gucs(server_version: str, user: str, application_name: str, policy_d
     gucs["dpsql.delta"] = str(policy_defaults.delta)
     gucs["dpsql.mechanism"] = str(policy_defaults.mechanism)
     gucs["dpsql.confidence"] = str(policy_defaults.confidence)
+    gucs["dpsql.accuracy"] = ""  # none: ε from dpsql.epsilon (accuracy-first when set)
     gucs["dpsql.show_intervals"] = "off"
     gucs["dpsql.round"] = "on"
     return gucs
