@@ -1,22 +1,29 @@
 """The sensitivity fuzzer's world: a schema, its data, worst-case neighbours, random policies and queries.
 
 A small person-level schema (``people`` is the unit table, ``events`` references it with many rows per
-person, ``kinds`` is public) is loaded once per backend as the base database D and as D + one
+person and a free-text ``tag``, ``kinds`` is public) is loaded once per backend as the base database D and as D + one
 adversarial person for each entry of :data:`ADVERSARIES`. Each adversary is a worst case the bounding
 code must survive: many rows in one group, rows spread over every group (and a secret key nobody else
 holds), NULLs next to values so a crossing cell's non-NULL count differs from its row count, and stored
-values beyond every bound (±infinity, NaN, huge, out-of-range dates).
+values beyond every bound (±infinity, NaN, huge, out-of-range dates). Their tags are what WHERE's
+narrowing of text domains must survive: one tag in every row (matched by some patterns, not others), every
+declared tag and a secret one, NULL tags, and non-ASCII tags (accents, ß, a decomposed é, Ω) where ILIKE's
+case folding differs between backends.
 
 Policies (:func:`policies`) vary ``max_rows_per_unit``, ``max_groups_per_unit``, bounds, domains and
 nullability; queries (:func:`queries`) are drawn from the grammar dpsql accepts: every additive
 aggregate (COUNT, COUNT(col), COUNT(DISTINCT unit), COUNT(DISTINCT col), SUM, AVG, VAR_POP, STDDEV,
 corr) with and without FILTER/CASE, plain and expression keys (DATE_TRUNC, EXTRACT, FLOOR, CASE,
 width_bucket, date_bin, comparisons), joins along the reference and to the public table, WHERE, and
-SELECT DISTINCT. A case prints as a policy YAML plus SQL, which is all it takes to reproduce it.
+SELECT DISTINCT. WHERE mixes plain predicates with the shapes that narrow a public key's domain
+(:data:`NARROWING_WHERE`: NOT IN lists, LIKE/ILIKE with ``%``, ``_`` and escapes, OR-ed equalities and INs
+on one column), often on a grouped column, one or two conjuncts. A case prints as a policy YAML plus
+SQL, which is all it takes to reproduce it.
 """
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 
@@ -24,15 +31,26 @@ from hypothesis import strategies as st
 
 #: Columns that hold NULLs in the data: always declared nullable (a curator declaring NOT NULL on a
 #: column with NULLs is a policy error `policy check` reports, not a bounding case).
-NULLABLE_ALWAYS = {("people", "grp"), ("people", "score"), ("events", "amount"), ("events", "qty"), ("events", "ts")}
+NULLABLE_ALWAYS = {
+    ("people", "grp"),
+    ("people", "score"),
+    ("events", "amount"),
+    ("events", "qty"),
+    ("events", "ts"),
+    ("events", "tag"),
+}
 
 KINDS = ["a", "b", "c", "d"]
 SECRET_KIND = "zz"  # held by one adversary only: never a public domain value
+#: events.tag's declared domain: LIKE metacharacters as data (``_``, ``%``, a backslash), case pairs, and
+#: non-ASCII values (É/é fold differently in each backend's ILIKE; "e\u0301" is é decomposed: two characters).
+TAGS = ["alpha", "Alpha", "al_ha", "50%", "back\\slash", "é", "É", "straße", "e\u0301", "Ωmega"]
+SECRET_TAG = "zeta"  # held by the spread adversary only
 
 DDL = """
 CREATE TABLE people (pid INTEGER, hh INTEGER, grp VARCHAR(8), age INTEGER, score DOUBLE PRECISION, born DATE);
 CREATE TABLE events (eid INTEGER, pid INTEGER, kind VARCHAR(8), amount DOUBLE PRECISION, qty INTEGER,
-                     day DATE, ts TIMESTAMP, flag BOOLEAN);
+                     day DATE, ts TIMESTAMP, flag BOOLEAN, tag VARCHAR(16));
 CREATE TABLE kinds (name VARCHAR(8), cat VARCHAR(8));
 """
 
@@ -62,6 +80,7 @@ def _ts(value: str | None) -> str:
 
 
 Event = tuple[str, float | None, int | None, str, str | None, bool]  # kind, amount, qty, day, ts, flag
+Tags = tuple[str | None, ...]  # one per event, cycled: a person's events' tags
 
 
 @dataclass(frozen=True)
@@ -73,6 +92,7 @@ class Person:
     score: float | None
     born: str
     events: tuple[Event, ...]
+    tags: Tags = (None,)
 
 
 def _insert(person: Person, first_eid: int) -> str:
@@ -81,15 +101,17 @@ def _insert(person: Person, first_eid: int) -> str:
         f"{_lit(person.score)}, {_date(person.born)});\n"
     )
     for j, (kind, amount, qty, day, ts, flag) in enumerate(person.events):
+        tag = person.tags[j % len(person.tags)]
         sql += (
             f"INSERT INTO events VALUES ({first_eid + j}, {person.pid}, {_lit(kind)}, {_lit(amount)}, "
-            f"{_lit(qty)}, {_date(day)}, {_ts(ts)}, {_lit(flag)});\n"
+            f"{_lit(qty)}, {_date(day)}, {_ts(ts)}, {_lit(flag)}, {_lit(tag)});\n"
         )
     return sql
 
 
 def _base_people(seed: int = 7, n: int = 40) -> list[Person]:
     rng = random.Random(seed)
+    tag_rng = random.Random(seed + 1)  # its own stream: the other columns stay as they were
     people = []
     for pid in range(1, n + 1):
         events = []
@@ -114,6 +136,7 @@ def _base_people(seed: int = 7, n: int = 40) -> list[Person]:
                 None if rng.random() < 0.1 else round(rng.uniform(-6, 6), 3),
                 f"{rng.randint(1945, 2003)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}",
                 tuple(events),
+                tuple(None if tag_rng.random() < 0.15 else tag_rng.choice(TAGS) for _ in range(max(1, len(events)))),
             )
         )
     return people
@@ -134,7 +157,7 @@ def _heavy() -> Person:
         )
         for i, (a, q) in enumerate(zip(amounts, qtys, strict=True))
     ]
-    return Person(1001, 1001, "a", 40, 1.0, "1980-01-01", tuple(events))
+    return Person(1001, 1001, "a", 40, 1.0, "1980-01-01", tuple(events), ("alpha",))  # 'al%' yes, 'al\\_ha' no
 
 
 def _spread() -> Person:
@@ -154,7 +177,7 @@ def _spread() -> Person:
                 i % 2 == 1,
             )
         )
-    return Person(1002, 1002, "b", 101, -5.0, "1999-12-31", tuple(events))
+    return Person(1002, 1002, "b", 101, -5.0, "1999-12-31", tuple(events), (*TAGS, SECRET_TAG, None))
 
 
 def _crossing() -> Person:
@@ -169,7 +192,7 @@ def _crossing() -> Person:
             events.append(
                 (kind, amount, qty, f"2024-0{1 + j % 3}-15", None if j % 2 else "2024-03-01 00:00:00", j == 0)
             )
-    return Person(1003, 1003, None, 0, None, "1950-01-01", tuple(events))
+    return Person(1003, 1003, None, 0, None, "1950-01-01", tuple(events), (None, None, "al_ha"))
 
 
 def _odd() -> Person:
@@ -180,7 +203,7 @@ def _odd() -> Person:
         ("b", 1e300, 7, "2024-06-30", "2024-06-30 23:59:59", True),
         ("a", -1e300, None, "2024-01-01", None, False),
     ]
-    return Person(1004, 1004, "c", 1000, float("inf"), "1800-01-01", tuple(events))
+    return Person(1004, 1004, "c", 1000, float("inf"), "1800-01-01", tuple(events), ("É", "straße", "e\u0301", "Ωmega"))
 
 
 ADVERSARIES: dict[str, Person] = {"heavy": _heavy(), "spread": _spread(), "crossing": _crossing(), "odd": _odd()}
@@ -214,6 +237,7 @@ class FuzzPolicy:
     amount_bounds: tuple[float, float]
     qty_bounds: tuple[int, int]
     score_bounds: tuple[float, float]
+    tag_domain: bool = True
 
     def yaml(self) -> str:
         def null(table: str, column: str) -> str:
@@ -225,6 +249,7 @@ class FuzzPolicy:
             "none": "",
         }[self.kind_domain]
         grp_domain = ", domain: [a, b, c]" if self.grp_domain else ""
+        tag_domain = ", domain: [" + ", ".join(json.dumps(t) for t in TAGS) + "]" if self.tag_domain else ""
         lo, hi = self.amount_bounds
         qlo, qhi = self.qty_bounds
         slo, shi = self.score_bounds
@@ -260,6 +285,7 @@ tables:
       day: {{type: date, lower: 2024-01-01, upper: 2024-06-30, nullable: {null("events", "day")}}}
       ts: {{type: timestamp, lower: 2024-01-01 00:00:00, upper: 2024-06-30 23:59:59, nullable: {null("events", "ts")}}}
       flag: {{type: boolean, nullable: {null("events", "flag")}}}
+      tag: {{type: text, nullable: {null("events", "tag")}{tag_domain}}}
   kinds:
     public: true
     columns:
@@ -285,6 +311,7 @@ def policies(draw: st.DrawFn) -> FuzzPolicy:
         amount_bounds=draw(st.sampled_from([(0.0, 50.0), (-10.0, 40.0), (5.0, 45.0), (0.0, 1000.0)])),
         qty_bounds=draw(st.sampled_from([(0, 10), (-5, 5), (1, 8)])),
         score_bounds=draw(st.sampled_from([(-5.0, 5.0), (0.0, 3.0)])),
+        tag_domain=draw(st.integers(0, 3)) > 0,
     )
 
 
@@ -307,6 +334,8 @@ EVENT_KEYS = [
     "e.qty",
     "e.qty > 5",
     "e.day",
+    "e.tag",
+    "CASE WHEN e.tag LIKE 'al%' THEN 'al' WHEN e.tag ILIKE '%E%' THEN 'e' ELSE 'other' END",
 ]
 PEOPLE_KEYS = ["p.grp", "FLOOR(p.age / 10)", "p.age > 50", "EXTRACT(year FROM p.born)", "p.age"]
 KIND_KEYS = ["k.cat"]
@@ -314,7 +343,7 @@ KIND_KEYS = ["k.cat"]
 #: Aggregates over events, by family: a family is drawn first, so each bounding path is reached often.
 EVENT_MEASURE_FAMILIES: dict[str, list[str]] = {
     "count": ["COUNT(*)", "COUNT(e.amount)", "COUNT(e.qty)", "COUNT(CASE WHEN e.amount > 25 THEN 1 END)"],
-    "distinct": ["COUNT(DISTINCT e.pid)", "COUNT(DISTINCT e.kind)", "COUNT(DISTINCT e.day)"],
+    "distinct": ["COUNT(DISTINCT e.pid)", "COUNT(DISTINCT e.kind)", "COUNT(DISTINCT e.day)", "COUNT(DISTINCT e.tag)"],
     "sum": ["SUM(e.amount)", "SUM(e.qty)", "AVG(e.amount)", "AVG(e.qty)"],
     "spread": ["VAR_POP(e.amount)", "VAR_SAMP(e.qty)", "STDDEV(e.amount)", "corr(e.amount, e.qty)"],
     "filtered": [
@@ -325,6 +354,7 @@ EVENT_MEASURE_FAMILIES: dict[str, list[str]] = {
         "VAR_POP(e.amount) FILTER (WHERE e.flag)",
         "SUM(CASE WHEN e.flag THEN e.qty ELSE 0 END)",
         "SUM(CASE WHEN e.kind = 'b' THEN 1 END)",
+        "COUNT(*) FILTER (WHERE e.tag LIKE '%a%')",
         "AVG(CASE WHEN e.flag THEN e.amount END)",
     ],
     "selected": [
@@ -350,6 +380,67 @@ EVENT_WHERE = [
 ]
 PEOPLE_WHERE = ["p.age < 60", "p.grp = 'a'", "p.score > 0"]
 
+#: WHERE shapes that narrow a public key's domain (dpsql/analyze/keys/narrow.py), by the column they
+#: narrow: NOT IN (a NULL in the list passes no row), LIKE/ILIKE with ``%``, ``_``, escaped ``_``/``%``/
+#: backslash, non-ASCII patterns (ILIKE folds them differently per backend), a written ESCAPE and
+#: ``lower(col)`` (refused / not narrowed), NOT LIKE, and OR-ed equalities/INs on one column (and ORs that
+#: are not: another column, IS NULL). Every SQL string is as sent: ``\\`` here is one backslash in SQL.
+NARROWING_WHERE: dict[str, list[str]] = {
+    "e.kind": [
+        "e.kind NOT IN ('a', 'b')",
+        "e.kind NOT IN ('zz')",
+        "NOT (e.kind IN ('c'))",
+        "e.kind NOT IN ('a', NULL)",
+        "e.kind LIKE 'a%'",
+        "e.kind LIKE '_'",
+        "e.kind ILIKE 'B'",
+        "e.kind NOT LIKE 'a'",
+        "e.kind = 'a' OR e.kind = 'c'",
+        "e.kind = 'b' OR e.kind IN ('d', 'zz')",
+        "(e.kind IN ('a') OR 'b' = e.kind)",
+        "e.kind = 'a' OR e.kind IS NULL",
+        "e.kind = 'a' OR e.qty = 3",
+    ],
+    "e.tag": [
+        "e.tag LIKE 'al%'",
+        "e.tag LIKE 'a_pha'",
+        "e.tag LIKE 'al\\_ha'",
+        "e.tag LIKE '%\\%'",
+        "e.tag LIKE '%\\\\%'",
+        "e.tag LIKE '_'",
+        "e.tag LIKE '%e%'",
+        "e.tag LIKE '_mega'",
+        "e.tag ILIKE 'ALPHA'",
+        "e.tag ILIKE 'é'",
+        "e.tag ILIKE 'STRASSE'",
+        "e.tag ILIKE '%MEGA'",
+        "e.tag NOT LIKE 'a%'",
+        "e.tag NOT ILIKE '%a%'",
+        "e.tag LIKE 'al%' ESCAPE '\\'",
+        "e.tag LIKE 'al#_ha' ESCAPE '#'",
+        "lower(e.tag) LIKE 'al%'",
+        "e.tag NOT IN ('alpha', 'é')",
+        "e.tag NOT IN ('zeta')",
+        "e.tag = 'alpha' OR e.tag = 'É'",
+        "e.tag IN ('al_ha', '50%') OR e.tag = 'zeta'",
+        "e.tag = 'straße' OR e.tag IN ('e\u0301', 'Ωmega')",
+        "e.tag LIKE 'al%' OR e.tag = 'é'",
+    ],
+    "e.qty": [
+        "e.qty NOT IN (1, 2, 3)",
+        "e.qty = 1 OR e.qty IN (3, 5)",
+        "e.qty IN (2, 2.5) OR e.qty = 100",
+        "e.qty NOT IN (0, NULL)",
+    ],
+    "e.day": [
+        "e.day NOT IN (DATE '2024-02-10', DATE '2024-02-11')",
+        "e.day = DATE '2024-02-10' OR e.day = DATE '2024-02-12'",
+        "e.day IN (TIMESTAMP '2024-02-10 00:00:00', TIMESTAMP '2024-02-11 12:00:00')",
+    ],
+    "e.flag": ["e.flag NOT IN (TRUE)", "e.flag = TRUE OR e.flag = FALSE"],
+}
+PEOPLE_NARROWING_WHERE = {"p.grp": ["p.grp NOT IN ('a')", "p.grp LIKE '_'", "p.grp = 'b' OR p.grp IN ('c')"]}
+
 
 @st.composite
 def queries(draw: st.DrawFn) -> str:
@@ -357,19 +448,33 @@ def queries(draw: st.DrawFn) -> str:
     if draw(st.integers(0, 9)) == 0:  # the unit table alone (max_rows 1)
         keys = draw(st.lists(st.sampled_from(PEOPLE_ONLY_KEYS), max_size=2, unique=True))
         measures = draw(st.lists(st.sampled_from(PEOPLE_ONLY_MEASURES), min_size=1, max_size=3, unique=True))
-        where = draw(st.sampled_from([None, "age < 60", "grp = 'a'"]))
+        where = draw(
+            st.sampled_from(
+                [None, "age < 60", "grp = 'a'", *(w.replace("p.", "") for w in PEOPLE_NARROWING_WHERE["p.grp"])]
+            )
+        )
         return _assemble(keys, measures, "people", where)
     join_people = draw(st.booleans())
     join_kinds = draw(st.integers(0, 3)) == 0
     key_pool = EVENT_KEYS + (PEOPLE_KEYS if join_people else []) + (KIND_KEYS if join_kinds else [])
     families = {**EVENT_MEASURE_FAMILIES, **({"people": PEOPLE_MEASURES} if join_people else {})}
     measure = st.sampled_from(sorted(families)).flatmap(lambda family: st.sampled_from(families[family]))
-    where_pool = EVENT_WHERE + (PEOPLE_WHERE if join_people else [])
+    narrowing = NARROWING_WHERE | (PEOPLE_NARROWING_WHERE if join_people else {})
+    shapes = [w for pool in narrowing.values() for w in pool]
+    where_pool = EVENT_WHERE + (PEOPLE_WHERE if join_people else []) + shapes
     size = draw(st.sampled_from([0, 1, 1, 2, 2]))  # grouped queries are where the bounding paths differ
     keys = draw(st.lists(st.sampled_from(key_pool), min_size=size, max_size=size, unique=True))
+    conjuncts = [w for w in [draw(st.sampled_from([None, None, *where_pool]))] if w]
+    if draw(st.integers(0, 2)) == 0:  # narrow a grouped column: the domain released is the narrowed one
+        column = draw(st.sampled_from(sorted(narrowing)))
+        conjuncts = [draw(st.sampled_from(narrowing[column])), *conjuncts]
+        if column not in keys:
+            keys = [column, *keys[:1]]
+    if draw(st.integers(0, 3)) == 0:  # and a second shape: narrowings intersect
+        conjuncts.append(draw(st.sampled_from(where_pool)))
     distinct = bool(keys) and draw(st.integers(0, 5)) == 0
     measures = [] if distinct else draw(st.lists(measure, min_size=1, max_size=3, unique=True))
-    where = draw(st.sampled_from([None, None, *where_pool]))
+    where = " AND ".join(f"({w})" for w in conjuncts) if len(conjuncts) > 1 else next(iter(conjuncts), None)
     source = "events e"
     if join_people:
         source += " JOIN people p ON e.pid = p.pid"

@@ -200,10 +200,22 @@ def _as_float(value: Scalar) -> float:
     return float(value)
 
 
+def _present(key: KeyExpr) -> list[float]:
+    """A finite domain's non-NULL values; refused when there are none (``WHERE x IS NULL``), which callers
+    handle first (the result is NULL): this only keeps a missed case a clean refusal, not a crash."""
+    present = [_as_float(v) for v in (key.values or ()) if v is not None]
+    if not present:
+        raise FeatureNotSupported(
+            "a GROUP BY expression over a column that WHERE keeps only NULL is not supported here",
+            hint="Group by the column itself, or drop the IS NULL condition.",
+        )
+    return present
+
+
 def key_low(key: KeyExpr) -> float:
     """The least value of a numeric key (its domain's, else its lower bound; refused when unbounded)."""
     if key.values is not None:
-        return min(_as_float(v) for v in key.values if v is not None)
+        return min(_present(key))
     if key.lower is None:
         raise FeatureNotSupported("a GROUP BY expression needs bounded columns", hint="Declare lower/upper bounds.")
     return key.lower
@@ -212,7 +224,7 @@ def key_low(key: KeyExpr) -> float:
 def key_high(key: KeyExpr) -> float:
     """The greatest value of a numeric key (its domain's, else its upper bound; refused when unbounded)."""
     if key.values is not None:
-        return max(_as_float(v) for v in key.values if v is not None)
+        return max(_present(key))
     if key.upper is None:
         raise FeatureNotSupported("a GROUP BY expression needs bounded columns", hint="Declare lower/upper bounds.")
     return key.upper

@@ -114,7 +114,7 @@ def date_bin_key(node: exp.Expression, keys: KeyContext) -> KeyExpr:
     try:
         if pinned is not None:
             bins = (date_bin(stride, v, origin) for v in pinned)
-            return KeyExpr(sql, pg_type, finite_domain(node, bins, policy.nullable), False)
+            return KeyExpr(sql, pg_type, finite_domain(node, bins, policy.nullable), policy.nullable)
         low, high = date_bounds(policy)
         first, last = date_bin(stride, low, origin), date_bin(stride, high, origin)
     except OverflowError:

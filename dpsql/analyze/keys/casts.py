@@ -42,7 +42,8 @@ def cast(node: exp.Expression, keys: KeyContext) -> KeyExpr:
         to_date = target == exp.DataType.Type.DATE
         pg_type: PgType = "date" if to_date else "timestamp"
         if values is not None:
-            values = finite_domain(node, (_to_day(v) if to_date else as_datetime(v) for v in values), inner.nullable)
+            present = (v for v in values if v is not None)  # NULL stays NULL (finite_domain adds it back)
+            values = finite_domain(node, (_to_day(v) if to_date else as_datetime(v) for v in present), inner.nullable)
         return KeyExpr(exp.cast(inner.sql, target), pg_type, values, inner.nullable)
     if inner.numeric and target in _INTEGER_CASTS and (is_integral(inner) or _whole(node.this, inner)):
         # whole numbers (EXTRACT's numeric, FLOOR/CEIL's double: ibis's CAST(FLOOR(x) AS BIGINT)) cast exactly

@@ -121,7 +121,8 @@ def date_trunc(node: exp.Expression, keys: KeyContext) -> KeyExpr:
     sql = exp.cast(truncated, exp.DataType.Type.TIMESTAMP)
     pinned = date_values(policy)
     if pinned is not None:
-        return KeyExpr(sql, pg_type, finite_domain(node, (truncate(unit, v) for v in pinned), policy.nullable), False)
+        truncated_values = finite_domain(node, (truncate(unit, v) for v in pinned), policy.nullable)
+        return KeyExpr(sql, pg_type, truncated_values, policy.nullable)
     if not policy.bounded:
         return KeyExpr(sql, pg_type, None, policy.nullable)
     low, high = date_bounds(policy)
@@ -177,7 +178,7 @@ def extract(node: exp.Expression, keys: KeyContext) -> KeyExpr:
         epoch = dt.datetime(1970, 1, 1)
         if pinned is not None:
             return KeyExpr(sql, "numeric", finite_domain(node, ((v - epoch).total_seconds() for v in pinned),
-                                                                 policy.nullable), False)  # fmt: skip
+                                                                 policy.nullable), policy.nullable)  # fmt: skip
         low, high = date_bounds(policy)
         lower, upper = (low - epoch).total_seconds(), (high - epoch).total_seconds()
         if policy.type == "date" and policy.bounded:
@@ -192,7 +193,7 @@ def extract(node: exp.Expression, keys: KeyContext) -> KeyExpr:
     field, low_value, high_value = _FIELDS[part]
     sql = exp.cast(exp.Extract(this=exp.var(part.upper()), expression=clamped), exp.DataType.Type.BIGINT)
     if pinned is not None:
-        return KeyExpr(sql, "numeric", finite_domain(node, map(field, pinned), policy.nullable), False)
+        return KeyExpr(sql, "numeric", finite_domain(node, map(field, pinned), policy.nullable), policy.nullable)
     if part == "year":
         low, high = date_bounds(policy)
         low_value, high_value = low.year, high.year

@@ -62,6 +62,30 @@ class _Stamp:
     value: dt.datetime
 
 
+def _equal_to(value: object, policy: ColumnPolicy) -> set[object]:
+    """The column values equal to a constant (``x = c``, ``x IN (…, c)``), as both backends compare.
+
+    A date equals a timestamp only at midnight (the date is promoted), an integer never equals a
+    fraction, and nothing equals NULL: such constants match no row and add no group."""
+    if isinstance(value, _Stamp):
+        stamp = value.value
+        return {stamp.date()} if stamp == dt.datetime(stamp.year, stamp.month, stamp.day) else set()
+    if value is None or (policy.type == "int" and isinstance(value, float) and not value.is_integer()):
+        return set()
+    return {value}
+
+
+def _equal_to_any(constants: list[exp.Expression], policy: ColumnPolicy) -> set[object] | None:
+    """The column values equal to some constant of a list; None when one is not understood."""
+    values: set[object] = set()
+    for node in constants:
+        value = _constant(node, policy)
+        if value is exp.Expression:
+            return None
+        values |= _equal_to(value, policy)
+    return values
+
+
 @dataclass
 class _Narrow:
     values: set[object] | None = None
@@ -118,10 +142,9 @@ def narrow_policies(
             got = note(union[0])
             if got:
                 narrow, policy = got
-                values = {_constant(v, policy) for v in union[1]}
+                values = _equal_to_any(union[1], policy)
                 narrow.not_null = True
-                if exp.Expression not in values:
-                    values.discard(None)
+                if values is not None:
                     narrow.values = values if narrow.values is None else narrow.values & values
             continue
         negated = False
@@ -161,8 +184,9 @@ def narrow_policies(
                     if isinstance(conjunct, exp.In) and not conjunct.args.get("query"):
                         # x NOT IN (a, b): a and b are not grouped (a NULL in the list passes no row at
                         # all; not narrowed further then, a superset)
-                        values = {_constant(v, got[1]) for v in conjunct.expressions}
-                        if exp.Expression not in values and None not in values:
+                        constants = [_constant(v, got[1]) for v in conjunct.expressions]
+                        values = _equal_to_any(conjunct.expressions, got[1])
+                        if values is not None and None not in constants:
                             got[0].excluded = (got[0].excluded or set()) | values
             continue
         if isinstance(conjunct, exp.Like | exp.ILike):
@@ -179,9 +203,8 @@ def narrow_policies(
             if got:
                 narrow, policy = got
                 narrow.not_null = True
-                values = {_constant(v, policy) for v in conjunct.expressions}
-                if exp.Expression not in values:
-                    values.discard(None)
+                values = _equal_to_any(conjunct.expressions, policy)
+                if values is not None:
                     narrow.values = values if narrow.values is None else narrow.values & values
             continue
         if isinstance(conjunct, exp.Between):
@@ -282,11 +305,12 @@ def _bound_range(narrow: _Narrow, policy: ColumnPolicy, op: type[exp.Expression]
     narrow.not_null = True
     if value is exp.Expression or value is None:
         return
-    if op is exp.EQ and not isinstance(value, _Stamp):
-        narrow.values = {value} if narrow.values is None else narrow.values & {value}
+    if op is exp.EQ:
+        equal = _equal_to(value, policy)
+        narrow.values = equal if narrow.values is None else narrow.values & equal
         return
-    if op is exp.NEQ and not isinstance(value, _Stamp):
-        narrow.excluded = (narrow.excluded or set()) | {value}
+    if op is exp.NEQ:
+        narrow.excluded = (narrow.excluded or set()) | _equal_to(value, policy)
         return
     if policy.type == "text" or isinstance(value, bool | str):
         return  # text order depends on the collation: never narrowed

@@ -34,15 +34,27 @@ from dpsql.errors import FeatureNotSupported
 from dpsql.pgtypes import PgType
 
 
+def only_null(key: KeyExpr) -> bool:
+    """Whether every row WHERE keeps has NULL for ``key`` (``WHERE x IS NULL``: x's domain is empty)."""
+    return key.values is not None and all(v is None for v in key.values)
+
+
 def _pointwise(node: exp.Expression, left: KeyExpr, right: KeyExpr, op: Callable[[float, float], float]) -> KeyExpr:
     """Combine two numeric keys: finite × finite → finite (each pair evaluated as the backend would,
-    in BIGINT or IEEE double), else an interval over the corners."""
+    in BIGINT or IEEE double), else an interval over the corners.
+
+    An operand that is NULL on every row WHERE keeps makes the result NULL on those rows: the backend
+    never applies the operator (``+ - * /`` are strict), so nothing can overflow or divide by zero,
+    whatever the other operand's bounds; the domain is NULL alone (or empty when no row can pass)."""
     integral = is_integral(left) and is_integral(right) and not isinstance(node, exp.Div)
     nullable = left.nullable or right.nullable
-    tiny = _tiny(node, left, right, integral)
     pg_type = promote(left.type, right.type)
     sql_left = left.sql if integral else exp.cast(left.sql, exp.DataType.Type.DOUBLE)
     sql = node.__class__(this=sql_left, expression=right.sql)
+    if only_null(left) or only_null(right):
+        nullable = (only_null(left) and left.nullable) or (only_null(right) and right.nullable)
+        return KeyExpr(sql, pg_type, finite_domain(node, (), nullable), nullable)
+    tiny = _tiny(node, left, right, integral)
     if left.values is not None and right.values is not None:
         lv = [v for v in left.values if v is not None]
         rv = [v for v in right.values if v is not None]
@@ -85,7 +97,10 @@ def arithmetic(node: exp.Expression, keys: KeyContext) -> KeyExpr:
     """``a + b``, ``a - b``, ``a * b``, ``a / b`` (integer division truncating toward zero, as PostgreSQL)."""
     left, right = numeric_key(node.this, keys), numeric_key(node.expression, keys)
     if isinstance(node, exp.Div):
-        if key_low(right) <= 0 <= key_high(right) or (right.values is not None and 0 in right.values):
+        divisor_zero = not (only_null(left) or only_null(right)) and (  # NULL / 0 is NULL, never an error
+            key_low(right) <= 0 <= key_high(right) or (right.values is not None and 0 in right.values)
+        )
+        if divisor_zero:
             raise FeatureNotSupported(
                 "division by an expression that can be zero",
                 hint="The divisor's bounds include 0, so some row could fail; divide by a range that excludes 0.",
