@@ -457,6 +457,7 @@ class Step:
                     stamp=stamp,
                     policy=self._policy_hash,
                     built_at=time.time(),
+                    laplace=prepared.budgeting.mechanism == "laplace",
                 )
         return self.finish_released(prepared, released, confidence)
 

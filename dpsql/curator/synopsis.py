@@ -146,6 +146,7 @@ def build(engine: Engine, name: str) -> Released:
         keys=tuple(keys),
         measures=measures,
         marginals=tuple(tuple(m) for m in marginals),
+        laplace=parts[0].budgeting.mechanism == "laplace",
     )
     store(engine.ledger, result)
     return result

@@ -284,6 +284,14 @@ def _where_mask(where: exp.Expression, released: Released, policy: Policy, table
     return mask
 
 
+def half_width_factor(confidence: float, laplace: bool) -> float:
+    """Half-width per standard deviation of a sum of independent noises at ``confidence``: the normal
+    quantile for Gaussian noise (a sum of Gaussians is one); for Laplace noise the larger, single Laplace's
+    (``ln(1/(1−c))/√2``: a sum of Laplace noises lies between the two), so the interval never undercovers."""
+    normal = NormalDist().inv_cdf((1 + confidence) / 2)
+    return max(normal, math.log(1 / (1 - confidence)) / math.sqrt(2)) if laplace else normal
+
+
 def answer(
     plan: Plan, released: Released, policy: Policy, confidence: float
 ) -> tuple[list[tuple[Any, ...]], list[list[Any]], list[list[float | None]]] | None:
@@ -326,7 +334,7 @@ def answer(
         members.setdefault(key, []).append(i)
     combos = list(itertools.product(*(k.domain or () for k in plan.keys)))
     estimates = released.estimates
-    z = NormalDist().inv_cdf((1 + confidence) / 2)
+    z = half_width_factor(confidence, released.laplace)
     columns: list[list[Any]] = [[] for _ in plan.measures]
     widths: list[list[float | None]] = []
     for combo in combos:

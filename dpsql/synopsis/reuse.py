@@ -119,6 +119,7 @@ def record(
     stamp: str,
     policy: str,
     built_at: float,
+    laplace: bool,
 ) -> None:
     """Index a release's noisy columns (over every combination of its public keys' domains, in the order
     :func:`dpsql.release.apply.apply` releases them) with each measure's noise variance."""
@@ -145,6 +146,7 @@ def record(
             (Marginal(axes, [float(v or 0) for v in column], variance),)
             for column, variance in zip(columns, variances, strict=True)
         ),
+        laplace=laplace,
     )
     document = json.dumps(released.document(), sort_keys=True)
     entry = Result(

@@ -104,6 +104,8 @@ class Released:
     measures: tuple[SynopsisMeasure, ...]
     #: Per measure, the marginals measured (the same axes for every measure).
     marginals: tuple[tuple[Marginal, ...], ...]
+    #: Whether the noise is Laplace (intervals then use the heavier Laplace quantile), else Gaussian.
+    laplace: bool = True
     _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
 
     @property
@@ -141,6 +143,7 @@ class Released:
                 }
                 for k in self.keys
             ],
+            "laplace": self.laplace,
             "measures": [{"kind": m.kind, "column": m.column, "centre": m.centre} for m in self.measures],
             "marginals": [
                 [{"axes": list(m.axes), "values": list(m.values), "variance": m.variance} for m in per_measure]
@@ -174,6 +177,7 @@ class Released:
                 SynopsisMeasure(str(m["kind"]), m["column"], float(m.get("centre", 0.0))) for m in doc["measures"]
             ),
             marginals=tuple(tuple(_marginal(m) for m in per) for per in doc["marginals"]),
+            laplace=bool(doc.get("laplace", True)),
         )
 
     @property

@@ -44,6 +44,7 @@ from dpsql.engine import Engine
 from dpsql.ledger import Ledger
 from dpsql.policy import Policy
 from dpsql.session import OutputColumn, Result, Session
+from dpsql.synopsis import reuse
 
 ROOT = Path(__file__).resolve().parents[2]
 COUNT = "SELECT COUNT(*) FROM patients WHERE age > 30"
@@ -51,6 +52,8 @@ GROUPED = "SELECT sex, COUNT(*) FROM patients GROUP BY sex"
 EPSILON = 0.1
 #: How a stored measurement (not an answer) reads in its entry.
 MEASUREMENT = f'"command_tag":"{MEASUREMENT_TAG}"'.encode()
+#: How a release's entry in the coarsening index reads (dpsql.synopsis.reuse).
+INDEX = f'"command_tag":"{reuse.TAG}"'.encode()
 
 #: pickle of the old exploit: BUILD on the class ``Result`` with slot state {"__init__": set}, i.e.
 #: ``setattr(Result, "__init__", set)``; every name in it was on the old unpickler's allow-list.
@@ -76,7 +79,7 @@ class Table:
     def entries(self) -> dict[str, bytes]:
         """The answers stored (the released measurements stored beside them left out)."""
         rows = self._run("SELECT key, result FROM dpsql_result_cache")
-        return {key: bytes(blob) for key, blob in rows if MEASUREMENT not in bytes(blob)}
+        return {key: bytes(blob) for key, blob in rows if MEASUREMENT not in bytes(blob) and INDEX not in bytes(blob)}
 
     def write(self, key: str, blob: bytes) -> None:
         self._drop_measurements()
@@ -88,9 +91,10 @@ class Table:
 
     def _drop_measurements(self) -> None:
         """A tampered answer must be a charged miss: no earlier release of its measurement to be
-        finished again from instead (that path: tests/engine/test_measurement_reuse.py)."""
+        finished again from instead, nor finer cells to sum (those paths: tests/engine/test_measurement_reuse.py,
+        tests/engine/test_coarsening.py)."""
         for key, blob in self._run("SELECT key, result FROM dpsql_result_cache"):
-            if MEASUREMENT in bytes(blob):
+            if MEASUREMENT in bytes(blob) or INDEX in bytes(blob):
                 self._run("DELETE FROM dpsql_result_cache WHERE key = ?", (key,))
 
 
