@@ -165,6 +165,11 @@ class Notice(str):
 
 
 ALL_CACHED = Notice("dpsql: every DP sub-query was answered from the result cache; no budget charged", NoticeKind.FREE)
+ALL_RELEASED = Notice(
+    "dpsql: every DP sub-query was answered from released values (the result cache, a synopsis or the cells of an "
+    "earlier release); no budget charged",
+    NoticeKind.FREE,
+)
 LOCAL = Notice("dpsql: randomized-response estimate from perturbed answers; no budget charged", NoticeKind.FREE)
 
 
@@ -406,7 +411,7 @@ class Step:
         result.delta_spent = cost.delta if cost is not None else 0.0
         if charge is None or cost is None:
             if parts is not None and any(p.hit is not None for p in parts):
-                result.notices.append(ALL_CACHED)
+                result.notices.append(ALL_RELEASED if any(p.derived for p in parts) else ALL_CACHED)
             return
         # the ledger's own accountant (Σε under pure, ε(Σρ, δ − Σδ_sel) under zcdp) on the policy's budget plus
         # the curator's grants, capped by what the dataset has left: what the analyst can really spend

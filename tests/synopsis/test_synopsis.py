@@ -241,3 +241,14 @@ def test_policy_check_reports_synopses_with_their_line() -> None:
     assert check_text(unknown, "clinic.yaml").policy is None  # 'table nowhere is not declared' at load
     wide = check_text(CLINIC.read_text() + CUBE_YAML, "clinic.yaml")
     assert wide.ok and any("3 marginals × 2 measures" in w for w in wide.warnings), wide.warnings
+
+
+def test_a_composite_over_synopsis_answers_is_free(engine: Engine) -> None:
+    build(engine, DASHBOARD)
+    result = run(
+        engine,
+        "SELECT department AS k, COUNT(*) AS n FROM visits GROUP BY department UNION ALL "
+        "SELECT 'all', COUNT(*) FROM visits",
+    )
+    assert result.epsilon_spent == 0 and len(result.rows) == 7
+    assert any("every DP sub-query was answered from released values" in n for n in result.notices), result.notices
