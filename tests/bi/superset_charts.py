@@ -426,3 +426,144 @@ CASES: list[dict[str, Any]] = [
         "sql": "SELECT department, COUNT(*) AS count FROM public.visits GROUP BY department",
     },
 ]
+
+
+# --- a dashboard answered from the clinic's declared synopsis (tests/bi/test_superset_synopsis.py) ------
+
+#: The physical ``visits`` through ``dpsql://`` (DpsqlEngineSpec), in a Superset of its own.
+SYNOPSIS_DATASETS: dict[str, dict[str, Any]] = {
+    "dpsql_visits": {"database": "dpsql", "table": "visits", "temporal": ["visit_date"], "main_dttm_col": "visit_date"},
+}
+
+#: The department filter of the dashboard, changed five times (Superset's IN filter of an adhoc filter).
+DEPARTMENT_FILTERS: list[list[str]] = [
+    ["Oncology"],
+    ["Oncology", "Cardiology"],
+    ["Pediatrics", "Emergency", "Neurology"],
+    ["Dermatology"],
+    ["Cardiology", "Neurology"],
+]
+
+#: A second custom time range, aligned to months (the first half of 2022).
+HALF_YEAR = "2022-01-01T00:00:00 : 2022-07-01T00:00:00"
+
+
+def _department_bar(filters: list[dict[str, Any]], having: str = "") -> dict[str, Any]:
+    """The bar chart's query object (echarts_timeseries_bar with department on the x-axis)."""
+    return {
+        "columns": [_axis("department")],
+        "metrics": ["count"],
+        "orderby": [["count", False]],
+        "filters": filters,
+        "extras": {**_EXTRAS, "having": having},
+        "row_limit": 10000,
+        "series_columns": [],
+        "series_limit": 0,
+        "order_desc": True,
+        "post_processing": _pivot("department"),
+    }
+
+
+def _monthly_line(time_range: str) -> dict[str, Any]:
+    """The line chart's query object: visit_date at month grain on the x-axis, a custom time range."""
+    return {
+        "time_range": time_range,
+        "columns": [_axis("visit_date", "P1M")],
+        "metrics": ["count"],
+        "orderby": [["count", False]],
+        "filters": [{"col": "visit_date", "op": "TEMPORAL_RANGE", "val": time_range}],
+        "extras": {**_EXTRAS, "time_grain_sqla": "P1M"},
+        "row_limit": 10000,
+        "series_columns": [],
+        "series_limit": 0,
+        "order_desc": True,
+        "post_processing": _pivot("visit_date"),
+    }
+
+
+def _chart(name: str, chart: str, query: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "name": name,
+        "chart": chart,
+        "dataset": "dpsql_visits",
+        "kind": "chart",
+        "queries": [query],
+        "keep_data": True,
+    }
+
+
+#: A clinic dashboard of 14 charts, each a chart-data request as Superset 6.1 posts it.
+SYNOPSIS_CASES: list[dict[str, Any]] = [
+    _chart("bar", "Bar chart: COUNT(*) by department", _department_bar([])),
+    _chart(
+        "pie",
+        "Pie chart: COUNT(*) by department",
+        {
+            "columns": ["department"],
+            "metrics": ["count"],
+            "orderby": [["count", False]],
+            "filters": [],
+            "extras": _EXTRAS,
+            "row_limit": 100,
+        },
+    ),
+    _chart(
+        "table",
+        "Table: COUNT(*) and % of total by department",
+        {
+            "columns": ["department"],
+            "metrics": ["count"],
+            "orderby": [["count", False]],
+            "filters": [],
+            "extras": _EXTRAS,
+            "row_limit": 1000,
+            "post_processing": [
+                {"operation": "contribution", "options": {"columns": ["count"], "rename_columns": ["%count"]}}
+            ],
+        },
+    ),
+    _chart("line_2021", f"Line chart: COUNT(*) by month, custom range {TIME_RANGE}", _monthly_line(TIME_RANGE)),
+    _chart("line_2022_h1", f"Line chart: COUNT(*) by month, custom range {HALF_YEAR}", _monthly_line(HALF_YEAR)),
+    _chart(
+        "big_number",
+        "Big Number: COUNT(*)",
+        {"metrics": ["count"], "columns": [], "filters": [], "extras": _EXTRAS, "row_limit": 10000},
+    ),
+    _chart(
+        "big_number_2021",
+        f"Big Number with a custom time range: COUNT(*), {TIME_RANGE}",
+        {
+            "time_range": TIME_RANGE,
+            "metrics": ["count"],
+            "columns": [],
+            "filters": [{"col": "visit_date", "op": "TEMPORAL_RANGE", "val": TIME_RANGE}],
+            "extras": _EXTRAS,
+            "row_limit": 10000,
+        },
+    ),
+    *(
+        _chart(
+            f"bar_filter_{i}",
+            f"The bar chart with the dashboard's department filter IN {chosen}",
+            _department_bar([{"col": "department", "op": "IN", "val": chosen}]),
+        )
+        for i, chosen in enumerate(DEPARTMENT_FILTERS, 1)
+    ),
+    _chart(
+        "bar_having",
+        "The bar chart with a custom SQL HAVING filter: COUNT(*) > 100",
+        _department_bar([], having="COUNT(*) > 100"),
+    ),
+    _chart(
+        "month_table",
+        "Table: COUNT(*) by month of visit_date (time grain P1M), every month",
+        {
+            "columns": [_axis("visit_date", "P1M")],
+            "metrics": ["count"],
+            "orderby": [["count", False]],
+            "filters": [],
+            "extras": {**_EXTRAS, "time_grain_sqla": "P1M"},
+            "row_limit": 1000,
+        },
+    ),
+]

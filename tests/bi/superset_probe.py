@@ -14,7 +14,7 @@ chart sends.
 
 Only observation is added: psycopg2 connections get a cursor class that records every statement on the
 wire with the SQLSTATE (``pgcode``) and primary message the server sent, since Superset replaces the
-server's error with its own text, and the NOTICEs (dpsql's "charged ε=…").
+server's error with its own text, the NOTICEs (dpsql's "charged ε=…") and the rows Superset fetched.
 """
 
 from __future__ import annotations
@@ -64,7 +64,21 @@ def _instrument() -> None:
                 raise
             notices = [n.strip() for n in self.connection.notices]
             WIRE.append({"sql": sql, "sqlstate": "00000", "message": None, "notices": notices})
+            self._recorded = WIRE[-1]
             return result
+
+        def fetchall(self) -> Any:
+            return self._keep(super().fetchall())
+
+        def fetchmany(self, size: Any = None) -> Any:
+            return self._keep(super().fetchmany() if size is None else super().fetchmany(size))
+
+        def _keep(self, rows: Any) -> Any:
+            """The rows dpsql sent, as Superset's fetch_data reads them (before its post-processing)."""
+            recorded = getattr(self, "_recorded", None)
+            if recorded is not None:
+                recorded.setdefault("rows", []).extend([list(r) for r in rows])
+            return rows
 
     connect = psycopg2.connect
 
@@ -226,7 +240,8 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
                     record["sql"] = [q.get("query") for q in result["queries"]]
                     record["rows"] = [q.get("rowcount") for q in result["queries"]]
                     record["superset_errors"] = [q.get("error") for q in result["queries"] if q.get("error")]
-                    record["data"] = [q.get("data")[:3] if q.get("data") else None for q in result["queries"]]
+                    keep = None if case.get("keep_data") else 3  # a whole chart's data only where asked
+                    record["data"] = [q.get("data")[:keep] if q.get("data") else None for q in result["queries"]]
             except Exception as exc:
                 record["exception"] = f"{type(exc).__name__}: {exc}"
                 traceback.print_exc(file=sys.stderr)
