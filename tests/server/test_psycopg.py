@@ -34,11 +34,11 @@ def test_dp_query_simple_protocol_with_notices(dp_server: Running) -> None:
     notices: list[str] = []
     with connect(dp_server, "alice") as conn:
         conn.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
-        conn.execute("SET dpsql.epsilon = 0.5")
+        conn.execute("SET dpsql.epsilon = 7.5")  # more than any earlier release of sex: a fresh, charged answer
         rows = conn.execute("SELECT sex, COUNT(*) AS n FROM patients GROUP BY sex ORDER BY sex").fetchall()
     assert [r[0] for r in rows] == ["Female", "Male"]
     assert all(isinstance(r[1], int) for r in rows)
-    assert any("ε=0.5" in n and "remaining" in n for n in notices)
+    assert any("ε=7.5" in n and "remaining" in n for n in notices)
     assert any("95% CI" in n for n in notices)
 
 
