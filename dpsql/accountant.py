@@ -11,7 +11,11 @@ the accountant is approximate zCDP (Bun & Steinke 2016, Def. 8.1; OpenDP's
 ``Approximate<ZeroConcentratedDivergence>``): each charge is a pair (ρ, δ_sel) where ρ is the
 zCDP cost of the noisy measurements (a pure ε-DP charge counts as ρ = ε²/2) and δ_sel the
 probability of the bad event of partition selection, which is not a zCDP quantity. Both add
-up, and the total converts to (ε(Σρ, δ_budget − Σδ_sel), δ_budget)-DP.
+up, and the total converts to (ε(Σρ, δ_budget − Σδ_sel), δ_budget)-DP. Under ``"pld"`` the
+ledger composes every recorded charge by its privacy-loss distribution (:mod:`dpsql.pld`, the
+optimal composition of (ε, δ)-DP releases); the functions here see running sums only, so under
+``"pld"`` they answer by basic composition, a bound PLD is never looser than (see
+:func:`check_budget`, :func:`remaining_budget`).
 
 Budget figures are typed, immutable values: :class:`Cost` (one release; ``+`` composes two and
 :meth:`Cost.total` several: the one rule for every statement of several DP parts), :class:`Spent`
@@ -30,14 +34,18 @@ from typing import Literal, Protocol
 
 from dpsql.errors import PrivacyBudgetExhausted
 
-Accounting = Literal["pure", "zcdp"]
-#: The accountings a policy may name.
-ACCOUNTINGS: tuple[Accounting, ...] = ("pure", "zcdp")
+Accounting = Literal["pure", "zcdp", "pld"]
+#: The accountings a policy may name (``pld`` needs the ``pld`` extra: :func:`dpsql.pld.available`).
+ACCOUNTINGS: tuple[Accounting, ...] = ("pure", "zcdp", "pld")
 
 #: Relative slack so that spending exactly the budget in k equal float steps succeeds.
 REL_TOLERANCE = 1e-9
 
-_HINT_EXHAUSTED = "Ask the data curator for more budget, or lower ε with SET dpsql.epsilon."
+HINT_EXHAUSTED = "Ask the data curator for more budget, or lower ε with SET dpsql.epsilon."
+HINT_SELECTION = (
+    "Ask the data curator for more budget, lower δ with SET dpsql.delta, "
+    "or group by columns with a public domain (no partition selection)."
+)
 
 
 class BudgetLike(Protocol):
@@ -163,8 +171,9 @@ class Spent:
         accounting: Accounting,
         delta: float,
     ) -> tuple[float, float]:
-        """The (ε, δ) this spending amounts to; under zCDP, (ε(ρ, δ − Σδ_sel), δ)."""
-        if accounting == "pure":
+        """The (ε, δ) this spending amounts to; under zCDP, (ε(ρ, δ − Σδ_sel), δ); under PLD, from
+        sums alone, basic composition's (Σε, Σδ) (an upper bound: the ledger composes the charges)."""
+        if accounting != "zcdp":
             return self.epsilon, self.delta
         if self.rho == 0:
             return 0.0, self.selection_delta
@@ -339,7 +348,7 @@ def _within(total: float, budget: float) -> bool:
     return total <= budget + REL_TOLERANCE * budget
 
 
-def _fmt(value: float) -> str:
+def fmt(value: float) -> str:
     return f"{value:.6g}"
 
 
@@ -375,17 +384,21 @@ def check_budget(
     in the DETAIL are the analyst's own; for the dataset's budget (``who="dataset"``: every
     analyst's spend together) the refusal says only that it is exhausted and what this query
     needs, never what the others have spent (see :func:`_dataset_refusal`).
+
+    Under ``"pld"`` running sums cannot be composed by PLD, so this checks basic composition (a
+    bound PLD is never looser than: stricter, never unsound); the ledger's reserve composes the
+    recorded charges instead (:func:`dpsql.pld.check_pld_budget`).
     """
     message = f'privacy budget exhausted for {who} "{name}"'
     if who == "dataset":
         _check_dataset_budget(message, spent, cost, budget, accounting, rho_delta)
         return
-    if accounting == "pure":
+    if accounting != "zcdp":
         if not _within(spent.epsilon + cost.epsilon, budget.epsilon):
-            detail = f"spent ε={_fmt(spent.epsilon)} of {_fmt(budget.epsilon)}, this query needs ε={_fmt(cost.epsilon)}"
-            raise PrivacyBudgetExhausted(message, detail=detail, hint=_HINT_EXHAUSTED)
+            detail = f"spent ε={fmt(spent.epsilon)} of {fmt(budget.epsilon)}, this query needs ε={fmt(cost.epsilon)}"
+            raise PrivacyBudgetExhausted(message, detail=detail, hint=HINT_EXHAUSTED)
         if not _within(spent.delta + cost.delta, budget.delta):
-            detail = f"spent δ={_fmt(spent.delta)} of {_fmt(budget.delta)}, this query needs δ={_fmt(cost.delta)}"
+            detail = f"spent δ={fmt(spent.delta)} of {fmt(budget.delta)}, this query needs δ={fmt(cost.delta)}"
             raise PrivacyBudgetExhausted(
                 message,
                 detail=detail,
@@ -396,14 +409,13 @@ def check_budget(
     selection_total = spent.selection_delta + cost.selection_delta
     if cost.selection_delta > 0 and not _within(selection_total, budget.delta):
         detail = (
-            f"spent partition-selection δ={_fmt(spent.selection_delta)} of {_fmt(budget.delta)}, "
-            f"this query needs δ={_fmt(cost.selection_delta)}"
+            f"spent partition-selection δ={fmt(spent.selection_delta)} of {fmt(budget.delta)}, "
+            f"this query needs δ={fmt(cost.selection_delta)}"
         )
         raise PrivacyBudgetExhausted(
             message,
             detail=detail,
-            hint="Ask the data curator for more budget, lower δ with SET dpsql.delta, "
-            "or group by columns with a public domain (no partition selection).",
+            hint=HINT_SELECTION,
         )
     delta = _zcdp_delta(budget, rho_delta, selection_total)
     rho_cost = cost.zcdp_rho()
@@ -412,13 +424,13 @@ def check_budget(
     if not _within(epsilon_total, budget.epsilon):
         epsilon_spent = zcdp_epsilon(spent.rho, 0.0, delta)
         detail = (
-            f"spent ρ={_fmt(spent.rho)} (ε={_fmt(epsilon_spent)} at δ={_fmt(delta)}) "
-            f"of ε={_fmt(budget.epsilon)}, "
-            f"this query needs ρ={_fmt(rho_cost)}"
-            + (f" and selection δ={_fmt(cost.selection_delta)}" if cost.selection_delta else "")
-            + f", which would total ε={_fmt(epsilon_total)}"
+            f"spent ρ={fmt(spent.rho)} (ε={fmt(epsilon_spent)} at δ={fmt(delta)}) "
+            f"of ε={fmt(budget.epsilon)}, "
+            f"this query needs ρ={fmt(rho_cost)}"
+            + (f" and selection δ={fmt(cost.selection_delta)}" if cost.selection_delta else "")
+            + f", which would total ε={fmt(epsilon_total)}"
         )
-        raise PrivacyBudgetExhausted(message, detail=detail, hint=_HINT_EXHAUSTED)
+        raise PrivacyBudgetExhausted(message, detail=detail, hint=HINT_EXHAUSTED)
 
 
 def _check_dataset_budget(
@@ -444,9 +456,18 @@ def _check_dataset_budget(
         raise _dataset_refusal(message, cost) from None
 
 
+def refusal(who: str, name: str, cost: Cost, detail: str, hint: str = HINT_EXHAUSTED) -> PrivacyBudgetExhausted:
+    """53P01 as :func:`check_budget` raises it, for an accountant of its own (:mod:`dpsql.pld`): the
+    analyst's ``detail``, or for ``who="dataset"`` only what this query needs."""
+    message = f'privacy budget exhausted for {who} "{name}"'
+    if who == "dataset":
+        return _dataset_refusal(message, cost)
+    return PrivacyBudgetExhausted(message, detail=detail, hint=hint)
+
+
 def _dataset_refusal(message: str, cost: Cost) -> PrivacyBudgetExhausted:
     """53P01 for the dataset's budget: what this query needs (the analyst's own figure), nothing more."""
-    needs = f"ε={_fmt(cost.epsilon)}" + (f", δ={_fmt(cost.delta)}" if cost.delta else "")
+    needs = f"ε={fmt(cost.epsilon)}" + (f", δ={fmt(cost.delta)}" if cost.delta else "")
     return PrivacyBudgetExhausted(
         message,
         detail=f"The dataset's total privacy budget cannot cover this query (it needs {needs}).",
@@ -461,8 +482,9 @@ def remaining_budget(
     *,
     rho_delta: float | None = None,
 ) -> Remaining:
-    """Budget left after ``spent``; never negative."""
-    if accounting == "pure":
+    """Budget left after ``spent``; never negative. Under ``"pld"``, from sums alone, what basic
+    composition leaves (a lower bound: the ledger's ``remaining`` composes the charges by PLD)."""
+    if accounting != "zcdp":
         return Remaining(
             epsilon=max(0.0, budget.epsilon - spent.epsilon),
             delta=max(0.0, budget.delta - spent.delta),

@@ -21,9 +21,12 @@ Partition selection's δ (``Cost.selection_delta``) is no PLD quantity: it is th
 bad event outside which the release has its stated PLD, so, as under zCDP accounting
 (:mod:`dpsql.accountant`), the selection δs add up and the composed PLD is read at δ − Σδ_sel.
 
-Not wired into the ledger: the ledger keeps running sums (ε, δ, ρ), and a PLD does not compose
-through sums. Pure functions of budget figures: no data, no I/O; ``dp_accounting`` is imported
-on first use only (an optional stack).
+The ledger's ``pld`` accounting (``budget.accounting: pld``) composes by :func:`check_pld_budget`:
+in the reservation's transaction it reads the recorded charges grouped by their figures and
+composes them, each as an untagged cost (the ledger records no mechanism, and the generic PLD is
+valid for every mechanism dpsql runs), so the work is O(distinct charge figures). Pure functions
+of budget figures: no data, no I/O; ``dp_accounting`` is imported on first use only (an optional
+stack).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from collections.abc import Iterable
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from dpsql.accountant import REL_TOLERANCE, BudgetLike, Cost
+from dpsql.accountant import HINT_SELECTION, REL_TOLERANCE, BudgetLike, Cost, fmt, refusal
 
 if TYPE_CHECKING:
     from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
@@ -68,16 +71,26 @@ def pld_epsilon(
     composition's Σε when Σδ ≤ ``delta``: both are valid bounds, and the pessimistic rounding can
     leave a PLD a few grid steps above Σε when basic composition is already tight.
     """
-    costs = list(costs)
+    return composed_epsilon(Counter(costs).items(), delta, discretization=discretization, basic=basic)
+
+
+def composed_epsilon(
+    groups: Iterable[tuple[Cost, int]], delta: float, *, discretization: float = DISCRETIZATION, basic: bool = True
+) -> float:
+    """:func:`pld_epsilon` of ``count`` copies of each cost of ``groups`` (``(cost, count)`` pairs, as the
+    ledger reads its charges): equal releases self-compose, so the work grows with distinct costs only."""
+    groups = [(cost, count) for cost, count in groups if count > 0]
     if not (0.0 <= delta < 1.0):
         raise ValueError(f"delta must be in [0, 1), got {delta!r}")
-    counts = Counter(_key(c) for c in costs)  # checks every tag, whatever happens next
-    selection = math.fsum(c.selection_delta for c in costs)
+    counts: Counter[tuple[str, float, float]] = Counter()
+    for cost, count in groups:
+        counts[_key(cost)] += count  # checks every tag, whatever happens next
+    selection = math.fsum(c.selection_delta * n for c, n in groups)
     at = delta - selection * (1 + REL_TOLERANCE) if selection > 0 else delta
     epsilon = _composed(counts, discretization).get_epsilon_for_delta(at) if at >= 0 else math.inf
     epsilon = float(epsilon)
-    if basic and math.fsum(c.delta for c in costs) <= delta * (1 + REL_TOLERANCE):
-        epsilon = min(epsilon, math.fsum(c.epsilon for c in costs))
+    if basic and math.fsum(c.delta * n for c, n in groups) <= delta * (1 + REL_TOLERANCE):
+        epsilon = min(epsilon, math.fsum(c.epsilon * n for c, n in groups))
     return epsilon
 
 
@@ -86,6 +99,56 @@ def pld_fits(costs: Iterable[Cost], budget: BudgetLike, *, discretization: float
     accountant's relative slack so that spending exactly the budget fits."""
     epsilon = pld_epsilon(costs, budget.delta, discretization=discretization)
     return epsilon <= budget.epsilon * (1 + REL_TOLERANCE)
+
+
+def check_pld_budget(
+    *, who: str, name: str, previous: Iterable[tuple[Cost, int]], cost: Cost, budget: BudgetLike
+) -> float:
+    """The ledger's check under ``pld`` accounting: raise :class:`~dpsql.errors.PrivacyBudgetExhausted`
+    (53P01, :func:`dpsql.accountant.check_budget`'s message shape) unless the ``previous`` charges
+    and ``cost`` composed by PLD stay within ``budget``; return the composed ε they reach.
+
+    Every cost is composed untagged (:data:`MECHANISMS`' tags are dropped): the generic PLD of its
+    (ε, δ) dominates whatever mechanism produced it. Refused when the selection δs add up beyond
+    the δ budget (they are no PLD quantity, see the module docstring) or when the composed ε at the
+    budget's δ exceeds its ε (with the accountant's relative slack). Pure function of budget figures
+    only: the figures in a refusal are the analyst's own (the dataset's refusal shows none)."""
+    spent = [(_untagged(c), n) for c, n in previous if n > 0]
+    this = _untagged(cost)
+    selection = math.fsum([c.selection_delta * n for c, n in spent] + [this.selection_delta])
+    if this.selection_delta > 0 and selection > budget.delta * (1 + REL_TOLERANCE):
+        spent_selection = selection - this.selection_delta
+        detail = (
+            f"spent partition-selection δ={fmt(spent_selection)} of {fmt(budget.delta)}, "
+            f"this query needs δ={fmt(this.selection_delta)}"
+        )
+        raise refusal(who, name, this, detail, HINT_SELECTION)
+    total = composed_epsilon([*spent, (this, 1)], budget.delta)
+    if not total <= budget.epsilon * (1 + REL_TOLERANCE):
+        before = composed_epsilon(spent, budget.delta) if who != "dataset" else math.nan
+        detail = (
+            f"spent ε={fmt(before)} (composed by PLD at δ={fmt(budget.delta)}) of {fmt(budget.epsilon)}, "
+            f"this query needs ε={fmt(this.epsilon)}"
+            + (f", δ={fmt(this.delta)}" if this.delta else "")
+            + f", which would total ε={fmt(total)}"
+        )
+        raise refusal(who, name, this, detail)
+    return total
+
+
+@lru_cache(maxsize=1)
+def available() -> bool:
+    """Whether Google's ``dp-accounting`` (the ``pld`` extra) can be imported: ``budget.accounting: pld``
+    is refused at policy load without it, never at the first query."""
+    try:
+        from dp_accounting.pld import privacy_loss_distribution  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _untagged(cost: Cost) -> Cost:
+    return cost if cost.mechanism is None else Cost(cost.epsilon, cost.delta, cost.rho, cost.selection_delta)
 
 
 def _composed(counts: Counter[tuple[str, float, float]], discretization: float) -> PrivacyLossDistribution:

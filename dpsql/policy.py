@@ -26,6 +26,7 @@ from pydantic import (
     model_validator,
 )
 
+from dpsql import pld
 from dpsql.accountant import Accounting
 from dpsql.errors import PolicyError
 from dpsql.localdp import RandomizedResponse
@@ -273,6 +274,17 @@ class Budgets(_Strict):
         description="Under zcdp accounting, the largest δ one query may use (SET dpsql.delta above it, "
         "or at/above the dataset's δ budget, is refused with 22023 before any charge).",
     )
+
+    @field_validator("accounting")
+    @classmethod
+    def _pld_installed(cls, value: Accounting) -> Accounting:
+        # refused at load, not at the first query: a policy that cannot be accounted is no policy
+        if value == "pld" and not pld.available():
+            raise ValueError(
+                "pld accounting needs Google's dp-accounting package: install dpsql with the pld extra "
+                "(pip install 'dpsql[pld]')"
+            )
+        return value
 
 
 class Auth(_Strict):

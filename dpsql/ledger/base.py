@@ -8,6 +8,7 @@ A store (:mod:`dpsql.ledger.sqlite`, :mod:`dpsql.ledger.postgres`) supplies the 
 from __future__ import annotations
 
 import datetime as dt
+import math
 import os
 import secrets
 from collections.abc import Callable, Sequence
@@ -15,8 +16,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from dpsql.accountant import Accounting, Allowance, BudgetLike, Cost, Remaining, Spent, check_budget, remaining_budget
-from dpsql.errors import LedgerUnavailable
+from dpsql.accountant import (
+    ACCOUNTINGS,
+    Accounting,
+    Allowance,
+    BudgetLike,
+    Cost,
+    Remaining,
+    Spent,
+    check_budget,
+    remaining_budget,
+)
+from dpsql.errors import LedgerUnavailable, PrivacyBudgetExhausted
 from dpsql.ledger.audit import charged_entry
 from dpsql.ledger.integrity import ANCHORS_SQL, NO_ROWS, anchors, reconciled, require_finite, verify
 from dpsql.ledger.levers import LEVERS_SQL, CuratorLevers, levers_of
@@ -30,10 +41,13 @@ from dpsql.ledger.records import (
     charge_record,
     frozen_error,
     min_remaining,
+    number,
     parse_ts,
+    pld_remaining,
     spent_of,
 )
 from dpsql.ledger.store import HINT_UNAVAILABLE, INSTALLATION_KEY, Execute, unavailable
+from dpsql.pld import check_pld_budget, composed_epsilon
 
 #: Ledger URLs that ask explicitly for a throwaway in-memory ledger (a fresh budget per engine).
 MEMORY_LEDGER_URLS = ("memory", "sqlite:///:memory:")
@@ -81,6 +95,15 @@ _SUMMARY_SQL = (
     "(SELECT MAX(m.id) FROM dpsql_ledger m WHERE m.dataset = t.dataset AND m.analyst = t.analyst) "
     "WHERE t.dataset = ? ORDER BY t.analyst"
 )
+# Under pld accounting: the analyst's and the dataset's charges, grouped by their figures (one statement each).
+_GROUPED_SQL = "SELECT epsilon, delta, rho, selection_delta, COUNT(*) FROM dpsql_ledger WHERE dataset = ?"
+_GROUP_BY = " GROUP BY epsilon, delta, rho, selection_delta"
+_ANALYST_CHARGES_SQL = _GROUPED_SQL + " AND analyst = ?" + _GROUP_BY
+_DATASET_CHARGES_SQL = _GROUPED_SQL + _GROUP_BY
+#: Charges grouped by their figures, ``(cost, count)``: what PLD accounting composes.
+Groups = list[tuple[Cost, int]]
+#: The same as read, ``((ε, δ, ρ, δ_sel), count)``, before :func:`_pld_groups` checks the figures.
+GroupRows = list[tuple[Any, int]]
 _SELECT_CHARGES_SQL = (
     "SELECT id, at, dataset, analyst, fingerprint, epsilon, delta, rho, accounting, selection_delta "
     "FROM dpsql_ledger WHERE dataset = ?"
@@ -132,9 +155,11 @@ class Ledger(CuratorLevers):
         """Atomically check both budgets and durably record the charge, or raise.
 
         Raises :class:`PrivacyBudgetExhausted` (nothing recorded) or
-        :class:`LedgerUnavailable` (nothing may be released).
+        :class:`LedgerUnavailable` (nothing may be released). Under ``pld`` the check composes every
+        charge recorded for the analyst (and for the dataset) with this one by PLD
+        (:func:`dpsql.pld.check_pld_budget`); what is recorded is the same under every accounting.
         """
-        if accounting not in ("pure", "zcdp"):
+        if accounting not in ACCOUNTINGS:
             raise ValueError(f"unknown accounting {accounting!r}")
         rho = cost.zcdp_rho() if accounting == "zcdp" else self._recorded_rho(cost)
         recorded = Cost(cost.epsilon, cost.delta, rho, cost.selection_delta)
@@ -142,8 +167,11 @@ class Ledger(CuratorLevers):
         limit = Allowance.of(analyst_budget)
         # The statement's audit row, written in the charge's transaction: a charge never lacks one.
         audit_row = charged_entry(dataset, analyst, fingerprint, cost, now)
+        composed: list[float] = []  # under pld: the composed ε this charge brings the analyst and the dataset to
 
-        def check(analyst_spent: Spent, dataset_spent: Spent, levers: Levers) -> None:
+        def check(
+            analyst_spent: Spent, dataset_spent: Spent, levers: Levers, history: tuple[GroupRows, GroupRows]
+        ) -> None:
             # Read in the reservation's transaction: a freeze or grant committed before it counts.
             nonlocal limit
             if levers.frozen:
@@ -151,6 +179,17 @@ class Ledger(CuratorLevers):
             limit = levers.limit(analyst_budget)
             require_finite("analyst", analyst, analyst_spent + cost)
             require_finite("dataset", dataset, dataset_spent + cost)
+            if accounting == "pld":
+                # the charges as recorded, untagged: the generic PLD of each (ε, δ) bounds any mechanism
+                mine = _pld_groups("analyst", analyst, history[0], analyst_spent)
+                everyone = _pld_groups("dataset", dataset, history[1], dataset_spent)
+                composed[:] = [
+                    check_pld_budget(who="analyst", name=analyst, previous=mine, cost=recorded, budget=limit),
+                    check_pld_budget(
+                        who="dataset", name=dataset, previous=everyone, cost=recorded, budget=dataset_budget
+                    ),
+                ]
+                return
             common: dict[str, Any] = {
                 "cost": cost,
                 "accounting": accounting,
@@ -182,6 +221,7 @@ class Ledger(CuratorLevers):
             analyst_limit=limit,
             audit_id=audit_id,
             dataset_limit=Allowance.of(dataset_budget),
+            composed=(composed[0], composed[1]) if composed else None,
         )
 
     @staticmethod
@@ -201,18 +241,20 @@ class Ledger(CuratorLevers):
         cost: Cost,
         accounting: Accounting,
         at: dt.datetime,
-        check: Callable[[Spent, Spent, Levers], None],
+        check: Callable[[Spent, Spent, Levers, tuple[GroupRows, GroupRows]], None],
         audit: AuditEntry,
     ) -> tuple[int, int, Spent, Spent]:
         """The reservation, in one transaction that holds the dataset's write lock: read the spending and
-        the levers → ``check`` them (raises to refuse) → insert the charge with its sums → set the totals
-        (here or by the store's trigger) → insert the statement's audit row → commit."""
+        the levers (under pld also the charges, grouped) → ``check`` them (raises to refuse) → insert the
+        charge with its sums → set the totals (here or by the store's trigger) → insert the statement's
+        audit row → commit."""
         stamp = self._timestamp(at)
         eps, delta, rho, sel = cost.epsilon, cost.delta, cost.rho, cost.selection_delta
         with self._reservation(dataset) as execute:
             analyst_spent, dataset_spent = self._spent_in(execute, dataset, analyst)
             levers = levers_of(execute(self._sql(LEVERS_SQL), (dataset, analyst, dataset, analyst)).fetchone())
-            check(analyst_spent, dataset_spent, levers)  # refuses (42501, 53P01) before anything is written
+            history = self._groups_in(execute, dataset, analyst) if accounting == "pld" else ([], [])
+            check(analyst_spent, dataset_spent, levers, history)  # refuses (42501, 53P01) before anything is written
             mine, all_ = analyst_spent + cost, dataset_spent + cost
             sums = (mine.epsilon, mine.delta, mine.rho, mine.selection_delta, mine.queries)
             ds_sums = (all_.epsilon, all_.delta, all_.rho, all_.selection_delta, all_.queries)
@@ -234,6 +276,12 @@ class Ledger(CuratorLevers):
             reconciled(self.url, dataset, f'analyst "{analyst}"', per_analyst.get(analyst), mine),
             reconciled(self.url, dataset, "the dataset", Spent.total(per_analyst.values()), everyone),
         )
+
+    def _groups_in(self, execute: Execute, dataset: str, analyst: str) -> tuple[GroupRows, GroupRows]:
+        """(analyst's, dataset's) charges grouped by their figures, as stored: one statement each."""
+        mine = execute(self._sql(_ANALYST_CHARGES_SQL), (dataset, analyst)).fetchall()
+        everyone = execute(self._sql(_DATASET_CHARGES_SQL), (dataset,)).fetchall()
+        return _rows_groups(mine), _rows_groups(everyone)
 
     def summary(self, dataset: str) -> list[AnalystSpent]:
         """Per-analyst spending on ``dataset``, sorted by analyst name (for ``dpsql budget``)."""
@@ -268,14 +316,34 @@ class Ledger(CuratorLevers):
     ) -> Remaining:
         """What is left of ``budget`` (plus the analyst's grants) given what the analyst (or the
         dataset) has spent; with ``dataset_budget``, no more than the dataset has left (what the analyst
-        can really spend: :func:`min_remaining`)."""
+        can really spend: :func:`min_remaining`).
+
+        Under ``pld`` the ε left is ε_budget − the loss composed by PLD so far (at the budget's δ), not
+        an additive allowance: PLDs do not compose by addition (the next ε = 0.03 charge may add less
+        than 0.03), so only the reservation's check says whether it fits; the δ left is δ_budget − Σδ."""
         if analyst is not None:
             budget = self.levers(dataset, analyst).limit(budget)
-        left = remaining_budget(self.spent(dataset, analyst), budget, accounting, rho_delta=rho_delta)
+        left = self._left(dataset, analyst, budget, accounting, rho_delta)
         if analyst is None or dataset_budget is None:
             return left
-        everyone = remaining_budget(self.spent(dataset), dataset_budget, accounting, rho_delta=rho_delta)
+        everyone = self._left(dataset, None, dataset_budget, accounting, rho_delta)
         return min_remaining(left, everyone)
+
+    def _left(
+        self, dataset: str, analyst: str | None, budget: BudgetLike, accounting: Accounting, rho_delta: float | None
+    ) -> Remaining:
+        spent = self.spent(dataset, analyst)
+        if accounting != "pld":
+            return remaining_budget(spent, budget, accounting, rho_delta=rho_delta)
+        if analyst is None:
+            rows = self._read(_DATASET_CHARGES_SQL, (dataset,))
+        else:
+            rows = self._read(_ANALYST_CHARGES_SQL, (dataset, analyst))
+        try:
+            groups = _pld_groups("analyst" if analyst else "dataset", analyst or dataset, _rows_groups(rows), spent)
+        except PrivacyBudgetExhausted:  # a corrupt charge row reads as a spent budget
+            return Remaining(0.0, 0.0, 0.0)
+        return pld_remaining(composed_epsilon(groups, budget.delta), spent, budget)
 
     def charges(self, dataset: str, analyst: str | None = None, *, limit: int = 100) -> list[ChargeRecord]:
         """Most recent charges first, for auditing."""
@@ -394,3 +462,43 @@ class Ledger(CuratorLevers):
                 raise unavailable("the installation key in the ledger is corrupt", exc) from exc
             self._installation_key = key
         return key
+
+
+# --- pld accounting: the recorded charges as costs -------------------------------------------------
+
+
+def _rows_groups(rows: Sequence[Any]) -> GroupRows:
+    """Grouped charge rows as read: ``((ε, δ, ρ, δ_sel), count)``, checked by :func:`_pld_groups`."""
+    return [((row[0], row[1], row[2], row[3]), int(row[4])) for row in rows]
+
+
+def _pld_groups(who: str, name: str, rows: GroupRows, spent: Spent) -> Groups:
+    """The charges to compose: each stored row as an untagged cost (a row recorded before
+    ``selection_delta`` existed counts its whole δ as selection δ, as :func:`charge_record` reads it),
+    plus, when the reconciled sums exceed the rows' (deleted charge rows), the difference as one more
+    (Δε, Δδ) charge: the missing charges composed are at most that by basic composition, so deleting
+    rows never gives budget back. A row no cost can hold (tampering) refuses like a non-finite total."""
+    groups: Groups = []
+    try:
+        for (epsilon, delta, rho, selection), count in rows:
+            figures = (number(epsilon), number(delta), number(rho), number(delta if selection is None else selection))
+            groups.append((Cost(*figures), count))
+        gap = [
+            _excess(spent.epsilon, math.fsum(c.epsilon * n for c, n in groups)),
+            _excess(spent.delta, math.fsum(c.delta * n for c, n in groups)),
+            _excess(spent.selection_delta, math.fsum(c.selection_delta * n for c, n in groups)),
+        ]
+        if any(gap):
+            groups.append((Cost(gap[0], max(gap[1], gap[2]), 0.0, gap[2]), 1))
+    except ValueError:
+        raise PrivacyBudgetExhausted(
+            f'privacy budget exhausted for {who} "{name}"',
+            detail=f"The ledger's recorded charges for this {who} are not valid figures.",
+            hint="Ask the data curator: the ledger's totals need to be checked.",
+        ) from None
+    return groups
+
+
+def _excess(recorded: float, rows: float) -> float:
+    """How far a reconciled sum exceeds the rows' own, beyond float rounding (0 when it does not)."""
+    return recorded - rows if recorded > rows + 1e-9 * max(abs(recorded), abs(rows)) + 1e-15 else 0.0

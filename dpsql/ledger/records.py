@@ -31,14 +31,29 @@ class Charge:
     audit_id: int | None = None
     #: The dataset's budget this charge was checked against (None: not known, e.g. a hand-made Charge).
     dataset_limit: Allowance | None = None
+    #: Under pld accounting: the composed ε (PLD at the limit's δ) this charge brought the analyst and
+    #: the dataset to (None: another accounting, or not known).
+    composed: tuple[float, float] | None = None
 
     def remaining(self, accounting: Accounting) -> Remaining:
         """What the analyst can still spend after this charge: the smaller of their own remaining budget
-        and the dataset's (see :func:`min_remaining`)."""
+        and the dataset's (see :func:`min_remaining`); under pld, from the composed losses."""
+        if accounting == "pld" and self.composed is not None:
+            own = pld_remaining(self.composed[0], self.analyst_spent, self.analyst_limit)
+            if self.dataset_limit is None:
+                return own
+            return min_remaining(own, pld_remaining(self.composed[1], self.dataset_spent, self.dataset_limit))
         own = remaining_budget(self.analyst_spent, self.analyst_limit, accounting)
         if self.dataset_limit is None:
             return own
         return min_remaining(own, remaining_budget(self.dataset_spent, self.dataset_limit, accounting))
+
+
+def pld_remaining(loss: float, spent: Spent, budget: BudgetLike) -> Remaining:
+    """What is left under pld accounting after a composed loss of ``loss`` (ε at the budget's δ):
+    ε_budget − loss, the loss composed so far and not an additive allowance (the next charge composes
+    sublinearly), and δ_budget − Σδ."""
+    return Remaining(max(0.0, budget.epsilon - loss), max(0.0, budget.delta - spent.delta), 0.0)
 
 
 def min_remaining(analyst: Remaining, dataset: Remaining) -> Remaining:
