@@ -45,6 +45,7 @@ from dpsql.outer import explain as explain_outer
 from dpsql.outer import route as route_outer
 from dpsql.outer.explain import CompositeExplanation
 from dpsql.policy import Policy, load_policy
+from dpsql.postprocess.trim import trim_time, trimming_on
 from dpsql.prepared import Description, Prepared
 from dpsql.release.accuracy import confidence as confidence_level
 from dpsql.release.calibrate import FREE, budget
@@ -225,7 +226,9 @@ class Engine:
         Every notice of the result is a typed :class:`dpsql.step.Notice`."""
         with self.audit.recording(sql, session.analyst):
             result = typed(self._answer(sql, session, params))
-        return round_result(result) if rounding_on(session) else result  # post-processing, per session
+        if trimming_on(session):  # post-processing, per session
+            result = trim_time(result, confidence_level(self.policy, session))
+        return round_result(result) if rounding_on(session) else result
 
     def _answer(self, sql: str, session: Session, params: Params) -> Result:
         if self.policy.analyst(session.analyst) is None:

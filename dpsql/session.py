@@ -91,6 +91,8 @@ DPSQL_SETTINGS: dict[str, SettingSpec] = {
     "dpsql.show_intervals": SettingSpec(parse_bool, "dpsql.show_intervals is on or off."),
     # noisy floats rounded to two significant digits of their half-width (dpsql.release.rounding)
     "dpsql.round": SettingSpec(parse_bool, "dpsql.round is on (noisy values rounded to their interval) or off."),
+    # leading/trailing time buckets indistinguishable from 0 dropped (dpsql.postprocess.trim)
+    "dpsql.trim_time": SettingSpec(parse_bool, "dpsql.trim_time is on (time series trimmed to the data) or off."),
 }
 #: The settings that are fields of :class:`Session` (the others only shape the wire output).
 SESSION_FIELDS = ("epsilon", "delta", "confidence", "mechanism", "accuracy")

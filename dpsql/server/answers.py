@@ -238,6 +238,7 @@ def default_gucs(server_version: str, user: str, application_name: str, policy_d
     gucs["dpsql.accuracy"] = ""  # none: ε from dpsql.epsilon (accuracy-first when set)
     gucs["dpsql.show_intervals"] = "off"
     gucs["dpsql.round"] = "on"
+    gucs["dpsql.trim_time"] = "off"
     return gucs
 
 
