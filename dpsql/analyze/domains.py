@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from sqlglot import exp
 
+from dpsql.analyze.fold import truncate
 from dpsql.analyze.keys import bins, casts, choices, columns, dates, numbers
 from dpsql.analyze.keys.base import (
     MAX_DERIVED_GROUPS,
@@ -36,7 +37,6 @@ from dpsql.analyze.keys.base import (
     literal_value,
 )
 from dpsql.analyze.keys.bins import date_bin
-from dpsql.analyze.keys.dates import truncate
 from dpsql.analyze.keys.narrow import narrow_policies
 from dpsql.analyze.keys.numbers import width_bucket
 from dpsql.errors import FeatureNotSupported

@@ -35,6 +35,8 @@ import numpy as np
 import sqlglot
 from sqlglot import exp
 
+from dpsql.analyze.expressions import date_unit
+from dpsql.analyze.fold import truncate as fold_truncate
 from dpsql.analyze.parse import dialect
 from dpsql.plan import GroupKey, Measure, Plan
 from dpsql.policy import PG_TYPE_NAMES, Policy, Scalar
@@ -78,27 +80,14 @@ def coarsens(fine: str, coarse: str) -> bool:
 
 
 def truncate(value: Scalar, unit: str) -> Scalar:
-    """``value`` (a bucket start) truncated to ``unit``, its type kept."""
+    """``value`` (a bucket start) truncated to ``unit`` as PostgreSQL's ``date_trunc`` does
+    (:func:`dpsql.analyze.fold.truncate`), its type kept (a date stays a date)."""
     if not isinstance(value, dt.date):
         return value
     stamp = value if isinstance(value, dt.datetime) else dt.datetime(value.year, value.month, value.day)
-    if unit == "YEAR":
-        stamp = stamp.replace(month=1, day=1, hour=0, minute=0, second=0, microsecond=0)
-    elif unit == "QUARTER":
-        stamp = stamp.replace(month=(stamp.month - 1) // 3 * 3 + 1, day=1, hour=0, minute=0, second=0, microsecond=0)
-    elif unit == "MONTH":
-        stamp = stamp.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
-    elif unit == "WEEK":
-        stamp = (stamp - dt.timedelta(days=stamp.weekday())).replace(hour=0, minute=0, second=0, microsecond=0)
-    elif unit == "DAY":
-        stamp = stamp.replace(hour=0, minute=0, second=0, microsecond=0)
-    elif unit == "HOUR":
-        stamp = stamp.replace(minute=0, second=0, microsecond=0)
-    elif unit == "MINUTE":
-        stamp = stamp.replace(second=0, microsecond=0)
-    elif unit == "SECOND":
-        stamp = stamp.replace(microsecond=0)
-    return stamp if isinstance(value, dt.datetime) else stamp.date()
+    canonical = date_unit(unit, "date_trunc", "timestamp")
+    truncated = fold_truncate(canonical, stamp.replace(tzinfo=None)).replace(tzinfo=stamp.tzinfo)
+    return truncated if isinstance(value, dt.datetime) else truncated.date()
 
 
 def bucket_end(start: Scalar, unit: str, column_type: str) -> Scalar:

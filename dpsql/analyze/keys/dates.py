@@ -14,6 +14,7 @@ from collections.abc import Callable
 from sqlglot import exp
 
 from dpsql.analyze.expressions import _bound_literal, _exponent, clamp_sql, date_unit
+from dpsql.analyze.fold import truncate
 from dpsql.analyze.keys.base import (
     MAX_DERIVED_GROUPS,
     KeyContext,
@@ -31,22 +32,6 @@ from dpsql.policy import PG_TYPE_NAMES, ColumnPolicy
 #: Earliest and latest dates an unbounded date column is clamped to (so ±infinity never reaches a function).
 _MIN_DATE, _MAX_DATE = dt.date(1, 1, 1), dt.date(9999, 12, 31)
 _TRUNC_UNITS = ("year", "quarter", "month", "week", "day", "hour")
-
-
-def truncate(unit: str, value: dt.datetime) -> dt.datetime:
-    """PostgreSQL's ``date_trunc(unit, value)`` for a timestamp without time zone."""
-    if unit == "year":
-        return dt.datetime(value.year, 1, 1)
-    if unit == "quarter":
-        return dt.datetime(value.year, 3 * ((value.month - 1) // 3) + 1, 1)
-    if unit == "month":
-        return dt.datetime(value.year, value.month, 1)
-    if unit == "week":  # ISO weeks start on Monday
-        day = value.date() - dt.timedelta(days=value.weekday())
-        return dt.datetime(day.year, day.month, day.day)
-    if unit == "day":
-        return dt.datetime(value.year, value.month, value.day)
-    return value.replace(minute=0, second=0, microsecond=0)
 
 
 def _next(unit: str, value: dt.datetime) -> dt.datetime:
