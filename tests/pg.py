@@ -206,3 +206,17 @@ def duckdb_backend() -> Iterator[Backend]:
     backend = open_backend("duckdb://")
     yield backend
     backend.close()
+
+
+def open_demo_backend(request: pytest.FixtureRequest, *datasets: str) -> Backend:
+    """The demo's ``datasets`` loaded into a fresh in-memory DuckDB or a fresh PostgreSQL database, as
+    the requesting fixture's param says (``"duckdb"`` or ``"postgres"``); the caller closes it. For
+    module-scoped fixtures parametrized over both backends."""
+    from dpsql.dev.demo import load_demo
+
+    if request.param == "duckdb":
+        backend = open_backend("duckdb://")
+    else:
+        backend = open_backend(request.getfixturevalue("pg_new_database")())
+    load_demo(backend, list(datasets))
+    return backend

@@ -9,15 +9,16 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from dpsql.backends import Backend, open_backend
+from dpsql.backends import Backend
 from dpsql.cache import ResultCache
-from dpsql.dev.demo import demo_policy_path, load_demo
+from dpsql.dev.demo import demo_policy_path
 from dpsql.engine import Engine
 from dpsql.errors import Error
 from dpsql.ledger import Ledger
 from dpsql.pgtypes import INT8, TEXT, TIMESTAMPTZ
 from dpsql.policy import load_policy
 from dpsql.session import Session
+from tests.pg import open_demo_backend
 
 EPS = 0.5
 RANKING = (
@@ -35,11 +36,7 @@ YEARS = {dt.datetime(y, 1, 1) for y in range(2020, 2025)}
 
 @pytest.fixture(scope="module", params=["duckdb", "postgres"])
 def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
-    if request.param == "duckdb":
-        opened = open_backend("duckdb://")
-    else:
-        opened = open_backend(request.getfixturevalue("pg_new_database")())
-    load_demo(opened, ["clinic"])
+    opened = open_demo_backend(request, "clinic")
     yield opened
     opened.close()
 

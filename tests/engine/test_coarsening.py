@@ -8,24 +8,21 @@ from collections.abc import Iterator
 
 import pytest
 
-from dpsql.backends import Backend, open_backend
+from dpsql.backends import Backend
 from dpsql.cache import ResultCache
-from dpsql.dev.demo import demo_policy_path, load_demo
+from dpsql.dev.demo import demo_policy_path
 from dpsql.engine import Engine
 from dpsql.ledger import Ledger
 from dpsql.policy import load_policy
 from dpsql.session import Result, Session
+from tests.pg import open_demo_backend
 
 COARSENED = "answered by summing the cells of an earlier, finer release"
 
 
 @pytest.fixture(scope="module", params=["duckdb", "postgres"])
 def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
-    if request.param == "duckdb":
-        opened = open_backend("duckdb://")
-    else:
-        opened = open_backend(request.getfixturevalue("pg_new_database")())
-    load_demo(opened, ["clinic"])
+    opened = open_demo_backend(request, "clinic")
     yield opened
     opened.close()
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from dpsql.backends import Backend, open_backend
+from dpsql.backends import Backend
 from dpsql.cache import ResultCache
 from dpsql.dev.demo import demo_policy_path, load_demo
 from dpsql.engine import Engine
@@ -18,18 +18,14 @@ from dpsql.policy import load_policy
 from dpsql.postprocess.trim import trim_time
 from dpsql.server import ThreadedServer
 from dpsql.session import OutputColumn, Result, Session
+from tests.pg import open_demo_backend
 
 YEARLY = "SELECT DATE_TRUNC('year', dob) AS y, COUNT(*) AS n FROM patients GROUP BY 1 ORDER BY 1"
 
 
 @pytest.fixture(scope="module", params=["duckdb", "postgres"])
 def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
-    opened = (
-        open_backend("duckdb://")
-        if request.param == "duckdb"
-        else open_backend(request.getfixturevalue("pg_new_database")())
-    )
-    load_demo(opened, ["health"])
+    opened = open_demo_backend(request, "health")
     yield opened
     opened.close()
 

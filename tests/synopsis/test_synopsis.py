@@ -10,10 +10,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from dpsql.backends import Backend, open_backend
+from dpsql.backends import Backend
 from dpsql.cache import ResultCache
 from dpsql.curator.synopsis import build, ledger_identity
-from dpsql.dev.demo import demo_policy_path, load_demo
+from dpsql.dev.demo import demo_policy_path
 from dpsql.engine import Engine
 from dpsql.errors import Error, InvalidParameterValue
 from dpsql.ledger import Ledger
@@ -22,6 +22,7 @@ from dpsql.session import Result, Session
 from dpsql.synopsis.answer import half_width_factor
 from dpsql.synopsis.solve import noise_variance
 from dpsql.synopsis.store import prefix
+from tests.pg import open_demo_backend
 
 CLINIC = demo_policy_path("clinic")
 DASHBOARD = "visits_dashboard"
@@ -41,12 +42,7 @@ def clinic_policy(extra: str = CUBE_YAML) -> Policy:
 
 @pytest.fixture(scope="module", params=["duckdb", "postgres"])
 def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
-    opened = (
-        open_backend("duckdb://")
-        if request.param == "duckdb"
-        else open_backend(request.getfixturevalue("pg_new_database")())
-    )
-    load_demo(opened, ["clinic"])
+    opened = open_demo_backend(request, "clinic")
     yield opened
     opened.close()
 
