@@ -3,8 +3,11 @@
 ``WITH adults AS (SELECT age, sex AS s FROM patients WHERE age >= 18) SELECT s, COUNT(*)
 FROM adults GROUP BY s`` is the same DP query as its inlined form, so the rest of the
 analyzer sees only the inlined form and every check, bound and sensitivity applies
-unchanged. A view that aggregates, deduplicates, limits, orders, joins or computes
-anything could release an exact value or change how often a person appears, and is
+unchanged. A computed column of a view (ibis's ``.mutate(big=t.cost > 1000)``) is a row-level
+expression of the view's table: every reference to it is replaced by the expression itself, so
+the outer query is checked as if the analyst had written it there, and views nest to any depth
+(ibis wraps selects in selects). A view that aggregates, deduplicates, limits, orders, uses a
+window or a subquery could release an exact value or change how often a person appears, and is
 refused with a precise error rather than analysed.
 """
 
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 from sqlglot import exp
 
-from dpsql.errors import FeatureNotSupported, SyntaxError_, UndefinedColumn
+from dpsql.errors import FeatureNotSupported, StatementTooComplex, SyntaxError_, UndefinedColumn
 from dpsql.plan.sources import ident_name
 
 _VIEW_REFUSED = {
@@ -28,8 +31,18 @@ _VIEW_REFUSED = {
 }
 
 
+#: Inside a computed column of a view: an aggregate or window reads other rows and a subquery other tables,
+#: and a volatile function would be evaluated once per reference once inlined, so none is a row-level value.
+_NOT_ROW_LEVEL = (exp.AggFunc, exp.Window, exp.Query, exp.Subquery, exp.Rand)
+
+#: Nodes one inlined computed column may have: a column referencing a computed column twice, nested n levels,
+#: would otherwise grow as 2^n from a short statement (analyzer memory and time an analyst controls).
+_MAX_INLINED_NODES = 2000
+
+
 class _View:
-    """One inlinable view: its single source table and how its output names map to columns."""
+    """One inlinable view: its single source table and how its output names map to expressions of that table
+    (a column, or a row-level computed expression)."""
 
     def __init__(self, select: exp.Select, name: str) -> None:
         for arg, clause in _VIEW_REFUSED.items():
@@ -46,25 +59,29 @@ class _View:
         self.inner_aliases = {ident_name(source.args["alias"].this) if source.alias else ident_name(source.this)}
         self.where = select.args["where"].this if select.args.get("where") else None
         self.star = False
-        self.columns: dict[str, str] = {}  # output name -> column of the table
+        self.columns: dict[str, exp.Expression] = {}  # output name -> column or row-level expression of the table
         for projection in select.expressions:
             node = projection.unalias()
             if isinstance(node, exp.Star) or (isinstance(node, exp.Column) and isinstance(node.this, exp.Star)):
                 self.star = True
                 continue
-            if not isinstance(node, exp.Column):
+            if not isinstance(node, exp.Column) and node.find(*_NOT_ROW_LEVEL):
                 raise FeatureNotSupported(
-                    f'the subquery or CTE "{name}" may only select columns',
-                    hint="Computed columns and aggregates inside views are not supported yet.",
+                    f'the subquery or CTE "{name}" may only select columns and row-level expressions',
+                    hint="Aggregates, window functions, subqueries and random() inside views are not supported; "
+                    "aggregate in the outer query.",
                 )
             output = ident_name(projection.args["alias"].this) if isinstance(projection, exp.Alias) else None
-            self.columns[output or ident_name(node.this)] = ident_name(node.this)
+            if isinstance(node, exp.Column):
+                self.columns[output or ident_name(node.this)] = node
+            elif output:  # an unnamed computed column cannot be referenced from outside
+                self.columns[output] = node
 
-    def target(self, name: str, view_name: str) -> str:
+    def target(self, name: str, view_name: str) -> exp.Expression:
         if name in self.columns:
             return self.columns[name]
         if self.star:
-            return name
+            return exp.column(name)
         raise UndefinedColumn(f"column {view_name}.{name} does not exist")
 
 
@@ -199,14 +216,32 @@ def _map_columns(tree: exp.Select, views: dict[str, _View]) -> None:
         qualifier = ident_name(column.args.get("table"))
         name = ident_name(column.this)
         if qualifier in views:
-            column.set("this", exp.to_identifier(views[qualifier].target(name, qualifier)))
+            _substitute(tree, column, views[qualifier], qualifier)
         elif not qualifier:
             owners = [alias for alias, view in views.items() if name in view.columns or view.star]
             if len(owners) == 1 and len(views) == len(list(_sources(tree))):
-                column.set("this", exp.to_identifier(views[owners[0]].target(name, owners[0])))
-                column.set("table", exp.to_identifier(owners[0]))
+                _substitute(tree, column, views[owners[0]], owners[0])
             elif len(views) == len(list(_sources(tree))) and not owners:
                 raise UndefinedColumn(f'column "{name}" does not exist')
+
+
+def _substitute(tree: exp.Select, column: exp.Column, view: _View, alias: str) -> None:
+    """Replace a reference to a view's output by what it names, over the table now aliased ``alias``; a
+    selected reference keeps its output name (``SELECT t1.big`` still returns a column "big")."""
+    name = ident_name(column.this)
+    target = view.target(name, alias)
+    if sum(1 for _ in target.walk()) > _MAX_INLINED_NODES:
+        raise StatementTooComplex(
+            f'the computed column "{name}" of the subquery or CTE "{alias}" is too complex to inline',
+            hint="Compute it in the outer query, or nest fewer computed columns.",
+        )
+    replacement: exp.Expression = _requalify(target.copy(), view.inner_aliases, alias)
+    if not isinstance(replacement, exp.Column | exp.Literal | exp.Func | exp.Paren):
+        replacement = exp.Paren(this=replacement)  # keeps precedence: t1.c * 2 with c = cost + 1
+    renamed = not isinstance(replacement, exp.Column) or ident_name(replacement.this) != name
+    if renamed and column.parent is tree and column.arg_key == "expressions":
+        replacement = exp.Alias(this=replacement, alias=exp.to_identifier(name, quoted=column.this.quoted))
+    column.replace(replacement)
 
 
 def _sources(tree: exp.Select) -> list[exp.Expression]:
