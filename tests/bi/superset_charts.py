@@ -2,7 +2,8 @@
 
 Two Superset databases point at the same ``dpsql serve``: ``postgresql`` (Superset's PostgreSQL engine
 spec, ``postgresql+psycopg2://``) and ``dpsql`` (contrib/superset's ``DpsqlEngineSpec``, ``dpsql://``),
-plus ``dpsql_exhausted``, an analyst whose ε per query exceeds its whole budget (53P01). A dataset
+plus ``dpsql_exhausted``, an analyst whose ε per query exceeds its whole budget (53P01), and
+``dpsql_intervals``/``pg_intervals``, the two URIs with ``dpsql.show_intervals`` on. A dataset
 names its database (default ``postgresql``) and, when physical, its table (default: its name); a case
 names its dataset.
 
@@ -39,6 +40,8 @@ DATASETS: dict[str, dict[str, Any]] = {
     # a row-level SQL dataset (Superset keeps one physical "visits" per metadata database): its LIMIT 0
     # column probe is answered even without budget left, since it spends nothing
     "exhausted_visits": {"database": "dpsql_exhausted", "sql": VIRTUAL_ROWS_SQL, "temporal": ["visit_date"]},
+    # through dpsql://…?show_intervals=on: every noisy column of a chart gets its <col>_ci95 column
+    "intervals_visits": {"database": "dpsql_intervals", "sql": VIRTUAL_ROWS_SQL, "temporal": ["visit_date"]},
 }
 
 _EXTRAS: dict[str, Any] = {"having": "", "where": ""}
@@ -424,6 +427,34 @@ CASES: list[dict[str, Any]] = [
         "dataset": "dpsql_visits",
         "kind": "estimate",
         "sql": "SELECT department, COUNT(*) AS count FROM public.visits GROUP BY department",
+    },
+    # accuracy in the result itself (Superset drops NOTICEs): dpsql.show_intervals set in the URI. A chart
+    # keeps only as many columns as it asked for (helpers.py, assign_column_label), positionally: with two
+    # metrics, count_ci95 arrives under the second metric's name (the hazard docs/bi.md warns about)
+    {
+        "name": "dpsql_intervals_table",
+        "chart": "Table (table) through dpsql://…?show_intervals=on: COUNT(*) and AVG(cost) by department",
+        "dataset": "intervals_visits",
+        "kind": "chart",
+        "queries": [
+            {
+                "columns": ["department"],
+                "metrics": [_COUNT, {"expressionType": "SQL", "sqlExpression": "AVG(cost)", "label": "avg_cost"}],
+                "orderby": [[_COUNT, False]],
+                "filters": [],
+                "extras": _EXTRAS,
+                "row_limit": 1000,
+            }
+        ],
+        "keep_data": True,
+    },
+    {
+        "name": "pg_intervals_sqllab",
+        "chart": "SQL Lab through postgresql+psycopg2://…?options=-c%20dpsql.show_intervals%3Don: count_ci95",
+        "dataset": "intervals_visits",
+        "database": "pg_intervals",
+        "kind": "sqllab",
+        "sql": "SELECT urgent, COUNT(*) AS count FROM visits GROUP BY urgent",
     },
 ]
 

@@ -14,18 +14,26 @@ chart sends.
 
 Only observation is added: psycopg2 connections get a cursor class that records every statement on the
 wire with the SQLSTATE (``pgcode``) and primary message the server sent, since Superset replaces the
-server's error with its own text, the NOTICEs (dpsql's "charged ε=…") and the rows Superset fetched.
+server's error with its own text, the NOTICEs (dpsql's "charged ε=…") and the rows Superset fetched;
+and what the engine spec logged (its ``dpsql_superset`` logger) is kept per case.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import sys
 import traceback
 from typing import Any
 
 WIRE: list[dict[str, Any]] = []
+LOGGED: list[str] = []  # what dpsql_superset logged (DpsqlEngineSpec.execute: each statement's NOTICEs)
+
+
+class _Keep(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        LOGGED.append(record.getMessage())
 
 
 def _record_error(sql: str, exc: BaseException) -> None:
@@ -100,6 +108,7 @@ def _outcome(wire: list[dict[str, Any]]) -> dict[str, Any]:
 def main() -> None:
     job = json.load(sys.stdin)
     _instrument()
+    logging.getLogger("dpsql_superset").addHandler(_Keep())  # observe only: Superset's level and handlers stay
     from superset.app import create_app
 
     app = create_app()
@@ -194,6 +203,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
 
         for case in job["cases"]:
             WIRE.clear()
+            LOGGED.clear()
             table = tables[case["dataset"]]
             record: dict[str, Any] = {"name": case["name"], "chart": case["chart"]}
             try:
@@ -215,9 +225,12 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
                     record["sql"] = [case["sql"]]
                     record["rows"] = [len(record["estimate"])]
                 elif case["kind"] == "sqllab":  # a statement run by SQL Lab's own task; errors as it reports them
-                    payload = _sqllab(table.database, case["sql"])
+                    # a case may name another database of the group (SQL Lab needs no dataset)
+                    payload = _sqllab(databases[case.get("database", table.database.database_name)], case["sql"])
                     record["sql"] = [case["sql"]]
                     record["sqllab_status"] = str(payload.get("status"))
+                    record["sqllab_columns"] = [c.get("column_name") for c in payload.get("columns") or []]
+                    record["sqllab_extra"] = (payload.get("query") or {}).get("extra")
                     if payload.get("errors"):
                         record["sqllab_errors"] = [
                             {"type": str(e["error_type"]), "message": e["message"]} for e in payload["errors"]
@@ -239,6 +252,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
                     result = command.run()
                     record["sql"] = [q.get("query") for q in result["queries"]]
                     record["rows"] = [q.get("rowcount") for q in result["queries"]]
+                    record["colnames"] = [q.get("colnames") for q in result["queries"]]
                     record["superset_errors"] = [q.get("error") for q in result["queries"] if q.get("error")]
                     keep = None if case.get("keep_data") else 3  # a whole chart's data only where asked
                     record["data"] = [q.get("data")[:keep] if q.get("data") else None for q in result["queries"]]
@@ -246,6 +260,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
                 record["exception"] = f"{type(exc).__name__}: {exc}"
                 traceback.print_exc(file=sys.stderr)
             record["wire"] = list(WIRE)
+            record["logged"] = list(LOGGED)
             record.update(_outcome(WIRE))
             if record["outcome"] == "answered" and (record.get("exception") or record.get("superset_errors")):
                 record.update(outcome="failed", sqlstate=None, message=record.get("exception"))
@@ -287,7 +302,12 @@ def _engine_specs() -> dict[str, Any]:
 
     available = {name(spec): sorted(drivers) for spec, drivers in get_available_engine_specs().items()}
     uris: dict[str, Any] = {}  # the dialect's ?epsilon=: what psycopg2 would be given, or the refusal
-    for uri in ("dpsql://a@h/db?epsilon=0.5", "dpsql://a@h/db?epsilon=0.5%20-c%20dpsql.mechanism%3Dgaussian"):
+    for uri in (
+        "dpsql://a@h/db?epsilon=0.5",
+        "dpsql://a@h/db?epsilon=0.5%20-c%20dpsql.mechanism%3Dgaussian",
+        "dpsql://a@h/db?epsilon=0.5&show_intervals=on&round=off&trim_time=true",
+        "dpsql://a@h/db?show_intervals=on%20-c%20dpsql.epsilon%3D9",
+    ):
         from sqlalchemy.engine import make_url
 
         url = make_url(uri)

@@ -54,6 +54,8 @@ EPSILON = 0.5  # per query, set through the connection's startup options as docs
 DPSQL_EPSILON = 0.25  # per query through dpsql://…?epsilon=0.25 (another ε: no cache hit on the same SQL)
 ANALYST = "alice"
 BROKE = "analyst"  # the dpsql_exhausted database: its ε per query (25) exceeds its whole budget (20)
+#: ``-c dpsql.epsilon=0.5 -c dpsql.show_intervals=on``, URL-encoded as docs/bi.md writes it
+INTERVAL_OPTIONS = "-c%20dpsql.epsilon%3D0.5%20-c%20dpsql.show_intervals%3Don"
 
 
 @dataclass(frozen=True)
@@ -209,9 +211,20 @@ def superset(
             "uri": f"dpsql://{BROKE}@127.0.0.1:{port}/clinic?epsilon=25",
             "prefix": "dpsql_exhausted: ",
         },
+        # the URIs docs/bi.md gives for intervals in Superset, through each connector
+        {
+            "name": "dpsql_intervals",
+            "uri": f"dpsql://{ANALYST}@127.0.0.1:{port}/clinic?epsilon={DPSQL_EPSILON}&show_intervals=on",
+            "prefix": "dpsql_intervals: ",
+        },
+        {
+            "name": "pg_intervals",
+            "uri": f"postgresql+psycopg2://{ANALYST}@127.0.0.1:{port}/clinic?options={INTERVAL_OPTIONS}",
+            "prefix": "pg_intervals: ",
+        },
     ]
     record: dict[str, Any] = {"setup": [], "cases": [], "columns": {}, "metrics": {}, "engine_specs": {}}
-    for group in (["postgresql"], ["dpsql", "dpsql_exhausted"]):
+    for group in (["postgresql"], ["dpsql", "dpsql_exhausted", "dpsql_intervals", "pg_intervals"]):
         datasets = {k: v for k, v in DATASETS.items() if v.get("database", "postgresql") in group}
         job = {
             "databases": [d for d in databases if d["name"] in group],
@@ -453,9 +466,13 @@ def test_engine_spec_found_through_its_entry_point(superset: dict[str, Any]) -> 
         "dpsql://a@h/db?epsilon=0.5": "-c dpsql.epsilon=0.5",
         "dpsql://a@h/db?epsilon=0.5%20-c%20dpsql.mechanism%3Dgaussian": "ValueError: dpsql URI parameter "
         "epsilon='0.5 -c dpsql.mechanism=gaussian' is not a number",
+        "dpsql://a@h/db?epsilon=0.5&show_intervals=on&round=off&trim_time=true": "-c dpsql.epsilon=0.5 "
+        "-c dpsql.show_intervals=on -c dpsql.round=off -c dpsql.trim_time=on",
+        "dpsql://a@h/db?show_intervals=on%20-c%20dpsql.epsilon%3D9": "ValueError: dpsql URI parameter "
+        "show_intervals='on -c dpsql.epsilon=9' must be on or off",
     }
     steps = {s["step"]: s for s in superset["setup"]}
-    for prefix in ("dpsql: ", "dpsql_exhausted: "):
+    for prefix in ("dpsql: ", "dpsql_exhausted: ", "dpsql_intervals: ", "pg_intervals: "):
         for name in ("test connection", "connect: dialect probes"):
             assert steps[prefix + name]["outcome"] == "answered", steps[prefix + name]
             assert _epsilons(steps[prefix + name]["wire"]) == []
@@ -547,3 +564,49 @@ def test_dpsql_unsupported_shape_as_sql_lab_reports_it(superset: dict[str, Any])
         "from hour to year.",
     }
     assert _epsilons(case["wire"]) == []
+
+
+def _ci95(value: Any) -> bool:
+    return isinstance(value, (int, float)) and value > 0
+
+
+def test_show_intervals_is_for_sql_lab_not_charts(superset: dict[str, Any]) -> None:
+    """``dpsql://…?show_intervals=on`` under a chart: dpsql sends ``count_ci95`` after ``count``, but a
+    Superset chart keeps the first N columns it asked for and renames them by position, so with two
+    metrics the second metric's name labels count's 95% half-width. Hence docs/bi.md: intervals on a
+    database used by SQL Lab only, never by charts."""
+    case = _case(superset, "dpsql_intervals_table")
+    assert case["outcome"] == "answered", (case["sqlstate"], case["message"], case.get("exception"))
+    (sent,) = [w for w in case["wire"] if "AVG(cost)" in w["sql"] and w["sql"].rstrip().endswith("1000")]
+    assert len(sent["rows"]) == 6 and all(len(r) == 5 for r in sent["rows"])  # dept, count, ci, avg, ci
+    assert all(_ci95(r[2]) and _ci95(r[4]) for r in sent["rows"]), sent["rows"]
+    assert case["colnames"] == [["department", "count", "avg_cost"]], case["colnames"]
+    (rows,) = case["data"]
+    assert {(r["department"], r["avg_cost"]) for r in rows} == {(r[0], r[2]) for r in sent["rows"]}
+    step = next(s for s in superset["setup"] if s["step"] == "dpsql_intervals: sync columns: intervals_visits")
+    assert step["outcome"] == "answered" and _epsilons(step["wire"]) == []  # LIMIT 0 probe: free
+
+
+def test_postgresql_uri_options_give_sql_lab_ci95_columns(superset: dict[str, Any]) -> None:
+    """``postgresql+psycopg2://…?options=-c%20dpsql.epsilon%3D0.5%20-c%20dpsql.show_intervals%3Don``
+    (Superset's PostgreSQL connector): SQL Lab's result has ``count_ci95`` beside ``count``."""
+    case = _case(superset, "pg_intervals_sqllab")
+    assert case["outcome"] == "answered", (case["sqlstate"], case["message"], case.get("exception"))
+    assert case["sqllab_columns"] == ["urgent", "count", "count_ci95"], case
+    rows = [r for w in case["wire"] if "urgent" in w["sql"] for r in w.get("rows", [])]
+    assert len(rows) == 2 and all(_ci95(r[2]) for r in rows), rows
+
+
+def test_dpsql_spec_surfaces_notices_in_sql_lab_and_log(superset: dict[str, Any]) -> None:
+    """DpsqlEngineSpec reads the NOTICEs psycopg2 collected: a SQL Lab query's ``extra.dpsql_notices``
+    (returned with its results) and Superset's log carry dpsql's charge and intervals, as sent."""
+    case = _case(superset, "dpsql_sqllab_answered")
+    sent = [n for w in case["wire"] if "urgent" in w["sql"] for n in w["notices"]]
+    assert any(n.startswith(f"NOTICE:  dpsql: charged ε={DPSQL_EPSILON:g};") for n in sent), sent
+    assert case["sqllab_extra"]["dpsql_notices"] == sent
+    assert any("CI half-widths" in n for n in sent), sent
+    for notice in sent:
+        assert f"dpsql notice (database dpsql): {notice}" in case["logged"], case["logged"]
+    chart = _case(superset, "dpsql_big_number")  # a chart: Superset's log only (no other place for it)
+    expected = f"dpsql notice (database dpsql): NOTICE:  dpsql: charged ε={DPSQL_EPSILON:g};"
+    assert any(m.startswith(expected) for m in chart["logged"]), chart["logged"]

@@ -34,6 +34,18 @@ the policy alone, for free. Superset's PostgreSQL spec works against it, except 
 - :meth:`estimate_statement_cost`: SQL Lab's "estimate cost" runs ``EXPLAIN``, which dpsql answers
   for free with the ε, δ and mechanism the statement would be charged; PostgreSQL's parser looked
   for ``cost=…`` and found nothing.
+- :meth:`execute` and :meth:`handle_cursor`: dpsql says what each answer cost and how accurate it is
+  in NOTICEs (``dpsql: charged ε=…; remaining ε=…``, ``dpsql: 95% CI half-widths: …``), which
+  psycopg2 collects on ``connection.notices`` and Superset never reads. Superset 6.1 has no place in
+  its UI for a successful statement's server messages (SQL Lab's status text is cleared on success;
+  a chart shows only its rows), so the spec puts them where Superset keeps per-query facts: every
+  statement's notices are logged through this module's logger (Superset's log: which database, what
+  was charged), and a SQL Lab statement's are stored in its query's ``extra`` as ``dpsql_notices``
+  (returned with the results by ``/api/v1/sqllab/execute/``, kept in Superset's ``query`` table). What a
+  user *sees* is the ``?show_intervals=on`` URI switch (``<col>_ci95`` columns, see the dialect) and
+  the free ``SELECT * FROM dpsql_budget`` in SQL Lab (ε spent and remaining). The notices
+  are what dpsql sends every client: figures of the query, the policy, the budget and released
+  values, never of the data beyond the released answer.
 
 Kept from PostgreSQL on purpose (dpsql answers them): sub-queries and CTEs (a filter-only one is
 inlined, an aggregate one is post-processed for free), joins with public tables, aliases in ORDER
@@ -50,6 +62,7 @@ turn them off. Remove the "can samples on Datasource" permission from the analys
 
 from __future__ import annotations
 
+import logging
 import re
 from re import Pattern
 from typing import TYPE_CHECKING, Any
@@ -66,6 +79,7 @@ from superset.sql.parse import SQLGLOT_DIALECTS
 if TYPE_CHECKING:
     from sqlalchemy.engine.interfaces import Dialect
     from superset.models.core import Database
+    from superset.models.sql_lab import Query
     from superset.sql.parse import Table
     from superset.superset_typing import ResultSetColumnType
 
@@ -73,6 +87,17 @@ if TYPE_CHECKING:
 # as SQLGLOT_DIALECTS_EXTENSIONS = {"dpsql": Dialects.POSTGRES} in superset_config.py, done here so
 # installing the package is enough. This module is imported whenever Superset resolves a spec.)
 SQLGLOT_DIALECTS.setdefault("dpsql", Dialects.POSTGRES)
+
+logger = logging.getLogger(__name__)
+
+#: The query ``extra`` key a SQL Lab statement's dpsql NOTICEs are stored under.
+NOTICES_KEY = "dpsql_notices"
+
+
+def _notices_of(cursor: Any) -> list[str] | None:
+    """The server messages psycopg2 collected on the cursor's connection (None: not psycopg2)."""
+    notices = getattr(getattr(cursor, "connection", None), "notices", None)
+    return notices if isinstance(notices, list) else None
 
 
 class DpsqlRefusal(SupersetDBAPIError):
@@ -263,6 +288,31 @@ class DpsqlEngineSpec(PostgresEngineSpec):
         if match := OTHER_ERROR.search(raw):
             return _refusal(OTHER[0] % match.groupdict(), exception)
         return exception
+
+    @classmethod
+    def execute(cls, cursor: Any, query: str, database: Database, **kwargs: Any) -> None:
+        """PostgreSQL's execute, then the statement's dpsql NOTICEs logged (charge, intervals).
+
+        The connection's notice list is emptied first, so what is read afterwards belongs to this
+        statement alone (psycopg2 keeps the last 50 of a connection, whatever statement sent them).
+        """
+        notices = _notices_of(cursor)
+        if notices is not None:
+            del notices[:]
+        super().execute(cursor, query, database, **kwargs)
+        for notice in _notices_of(cursor) or []:
+            logger.info("dpsql notice (database %s): %s", database.database_name, notice.strip())
+
+    @classmethod
+    def handle_cursor(cls, cursor: Any, query: Query) -> None:
+        """SQL Lab: keep the statement's dpsql NOTICEs in the query's ``extra`` (``dpsql_notices``).
+
+        Called right after :meth:`execute` on the same cursor; a script's statements add up in order.
+        """
+        super().handle_cursor(cursor, query)
+        fresh = [n.strip() for n in _notices_of(cursor) or []]
+        if fresh:
+            query.set_extra_json_key(NOTICES_KEY, [*(query.extra.get(NOTICES_KEY) or []), *fresh])
 
     @classmethod
     def get_allow_cost_estimate(cls, extra: dict[str, Any]) -> bool:
