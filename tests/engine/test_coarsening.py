@@ -76,6 +76,15 @@ def test_other_filters_are_a_new_measurement(engine: Engine) -> None:
     assert coarsened(same)  # the release's own filter
 
 
+def test_a_value_outside_the_domain_is_an_exact_zero(engine: Engine) -> None:
+    """Under the policy every row's department is in its declared domain (GROUP BY never releases another):
+    a filter on an undeclared one selects no released cell, so its count is 0 with no noise — a function of
+    the query and the policy only, free."""
+    run(engine, "SELECT department, urgent, COUNT(*) FROM visits GROUP BY 1, 2", 8.0)
+    nowhere = run(engine, "SELECT COUNT(*) FROM visits WHERE department = 'Nowhere'", 1.0)
+    assert coarsened(nowhere) and nowhere.rows == [(0,)] and nowhere.accuracy == [(0.0,)]
+
+
 def test_private_keys_are_never_coarsened(engine: Engine) -> None:
     """Partition selection drops rare keys: summing what survived would not be the coarser count."""
     delta = Session("alice", epsilon=4.0, delta=1e-7)

