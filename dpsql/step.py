@@ -52,7 +52,6 @@ only: post-processing, free, with a notice saying where the answer came from.
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import secrets
 import time
 from collections.abc import Iterator, Sequence
@@ -77,7 +76,7 @@ from dpsql.ledger import Charge, Ledger
 from dpsql.ledger.audit import note_cache_hit, note_charge
 from dpsql.plan import Plan
 from dpsql.policy import Policy
-from dpsql.postprocess.finish import finish, from_cache, from_release
+from dpsql.postprocess.finish import finish, from_cache, from_release, released_at
 from dpsql.prepared import Prepared
 from dpsql.release.accuracy import accuracy_notes, bias_note
 from dpsql.release.apply import Released, apply, apply_local, released_again, widths_at
@@ -86,6 +85,7 @@ from dpsql.rewrite.physical import data_version
 from dpsql.session import Result, Session
 from dpsql.synopsis import Synopses, reuse
 from dpsql.synopsis import answer as synopsis_answer
+from dpsql.synopsis.answer import Derived
 from dpsql.synopsis.solve import noise_variance
 
 __all__ = ["Notice", "NoticeKind", "Part", "Severity", "Step"]
@@ -291,27 +291,17 @@ class Step:
             found = synopsis_answer(prepared.plan, released, self.policy, confidence)
             if found is None:
                 continue
-            target = getattr(prepared.budgeting, "accuracy", None)  # SET dpsql.accuracy: met, or a fresh query
+            target = prepared.budgeting.accuracy  # SET dpsql.accuracy: met, or a fresh query
             if target is not None and not all(_within(row, [target] * len(row)) for row in found[2]):
                 continue
-            result = typed(finish(prepared.plan, *found, prepared.cache))
             cost = f"ε={released.epsilon:g}" + (f", δ={released.delta:g}" if released.delta else "")
-            result.notices.append(
-                Notice(
-                    f'dpsql: answered from synopsis "{released.name}" released {released.released_at} ({cost} '
-                    f'charged once to dataset "{released.dataset}"); no budget charged',
-                    NoticeKind.FREE,
-                )
+            source = (
+                f'dpsql: answered from synopsis "{released.name}" released {released.released_at} ({cost} '
+                f'charged once to dataset "{released.dataset}"); no budget charged'
             )
-            result.notices.append(
-                Notice(
-                    f"dpsql: ± are {confidence:.0%} intervals of the synopsis's noise after least-squares "
-                    "consistency (normal approximation); they cover noise only, not the bias of the caps and bounds"
-                )
+            return self._derived(
+                prepared, found, source, "the synopsis's noise after least-squares consistency", confidence
             )
-            if (bias := bias_note(prepared.plan, confidence)) is not None:
-                result.notices.append(Notice.of(bias))
-            return result
         return None
 
     def coarsened(self, prepared: Prepared, confidence: float, stamp: str) -> Result | None:
@@ -322,7 +312,7 @@ class Step:
             return None
         plan, budgeting = prepared.plan, prepared.budgeting
         fresh = widths_at(budgeting, confidence)
-        target = getattr(budgeting, "accuracy", None)
+        target = budgeting.accuracy
         found = reuse.candidates(
             self.cache, plan, database=self._database_identity, stamp=stamp, policy=self._policy_hash
         )
@@ -334,25 +324,29 @@ class Step:
             limits = [target] * len(fresh) if target is not None else fresh
             if not all(_within(row, limits) for row in answered[2]):
                 continue
-            result = typed(finish(plan, *answered, prepared.cache))
-            when = dt.datetime.fromtimestamp(created, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-            result.notices.append(
-                Notice(
-                    f"dpsql: answered by summing the cells of an earlier, finer release (first released at {when}: "
-                    "the same table, filters and measures on this database and data); no budget charged",
-                    NoticeKind.FREE,
-                )
+            source = (
+                f"dpsql: answered by summing the cells of an earlier, finer release (first released at "
+                f"{released_at(created)}: the same table, filters and measures on this database and data); "
+                "no budget charged"
             )
-            result.notices.append(
-                Notice(
-                    f"dpsql: ± are {confidence:.0%} intervals of the summed cells' noise (normal approximation); "
-                    "they cover noise only, not the bias of the caps and bounds"
-                )
-            )
-            if (bias := bias_note(plan, confidence)) is not None:
-                result.notices.append(Notice.of(bias))
-            return result
+            return self._derived(prepared, answered, source, "the summed cells' noise", confidence)
         return None
+
+    @staticmethod
+    def _derived(prepared: Prepared, answered: Derived, source: str, noise: str, confidence: float) -> Result:
+        """A query's answer derived from released cells (a synopsis, or an earlier finer release): the usual
+        post-processing, then where it came from, what its ± cover and the bias they leave out."""
+        result = typed(finish(prepared.plan, *answered, prepared.cache))
+        result.notices.append(Notice(source, NoticeKind.FREE))
+        result.notices.append(
+            Notice(
+                f"dpsql: ± are {confidence:.0%} intervals of {noise} (its standard deviation times the Laplace or "
+                "normal quantile); they cover noise only, not the bias of the caps and bounds"
+            )
+        )
+        if (bias := bias_note(prepared.plan, confidence)) is not None:
+            result.notices.append(Notice.of(bias))
+        return result
 
     @staticmethod
     def total(parts: Sequence[Part]) -> Cost | None:

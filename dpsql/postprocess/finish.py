@@ -180,18 +180,10 @@ def converter(measure: Measure) -> Any:
 def from_cache(cached: Result, created: float) -> Result:
     """A stored answer, re-released: same values, nothing charged; its accuracy notes are kept
     (the cache notice takes the place of the charge notice)."""
-    when = dt.datetime.fromtimestamp(created, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-    return Result(
-        columns=cached.columns,
-        rows=cached.rows,
-        accuracy=cached.accuracy,
-        epsilon_spent=0.0,
-        delta_spent=0.0,
-        notices=[
-            f"dpsql: answered from the result cache (first computed at {when}; this exact query was already "
-            "released on this database and data); no budget charged",
-            *(text for text in cached.notices if "charged" not in text),
-        ],
+    return _free(
+        cached,
+        f"dpsql: answered from the result cache (first computed at {released_at(created)}; this exact query was "
+        "already released on this database and data); no budget charged",
     )
 
 
@@ -199,17 +191,26 @@ def from_release(finished: Result, created: float) -> Result:
     """An answer finished again from measurements an earlier query released (the same DP measurement
     with other outputs, aliases, HAVING, ORDER BY or LIMIT): nothing charged, nothing noised again;
     the notice names that release in place of the charge notice."""
-    when = dt.datetime.fromtimestamp(created, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return _free(
+        finished,
+        f"dpsql: answered from an earlier release (its measurements were first released at {released_at(created)}: "
+        "the same DP measurement on this database and data, post-processed again for this query's outputs); "
+        "no budget charged",
+    )
+
+
+def released_at(created: float) -> str:
+    """When something was released (seconds since the epoch), as every notice names it."""
+    return dt.datetime.fromtimestamp(created, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _free(result: Result, notice: str) -> Result:
+    """``result`` again, nothing charged: ``notice`` in place of its charge notice."""
     return Result(
-        columns=finished.columns,
-        rows=finished.rows,
-        accuracy=finished.accuracy,
+        columns=result.columns,
+        rows=result.rows,
+        accuracy=result.accuracy,
         epsilon_spent=0.0,
         delta_spent=0.0,
-        notices=[
-            f"dpsql: answered from an earlier release (its measurements were first released at {when}: the same "
-            "DP measurement on this database and data, post-processed again for this query's outputs); "
-            "no budget charged",
-            *(text for text in finished.notices if "charged" not in text),
-        ],
+        notices=[notice, *(text for text in result.notices if "charged" not in text)],
     )

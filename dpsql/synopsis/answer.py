@@ -281,9 +281,11 @@ def half_width_factor(confidence: float, laplace: bool) -> float:
     return max(normal, math.log(1 / (1 - confidence)) / math.sqrt(2)) if laplace else normal
 
 
-def answer(
-    plan: Plan, released: Released, policy: Policy, confidence: float
-) -> tuple[list[tuple[Any, ...]], list[list[Any]], list[list[float | None]]] | None:
+#: A derived answer before post-processing: rows (keys), each measure's column, each row's half-widths.
+Derived = tuple[list[tuple[Any, ...]], list[list[Any]], list[list[float | None]]]
+
+
+def answer(plan: Plan, released: Released, policy: Policy, confidence: float) -> Derived | None:
     """The plan's released rows, measure columns and half-widths from ``released``; None when the
     synopsis cannot answer it exactly (see the module docstring)."""
     sources = plan.sources.sources

@@ -25,6 +25,7 @@ from typing import Any
 
 from dpsql.ledger import Ledger
 from dpsql.policy import Policy, Scalar
+from dpsql.postprocess.finish import released_at
 from dpsql.synopsis.solve import Estimate, Marginal, solve
 
 #: How long the engine trusts its list of stored synopses before reading the ledger's again (seconds):
@@ -182,7 +183,7 @@ class Released:
 
     @property
     def released_at(self) -> str:
-        return dt.datetime.fromtimestamp(self.built_at, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+        return released_at(self.built_at)
 
 
 def _marginal(doc: dict[str, Any]) -> Marginal:
