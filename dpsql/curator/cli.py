@@ -21,7 +21,7 @@ from dpsql.server.protocol import DEFAULT_PORT
 from . import introspect
 from .check import check_file
 from .dp_bounds import DP_COVERAGE, charge_dp_bounds, curator_name, dp_bounds, dp_targets
-from .draft import draft_policy
+from .draft import dataset_name, draft_policy
 from .reload import await_verdicts, default_pid_file, signal_reload
 from .report import build_report, render
 from .serve import missing_database_file
@@ -82,7 +82,7 @@ def cmd_policy_draft(args: argparse.Namespace) -> int:
         if not tables:
             print("ERROR:  the database has no tables to draft a policy for", file=sys.stderr)
             return 1
-        dataset = args.dataset or Path(args.database.rstrip("/").split("/")[-1]).stem or "dataset"
+        dataset = args.dataset or dataset_name(args.database)
         text = draft_policy(backend, tables, dataset)
     finally:
         backend.close()
