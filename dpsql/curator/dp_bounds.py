@@ -6,10 +6,13 @@ by the declared bounds: the policy, never the data), each unit's rows cut to the
 ``max_rows_per_unit`` in a random order, with exact discrete Laplace noise of scale
 ``max_rows_per_unit / ε_column`` on every bin (one unit changes the histogram by at most that many
 rows in L1, so each histogram is ε_column-DP; bins are disjoint). The bounds are the outer edges of
-the bins where the noisy cumulative count clears ``1 − coverage`` of the noisy total from either
-end: post-processing. The ε given is split evenly over the columns and charged, before anything is
-read, to the curator's identity in the ledger (dataset budget included: it bounds what everyone
-together learns about the data), with an audit row naming the columns.
+the bins where the noisy count beyond them clears ``1 − coverage`` of the noisy total plus a few
+standard deviations of the noise summed there, from either end (:func:`dp_bounds_from_counts`):
+post-processing. The ε given is split evenly over the k columns: one person is in every column's
+histogram, so by sequential composition the k histograms together are ε-DP. It is charged once per
+run (``cmd_policy_report`` calls :func:`charge_dp_bounds` once, before anything is read; the report
+prints that same ε) to the curator's identity in the ledger (dataset budget included: it bounds what
+everyone together learns about the data), with one audit row naming the columns.
 
 Unlike the rest of the report (exact figures, :mod:`dpsql.curator.report`), these bounds may be
 published: they are ε-DP, and the ε is in the ledger before anything is read.
@@ -33,11 +36,11 @@ from .report import Relation, relation, stored_column
 
 #: The DP bounds' bins reach 2^DP_ABOVE beyond the declared reach and span DP_SPAN powers of two.
 DP_ABOVE = 6
-DP_SPAN = 28
+DP_SPAN = 20
 #: Standard deviations of summed noise a DP bound's crossing must clear (see dp_bounds_from_counts) …
-DP_MARGIN = 3.0
-#: … and at most this many times the tail (1 − coverage) that margin may be, else no bound is given.
-DP_MAX_MARGIN = 4.0
+DP_MARGIN = 2.0
+#: … and at most this share of the noisy total that margin may be, else no bound is given.
+DP_MAX_SHARE = 0.1
 #: Share of the (noisy) values the DP bounds keep inside, from each end.
 DP_COVERAGE = 0.99
 #: The ledger fingerprint of a DP-bounds charge.
@@ -52,7 +55,7 @@ class _Bin:
 
 def dp_exponents(column: ColumnPolicy) -> tuple[int, int]:
     """The bins' power-of-two exponents: 2^6 beyond the declared reach max(|lower|, |upper|) down to
-    2^-22 of it (int columns: not below 1). From the policy alone (public), never the data; fewer
+    2^-14 of it (int columns: not below 1). From the policy alone (public), never the data; fewer
     bins mean less noise summed over empty ones. Bounds off by more than that end at the edge bin."""
     reach = max(abs(float(column.lower)), abs(float(column.upper)), 1.0)  # type: ignore[arg-type]
     kmax = math.ceil(math.log2(reach)) + DP_ABOVE
@@ -115,35 +118,49 @@ def dp_bounds_from_counts(
 ) -> tuple[float, float] | None:
     """ε-DP bounds from exact bin counts. Exact discrete Laplace noise of scale ``max_rows/ε`` on
     every bin (OS CSPRNG) makes the histogram ε-DP; the rest is post-processing of noisy counts and
-    public constants. From each end, the bound is the outer edge of the first bin where the noisy
-    count so far (unclipped: its noise has mean 0) exceeds ``1 − coverage`` of the noisy total by
-    :data:`DP_MARGIN` standard deviations of the noise summed so far, so that noise over empty bins
-    beyond the data rarely places a bound there. None when no bin qualifies, or when that margin
-    exceeds :data:`DP_MAX_MARGIN` tails (the bound would leave far more than ``1 − coverage`` of the
-    values outside: too few values for this ε)."""
+    public constants. From each end, the bound is the outer edge of the bin where the noisy count of
+    values beyond it (it included) exceeds ``tail`` = ``1 − coverage`` of the noisy total plus
+    :data:`DP_MARGIN` standard deviations of the noise summed so far (``margin``) for good: the
+    innermost such crossing, so that neither noise over the empty bins beyond the data nor one noisy
+    bin places a bound out there; the margin only moves a bound inward, and past the true
+    ``coverage`` edge only by chance (then by one bin, a factor 2). None when the margin at the crossing
+    exceeds :data:`DP_MAX_SHARE` of the noisy total (the bound could leave out far more than
+    ``1 − coverage`` of the values: too few values for this ε), or when no bin qualifies.
+
+    The margin is measured against the data's size, not against the tail: at ε = 0.1 and 10 rows per
+    unit one bin's noise has a standard deviation of ~141 rows, which a 1% tail of 25,000 values
+    (250) never clears over several bins, yet a bound leaving out ~5% instead of 1% is still useful."""
     bins = _bins(kmin, kmax)
     scale = max_rows / epsilon
     noise = discrete_laplace(scale, len(bins))
     noisy = [counts.get(key, 0) + int(z) for (key, _), z in zip(bins, noise, strict=True)]
     total = sum(noisy)
+    if total <= 0:
+        return None
     t, s = laplace_rational_scale(scale)
     alpha = math.exp(-s / t)
     variance = 2 * alpha / (1 - alpha) ** 2  # of one bin's discrete Laplace noise
     tail = (1 - coverage) * total
 
     def crossing(order: Iterable[tuple[_Bin, int]]) -> _Bin | None:
-        running = 0
+        # the innermost bin whose noisy count of values beyond it (it included) clears the threshold,
+        # after the last bin that does not: a noise excursion over the empty bins beyond the data,
+        # followed by counts back under the threshold, places no bound out there
+        running, found = 0, None
         for j, (edges, count) in enumerate(order, start=1):
             margin = DP_MARGIN * math.sqrt(j * variance)
             running += count
-            if running > tail + margin:
-                # the margin moved the crossing inward by a few tails at most, else it says little
-                return edges if margin <= DP_MAX_MARGIN * tail else None
-        return None
+            if running <= tail + margin:
+                found = None
+            elif found is None:
+                found = (edges, margin)
+        if found is None or found[1] > DP_MAX_SHARE * total:
+            return None
+        return found[0]
 
     first = crossing(zip((b for _, b in bins), noisy, strict=True))
     last = crossing(zip((b for _, b in reversed(bins)), reversed(noisy), strict=True))
-    if total <= 0 or first is None or last is None or first.low > last.high:
+    if first is None or last is None or first.low > last.high:
         return None
     lower, upper = first.low, last.high
     if integer:

@@ -11,9 +11,11 @@ policy's default ε (PipelineDP's utility analysis and parameter tuning, with th
   expected share of rows in the groups beyond (the engine keeps a unit's groups in a salted order);
 * per bounded column: the share of non-NULL values below ``lower`` and above ``upper``;
 * for candidate caps, ``COUNT(*)``'s bias, noise standard deviation and RMSE = √(bias² + var), and
-  for candidate bounds (quantiles of the data) the same for ``SUM(column)``; the smallest RMSE is
-  marked as the suggestion. The models are the engine's ungrouped measurements exactly: a unit's
-  count capped at the cap, its sum of clamped values at cap × bounds (``rewrite.bounding``).
+  for candidate bounds (quantiles of the data, and the best of a geometric ladder between p99
+  and max: with a few huge values the best bound lies there) the same for ``SUM(column)``; the
+  smallest RMSE among the rows shown is marked as the suggestion. The models are the engine's
+  ungrouped measurements exactly: a unit's count capped at the cap, its sum of clamped values at
+  cap × bounds (``rewrite.bounding``).
 
 **Exact figures, curator only.** Everything except ``--dp-bounds`` is computed exactly from the
 data (counts, quantiles, maxima: someone's exact values). That is acceptable because this is the
@@ -44,6 +46,10 @@ WARN_SHARE = 0.05
 CAP_LADDER = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10_000, 20_000, 50_000, 100_000)
 #: Quantiles whose values are tried as bounds (upper: q, lower: 1 − q, each widened to include 0).
 BOUND_QUANTILES = (0.90, 0.95, 0.99, 1.0)
+#: At most this many bounds tried between p99 and max (only the best of them is shown) …
+LADDER_STEPS = 24
+#: … labelled so.
+LADDER_LABEL = "between p99 and max"
 
 
 # --- what the report holds ------------------------------------------------------------------------
@@ -446,9 +452,31 @@ def _column(
     return report
 
 
+def _ladder(q: dict[str, float]) -> list[tuple[float, float]]:
+    """Bounds between the p01/p99 pair and min/max in geometric steps (factor 2, or finer to stay
+    within :data:`LADDER_STEPS`): with a few huge values the RMSE-best bound lies between, where
+    clamping them costs less bias than covering them costs noise (a SUM's noise grows with the bound,
+    its bias with the outliers' mass beyond it)."""
+    lo0, hi0, lo1, hi1 = min(0.0, q["p01"]), max(0.0, q["p99"]), min(0.0, q["min"]), max(0.0, q["max"])
+    if not all(math.isfinite(v) for v in (lo0, hi0, lo1, hi1)):
+        return []
+    spans = [b / a for a, b in ((-lo0, -lo1), (hi0, hi1)) if a > 0 and b > 2 * a]
+    if not spans:
+        return []
+    ratio = max(2.0, max(spans) ** (1 / LADDER_STEPS))
+    out = []
+    for i in range(1, LADDER_STEPS + 1):
+        lo, hi = max(lo1, lo0 * ratio**i), min(hi1, hi0 * ratio**i)
+        if (lo, hi) == (lo1, hi1):
+            break
+        out.append((lo, hi))
+    return out
+
+
 def _candidate_bounds(c: ColumnPolicy, report: ColumnReport) -> list[tuple[str, float, float]]:
     """(label, lower, upper): the declared bounds, the data's quantile pairs widened to include 0
-    (a SUM's sensitivity is max(|lower|, |upper|): a bound at 0 costs nothing), and the DP bounds."""
+    (a SUM's sensitivity is max(|lower|, |upper|): a bound at 0 costs nothing), the DP bounds (also
+    widened to 0), and, labelled ``LADDER_LABEL``, the :func:`_ladder` between p99 and max."""
     q = report.quantiles
     out: list[tuple[str, float, float]] = [("declared", float(c.lower), float(c.upper))]  # type: ignore[arg-type]
     pairs = {0.90: ("p10", "p90"), 0.95: ("p05", "p95"), 0.99: ("p01", "p99"), 1.0: ("min", "max")}
@@ -458,7 +486,8 @@ def _candidate_bounds(c: ColumnPolicy, report: ColumnReport) -> list[tuple[str, 
         if math.isfinite(lo) and math.isfinite(hi) and (lo, hi) != (0.0, 0.0):
             out.append((hi_key if hi_key != "max" else "min/max", lo, hi))
     if report.dp_lower is not None and report.dp_upper is not None:
-        out.append(("dp", report.dp_lower, report.dp_upper))
+        out.append(("dp", min(0.0, report.dp_lower), max(0.0, report.dp_upper)))
+    out += [(LADDER_LABEL, lo, hi) for lo, hi in _ladder(q)]
     seen: set[tuple[float, float]] = set()
     unique = []
     for label, lo, hi in out:
@@ -495,7 +524,10 @@ def _bounds(
         std = noise_std(policy, m * max(abs(lo), abs(hi)), integer=integer)
         declared = label == "declared"
         choices.append(Choice(label, None, lo, hi, bias, std, math.hypot(bias, std), declared=declared))
-    return _choose(choices)
+    # of the ladder only its best is shown: the suggestion is the smallest RMSE among the rows printed
+    ladder = [ch for ch in choices if ch.label == LADDER_LABEL]
+    best = min(ladder, key=lambda ch: ch.rmse, default=None)
+    return _choose([ch for ch in choices if ch.label != LADDER_LABEL or ch is best])
 
 
 # --- text ----------------------------------------------------------------------------------------

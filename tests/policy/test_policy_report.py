@@ -331,7 +331,7 @@ def test_dp_bounds_noise_only_post_processing() -> None:
     histogram of too few values gives no bounds rather than noise."""
     column = parse_policy(POLICY).tables["visits"].columns["cost"]
     kmin, kmax = dp_exponents(column)
-    assert (kmin, kmax) == (9 + 6 - 28, 9 + 6)  # 300 → 2^9, 2^6 above it, 28 powers below that
+    assert (kmin, kmax) == (9 + 6 - 20, 9 + 6)  # 300 → 2^9, 2^6 above it, 20 powers below that
     rng = random.Random(3)
     values = [math.exp(rng.gauss(3.0, 1.0)) for _ in range(20_000)]
     counts: dict[tuple[int, int], int] = {}
