@@ -73,7 +73,7 @@ from dpsql.cache import (
 )
 from dpsql.errors import BackendError, Error, charged_on_failure
 from dpsql.ledger import Charge, Ledger
-from dpsql.ledger.audit import note_cache_hit, note_charge
+from dpsql.ledger.audit import gated, note_cache_hit, note_charge
 from dpsql.plan import Plan
 from dpsql.policy import Policy
 from dpsql.postprocess.finish import finish, from_cache, from_release, released_at
@@ -356,18 +356,23 @@ class Step:
         return Cost.total(costs) if costs else None
 
     def reserve(self, cost: Cost, session: Session, fingerprint: str) -> Charge:
-        """Charge ``cost`` to the analyst and the dataset, durably, before anything runs (audited)."""
-        return note_charge(
-            self.ledger.reserve(
-                dataset=self.policy.dataset,
-                analyst=session.analyst,
-                cost=cost,
-                dataset_budget=self.policy.budget.dataset,
-                analyst_budget=self.policy.analyst_budget(session.analyst),
-                fingerprint=fingerprint,
-                accounting=self.policy.budget.accounting,
+        """Charge ``cost`` to the analyst and the dataset, durably, before anything runs (audited).
+        Under a server job the reservation is gated (:func:`dpsql.ledger.audit.gated`): refused once
+        the client stopped waiting, else recorded before the client is told what was charged."""
+        with gated() as record:
+            charge = note_charge(
+                self.ledger.reserve(
+                    dataset=self.policy.dataset,
+                    analyst=session.analyst,
+                    cost=cost,
+                    dataset_budget=self.policy.budget.dataset,
+                    analyst_budget=self.policy.analyst_budget(session.analyst),
+                    fingerprint=fingerprint,
+                    accounting=self.policy.budget.accounting,
+                )
             )
-        )
+            record(cost.epsilon)
+        return charge
 
     @contextlib.contextmanager
     def reserved(self, cost: Cost | None, session: Session, fingerprint: str) -> Iterator[Charge | None]:

@@ -15,6 +15,7 @@ from dpsql.analyze.checks import STATEMENT_CHECKS, require_known_tables
 from dpsql.analyze.fold import fold_constants
 from dpsql.analyze.parse import Params, bind_parameters, parse_statement, too_complex
 from dpsql.analyze.views import inline_views
+from dpsql.errors import UndefinedParameter
 from dpsql.plan import Plan
 from dpsql.policy import PG_TYPE_NAMES, Policy
 
@@ -40,6 +41,10 @@ def analyze(sql: str, policy: Policy, params: Params = None) -> Plan:
     return analyze_tree(parse_statement(sql), policy, params)
 
 
+#: Bind carries at most 65535 parameter values (an Int16 count), as in PostgreSQL.
+MAX_PARAMETERS = 65535
+
+
 def infer_parameter_types(tree: exp.Expression, policy: Policy) -> list[str]:
     """PostgreSQL type names for ``$1..$n``: the type of the column each one is compared with."""
     found: dict[int, str] = {}
@@ -48,6 +53,11 @@ def infer_parameter_types(tree: exp.Expression, policy: Policy) -> list[str]:
         if not isinstance(param.this, exp.Literal):
             continue
         index = int(param.this.name)
+        if not 1 <= index <= MAX_PARAMETERS:  # a list sized by $99999999 would be gigabytes
+            raise UndefinedParameter(
+                f"there is no parameter ${index}",
+                hint=f"Parameters are numbered $1 to ${MAX_PARAMETERS} (the protocol's limit).",
+            )
         context = param.parent
         while isinstance(context, exp.Paren | exp.Neg | exp.Cast):
             context = context.parent

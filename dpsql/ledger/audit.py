@@ -44,7 +44,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -95,6 +95,44 @@ class Trace:
 
 #: The statement being answered in this thread (set by :meth:`AuditTrail.recording`).
 _CURRENT: ContextVar[Trace | None] = ContextVar("dpsql_audit_trace", default=None)
+
+
+#: Per thread: the running statement's reservation gate (installed by the server's job).
+_GATE = threading.local()
+
+#: A gate: a context manager entered around a reservation, yielding a recorder of the ε charged.
+Gate = Callable[[], AbstractContextManager[Callable[[float], None]]]
+
+
+@contextmanager
+def reservation_gate(gate: Gate) -> Iterator[None]:
+    """Install ``gate`` for the reservations this thread makes (the server's per-statement job).
+
+    Why: when a client stops waiting (statement timeout, cancel) the server must tell it what was
+    charged, and the ledger agree with the log. The gate refuses a reservation once its statement
+    was abandoned and otherwise holds the abandonment off until the reservation is recorded, so the
+    server reads a final figure: charged or not, never 'in flight'."""
+    previous = getattr(_GATE, "gate", None)
+    _GATE.gate = gate
+    try:
+        yield
+    finally:
+        _GATE.gate = previous
+
+
+@contextmanager
+def gated() -> Iterator[Callable[[float], None]]:
+    """Around one reservation: the current job's gate (see :func:`reservation_gate`), if any."""
+    gate: Gate | None = getattr(_GATE, "gate", None)
+    if gate is None:
+        yield _ignore
+        return
+    with gate() as record:
+        yield record
+
+
+def _ignore(_epsilon: float) -> None:
+    """The recorder outside a server job: nobody waits to be told."""
 
 
 def note_charge(charge: Charge) -> Charge:

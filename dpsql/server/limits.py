@@ -19,6 +19,7 @@ from typing import Any
 
 from dpsql.backends import statement_hook
 from dpsql.errors import ConfigurationLimitExceeded, Error, QueryCanceled, TooManyConnections
+from dpsql.ledger.audit import reservation_gate
 
 log = logging.getLogger("dpsql.server")
 
@@ -78,6 +79,13 @@ class WorkSlots:
         self._analyst(analyst).release()
 
 
+class Interrupted(QueryCanceled):
+    """Raised into a pure job's thread by :meth:`Job.interrupt` (Python builds it without arguments)."""
+
+    def __init__(self, message: str = "canceling statement due to user request", **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+
+
 class Job:
     """One statement running in a worker thread; :meth:`interrupt` stops its backend statement if it can."""
 
@@ -91,6 +99,10 @@ class Job:
         self.interrupted = False
         self._lock = threading.Lock()
         self._stoppers: list[Callable[[], Any]] = []
+        #: Held around each reservation (:meth:`reserving`); :meth:`settle` waits for it.
+        self._charging = threading.Lock()
+        #: ε reserved by this statement so far (final once :meth:`settle` returned).
+        self.charged = 0.0
 
     @classmethod
     def current(cls) -> Job | None:
@@ -104,7 +116,8 @@ class Job:
                     raise QueryCanceled("canceling statement due to user request")
                 self._thread = threading.get_ident() if self.pure else None
             try:
-                with statement_hook(self.stoppable):  # backends offer each statement's cancel here
+                # backends offer each statement's cancel here; the engine's reservations pass the gate
+                with statement_hook(self.stoppable), reservation_gate(self.reserving):
                     return fn(*args)
             finally:
                 with self._lock:
@@ -128,12 +141,33 @@ class Job:
             with self._lock:
                 self._stoppers.remove(stop)
 
+    @contextlib.contextmanager
+    def reserving(self) -> Iterator[Callable[[float], None]]:
+        """Around one reservation: none starts once the job was interrupted (nobody would be told of
+        it), and :meth:`settle` waits for one in progress, so the ε it reports is final."""
+        with self._charging:
+            if self.interrupted:
+                raise QueryCanceled("canceling statement due to user request")
+            yield self._record
+
+    def _record(self, epsilon: float) -> None:
+        self.charged += epsilon
+
+    def settle(self) -> float:
+        """Interrupt, then the ε this statement reserved: no reservation can follow (blocking call)."""
+        self.interrupt()
+        with self._charging:
+            return self.charged
+
     def interrupt(self) -> None:
+        """Stop the work, once: a second call (settle, then abandon) must not raise into the thread again."""
         with self._lock:
+            if self.interrupted:
+                return
             self.interrupted = True
             stoppers = list(self._stoppers)
             if self._thread is not None:
-                _async_raise(self._thread, QueryCanceled)
+                _async_raise(self._thread, Interrupted)
         for stop in stoppers:
             with contextlib.suppress(Exception):
                 stop()

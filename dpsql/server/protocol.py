@@ -147,6 +147,10 @@ class Cursor:
     def int16(self) -> int:
         return int(struct.unpack("!h", self._take(2))[0])
 
+    def uint16(self) -> int:
+        """A count (PostgreSQL's ``pq_getmsgint(msg, 2)``: unsigned, up to 65535)."""
+        return int(struct.unpack("!H", self._take(2))[0])
+
     def int32(self) -> int:
         return int(struct.unpack("!i", self._take(4))[0])
 
@@ -176,8 +180,8 @@ class Cursor:
 
 
 def _count(c: Cursor, limit: int = 65535) -> int:
-    n = c.int16()
-    if n < 0 or n > limit:
+    n = c.uint16()
+    if n > limit:
         raise WireViolation("invalid message format")
     return n
 
@@ -338,7 +342,7 @@ class FieldDescription:
 
 
 def row_description(fields: Sequence[FieldDescription]) -> bytes:
-    parts = [struct.pack("!h", len(fields))]
+    parts = [struct.pack("!H", len(fields))]
     for f in fields:
         parts.append(cstr(f.name))
         parts.append(struct.pack("!ihihih", f.table_oid, f.column_attr, f.type_oid, f.type_size, f.type_mod, f.format))
@@ -346,14 +350,14 @@ def row_description(fields: Sequence[FieldDescription]) -> bytes:
 
 
 def data_row(values: Sequence[bytes | None]) -> bytes:
-    parts = [struct.pack("!h", len(values))]
+    parts = [struct.pack("!H", len(values))]
     for v in values:
         parts.append(struct.pack("!i", -1) if v is None else struct.pack("!i", len(v)) + v)
     return message("D", b"".join(parts))
 
 
 def parameter_description(oids: Sequence[int]) -> bytes:
-    return message("t", struct.pack("!h", len(oids)) + b"".join(struct.pack("!I", o) for o in oids))
+    return message("t", struct.pack("!H", len(oids)) + b"".join(struct.pack("!I", o) for o in oids))
 
 
 def command_complete(tag: str) -> bytes:

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from dpsql.errors import CatalogUnavailable, ConnectionFailure, Error, QueryCanceled
+from dpsql.errors import CatalogUnavailable, ConnectionFailure, Error, QueryCanceled, charged_on_failure
 
 from .limits import Job, is_broken
 
@@ -24,6 +24,22 @@ if TYPE_CHECKING:
     from .server import ServerContext
 
 log = logging.getLogger("dpsql.server")
+
+#: After a timeout or cancel, how long the interrupted work may take to end with its own outcome
+#: (which then answers: a charged failure says so itself); later it is abandoned (logged when it ends).
+STOP_GRACE = 0.1
+#: At most this long to learn what an interrupted statement reserved (a reservation in progress).
+SETTLE_WAIT = 10.0
+
+
+def _own_outcome(future: asyncio.Future[Any]) -> bool:
+    """Whether interrupted work that ended in the grace period answers for itself: its result, or a
+    dpsql error of its own (a budget refusal, a charged failure with its DETAIL) — not an internal
+    error the interruption itself may have caused in code that was not expecting it."""
+    if future.cancelled():
+        return False
+    exc = future.exception()
+    return exc is None or (isinstance(exc, Error) and exc.sqlstate != "XX000")
 
 
 class WorkRunner:
@@ -129,8 +145,18 @@ class WorkRunner:
                 raise
             if future in done:
                 return future.result()
+            # Stop it and learn what it reserved (final: no reservation can follow); if it then ends
+            # within the grace period its own outcome is the answer (an error says what was charged).
+            try:
+                charged = await asyncio.wait_for(loop.run_in_executor(None, job.settle), SETTLE_WAIT)
+            except TimeoutError:
+                charged = job.charged
+            await asyncio.wait({future}, timeout=STOP_GRACE)  # never raises the work's own error
+            if future.done() and _own_outcome(future):
+                return future.result()
             self._abandon(job, future, on_late)
-            raise self._canceled()
+            with charged_on_failure(charged):
+                raise self._canceled()
         finally:
             waiter.cancel()
 

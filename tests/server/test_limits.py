@@ -503,3 +503,61 @@ def test_idle_in_transaction_timeout(limited: tuple[Running, ThreadedServer]) ->
     with pytest.raises(psycopg.Error, match="idle-in-transaction"):
         conn.execute("SELECT 1")
     conn.close()
+
+
+def test_a_statement_stopped_by_its_timeout_says_what_it_was_charged(
+    limited: tuple[Running, ThreadedServer], engine: Engine
+) -> None:
+    """#28 item 4: a timeout that stops a statement after its reservation said 57014 with no DETAIL
+    while the ledger held the ε. Now, over a sweep of timeouts hitting every phase (parsing, the
+    reservation, the database statement, noising), what each outcome tells the analyst — the charge
+    in a failure's DETAIL, or the answer's NOTICE — always equals what the ledger recorded."""
+    running, _ = limited
+    dataset = engine.policy.dataset
+    seen: dict[str | None, int] = {}
+    with connect(running, "erin") as conn:
+        notices: list[str] = []
+        conn.add_notice_handler(lambda diag: notices.append(diag.message_primary or ""))
+        for i in range(60):
+            conn.execute(f"SET statement_timeout = '{1 + i % 20}ms'")
+            before = engine.ledger.spent(dataset, "erin").epsilon
+            notices.clear()
+            state, detail = None, ""
+            try:
+                conn.execute(f"SELECT COUNT(*) FROM patients WHERE age > {i} AND age < {200 + i}").fetchall()
+            except psycopg.Error as exc:
+                state, detail = exc.sqlstate, exc.diag.message_detail or ""
+            spent = engine.ledger.spent(dataset, "erin").epsilon - before
+            seen[state] = seen.get(state, 0) + 1
+            told = 0.0
+            if state is None:
+                told = next(float(n.split("ε=")[1].split(";")[0]) for n in notices if "charged ε=" in n)
+            elif "was charged for this statement" in detail:
+                told = float(detail.split("ε=")[1].split(" ")[0])
+            assert abs(told - spent) < 1e-9, (i, state, detail, notices, spent)
+    print(f"\ntimeout sweep outcomes: {seen}")
+    assert "57014" in seen
+
+
+def test_a_parameter_number_beyond_the_protocol_is_refused_at_once(limited: tuple[Running, ThreadedServer]) -> None:
+    """A Parse of ``… $99999999`` with no declared types sized its type list by the number: 25–35 s
+    of CPU and +1 GB RSS kept after disconnect. PostgreSQL numbers parameters up to 65535 (Bind's
+    Int16 count): beyond that 42P02 at once, nothing run; ``$65535`` itself is still described."""
+    running, _ = limited
+
+    async def prepare(sql: str) -> tuple[str | None, float]:
+        conn = await asyncpg.connect(running.url("frank"), timeout=30)
+        started = time.monotonic()
+        try:
+            await conn.prepare(sql)
+            return None, time.monotonic() - started
+        except asyncpg.PostgresError as exc:
+            return exc.sqlstate, time.monotonic() - started
+        finally:
+            await conn.close()
+
+    for number in ("99999999", "99999999999999999999", "65536"):
+        state, took = asyncio.run(prepare(f"SELECT COUNT(*) FROM patients WHERE age > ${number}"))
+        assert (state, took < 2.0) == ("42P02", True), (number, state, took)
+    state, _ = asyncio.run(prepare("SELECT COUNT(*) FROM patients WHERE age > $65535"))
+    assert state is None
