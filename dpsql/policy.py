@@ -9,10 +9,13 @@ once at load, and reported with file, line and key path when wrong.
 from __future__ import annotations
 
 import datetime as dt
+import difflib
 import math
+import re
+import types
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -83,6 +86,12 @@ class PolicyPathError(ValueError):
     def __init__(self, loc: tuple[str, ...], message: str) -> None:
         super().__init__(message)
         self.loc = loc
+
+
+def did_you_mean(name: str, candidates: Iterator[str] | Mapping[str, Any] | list[str]) -> str:
+    """`` (did you mean "x"?)`` for the closest of ``candidates`` to a misspelt ``name``, else ``""``."""
+    close = difflib.get_close_matches(name, [str(c) for c in candidates], n=1, cutoff=0.6)
+    return f' (did you mean "{close[0]}"?)' if close else ""
 
 
 class DomainReference(_Strict):
@@ -225,9 +234,15 @@ class TablePolicy(_Strict):
     @model_validator(mode="after")
     def _check_unit(self) -> TablePolicy:
         if self.privacy_unit is not None and self.privacy_unit not in self.columns:
-            raise ValueError(f"privacy_unit '{self.privacy_unit}' is not a declared column")
+            raise PolicyPathError(
+                ("privacy_unit",),
+                f"'{self.privacy_unit}' is not a declared column" + did_you_mean(self.privacy_unit, self.columns),
+            )
         if self.references is not None and self.references.column not in self.columns:
-            raise ValueError(f"references.column '{self.references.column}' is not a declared column")
+            column = self.references.column
+            raise PolicyPathError(
+                ("references", "column"), f"'{column}' is not a declared column" + did_you_mean(column, self.columns)
+            )
         return self
 
 
@@ -380,10 +395,16 @@ class Policy(_Strict):
             if ref is None:
                 continue
             target = self.tables.get(ref.table)
+            at = ("tables", name, "references")
             if target is None:
-                raise ValueError(f"table '{name}': references.table '{ref.table}' is not declared")
+                raise PolicyPathError(
+                    (*at, "table"), f"table '{ref.table}' is not declared" + did_you_mean(ref.table, self.tables)
+                )
             if ref.to not in target.columns:
-                raise ValueError(f"table '{name}': references.to '{ref.to}' is not a column of '{ref.table}'")
+                raise PolicyPathError(
+                    (*at, "to"),
+                    f"'{ref.to}' is not a column of '{ref.table}'" + did_you_mean(ref.to, target.columns),
+                )
         names = [a.name for a in self.analysts]
         if len(set(names)) != len(names):
             raise ValueError("an analyst is declared twice")
@@ -462,6 +483,104 @@ def _line_index(node: yaml.Node, path: tuple[Any, ...] = ()) -> Iterator[tuple[t
             yield from _line_index(item, (*path, i))
 
 
+def _unwrap(annotation: Any) -> Any:
+    """The type under ``Annotated[…]`` and ``X | None`` (of a union, its first model, else its first member)."""
+    while True:
+        origin = get_origin(annotation)
+        if origin is Annotated:
+            annotation = get_args(annotation)[0]
+        elif origin in (Union, types.UnionType):
+            members = [a for a in get_args(annotation) if a is not type(None)]
+            models = [a for a in members if isinstance(_unwrap(a), type) and issubclass(_unwrap(a), BaseModel)]
+            annotation = (models or members)[0]
+        else:
+            return annotation
+
+
+def _settings_at(loc: tuple[Any, ...]) -> list[str]:
+    """The setting names the mapping at key path ``loc`` may hold (for a "did you mean"), or none."""
+    annotation: Any = Policy
+    for part in loc:
+        annotation = _unwrap(annotation)
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            field = annotation.model_fields.get(str(part))
+            if field is None:
+                return []
+            annotation = field.annotation
+        elif get_origin(annotation) in (dict, tuple):
+            annotation = get_args(annotation)[-1 if get_origin(annotation) is dict else 0]
+        else:
+            return []
+    annotation = _unwrap(annotation)
+    return list(annotation.model_fields) if isinstance(annotation, type) and issubclass(annotation, BaseModel) else []
+
+
+_TYPE_WORDS = {
+    "int": "a whole number",
+    "float": "a number",
+    "bool": "true or false",
+    "string": "text",
+    "date": "a date (YYYY-MM-DD)",
+    "datetime": "a timestamp (YYYY-MM-DD HH:MM:SS)",
+    "dict": "a mapping of settings (key: value)",
+    "model": "a mapping of settings (key: value)",
+    "model_attributes": "a mapping of settings (key: value)",
+    "list": "a list",
+    "tuple": "a list",
+}
+
+
+def _words(error: Mapping[str, Any], loc: tuple[Any, ...]) -> tuple[tuple[Any, ...], str]:
+    """One pydantic error in the policy's words: the key path to name and the message (pydantic's
+    own wording, "Extra inputs are not permitted", means nothing to a curator)."""
+    kind, ctx, value = str(error["type"]), error.get("ctx") or {}, error.get("input")
+    given = f", not {value!r}" if isinstance(value, int | float | str | list | dict) else ""
+    if kind == "extra_forbidden" and loc:
+        key = str(loc[-1])
+        return loc[:-1], f'unknown setting "{key}"' + did_you_mean(key, _settings_at(loc[:-1]))
+    if kind == "missing" and loc:
+        return loc[:-1], f'missing required setting "{loc[-1]}"'
+    bounds = {
+        "greater_than": "greater than {gt}",
+        "greater_than_equal": "at least {ge}",
+        "less_than": "less than {lt}",
+        "less_than_equal": "at most {le}",
+        "too_short": "a list of at least {min_length}",
+        "too_long": "a list of at most {max_length}",
+    }
+    if kind in bounds:
+        shown = {k: f"{v:g}" if isinstance(v, float) else v for k, v in ctx.items()}
+        return loc, "must be " + bounds[kind].format(**shown) + given
+    if kind == "literal_error":
+        allowed = re.findall(r"'([^']*)'", str(ctx.get("expected", "")))
+        hint = did_you_mean(value, allowed) if isinstance(value, str) else ""
+        return loc, f"must be one of {', '.join(allowed)}{given}{hint}"
+    if kind in ("union_tag_invalid", "union_tag_not_found"):
+        return loc, "must be a list of values or {table: …, column: …}"
+    if kind == "scalar_type":
+        return loc, "must be one value (a number, text, true/false or a date)" + given
+    if kind == "finite_number":
+        return loc, "must be a finite number" + given
+    base = kind.split("_")[0] if not kind.startswith("model_attributes") else "model_attributes"
+    if kind.endswith(("_type", "_parsing", "_from_float", "_from_datetime_parsing")) and base in _TYPE_WORDS:
+        return loc, f"must be {_TYPE_WORDS[base]}{given}"
+    message = str(error["msg"]).removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    return loc, message
+
+
+#: How pydantic names the members of the ``Scalar`` union in an error's key path.
+_SCALAR_MEMBERS = frozenset({"int", "float", "str", "bool", "date", "datetime"})
+
+
+def _one_of(error: Mapping[str, Any], lines: dict[tuple[Any, ...], int]) -> Mapping[str, Any]:
+    """A value fitting no member of a scalar union (``lower: [1]``) fails once per member, each at a
+    key path ending in the member's name: one error at the key itself instead."""
+    loc = tuple(error["loc"])
+    if loc and loc[-1] in _SCALAR_MEMBERS and tuple(map(str, loc)) not in lines and tuple(map(str, loc[:-1])) in lines:
+        return {**error, "loc": loc[:-1], "type": "scalar_type", "ctx": None}
+    return error
+
+
 def _describe(error: Mapping[str, Any], where: str, lines: dict[tuple[Any, ...], int]) -> str:
     cause = (error.get("ctx") or {}).get("error")
     raw_loc = (*error["loc"], *cause.loc) if isinstance(cause, PolicyPathError) else error["loc"]
@@ -470,8 +589,8 @@ def _describe(error: Mapping[str, Any], where: str, lines: dict[tuple[Any, ...],
     while probe and tuple(map(str, probe)) not in lines:
         probe = probe[:-1]
     line = lines.get(tuple(map(str, probe)), 1)
-    key_path = ".".join(str(p) for p in loc) or "<top>"
-    message = str(error["msg"]).removeprefix("Value error, ")
+    shown, message = _words(error, loc)
+    key_path = ".".join(str(p) for p in shown) or "<top>"
     return f"{where}:{line}: {key_path}: {message}"
 
 
@@ -484,13 +603,15 @@ def parse_policy(text: str, where: str = "<policy>") -> Policy:
         mark = getattr(exc, "problem_mark", None)
         line = mark.line + 1 if mark else 1
         raise PolicyError(f"{where}:{line}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    except ValueError as exc:  # a scalar YAML reads as a date but is none (2020-13-01): no mark
+        raise PolicyError(f"{where}:1: not valid YAML: {exc} (in a date)") from None
     if not isinstance(raw, dict) or node is None:
         raise PolicyError(f"{where}:1: a policy must be a YAML mapping with 'dataset', 'budget' and 'tables'")
     lines = {tuple(map(str, p)): n for p, n in _line_index(node)}
     try:
         return Policy.model_validate(raw)
     except ValidationError as exc:
-        problems = [_describe(e, where, lines) for e in exc.errors()]
+        problems = list(dict.fromkeys(_describe(_one_of(e, lines), where, lines) for e in exc.errors()))
         raise PolicyError(
             problems[0],
             detail="\n".join(problems[1:]) or None,

@@ -5,10 +5,12 @@ Each finding is reported like a policy load error, ``file:line: key.path: messag
 jumps to the line. Errors are what would make queries fail or protect less than the policy seems to
 say; warnings are what is legal but probably not intended.
 
-What is read from the database: its schema, and for each ``privacy_unit`` whether its first 100,000
-rows hold at least 100 distinct values (``SELECT DISTINCT … LIMIT 100``: the exact number is never
-read or printed). The
-result goes to the curator's terminal or the server's log only, never to an analyst.
+What is read from the database: its schema; for each ``privacy_unit`` whether its first 100,000
+rows hold at least 100 distinct values (``SELECT DISTINCT … LIMIT 100``: that number is never read
+or printed); and, over whole tables, one aggregate per table (NULLs per column, distinct values per
+identifier) and, for each ``references`` (and a unit that looks like a row id), how many distinct
+values the referenced column does not hold. Those are exact counts: the result goes to the curator's
+terminal or the server's log only, never to an analyst.
 
 ``dpsql policy check`` alone also asks for the bias summary (:func:`bias_findings`): per table the
 exact share of rows beyond its caps and of values outside its bounds, a warning above 5 %. Those are
@@ -30,7 +32,7 @@ from dpsql.analyze import analyze_tree
 from dpsql.analyze.parse import parse_statement
 from dpsql.backends import quote_ident
 from dpsql.errors import Error, PolicyError
-from dpsql.policy import ColumnPolicy, Policy, _line_index, parse_policy
+from dpsql.policy import ColumnPolicy, Policy, _line_index, did_you_mean, parse_policy
 from dpsql.synopsis.solve import MAX_CELLS
 
 from . import introspect
@@ -210,8 +212,8 @@ def database_findings(policy: Policy, backend: Any) -> Iterator[Finding]:
                     f"the database stores {type_name} but the policy declares {column.type}",
                 )
         present = {c for c in table.columns if (stored.get(c) or lowered.get(c.lower())) is not None}
-        yield from _data_findings(policy, name, backend, source, present)
-        yield from _reference_type_findings(policy, name, backend, stored)
+        yield from _data_findings(policy, name, backend, source, present, stored)
+        yield from _reference_findings(policy, name, backend, stored)
         unit = table.privacy_unit
         if unit is not None and (stored.get(unit) or lowered.get(unit.lower())) is not None:
             # capped at FEW_UNITS: the curator learns "few" or "enough", never the exact number; and
@@ -237,66 +239,109 @@ def database_findings(policy: Policy, backend: Any) -> Iterator[Finding]:
 
 
 def _did_you_mean(name: str, candidates: list[str]) -> str:
-    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
-    return f' (did you mean "{close[0]}"?)' if close else ""
+    return did_you_mean(name, candidates)
 
 
-def _scanned(backend: Any, source: str, column: str, condition: str) -> bool:
-    """Whether any of the first :data:`SCAN_ROWS` rows of ``source`` meets ``condition`` on ``column``
-    (``c``): a yes or no for the curator, never a count or a value."""
+@dataclass(frozen=True, slots=True)
+class _Counts:
+    """Whole-table counts of one table (one aggregate query): rows, non-NULL values per column, and
+    distinct non-NULL values per identifier. Exact, for the curator's terminal or the server's log only."""
+
+    rows: int
+    filled: dict[str, int]
+    distinct: dict[str, int]
+
+    def nulls(self, column: str) -> int:
+        return self.rows - self.filled[column]
+
+    def repeats(self, column: str) -> bool:
+        return self.distinct[column] < self.filled[column]
+
+    def unique(self, column: str) -> bool:
+        return self.filled[column] > 1 and self.distinct[column] == self.filled[column]
+
+
+def _count(backend: Any, source: str, plain: list[str], ids: list[str]) -> _Counts:
+    """:class:`_Counts` of ``source`` over all its rows: one scan, cheap on DuckDB and PostgreSQL, so a
+    NULL or a repeat on the last row is seen as surely as on the first."""
+    columns = [*plain, *ids]
+    items = ["COUNT(*)", *(f"COUNT({quote_ident(c)})" for c in columns)]
+    items += [f"COUNT(DISTINCT {quote_ident(c)})" for c in ids]
+    _, rows = backend.execute(f"SELECT {', '.join(items)} FROM {quote_ident(source)}")
+    values = [int(v or 0) for v in rows[0]]
+    filled = dict(zip(columns, values[1 : 1 + len(columns)], strict=True))
+    distinct = dict(zip(ids, values[1 + len(columns) :], strict=True))
+    return _Counts(values[0], filled, distinct)
+
+
+def _unmatched(backend: Any, source: str, column: str, target: str, to: str) -> tuple[int, int]:
+    """(distinct non-NULL values of ``source.column``, how many of them ``target.to`` does not hold):
+    one anti-join of the two distinct sets, whole tables."""
     _, rows = backend.execute(
-        f"SELECT 1 FROM (SELECT {quote_ident(column)} AS c FROM {quote_ident(source)} LIMIT {SCAN_ROWS}) AS s "
-        f"WHERE {condition} LIMIT 1"
+        f"SELECT COUNT(*), COUNT(q.k) FROM (SELECT DISTINCT {quote_ident(column)} AS c FROM {quote_ident(source)} "
+        f"WHERE {quote_ident(column)} IS NOT NULL) AS r LEFT JOIN (SELECT DISTINCT {quote_ident(to)} AS k FROM "
+        f"{quote_ident(target)}) AS q ON r.c = q.k"
     )
-    return bool(rows)
+    distinct, matched = int(rows[0][0] or 0), int(rows[0][1] or 0)
+    return distinct, distinct - matched
 
 
-def _repeats(backend: Any, source: str, column: str) -> bool:
-    """Whether a non-NULL value of ``column`` occurs twice among the first :data:`SCAN_ROWS` rows."""
-    _, rows = backend.execute(
-        f"SELECT 1 FROM (SELECT {quote_ident(column)} AS c FROM {quote_ident(source)} LIMIT {SCAN_ROWS}) AS s "
-        "WHERE c IS NOT NULL GROUP BY c HAVING COUNT(*) > 1 LIMIT 1"
-    )
-    return bool(rows)
+def _person_tables(policy: Policy, name: str, backend: Any) -> Iterator[tuple[str, str, str, str]]:
+    """(table, its source, its privacy unit, the unit's stored type) of the other private tables with a
+    stored privacy unit: where a person identifier of ``name`` may point."""
+    for other, table in policy.tables.items():
+        source = table.source or other
+        if other == name or table.public or table.privacy_unit is None or source.startswith(("parquet:", "orc:")):
+            continue
+        stored = introspect.columns(backend, source) or {}
+        if table.privacy_unit in stored:
+            yield other, source, table.privacy_unit, stored[table.privacy_unit]
 
 
-def _data_findings(policy: Policy, name: str, backend: Any, source: str, present: set[str]) -> Iterator[Finding]:
-    """What the data contradicts in the declarations of one table (its first :data:`SCAN_ROWS` rows).
+def _data_findings(
+    policy: Policy, name: str, backend: Any, source: str, present: set[str], stored: dict[str, str]
+) -> Iterator[Finding]:
+    """What the data contradicts in the declarations of one table (all its rows, :func:`_count`).
 
     - ``nullable: false`` on a column holding NULLs (an error: those rows silently leave answers);
       a nullable column holding none (a warning: GROUP BY releases a phantom NULL group, AVG widens);
     - a table without ``privacy_unit`` or ``references`` (each row one person) whose ``*_id``
       identifier repeats: one person's many rows would each count as a person (an error);
-    - a ``privacy_unit`` unique per row while the table allows many rows per person and another
-      identifier repeats: a row id, not a person (a warning).
+    - a ``privacy_unit`` unique per row, in a table no other table references, while the table allows
+      many rows per person and another identifier repeats, or another identifier's values all are
+      another table's privacy unit: a row id, not a person, so each of one person's rows would be
+      protected as a different person (an error naming the probable person column).
     """
     table = policy.tables[name]
     if table.public:
         return
-    for col_name, column in table.columns.items():
-        if col_name not in present or column.identifier:
-            continue
+    plain = [c for c, column in table.columns.items() if c in present and not column.identifier]
+    keys = (table.privacy_unit, table.references.column if table.references else None)
+    ids = [c for c in table.columns if c in present and (table.columns[c].identifier or c in keys)]
+    counts = _count(backend, source, plain, ids)
+    for col_name in plain:
+        column = table.columns[col_name]
         path = ("tables", name, "columns", col_name, "nullable")
-        has_null = _scanned(backend, source, col_name, "c IS NULL")
-        if not column.nullable and has_null:
+        nulls = counts.nulls(col_name)
+        if not column.nullable and nulls:
             yield Finding(
                 "error",
                 path,
-                f"'{col_name}' is declared 'nullable: false' but holds NULLs: rows with a NULL would drop out of "
-                "answers without a word; declare it nullable (or fix the data)",
+                f"'{col_name}' is declared 'nullable: false' but holds NULLs ({nulls:,} of {counts.rows:,} rows): "
+                "rows with a NULL would drop out of answers without a word; declare it nullable (or fix the data)",
             )
-        elif column.nullable and not has_null:
+        elif column.nullable and not nulls:
             yield Finding(
                 "warning",
                 path,
                 f"'{col_name}' holds no NULL: declare 'nullable: false' (else GROUP BY releases a NULL group "
                 "nobody is in, and AVG's interval is wider than it needs to be)",
             )
-    ids = [c for c in table.columns if c in present and table.columns[c].identifier]
-    person_ids = [c for c in ids if c.lower() == "id" or c.lower().endswith("_id")]
+    identifiers = [c for c in ids if table.columns[c].identifier]
+    person_ids = [c for c in identifiers if c.lower() == "id" or c.lower().endswith("_id")]
     if table.privacy_unit is None and table.references is None:
         for col_name in person_ids:
-            if _repeats(backend, source, col_name):
+            if counts.repeats(col_name):
                 yield Finding(
                     "error",
                     ("tables", name),
@@ -305,26 +350,62 @@ def _data_findings(policy: Policy, name: str, backend: Any, source: str, present
                 )
                 break
     unit = table.privacy_unit
-    if unit is not None and unit in present and table.max_rows_per_unit > 1 and not _repeats(backend, source, unit):
-        others = [c for c in person_ids if c != unit and _repeats(backend, source, c)]
-        if others:
-            yield Finding(
-                "warning",
-                ("tables", name, "privacy_unit"),
-                f"'{unit}' is unique per row (a row id?) while '{others[0]}' repeats: if '{others[0]}' names the "
-                "person, make it the unit; each row is now its own person",
-            )
+    if unit is None or unit not in present or not counts.unique(unit):
+        return
+    referenced = any(
+        t.references is not None and t.references.table == name and t.references.to == unit
+        for t in policy.tables.values()
+    )
+    if referenced:
+        return  # the person table: other tables' keys point at its unit, one row per person
+    person = next((c for c in identifiers if c != unit and counts.repeats(c) and c in person_ids), None)
+    if table.references is not None and table.references.column != unit:
+        person = table.references.column
+    pointing = _pointing(policy, name, backend, source, [c for c in identifiers if c != unit and counts.repeats(c)])
+    if pointing is not None:
+        person, other, other_unit = pointing
+    if person is None or not (pointing or table.max_rows_per_unit > 1 or table.references is not None):
+        return
+    why, fix = "", f"privacy_unit: {person}"
+    if pointing is not None:
+        why = f" and all its values are {other}.{other_unit}"
+        fix = f"references: {{column: {person}, table: {other}, to: {other_unit}}}"
+    yield Finding(
+        "error",
+        ("tables", name, "privacy_unit"),
+        f"'{unit}' is unique per row (a row id, not a person) while '{person}' repeats{why}: each of one "
+        f"person's rows would be protected as a different person; did you mean '{person}'? (declare {fix})",
+    )
 
 
-def _reference_type_findings(policy: Policy, name: str, backend: Any, stored: dict[str, str]) -> Iterator[Finding]:
-    """``references`` between columns stored as different types: every query joining them would fail
-    on the database (after its charge)."""
-    ref = policy.tables[name].references
+def _pointing(
+    policy: Policy, name: str, backend: Any, source: str, candidates: list[str]
+) -> tuple[str, str, str] | None:
+    """(column, table, unit): the first of ``candidates`` whose values all are another table's privacy
+    unit (same stored type family), i.e. the column naming the person this table's rows belong to."""
+    stored = introspect.columns(backend, source) or {}
+    for col_name in candidates:
+        for other, other_source, other_unit, other_type in _person_tables(policy, name, backend):
+            if introspect.family(other_type) != introspect.family(stored.get(col_name, "")):
+                continue
+            distinct, unmatched = _unmatched(backend, source, col_name, other_source, other_unit)
+            if distinct and not unmatched:
+                return col_name, other, other_unit
+    return None
+
+
+def _reference_findings(policy: Policy, name: str, backend: Any, stored: dict[str, str]) -> Iterator[Finding]:
+    """``references`` between columns stored as different types (every query joining them would fail on
+    the database, after its charge), or whose values the referenced column does not hold (the column
+    names no row there: a row id, say, so each of its values would count as a person of its own)."""
+    table = policy.tables[name]
+    ref = table.references
     target = policy.tables.get(ref.table) if ref is not None else None
     if ref is None or target is None:
         return
+    target_source = target.source or ref.table
     here = stored.get(ref.column)
-    there = (introspect.columns(backend, target.source or ref.table) or {}).get(ref.to)
+    there = (introspect.columns(backend, target_source) or {}).get(ref.to)
     if here is None or there is None:
         return
     if introspect.family(here) != introspect.family(there):
@@ -334,6 +415,31 @@ def _reference_type_findings(policy: Policy, name: str, backend: Any, stored: di
             f"'{ref.column}' is stored as {here} but {ref.table}.{ref.to} as {there}: the join to the privacy "
             "unit cannot match them; store both with one type",
         )
+        return
+    if table.public or target_source.startswith(("parquet:", "orc:")):
+        return
+    source = table.source or name
+    distinct, unmatched = _unmatched(backend, source, ref.column, target_source, ref.to)
+    if not unmatched:
+        return
+    fitting = []
+    for col_name, column in table.columns.items():
+        if col_name == ref.column or not column.identifier or col_name not in stored:
+            continue
+        if introspect.family(stored[col_name]) != introspect.family(there):
+            continue
+        others, missing = _unmatched(backend, source, col_name, target_source, ref.to)
+        if others and not missing:
+            fitting.append(col_name)
+    fitting.sort(key=lambda c: -difflib.SequenceMatcher(None, c.lower(), ref.table.lower()).ratio())
+    hint = f"; did you mean '{fitting[0]}' (all its values are in {ref.table}.{ref.to})?" if fitting else ""
+    yield Finding(
+        "error",
+        ("tables", name, "references", "column"),
+        f"{unmatched:,} of the {distinct:,} distinct values of '{ref.column}' are not in {ref.table}.{ref.to}: "
+        f"'{ref.column}' does not name a row of '{ref.table}', so each of its values would be protected as a "
+        f"person of its own{hint}",
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -124,7 +124,7 @@ def test_cli_exit_codes(
     assert capsys.readouterr().err == f"{bad}:16: tables.people.columns.zzz: {missing}\n"
     unloadable = _write(tmp_path, GOOD.replace("epsilon: 10,", "epsilon: -1,"))
     assert main(["policy", "check", "--policy", str(unloadable), "--database", url]) == 1
-    assert capsys.readouterr().err.startswith(f"{unloadable}:3: budget.dataset.epsilon: Input should be greater than 0")
+    assert capsys.readouterr().err.startswith(f"{unloadable}:3: budget.dataset.epsilon: must be greater than 0")
 
 
 def test_cli_missing_database_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

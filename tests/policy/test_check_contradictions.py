@@ -66,8 +66,11 @@ def test_each_contradiction_is_reported(hr: Backend) -> None:
         "    privacy_unit: id\n    max_rows_per_unit: 10",
         1,
     )
-    _, warnings = _check(hr, as_row_id)
-    assert any("'id' is unique per row (a row id?) while 'employee_id' repeats" in w for w in warnings), warnings
+    errors, _ = _check(hr, as_row_id)
+    assert any(
+        "tables.absences.privacy_unit: 'id' is unique per row (a row id, not a person) while 'employee_id' repeats" in e
+        for e in errors
+    ), errors
     # 3. references between columns of different types (mood is text, employees.id an integer)
     typed = NOTES.replace("privacy_unit: null", "references: {column: mood, table: employees, to: id}")
     errors, _ = _check(hr, draft + typed.replace("mood: {type: text}", "mood: {type: text, identifier: true}"))

@@ -90,7 +90,7 @@ def test_reference_resolves_and_adds_null_when_nullable() -> None:
         ),
         (
             "{table: departments}",
-            "refs.yaml:11: tables.visits.columns.department.domain.column: Field required",
+            'refs.yaml:11: tables.visits.columns.department.domain: missing required setting "column"',
         ),
     ],
 )
