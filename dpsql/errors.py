@@ -215,6 +215,10 @@ class DivisionByZero(DataError, code="22012"):
     pass
 
 
+class CharacterNotInRepertoire(DataError, code="22021"):
+    """Text that is not valid UTF-8 (``invalid byte sequence for encoding "UTF8"``)."""
+
+
 class InvalidParameterValue(DataError, code="22023"):
     pass
 

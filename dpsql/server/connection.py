@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from dpsql.analyze.parse import MAX_STATEMENT_CHARS
 from dpsql.errors import (
     AdminShutdown,
+    CharacterNotInRepertoire,
     ConfigurationLimitExceeded,
     DuplicateCursor,
     Error,
@@ -208,7 +209,12 @@ class Connection:
                         "terminating connection due to idle-in-transaction timeout"
                     ).fatal() from None
                 raise IdleSessionTimeout("terminating connection due to idle-session timeout").fatal() from None
-            msg = pq.parse_message(type_, payload)
+            try:
+                msg = pq.parse_message(type_, payload)
+            except pq.InvalidEncoding as exc:
+                self._bad_encoding(type_, exc)
+                await self.replies.flush()
+                continue
             if isinstance(msg, pq.Terminate):
                 return
             if self.ignore_till_sync and not isinstance(msg, pq.Sync):
@@ -218,6 +224,18 @@ class Connection:
             # pipelines without reading is not served further (as PostgreSQL, which blocks in send)
             await self.replies.flush()
             self.trim_memory()
+
+    def _bad_encoding(self, type_: str, exc: pq.InvalidEncoding) -> None:
+        """Not UTF-8 in a Query: ERROR 22021 and ready again; in an extended-protocol message: the
+        ERROR, then everything up to Sync is skipped (as for any failed message there)."""
+        if self.ignore_till_sync:
+            return
+        self.replies.send_error(CharacterNotInRepertoire(str(exc)))
+        self.commands.fail()  # inside a transaction block it is now aborted, as after any error
+        if type_ == "Q":
+            self.replies.send(pq.ready_for_query(self.commands.tx))
+        else:
+            self.ignore_till_sync = True
 
     async def dispatch(self, msg: pq.FrontendMessage) -> None:
         timeout = self.timeout_ms()

@@ -31,6 +31,11 @@ class WireViolation(Exception):
     survives (a Bind that does not match its statement), unless raised ``.fatal()``."""
 
 
+class InvalidEncoding(WireViolation):
+    """A well-framed message whose text is not UTF-8: PostgreSQL answers ERROR 22021 and the
+    session goes on (framing is intact), so the server does the same (see the message loop)."""
+
+
 # --- frontend messages --------------------------------------------------------------------------
 
 
@@ -166,7 +171,7 @@ class Cursor:
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError:
-            raise WireViolation('invalid byte sequence for encoding "UTF8"') from None
+            raise InvalidEncoding('invalid byte sequence for encoding "UTF8"') from None
 
     def bytes_(self, n: int) -> bytes:
         return self._take(n)

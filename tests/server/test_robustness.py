@@ -136,3 +136,25 @@ def test_many_concurrent_clients(dp_server: Running) -> None:
 
     assert len(asyncio.run(main())) == 25
     _still_serving(dp_server)
+
+
+def _message(kind: bytes, body: bytes) -> bytes:
+    return kind + struct.pack("!i", len(body) + 4) + body
+
+
+def test_text_that_is_not_utf8_is_an_error_the_session_survives(dp_server: Running) -> None:
+    """Not UTF-8 inside a well-framed message dropped the connection (FATAL 08P01); PostgreSQL
+    answers ERROR 22021 and goes on: in a Query, ready again; in Parse, everything up to Sync is
+    skipped. The same session then answers."""
+    with _connected(dp_server) as sock:
+        sock.sendall(_message(b"Q", b"SELECT '\xff\xfe'\0"))
+        reply = _read_until_ready(sock)
+        assert b"SERROR\0" in reply and b"C22021\0" in reply and b"invalid byte sequence" in reply, reply
+        bad_parse = _message(b"P", b"\0SELECT '\xc3\x28'\0\0\0")
+        bind = _message(b"B", b"\0\0\0\0\0\0\0\0")
+        sock.sendall(bad_parse + bind + _message(b"E", b"\0\0\0\0\0") + _message(b"S", b""))
+        reply = _read_until_ready(sock)
+        assert reply.count(b"SERROR\0") == 1 and b"C22021\0" in reply, reply  # Bind/Execute skipped
+        sock.sendall(_message(b"Q", b"SELECT 1\0"))
+        reply = _read_until_ready(sock)
+        assert b"SERROR\0" not in reply and b"D\0\0\0\x0b\0\x01\0\0\0\x011" in reply, reply
