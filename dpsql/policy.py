@@ -160,6 +160,12 @@ class ColumnPolicy(_Strict):
                         raise ValueError(f"'{name}' must be a finite number")
                 if self.type == "int" and not (isinstance(self.lower, int) and isinstance(self.upper, int)):
                     raise ValueError("an int column needs integer 'lower' and 'upper'")
+            elif self.type in ("date", "timestamp"):
+                for name, value in (("lower", self.lower), ("upper", self.upper)):
+                    if not isinstance(value, dt.date):
+                        raise ValueError(f"'{name}' must be a {self.type} (YYYY-MM-DD), not {value!r}")
+                if type(self.lower) is not type(self.upper):
+                    raise ValueError("'lower' and 'upper' must both be dates or both timestamps")
             if self.lower > self.upper:  # type: ignore[operator]
                 raise ValueError(f"'lower' ({self.lower}) is greater than 'upper' ({self.upper})")
         if isinstance(self.domain, tuple) and len(set(self.domain)) != len(self.domain):

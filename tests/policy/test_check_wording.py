@@ -81,6 +81,11 @@ ONE_VALUE = "one value (a number, text, true/false or a date)"
             "lower: [0],",
             f"x.yaml:17: tables.absences.columns.days.lower: must be {ONE_VALUE}, not [0]",
         ),
+        (  # a date column with a bound YAML reads as text: was a TypeError out of the loader
+            "days: {type: int, lower: 0, upper: 30,",
+            "days: {type: date, lower: 2020-12-01x, upper: 2021-01-01,",
+            "x.yaml:17: tables.absences.columns.days: 'lower' must be a date (YYYY-MM-DD), not '2020-12-01x'",
+        ),
         (
             "budget:\n  dataset: {epsilon: 10.0, delta: 1.0e-5}\n  analyst: {epsilon: 5.0}\n",
             "",
