@@ -49,6 +49,20 @@ from . import introspect
 MAX_DOMAIN = 20
 #: Domain values held by fewer people than this are flagged as rare in the draft.
 RARE_UNITS = 5
+#: Words in a table's name that say its rows are people: a small ``managers(id, name)`` that others
+#: point at is still people, its ``name`` an identifier (never proposed as a public domain).
+PEOPLE_WORDS = (
+    "employee", "manager", "staff", "user", "person", "people", "customer", "patient", "member",
+    "student", "client", "doctor", "nurse", "contact", "owner", "worker", "teacher", "driver",
+    "author", "agent", "supervisor", "reviewer", "resident", "citizen", "applicant", "account",
+)  # fmt: skip
+
+
+def _of_people(table: str) -> bool:
+    """Whether a table's name says its rows are people (see :data:`PEOPLE_WORDS`)."""
+    return any(word in table.lower() for word in PEOPLE_WORDS)
+
+
 #: A table of at most this many rows that names no person is proposed ``public: true`` (for review).
 PUBLIC_ROWS = 1000
 #: ``max_rows_per_unit`` proposed for a table with many rows per person (to review with the data's owner).
@@ -305,7 +319,9 @@ def draft_policy(backend: Any, tables: list[str], dataset: str) -> str:
         public = False
         # a lookup table's own key and (when others point at it) its name identify no person
         own = set(pks.get(name) or (["id"] if "id" in stored else []))
-        plain = frozenset(c for c in stored if c.lower() == "name" and name in lookups and c not in own)
+        plain = frozenset(
+            c for c in stored if c.lower() == "name" and name in lookups and c not in own and not _of_people(name)
+        )
         if name == person and key is not None:
             unit = key
             out += [

@@ -173,3 +173,33 @@ def test_cli_dataset_name(
     assert dataset == expected and dataset.isidentifier(), dataset
     assert main(["policy", "check", "--policy", str(out), "--database", url]) == 0
     capsys.readouterr()
+
+
+def test_a_small_table_of_people_pointed_at_is_not_proposed_public(tmp_path: Path) -> None:
+    """``managers(id, name)``, 5 rows, pointed at by employees.manager_id: small and pointed at like a
+    lookup table, but its name says its rows are people, so its ``name`` stays an identifier and the
+    table is not proposed public (its names would otherwise become a published domain)."""
+    backend = open_backend(f"duckdb:///{tmp_path}/m.duckdb")
+    rows = [f"INSERT INTO managers VALUES ({m}, 'Manager {m}');" for m in range(1, 6)]
+    rows += [f"INSERT INTO employees VALUES ({e}, {1 + e % 5});" for e in range(1, 41)]
+    rows += [f"INSERT INTO absences VALUES ({e}, {e}, 2);" for e in range(1, 41)]
+    rows += [f"INSERT INTO reviews VALUES ({e}, {e}, 3);" for e in range(1, 41)]
+    backend.execute_script(
+        f"""
+CREATE TABLE managers (id INTEGER PRIMARY KEY, name VARCHAR(40) NOT NULL);
+CREATE TABLE employees (id INTEGER PRIMARY KEY, manager_id INTEGER NOT NULL REFERENCES managers(id));
+CREATE TABLE absences (id INTEGER PRIMARY KEY, employee_id INTEGER NOT NULL REFERENCES employees(id),
+                       days INTEGER NOT NULL);
+CREATE TABLE reviews (id INTEGER PRIMARY KEY, employee_id INTEGER NOT NULL REFERENCES employees(id),
+                      score INTEGER NOT NULL);
+{chr(10).join(rows)}
+"""
+    )
+    try:
+        text = draft_policy(backend, ["absences", "employees", "managers", "reviews"], "hr")
+        policy = parse_policy(text, "hr.yaml")
+        assert policy.tables["employees"].privacy_unit == "id"  # the person table: two tables point at it
+        assert not policy.tables["managers"].public
+        assert policy.tables["managers"].columns["name"].identifier
+    finally:
+        backend.close()
