@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from dpsql.accountant import Allowance, BudgetLike, Spent, remaining_budget
-from dpsql.commands import default_policy, format_table, json_number, os_user, require_policy
+from dpsql.commands import format_table, json_number, os_user, require_policy
 from dpsql.errors import DatetimeFieldOverflow, InvalidDatetimeFormat
 from dpsql.ledger import Ledger, default_ledger
 from dpsql.ledger.audit_report import TABLE_COLUMNS, as_csv, as_json, as_table_rows, audit_rows, parse_since, printable
@@ -28,8 +28,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``dpsql budget`` with its lever subcommands (``dpsql budget`` and ``dpsql budget --json``
     keep working without one), ``dpsql audit`` and ``dpsql ledger`` to the command parsers."""
     budget = sub.add_parser("budget", help="privacy budget spent and remaining")
-    budget.add_argument("--policy")
-    budget.add_argument("--ledger")
+    _ledger_options(budget)
     budget.add_argument("--analyst")
     budget.add_argument("--json", action="store_true")
     budget.set_defaults(func=cmd_budget)
@@ -83,8 +82,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def cmd_budget(args: argparse.Namespace) -> int:
-    """``dpsql budget``: every analyst's ε spent, total (policy + grants) and remaining, and the dataset's."""
-    policy = load_policy(args.policy or default_policy())
+    """``dpsql budget``: every analyst's ε spent, total (policy + grants) and remaining, and the dataset's.
+    ``--policy`` is required (:func:`_open`): totals of the demo's dataset printed for a curator who forgot
+    it would read as their own."""
+    policy, ledger = _open(args)
     accounting = policy.budget.accounting
 
     def spent_and_left(used: Spent, total: BudgetLike) -> tuple[float, float]:
@@ -92,7 +93,6 @@ def cmd_budget(args: argparse.Namespace) -> int:
         left = remaining_budget(used, total, accounting).epsilon
         return used.privacy_loss(accounting, total.delta)[0], left
 
-    ledger = Ledger.open(args.ledger or default_ledger(policy.dataset))
     try:
         spent = {row.analyst: row.spent for row in ledger.summary(policy.dataset)}
         names = sorted({a.name for a in policy.analysts} | set(spent))

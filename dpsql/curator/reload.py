@@ -14,8 +14,13 @@ same, and a changed dataset name (another ledger key) is refused — that needs 
 
 The verdict: ``dpsql reload`` leaves a random token next to the pid file before signalling; each
 serving process (one, or each worker of ``--processes N``) writes its verdict on that token to
-``<pid file>.verdict-<pid>`` when its reload ends, and ``dpsql reload`` waits for all of them and
-exits non-zero if any refused the policy — a curator never believes a refused policy is serving.
+``<pid file>.verdict-<pid>`` when its reload ends — after the new engine *and* its shadow catalog
+(``\\d+``, column comments) are in place, so success means every surface shows the new policy — and
+``dpsql reload`` waits for all of them and exits non-zero if any refused the policy: a curator never
+believes a refused policy is serving.
+
+The pid file holds the pid alone (``kill -HUP $(cat FILE)`` works); how many processes answer a
+reload (``--processes N``) is in ``<pid file>.processes`` beside it.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from pathlib import Path
 
 from dpsql.cache import policy_hash
 from dpsql.engine import Engine
-from dpsql.errors import PolicyError
+from dpsql.errors import Error, PolicyError
 from dpsql.ledger import dpsql_home
 
 from .check import check_file
@@ -41,34 +46,41 @@ from .check import check_file
 log = logging.getLogger("dpsql.curator")
 
 
-def make_reloader(
-    policy_path: str | Path, status: Callable[[], Path | None] | None = None
-) -> Callable[[Engine], Engine]:
-    """What the server calls on SIGHUP: the engine for the re-read policy (``current`` if unchanged).
-    ``status`` names the pid file (known once the server listens) next to which the verdict is
-    written for ``dpsql reload`` to wait on."""
-    check = _reloader(Path(policy_path))
+def make_reloader(policy_path: str | Path, status: Callable[[], Path | None] | None = None) -> PolicyReloader:
+    """What the server calls on SIGHUP (:class:`dpsql.server.server.Reloader`). ``status`` names the pid
+    file (known once the server listens) next to which the verdict is written for ``dpsql reload``."""
+    return PolicyReloader(Path(policy_path), status)
 
-    def reload(current: Engine) -> Engine:
-        pid_file = status() if status is not None else None
-        try:
-            engine = check(current)
-        except PolicyError as exc:
-            if pid_file is not None:
-                write_verdict(pid_file, False, exc.message + (f"\n{exc.detail}" if exc.detail else ""))
-            raise
-        except Exception:
-            if pid_file is not None:
-                write_verdict(pid_file, False, "internal error (see the server's log)")
-            raise
+
+class PolicyReloader:
+    """Checks the re-read policy and builds its engine (``current`` if unchanged); the server reports
+    the outcome through :meth:`refused` or :meth:`applied` only once engine and shadow catalog are
+    swapped, so ``dpsql reload`` never prints success while a surface still shows the old policy."""
+
+    def __init__(self, path: Path, status: Callable[[], Path | None] | None = None) -> None:
+        self._check = _reloader(path)
+        self._status = status
+
+    def __call__(self, current: Engine) -> Engine:
+        return self._check(current)
+
+    def refused(self, error: BaseException) -> None:
+        if isinstance(error, Error):  # a refusal's file:line reason; anything else stays in the log
+            message = error.message + (f"\n{error.detail}" if error.detail else "")
+        else:
+            message = "internal error (see the server's log)"
+        self._write(False, message)
+
+    def applied(self, engine: Engine, changed: bool, warning: str | None = None) -> None:
+        policy = engine.policy
+        counts = f"{_plural(len(policy.tables), 'table')}, {_plural(len(policy.analysts), 'analyst')}"
+        note = f"; WARNING: {' '.join(warning.split())}" if warning else ""  # one line: `dpsql reload` adds the pid
+        self._write(True, f"policy {'reloaded' if changed else 'unchanged'}: {counts}{note}")
+
+    def _write(self, ok: bool, message: str) -> None:
+        pid_file = self._status() if self._status is not None else None
         if pid_file is not None:
-            policy = engine.policy
-            done = "unchanged" if engine is current else "reloaded"
-            counts = f"{_plural(len(policy.tables), 'table')}, {_plural(len(policy.analysts), 'analyst')}"
-            write_verdict(pid_file, True, f"policy {done}: {counts}")
-        return engine
-
-    return reload
+            write_verdict(pid_file, ok, message)
 
 
 def _plural(n: int, word: str) -> str:
@@ -104,10 +116,22 @@ def default_pid_file(port: int) -> Path:
 
 
 def write_pid_file(path: Path, processes: int = 1) -> None:
-    """``<pid>`` and the number of serving processes whose verdicts ``dpsql reload`` waits for."""
+    """``<pid>`` alone, as ``kill $(cat FILE)`` and service managers expect; with ``--processes N``
+    the number of serving processes whose verdicts ``dpsql reload`` waits for goes to
+    ``<pid file>.processes``, written first so a reader that finds the pid finds the count."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    count = _processes(path)
+    if processes > 1:
+        _write_atomically(count, f"{processes}\n")
+    else:
+        with contextlib.suppress(OSError):
+            count.unlink()  # a previous supervisor's, on the same pid file
+    _write_atomically(path, f"{os.getpid()}\n")
+
+
+def _write_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(f"{os.getpid()}\nprocesses {processes}\n", encoding="utf-8")
+    tmp.write_text(text, encoding="utf-8")
     tmp.replace(path)
 
 
@@ -116,8 +140,13 @@ def remove_pid_file(path: Path) -> None:
     with contextlib.suppress(OSError, ValueError):
         if int(path.read_text(encoding="utf-8").split()[0]) == os.getpid():
             path.unlink()
-            with contextlib.suppress(OSError):
-                _request(path).unlink()
+            for leftover in (_request(path), _processes(path)):
+                with contextlib.suppress(OSError):
+                    leftover.unlink()
+
+
+def _processes(pid_file: Path) -> Path:
+    return pid_file.with_name(pid_file.name + ".processes")
 
 
 def _request(pid_file: Path) -> Path:
@@ -161,7 +190,9 @@ def signal_reload(pid_file: Path) -> tuple[int, str, int]:
     lines = pid_file.read_text(encoding="utf-8").split("\n")
     pid = int(lines[0].split()[0])
     processes = 1
-    for line in lines[1:]:
+    with contextlib.suppress(OSError, ValueError, IndexError):  # none: a single serving process
+        processes = max(1, int(_processes(pid_file).read_text(encoding="utf-8").split()[0]))
+    for line in lines[1:]:  # a pid file written by an earlier release
         if line.startswith("processes "):
             processes = max(1, int(line.split()[1]))
     os.kill(pid, 0)  # alive (raises ProcessLookupError) before leaving a request behind

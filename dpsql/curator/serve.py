@@ -9,7 +9,8 @@
   warned about (a ledger marker under ``$DPSQL_HOME/markers``): budget spent there is not counted
   here, so the whole budget would be spendable again. The marker holds the redacted ledger URL and a
   query count, for the operator only; it only knows what this ``$DPSQL_HOME`` recorded.
-- A pid file (``--pid-file``, default ``$DPSQL_HOME/serve-<port>.pid``) for ``dpsql reload``.
+- A pid file (``--pid-file``, default ``$DPSQL_HOME/serve-<port>.pid``) for ``dpsql reload``: the pid
+  alone, so ``kill -HUP $(cat FILE)`` works (:func:`dpsql.curator.reload.write_pid_file`).
 """
 
 from __future__ import annotations
@@ -126,5 +127,6 @@ def note_ledger(engine: Engine, ledger_url: str, *, at_start: bool) -> str | Non
 def add_serve_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pid-file",
-        help="where to write the server's pid for `dpsql reload` (default: $DPSQL_HOME/serve-<port>.pid; '' none)",
+        help="where to write the server's pid, alone, for `dpsql reload` or `kill -HUP $(cat FILE)` "
+        "(default: $DPSQL_HOME/serve-<port>.pid; '' none)",
     )

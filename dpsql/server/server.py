@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dpsql.errors import Error, TooManyConnections
 from dpsql.outer.admission import configure as sandbox_admission
@@ -29,8 +29,25 @@ from .protocol import DEFAULT_MAX_MESSAGE, DEFAULT_PORT
 
 if TYPE_CHECKING:
     from dpsql.engine import Engine
+    from dpsql.policy import Policy
 
 log = logging.getLogger("dpsql.server")
+
+
+class Reloader(Protocol):
+    """What re-reads the policy on ``SIGHUP`` (:func:`dpsql.curator.reload.make_reloader`).
+
+    Calling it builds the engine of the re-read policy (``current`` itself when unchanged) or raises
+    to refuse it; :meth:`Server.reload` then swaps engine and catalog and only after that reports the
+    outcome through :meth:`refused` or :meth:`applied`, so a reload reported done is visible everywhere
+    (answers, NOTICEs, ``\\d+`` and comments)."""
+
+    def __call__(self, current: Engine) -> Engine: ...
+
+    def refused(self, error: BaseException) -> None: ...
+
+    def applied(self, engine: Engine, changed: bool, warning: str | None) -> None: ...
+
 
 GIL_SWITCH_INTERVAL = 0.0005
 FALLBACK_SERVER_VERSION = "16.0"
@@ -234,25 +251,31 @@ class ServerContext:
         self.policy = engine.policy
         self.defaults = engine.policy.defaults
 
-    def refresh_catalog(self) -> None:
-        """Blocking: after a reload that changed tables or analysts, a fresh shadow for the new policy.
+    def prepare_catalog(self, policy: Policy) -> CatalogShadow:
+        """Blocking: a started shadow for a reloaded policy (raises when it cannot start). The current
+        shadow keeps serving meanwhile; :meth:`swap_catalog` puts the new one in place."""
+        shadow = CatalogShadow(policy, self.options.catalog_dsn)
+        shadow.start()
+        return shadow
 
-        The old shadow serves until the new one is ready; catalog queries running on it at the swap
-        may fail with 08006 (DP queries are not affected)."""
-        if self.shadow is None:
-            return
-        shadow = CatalogShadow(self.policy, self.options.catalog_dsn)
-        try:
-            shadow.start()
-        except Exception as exc:
-            log.warning("catalog server for the reloaded policy unavailable, keeping the previous one: %s", exc)
-            return
-        old_pool, old = self.shadow_pool, self.shadow
+    def swap_catalog(self, shadow: CatalogShadow | None) -> tuple[ShadowPool | None, CatalogShadow | None]:
+        """On the event loop, in the same step as :meth:`use_engine`: serve ``shadow`` (None: refuse
+        catalog queries with 0A000, as after a failed start) and return the old pool and shadow for
+        :meth:`retire_catalog`. Never a stale catalog beside a new engine: \\d+ and the comments would
+        show the old bounds and caps while answers already use the new ones."""
+        old = self.shadow_pool, self.shadow
         self.shadow, self.shadow_pool = shadow, None
-        if old_pool is not None:
-            old_pool.close()
-        old.stop()
-        log.info("catalog refreshed for the reloaded policy")
+        return old
+
+    @staticmethod
+    def retire_catalog(old: tuple[ShadowPool | None, CatalogShadow | None]) -> None:
+        """Blocking: close a swapped-out shadow; catalog queries still running on it may fail with 08006
+        (DP queries are not affected)."""
+        pool, shadow = old
+        if pool is not None:
+            pool.close()
+        if shadow is not None:
+            shadow.stop()
 
     def stop_catalog(self) -> None:
         if self.shadow_pool is not None:
@@ -289,7 +312,7 @@ class Server:
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         #: Builds the engine of a re-read policy from the current one (``SIGHUP``); raises to refuse it.
-        self.reloader: Callable[[Engine], Engine] | None = None
+        self.reloader: Reloader | None = None
         self._reloading: asyncio.Lock | None = None
 
     @property
@@ -335,8 +358,15 @@ class Server:
 
     async def reload(self) -> bool:
         """Re-read the policy (``SIGHUP``) without dropping a connection; a bad one is logged and refused
-        and the previous policy keeps serving. Off the event loop; reloads never overlap."""
-        if self.reloader is None:
+        and the previous policy keeps serving. Off the event loop; reloads never overlap.
+
+        A policy that changes tables or analysts gets its shadow catalog started *before* the swap, and
+        engine and catalog are swapped in one step on the event loop; only then is the reload reported
+        (:meth:`Reloader.applied`), so ``dpsql reload``'s success means every surface shows the new policy.
+        A catalog that cannot start never holds back the policy (it may revoke an analyst or tighten a
+        bound): catalog queries are refused (0A000) rather than answered from the old policy's schema."""
+        reloader = self.reloader
+        if reloader is None:
             log.warning("reload requested, but this server has no policy file to re-read")
             return False
         if self._reloading is None:
@@ -345,27 +375,47 @@ class Server:
         async with self._reloading:
             current = self.ctx.engine
             try:
-                engine = await loop.run_in_executor(None, self.reloader, current)
+                engine = await loop.run_in_executor(None, reloader, current)
             except Error as exc:
                 detail = f"\n{exc.detail}" if exc.detail else ""
                 log.error("policy reload refused, still serving the previous policy: %s%s", exc.message, detail)
+                await loop.run_in_executor(None, reloader.refused, exc)
                 return False
-            except Exception:
+            except Exception as exc:
                 log.exception("policy reload failed, still serving the previous policy")
+                await loop.run_in_executor(None, reloader.refused, exc)
                 return False
             if engine is current:
                 log.info("policy reload: unchanged")
+                await loop.run_in_executor(None, reloader.applied, engine, False, None)
                 return True
-            old = current.policy
-            self.ctx.use_engine(engine)
-            new = engine.policy
+            old, new = current.policy, engine.policy
+            # a catalog that is down (a failed start or refresh) is retried: a reload is the operator's cue
+            changed = old.tables != new.tables or old.analysts != new.analysts
+            refresh = self.options.catalog_dsn != "" and (changed or self.ctx.shadow is None)
+            shadow: CatalogShadow | None = None
+            warning = None
+            if refresh:
+                try:
+                    shadow = await loop.run_in_executor(None, self.ctx.prepare_catalog, new)
+                except Exception as exc:
+                    warning = f"the catalog server for the new policy did not start, catalog queries are refused: {exc}"
+                    log.warning("%s", warning)
+            self.ctx.use_engine(engine)  # engine and catalog in one step: no await in between
+            retired = self.ctx.swap_catalog(shadow) if refresh else None
             log.info(
                 "policy reloaded: %d tables, %d analysts; cached plans and results of the old policy are not used",
                 len(new.tables),
                 len(new.analysts),
             )
-            if old.tables != new.tables or old.analysts != new.analysts:
-                await loop.run_in_executor(None, self.ctx.refresh_catalog)
+            if shadow is not None:
+                log.info("catalog refreshed for the reloaded policy")
+            await loop.run_in_executor(None, reloader.applied, engine, True, warning)
+            if retired is not None:  # cleanup only: nothing reaches the old shadow any more
+                try:
+                    await loop.run_in_executor(None, self.ctx.retire_catalog, retired)
+                except Exception as exc:
+                    log.warning("the previous catalog server did not stop cleanly: %s", exc)
             return True
 
     async def stop(self) -> None:
@@ -396,7 +446,7 @@ async def serve(
     catalog_dsn: str | None = None,
     stop: asyncio.Event | None = None,
     on_listening: Callable[[int], object] | None = None,
-    reloader: Callable[[Engine], Engine] | None = None,
+    reloader: Reloader | None = None,
     **options: Any,
 ) -> None:
     """Serve until ``stop`` is set (or the task is cancelled). See :class:`ServerOptions` for ``options``.

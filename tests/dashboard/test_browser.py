@@ -40,7 +40,7 @@ def _connect(port: int, user: str) -> psycopg.Connection[Any]:
 
 def _budget_json(ledger: str) -> dict[str, Any]:
     out = subprocess.run(
-        [sys.executable, "-m", "dpsql.cli", "budget", "--json", "--ledger", ledger],
+        [sys.executable, "-m", "dpsql.cli", "budget", "--json", "--policy", "schemas/health.yaml", "--ledger", ledger],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -36,7 +36,7 @@ def test_query_json_and_budget(tmp_path: Path) -> None:
     out = dpsql("query", "--json", "-U", "alice", "--epsilon", "0.25", "SELECT COUNT(*) FROM patients", home=tmp_path)
     payload = json.loads(out.stdout)
     assert payload["columns"] == [{"name": "count", "type": "bigint"}] and payload["epsilon_spent"] == 0.25
-    budget = json.loads(dpsql("budget", "--json", home=tmp_path).stdout)
+    budget = json.loads(dpsql("budget", "--json", "--policy", "schemas/health.yaml", home=tmp_path).stdout)
     alice = next(row for row in budget if row["analyst"] == "alice")
     assert alice["epsilon_spent"] == 0.25 and alice["epsilon_remaining"] == 9.75
 
@@ -44,7 +44,7 @@ def test_query_json_and_budget(tmp_path: Path) -> None:
 def test_explain_spends_nothing(tmp_path: Path) -> None:
     out = dpsql("explain", "SELECT AVG(age) FROM patients", home=tmp_path)
     assert out.returncode == 0 and "Backend SQL" in out.stdout and "sensitivity" in out.stdout
-    budget = json.loads(dpsql("budget", "--json", home=tmp_path).stdout)
+    budget = json.loads(dpsql("budget", "--json", "--policy", "schemas/health.yaml", home=tmp_path).stdout)
     assert all(row["epsilon_spent"] == 0 for row in budget)
 
 

@@ -148,7 +148,11 @@ def test_cli_same_group_by_costs_once(tmp_path: Path, health_policy: Policy, dat
     assert answers[0]["rows"] == rows[:3] == answers[1]["rows"]
     assert sorted(answers[2]["rows"]) == sorted(rows)
     budget = subprocess.run(
-        [sys.executable, "-m", "dpsql.cli", "budget", "--json"], capture_output=True, text=True, env=env, cwd=ROOT
+        [sys.executable, "-m", "dpsql.cli", "budget", "--json", "--policy", "schemas/health.yaml"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
     )
     spent = {row["analyst"]: row["epsilon_spent"] for row in json.loads(budget.stdout)}
     assert spent["analyst"] == 1.0
