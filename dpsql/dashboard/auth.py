@@ -13,10 +13,11 @@ it is the curator's, so everything but the login page needs a session. Design ch
   - per client address: :data:`MAX_FAILURES` per :data:`FAILURE_WINDOW_S`, then 429 without even
     checking the password (an IPv6 client counts by its /64);
   - per account: past :data:`ACCOUNT_FREE_FAILURES` failures in :data:`ACCOUNT_WINDOW_S` from all
-    addresses together, password checks are spaced out, one at a time, in arrival order (a
-    slow-down of up to :data:`SLOWDOWN_MAX_S` seconds between checks): guesses from any number of
-    addresses are bounded to one per that interval, and every attempt — the curator's too — is
-    still checked, after a bounded wait: a slow-down, never a lockout;
+    addresses together, password checks are spaced out, one at a time, in arrival order, the spacing
+    doubling with each further failure up to :data:`SLOWDOWN_MAX_S` (60 s): guesses from any number of
+    addresses are bounded to about 60 an hour sustained. An attempt waits at most that long for its
+    turn; one arriving while a turn further out is already taken gets 429 at once, unchecked (so
+    waiting requests cannot pile up and hold every connection). Devices are exempt (below);
   - per device: a browser that logged in once holds a device cookie (an HMAC under a key derived
     from the verifier, so a new password revokes them all); its attempts skip the address lockout
     and the account slow-down and count against that device only (:data:`MAX_FAILURES` per window).
@@ -49,9 +50,10 @@ FAILURE_WINDOW_S = 300.0
 #: Failed logins of the account, from every address without a device cookie, before checks are spaced out.
 ACCOUNT_FREE_FAILURES = 5
 ACCOUNT_WINDOW_S = 900.0
-#: Spacing between password checks under the slow-down: one more step per further failure, up to the max.
+#: Spacing between password checks under the slow-down: the step, doubled per further failure, up to the
+#: max (1, 2, 4 … 32, then 60 s: about 60 guesses an hour sustained, however many addresses guess).
 SLOWDOWN_STEP_S = 1.0
-SLOWDOWN_MAX_S = 5.0
+SLOWDOWN_MAX_S = 60.0
 #: A device cookie's life: a browser that logged in keeps its own allowance this long.
 DEVICE_TTL_S = 30 * 86400
 #: A session's whole life (the curator logs in again after it).
@@ -93,6 +95,10 @@ def password_matches(verifier: Verifier, password: str) -> bool:
     salted = hashlib.pbkdf2_hmac("sha256", password.encode("utf-8"), verifier.salt, verifier.iterations)
     client_key = hmac.new(salted, b"Client Key", hashlib.sha256).digest()
     return hmac.compare_digest(hashlib.sha256(client_key).digest(), verifier.stored_key)
+
+
+class SlowedDown(Exception):
+    """A login without a device cookie while the account's password checks are booked up (429)."""
 
 
 @dataclass
@@ -159,9 +165,10 @@ class Curator:
                 failures.popleft()
             return failures is not None and len(failures) >= MAX_FAILURES
 
-    def slowdown(self) -> float:
+    def slowdown(self) -> float | None:
         """Seconds the next password check without a device cookie waits (0 while the account has had
-        few failures); reserves that check's turn, in arrival order."""
+        few failures), reserving that check's turn in arrival order; None (no turn taken) when the free
+        turn is more than :data:`SLOWDOWN_MAX_S` away: the caller refuses (429) without a check."""
         now = time.monotonic()
         with self._lock:
             while self._account and self._account[0] < now - ACCOUNT_WINDOW_S:
@@ -170,15 +177,20 @@ class Curator:
             if excess < 0:
                 return 0.0
             start = max(now, self._next_check)
-            self._next_check = start + min(SLOWDOWN_MAX_S, SLOWDOWN_STEP_S * (excess + 1))
+            if start - now > SLOWDOWN_MAX_S:
+                return None
+            self._next_check = start + min(SLOWDOWN_MAX_S, SLOWDOWN_STEP_S * 2.0 ** min(excess, 64))
             return start - now
 
     def login(self, client: str, password: str, device: str | None = None) -> str | None:
         """A new session token if the password is right, else None (and the failure is counted).
 
-        Without a device cookie the check waits its turn under the account's slow-down first."""
+        Without a device cookie the check waits its turn under the account's slow-down first;
+        :class:`SlowedDown` when no turn is free soon enough (nothing checked, nothing counted)."""
         if device is None:
             wait = self.slowdown()
+            if wait is None:
+                raise SlowedDown()
             if wait > 0:
                 time.sleep(wait)
         if password_matches(self.verifier, password):

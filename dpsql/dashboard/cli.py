@@ -79,7 +79,12 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
             tls=tls is not None,
             allowed_hosts=tuple(args.allowed_host),
         )
-        server = make_server(app, args.host, args.port, tls)
+        try:
+            server = make_server(app, args.host, args.port, tls)
+        except OSError as exc:  # the port is taken, the address is not ours: one line, as `dpsql serve` says it
+            print(f"ERROR:  could not listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+            print("HINT:  Is another dashboard running there? Choose another with --port.", file=sys.stderr)
+            return 1
         warning = insecure_listen_warning(args.host, tls is not None)
         if warning is not None:
             print(f"WARNING:  {warning}", file=sys.stderr, flush=True)

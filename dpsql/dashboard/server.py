@@ -49,7 +49,7 @@ from importlib import resources
 from typing import Any
 
 from dpsql.dashboard import pages, views
-from dpsql.dashboard.auth import DEVICE_TTL_S, Curator, client_key, tokens_equal
+from dpsql.dashboard.auth import DEVICE_TTL_S, Curator, SlowedDown, client_key, tokens_equal
 from dpsql.errors import (
     ConfigurationLimitExceeded,
     Error,
@@ -500,7 +500,14 @@ class Handler(BaseHTTPRequestHandler):
             return self._login_page(HTTPStatus.TOO_MANY_REQUESTS, _error(exc))
         if not self._same_origin() or not tokens_equal(form.get("csrf"), self._cookie(LOGIN_COOKIE)):
             return self._login_page(HTTPStatus.FORBIDDEN, _error(_csrf_error()))
-        token = curator.login(client, form.get("password", ""), device)
+        try:
+            token = curator.login(client, form.get("password", ""), device)
+        except SlowedDown:
+            exc = ConfigurationLimitExceeded(
+                "too many failed logins for the curator: password checks are spaced out",
+                hint="Try again in a minute, or from a browser that logged in before.",
+            )
+            return self._login_page(HTTPStatus.TOO_MANY_REQUESTS, _error(exc))
         if token is None:
             log.warning("failed dashboard login from %s%s", client, " (known browser)" if device else "")
             return self._login_page(

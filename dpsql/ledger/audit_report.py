@@ -133,12 +133,28 @@ def as_json(rows: Sequence[dict[str, Any]]) -> str:
     return json.dumps([{k: _cell(v) for k, v in row.items()} for row in rows])
 
 
+#: First characters a spreadsheet reads as a formula (CSV injection): such a text cell gets a leading ``'``.
+_FORMULA_STARTS = ("=", "+", "-", "@")
+
+
+def csv_cell(value: Any) -> Any:
+    """One CSV cell: a text escaped as in the table (:func:`printable`: an analyst's name or query never
+    reaches a terminal or a viewer as control or bidi characters), and one a spreadsheet would run as a
+    formula (``=``, ``+``, ``-``, ``@`` first) prefixed with ``'``; numbers and times as they are."""
+    value = _cell(value)
+    if not isinstance(value, str):
+        return value
+    text = printable(value)
+    return "'" + text if text.startswith(_FORMULA_STARTS) else text
+
+
 def as_csv(rows: Sequence[dict[str, Any]]) -> str:
+    """The rows as CSV with a header line, every cell through :func:`csv_cell`."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(AUDIT_COLUMNS)
     for row in rows:
-        writer.writerow(["" if row[c] is None else _cell(row[c]) for c in AUDIT_COLUMNS])
+        writer.writerow(["" if row[c] is None else csv_cell(row[c]) for c in AUDIT_COLUMNS])
     return out.getvalue()
 
 

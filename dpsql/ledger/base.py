@@ -13,6 +13,7 @@ import os
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,15 @@ from dpsql.accountant import (
 )
 from dpsql.errors import LedgerUnavailable, PrivacyBudgetExhausted
 from dpsql.ledger.audit import charged_entry
-from dpsql.ledger.integrity import ANCHORS_SQL, NO_ROWS, anchors, reconciled, require_finite, verify
+from dpsql.ledger.integrity import (
+    ANCHORS_SQL,
+    ROWS_SQL,
+    anchor_of,
+    anchors,
+    reconciled,
+    require_finite,
+    verify,
+)
 from dpsql.ledger.levers import LEVERS_SQL, CuratorLevers, levers_of
 from dpsql.ledger.records import (
     AnalystSpent,
@@ -87,10 +96,11 @@ _INSERT_CHARGE_SQL = (
     "ds_epsilon, ds_delta, ds_rho, ds_selection_delta, ds_queries) "
     "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
-# Each analyst's totals next to the sums on their last charge row.
+# Each analyst's totals next to the sums and the cost on their last charge row.
 _SUMMARY_SQL = (
     "SELECT t.analyst, t.epsilon, t.delta, t.rho, t.queries, t.last_at, t.selection_delta, "
-    "l.id, l.sum_epsilon, l.sum_delta, l.sum_rho, l.sum_queries, l.sum_selection_delta "
+    "l.id, l.sum_epsilon, l.sum_delta, l.sum_rho, l.sum_queries, l.sum_selection_delta, "
+    "l.epsilon, l.delta, l.rho, l.selection_delta "
     "FROM dpsql_ledger_totals t LEFT JOIN dpsql_ledger l ON l.id = "
     "(SELECT MAX(m.id) FROM dpsql_ledger m WHERE m.dataset = t.dataset AND m.analyst = t.analyst) "
     "WHERE t.dataset = ? ORDER BY t.analyst"
@@ -271,7 +281,11 @@ class Ledger(CuratorLevers):
         """(analyst's, dataset's) spending inside a transaction: totals reconciled with the charge rows."""
         rows = execute(self._sql(_TOTALS_SQL), (dataset,)).fetchall()
         per_analyst = {row[0]: spent_of(row[1], row[2], row[3], row[4], row[5]) for row in rows}
-        mine, everyone = anchors(execute(self._sql(ANCHORS_SQL), (dataset, analyst, dataset)).fetchall())
+        params = ((dataset, analyst), (dataset,))
+        mine, everyone = anchors(
+            execute(self._sql(ANCHORS_SQL), (dataset, analyst, dataset)).fetchall(),
+            lambda kind: execute(self._sql(ROWS_SQL[kind]), params[kind]).fetchone(),
+        )
         return (
             reconciled(self.url, dataset, f'analyst "{analyst}"', per_analyst.get(analyst), mine),
             reconciled(self.url, dataset, "the dataset", Spent.total(per_analyst.values()), everyone),
@@ -289,16 +303,25 @@ class Ledger(CuratorLevers):
         out = []
         for r in rows:
             totals = spent_of(r[1], r[2], r[3], r[4], r[6])
-            anchor = NO_ROWS if r[7] is None else None if r[8] is None else spent_of(*r[8:13])
+            last = None if r[7] is None else r[8:17]
+            anchor = anchor_of(last, partial(self._read_one, ROWS_SQL[0], (dataset, r[0])))
             spent = reconciled(self.url, dataset, f'analyst "{r[0]}"', totals, anchor)
             out.append(AnalystSpent(r[0], spent, parse_ts(r[5])))
         return out
+
+    def _read_one(self, sql: str, params: tuple[Any, ...]) -> Any:
+        """The first row ``sql`` reads (an aggregate's only one)."""
+        return self._read(sql, params)[0]
 
     def spent(self, dataset: str, analyst: str | None = None) -> Spent:
         """Totals for one analyst, or for the whole dataset (all analysts) when ``analyst`` is None; each
         reconciled with the append-only charge rows (the larger wins)."""
         rows = self.summary(dataset)
-        mine, everyone = anchors(self._read(ANCHORS_SQL, (dataset, analyst or "", dataset)))
+        params = ((dataset, analyst or ""), (dataset,))
+        mine, everyone = anchors(
+            self._read(ANCHORS_SQL, (dataset, analyst or "", dataset)),
+            lambda kind: self._read(ROWS_SQL[kind], params[kind])[0],
+        )
         if analyst is None:
             return reconciled(self.url, dataset, "the dataset", Spent.total(r.spent for r in rows), everyone)
         own = next((r.spent for r in rows if r.analyst == analyst), None)

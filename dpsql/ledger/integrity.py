@@ -26,13 +26,23 @@ _REPORTED: set[tuple[str, str, str]] = set()
 #: Marks "no charge row at all" apart from "rows written before schema 5" (no sums to compare).
 NO_ROWS = Spent(queries=0)
 
-# The sums on the last charge row of the analyst (kind 0) and of the dataset (kind 1): two index probes.
+# The sums and the cost on the last charge row of the analyst (kind 0) and of the dataset (kind 1): two
+# index probes. The cost lets :func:`trusted_sums` tell sums dpsql wrote from ones a hand wrote.
 ANCHORS_SQL = (
-    "SELECT 0, sum_epsilon, sum_delta, sum_rho, sum_queries, sum_selection_delta FROM dpsql_ledger "
-    "WHERE id = (SELECT MAX(id) FROM dpsql_ledger WHERE dataset = ? AND analyst = ?) "
-    "UNION ALL SELECT 1, ds_epsilon, ds_delta, ds_rho, ds_queries, ds_selection_delta FROM dpsql_ledger "
-    "WHERE id = (SELECT MAX(id) FROM dpsql_ledger WHERE dataset = ?)"
+    "SELECT 0, sum_epsilon, sum_delta, sum_rho, sum_queries, sum_selection_delta, epsilon, delta, rho, "
+    "selection_delta FROM dpsql_ledger WHERE id = (SELECT MAX(id) FROM dpsql_ledger WHERE dataset = ? AND analyst = ?) "
+    "UNION ALL SELECT 1, ds_epsilon, ds_delta, ds_rho, ds_queries, ds_selection_delta, epsilon, delta, rho, "
+    "selection_delta FROM dpsql_ledger WHERE id = (SELECT MAX(id) FROM dpsql_ledger WHERE dataset = ?)"
 )
+# The fallback when the last row's sums cannot be trusted: every row re-added, and the largest running sum
+# ever written (O(rows), only on a ledger written by hand or before schema 5).
+_ROWS_SQL = (
+    "SELECT COUNT(*), SUM(epsilon), SUM(delta), SUM(rho), SUM(COALESCE(selection_delta, delta)), "
+    "MAX({p}_epsilon), MAX({p}_delta), MAX({p}_rho), MAX({p}_queries), MAX({p}_selection_delta) "
+    "FROM dpsql_ledger WHERE dataset = ?"
+)
+#: Kind 0: one analyst's rows (params: dataset, analyst); kind 1: the dataset's (params: dataset).
+ROWS_SQL = (_ROWS_SQL.format(p="sum") + " AND analyst = ?", _ROWS_SQL.format(p="ds"))
 
 
 def require_finite(who: str, name: str, total: Spent) -> None:
@@ -69,8 +79,7 @@ def reconciled(url: str, dataset: str, whose: str, totals: Spent | None, anchor:
     The totals are an index kept for speed; the charge rows are append-only. Taking the maximum means a
     lowered total (``UPDATE dpsql_ledger_totals``) or deleted tail rows never give budget back, and the
     service keeps answering. A disagreement is tampering or corruption: one operator log line (ERROR)
-    per process names it and points at ``dpsql ledger verify``. ``anchor`` None: no sums to compare
-    (rows written before schema 5)."""
+    per process names it and points at ``dpsql ledger verify``. ``anchor`` None: nothing to compare."""
     base = totals if totals is not None else Spent()
     if anchor is None:
         return base
@@ -92,13 +101,60 @@ def reconciled(url: str, dataset: str, whose: str, totals: Spent | None, anchor:
     return _at_least(base, anchor)
 
 
-def anchors(rows: Sequence[Any]) -> tuple[Spent | None, Spent | None]:
-    """(analyst's, dataset's) sums from :data:`ANCHORS_SQL`: :data:`NO_ROWS` when there is no charge,
-    None when the last one predates schema 5."""
-    found: dict[int, Spent | None] = {}
-    for row in rows:
-        found[int(row[0])] = None if row[1] is None else spent_of(row[1], row[2], row[3], row[4], row[5])
-    return found.get(0, NO_ROWS), found.get(1, NO_ROWS)
+def trusted_sums(sums: Sequence[Any], cost: Sequence[Any]) -> Spent | None:
+    """The running sums ``(ε, δ, ρ, queries, δ_sel)`` of a last charge row, or None when they cannot be
+    what dpsql wrote: a NULL (a row inserted by hand, or before schema 5), a cost that is not a finite
+    figure, or a sum below the row's own cost (dpsql writes the previous sum plus the cost, and adding a
+    cost ≥ 0 never rounds below it). Untrusted sums never lower what is spent: see :func:`anchor_of`."""
+    if any(v is None for v in sums):
+        return None
+    spent = spent_of(*sums)
+    eps, delta, rho = number(cost[0]), number(cost[1]), number(cost[2])
+    sel = delta if cost[3] is None else number(cost[3])
+    if not all(0 <= v < math.inf for v in (eps, delta, rho, sel)):
+        return None
+    consistent = (
+        spent.epsilon >= eps
+        and spent.delta >= delta
+        and spent.rho >= rho
+        and spent.selection_delta >= sel
+        and spent.queries >= 1
+    )
+    return spent if consistent else None
+
+
+def rows_spent(row: Any) -> Spent:
+    """What the charge rows say from a :data:`ROWS_SQL` row: the larger of their costs re-added and the
+    largest running sum any of them carries. A cost SQLite cannot add (NULL SUM) or an infinite or NaN
+    one reads as infinite spending (53P01 on the next charge), as does a single absurd ε (e.g. 1e308):
+    it is in the sum, so the budget is exhausted."""
+    if row is None or not int(row[0]):
+        return NO_ROWS
+    added = spent_of(row[1], row[2], row[3], row[0], row[4])
+    running = spent_of(*(0 if v is None else v for v in row[5:10]))
+    return _at_least(added, running)
+
+
+def anchor_of(row: Sequence[Any] | None, rows: Callable[[], Any]) -> Spent:
+    """What one analyst (or the dataset) has spent by the append-only rows: ``row`` is its last charge row
+    as ``(sums…, cost…)`` (None: no charge at all, :data:`NO_ROWS`); its sums when trusted (two index
+    probes), else ``rows()`` (a :data:`ROWS_SQL` row) read back through :func:`rows_spent`. So a hand-written
+    last row with NULL or low sums cannot make a lowered total the larger figure: spent never drops below
+    what the rows say."""
+    if row is None:
+        return NO_ROWS
+    sums = trusted_sums(row[0:5], row[5:9])
+    return sums if sums is not None else rows_spent(rows())
+
+
+def anchors(rows: Sequence[Any], fallback: Callable[[int], Any]) -> tuple[Spent, Spent]:
+    """(analyst's, dataset's) spending by the charge rows from :data:`ANCHORS_SQL` (see :func:`anchor_of`);
+    ``fallback(kind)`` reads ``ROWS_SQL[kind]``'s row."""
+    found = {int(row[0]): row[1:] for row in rows}
+    return (
+        anchor_of(found.get(0), lambda: fallback(0)),
+        anchor_of(found.get(1), lambda: fallback(1)),
+    )
 
 
 def verify(read: Callable[[str, tuple[Any, ...]], list[Any]], dataset: str | None = None) -> list[str]:
@@ -117,6 +173,7 @@ def verify(read: Callable[[str, tuple[Any, ...]], list[Any]], dataset: str | Non
     problems: list[str] = []
     mine: dict[tuple[str, str], Spent] = {}
     everyone: dict[str, Spent] = {}
+    summed: set[tuple[str, str]] = set()  # (dataset, whose) with a row carrying sums already
     for r in rows:
         ds, who = r[1], r[2]
         eps, delta, rho = number(r[3]), number(r[4]), number(r[5])
@@ -134,8 +191,14 @@ def verify(read: Callable[[str, tuple[Any, ...]], list[Any]], dataset: str | Non
             (f'analyst "{who}"', r[7:12], mine[(ds, who)]),
             ("the dataset", r[12:17], everyone[ds]),
         ):
-            if sums[0] is None:
+            if any(v is None for v in sums):
+                if (ds, label) in summed:  # dpsql writes sums on every row since schema 5: a hand did this
+                    problems.append(
+                        f'charge #{r[0]} on dataset "{ds}": no running sums for {label} after rows that have '
+                        "them: a row was written by hand"
+                    )
                 continue  # written before schema 5
+            summed.add((ds, label))
             recorded = spent_of(*sums)
             if not _agree(recorded, running):
                 problems.append(

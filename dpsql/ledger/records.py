@@ -173,11 +173,23 @@ def frozen_error(analyst: str) -> InsufficientPrivilege:
 # --- reading rows back ----------------------------------------------------------------------------
 
 
+#: What a stored time no reader can parse (a hand wrote it) reads as: conspicuous, and comparable.
+UNREADABLE_TIME = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
+
 def parse_ts(value: Any) -> dt.datetime:
-    """A stored time: a ``datetime`` (PostgreSQL) or ISO 8601 text (SQLite)."""
+    """A stored time, always timezone-aware: a ``datetime`` (PostgreSQL) or ISO 8601 text (SQLite). dpsql
+    writes UTC with its offset; a time without one (written by hand) reads as UTC, and one that is not a
+    time at all as :data:`UNREADABLE_TIME`, so no reader (the dashboard's plot compares and sorts them)
+    fails on a row a hand wrote."""
     if isinstance(value, dt.datetime):
-        return value
-    return dt.datetime.fromisoformat(value)
+        parsed = value
+    else:
+        try:
+            parsed = dt.datetime.fromisoformat(value)
+        except (TypeError, ValueError):
+            return UNREADABLE_TIME
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=dt.UTC)
 
 
 def number(value: Any) -> float:

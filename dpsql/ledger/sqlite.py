@@ -74,6 +74,30 @@ CREATE TRIGGER IF NOT EXISTS dpsql_ledger_finite BEFORE INSERT ON dpsql_ledger
 WHEN NOT (NEW.epsilon <= 1.7976931348623157e308 AND NEW.delta < 1 AND NEW.rho <= 1.7976931348623157e308
           AND COALESCE(NEW.selection_delta, 0) < 1)
 BEGIN SELECT RAISE(ABORT, 'privacy ledger charges are finite numbers'); END;
+-- A charge (a finite one: the trigger above refuses the rest) carries its running sums, each at least the
+-- last row's plus its own cost, as dpsql writes them (the larger of the totals and the last sums, plus the
+-- cost: float addition is monotone). A hand-written row with NULL or lowered sums is refused, so it cannot
+-- make a lowered total look right; readers never trust such sums either (integrity.trusted_sums).
+CREATE TRIGGER IF NOT EXISTS dpsql_ledger_sums BEFORE INSERT ON dpsql_ledger
+WHEN NEW.epsilon <= 1.7976931348623157e308 AND NEW.delta < 1 AND NEW.rho <= 1.7976931348623157e308
+     AND COALESCE(NEW.selection_delta, 0) < 1 AND NOT COALESCE(
+    NEW.sum_epsilon >= NEW.epsilon AND NEW.sum_delta >= NEW.delta AND NEW.sum_rho >= NEW.rho
+    AND NEW.sum_selection_delta >= COALESCE(NEW.selection_delta, NEW.delta) AND NEW.sum_queries >= 1
+    AND NEW.ds_epsilon >= NEW.epsilon AND NEW.ds_delta >= NEW.delta AND NEW.ds_rho >= NEW.rho
+    AND NEW.ds_selection_delta >= COALESCE(NEW.selection_delta, NEW.delta) AND NEW.ds_queries >= 1
+    AND NOT EXISTS (SELECT 1 FROM dpsql_ledger p WHERE p.id = (
+            SELECT MAX(id) FROM dpsql_ledger WHERE dataset = NEW.dataset AND analyst = NEW.analyst)
+        AND NOT (NEW.sum_epsilon >= COALESCE(p.sum_epsilon, 0) + NEW.epsilon
+                 AND NEW.sum_delta >= COALESCE(p.sum_delta, 0) + NEW.delta
+                 AND NEW.sum_rho >= COALESCE(p.sum_rho, 0) + NEW.rho
+                 AND NEW.sum_queries > COALESCE(p.sum_queries, 0)))
+    AND NOT EXISTS (SELECT 1 FROM dpsql_ledger p WHERE p.id = (
+            SELECT MAX(id) FROM dpsql_ledger WHERE dataset = NEW.dataset)
+        AND NOT (NEW.ds_epsilon >= COALESCE(p.ds_epsilon, 0) + NEW.epsilon
+                 AND NEW.ds_delta >= COALESCE(p.ds_delta, 0) + NEW.delta
+                 AND NEW.ds_rho >= COALESCE(p.ds_rho, 0) + NEW.rho
+                 AND NEW.ds_queries > COALESCE(p.ds_queries, 0))), 0)
+BEGIN SELECT RAISE(ABORT, 'privacy ledger charges carry their running sums'); END;
 CREATE TABLE IF NOT EXISTS dpsql_ledger_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 -- Schema 3: the curator's levers and the audit trail (new tables only: nothing to migrate).
 """
