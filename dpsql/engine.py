@@ -165,12 +165,13 @@ class Engine:
             raise too_complex() from None
         return prepared if clock else self._plans.put(key, prepared, tree_bytes(sql, tree))
 
-    def fingerprint(self, sql: str) -> str:
+    def fingerprint(self, sql: str, shape: str | None = None) -> str:
         """The keyed fingerprint of a statement's shape (constants removed): what the server logs and
-        the ledger records for it. Equal shapes, equal fingerprints; never a function of constants."""
+        the ledger records for it. Equal shapes, equal fingerprints; never a function of constants.
+        ``shape``: :func:`statement_shape` of ``sql`` already computed (the server's helper process)."""
         if self._fingerprint_key is None:
             self._fingerprint_key = fingerprint_key(self.ledger.installation_key())
-        return keyed(self._fingerprint_key, statement_shape(sql))
+        return keyed(self._fingerprint_key, statement_shape(sql) if shape is None else shape)
 
     def _prepare(self, sql: str, tree: exp.Expression, session: Session, params: Params) -> Prepared:
         fingerprint = self.fingerprint(sql)

@@ -301,8 +301,8 @@ class Connection:
             raise SyntaxError_(problem)  # as PostgreSQL, never an internal error
         if not long:
             return PlannedStatement(sql, route_of(sql, self.ctx.policy))
-        route = self.ctx.offload.route_of(self.user or "?", sql, frozenset(self.ctx.policy.tables))
-        return PlannedStatement(sql, "empty" if route == "empty" else route)  # type: ignore[arg-type]
+        routed = self.ctx.offload.route_of(self.user or "?", sql, frozenset(self.ctx.policy.tables))
+        return PlannedStatement(sql, routed.route, shape=routed.shape, verdict=routed.verdict)  # type: ignore[arg-type]
 
     async def execute(self, stmt: PlannedStatement, portal: Portal | None = None) -> Outcome:
         """Run a planned statement; logs one line with analyst, fingerprint, ε, outcome and latency."""
@@ -338,7 +338,7 @@ class Connection:
             level,
             "query analyst=%s fingerprint=%s route=%s epsilon=%g outcome=%s latency_ms=%.1f%s",
             self.user,
-            self.ctx.engine.fingerprint(stmt.sql),  # keyed, of the shape: never the constants
+            self.ctx.engine.fingerprint(stmt.sql, stmt.shape),  # keyed, of the shape: never the constants
             stmt.route,
             epsilon,
             state,
@@ -446,7 +446,9 @@ class Connection:
         # the rows' bytes are taken while they are read: a result the session cannot hold is cut there
         hold = self.memory.hold("result")
         try:
-            res = await self.work.shadow_call("execute", *args, timeout_ms=self.timeout_ms(), reserve=hold.grow)
+            res = await self.work.shadow_call(
+                "execute", *args, timeout_ms=self.timeout_ms(), reserve=hold.grow, verdict=stmt.verdict
+            )
         except BaseException:
             hold.release()
             raise

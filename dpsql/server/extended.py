@@ -55,6 +55,9 @@ class PlannedStatement:
     engine_columns: list[OutputColumn] | None = None
     catalog_fields: list[FieldDescription] | None = None
     noisy: list[bool] | None = None
+    #: A long statement's shape and shadow-guard verdict, read in the helper process (:mod:`.offload`).
+    shape: str | None = None
+    verdict: tuple[str, object] | None = None
 
     @property
     def explain_target(self) -> str | None:
@@ -167,7 +170,7 @@ class ExtendedProtocol:
                     raise CatalogUnavailable()
                 return
             oids, fields = await conn.work.shadow_call(
-                "describe", stmt.sql, stmt.param_oids, timeout_ms=conn.timeout_ms()
+                "describe", stmt.sql, stmt.param_oids, timeout_ms=conn.timeout_ms(), verdict=stmt.verdict
             )
             stmt.route, stmt.param_oids, stmt.catalog_fields = "catalog", oids, fields
         elif stmt.route == "engine":

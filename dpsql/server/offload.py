@@ -31,13 +31,16 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 from typing import Any
 
 from dpsql import errors
 from dpsql.errors import Error, InternalError, QueryCanceled
+from dpsql.fingerprint import statement_shape
 from dpsql.sqltext import split_statements
 
 from . import catalog
+from .shadow_guard import Verdict, vet
 
 log = logging.getLogger("dpsql.server")
 
@@ -45,6 +48,16 @@ log = logging.getLogger("dpsql.server")
 HARD_LIMIT = 30.0
 #: How often a waiting worker thread wakes up, so a cancel or timeout raised in it is delivered.
 _POLL = 0.05
+
+
+@dataclass(frozen=True)
+class Routed:
+    """A long statement as the helper read it: route, shape (:func:`~dpsql.fingerprint.statement_shape`)
+    and guard verdict (:func:`~.shadow_guard.vet`, for statements the shadow may run)."""
+
+    route: str
+    shape: str | None
+    verdict: Verdict | None
 
 
 class _Names:
@@ -58,12 +71,16 @@ class _Names:
 
 
 def _route_of(sql: str, names: frozenset[str]) -> tuple[str, Any]:
+    """The route, and what the server would otherwise scan the long text for on its own threads: the
+    statement's shape (its logged fingerprint) and, for the shadow catalog, the guard's verdict."""
     if not split_statements(sql):
-        return "ok", "empty"
+        return "ok", Routed("empty", None, None)
     try:
-        return "ok", catalog.route_of(sql, _Names(names))  # type: ignore[arg-type]
+        route = catalog.route_of(sql, _Names(names))  # type: ignore[arg-type]
     except Error as exc:
         return "error", (type(exc).__name__, exc.message, exc.hint)
+    verdict = vet(sql) if route in ("catalog", "tableless") else None
+    return "ok", Routed(route, statement_shape(sql), verdict)
 
 
 def _split(sql: str) -> tuple[str, Any]:
@@ -138,8 +155,9 @@ class Offload:
                 sem = self._analysts[analyst] = threading.Semaphore(1)
             return sem
 
-    def route_of(self, analyst: str, sql: str, tables: frozenset[str]) -> str:
-        """:func:`~dpsql.server.catalog.route_of` in the helper ("empty" for no statement)."""
+    def route_of(self, analyst: str, sql: str, tables: frozenset[str]) -> Routed:
+        """:func:`~dpsql.server.catalog.route_of` in the helper ("empty" for no statement), with the
+        statement's shape and guard verdict."""
         status, value = self._call(analyst, _route_of, sql, tables)
         if status == "error":
             name, message, hint = value
@@ -147,7 +165,8 @@ class Offload:
             if isinstance(cls, type) and issubclass(cls, Error):
                 raise cls(message, hint=hint)
             raise InternalError(message)
-        return str(value)
+        assert isinstance(value, Routed)
+        return value
 
     def split(self, analyst: str, sql: str) -> list[str]:
         return list(self._call(analyst, _split, sql)[1])

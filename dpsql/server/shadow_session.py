@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from dpsql.errors import ConnectionFailure, Error, FeatureNotSupported, ProgramLimitExceeded, QueryCanceled, relay
 
 from .protocol import FieldDescription
-from .shadow_guard import check_catalog_sql
+from .shadow_guard import Verdict, check_catalog_sql, replay
 from .shadow_schema import DEFAULT_STATEMENT_TIMEOUT_MS
 
 log = logging.getLogger("dpsql.server.catalog")
@@ -238,9 +238,12 @@ class ShadowSession:
 
     # -- the calls -------------------------------------------------------------------------------------
 
-    def describe(self, sql: str, param_oids: Sequence[int]) -> tuple[list[int], list[FieldDescription] | None]:
-        """Parameter types and result columns, via an unnamed prepared statement on the shadow."""
-        check_catalog_sql(sql)
+    def describe(
+        self, sql: str, param_oids: Sequence[int], *, verdict: Verdict | None = None
+    ) -> tuple[list[int], list[FieldDescription] | None]:
+        """Parameter types and result columns, via an unnamed prepared statement on the shadow.
+        ``verdict``: the guard's, already computed for this very text (see :func:`.shadow_guard.vet`)."""
+        check_catalog_sql(sql) if verdict is None else replay(verdict)
         with self._lock:
             return self._exchange(lambda pgconn, deadline: self._describe(pgconn, deadline, sql, param_oids))
 
@@ -265,13 +268,14 @@ class ShadowSession:
         result_formats: Sequence[int] = (),
         *,
         reserve: Callable[[int], None] | None = None,
+        verdict: Verdict | None = None,
     ) -> ShadowResult:
         """Run one statement; values come back already encoded in the requested per-column formats.
 
         ``reserve`` is called with the bytes of the rows as they are read (in steps of 1 MiB, then
         the rest); when it raises, the statement is cancelled and its rows dropped (see
         :mod:`.memory`: the session's, the analyst's or the server's memory is full)."""
-        sets = check_catalog_sql(sql)
+        sets = check_catalog_sql(sql) if verdict is None else replay(verdict)
         with self._lock:
             try:
                 return self._exchange(
