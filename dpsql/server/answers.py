@@ -7,7 +7,9 @@ I/T/E transaction status it expects, nothing else changes.
 
 from __future__ import annotations
 
+import functools
 import re
+import zoneinfo
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -113,6 +115,21 @@ def parse_timeout_ms(value: str, name: str = "statement_timeout") -> int:
     return ms
 
 
+def _known_zone(name: str) -> bool:
+    """Whether a TimeZone value may stand: a region/city name must be in the time-zone database (as
+    PostgreSQL refuses ``Mars/Olympus``, 22023); offsets, abbreviations and POSIX forms pass (PostgreSQL
+    reads them itself), as does everything when this machine has no time-zone database."""
+    if "/" not in name or name.lower().startswith(("etc/", "posix/")):
+        return True
+    zones = _zone_names()
+    return not zones or name.lower() in zones
+
+
+@functools.cache
+def _zone_names() -> frozenset[str]:
+    return frozenset(z.lower() for z in zoneinfo.available_timezones())
+
+
 @dataclass
 class Settings:
     """Per-connection GUCs plus the dpsql.* knobs, which are mirrored onto the engine Session."""
@@ -180,6 +197,8 @@ class Settings:
             if value.strip().strip("'\"").lower() not in _UTF8_NAMES:
                 raise FeatureNotSupported(f"client_encoding {value!r} is not supported; dpsql speaks UTF8")
             return "UTF8"
+        if key == "TimeZone" and not _known_zone(value.strip().strip("'\"")):
+            raise InvalidParameterValue(f'invalid value for parameter "TimeZone": "{value}"')
         if key in ("statement_timeout", "idle_in_transaction_session_timeout"):
             try:
                 return str(parse_timeout_ms(value, key))

@@ -211,8 +211,8 @@ class Connection:
                 raise IdleSessionTimeout("terminating connection due to idle-session timeout").fatal() from None
             try:
                 msg = pq.parse_message(type_, payload)
-            except pq.InvalidEncoding as exc:
-                self._bad_encoding(type_, exc)
+            except pq.BadMessage as exc:
+                self._bad_message(type_, exc)
                 await self.replies.flush()
                 continue
             if isinstance(msg, pq.Terminate):
@@ -225,12 +225,14 @@ class Connection:
             await self.replies.flush()
             self.trim_memory()
 
-    def _bad_encoding(self, type_: str, exc: pq.InvalidEncoding) -> None:
-        """Not UTF-8 in a Query: ERROR 22021 and ready again; in an extended-protocol message: the
-        ERROR, then everything up to Sync is skipped (as for any failed message there)."""
+    def _bad_message(self, type_: str, exc: pq.BadMessage) -> None:
+        """A well-framed message with bad content (not UTF-8: 22021; an unknown Describe kind: 08P01)
+        in a Query: the ERROR and ready again; in an extended-protocol message: the ERROR, then
+        everything up to Sync is skipped (as for any failed message there)."""
         if self.ignore_till_sync:
             return
-        self.replies.send_error(CharacterNotInRepertoire(str(exc)))
+        error = CharacterNotInRepertoire(str(exc)) if exc.sqlstate == "22021" else ProtocolViolation(str(exc))
+        self.replies.send_error(error)
         self.commands.fail()  # inside a transaction block it is now aborted, as after any error
         if type_ == "Q":
             self.replies.send(pq.ready_for_query(self.commands.tx))

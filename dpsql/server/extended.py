@@ -20,6 +20,7 @@ from dpsql.errors import (
     DuplicatePreparedStatement,
     Error,
     InvalidCursorName,
+    InvalidParameterValue,
     InvalidStatementName,
     ProtocolViolation,
     SyntaxError_,
@@ -88,8 +89,10 @@ def expand_formats(formats: Sequence[int], n: int) -> list[int]:
 
 
 def _check_formats(formats: Sequence[int]) -> None:
-    if any(f not in (0, 1) for f in formats):
-        raise WireViolation("unsupported format code")
+    """Text (0) or binary (1) only: anything else is PostgreSQL's ERROR 22023 (the session goes on)."""
+    for f in formats:
+        if f not in (0, 1):
+            raise InvalidParameterValue(f"unsupported format code: {f}")
 
 
 def _with_format(f: FieldDescription, fmt: int) -> FieldDescription:

@@ -31,9 +31,18 @@ class WireViolation(Exception):
     survives (a Bind that does not match its statement), unless raised ``.fatal()``."""
 
 
-class InvalidEncoding(WireViolation):
-    """A well-framed message whose text is not UTF-8: PostgreSQL answers ERROR 22021 and the
-    session goes on (framing is intact), so the server does the same (see the message loop)."""
+class BadMessage(WireViolation):
+    """A well-framed message whose content is wrong (an unknown Describe/Close kind): PostgreSQL
+    answers ERROR and the session goes on (framing is intact), so the server does the same (see the
+    message loop); :attr:`sqlstate` is PostgreSQL's for it."""
+
+    sqlstate = "08P01"
+
+
+class InvalidEncoding(BadMessage):
+    """Text that is not UTF-8 (PostgreSQL's 22021)."""
+
+    sqlstate = "22021"
 
 
 # --- frontend messages --------------------------------------------------------------------------
@@ -231,7 +240,7 @@ def _parse_bind(c: Cursor) -> Bind:
 def _parse_target_name(c: Cursor) -> tuple[str, str]:
     target = c.byte()
     if target not in ("S", "P"):
-        raise WireViolation(f"invalid DESCRIBE/CLOSE message subtype {ord(target)}")
+        raise BadMessage(f"invalid DESCRIBE/CLOSE message subtype {ord(target)}")
     return target, c.cstring()
 
 

@@ -75,7 +75,6 @@ def test_garbage_before_startup(dp_server: Running) -> None:
         b"\x01" + struct.pack("!i", 4),  # unknown message type
         b"Q" + struct.pack("!i", 8) + b"abcd",  # query string without terminator
         b"B" + struct.pack("!i", 10) + b"\0\0\xff\xff\0\0",  # Bind with a negative count
-        b"D" + struct.pack("!i", 7) + b"Z\0\0",  # Describe with a bad kind
     ],
 )
 def test_malformed_messages_close_only_that_connection(dp_server: Running, frame: bytes) -> None:
@@ -158,3 +157,41 @@ def test_text_that_is_not_utf8_is_an_error_the_session_survives(dp_server: Runni
         sock.sendall(_message(b"Q", b"SELECT 1\0"))
         reply = _read_until_ready(sock)
         assert b"SERROR\0" not in reply and b"D\0\0\0\x0b\0\x01\0\0\0\x011" in reply, reply
+
+
+@pytest.mark.parametrize(
+    ("messages", "sqlstate", "text"),
+    [
+        (_message(b"D", b"Z\0"), b"08P01", b"invalid DESCRIBE/CLOSE message subtype 90"),
+        (
+            _message(b"P", b"\0SELECT 1\0\0\0") + _message(b"B", b"\0\0\0\0\0\0\0\x01\0\x07"),
+            b"22023",
+            b"unsupported format code: 7",
+        ),
+    ],
+    ids=["describe-kind", "bind-result-format"],
+)
+def test_bad_content_in_a_well_framed_message_is_an_error(
+    dp_server: Running, messages: bytes, sqlstate: bytes, text: bytes
+) -> None:
+    """An unknown Describe kind and a Bind result format other than text/binary closed the connection
+    (FATAL 08P01); PostgreSQL answers ERROR (08P01, 22023) and skips to Sync: the session goes on."""
+    with _connected(dp_server) as sock:
+        sock.sendall(messages + _message(b"E", b"\0\0\0\0\0") + _message(b"S", b""))
+        reply = _read_until_ready(sock)
+        assert reply.count(b"SERROR\0") == 1 and b"C" + sqlstate + b"\0" in reply and text in reply, reply
+        sock.sendall(_message(b"Q", b"SELECT 1\0"))
+        assert b"SERROR\0" not in _read_until_ready(sock)
+
+
+def test_an_unknown_time_zone_is_refused_as_postgresql_does(dp_server: Running) -> None:
+    """``SET TIME ZONE 'Mars/Olympus'`` was accepted (and reported back); PostgreSQL says 22023.
+    Known zones, offsets and abbreviations still pass."""
+    with psycopg.connect(dp_server.dsn(), autocommit=True) as conn:
+        with pytest.raises(psycopg.Error) as refused:
+            conn.execute("SET TIME ZONE 'Mars/Olympus'")
+        assert refused.value.sqlstate == "22023"
+        assert refused.value.diag.message_primary == 'invalid value for parameter "TimeZone": "Mars/Olympus"'
+        for zone in ("Europe/Paris", "America/Argentina/Buenos_Aires", "UTC", "+02:00", "EST5EDT"):
+            conn.execute(f"SET TIME ZONE '{zone}'")
+        assert conn.execute("SHOW TimeZone").fetchone() is not None
