@@ -193,7 +193,7 @@ def database_findings(policy: Policy, backend: Any) -> Iterator[Finding]:
             yield Finding(
                 "error",
                 ("tables", name),
-                f'table "{source}" does not exist in the database' + _did_you_mean(source, introspect.tables(backend)),
+                f'table "{source}" does not exist in the database' + did_you_mean(source, introspect.tables(backend)),
             )
             continue
         lowered = {k.lower(): v for k, v in stored.items()}
@@ -201,7 +201,7 @@ def database_findings(policy: Policy, backend: Any) -> Iterator[Finding]:
             path = ("tables", name, "columns", col_name)
             type_name = stored.get(col_name) or lowered.get(col_name.lower())
             if type_name is None:
-                hint = _did_you_mean(col_name, list(stored))
+                hint = did_you_mean(col_name, list(stored))
                 yield Finding("error", path, f'column "{col_name}" does not exist in table "{source}"' + hint)
                 continue
             fam = introspect.family(type_name)
@@ -236,10 +236,6 @@ def database_findings(policy: Policy, backend: Any) -> Iterator[Finding]:
                     ("tables", name, "privacy_unit"),
                     f"'{unit}' has fewer than {FEW_UNITS} distinct values: is it really who a person is?",
                 )
-
-
-def _did_you_mean(name: str, candidates: list[str]) -> str:
-    return did_you_mean(name, candidates)
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,7 +357,8 @@ def _data_findings(
     person = next((c for c in identifiers if c != unit and counts.repeats(c) and c in person_ids), None)
     if table.references is not None and table.references.column != unit:
         person = table.references.column
-    pointing = _pointing(policy, name, backend, source, [c for c in identifiers if c != unit and counts.repeats(c)])
+    repeating = [c for c in identifiers if c != unit and counts.repeats(c)]
+    pointing = _pointing(policy, name, backend, source, stored, repeating)
     if pointing is not None:
         person, other, other_unit = pointing
     if person is None or not (pointing or table.max_rows_per_unit > 1 or table.references is not None):
@@ -379,13 +376,13 @@ def _data_findings(
 
 
 def _pointing(
-    policy: Policy, name: str, backend: Any, source: str, candidates: list[str]
+    policy: Policy, name: str, backend: Any, source: str, stored: dict[str, str], candidates: list[str]
 ) -> tuple[str, str, str] | None:
     """(column, table, unit): the first of ``candidates`` whose values all are another table's privacy
     unit (same stored type family), i.e. the column naming the person this table's rows belong to."""
-    stored = introspect.columns(backend, source) or {}
+    people = list(_person_tables(policy, name, backend)) if candidates else []  # each table introspected once
     for col_name in candidates:
-        for other, other_source, other_unit, other_type in _person_tables(policy, name, backend):
+        for other, other_source, other_unit, other_type in people:
             if introspect.family(other_type) != introspect.family(stored.get(col_name, "")):
                 continue
             distinct, unmatched = _unmatched(backend, source, col_name, other_source, other_unit)

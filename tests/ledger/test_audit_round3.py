@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from dpsql.ledger import AuditEntry, Ledger
-from dpsql.ledger.audit_report import as_csv, csv_cell
+from dpsql.ledger.audit_report import AUDIT_COLUMNS, as_csv, csv_cell
 
 ROOT = Path(__file__).resolve().parents[2]
 EVIL_NAME = "ev\x1b[2J\x1b[31mil\u202e\r\n\x07"
@@ -29,28 +29,7 @@ def test_csv_cells_are_escaped_and_defused() -> None:
         assert csv_cell(f"{start}1+1").startswith("'")
     assert csv_cell("alice") == "alice" and csv_cell(0.5) == 0.5 and csv_cell(-1.0) == -1.0
     row = {"at": dt.datetime(2026, 1, 1, tzinfo=dt.UTC), "analyst": "@evil", "shape": EVIL_SHAPE}
-    text = as_csv(
-        [
-            {
-                **dict.fromkeys(
-                    (
-                        "event",
-                        "sqlstate",
-                        "epsilon",
-                        "delta",
-                        "rho",
-                        "latency_ms",
-                        "fingerprint",
-                        "by",
-                        "reason",
-                        "repeats",
-                        "last_at",
-                    )
-                ),
-                **row,
-            }
-        ]
-    )
+    text = as_csv([{**dict.fromkeys(AUDIT_COLUMNS), **row}])
     assert "\x1b" not in text and "\r" not in text and text.count("\n") == 2
     (parsed,) = list(csv.DictReader(io.StringIO(text)))
     assert parsed["analyst"] == "'@evil" and parsed["shape"] == "SELECT \\x1b]0;pwn\\x07 FROM t\\x0d\\x0aFAKE ROW"
