@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from dpsql.accountant import (
     ACCOUNTINGS,
@@ -39,7 +39,9 @@ from dpsql.ledger.integrity import (
     require_finite,
     verify,
 )
+from dpsql.ledger import loss_state
 from dpsql.ledger.levers import LEVERS_SQL, CuratorLevers, levers_of
+from dpsql.ledger.loss_state import Kept
 from dpsql.ledger.records import (
     AnalystSpent,
     AuditEntry,
@@ -55,8 +57,9 @@ from dpsql.ledger.records import (
     pld_remaining,
     spent_of,
 )
+from dpsql.ledger.signing import read_signing_key, signing_key_path
 from dpsql.ledger.store import HINT_UNAVAILABLE, INSTALLATION_KEY, Execute, unavailable
-from dpsql.pld import check_pld_budget, composed_epsilon
+from dpsql.pld_state import check_composed, quantised
 
 #: Ledger URLs that ask explicitly for a throwaway in-memory ledger (a fresh budget per engine).
 MEMORY_LEDGER_URLS = ("memory", "sqlite:///:memory:")
@@ -105,15 +108,6 @@ _SUMMARY_SQL = (
     "(SELECT MAX(m.id) FROM dpsql_ledger m WHERE m.dataset = t.dataset AND m.analyst = t.analyst) "
     "WHERE t.dataset = ? ORDER BY t.analyst"
 )
-# Under pld accounting: the analyst's and the dataset's charges, grouped by their figures (one statement each).
-_GROUPED_SQL = "SELECT epsilon, delta, rho, selection_delta, COUNT(*) FROM dpsql_ledger WHERE dataset = ?"
-_GROUP_BY = " GROUP BY epsilon, delta, rho, selection_delta"
-_ANALYST_CHARGES_SQL = _GROUPED_SQL + " AND analyst = ?" + _GROUP_BY
-_DATASET_CHARGES_SQL = _GROUPED_SQL + _GROUP_BY
-#: Charges grouped by their figures, ``(cost, count)``: what PLD accounting composes.
-Groups = list[tuple[Cost, int]]
-#: The same as read, ``((ε, δ, ρ, δ_sel), count)``, before :func:`_pld_groups` checks the figures.
-GroupRows = list[tuple[Any, int]]
 _SELECT_CHARGES_SQL = (
     "SELECT id, at, dataset, analyst, fingerprint, epsilon, delta, rho, accounting, selection_delta "
     "FROM dpsql_ledger WHERE dataset = ?"
@@ -135,6 +129,9 @@ _SELECT_AUDIT_SQL = (
 
 class Ledger(CuratorLevers):
     """A durable, concurrency-safe privacy ledger; open with :meth:`Ledger.open`."""
+
+    #: Whether :meth:`signing_key` comes from outside the database (a store with roles: PostgreSQL).
+    external_signing_key: ClassVar[bool] = False
 
     @staticmethod
     def open(url: str) -> Ledger:
@@ -171,6 +168,8 @@ class Ledger(CuratorLevers):
         """
         if accounting not in ACCOUNTINGS:
             raise ValueError(f"unknown accounting {accounting!r}")
+        if accounting == "pld":  # on the documented grid, rounded up: what PLD composes, and what is charged
+            cost = quantised(cost)
         rho = cost.zcdp_rho() if accounting == "zcdp" else self._recorded_rho(cost)
         recorded = Cost(cost.epsilon, cost.delta, rho, cost.selection_delta)
         now = dt.datetime.now(dt.UTC)
@@ -179,9 +178,7 @@ class Ledger(CuratorLevers):
         audit_row = charged_entry(dataset, analyst, fingerprint, cost, now)
         composed: list[float] = []  # under pld: the composed ε this charge brings the analyst and the dataset to
 
-        def check(
-            analyst_spent: Spent, dataset_spent: Spent, levers: Levers, history: tuple[GroupRows, GroupRows]
-        ) -> None:
+        def check(analyst_spent: Spent, dataset_spent: Spent, levers: Levers, states: tuple[Kept, Kept] | None) -> None:
             # Read in the reservation's transaction: a freeze or grant committed before it counts.
             nonlocal limit
             if levers.frozen:
@@ -189,14 +186,18 @@ class Ledger(CuratorLevers):
             limit = levers.limit(analyst_budget)
             require_finite("analyst", analyst, analyst_spent + cost)
             require_finite("dataset", dataset, dataset_spent + cost)
-            if accounting == "pld":
-                # the charges as recorded, untagged: the generic PLD of each (ε, δ) bounds any mechanism
-                mine = _pld_groups("analyst", analyst, history[0], analyst_spent)
-                everyone = _pld_groups("dataset", dataset, history[1], dataset_spent)
+            if states is not None:
+                # the composed state of every charge so far (kept incrementally), untagged: the generic PLD of
+                # each (ε, δ) bounds any mechanism; the reconciled sums cover whatever the state lacks
+                mine, everyone = states
                 composed[:] = [
-                    check_pld_budget(who="analyst", name=analyst, previous=mine, cost=recorded, budget=limit),
-                    check_pld_budget(
-                        who="dataset", name=dataset, previous=everyone, cost=recorded, budget=dataset_budget
+                    check_composed(
+                        who="analyst", name=analyst, composed=mine.composed, recorded=analyst_spent, cost=recorded,
+                        budget=limit,
+                    ),
+                    check_composed(
+                        who="dataset", name=dataset, composed=everyone.composed, recorded=dataset_spent,
+                        cost=recorded, budget=dataset_budget,
                     ),
                 ]
                 return
@@ -251,20 +252,20 @@ class Ledger(CuratorLevers):
         cost: Cost,
         accounting: Accounting,
         at: dt.datetime,
-        check: Callable[[Spent, Spent, Levers, tuple[GroupRows, GroupRows]], None],
+        check: Callable[[Spent, Spent, Levers, tuple[Kept, Kept] | None], None],
         audit: AuditEntry,
     ) -> tuple[int, int, Spent, Spent]:
         """The reservation, in one transaction that holds the dataset's write lock: read the spending and
-        the levers (under pld also the charges, grouped) → ``check`` them (raises to refuse) → insert the
-        charge with its sums → set the totals (here or by the store's trigger) → insert the statement's
-        audit row → commit."""
+        the levers (under pld also the composed states, brought up to date) → ``check`` them (raises to
+        refuse) → insert the charge with its sums → set the totals (here or by the store's trigger) → under
+        pld store the states with this charge → insert the statement's audit row → commit."""
         stamp = self._timestamp(at)
         eps, delta, rho, sel = cost.epsilon, cost.delta, cost.rho, cost.selection_delta
         with self._reservation(dataset) as execute:
             analyst_spent, dataset_spent = self._spent_in(execute, dataset, analyst)
             levers = levers_of(execute(self._sql(LEVERS_SQL), (dataset, analyst, dataset, analyst)).fetchone())
-            history = self._groups_in(execute, dataset, analyst) if accounting == "pld" else ([], [])
-            check(analyst_spent, dataset_spent, levers, history)  # refuses (42501, 53P01) before anything is written
+            states = self._states_in(execute, dataset, analyst) if accounting == "pld" else None
+            check(analyst_spent, dataset_spent, levers, states)  # refuses (42501, 53P01) before anything is written
             mine, all_ = analyst_spent + cost, dataset_spent + cost
             sums = (mine.epsilon, mine.delta, mine.rho, mine.selection_delta, mine.queries)
             ds_sums = (all_.epsilon, all_.delta, all_.rho, all_.selection_delta, all_.queries)
@@ -273,6 +274,8 @@ class Ledger(CuratorLevers):
             upsert = self.dialect.upsert_totals
             if upsert is not None:  # PostgreSQL: the insert trigger sets the totals
                 execute(upsert, (dataset, analyst, *sums[:3], mine.queries, stamp, sums[3]))
+            if states is not None:
+                self._keep_states(execute, dataset, analyst, states, cost, charge_id)
             row = replace(audit, charge_id=charge_id)
             audit_id = self._insert_id(execute, self._sql(_INSERT_AUDIT_SQL), self._audit_params(row))
         return charge_id, audit_id, mine, all_
@@ -291,11 +294,35 @@ class Ledger(CuratorLevers):
             reconciled(self.url, dataset, "the dataset", Spent.total(per_analyst.values()), everyone),
         )
 
-    def _groups_in(self, execute: Execute, dataset: str, analyst: str) -> tuple[GroupRows, GroupRows]:
-        """(analyst's, dataset's) charges grouped by their figures, as stored: one statement each."""
-        mine = execute(self._sql(_ANALYST_CHARGES_SQL), (dataset, analyst)).fetchall()
-        everyone = execute(self._sql(_DATASET_CHARGES_SQL), (dataset,)).fetchall()
-        return _rows_groups(mine), _rows_groups(everyone)
+    def _states_in(self, execute: Execute, dataset: str, analyst: str) -> tuple[Kept, Kept]:
+        """(analyst's, dataset's) composed PLD state, up to the last charge row (see :mod:`.loss_state`)."""
+        return loss_state.load(
+            lambda sql, params: execute(self._sql(sql), params).fetchall(),
+            self.url,
+            self.signing_key(),
+            dataset,
+            analyst,
+            ("analyst", analyst),
+        )
+
+    def _keep_states(
+        self, execute: Execute, dataset: str, analyst: str, states: tuple[Kept, Kept], cost: Cost, charge_id: int
+    ) -> None:
+        """Store both states with the new charge composed in (signed), in the reservation's transaction."""
+        key, sql = self.signing_key(), self._sql(loss_state.UPSERT_SQL)
+        for scope, name, kept in ((loss_state.ANALYST, analyst, states[0]), (loss_state.DATASET, "", states[1])):
+            after = Kept(kept.composed.add(cost), charge_id)
+            execute(sql, loss_state.row(key, dataset, scope, name, after))
+
+    def signing_key(self) -> bytes:
+        """The key of what the ledger writer must not forge (see :mod:`.signing`): the installation key for
+        a SQLite ledger, the signing-key file outside the database for a PostgreSQL one (read once)."""
+        key: bytes | None = getattr(self, "_signing_key", None)
+        if key is None:
+            external = self.external_signing_key
+            key = read_signing_key(signing_key_path(dpsql_home())) if external else self.installation_key()
+            self._signing_key = key
+        return key
 
     def summary(self, dataset: str) -> list[AnalystSpent]:
         """Per-analyst spending on ``dataset``, sorted by analyst name (for ``dpsql budget``)."""
@@ -358,15 +385,14 @@ class Ledger(CuratorLevers):
         spent = self.spent(dataset, analyst)
         if accounting != "pld":
             return remaining_budget(spent, budget, accounting, rho_delta=rho_delta)
-        if analyst is None:
-            rows = self._read(_DATASET_CHARGES_SQL, (dataset,))
-        else:
-            rows = self._read(_ANALYST_CHARGES_SQL, (dataset, analyst))
         try:
-            groups = _pld_groups("analyst" if analyst else "dataset", analyst or dataset, _rows_groups(rows), spent)
+            mine, everyone = loss_state.load(
+                self._read, self.url, self.signing_key(), dataset, analyst or "", ("analyst", analyst or "")
+            )
         except PrivacyBudgetExhausted:  # a corrupt charge row reads as a spent budget
             return Remaining(0.0, 0.0, 0.0)
-        return pld_remaining(composed_epsilon(groups, budget.delta), spent, budget)
+        kept = mine if analyst is not None else everyone
+        return pld_remaining(kept.composed.covering(spent).epsilon(budget.delta), spent, budget)
 
     def charges(self, dataset: str, analyst: str | None = None, *, limit: int = 100) -> list[ChargeRecord]:
         """Most recent charges first, for auditing."""
@@ -378,8 +404,9 @@ class Ledger(CuratorLevers):
 
     def verify(self, dataset: str | None = None) -> list[str]:
         """Check the whole ledger against itself; one line per problem (none: consistent). See
-        :func:`dpsql.ledger.integrity.verify`: O(charges), for ``dpsql ledger verify`` only."""
-        return verify(self._read, dataset)
+        :func:`dpsql.ledger.integrity.verify` and :func:`dpsql.ledger.loss_state.verify_states`: O(charges),
+        for ``dpsql ledger verify`` only."""
+        return verify(self._read, dataset) + loss_state.verify_states(self._read, dataset)
 
     # -- the audit trail (append-only but for the two updates its triggers allow) -----------------------
 
@@ -485,43 +512,3 @@ class Ledger(CuratorLevers):
                 raise unavailable("the installation key in the ledger is corrupt", exc) from exc
             self._installation_key = key
         return key
-
-
-# --- pld accounting: the recorded charges as costs -------------------------------------------------
-
-
-def _rows_groups(rows: Sequence[Any]) -> GroupRows:
-    """Grouped charge rows as read: ``((ε, δ, ρ, δ_sel), count)``, checked by :func:`_pld_groups`."""
-    return [((row[0], row[1], row[2], row[3]), int(row[4])) for row in rows]
-
-
-def _pld_groups(who: str, name: str, rows: GroupRows, spent: Spent) -> Groups:
-    """The charges to compose: each stored row as an untagged cost (a row recorded before
-    ``selection_delta`` existed counts its whole δ as selection δ, as :func:`charge_record` reads it),
-    plus, when the reconciled sums exceed the rows' (deleted charge rows), the difference as one more
-    (Δε, Δδ) charge: the missing charges composed are at most that by basic composition, so deleting
-    rows never gives budget back. A row no cost can hold (tampering) refuses like a non-finite total."""
-    groups: Groups = []
-    try:
-        for (epsilon, delta, rho, selection), count in rows:
-            figures = (number(epsilon), number(delta), number(rho), number(delta if selection is None else selection))
-            groups.append((Cost(*figures), count))
-        gap = [
-            _excess(spent.epsilon, math.fsum(c.epsilon * n for c, n in groups)),
-            _excess(spent.delta, math.fsum(c.delta * n for c, n in groups)),
-            _excess(spent.selection_delta, math.fsum(c.selection_delta * n for c, n in groups)),
-        ]
-        if any(gap):
-            groups.append((Cost(gap[0], max(gap[1], gap[2]), 0.0, gap[2]), 1))
-    except ValueError:
-        raise PrivacyBudgetExhausted(
-            f'privacy budget exhausted for {who} "{name}"',
-            detail=f"The ledger's recorded charges for this {who} are not valid figures.",
-            hint="Ask the data curator: the ledger's totals need to be checked.",
-        ) from None
-    return groups
-
-
-def _excess(recorded: float, rows: float) -> float:
-    """How far a reconciled sum exceeds the rows' own, beyond float rounding (0 when it does not)."""
-    return recorded - rows if recorded > rows + 1e-9 * max(abs(recorded), abs(rows)) + 1e-15 else 0.0

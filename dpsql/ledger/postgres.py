@@ -239,12 +239,27 @@ CREATE TRIGGER dpsql_audit_no_delete BEFORE DELETE ON dpsql_audit
 -- a ledger-writer role, which may not create tables, finds it.
 CREATE TABLE IF NOT EXISTS dpsql_result_cache
     (key TEXT PRIMARY KEY, created DOUBLE PRECISION NOT NULL, result BYTEA NOT NULL);
-COMMENT ON TABLE dpsql_ledger IS 'dpsql privacy ledger, schema 5';  -- _PG_SCHEMA_MARK
+-- Schema 6: pld accounting's composed state per analyst and per dataset (dpsql.ledger.loss_state), signed with a
+-- key outside the database: the writer role updates these rows, but cannot forge one that checks.
+CREATE TABLE IF NOT EXISTS dpsql_ledger_pld (
+    dataset  text             NOT NULL,
+    scope    text             NOT NULL CHECK (scope IN ('analyst', 'dataset')),
+    analyst  text             NOT NULL,
+    through  bigint           NOT NULL,
+    queries  bigint           NOT NULL,
+    epsilon  double precision NOT NULL,
+    delta    double precision NOT NULL,
+    selection_delta double precision NOT NULL,
+    state    bytea            NOT NULL,
+    mac      text             NOT NULL,
+    PRIMARY KEY (dataset, scope, analyst)
+);
+COMMENT ON TABLE dpsql_ledger IS 'dpsql privacy ledger, schema 6';  -- _PG_SCHEMA_MARK
 """
 
 
-#: What schema 5's script writes last: a ledger with it needs no DDL (``COMMENT`` is readable by every role).
-_PG_SCHEMA_MARK = "dpsql privacy ledger, schema 5"
+#: What schema 6's script writes last: a ledger with it needs no DDL (``COMMENT`` is readable by every role).
+_PG_SCHEMA_MARK = "dpsql privacy ledger, schema 6"
 
 
 def _pg_schema_current(conn: psycopg.Connection[Any]) -> bool:
@@ -257,6 +272,8 @@ class PostgresLedger(Ledger):
 
     # No totals upsert: the insert trigger (SECURITY DEFINER) sets the totals from the charge row.
     dialect: ClassVar[Dialect] = Dialect(placeholder="%s", returning_id=True, text_timestamps=False)
+    #: The writer role may read the installation key: what it must not forge is signed with a key outside.
+    external_signing_key: ClassVar[bool] = True
 
     def __init__(self, conninfo: str) -> None:
         self.url = conninfo

@@ -24,6 +24,7 @@ LEDGER_TABLES = (
     "dpsql_ledger_levers",
     "dpsql_audit",
     "dpsql_ledger_meta",
+    "dpsql_ledger_pld",
     "dpsql_result_cache",
 )
 _ROLES_README = 'README "Least-privilege database roles"'

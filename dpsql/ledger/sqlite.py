@@ -149,8 +149,22 @@ WHEN NOT (
              AND NEW.sqlstate IS OLD.sqlstate AND NEW.latency_ms IS OLD.latency_ms AND NEW.repeats > OLD.repeats))
 )
 BEGIN SELECT RAISE(ABORT, 'the audit trail is append-only'); END;
+-- Schema 6: pld accounting's composed state per analyst and per dataset (dpsql.ledger.loss_state), signed.
+CREATE TABLE IF NOT EXISTS dpsql_ledger_pld (
+    dataset  TEXT    NOT NULL,
+    scope    TEXT    NOT NULL CHECK (scope IN ('analyst', 'dataset')),
+    analyst  TEXT    NOT NULL,
+    through  INTEGER NOT NULL,
+    queries  INTEGER NOT NULL,
+    epsilon  REAL    NOT NULL,
+    delta    REAL    NOT NULL,
+    selection_delta REAL NOT NULL,
+    state    BLOB    NOT NULL,
+    mac      TEXT    NOT NULL,
+    PRIMARY KEY (dataset, scope, analyst)
+);
 -- A real write on every open: a read-only file or directory fails here, not mid-query.
-INSERT INTO dpsql_ledger_meta (key, value) VALUES ('schema', '5')
+INSERT INTO dpsql_ledger_meta (key, value) VALUES ('schema', '6')
     ON CONFLICT (key) DO UPDATE SET value = excluded.value;
 COMMIT;
 """
