@@ -31,6 +31,7 @@ import overhead  # noqa: E402
 import peers  # noqa: E402
 import person  # noqa: E402
 import quantiles  # noqa: E402
+import reservation  # noqa: E402
 import wire  # noqa: E402
 
 SPARK_ROWS = 10**7
@@ -74,6 +75,7 @@ BENCHMARKS: dict[str, Callable[[bool], common.Section]] = {
     "wire": wire.run,
     "attacks": attacks.run,
     "accounting": accounting.run,
+    "reservation": reservation.run,
     "spark": run_spark,
 }
 

@@ -29,7 +29,8 @@ from __future__ import annotations
 import math
 import struct
 import zlib
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -38,7 +39,9 @@ from dpsql.accountant import HINT_SELECTION, REL_TOLERANCE, BudgetLike, Cost, Sp
 #: Step of the loss lattice (as :data:`dpsql.pld.DISCRETIZATION`: the same pessimism as before).
 GRID = 1e-4
 #: Mass moved off each tail at a time (left: up to the lowest kept loss; right: to +∞).
-TAIL = 1e-18
+TAIL = 1e-15
+#: Releases composed between two trims of the tails (when several are composed at once).
+_TRIM_EVERY = 16
 #: Relative slack against float error in the rounding of ε to the lattice (never rounds a loss down).
 _SLACK = 1e-12
 _HEADER = struct.Struct("<4sqqd")
@@ -57,6 +60,33 @@ def _steps(epsilon: float) -> tuple[int, int]:
     return math.ceil(ratio), math.floor(ratio)
 
 
+def _light_end(probs: np.ndarray) -> tuple[int, float]:
+    """How many leading entries of ``probs`` hold at most :data:`TAIL` together, and their mass (scanning only
+    as far as needed: the tails are short)."""
+    size = 16
+    while True:
+        sums = np.cumsum(probs[:size])
+        count = int(np.searchsorted(sums, TAIL, side="right"))
+        if count < len(sums) or size >= len(probs):
+            return count, float(sums[count - 1]) if count else 0.0
+        size *= 4
+
+
+def _trim(probs: np.ndarray, offset: int, infinity: float) -> tuple[int, np.ndarray, float]:
+    """Move the lightest tails (pessimistically): the left one up to the lowest loss kept, the right one to +∞."""
+    cut, left = _light_end(probs)
+    cut = min(cut, len(probs) - 1)
+    drop, right = _light_end(probs[::-1])
+    drop = min(drop, len(probs) - 1 - cut)
+    kept = probs[cut : len(probs) - drop]
+    if cut:
+        kept = kept.copy()
+        kept[0] += left
+    # float error may lose finite mass: what is missing counts as +∞ (never as a smaller loss)
+    infinity = max(infinity + right, 1.0 - float(np.sum(kept)))
+    return offset + cut, kept, min(1.0, infinity)
+
+
 @dataclass(frozen=True, eq=False)
 class LossState:
     """A composed PLD on the lattice: ``probs[i]`` is the mass at loss (``offset`` + i)·GRID, ``infinity``
@@ -71,46 +101,42 @@ class LossState:
         """No release yet: loss 0 with probability 1."""
         return cls(0, np.ones(1))
 
+    @classmethod
+    def exhausted(cls) -> LossState:
+        """Loss +∞ with probability 1: what :data:`MAX_LOSS` and :data:`MAX_WIDTH` fall back to (only basic
+        composition's Σε then says anything, and still does)."""
+        return cls(0, np.zeros(1), 1.0)
+
     def compose(self, epsilon: float, delta: float = 0.0, count: int = 1) -> LossState:
         """This state composed with ``count`` releases of the generic (ε, δ) PLD (δ: the δ that is part of
         the mechanism's guarantee, without partition selection's; see :mod:`dpsql.pld`)."""
-        if not (math.isfinite(epsilon) and epsilon >= 0 and 0 <= delta < 1):
-            raise ValueError(f"not a composable (ε, δ): ({epsilon!r}, {delta!r})")
-        state = self
-        for _ in range(count):
-            state = state._compose_one(epsilon, delta)
-        return state
+        return self.compose_all([(epsilon, delta)] * count)
 
-    def _compose_one(self, epsilon: float, delta: float) -> LossState:
-        if epsilon == 0 and delta == 0:
+    def compose_all(self, releases: Sequence[tuple[float, float]]) -> LossState:
+        """This state composed with each generic (ε, δ) PLD of ``releases`` in turn; the tails are trimmed
+        every :data:`_TRIM_EVERY` releases and at the end (in between the state is only more exact)."""
+        probs, offset, infinity = self.probs, self.offset, self.infinity
+        for index, (epsilon, delta) in enumerate(releases):
+            if not (math.isfinite(epsilon) and epsilon >= 0 and 0 <= delta < 1):
+                raise ValueError(f"not a composable (ε, δ): ({epsilon!r}, {delta!r})")
+            if epsilon == 0 and delta == 0:
+                continue
+            if epsilon > MAX_LOSS or len(probs) > MAX_WIDTH:
+                return LossState.exhausted()
+            up, down = _steps(epsilon)
+            # p(+ε) = (1 − δ)·e^ε/(1 + e^ε) = (1 − δ)/(1 + e^−ε); p(−ε) = (1 − δ)/(1 + e^ε)
+            plus = (1.0 - delta) / (1.0 + math.exp(-epsilon))
+            minus = (1.0 - delta) / (1.0 + math.exp(epsilon)) if epsilon < 700 else 0.0
+            n = len(probs)
+            out = np.zeros(n + up + down)
+            np.multiply(probs, minus, out=out[:n])
+            out[up + down :] += plus * probs
+            probs, offset, infinity = out, offset - down, infinity + delta - infinity * delta
+            if index % _TRIM_EVERY == _TRIM_EVERY - 1:
+                offset, probs, infinity = _trim(probs, offset, infinity)
+        if probs is self.probs:
             return self
-        up, down = _steps(epsilon)
-        # p(+ε) = (1 − δ)·e^ε/(1 + e^ε) = (1 − δ)/(1 + e^−ε); p(−ε) = (1 − δ)/(1 + e^ε)
-        plus = (1.0 - delta) / (1.0 + math.exp(-epsilon))
-        minus = (1.0 - delta) / (1.0 + math.exp(epsilon)) if epsilon < 700 else 0.0
-        n = len(self.probs)
-        out = np.zeros(n + up + down)
-        out[:n] += minus * self.probs
-        out[up + down :] += plus * self.probs
-        infinity = self.infinity + delta - self.infinity * delta
-        return LossState(self.offset - down, out, infinity)._trimmed()
-
-    def _trimmed(self) -> LossState:
-        """Move the lightest tails (pessimistically) so that the support stays bounded."""
-        probs = self.probs
-        left = np.cumsum(probs)
-        cut = int(np.searchsorted(left, TAIL, side="right"))  # leading entries holding ≤ TAIL together
-        cut = min(cut, len(probs) - 1)
-        right = np.cumsum(probs[::-1])
-        drop = int(np.searchsorted(right, TAIL, side="right"))
-        drop = min(drop, len(probs) - 1 - cut)
-        infinity = self.infinity + (float(right[drop - 1]) if drop else 0.0)
-        kept = probs[cut : len(probs) - drop].copy()
-        if cut:
-            kept[0] += float(left[cut - 1])
-        # float error may lose finite mass: what is missing counts as +∞ (never as a smaller loss)
-        infinity = max(infinity, 1.0 - float(np.sum(kept)))
-        return LossState(self.offset + cut, kept, min(1.0, infinity))
+        return LossState(*_trim(probs, offset, infinity))
 
     def _losses(self) -> np.ndarray:
         return (self.offset + np.arange(len(self.probs))) * GRID
@@ -122,26 +148,31 @@ class LossState:
         return self.infinity + float(np.sum(self.probs[above] * -np.expm1(epsilon - losses[above])))
 
     def epsilon(self, delta: float) -> float:
-        """The least ε ≥ 0 with δ(ε) ≤ ``delta`` (``math.inf`` when the +∞ mass alone exceeds it)."""
+        """The least ε ≥ 0 with δ(ε) ≤ ``delta`` (``math.inf`` when the +∞ mass alone exceeds it).
+
+        δ at every lattice point at once from two suffix sums, δ(l_j) = P(∞) + Σ_{i>j} p_i − e^{l_j}·Σ_{i>j} p_i
+        e^{−l_i}, to find the bracket; then δ solved exactly on it from sums taken afresh (no cancellation)."""
         if self.infinity > delta:
             return math.inf
         if self.delta_at(0.0) <= delta:
             return 0.0
         losses = self._losses()
-        points = losses[losses > 0]
-        # δ is non-increasing; δ(0) > delta ≥ P(∞) = δ(largest loss). Find the last point still above delta.
-        lo, hi = -1, len(points)  # δ(points[lo]) > delta (lo = -1: at 0), δ(points[hi]) ≤ delta (hi = len: beyond)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if self.delta_at(float(points[mid])) > delta:
-                lo = mid
-            else:
-                hi = mid
-        start = 0.0 if lo < 0 else float(points[lo])
+        positive = losses > 0
+        probs, points = self.probs[positive], losses[positive]
+        if len(points) == 0:
+            return 0.0
+        weights = probs * np.exp(points[0] - points)  # ≤ 1: no overflow whatever the losses
+        tail = np.cumsum(probs[::-1])[::-1]  # Σ_{i ≥ j}
+        tail_w = np.cumsum(weights[::-1])[::-1]
+        above = np.append(tail[1:], 0.0)  # Σ_{i > j}
+        above_w = np.append(tail_w[1:], 0.0)
+        at_points = self.infinity + above - np.exp(points - points[0]) * above_w
+        over = np.nonzero(at_points > delta)[0]
+        start = float(points[over[-1]]) if len(over) else 0.0
         # up to the next lattice point the losses above are fixed: δ(ε) = P(∞) + A − e^{ε − start}·B, solved for ε
-        above = losses > start
-        a = float(np.sum(self.probs[above]))
-        b = float(np.sum(self.probs[above] * np.exp(start - losses[above])))
+        beyond = losses > start
+        a = float(np.sum(self.probs[beyond]))
+        b = float(np.sum(self.probs[beyond] * np.exp(start - losses[beyond])))
         if b <= 0 or self.infinity + a - delta <= b:
             return start * (1 + _SLACK)
         return (start + math.log((self.infinity + a - delta) / b)) * (1 + _SLACK)
@@ -149,7 +180,9 @@ class LossState:
     def to_bytes(self) -> bytes:
         """Offset, length, +∞ mass and the float64 probabilities, little-endian, deflated (a few large
         charges leave long runs of zeros between their losses)."""
-        body = zlib.compress(self.probs.astype("<f8").tobytes(), 1)
+        raw = self.probs.astype("<f8").tobytes()
+        sparse = 2 * int(np.count_nonzero(self.probs)) < len(self.probs)  # deflate pays only on runs of zeros
+        body = b"z" + zlib.compress(raw, 1) if sparse else b"r" + raw
         return _HEADER.pack(_MAGIC, self.offset, len(self.probs), self.infinity) + body
 
     @classmethod
@@ -161,8 +194,15 @@ class LossState:
             raise ValueError("not a PLD state") from None
         if not 1 <= length <= _MAX_POINTS:
             raise ValueError("not a PLD state")
+        kind, body = data[_HEADER.size : _HEADER.size + 1], data[_HEADER.size + 1 :]
         try:
-            body = zlib.decompressobj().decompress(data[_HEADER.size :], 8 * length + 1)
+            if kind == b"z":
+                stream = zlib.decompressobj()
+                body = stream.decompress(body, 8 * length + 1)
+                if not stream.eof or stream.unused_data:  # a stream cut short (or with bytes after it)
+                    raise zlib.error("incomplete")
+            elif kind != b"r":
+                raise zlib.error(kind)
         except zlib.error:
             raise ValueError("not a PLD state") from None
         if magic != _MAGIC or length < 1 or len(body) != 8 * length:
@@ -199,12 +239,12 @@ def quantised(cost: Cost) -> Cost:
     return Cost(on_grid(cost.epsilon), min(delta, math.nextafter(1.0, 0.0)), cost.rho, selection)
 
 
-#: A charge whose ε is beyond this is composed as a loss of +∞ (its PLD would span millions of lattice
-#: points; at such an ε only basic composition's Σε can say anything, and it still does).
-MAX_LOSS = 50.0
+#: A charge whose ε is beyond this is composed as a loss of +∞ (its PLD would span 200,000 lattice points;
+#: at such an ε only basic composition's Σε can say anything, and it still does).
+MAX_LOSS = 10.0
 #: A composition spread over more lattice points than this is replaced by loss +∞ with probability 1, so
-#: that only basic composition's Σε applies from then on (pessimistic; a spread of ±100 in ε).
-MAX_WIDTH = 2_000_000
+#: that only basic composition's Σε applies from then on (pessimistic; a spread of ±50 in ε).
+MAX_WIDTH = 1_000_000
 
 
 @dataclass(frozen=True, eq=False)
@@ -213,25 +253,24 @@ class Composed:
     that a reservation can tell what the recorded sums hold beyond it (:meth:`covering`)."""
 
     state: LossState
-    spent: Spent = Spent()
+    spent: Spent = field(default_factory=Spent)
 
     @classmethod
     def empty(cls) -> Composed:
         return cls(LossState.identity())
 
-    def add(self, cost: Cost, count: int = 1) -> Composed:
-        """``count`` more charges of ``cost``, each as the generic PLD of (ε, δ − δ_sel); partition selection's
-        δ is no PLD quantity (see :mod:`dpsql.pld`) and only adds up in the sums."""
-        if count <= 0:
+    def add(self, cost: Cost) -> Composed:
+        """One more charge of ``cost``, as the generic PLD of (ε, δ − δ_sel): partition selection's δ is no PLD
+        quantity (see :mod:`dpsql.pld`) and only adds up in the sums."""
+        return self.add_all([cost])
+
+    def add_all(self, costs: Sequence[Cost]) -> Composed:
+        """Each of ``costs`` in turn (see :meth:`add`), composed in one pass."""
+        if not costs:
             return self
-        if cost.epsilon > MAX_LOSS:
-            state = LossState(0, np.ones(1), 1.0)
-        else:
-            state = self.state.compose(cost.epsilon, cost.delta - cost.selection_delta, count)
-            if len(state.probs) > MAX_WIDTH:
-                state = LossState(0, np.ones(1), 1.0)
+        state = self.state.compose_all([(c.epsilon, c.delta - c.selection_delta) for c in costs])
         spent = self.spent
-        for _ in range(count):
+        for cost in costs:
             spent = spent + Cost(cost.epsilon, cost.delta, 0.0, cost.selection_delta)
         return Composed(state, spent)
 
@@ -248,10 +287,10 @@ class Composed:
             return self
         return self.add(Cost(gap[0], max(gap[1], gap[2]), 0.0, gap[2]))
 
-    def epsilon(self, delta: float, cost: Cost | None = None) -> float:
-        """ε at ``delta`` of this composition (and ``cost`` after it): the PLD read at δ − Σδ_sel, capped by
-        basic composition's Σε when Σδ ≤ ``delta`` (both bounds are valid: as :func:`dpsql.pld.pld_epsilon`)."""
-        composed = self if cost is None else self.add(cost)
+    def epsilon(self, delta: float) -> float:
+        """ε at ``delta`` of this composition: the PLD read at δ − Σδ_sel, capped by basic composition's Σε
+        when Σδ ≤ ``delta`` (both bounds are valid: as :func:`dpsql.pld.pld_epsilon`)."""
+        composed = self
         spent = composed.spent
         selection = spent.selection_delta
         at = delta - selection * (1 + REL_TOLERANCE) if selection > 0 else delta
@@ -266,12 +305,15 @@ def _excess(recorded: float, composed: float) -> float:
     return recorded - composed if recorded > composed + 1e-9 * max(abs(recorded), abs(composed)) + 1e-15 else 0.0
 
 
-def check_composed(*, who: str, name: str, composed: Composed, recorded: Spent, cost: Cost, budget: BudgetLike) -> float:
+def check_composed(
+    *, who: str, name: str, composed: Composed, recorded: Spent, cost: Cost, budget: BudgetLike
+) -> tuple[float, Composed]:
     """The reservation's check under ``pld`` accounting: raise 53P01 unless the charges so far (``composed``,
     covering the reconciled ``recorded`` sums) and ``cost`` stay within ``budget`` by PLD; return the
-    composed ε they reach. Same refusals and wording as :func:`dpsql.pld.check_pld_budget`: the selection δs
-    beyond the δ budget, or the composed ε at the budget's δ beyond its ε (with the accountant's slack).
-    Every cost is composed untagged (the generic PLD of its (ε, δ) dominates any mechanism)."""
+    composed ε they reach and ``composed`` with ``cost`` added (what the ledger keeps). Same refusals and
+    wording as :func:`dpsql.pld.check_pld_budget`: the selection δs beyond the δ budget, or the composed ε at
+    the budget's δ beyond its ε (with the accountant's slack). Every cost is composed untagged (the generic
+    PLD of its (ε, δ) dominates any mechanism)."""
     before = composed.covering(recorded)
     this = Cost(cost.epsilon, cost.delta, cost.rho, cost.selection_delta)
     selection = before.spent.selection_delta + this.selection_delta
@@ -281,7 +323,8 @@ def check_composed(*, who: str, name: str, composed: Composed, recorded: Spent, 
             f"this query needs δ={fmt(this.selection_delta)}"
         )
         raise refusal(who, name, this, detail, HINT_SELECTION)
-    total = before.epsilon(budget.delta, this)
+    after = before.add(this)
+    total = after.epsilon(budget.delta)
     if not total <= budget.epsilon * (1 + REL_TOLERANCE):
         spent = before.epsilon(budget.delta) if who != "dataset" else math.nan
         detail = (
@@ -291,4 +334,4 @@ def check_composed(*, who: str, name: str, composed: Composed, recorded: Spent, 
             + f", which would total ε={fmt(total)}"
         )
         raise refusal(who, name, this, detail)
-    return total
+    return total, after if before is composed else composed.add(this)

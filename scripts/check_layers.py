@@ -31,7 +31,7 @@ PACKAGE = "dpsql"
 #: (``dpsql`` itself, the package root, only by exact name).
 STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("dpsql.version", "dpsql.errors", "dpsql.pgtypes", "dpsql.lru", "dpsql.sqltext")),
-    ("accounting", ("dpsql.accountant", "dpsql.pld")),
+    ("accounting", ("dpsql.accountant", "dpsql.pld", "dpsql.pld_state")),
     ("noise", ("dpsql.noise",)),
     ("settings", ("dpsql.session", "dpsql.localdp", "dpsql.policy")),
     ("backends", ("dpsql.backends",)),

@@ -8,7 +8,6 @@ A store (:mod:`dpsql.ledger.sqlite`, :mod:`dpsql.ledger.postgres`) supplies the 
 from __future__ import annotations
 
 import datetime as dt
-import math
 import os
 import secrets
 from collections.abc import Callable, Sequence
@@ -29,6 +28,7 @@ from dpsql.accountant import (
     remaining_budget,
 )
 from dpsql.errors import LedgerUnavailable, PrivacyBudgetExhausted
+from dpsql.ledger import loss_state
 from dpsql.ledger.audit import charged_entry
 from dpsql.ledger.integrity import (
     ANCHORS_SQL,
@@ -39,7 +39,6 @@ from dpsql.ledger.integrity import (
     require_finite,
     verify,
 )
-from dpsql.ledger import loss_state
 from dpsql.ledger.levers import LEVERS_SQL, CuratorLevers, levers_of
 from dpsql.ledger.loss_state import Kept
 from dpsql.ledger.records import (
@@ -52,14 +51,13 @@ from dpsql.ledger.records import (
     charge_record,
     frozen_error,
     min_remaining,
-    number,
     parse_ts,
     pld_remaining,
     spent_of,
 )
 from dpsql.ledger.signing import read_signing_key, signing_key_path
 from dpsql.ledger.store import HINT_UNAVAILABLE, INSTALLATION_KEY, Execute, unavailable
-from dpsql.pld_state import check_composed, quantised
+from dpsql.pld_state import Composed, check_composed, quantised
 
 #: Ledger URLs that ask explicitly for a throwaway in-memory ledger (a fresh budget per engine).
 MEMORY_LEDGER_URLS = ("memory", "sqlite:///:memory:")
@@ -177,6 +175,7 @@ class Ledger(CuratorLevers):
         # The statement's audit row, written in the charge's transaction: a charge never lacks one.
         audit_row = charged_entry(dataset, analyst, fingerprint, cost, now)
         composed: list[float] = []  # under pld: the composed ε this charge brings the analyst and the dataset to
+        kept: list[Composed] = []  # under pld: the analyst's and the dataset's states with this charge
 
         def check(analyst_spent: Spent, dataset_spent: Spent, levers: Levers, states: tuple[Kept, Kept] | None) -> None:
             # Read in the reservation's transaction: a freeze or grant committed before it counts.
@@ -189,17 +188,23 @@ class Ledger(CuratorLevers):
             if states is not None:
                 # the composed state of every charge so far (kept incrementally), untagged: the generic PLD of
                 # each (ε, δ) bounds any mechanism; the reconciled sums cover whatever the state lacks
-                mine, everyone = states
-                composed[:] = [
-                    check_composed(
-                        who="analyst", name=analyst, composed=mine.composed, recorded=analyst_spent, cost=recorded,
-                        budget=limit,
-                    ),
-                    check_composed(
-                        who="dataset", name=dataset, composed=everyone.composed, recorded=dataset_spent,
-                        cost=recorded, budget=dataset_budget,
-                    ),
-                ]
+                mine = check_composed(
+                    who="analyst",
+                    name=analyst,
+                    composed=states[0].composed,
+                    recorded=analyst_spent,
+                    cost=recorded,
+                    budget=limit,
+                )
+                everyone = check_composed(
+                    who="dataset",
+                    name=dataset,
+                    composed=states[1].composed,
+                    recorded=dataset_spent,
+                    cost=recorded,
+                    budget=dataset_budget,
+                )
+                composed[:], kept[:] = [mine[0], everyone[0]], [mine[1], everyone[1]]
                 return
             common: dict[str, Any] = {
                 "cost": cost,
@@ -218,6 +223,7 @@ class Ledger(CuratorLevers):
             at=now,
             check=check,
             audit=audit_row,
+            kept=kept,
         )
         return Charge(
             id=charge_id,
@@ -254,11 +260,13 @@ class Ledger(CuratorLevers):
         at: dt.datetime,
         check: Callable[[Spent, Spent, Levers, tuple[Kept, Kept] | None], None],
         audit: AuditEntry,
+        kept: Sequence[Composed] = (),
     ) -> tuple[int, int, Spent, Spent]:
         """The reservation, in one transaction that holds the dataset's write lock: read the spending and
         the levers (under pld also the composed states, brought up to date) → ``check`` them (raises to
         refuse) → insert the charge with its sums → set the totals (here or by the store's trigger) → under
-        pld store the states with this charge → insert the statement's audit row → commit."""
+        pld store ``kept``, the states with this charge that ``check`` composed → insert the statement's audit
+        row → commit."""
         stamp = self._timestamp(at)
         eps, delta, rho, sel = cost.epsilon, cost.delta, cost.rho, cost.selection_delta
         with self._reservation(dataset) as execute:
@@ -275,7 +283,7 @@ class Ledger(CuratorLevers):
             if upsert is not None:  # PostgreSQL: the insert trigger sets the totals
                 execute(upsert, (dataset, analyst, *sums[:3], mine.queries, stamp, sums[3]))
             if states is not None:
-                self._keep_states(execute, dataset, analyst, states, cost, charge_id)
+                self._keep_states(execute, dataset, analyst, kept, charge_id)
             row = replace(audit, charge_id=charge_id)
             audit_id = self._insert_id(execute, self._sql(_INSERT_AUDIT_SQL), self._audit_params(row))
         return charge_id, audit_id, mine, all_
@@ -306,13 +314,12 @@ class Ledger(CuratorLevers):
         )
 
     def _keep_states(
-        self, execute: Execute, dataset: str, analyst: str, states: tuple[Kept, Kept], cost: Cost, charge_id: int
+        self, execute: Execute, dataset: str, analyst: str, kept: Sequence[Composed], charge_id: int
     ) -> None:
         """Store both states with the new charge composed in (signed), in the reservation's transaction."""
         key, sql = self.signing_key(), self._sql(loss_state.UPSERT_SQL)
-        for scope, name, kept in ((loss_state.ANALYST, analyst, states[0]), (loss_state.DATASET, "", states[1])):
-            after = Kept(kept.composed.add(cost), charge_id)
-            execute(sql, loss_state.row(key, dataset, scope, name, after))
+        for scope, name, state in zip((loss_state.ANALYST, loss_state.DATASET), (analyst, ""), kept, strict=True):
+            execute(sql, loss_state.row(self.url, key, dataset, scope, name, Kept(state, charge_id)))
 
     def signing_key(self) -> bytes:
         """The key of what the ledger writer must not forge (see :mod:`.signing`): the installation key for

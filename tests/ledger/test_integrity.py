@@ -527,7 +527,8 @@ def test_serve_warns_about_superuser_and_owner_roles(roles: tuple[dict[str, str]
         (warning,) = serve_role_warnings(_FakeEngine(ledger))
         assert warning.startswith(
             f'the privacy ledger connects as role "{owner_name}", owner of dpsql_ledger, dpsql_ledger_totals, '
-            "dpsql_ledger_levers, dpsql_audit, dpsql_ledger_meta, dpsql_ledger_pld, dpsql_result_cache: an owner can disable triggers"
+            "dpsql_ledger_levers, dpsql_audit, dpsql_ledger_meta, dpsql_ledger_pld, dpsql_result_cache: "
+            "an owner can disable triggers"
         )
     data_owner = open_backend(data_url)  # the superuser: owns patients too
     data_reader = open_backend(urls["dpsql_data_reader"])
