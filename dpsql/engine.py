@@ -13,6 +13,7 @@ in :mod:`dpsql.analyze`, SQL in :mod:`dpsql.rewrite`, calibration, release and a
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from sqlglot import exp
 from dpsql import budget_view
 from dpsql.analyze import analyze_tree, infer_parameter_types
 from dpsql.analyze.fold import reads_clock
+from dpsql.analyze.in_lists import shrink_in_lists
 from dpsql.analyze.parse import (
     Params,
     bind_parameters,
@@ -73,7 +75,7 @@ class Engine:
         #: Plans hold their rewritten trees: bounded in bytes too (see :func:`tree_bytes`).
         self._plans: LRU[tuple[Any, ...], Prepared] = LRU(_PLAN_CACHE_SIZE, PLAN_CACHE_BYTES)
         #: Parsed statements by text (and which texts are plain single queries: :mod:`dpsql.outer`).
-        self.statements = Statements(_PLAN_CACHE_SIZE)
+        self.statements = Statements(_PLAN_CACHE_SIZE, partial(shrink_in_lists, policy=policy))
         #: Keys the per-row hash choosing which rows of a heavy unit are kept (never shown to analysts;
         #: derived from the ledger's installation key, so every process on one ledger keeps the same rows).
         self._salt = row_selection_salt(ledger.installation_key())

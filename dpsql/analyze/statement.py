@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from sqlglot import exp
@@ -96,8 +97,11 @@ class Statements:
     """Classified statements by text, least recently used evicted first, within :data:`CACHE_BYTES`;
     thread-safe."""
 
-    def __init__(self, size: int = 1024) -> None:
+    def __init__(self, size: int = 1024, shrink: Callable[[exp.Expression], None] | None = None) -> None:
         self._items: LRU[str, Statement] = LRU(size, CACHE_BYTES)
+        #: Applied to each new query's tree in place, before it is cached or copied (the engine's: IN lists
+        #: shrunk by :func:`dpsql.analyze.in_lists.shrink_in_lists`).
+        self._shrink = shrink
         #: Texts known to be plain single queries (neither composite nor a schema probe, whatever their
         #: parameters): a repeat skips :func:`dpsql.outer.route`'s copy of the tree. Decided from the text
         #: and the engine's (fixed) policy only.
@@ -109,6 +113,8 @@ class Statements:
         if cached is not None:
             return cached
         statement = classify(sql)
+        if self._shrink is not None and statement.kind is Kind.QUERY:
+            self._shrink(statement.tree)
         return self._items.put(sql, statement, tree_bytes(sql, statement.tree))
 
     def plain(self, sql: str) -> bool:

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from dpsql.accountant import Cost
 from dpsql.errors import FeatureNotSupported, InvalidParameterValue
+from dpsql.lru import LRU
 from dpsql.noise.mechanisms import (
     MECHANISMS,
     NoiseMechanism,
@@ -29,6 +31,9 @@ from dpsql.session import MAX_EPSILON, MIN_EPSILON, Session, ci_label
 
 #: Accuracy-first's bisection stops when its bracket [lo, hi] has hi/lo ≤ 1 + this (then hi is used).
 _ACCURACY_TOLERANCE = 1e-9
+#: Accuracy-first's ε by what decides it (the plan's public figures, the target, confidence, δ, mechanism):
+#: a repeated target over the same plan skips the bisection (issue #41: each one was free CPU work).
+_ACCURACY_EPSILONS: LRU[tuple[Any, ...], float] = LRU(4096)
 
 
 @dataclass(slots=True)
@@ -131,6 +136,27 @@ def accuracy_epsilon(
             "is a rank or a grid cell, not a ± half-width. RESET dpsql.accuracy and set dpsql.epsilon for this query.",
         )
 
+    key = (_public_figures(plan), target, confidence, delta, mechanism, selecting)
+    known = _ACCURACY_EPSILONS.get(key)
+    if known is None:
+        known = _ACCURACY_EPSILONS.put(key, _bisect(plan, target, confidence, delta, mechanism, selecting))
+    if math.isinf(known):
+        raise InvalidParameterValue(
+            f"accuracy ±{target:g} at {ci_label(confidence)} % cannot be met by any ε ≤ {MAX_EPSILON:g}",
+            hint="Ask for a wider interval (a larger dpsql.accuracy).",
+        )
+    return known
+
+
+def _public_figures(plan: Plan) -> tuple[Any, ...]:
+    """What accuracy-first's bisection reads of a plan: per measure its sensitivities and whether it is
+    integer-valued, and the groups one unit may touch (all public)."""
+    return (tuple((plan.sensitivities(m), integer_valued(m)) for m in plan.measures), plan.max_groups)
+
+
+def _bisect(plan: Plan, target: float, confidence: float, delta: float, mechanism: str, selecting: bool) -> float:
+    """:func:`accuracy_epsilon`'s bisection (``math.inf``: no ε ≤ MAX_EPSILON meets ``target``)."""
+
     def meets(epsilon: float) -> bool:
         try:
             noise = MECHANISMS[mechanism]
@@ -146,10 +172,7 @@ def accuracy_epsilon(
     if meets(lo):
         return lo
     if not meets(hi):
-        raise InvalidParameterValue(
-            f"accuracy ±{target:g} at {ci_label(confidence)} % cannot be met by any ε ≤ {MAX_EPSILON:g}",
-            hint="Ask for a wider interval (a larger dpsql.accuracy).",
-        )
+        return math.inf
     while hi / lo > 1 + _ACCURACY_TOLERANCE:
         mid = math.sqrt(lo * hi)
         if not lo < mid < hi:  # float resolution reached

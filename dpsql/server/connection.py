@@ -95,6 +95,7 @@ class Connection:
         #: The bytes this session holds (:mod:`.memory`).
         self.memory = ctx.memory.session()
         self.replies = Replies(writer, self.memory)
+        self._startup_deadline: asyncio.Timeout | None = None
 
     @property
     def address(self) -> str:
@@ -107,9 +108,22 @@ class Connection:
         if self.pending is not None:
             self.ctx.preauth.leave(self.pending)
 
-    def startup_received(self) -> None:
+    def extend_startup(self, seconds: float) -> None:
+        """The login limiter made this startup wait ``seconds`` (a slowed-down pair's turn): the startup
+        deadline moves by as much (at most a minute), so that the wait never times the login out."""
+        deadline = self._startup_deadline
+        if deadline is not None and (when := deadline.when()) is not None:
+            deadline.reschedule(when + min(max(seconds, 0.0), 60.0))
+
+    def negotiating(self) -> None:
+        """A first packet came (SSLRequest, GSSENCRequest): no longer a silent socket."""
         if self.pending is not None:
-            self.pending.stage = 1
+            self.pending.stage = max(self.pending.stage, 1)
+
+    def startup_received(self) -> None:
+        """The startup packet came: an account is logging in (protected from eviction for a while)."""
+        if self.pending is not None and self.pending.stage < 2:
+            self.pending.stage, self.pending.started = 2, time.monotonic()
 
     def evict(self) -> None:
         """Closed to make room in the pre-auth budget: say so (53300) and hang up; the read the
@@ -129,7 +143,8 @@ class Connection:
     async def serve(self) -> None:
         try:
             try:
-                async with asyncio.timeout(self.ctx.options.startup_timeout or None):
+                async with asyncio.timeout(self.ctx.options.startup_timeout or None) as deadline:
+                    self._startup_deadline = deadline
                     started = await startup(self)
             except TimeoutError:
                 log.info("authentication timeout from %s", self.peer)

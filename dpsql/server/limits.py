@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from typing import Any
@@ -103,6 +104,8 @@ class Job:
         self._charging = threading.Lock()
         #: ε reserved by this statement so far (final once :meth:`settle` returned).
         self.charged = 0.0
+        #: CPU seconds it used: its thread's CPU time and the helper process's time for it (:meth:`add_cpu`).
+        self.cpu = 0.0
 
     @classmethod
     def current(cls) -> Job | None:
@@ -115,11 +118,13 @@ class Job:
                 if self.interrupted:
                     raise QueryCanceled("canceling statement due to user request")
                 self._thread = threading.get_ident() if self.pure else None
+            started = time.thread_time()
             try:
                 # backends offer each statement's cancel here; the engine's reservations pass the gate
                 with statement_hook(self.stoppable), reservation_gate(self.reserving):
                     return fn(*args)
             finally:
+                self.cpu += time.thread_time() - started
                 with self._lock:
                     if self._thread is not None:
                         self._thread = None
@@ -149,6 +154,10 @@ class Job:
             if self.interrupted:
                 raise QueryCanceled("canceling statement due to user request")
             yield self._record
+
+    def add_cpu(self, seconds: float) -> None:
+        """Time spent for this statement outside its thread (the statement-routing helper process)."""
+        self.cpu += seconds
 
     def _record(self, epsilon: float) -> None:
         self.charged += epsilon

@@ -40,6 +40,7 @@ from dpsql.fingerprint import statement_shape
 from dpsql.sqltext import split_statements
 
 from . import catalog
+from .limits import Job
 from .shadow_guard import Verdict, vet
 
 log = logging.getLogger("dpsql.server")
@@ -87,15 +88,36 @@ def _split(sql: str) -> tuple[str, Any]:
     return "ok", split_statements(sql)
 
 
+def _timed(fn: Callable[..., tuple[str, Any]], *args: Any) -> tuple[tuple[str, Any], float]:
+    """In the helper: ``fn``'s answer and the CPU time it took there (charged to the analyst's share)."""
+    started = time.process_time()
+    answer = fn(*args)
+    return answer, time.process_time() - started
+
+
 #: The helper's CPU priority (``nice``): one analyst's long statements, parsed there, yield the
 #: cores to the server's event loop and to every analyst's queries (a 250 kB IN list takes ~1 s).
 HELPER_NICE = 10
 
 
+#: How often the helper checks that the server that started it is still its parent.
+_ORPHAN_POLL = 0.5
+
+
 def _lower_priority() -> None:
-    """Initializer of the helper process: lower its CPU priority (best effort)."""
+    """Initializer of the helper process: lower its CPU priority (best effort), and end it as soon as its
+    server process is gone, however that ended (``kill -9``, a shutdown deadline): a parse in progress
+    would otherwise keep an orphaned helper running (issue #41: two stayed for 50 minutes)."""
     with contextlib.suppress(OSError):
         os.nice(HELPER_NICE)
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(_ORPHAN_POLL)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="dpsql-helper-orphan-watch", daemon=True).start()
 
 
 def _warm() -> None:
@@ -179,13 +201,15 @@ class Offload:
         share = self._share(analyst)
         while not share.acquire(timeout=_POLL):
             pass
+        started = time.monotonic()
+        used = 0.0
         try:
-            future = self._executor().submit(fn, *args)
-            started = time.monotonic()
+            future = self._executor().submit(_timed, fn, *args)
             try:
                 while True:
                     try:
-                        return future.result(timeout=_POLL)
+                        result, used = future.result(timeout=_POLL)
+                        return result
                     except concurrent.futures.TimeoutError:
                         if time.monotonic() - started > HARD_LIMIT:
                             self._kill(future)
@@ -199,6 +223,8 @@ class Offload:
                 raise
         finally:
             share.release()
+            if (job := Job.current()) is not None:  # the helper's CPU counts against the analyst's share
+                job.add_cpu(used if used else time.monotonic() - started)
 
     def _watch(self, future: concurrent.futures.Future[Any], started: float) -> None:
         """Nobody waits for ``future`` any more: kill the helper if it is still busy at the hard limit."""
@@ -233,9 +259,13 @@ class Offload:
                 pool.shutdown(wait=False, cancel_futures=True)
 
     def close(self) -> None:
+        """Stop the helper now (at exit): a parse in progress is abandoned, the helper holds no state."""
         with self._lock:
             self._closed = True
             pool, self._pool = self._pool, None
         if pool is not None:
+            for proc in list(getattr(pool, "_processes", {}).values()):
+                with contextlib.suppress(Exception):
+                    proc.kill()
             with contextlib.suppress(Exception):
                 pool.shutdown(wait=False, cancel_futures=True)

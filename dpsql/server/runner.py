@@ -99,9 +99,14 @@ class WorkRunner:
 
         slots, user = self.ctx.slots, self._analyst() or "?"
         waiter: asyncio.Future[Any] = asyncio.ensure_future(self._cancel.wait())
+        serial: asyncio.Lock | None = None
+        share, started = self.ctx.cpu_share, False
         try:
-            admission = asyncio.ensure_future(slots.acquire(user))
             try:
+                serial = await self._cpu_admit(user, waiter, remaining)
+                share.started(user)
+                started = True
+                admission = asyncio.ensure_future(slots.acquire(user))
                 try:
                     done, _ = await asyncio.wait(
                         {admission, waiter}, timeout=remaining(), return_when=asyncio.FIRST_COMPLETED
@@ -124,12 +129,19 @@ class WorkRunner:
                     slots.release(user)
                     raise
             except BaseException:
+                if serial is not None:
+                    serial.release()
+                if started:
+                    share.finished(user, 0.0)
                 if on_done is not None:
                     on_done(None)
                 raise
 
             def finished(f: asyncio.Future[Any]) -> None:
                 slots.release(user)
+                share.finished(user, job.cpu)  # its analyst's CPU share: what it used, charged or not
+                if serial is not None:
+                    serial.release()
                 self._jobs.discard(job)
                 self.ctx.inflight.discard(f)
                 if on_done is not None:
@@ -159,6 +171,25 @@ class WorkRunner:
                 raise self._canceled()
         finally:
             waiter.cancel()
+
+    async def _cpu_admit(
+        self, user: str, waiter: asyncio.Future[Any], remaining: Callable[[], float | None]
+    ) -> asyncio.Lock | None:
+        """Wait while ``user`` must yield the CPU to others (:class:`~.cpu_share.CpuShare`); a cancel stops the
+        wait. The lock returned (held) makes its statements run one at a time meanwhile."""
+        share = self.ctx.cpu_share
+        if not share.must_wait(user):
+            return None
+        admit = asyncio.ensure_future(share.admit(user, remaining))
+        try:
+            done, _ = await asyncio.wait({admit, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            _drop_serial(admit)
+            raise
+        if admit not in done:
+            _drop_serial(admit)
+            raise self._canceled()
+        return admit.result()
 
     async def _checkout(
         self,
@@ -236,6 +267,14 @@ class WorkRunner:
                 raise
 
         return await self.run(call, timeout_ms=timeout_ms, on_done=checkin, checkout=checkout)
+
+
+def _drop_serial(admit: asyncio.Future[asyncio.Lock]) -> None:
+    """Give back the serial turn a CPU admission got (or stop waiting for it)."""
+    if not admit.done():
+        admit.cancel()  # the admission releases the lock it may hold
+    elif not admit.cancelled() and admit.exception() is None:
+        admit.result().release()
 
 
 def _drop_admission(admission: asyncio.Future[None], slots: Any, user: str) -> None:

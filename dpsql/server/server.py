@@ -6,10 +6,12 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
 import signal
 import ssl
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,6 +23,8 @@ from dpsql.version import __version__
 
 from .catalog import CatalogShadow
 from .connection import Connection
+from .cpu_share import DEFAULT_SHARE as CPU_SHARE
+from .cpu_share import CpuShare
 from .frontdoor import LoginLimiter, PreAuth
 from .limits import ShadowPool, WorkSlots
 from .memory import ANALYST_MEMORY, SERVER_MEMORY, SESSION_MEMORY, STATEMENT_MEMORY, Memory, tune_allocator
@@ -50,6 +54,8 @@ class Reloader(Protocol):
 
 
 GIL_SWITCH_INTERVAL = 0.0005
+#: At shutdown, how long statements still running may finish (seconds).
+SHUTDOWN_GRACE = 10.0
 FALLBACK_SERVER_VERSION = "16.0"
 
 
@@ -75,11 +81,13 @@ class ServerOptions:
     #: is closed, never the newcomer (see :mod:`.frontdoor`).
     max_preauth: int | None = None
     max_preauth_per_address: int | None = None
-    #: Wrong passwords: free ones per (account, address), the first and the longest lock (seconds),
-    #: failures that lock an account (from new addresses) or an address (any account), their window.
+    #: Wrong passwords: free ones per (account, address), the first and the longest lock (seconds), the
+    #: longest delay of a slowed-down (account, address) exchange, failures that lock an account (from
+    #: new addresses) or an address (any account), their window.
     login_free_failures: int = 5
     login_lock: float = 1.0
     login_max_lock: float = 30.0
+    login_max_delay: float = 4.0
     login_account_failures: int = 30
     login_address_failures: int = 60
     login_window: float = 900.0
@@ -89,6 +97,9 @@ class ServerOptions:
     analyst_workers: int | None = None
     #: Statements waiting for a worker slot, all clients together; beyond that 53400.
     max_queued: int = 256
+    #: CPU-seconds per second an analyst may use while others are active (:mod:`.cpu_share`); the heaviest
+    #: beyond it waits and runs one statement at a time (0: no cap).
+    analyst_cpu_share: float = CPU_SHARE
     #: Post-processing sandboxes (:mod:`dpsql.outer.admission`, process-wide): their memory in all (MB;
     #: 256 MB each), how many one analyst may run at once, the CPU-seconds per second (0: unlimited) and
     #: the burst its sandboxes may use before its next one waits, how many may wait (beyond: 53400).
@@ -116,7 +127,7 @@ class ServerOptions:
     max_analyst_memory: int = ANALYST_MEMORY
     max_memory: int = SERVER_MEMORY
     #: At shutdown, how long statements still running may finish (their charge is logged when they do).
-    shutdown_grace: float = 10.0
+    shutdown_grace: float = SHUTDOWN_GRACE
     #: Bytes buffered per connection before reads pause (asyncio StreamReader limit).
     read_buffer: int = 256 * 1024
     #: SO_REUSEPORT on the listening socket, so worker processes share the port (``--processes``).
@@ -161,11 +172,14 @@ class ServerContext:
             free_failures=options.login_free_failures,
             lock=options.login_lock,
             max_lock=options.login_max_lock,
+            max_delay=options.login_max_delay,
             account_failures=options.login_account_failures,
             address_failures=options.login_address_failures,
             window=options.login_window,
         )
         self._slots: WorkSlots | None = None
+        #: Every statement's CPU time, per analyst, with back-pressure (the cap on free work).
+        self.cpu_share = CpuShare(options.analyst_cpu_share)
         #: Pool work not finished yet (awaited at shutdown so its real charge gets logged).
         self.inflight: set[asyncio.Future[Any]] = set()
         self.shadow_pool: ShadowPool | None = None
@@ -348,6 +362,10 @@ class Server:
         conn = Connection(self.ctx, reader, writer)
         # until it authenticates it holds a place in the pre-auth budget (which may evict an older one)
         conn.pending = self.ctx.preauth.enter(conn.address, conn.evict)
+        if conn.pending is None:  # every other pending socket is an account mid-handshake: this one goes
+            self._tasks.discard(task)
+            conn.evict()
+            return
         try:
             await conn.serve()
         except asyncio.CancelledError:
@@ -425,13 +443,13 @@ class Server:
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=5)
+            await asyncio.wait(list(self._tasks), timeout=2)
         if self.ctx.inflight:  # statements already charged: let them finish so their charge is logged
             log.info("waiting for %d statement(s) still running", len(self.ctx.inflight))
             await asyncio.wait(list(self.ctx.inflight), timeout=self.options.shutdown_grace)
         if self._server is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 5)
+                await asyncio.wait_for(self._server.wait_closed(), 2)
         await asyncio.get_running_loop().run_in_executor(None, self.ctx.stop_catalog)
         self.ctx.executor.shutdown(wait=False, cancel_futures=True)
 
@@ -479,15 +497,46 @@ async def serve(
         await server.stop()
 
 
+#: After SIGTERM, how long the cleanup after the statements' grace may take (closing sockets, the catalog,
+#: the ledger); past grace + this the process ends at once, whatever thread is still busy.
+SHUTDOWN_MARGIN = 5.0
+
+
+def shutdown_deadline(grace: float) -> float:
+    """Seconds from SIGTERM until a ``dpsql serve`` process has ended, however stuck (README: Limits)."""
+    return grace + SHUTDOWN_MARGIN
+
+
+def _exit_by(seconds: float) -> None:
+    """End this process ``seconds`` from now if it is still there: a worker thread stuck in a parse or a
+    database call must not keep a stopped server alive (threads of the pool are joined at exit)."""
+
+    def end() -> None:
+        time.sleep(seconds)
+        log.error("shutdown took longer than %.0f s: exiting now", seconds)
+        logging.shutdown()
+        os._exit(1)
+
+    threading.Thread(target=end, name="dpsql-exit-deadline", daemon=True).start()
+
+
 def run(engine: Engine, host: str = "127.0.0.1", port: int = DEFAULT_PORT, **kwargs: Any) -> None:
-    """Blocking entry point for the CLI: serve until SIGINT/SIGTERM, then shut down cleanly."""
+    """Blocking entry point for the CLI: serve until SIGINT/SIGTERM, then shut down cleanly, within
+    :func:`shutdown_deadline` of the signal (the process ends at the deadline whatever still runs)."""
+    deadline = shutdown_deadline(float(kwargs.get("shutdown_grace", SHUTDOWN_GRACE)))
 
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def stopping() -> None:
+            if not stop.is_set():
+                _exit_by(deadline)
+            stop.set()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, stop.set)
+                loop.add_signal_handler(sig, stopping)
         await serve(engine, host, port, stop=stop, **kwargs)
 
     asyncio.run(main())

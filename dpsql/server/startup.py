@@ -41,6 +41,8 @@ async def startup(conn: Connection) -> bool:
     while True:
         payload = await pq.read_startup(conn.reader)
         msg = pq.parse_startup(payload)
+        if isinstance(msg, pq.SSLRequest | pq.GSSEncRequest):
+            conn.negotiating()
         if isinstance(msg, pq.SSLRequest):
             await _negotiate_tls(conn)
         elif isinstance(msg, pq.GSSEncRequest):
@@ -142,31 +144,34 @@ async def _authenticate(conn: Connection, user: str) -> None:
     else:  # unknown role or no verifier: the same exchange, doomed to fail at the same point
         exchange = mock_exchange(conn.ctx.engine, user)
         reason = "unknown role" if analyst is None else "no password set"
-    conn.replies.send(pq.auth_sasl(["SCRAM-SHA-256"]))
-    await conn.replies.flush()
-    try:
-        mechanism, first = parse_sasl_initial(await _read_password(conn))
-        if mechanism != "SCRAM-SHA-256":
-            raise ScramProtocolError("client selected an invalid SASL authentication mechanism")
-        conn.replies.send(pq.auth_sasl_continue(exchange.first(first)))
+    # a pair slowed down by failures takes turns, each answered no sooner than its delay (success alike)
+    async with conn.ctx.logins.turn(user, conn.address, conn.extend_startup):
+        conn.replies.send(pq.auth_sasl(["SCRAM-SHA-256"]))
         await conn.replies.flush()
-        proof = await _read_password(conn)
-        _refuse_if_locked(conn, user)  # again: parallel attempts must not all get their guess checked
-        final = exchange.final(proof)
-    except AuthFailed:
-        conn.ctx.logins.failed(user, conn.address)
-        log.info("authentication failed analyst=%s peer=%s reason=%s", user, conn.peer, reason)
-        raise failed from None
-    except ScramProtocolError as exc:
-        raise exc.fatal() from None
-    conn.ctx.logins.succeeded(user, conn.address)
+        try:
+            mechanism, first = parse_sasl_initial(await _read_password(conn))
+            if mechanism != "SCRAM-SHA-256":
+                raise ScramProtocolError("client selected an invalid SASL authentication mechanism")
+            conn.replies.send(pq.auth_sasl_continue(exchange.first(first)))
+            await conn.replies.flush()
+            proof = await _read_password(conn)
+            _refuse_if_locked(conn, user)  # again: parallel attempts must not all get their guess checked
+            final = exchange.final(proof)
+        except AuthFailed:
+            conn.ctx.logins.failed(user, conn.address)
+            log.info("authentication failed analyst=%s peer=%s reason=%s", user, conn.peer, reason)
+            raise failed from None
+        except ScramProtocolError as exc:
+            raise exc.fatal() from None
+        conn.ctx.logins.succeeded(user, conn.address)
     conn.replies.send(pq.auth_sasl_final(final))
     conn.replies.send(pq.auth_ok())
 
 
 def _refuse_if_locked(conn: Connection, user: str) -> None:
-    """FATAL 28000 while the login limiter holds ``user`` from this address: no password is checked.
-    Unknown names are limited alike, so the refusal tells nothing about which names exist."""
+    """FATAL 28000 while the login limiter locks ``user``'s account or this address (never where ``user``
+    logged in before): no password is checked. Unknown names are limited alike, so the refusal tells
+    nothing about which names exist."""
     left = conn.ctx.logins.locked(user, conn.address)
     if left > 0:
         log.info("login refused analyst=%s peer=%s: locked for %.1fs after failed attempts", user, conn.peer, left)

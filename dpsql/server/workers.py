@@ -15,7 +15,11 @@ new connections across them. What must be the same in every worker lives in shar
 
 Workers die with their supervisor (:func:`_die_with`): after a ``kill -9`` of the supervisor an
 orphaned worker would keep serving the policy it loaded (an analyst removed since would still be
-answered on some connections) while the restarted set binds the port beside it.
+answered on some connections) while the restarted set binds the port beside it. Each worker leads its
+own process group with its helper processes (the statement-routing helper, which also ends itself when
+its worker is gone). SIGTERM stops everything within :data:`KILL_AFTER_SECONDS`: each worker ends by its
+own shutdown deadline (statements get ``shutdown_grace`` to finish, then it exits whatever still runs),
+and the supervisor then kills each worker's group, so no helper outlives it.
 
 Limits: a CancelRequest arrives on a new connection, which the kernel may hand to another worker
 than the one running the statement; it is then ignored (the statement still ends at its statement
@@ -59,8 +63,12 @@ def _placeholder(host: str, port: int) -> socket.socket:
 
 #: How often a worker checks that its supervisor is still its parent (where prctl is not available).
 WATCH_SECONDS = 1.0
-#: After SIGTERM for an orphaned worker, how long its clean shutdown may take before it is ended.
+#: After SIGTERM for an orphaned worker, how long its clean shutdown may take before it is ended (its own
+#: deadline, :func:`dpsql.server.server.shutdown_deadline`, comes first).
 ORPHAN_GRACE_SECONDS = 20.0
+#: After SIGTERM, how long the supervisor waits for its workers before it kills each worker's process
+#: group (the worker and its helper processes): beyond the workers' own shutdown deadline.
+KILL_AFTER_SECONDS = 20.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -93,6 +101,8 @@ def _worker_main(
     """One worker: ``serve`` (``dpsql serve``'s command, handed down by it: pickled by name for the
     spawned process) on the shared port, its log lines tagged with its index and pid."""
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a reload before the server listens must not kill it
+    with contextlib.suppress(OSError):
+        os.setpgrp()  # its own process group, with its helper processes: the supervisor can end them all
     logging.basicConfig(
         level=str(options["log_level"]).upper(),
         format=f"%(asctime)s %(levelname)s %(name)s [worker {index} pid %(process)d] %(message)s",
@@ -167,12 +177,14 @@ def supervise(args: argparse.Namespace, serve: Callable[[argparse.Namespace], in
             if proc.is_alive() and proc.pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     proc.terminate()  # SIGTERM: each worker shuts down cleanly, logging late charges
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + KILL_AFTER_SECONDS
         for proc in workers:
             proc.join(max(0.1, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
+        for proc in workers:  # a stuck worker, and any helper left behind by one that exited: the whole group
+            if proc.pid is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            proc.join(5)
         placeholder.close()
         remove_pid_file(pid_file)
         for sig, handler in previous.items():
