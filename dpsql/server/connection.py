@@ -204,26 +204,42 @@ class Connection:
 
     # -- message loop ------------------------------------------------------------------------------
 
+    def _idle_limit(self) -> tuple[float | None, str]:
+        """How long this session may now wait for the client's next message, and why it would end: inside a
+        transaction block idle_in_transaction_session_timeout; outside one while holding more than its
+        reserved floor (WITH HOLD cursors, portals, prepared statements) the idle-holding timeout; else the
+        server's idle-session timeout (None: no limit)."""
+        opts = self.ctx.options
+        if self.commands.tx is not TxStatus.IDLE and self.settings is not None and self.settings.idle_in_transaction_ms:
+            return self.settings.idle_in_transaction_ms / 1000, "in transaction"
+        limits = [(opts.idle_timeout, "idle")]
+        if self.memory.beyond_floor > 0:
+            limits.append((opts.idle_holding_timeout, "holding"))
+        set_limits = [(t, why) for t, why in limits if t]
+        return min(set_limits) if set_limits else (None, "idle")
+
     async def message_loop(self) -> None:
-        idle = self.ctx.options.idle_timeout
-        self.memory.analyst = self.user
+        self.memory.open(self.user)  # its reserved floor, from now on
         while True:
-            in_tx = (
-                self.commands.tx is not TxStatus.IDLE
-                and self.settings is not None
-                and self.settings.idle_in_transaction_ms > 0
-            )
-            wait = self.settings.idle_in_transaction_ms / 1000 if in_tx and self.settings else idle
+            wait, why = self._idle_limit()
             try:
                 type_, payload = await asyncio.wait_for(
                     pq.read_message(self.reader, self.ctx.options.max_message_size), wait
                 )
             except TimeoutError:
-                if in_tx:
+                if why == "in transaction":
                     raise IdleInTransactionTimeout(
                         "terminating connection due to idle-in-transaction timeout"
                     ).fatal() from None
-                raise IdleSessionTimeout("terminating connection due to idle-session timeout").fatal() from None
+                detail = None
+                if why == "holding":
+                    detail = (
+                        f"The session held {self.memory.held // 1024} kB of cursors, portals and prepared "
+                        f"statements while idle for {wait:g} s; reopen the cursor or prepare the statement again."
+                    )
+                raise IdleSessionTimeout(
+                    "terminating connection due to idle-session timeout", detail=detail
+                ).fatal() from None
             try:
                 msg = pq.parse_message(type_, payload)
             except pq.BadMessage as exc:

@@ -15,6 +15,13 @@ sessions together or the whole server cannot take now is 53200 (out_of_memory, a
 says when an allocation fails: freeing something and retrying may succeed). The session stays
 usable either way.
 
+Fairness, per analyst first: every authenticated session has a reserved floor (:data:`SESSION_FLOOR`)
+that the others can never take, so however much k analysts hold, another's prepared statements and small
+catalog results still fit. Only what a session holds beyond its floor comes from the shared pool, and the
+analyst and server caps count that part: the shared pool is the server cap less every open session's
+floor. A session idle outside a transaction while holding more than its floor is ended after
+``idle_holding_timeout`` (:mod:`.connection`), as PostgreSQL's ``idle_session_timeout``.
+
 Privacy: only values that were released or are public are measured: catalog rows (the shadow
 holds no data), rows the DP engine released (noised and charged) and rows computed from them in
 the post-processing sandbox, and the analyst's own statement texts and parameters. Whether a
@@ -53,6 +60,9 @@ ANALYST_MEMORY = 256 * MIB
 #: All sessions: three analysts at their cap. With the interpreter, DuckDB and the engine's caches
 #: (~300 MB) `dpsql serve` then stays near 1 GB even when every analyst holds the most it may.
 SERVER_MEMORY = 768 * MIB
+#: Reserved for every authenticated session whatever the others hold: its prepared statements (asyncpg and
+#: JDBC prepare every statement) and small catalog results never meet a full server (issue #41).
+SESSION_FLOOR = 1 * MIB
 #: After this much was given back, the C allocator returns free memory to the OS (RSS falls).
 TRIM_AFTER = 32 * MIB
 #: What a prepared statement holds besides its text (the planned Statement, columns, parameter types).
@@ -106,43 +116,58 @@ class Memory:
         session: int = SESSION_MEMORY,
         analyst: int = ANALYST_MEMORY,
         total: int = SERVER_MEMORY,
+        floor: int = SESSION_FLOOR,
     ) -> None:
         self.statement_cap = statement
         self.session_cap = session
         self.analyst_cap = analyst
         self.total_cap = total
+        self.floor = max(0, floor)
         self._lock = threading.Lock()
+        #: Bytes held in all (floors included), and beyond the floors per analyst and in all.
         self.total = 0
         self.by_analyst: dict[str, int] = {}
+        self.shared = 0
+        #: Authenticated sessions open (each reserves its floor).
+        self.sessions = 0
         self._freed = 0
 
     def session(self) -> SessionMemory:
         return SessionMemory(self)
 
+    def _beyond(self, account: SessionMemory, held: int) -> int:
+        """The part of ``held`` bytes of ``account`` that comes from the shared pool (beyond its floor)."""
+        return max(0, held - (self.floor if account.floored else 0))
+
     def _take(self, account: SessionMemory, hold: Hold, n: int) -> None:
         with self._lock:
             if account.closed or hold.released:
                 raise QueryCanceled("canceling statement because the session ended")
-            analyst = self.by_analyst.get(account.analyst, 0)
             if hold.nbytes + n > self.statement_cap:
                 raise ProgramLimitExceeded(
                     f"{hold.what} is too large (more than {_size(self.statement_cap)}, the limit for one statement)",
                     hint=_HINTS.get(hold.what, _HINT),
                 )
+            analyst = self.by_analyst.get(account.analyst, 0)
+            extra = self._beyond(account, account.held + n) - self._beyond(account, account.held)
+            pool = self.total_cap - self.floor * self.sessions  # every open session's floor stays reserved
             if account.held + n > self.session_cap:
                 where = f"this session holds {_size(account.held)} (at most {_size(self.session_cap)} per session)"
-            elif analyst + n > self.analyst_cap:
+            elif extra and analyst + extra > self.analyst_cap:
                 where = (
-                    f'the sessions of role "{account.analyst}" hold {_size(analyst)} together '
-                    f"(at most {_size(self.analyst_cap)} per analyst)"
+                    f'the sessions of role "{account.analyst}" hold {_size(analyst)} together beyond their reserved '
+                    f"{_size(self.floor)} each (at most {_size(self.analyst_cap)} per analyst)"
                 )
-            elif self.total + n > self.total_cap:
-                where = f"the server holds its limit for all sessions ({_size(self.total_cap)})"
+            elif extra and self.shared + extra > pool:
+                where = (
+                    f"the server holds its limit for all sessions ({_size(self.total_cap)}, of which "
+                    f"{_size(self.floor)} is reserved for each session)"
+                )
             else:
                 hold.nbytes += n
                 account.held += n
-                self.by_analyst[account.analyst] = analyst + n
                 self.total += n
+                self._adjust(account.analyst, extra)
                 return
         raise OutOfMemory(
             "out of memory",
@@ -156,24 +181,46 @@ class Memory:
             hold.nbytes -= n
             if account.closed or n <= 0:
                 return
-            account.held -= n
-            self._credit(account.analyst, n)
+            self._credit(account, account.held - n)
 
-    def _credit(self, analyst: str, n: int) -> None:
-        left = self.by_analyst.get(analyst, 0) - n
+    def _credit(self, account: SessionMemory, held: int) -> None:
+        """``account`` now holds ``held`` bytes (less than before): the analyst's and the pool's figures follow."""
+        freed = account.held - held
+        self._adjust(account.analyst, self._beyond(account, held) - self._beyond(account, account.held))
+        account.held = held
+        self.total -= freed
+        self._freed += freed
+
+    def _adjust(self, analyst: str, delta: int) -> None:
+        """``analyst``'s bytes beyond its sessions' floors change by ``delta`` (and the shared pool's)."""
+        if not delta:
+            return
+        left = self.by_analyst.get(analyst, 0) + delta
         if left > 0:
             self.by_analyst[analyst] = left
         else:
             self.by_analyst.pop(analyst, None)
-        self.total -= n
-        self._freed += n
+        self.shared += delta
+
+    def _open(self, account: SessionMemory, analyst: str) -> None:
+        """``account`` authenticated as ``analyst``: its floor is reserved from now on."""
+        with self._lock:
+            if account.closed or account.floored:
+                return
+            self._adjust(account.analyst, -self._beyond(account, account.held))
+            account.analyst, account.floored = analyst, True
+            self.sessions += 1
+            self._adjust(analyst, self._beyond(account, account.held))
 
     def _close(self, account: SessionMemory) -> int:
         with self._lock:
             if account.closed:
                 return 0
-            account.closed, held, account.held = True, account.held, 0
-            self._credit(account.analyst, held)
+            held = account.held
+            self._credit(account, 0)
+            account.closed = True
+            if account.floored:
+                self.sessions -= 1
             return held
 
     def _move(self, source: Hold, target: Hold) -> None:
@@ -209,6 +256,18 @@ class SessionMemory:
         self.analyst = ""
         self.held = 0
         self.closed = False
+        #: Authenticated: its floor is reserved (:meth:`open`).
+        self.floored = False
+
+    def open(self, analyst: str) -> None:
+        """The session authenticated as ``analyst``: its holds count against that analyst, and its floor is
+        reserved for it from now on."""
+        self.memory._open(self, analyst)
+
+    @property
+    def beyond_floor(self) -> int:
+        """Bytes this session holds beyond its reserved floor."""
+        return self.memory._beyond(self, self.held)
 
     def hold(self, what: str, nbytes: int = 0) -> Hold:
         """A new hold of ``nbytes`` for a ``what`` (named in refusals); raises 54000/53200 beyond a cap."""

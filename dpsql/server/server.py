@@ -68,6 +68,9 @@ class ServerOptions:
     #: PostgreSQL DSN for the shadow catalog; None starts a throwaway local server; "" disables catalogs.
     catalog_dsn: str | None = None
     idle_timeout: float | None = None
+    #: A session idle outside a transaction block while holding more than its reserved floor of memory
+    #: (WITH HOLD cursors, portals, prepared statements) is ended after this (seconds; None/0: never).
+    idle_holding_timeout: float | None = 120.0
     #: The most any statement may run, whatever the session sets (seconds; None/0: no cap).
     statement_timeout: float | None = 60.0
     #: A session's statement timeout until it runs SET statement_timeout (seconds; capped by the above).
