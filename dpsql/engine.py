@@ -79,8 +79,8 @@ class Engine:
         #: Keys the per-row hash choosing which rows of a heavy unit are kept (never shown to analysts;
         #: derived from the ledger's installation key, so every process on one ledger keeps the same rows).
         self._salt = row_selection_salt(ledger.installation_key())
-        if cache is not None:  # entries are signed under the installation key: no one else can write one
-            cache.use_installation_key(ledger.installation_key())
+        if cache is not None:  # entries are signed under the signing key: no one else (no ledger writer) can write one
+            cache.use_installation_key(ledger.signing_key())
         #: Keys the query fingerprints (log and ledger); derived from the ledger's installation key.
         self._fingerprint_key: bytes | None = None
         #: Refuses columns stored as text but declared typed (schema only, read once per data version).

@@ -85,6 +85,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             statement_timeout=args.statement_timeout or None,
             default_statement_timeout=args.default_statement_timeout,
             idle_in_transaction_timeout=args.idle_in_transaction_timeout or None,
+            idle_holding_timeout=getattr(args, "idle_holding_timeout", 120.0) or None,
+            analyst_cpu_share=getattr(args, "analyst_cpu_share", 0.25),
+            require_tls=getattr(args, "require_tls", False),
             startup_timeout=args.authentication_timeout,
             max_connections=args.max_connections,
             max_connections_per_analyst=args.max_connections_per_analyst,
@@ -140,6 +143,25 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=600.0,
         metavar="SECONDS",
         help="close sessions idle inside a transaction block this long (default: %(default)g; 0: never)",
+    )
+    serve.add_argument(
+        "--idle-holding-timeout",
+        type=seconds,
+        default=120.0,
+        metavar="SECONDS",
+        help="close sessions idle outside a transaction while holding more than their reserved 1 MiB "
+        "(WITH HOLD cursors, portals, prepared statements) this long (default: %(default)g; 0: never)",
+    )
+    serve.add_argument(
+        "--analyst-cpu-share",
+        type=float,
+        default=0.25,
+        metavar="CPU",
+        help="CPU-seconds per second an analyst may use while others are active; the heaviest beyond it "
+        "waits and runs one statement at a time (default: %(default)g; 0: no cap)",
+    )
+    serve.add_argument(
+        "--require-tls", action="store_true", help="refuse sessions without TLS (needs --tls-cert), as hostssl"
     )
     serve.add_argument(
         "--authentication-timeout",

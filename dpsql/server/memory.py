@@ -453,6 +453,7 @@ def release_to_os() -> bool:
 __all__ = [
     "ANALYST_MEMORY",
     "SERVER_MEMORY",
+    "SESSION_FLOOR",
     "SESSION_MEMORY",
     "STATEMENT_MEMORY",
     "HeldStore",

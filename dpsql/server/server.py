@@ -27,7 +27,15 @@ from .cpu_share import DEFAULT_SHARE as CPU_SHARE
 from .cpu_share import CpuShare
 from .frontdoor import LoginLimiter, PreAuth
 from .limits import ShadowPool, WorkSlots
-from .memory import ANALYST_MEMORY, SERVER_MEMORY, SESSION_MEMORY, STATEMENT_MEMORY, Memory, tune_allocator
+from .memory import (
+    ANALYST_MEMORY,
+    SERVER_MEMORY,
+    SESSION_FLOOR,
+    SESSION_MEMORY,
+    STATEMENT_MEMORY,
+    Memory,
+    tune_allocator,
+)
 from .offload import Offload
 from .protocol import DEFAULT_MAX_MESSAGE, DEFAULT_PORT
 
@@ -129,6 +137,10 @@ class ServerOptions:
     max_session_memory: int = SESSION_MEMORY
     max_analyst_memory: int = ANALYST_MEMORY
     max_memory: int = SERVER_MEMORY
+    #: Reserved for each authenticated session out of ``max_memory``, whatever the others hold.
+    session_memory_floor: int = SESSION_FLOOR
+    #: Refuse sessions that did not negotiate TLS (needs ``tls_cert``), as a ``hostssl`` pg_hba.conf line.
+    require_tls: bool = False
     #: At shutdown, how long statements still running may finish (their charge is logged when they do).
     shutdown_grace: float = SHUTDOWN_GRACE
     #: Bytes buffered per connection before reads pause (asyncio StreamReader limit).
@@ -187,12 +199,18 @@ class ServerContext:
         self.inflight: set[asyncio.Future[Any]] = set()
         self.shadow_pool: ShadowPool | None = None
         self.ssl_context = make_ssl_context(options.tls_cert, options.tls_key) if options.tls_cert else None
+        if options.require_tls and self.ssl_context is None:
+            raise ValueError("require_tls needs tls_cert")
         self.shadow: CatalogShadow | None = None
         self.server_version = f"{FALLBACK_SERVER_VERSION} (dpsql {__version__})"
         self.connections: dict[int, Connection] = {}
         self._next_pid = 1000
         self.memory = Memory(
-            options.max_statement_memory, options.max_session_memory, options.max_analyst_memory, options.max_memory
+            options.max_statement_memory,
+            options.max_session_memory,
+            options.max_analyst_memory,
+            options.max_memory,
+            options.session_memory_floor,
         )
         tune_allocator()  # RSS follows what is held: large blocks go back to the OS when freed
 

@@ -87,6 +87,12 @@ async def _start_session(conn: Connection, msg: pq.StartupMessage) -> None:
     user = params.get("user", "")
     if not user:
         raise InvalidAuthorization("no PostgreSQL user name specified in startup packet").fatal()
+    if ctx.options.require_tls and not conn.tls:  # as a hostssl-only pg_hba.conf: before any password
+        raise InvalidAuthorization(
+            f'no pg_hba.conf entry for host "{conn.address}", user "{user}", '
+            f'database "{params.get("database", user)}", no encryption',
+            hint="This server accepts TLS connections only: connect with sslmode=require (or stronger).",
+        ).fatal()
     await _authenticate(conn, user)
     conn.authenticated()  # from now on it counts as a session, no longer against the pre-auth budget
     try:

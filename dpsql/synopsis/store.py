@@ -3,7 +3,8 @@
 A build appends one document per release (``synopsis:<dataset>:<name>:<time>``, never overwritten: a
 refresh is a new row), holding only what was released — each measured marginal's noisy values and its
 public noise variance — with the public key domains and the measures' meaning. Nothing raw is stored.
-The document is signed (HMAC-SHA-256 under the installation key, as result-cache entries are) so a row
+The document is signed (HMAC-SHA-256 under the ledger's signing key, as result-cache entries are: see
+:mod:`dpsql.ledger.signing`) so a row
 written by anyone without that key is ignored; it is typed JSON, never pickle.
 
 Which document serves a query: the newest one of a synopsis whose declaration (and its table's policy)
@@ -215,7 +216,7 @@ def unseal(text: str, installation_key: bytes) -> Released | None:
 def store(ledger: Ledger, released: Released) -> str:
     """Append ``released`` to the ledger; its key."""
     key = prefix(released.dataset, released.name) + f"{int(released.built_at * 1e6):020d}"
-    ledger.add_synopsis(key, seal(released, ledger.installation_key()))
+    ledger.add_synopsis(key, seal(released, ledger.signing_key()))  # out of a ledger writer role's reach
     return key
 
 
@@ -254,7 +255,7 @@ class Synopses:
         released = self._loaded.get(key)
         if released is None and key not in self._loaded:
             text = self.ledger.synopsis_document(key)
-            released = None if text is None else unseal(text, self.ledger.installation_key())
+            released = None if text is None else unseal(text, self.ledger.signing_key())
             if released is not None:
                 self._loaded[key] = released
         return released
