@@ -10,12 +10,24 @@ process. The victim's statement is a DP COUNT with a fresh constant each time (n
 repeat) at ε 0.001. For each attack: the victim's p50 idle (just before), its p50 and p99 during
 the attack, the ratio, and the server's peak RSS sampled every 50 ms from /proc.
 
-Attacks (the issue's items): ``big-catalog`` (item 1: one analyst sends ~250 kB free catalog
+Attacks (issue #27's items): ``big-catalog`` (item 1: one analyst sends ~250 kB free catalog
 statements on 8 connections), ``preauth`` (item 3: 210 idle unauthenticated sockets; the victim
 opens a new connection per COUNT), ``unread`` (item 2: catalog statements producing 10 MB each,
 pipelined on a socket that is never read), ``cursors`` (item 2: 20 cursors over big catalog
 results per session, 4 sessions), ``sandbox`` (item 4: post-processing cross joins of released
 rows on 4 connections).
+
+Issue #41's attacks run against a second server: the clinic demo (schemas/clinic.yaml) under ``pld``
+accounting, SCRAM passwords, its dashboard synopsis built: ``pld-distinct`` (one analyst's DP COUNTs at
+distinct ε, 1e-4 + i·1e-9), ``free-in-list`` (a ~168 kB ``department IN (…12,000 constants…)`` as EXPLAIN,
+as a LIMIT 0 probe and answered from the synopsis, and a 12,000-float IN list that no domain shrinks, on 4
+connections), ``accuracy`` (EXPLAIN under a new ``dpsql.accuracy`` target each time, 4 connections),
+``shared-pool`` (three other analysts fill the server's memory with WITH HOLD cursors and leave their
+sessions idle; the victim also runs asyncpg's named prepared statements and a catalog query, and counts
+refusals), ``shared-login`` (two threads of wrong passwords for the victim's account from its own
+address; the victim logs in afresh with the right password per COUNT and counts failed logins) and
+``preauth-churn`` (256 new silent sockets a second from the victim's address; fresh logins, failures
+counted). The bar (issue #41): the victim's p50 ≤ 3× idle, no failed login, no refusal.
 """
 
 from __future__ import annotations
@@ -43,6 +55,12 @@ BIG_CATALOG_SQL = (
     "SELECT count(*) FROM pg_catalog.pg_class WHERE relname IN (" + ",".join(f"'r{i:07d}'" for i in range(22_000)) + ")"
 )
 ATTACKS = ("big-catalog", "preauth", "unread", "cursors", "sandbox")
+#: Issue #41's attacks, on the clinic server (pld accounting, passwords, a synopsis).
+ROUND3 = ("pld-distinct", "free-in-list", "accuracy", "shared-pool", "preauth-churn", "shared-login")
+#: Every analyst of the clinic server logs in with this password.
+PASSWORD = "attack-bench"
+DEPARTMENTS_IN = ",".join(["'Cardiology'"] + [f"'dep{i:07d}'" for i in range(12_000)])
+FLOATS_IN = ",".join(f"{i * 0.0137:.4f}" for i in range(12_000))
 SANDBOX_SQL = (
     "SELECT count(*) FROM (SELECT a.n FROM (SELECT age, COUNT(*) AS n FROM patients GROUP BY age) a, "
     "(SELECT age, COUNT(*) AS n FROM patients GROUP BY age) b, "
@@ -56,10 +74,20 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+#: Set by :func:`_use_clinic`: the clinic server's database and password (the attacker process gets them too).
+TARGET = {"database": "health", "password": ""}
+
+
+def _use_clinic() -> None:
+    TARGET.update(database="clinic", password=PASSWORD)
+
+
 def _connect(port: int, user: str) -> Any:
     import psycopg
 
-    return psycopg.connect(f"postgresql://{user}@127.0.0.1:{port}/health", autocommit=True, connect_timeout=30)
+    password = f":{TARGET['password']}" if TARGET["password"] else ""
+    url = f"postgresql://{user}{password}@127.0.0.1:{port}/{TARGET['database']}"
+    return psycopg.connect(url, autocommit=True, connect_timeout=30)
 
 
 def _rss_kb(pid: int) -> int:
@@ -70,16 +98,43 @@ def _rss_kb(pid: int) -> int:
     return 0
 
 
-class Server:
-    """``dpsql serve`` on the demo with its shadow catalog, in a throwaway DPSQL_HOME."""
+def clinic_policy(home: str) -> str:
+    """schemas/clinic.yaml under pld accounting, with SCRAM passwords and two more analysts: its path."""
+    from dpsql.server.auth import make_verifier
 
-    def __init__(self) -> None:
+    text = (ROOT / "schemas" / "clinic.yaml").read_text()
+    text = text.replace("budget:\n", "budget:\n  accounting: pld\n", 1).replace(
+        "auth: {trust: true}", "auth: {trust: false}"
+    )
+    verifier = make_verifier(PASSWORD)
+    names = ("analyst", "alice", "root", "postgres", "bob", "carol")
+    listed = "".join(f"  - name: {n}\n    password: '{verifier}'\n" for n in names)
+    start = text.index("analysts:\n") + len("analysts:\n")
+    end = text.index("\ntables:")
+    path = Path(home) / "clinic.yaml"
+    path.write_text(text[:start] + listed + text[end:])
+    return str(path)
+
+
+class Server:
+    """``dpsql serve`` on the demo with its shadow catalog, in a throwaway DPSQL_HOME; with ``clinic``, the
+    clinic demo under pld accounting with passwords and its synopsis built first."""
+
+    def __init__(self, clinic: bool = False) -> None:
         self.home = tempfile.mkdtemp(prefix="dpsql-attacks-")
         self.port = _free_port()
+        env = {**os.environ, "DPSQL_HOME": self.home, "PYTHONPATH": str(ROOT)}
+        policy: list[str] = []
+        if clinic:
+            policy = ["--policy", clinic_policy(self.home)]
+            subprocess.run(
+                [sys.executable, "-m", "dpsql.cli", "synopsis", "build", *policy],
+                cwd=ROOT, env=env, check=True, capture_output=True, timeout=600,
+            )  # fmt: skip
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dpsql.cli", "serve", "--port", str(self.port)],
+            [sys.executable, "-m", "dpsql.cli", "serve", "--port", str(self.port), *policy],
             cwd=ROOT,
-            env={**os.environ, "DPSQL_HOME": self.home, "PYTHONPATH": str(ROOT)},
+            env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
@@ -131,18 +186,52 @@ class Victim:
         self.conn = _connect(port, VICTIM)
         self.conn.execute("SET dpsql.epsilon = 0.001")
         self.v = 0
+        #: Statements or logins of the victim that failed, by SQLSTATE (the bar: none).
+        self.failed: dict[str, int] = {}
 
     def once(self) -> float:
         self.v += 1
-        sql = f"SELECT COUNT(*) FROM patients WHERE age > {self.v % 90} AND bmi < {1000 + self.v}"
-        started = time.monotonic()
-        if self.fresh:
-            with _connect(self.port, VICTIM) as conn:
-                conn.execute("SET dpsql.epsilon = 0.001")
-                conn.execute(sql).fetchall()
+        if TARGET["database"] == "clinic":
+            sql = f"SELECT COUNT(*) FROM patients WHERE age > {self.v % 90} AND zip < {2100 + self.v}"
         else:
-            self.conn.execute(sql).fetchall()
+            sql = f"SELECT COUNT(*) FROM patients WHERE age > {self.v % 90} AND bmi < {1000 + self.v}"
+        started = time.monotonic()
+        try:
+            if self.fresh:
+                with _connect(self.port, VICTIM) as conn:
+                    conn.execute("SET dpsql.epsilon = 0.001")
+                    conn.execute(sql).fetchall()
+            else:
+                self.conn.execute(sql).fetchall()
+        except Exception as exc:  # a failed login or a refusal: counted, the bar is none
+            state = str(getattr(exc, "sqlstate", None) or type(exc).__name__)
+            self.failed[state] = self.failed.get(state, 0) + 1
         return time.monotonic() - started
+
+    def prepared_and_catalog(self) -> None:
+        """What the shared pool starved in issue #41: asyncpg's named prepared statements and a catalog result."""
+        import asyncio
+
+        import asyncpg
+
+        async def run() -> None:
+            conn = await asyncpg.connect(
+                host="127.0.0.1", port=self.port, user=VICTIM, password=TARGET["password"] or None,
+                database=TARGET["database"], ssl=False,
+            )  # fmt: skip
+            try:
+                await conn.execute("SET dpsql.epsilon = 0.001")
+                for i in range(5):
+                    await conn.fetchval("SELECT COUNT(*) FROM patients WHERE age > $1", i)
+                await conn.fetch("SELECT oid, typname, typlen FROM pg_catalog.pg_type LIMIT 200")
+            finally:
+                await conn.close()
+
+        try:
+            asyncio.run(run())
+        except Exception as exc:
+            state = str(getattr(exc, "sqlstate", None) or type(exc).__name__)
+            self.failed[state] = self.failed.get(state, 0) + 1
 
     def run(self, seconds: float, at_most: int = 400) -> list[float]:
         out: list[float] = []
@@ -153,20 +242,23 @@ class Victim:
 
 
 def measure(server: Server, attack: str, seconds: float) -> dict[str, Any]:
-    victim = Victim(server.port, fresh_connection=attack == "preauth")
+    victim = Victim(server.port, fresh_connection=attack in ("preauth", "shared-login", "preauth-churn"))
     victim.run(1.0)  # warm
     idle = victim.run(min(seconds, 5.0), at_most=60)
+    victim.failed.clear()
     attacker = subprocess.Popen(
-        [sys.executable, str(Path(__file__)), "attack", attack, str(server.port), str(seconds + 5)],
+        [sys.executable, str(Path(__file__)), "attack", attack, str(server.port), str(seconds + 5), TARGET["database"]],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
-    time.sleep(2.0)  # the attack is under way
+    time.sleep(5.0 if attack == "shared-pool" else 2.0)  # the attack is under way
     with sampling_rss(server.proc.pid) as peak:
         busy = victim.run(seconds)
+        if attack == "shared-pool":
+            victim.prepared_and_catalog()
     attacker.wait(120)
     out = attacker.stdout.read().strip() if attacker.stdout else ""
     victim.conn.close()
@@ -179,6 +271,7 @@ def measure(server: Server, attack: str, seconds: float) -> dict[str, Any]:
         "ratio": round(p50_busy / p50_idle, 2),
         "peak_rss_mb": round(peak[0] / 1024),
         "n": len(busy),
+        "victim_failed": dict(victim.failed),
         "attacker": out[-300:],
     }
 
@@ -269,6 +362,8 @@ def attack(name: str, port: int, seconds: float) -> None:
                 _loop(seconds, fill)
 
         _threads(4, cursors)
+    elif name in ROUND3:
+        round3(name, port, seconds)
     elif name == "sandbox":
 
         def sandbox() -> None:
@@ -282,40 +377,145 @@ def attack(name: str, port: int, seconds: float) -> None:
     print(f"errors {errors}")
 
 
-def run(quick: bool = False, attacks: tuple[str, ...] = ATTACKS) -> Any:
+def round3(name: str, port: int, seconds: float) -> None:
+    """Issue #41's attacks (the clinic server)."""
+    if name == "pld-distinct":
+
+        def distinct(n: int) -> None:
+            with _connect(port, ATTACKER) as conn:
+                i = [0]
+
+                def once() -> None:
+                    i[0] += 1
+                    conn.execute(f"SET dpsql.epsilon = {1e-4 + (n * 100_000 + i[0]) * 1e-9!r}")
+                    conn.execute(f"SELECT COUNT(*) FROM visits WHERE cost > {i[0] % 1000}").fetchall()
+
+                _loop(seconds, once)
+
+        _threads(2, lambda: distinct(threading.get_ident() % 97))
+    elif name == "free-in-list":
+        statements = [
+            f"EXPLAIN SELECT COUNT(*) FROM visits WHERE department IN ({DEPARTMENTS_IN})",
+            f"SELECT COUNT(*) FROM visits WHERE department IN ({DEPARTMENTS_IN}) LIMIT 0",
+            f"SELECT department, COUNT(*) FROM visits WHERE department IN ({DEPARTMENTS_IN}) GROUP BY department",
+            f"EXPLAIN SELECT COUNT(*) FROM visits WHERE cost IN ({FLOATS_IN})",
+        ]
+
+        def free() -> None:
+            with _connect(port, ATTACKER) as conn:
+                i = [0]
+
+                def once() -> None:
+                    i[0] += 1
+                    conn.execute(statements[i[0] % len(statements)]).fetchall()
+
+                _loop(seconds, once)
+
+        _threads(4, free)
+    elif name == "accuracy":
+
+        def bisect() -> None:
+            with _connect(port, ATTACKER) as conn:
+                i = [threading.get_ident() % 1000 * 1000]
+
+                def once() -> None:
+                    i[0] += 1
+                    conn.execute(f"SET dpsql.accuracy = '±{10000 + i[0]}'")
+                    conn.execute("EXPLAIN SELECT department, COUNT(*), SUM(cost) FROM visits GROUP BY department")
+
+                _loop(seconds, once)
+
+        _threads(4, bisect)
+    elif name == "shared-pool":
+
+        def hold(user: str) -> None:
+            with _connect(port, user) as conn:
+                with contextlib.suppress(Exception):
+                    for i in range(400):  # WITH HOLD: kept after the transaction, in an idle session
+                        conn.execute(
+                            f"DECLARE h{i} CURSOR WITH HOLD FOR SELECT lpad('x', 1000000, 'y') "
+                            "FROM generate_series(1, 30)"
+                        )
+                time.sleep(seconds)
+
+        threads = [threading.Thread(target=hold, args=(u,), daemon=True) for u in ("analyst", "bob", "carol")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    elif name == "shared-login":
+        import psycopg
+
+        def guess() -> None:
+            n = [0]
+
+            def once() -> None:
+                n[0] += 1
+                with contextlib.suppress(psycopg.Error):
+                    psycopg.connect(
+                        f"postgresql://{VICTIM}:wrong-{n[0]}@127.0.0.1:{port}/clinic", connect_timeout=30
+                    ).close()
+
+            _loop(seconds, once)
+
+        _threads(2, guess)
+    elif name == "preauth-churn":
+        opened: list[socket.socket] = []
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            for _ in range(16):
+                with contextlib.suppress(OSError):
+                    opened.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            while len(opened) > 300:
+                opened.pop(0).close()
+            time.sleep(1 / 16)
+        for s in opened:
+            s.close()
+
+
+def run(quick: bool = False, attacks: tuple[str, ...] = ATTACKS + ROUND3) -> Any:
     from common import Section
 
     seconds = 10.0 if quick else 20.0
     section = Section(
         "attacks",
         "one analyst attacks, another's DP COUNT p50 (bar: within 3x idle; server RSS under 1 GB)",
-        ["attack", "idle p50 ms", "attacked p50 ms", "p99 ms", "ratio", "peak RSS MB", "n"],
+        ["attack", "idle p50 ms", "attacked p50 ms", "p99 ms", "ratio", "peak RSS MB", "n", "victim failed"],
     )
-    server = Server()
-    try:
-        for name in attacks:
-            result = measure(server, name, seconds)
-            section.rows.append(
-                [
-                    name,
-                    result["idle_p50_ms"],
-                    result["busy_p50_ms"],
-                    result["busy_p99_ms"],
-                    result["ratio"],
-                    result["peak_rss_mb"],
-                    result["n"],
-                ]
-            )
-            section.data[name] = result
-            section.notes.append(f"{name}: attacker {result['attacker']}")
-    finally:
-        server.stop()
+    for clinic, names in ((False, [a for a in attacks if a in ATTACKS]), (True, [a for a in attacks if a in ROUND3])):
+        if not names:
+            continue
+        if clinic:
+            _use_clinic()
+        server = Server(clinic=clinic)
+        try:
+            for name in names:
+                result = measure(server, name, seconds)
+                section.rows.append(
+                    [
+                        name,
+                        result["idle_p50_ms"],
+                        result["busy_p50_ms"],
+                        result["busy_p99_ms"],
+                        result["ratio"],
+                        result["peak_rss_mb"],
+                        result["n"],
+                        sum(result["victim_failed"].values()),
+                    ]
+                )
+                section.data[name] = result
+                failed = f"; victim failed {result['victim_failed']}" if result["victim_failed"] else ""
+                section.notes.append(f"{name}: attacker {result['attacker']}{failed}")
+        finally:
+            server.stop()
     return section
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "attack":
+        if len(sys.argv) > 5 and sys.argv[5] == "clinic":
+            _use_clinic()
         attack(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
     else:
-        chosen = tuple(a for a in sys.argv[1:] if a in ATTACKS) or ATTACKS
+        chosen = tuple(a for a in sys.argv[1:] if a in ATTACKS + ROUND3) or ATTACKS + ROUND3
         run("--quick" in sys.argv, chosen).print()

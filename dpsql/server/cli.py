@@ -86,7 +86,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             default_statement_timeout=args.default_statement_timeout,
             idle_in_transaction_timeout=args.idle_in_transaction_timeout or None,
             idle_holding_timeout=getattr(args, "idle_holding_timeout", 120.0) or None,
-            analyst_cpu_share=getattr(args, "analyst_cpu_share", 0.25),
+            analyst_cpu_share=getattr(args, "analyst_cpu_share", 0.1),
             require_tls=getattr(args, "require_tls", False),
             startup_timeout=args.authentication_timeout,
             max_connections=args.max_connections,
@@ -155,7 +155,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     serve.add_argument(
         "--analyst-cpu-share",
         type=float,
-        default=0.25,
+        default=0.1,
         metavar="CPU",
         help="CPU-seconds per second an analyst may use while others are active; the heaviest beyond it "
         "waits and runs one statement at a time (default: %(default)g; 0: no cap)",

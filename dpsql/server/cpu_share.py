@@ -10,12 +10,15 @@ So every statement's CPU time in the server is metered against its analyst (:cla
 worker thread's own CPU time, plus the CPU the statement-routing helper process spent on it, as a
 decaying average (CPU-seconds per second over the last ``window`` seconds). While other analysts are
 active (a statement running, or one in the last :data:`ACTIVE_SECONDS`), an analyst using more than its
-``share`` *and* more than each of them is the one that yields: its next statement waits until its average
-has fallen to the larger of the share and theirs (the wait counts against its statement timeout: 57014
-when it outlasts it), and its statements then run one at a time. An analyst alone is never held back
-(work-conserving), and one using no more than the others never waits for them. An analyst sending free
-work without pause thus runs on one thread about ``share`` of the time while another analyst is active,
-and that one's statements keep their latency (bench/attacks.py).
+``share``, running statements side by side or costly ones (:data:`HEAVY_STATEMENT` on average), and more
+than each other such analyst is the one that yields: its next statement waits until its average has
+fallen back to the share (the wait counts against its statement timeout: 57014 when it outlasts it), and
+its statements then run one at a time. An analyst alone is never held back (work-conserving), nor one
+sending cheap statements one after another (the session the share protects, whatever its own rate). An
+analyst sending free work without pause thus runs on one thread about ``share`` of the time while another
+analyst is active, and that one's statements keep their latency (bench/attacks.py). The share is not
+raised to the others' use: a light analyst querying without pause would otherwise license as much work
+from the heavy one.
 
 Privacy: whether a statement waits depends on the CPU the analyst's own statements used (visible to them
 as their own latency) and on whether other analysts were active and their CPU use, as any shared server's
@@ -32,8 +35,11 @@ from dataclasses import dataclass, field
 
 from dpsql.errors import QueryCanceled
 
-#: CPU-seconds per second an analyst may use while others are active before it yields to them.
-DEFAULT_SHARE = 0.25
+#: CPU-seconds per second an analyst may use while others are active before it yields to them (a tenth of
+#: the GIL: a quarter let a flood of free work slow another analyst's p50 2-16× on a loaded 2-core box).
+DEFAULT_SHARE = 0.1
+#: A statement costing this much CPU on average is heavy: its analyst yields even when it sends one at a time.
+HEAVY_STATEMENT = 0.05
 #: Seconds over which an analyst's CPU use is averaged (exponential decay).
 DEFAULT_WINDOW = 5.0
 #: An analyst counts as active for this long after its last statement.
@@ -42,8 +48,9 @@ ACTIVE_SECONDS = 2.0
 
 @dataclass(slots=True)
 class _Usage:
-    #: Decayed CPU seconds (the rate is ``used / window``) as of ``at``.
+    #: Decayed CPU seconds (the rate is ``used / window``) and decayed number of statements, as of ``at``.
     used: float = 0.0
+    statements: float = 0.0
     at: float = 0.0
     seen: float = -math.inf
     running: int = 0
@@ -76,20 +83,28 @@ class CpuShare:
             return 0.0
         return usage.used * math.exp(-(self.clock() - usage.at) / self.window) / self.window
 
+    def _heavy(self, analyst: str) -> bool:
+        """Whether ``analyst`` may have to yield: over its share, and either running statements side by side
+        or sending costly ones (a session sending one cheap statement after another never yields: it is
+        what the share protects, whatever its own rate)."""
+        usage = self._usage.get(analyst)
+        if usage is None or self.rate(analyst) <= self.share:
+            return False
+        return usage.running > 0 or usage.used >= HEAVY_STATEMENT * usage.statements
+
     def _target(self, analyst: str) -> float | None:
-        """The rate ``analyst`` must fall to before its next statement (None: it need not wait)."""
-        if self.share <= 0:
+        """The rate ``analyst`` must fall to before its next statement (None: it need not wait): the share,
+        when other analysts are active and it is the heaviest of those that may have to yield."""
+        if self.share <= 0 or not self._heavy(analyst):
             return None
         now = self.clock()
-        others = [
-            self.rate(name)
-            for name, u in self._usage.items()
-            if name != analyst and (u.running or now - u.seen < ACTIVE_SECONDS)
-        ]
-        mine = self.rate(analyst)
-        if not others or mine <= self.share or mine <= max(others):
+        active = [n for n, u in self._usage.items() if n != analyst and (u.running or now - u.seen < ACTIVE_SECONDS)]
+        if not active:
             return None
-        return max(self.share, max(others))
+        mine = self.rate(analyst)
+        if any(self._heavy(n) and self.rate(n) > mine for n in active):
+            return None
+        return self.share
 
     def must_wait(self, analyst: str) -> bool:
         usage = self._usage.get(analyst)
@@ -104,7 +119,9 @@ class CpuShare:
         """A statement of ``analyst`` ended, having used ``seconds`` of CPU."""
         usage = self._of(analyst)
         now = self.clock()
-        usage.used = usage.used * math.exp(-(now - usage.at) / self.window) + max(seconds, 0.0)
+        decay = math.exp(-(now - usage.at) / self.window)
+        usage.used = usage.used * decay + max(seconds, 0.0)
+        usage.statements = usage.statements * decay + 1.0
         usage.at = usage.seen = now
         usage.running = max(0, usage.running - 1)
         if len(self._usage) > 4096:  # forget analysts gone quiet
