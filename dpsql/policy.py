@@ -23,6 +23,7 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    PrivateAttr,
     Tag,
     ValidationError,
     field_validator,
@@ -35,6 +36,7 @@ from dpsql.errors import PolicyError
 from dpsql.localdp import RandomizedResponse
 from dpsql.noise.mechanisms import Mechanism
 from dpsql.session import PgType
+from dpsql.units import UnitError, UnitPath, resolve_units
 
 ColumnType = Literal["int", "float", "text", "date", "timestamp", "boolean"]
 
@@ -369,6 +371,8 @@ class Policy(_Strict):
     writes: Writes = Writes()
     tables: dict[str, TablePolicy]
     synopses: dict[str, Synopsis] = {}
+    #: (id of the ``tables`` dict they were resolved from, each table's unit path)
+    _units: tuple[int, dict[str, UnitPath | None]] = PrivateAttr(default=(0, {}))
 
     @model_validator(mode="before")
     @classmethod
@@ -411,6 +415,10 @@ class Policy(_Strict):
                     (*at, "to"),
                     f"'{ref.to}' is not a column of '{ref.table}'" + did_you_mean(ref.to, target.columns),
                 )
+        try:
+            self._units = (id(self.tables), resolve_units(self.tables))
+        except UnitError as exc:
+            raise PolicyPathError(exc.loc, str(exc)) from None
         names = [a.name for a in self.analysts]
         if len(set(names)) != len(names):
             raise ValueError("an analyst is declared twice")
@@ -462,6 +470,13 @@ class Policy(_Strict):
 
     def table(self, name: str) -> TablePolicy | None:
         return self.tables.get(name.lower()) or self.tables.get(name)
+
+    def unit_path(self, name: str) -> UnitPath | None:
+        """How table ``name``'s rows reach their person (:mod:`dpsql.units`); None: public, or each row
+        is one person. Resolved again for a copy with other tables (``model_copy(update=…)``)."""
+        if self._units[0] != id(self.tables):
+            self._units = (id(self.tables), resolve_units(self.tables))
+        return self._units[1].get(name)
 
     def analyst(self, name: str) -> Analyst | None:
         return next((a for a in self.analysts if a.name == name), None)

@@ -33,7 +33,7 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("dpsql.version", "dpsql.errors", "dpsql.pgtypes", "dpsql.lru", "dpsql.sqltext")),
     ("accounting", ("dpsql.accountant", "dpsql.pld")),
     ("noise", ("dpsql.noise",)),
-    ("settings", ("dpsql.session", "dpsql.localdp", "dpsql.policy")),
+    ("settings", ("dpsql.session", "dpsql.localdp", "dpsql.units", "dpsql.policy")),
     ("backends", ("dpsql.backends",)),
     ("plan", ("dpsql.plan",)),
     ("aggregates", ("dpsql.aggregates",)),

@@ -115,7 +115,7 @@ def bound_contributions(select: exp.Select, plan: Plan) -> exp.Select:
             columns.setdefault(column.sql(), column)
     names = {sql: f"c{i}" for i, sql in enumerate(columns)}
     outer = select.copy()
-    for key in ("joins", "where"):
+    for key in ("from_", "joins", "where"):  # the outer query reads a bounding CTE, set below
         outer.set(key, None)
     for column in list(outer.find_all(exp.Column)):
         column.replace(exp.column(names[column.sql()], quoted=True))
