@@ -55,7 +55,14 @@ def generate(n_customers: int = 300, seed: int = 11, heavy: int = 3) -> Bank:
         for _ in range(rng.randint(1, 4)):
             opened = dt.date(2015, 1, 1) + dt.timedelta(days=rng.randrange(3_000))
             bank.accounts.append(
-                (account_id, customer, rng.randint(1, 12), KINDS[rng.randrange(3)], opened, round(rng.uniform(0, 9e4), 2))
+                (
+                    account_id,
+                    customer,
+                    rng.randint(1, 12),
+                    KINDS[rng.randrange(3)],
+                    opened,
+                    round(rng.uniform(0, 9e4), 2),
+                )
             )
             count = rng.randint(0, 12) if customer > heavy else 400
             for _ in range(count):

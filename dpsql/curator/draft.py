@@ -209,7 +209,11 @@ def _unit_lines(name: str, stored: dict[str, str], who: Who) -> tuple[str | None
         ]
     if name in who.chains:
         link, others = who.chains[name]
-        how = "a foreign key" if link.declared else f"REVIEW: every {link.column} is {_article(link.target)} {link.target}.{link.key}"
+        how = (
+            "a foreign key"
+            if link.declared
+            else f"REVIEW: every {link.column} is {_article(link.target)} {link.target}.{link.key}"
+        )
         reference = f"{{column: {_scalar(link.column)}, table: {_scalar(link.target)}, to: {_scalar(link.key)}}}"
         lines = []
         if others:
