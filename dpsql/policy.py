@@ -286,6 +286,10 @@ class Defaults(_Strict):
     delta: Annotated[float, Field(ge=0, lt=1)] = 1e-6
     mechanism: Mechanism = "laplace"
     confidence: Annotated[float, Field(gt=0, lt=1)] = 0.95
+    #: Rows one person adds to a query after its joins, for every query: None (each table's
+    #: ``max_rows_per_unit``, joins by foreign key multiplying nothing), a number, or ``auto`` (chosen
+    #: under DP per query at a share of its ε). ``SET dpsql.max_rows_per_unit`` overrides it.
+    max_rows_per_unit: Annotated[int, Field(ge=1, le=1_000_000)] | Literal["auto"] | None = None
 
 
 class Budgets(_Strict):

@@ -80,7 +80,8 @@ from dpsql.postprocess.finish import finish, from_cache, from_release, released_
 from dpsql.prepared import Prepared
 from dpsql.release.accuracy import accuracy_notes, bias_note
 from dpsql.release.apply import Released, apply, apply_local, released_again, widths_at
-from dpsql.rewrite import rewrite
+from dpsql.release.calibrate import budget
+from dpsql.rewrite import histogram_queries, rewrite
 from dpsql.rewrite.physical import data_version
 from dpsql.session import Result, Session
 from dpsql.synopsis import Synopses, reuse
@@ -425,12 +426,39 @@ class Step:
     ) -> Result:
         """Run the measurement query (and its histograms) and release the noisy result; only ever
         after the reservation. The released measurements are stored under ``measurement`` (if given)."""
+        chosen = None
+        if prepared.cap is not None:
+            # released at a cap chosen from the data: its measurements are not the ones the key names
+            prepared, chosen = self.at_chosen_cap(prepared)
+            measurement = stamp = None
         rows = self.query(prepared.sql)
         if prepared.plan.physical.proven and data_version(self.backend) != prepared.data_version:
             # a write raced the proof: run it again with every clamp in place
             rows = self.query(self.clamped_sql(prepared.plan))
         histograms = {i: self.query(sql) for i, sql in prepared.histograms}
-        return self.release_rows(prepared, rows, confidence, histograms, measurement, stamp)
+        result = self.release_rows(prepared, rows, confidence, histograms, measurement, stamp)
+        if chosen is not None:
+            result.notices.append(chosen)
+        return result
+
+    def at_chosen_cap(self, prepared: Prepared) -> tuple[Prepared, Notice]:
+        """``prepared`` at the per-unit cap chosen now under DP (:mod:`dpsql.release.cap`), with the rest
+        of its ε, and the notice saying so; only ever after the reservation of the whole ε."""
+        choice = prepared.cap
+        assert choice is not None
+        above = self.query(choice.sql)[0]
+        tau = choice.choose([int(n or 0) for n in above])
+        plan = replace(prepared.plan, tau=tau, tau_origin="chosen")
+        budgeting = budget(self.policy, plan, choice.session)
+        budgeting = replace(budgeting, epsilon=prepared.budgeting.epsilon, cost=prepared.budgeting.cost)
+        sql = self.backend.render(rewrite(plan), copy=False)
+        histograms = histogram_queries(plan, self.backend.render)
+        shown = ", ".join(map(str, choice.candidates))
+        notice = Notice(
+            f"dpsql: at most {tau} row{'s' if tau > 1 else ''} per {plan.sources.unit_description} kept, a cap "
+            f"chosen under DP among {shown} (ε={choice.epsilon:g} of this query's ε={budgeting.epsilon:g})"
+        )
+        return replace(prepared, plan=plan, sql=sql, budgeting=budgeting, histograms=histograms, cap=None), notice
 
     def release_rows(
         self,

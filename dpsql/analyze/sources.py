@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from sqlglot import exp
 
+from dpsql.analyze import persons
+from dpsql.analyze.persons import person_source
 from dpsql.errors import (
     DuplicateAlias,
     FeatureNotSupported,
@@ -26,6 +28,8 @@ from dpsql.policy import ColumnPolicy, Policy
 
 
 def _source(node: exp.Expression, policy: Policy) -> Source:
+    if isinstance(node, exp.Subquery):  # GROUP BY the unit inside: one row per person
+        return person_source(node, policy, resolve_sources)
     if not isinstance(node, exp.Table) or not isinstance(node.this, exp.Identifier):
         raise FeatureNotSupported("FROM must name a table", hint="Subqueries and table functions are refused.")
     schema = ident_name(node.args.get("db"))
@@ -182,6 +186,11 @@ def resolve_sources(tree: exp.Select, policy: Policy) -> Sources:
     return sources
 
 
+def grouped_by_unit(select: exp.Select, policy: Policy) -> bool:
+    """Whether ``select`` is a per-person relation (:func:`dpsql.analyze.persons.grouped_by_unit`)."""
+    return persons.grouped_by_unit(select, policy, resolve_sources)
+
+
 def _root(parent: dict[str, str], alias: str) -> str:
     """Union-find: the representative of the set of tables joined on one unit."""
     while parent.get(alias, alias) != alias:
@@ -194,5 +203,6 @@ def _union(parent: dict[str, str], a: str, b: str) -> None:
 
 
 def _by_alias(sources: Sources, join: exp.Join) -> Source:
-    alias = ident_name(join.this.args["alias"].this) if join.this.alias else ident_name(join.this.this)
+    node = join.this
+    alias = ident_name(node.args["alias"].this) if node.alias else ident_name(node.this)
     return next(s for s in sources.sources if s.alias == alias)

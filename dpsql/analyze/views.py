@@ -132,6 +132,9 @@ def inline_views(tree: exp.Expression) -> exp.Expression:
             body = ctes[ident_name(node.this)]
         else:
             continue
+        if body.args.get("group"):  # a per-person relation, or refused as one (dpsql.analyze.persons)
+            node.replace(exp.Subquery(this=body, alias=exp.TableAlias(this=exp.to_identifier(alias))))
+            continue
         if body.args.get("joins") and tree.args.get("from_") and node is tree.args["from_"].this:
             where = _flatten_joins(tree, body, alias)
             if where is not None:

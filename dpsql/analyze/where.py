@@ -215,6 +215,12 @@ def check_where(node: exp.Expression, scope: Scope) -> exp.Expression:
     if isinstance(node, _PREDICATES):
         return _check_comparison(node, scope)
     if isinstance(node, exp.Is):
+        tested = node.this.unnest() if isinstance(node.this, exp.Paren) else node.this
+        if isinstance(tested, exp.Column) and isinstance(node.expression, exp.Null):
+            # whether a row's identifier is NULL (a loan without co-signer) is a value of that row like
+            # any other: an identifier may be tested for NULL, never compared or grouped
+            source, name, _ = resolve_ref(tested, scope.sources, identifiers=True)
+            return exp.Is(this=qualified(source, name), expression=exp.Null())
         if _operand(node.this, scope) is None or not isinstance(node.expression, exp.Null | exp.Boolean):
             raise FeatureNotSupported("IS must test a column for NULL, TRUE or FALSE")
         return _normalise_column(node, scope)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from sqlglot import exp
 
+from dpsql.analyze.sources import grouped_by_unit
 from dpsql.errors import FeatureNotSupported, UndefinedTable
 from dpsql.plan.sources import ident_name
 from dpsql.policy import Policy
@@ -360,7 +361,11 @@ def needs_outer(tree: exp.Expr, policy: Policy) -> bool:
         return False
     if _own_windows(tree) and own_aggregates(tree):
         return True
-    return any(node is not tree and own_aggregates(node) for node in tree.find_all(exp.Select))
+    # a sub-query grouped by the privacy unit is one row per person, read by the engine as a table
+    return any(
+        node is not tree and own_aggregates(node) and not grouped_by_unit(node, policy)
+        for node in tree.find_all(exp.Select)
+    )
 
 
 def refuse_recursion(tree: exp.Expr) -> None:

@@ -29,6 +29,10 @@ class Source:
     #: (transactions → accounts → customers) makes the FROM entry a derived table that joins along
     #: the chain and exposes the unit as :data:`UNIT_COLUMN` (:func:`from_node`).
     path: UnitPath | None = None
+    #: A per-person relation (:mod:`dpsql.analyze.persons`): the subquery computing one row per person,
+    #: read instead of a table, and the sources it reads.
+    derived: exp.Subquery | None = None
+    inner: tuple[Source, ...] = ()
 
     @property
     def private(self) -> bool:
@@ -63,6 +67,14 @@ class Sources:
         return [s for s in self.sources if s.private]
 
     @property
+    def tables(self) -> list[Source]:
+        """The stored tables read, through per-person relations too (whose own source is no table)."""
+        out: list[Source] = []
+        for source in self.sources:
+            out += [s for s in source.inner if s.derived is None] if source.derived is not None else [source]
+        return out
+
+    @property
     def unit(self) -> exp.Column | None:
         """The privacy-unit expression all private rows are bounded by (None: row-level)."""
         return next((s.unit for s in self.private if s.unit is not None), None)
@@ -93,9 +105,14 @@ class Sources:
         return math.prod(caps) if caps else 1
 
     @property
-    def max_groups(self) -> int:
+    def max_groups_declared(self) -> int | None:
+        """The tightest ``max_groups_per_unit`` of the private tables (None: no table caps groups)."""
         declared = [s.table.max_groups_per_unit for s in self.private if s.table.max_groups_per_unit]
-        return min([*declared, self.max_rows])
+        return min(declared) if declared else None
+
+    @property
+    def max_groups(self) -> int:
+        return min(self.max_groups_declared or self.max_rows, self.max_rows)
 
 
 def ident_name(identifier: exp.Expression | str | None) -> str:
@@ -158,6 +175,8 @@ def from_node(source: Source, policy: Policy) -> exp.Table | exp.Subquery:
     A table whose unit is joins away is the derived table ``(SELECT t.*, <unit> AS __unit FROM t JOIN
     hop … ) AS t``: inner joins, so a row whose chain is broken belongs to nobody and is left out
     (:mod:`dpsql.units` says why that keeps one person's influence within one unit)."""
+    if source.derived is not None:
+        return source.derived.copy()
     path = source.path
     if path is None or not path.hops:
         return _table(source.table, source.name, source.alias)

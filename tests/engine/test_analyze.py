@@ -70,7 +70,7 @@ REFUSALS = [
     (
         "WITH x AS (SELECT sex, COUNT(*) AS n FROM patients GROUP BY sex) SELECT SUM(n) FROM x",
         "0A000",
-        'GROUP BY inside the subquery or CTE "x" is not supported',
+        'GROUP BY inside the subquery or CTE "x" is only supported on the privacy unit',
     ),
     (
         "SELECT COUNT(*) FROM patients a JOIN patients b ON a.zip = b.zip",

@@ -73,7 +73,7 @@ def test_views_measure_what_the_inlined_query_measures(
 
 REFUSED = [
     ("WITH x AS (SELECT sex, COUNT(*) AS n FROM patients GROUP BY sex) SELECT SUM(n) FROM x", "0A000",
-     'GROUP BY inside the subquery or CTE "x" is not supported'),
+     'GROUP BY inside the subquery or CTE "x" is only supported on the privacy unit'),
     ("SELECT COUNT(*) FROM (SELECT DISTINCT zip FROM patients) t", "0A000",
      'DISTINCT inside the subquery or CTE "t" is not supported'),
     ("SELECT COUNT(*) FROM (SELECT age FROM patients LIMIT 5) t", "0A000",
@@ -90,7 +90,7 @@ REFUSED = [
     ("SELECT COUNT(*) FROM (SELECT * FROM patients a JOIN patients b ON a.zip = b.zip) t", "0A000",
      'the subquery or CTE "t" with a JOIN may only select named columns'),
     ("SELECT COUNT(*) FROM (SELECT a.age FROM patients a JOIN patients b ON a.zip = b.zip GROUP BY a.age) t",
-     "0A000", 'GROUP BY inside the subquery or CTE "t" is not supported'),
+     "0A000", 'GROUP BY inside the subquery or CTE "t" is only supported on the privacy unit'),
 ]  # fmt: skip
 
 
