@@ -88,6 +88,7 @@ from dpsql.synopsis import Synopses, reuse
 from dpsql.synopsis import answer as synopsis_answer
 from dpsql.synopsis.answer import Derived
 from dpsql.synopsis.solve import noise_variance
+from dpsql.unit_keys import KeyGuard, chain_keys
 
 __all__ = ["Notice", "NoticeKind", "Part", "Severity", "Step"]
 
@@ -227,6 +228,7 @@ class Step:
         self._policy_hash = policy_hash(policy)
         self._database_identity: str | None = None
         self._synopses: Synopses | None = None
+        self._keys = KeyGuard(policy, backend)
 
     # -- a query alone ---------------------------------------------------------------------------
 
@@ -256,6 +258,7 @@ class Step:
         if synopsis is not None:
             return Part(prepared, hit=synopsis, derived=True)
         if self.cache is None or not prepared.plan.measures or prepared.local is not None:
+            self._check_keys(prepared, None)
             return Part(prepared)
         stamp = self._data_stamp()
         key = self.result_key(prepared, confidence, stamp)
@@ -274,15 +277,25 @@ class Step:
             coarser = self.coarsened(prepared, confidence, stamp)
             if coarser is not None:
                 return Part(prepared, key, coarser, measurement=measurement, derived=True, stamp=stamp)
+            self._check_keys(prepared, stamp)
             return Part(prepared, key, measurement=measurement, stamp=stamp)
         released = released_again(prepared.budgeting, *found, confidence)
         return Part(prepared, key, self.finish_released(prepared, released, confidence), stored[1], measurement, True)
+
+    def _check_keys(self, prepared: Prepared, stamp: str | None) -> None:
+        """Before anything is charged: the keys the query reaches its persons through are unique on this
+        data (:mod:`dpsql.unit_keys`; 23505 otherwise). Free queries read no data and are not checked."""
+        if not prepared.plan.measures or prepared.local is not None or not chain_keys(prepared.plan):
+            return
+        self._keys.check(prepared.plan, stamp if stamp is not None else self._data_stamp())
 
     def from_synopsis(self, prepared: Prepared, confidence: float) -> Result | None:
         """The query answered from the newest release of a declared synopsis that covers it (see
         :mod:`dpsql.synopsis.answer`) and, under ``dpsql.accuracy``, meets it: post-processing of released
         values, free; None when none does."""
         if not self.policy.synopses or not prepared.plan.measures or prepared.local is not None:
+            return None
+        if prepared.plan.tau is not None:  # a cap of its own: the synopsis was bounded at the policy's
             return None
         if self._synopses is None or self._synopses.ledger is not self.ledger:  # a ledger swapped in
             self._synopses = Synopses(self.policy, self.ledger)
@@ -309,8 +322,8 @@ class Step:
         """The query answered by summing the cells of an earlier, finer release of the same base
         (:mod:`dpsql.synopsis.reuse`), when that is accurate enough: within ``dpsql.accuracy`` if set, else
         no wider than the fresh query's own intervals. Post-processing of released values, free."""
-        if self.cache is None or self._database_identity is None:
-            return None
+        if self.cache is None or self._database_identity is None or prepared.plan.tau is not None:
+            return None  # (a cap of its own: earlier releases were bounded at another)
         plan, budgeting = prepared.plan, prepared.budgeting
         fresh = widths_at(budgeting, confidence)
         target = budgeting.accuracy
@@ -429,7 +442,8 @@ class Step:
         chosen = None
         if prepared.cap is not None:
             # released at a cap chosen from the data: its measurements are not the ones the key names
-            prepared, chosen = self.at_chosen_cap(prepared)
+            above = self.query(prepared.cap.sql)[0]
+            prepared, chosen = self.at_cap(prepared, prepared.cap.choose([int(n or 0) for n in above]))
             measurement = stamp = None
         rows = self.query(prepared.sql)
         if prepared.plan.physical.proven and data_version(self.backend) != prepared.data_version:
@@ -441,13 +455,11 @@ class Step:
             result.notices.append(chosen)
         return result
 
-    def at_chosen_cap(self, prepared: Prepared) -> tuple[Prepared, Notice]:
-        """``prepared`` at the per-unit cap chosen now under DP (:mod:`dpsql.release.cap`), with the rest
-        of its ε, and the notice saying so; only ever after the reservation of the whole ε."""
+    def at_cap(self, prepared: Prepared, tau: int) -> tuple[Prepared, Notice]:
+        """``prepared`` at the per-unit cap ``tau`` chosen under DP (:mod:`dpsql.release.cap`), with the
+        rest of its ε, and the notice saying so; only ever after the reservation of the whole ε."""
         choice = prepared.cap
         assert choice is not None
-        above = self.query(choice.sql)[0]
-        tau = choice.choose([int(n or 0) for n in above])
         plan = replace(prepared.plan, tau=tau, tau_origin="chosen")
         budgeting = budget(self.policy, plan, choice.session)
         budgeting = replace(budgeting, epsilon=prepared.budgeting.epsilon, cost=prepared.budgeting.cost)

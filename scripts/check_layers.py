@@ -40,7 +40,7 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("analyze", ("dpsql.analyze", "dpsql.fingerprint")),
     ("rewrite", ("dpsql.rewrite",)),
     ("release", ("dpsql.release", "dpsql.postprocess", "dpsql.explain")),
-    ("state", ("dpsql.ledger", "dpsql.audit", "dpsql.cache", "dpsql.prepared", "dpsql.synopsis")),
+    ("state", ("dpsql.ledger", "dpsql.audit", "dpsql.cache", "dpsql.prepared", "dpsql.synopsis", "dpsql.unit_keys")),
     ("engine", ("dpsql.engine", "dpsql.step", "dpsql.writes", "dpsql.budget_view", "dpsql.outer", "dpsql.dbapi")),
     ("dev", ("dpsql.dev",)),
     ("front", ("dpsql.server", "dpsql.curator", "dpsql.dashboard", "dpsql.commands")),

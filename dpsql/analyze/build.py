@@ -14,6 +14,8 @@ from dpsql.aggregates import AGGREGATE_NODES, OUTPUTS, recogniser
 from dpsql.analyze.domains import derive, narrow_policies
 from dpsql.analyze.scope import Scope
 from dpsql.analyze.sources import resolve_sources
+from dpsql.analyze.subqueries import Tools
+from dpsql.analyze.subqueries import resolve as resolve_subqueries
 from dpsql.analyze.where import canonical_cast, check_where, literal_type
 from dpsql.errors import (
     DatatypeMismatch,
@@ -392,7 +394,8 @@ def build_plan(tree: exp.Select, policy: Policy) -> Plan:
     """Resolve ``tree`` (already through the statement checks) into a :class:`Plan`."""
     scope = Scope(policy=policy, sources=resolve_sources(tree, policy), check_predicate=lambda p: check_where(p, scope))
     where = tree.args.get("where")
-    checked_where = check_where(where.this, scope) if where else None
+    tools = Tools(resolve_sources, check_where)
+    checked_where = check_where(resolve_subqueries(where.this, scope, tools), scope) if where else None
     resolve_group_keys(tree, scope, checked_where)
     if _distinct_keys(tree):
         add_group_keys([p.unalias() for p in tree.expressions], scope, checked_where)

@@ -98,11 +98,14 @@ def reject_unsupported_clauses(tree: exp.Expression) -> None:
 
 def _per_person(start: exp.Expr) -> bool:
     """A FROM or JOIN subquery that groups (or a node inside one): a per-person relation, analysed and
-    refused precisely by :mod:`dpsql.analyze.persons` when it does not group by the privacy unit."""
+    refused precisely by :mod:`dpsql.analyze.persons` when it does not group by the privacy unit; or a
+    subquery in the statement's WHERE, classified by :mod:`dpsql.analyze.subqueries`."""
     node: exp.Expr | None = start
     while node is not None:
         if isinstance(node, exp.Subquery) and isinstance(node.parent, exp.From | exp.Join):
             return isinstance(node.this, exp.Select) and node.this.args.get("group") is not None
+        if isinstance(node, exp.Where) and isinstance(node.parent, exp.Select) and node.parent.parent is None:
+            return True
         node = node.parent
     return False
 

@@ -32,6 +32,8 @@ from dpsql.policy import ColumnPolicy, Policy, TablePolicy
 from dpsql.units import UnitPath
 
 _COMPARISONS = (exp.EQ, exp.NEQ, exp.LT, exp.LTE, exp.GT, exp.GTE)
+#: A per-person count with a cap up to this has its values 0 … cap as a public domain (GROUP BY it).
+MAX_COUNT_DOMAIN = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +118,16 @@ def person_source(node: exp.Subquery, policy: Policy, resolve_sources: ResolveSo
         value, policy_ = _aggregate(node_, scope, cap, alias)
         aggregates[node_.sql(dialect="postgres")] = value
         outputs.append(_Output(name or _default_name(node_), value, policy_))
+    renamed = [ident_name(c) for c in (node.args["alias"].args.get("columns") or [])]  # AS t (id, n)
+    if renamed:
+        if len(renamed) != len(select.expressions):
+            raise SyntaxError_(f'the subquery "{alias}" has {len(select.expressions)} columns, {len(renamed)} named')
+        order = [p.unalias() for p in select.expressions]
+        unit_at = next((i for i, p in enumerate(order) if isinstance(p, exp.Column)), None)
+        if unit_at is not None:
+            unit_out = renamed[unit_at]
+        others = [name for i, name in enumerate(renamed) if i != unit_at]
+        outputs = [_Output(name, o.sql, o.policy) for name, o in zip(others, outputs, strict=True)]
     names = [unit_out, *(o.name for o in outputs)]
     if len(set(names)) != len(names):
         raise FeatureNotSupported(f'the per-person subquery "{alias}" names two columns alike: alias them')
@@ -131,7 +143,7 @@ def person_source(node: exp.Subquery, policy: Policy, resolve_sources: ResolveSo
     inner = inner.group_by(unit_sql.copy(), copy=False)
     having = select.args.get("having")
     if having is not None:
-        inner = inner.having(_having(having.this, scope, cap, alias, aggregates), copy=False)
+        inner = inner.having(having_predicate(having.this, scope, cap, alias, aggregates), copy=False)
     columns = {unit_out: unit_policy.model_copy(update={"identifier": True})}
     columns.update({o.name: o.policy for o in outputs})
     table = TablePolicy(privacy_unit=unit_out, max_rows_per_unit=1, columns=columns)
@@ -153,11 +165,15 @@ def _aggregate(node: exp.Expr, scope: Scope, cap: int, alias: str) -> tuple[exp.
         if isinstance(argument, exp.Distinct):
             for value in argument.expressions:
                 resolve_ref(value, scope.sources) if isinstance(value, exp.Column) else None
+        elif isinstance(argument, exp.Column):
+            resolve_ref(argument, scope.sources, identifiers=True)  # an identifier may be counted, never read
         elif not isinstance(argument, exp.Star) and argument is not None:
             scope.operand(argument)  # refuses identifiers and unbounded arithmetic
         top = exp.Literal.number(cap)
         counted = exp.Case().when(exp.GT(this=node.copy(), expression=top), top.copy()).else_(node.copy())
-        return counted, ColumnPolicy(type="int", lower=0, upper=cap, nullable=False)
+        # every count from 0 to the cap is possible: a public domain (GROUP BY the count, TPC-H Q13)
+        domain = tuple(range(cap + 1)) if cap <= MAX_COUNT_DOMAIN else None
+        return counted, ColumnPolicy(type="int", lower=0, upper=cap, nullable=False, domain=domain)
     if not isinstance(node, exp.Sum | exp.Avg | exp.Min | exp.Max):
         raise FeatureNotSupported(
             f'the per-person subquery "{alias}" may compute COUNT, SUM, AVG, MIN and MAX only',
@@ -189,19 +205,20 @@ def _aggregate(node: exp.Expr, scope: Scope, cap: int, alias: str) -> tuple[exp.
     return inner, ColumnPolicy(type=policy.type, lower=policy.lower, upper=policy.upper, nullable=policy.nullable)
 
 
-def _having(
-    node: exp.Expression, scope: Scope, cap: int, alias: str, aggregates: dict[str, exp.Expression]
+def having_predicate(
+    node: exp.Expression, scope: Scope, cap: int, alias: str, aggregates: dict[str, exp.Expression] | None = None
 ) -> exp.Expression:
-    """HAVING of a per-person subquery: AND/OR/NOT of comparisons between a (clamped) aggregate of the
-    person's rows and a number: no arithmetic, so nothing can fail on any row."""
+    """HAVING of a per-person subquery (or of a group inside one person's rows): AND/OR/NOT of comparisons
+    between a (clamped) aggregate of the rows and a number: no arithmetic, so nothing can fail on any row."""
+    aggregates = {} if aggregates is None else aggregates
     if isinstance(node, exp.Paren):
-        return exp.paren(_having(node.this, scope, cap, alias, aggregates), copy=False)
+        return exp.paren(having_predicate(node.this, scope, cap, alias, aggregates), copy=False)
     if isinstance(node, exp.And | exp.Or):
-        left = _having(node.this, scope, cap, alias, aggregates)
-        right = _having(node.expression, scope, cap, alias, aggregates)
+        left = having_predicate(node.this, scope, cap, alias, aggregates)
+        right = having_predicate(node.expression, scope, cap, alias, aggregates)
         return type(node)(this=left, expression=right)
     if isinstance(node, exp.Not):
-        return exp.Not(this=_having(node.this, scope, cap, alias, aggregates))
+        return exp.Not(this=having_predicate(node.this, scope, cap, alias, aggregates))
     if isinstance(node, _COMPARISONS):
         sides: list[exp.Expression] = []
         for side in (node.this, node.expression):

@@ -20,6 +20,10 @@ from dpsql.plan import GroupKey, Measure
 from dpsql.plan.sources import Sources, qualified, resolve_ref
 from dpsql.policy import PG_TYPE_NAMES, ColumnPolicy, Policy
 
+#: Meta flag on a predicate checked and rendered before WHERE's own checks (a subquery predicate,
+#: :mod:`dpsql.analyze.subqueries`): those pass it through as it is.
+CHECKED = "dpsql_subquery_checked"
+
 
 @dataclass
 class Scope:

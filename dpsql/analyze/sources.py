@@ -17,6 +17,8 @@ from sqlglot import exp
 
 from dpsql.analyze import persons
 from dpsql.analyze.persons import person_source
+from dpsql.analyze.scope import Scope
+from dpsql.analyze.where import check_where
 from dpsql.errors import (
     DuplicateAlias,
     FeatureNotSupported,
@@ -58,7 +60,8 @@ def _check_join_kind(join: exp.Join) -> None:
     if join_type == "CROSS" or (not join.args.get("on") and not join.args.get("using")):
         raise FeatureNotSupported(
             "cross joins are not supported",
-            hint="A cross join pairs every person with every row; join on the privacy unit instead.",
+            hint="A cross join pairs every row with every other: write JOIN t ON a.k = t.k (or an equality "
+            "between the tables in WHERE) along a foreign key, the privacy unit or a public table's key.",
         )
     if join.args.get("using"):
         raise FeatureNotSupported("JOIN ... USING is not supported", hint="Write the condition with ON.")
@@ -93,14 +96,13 @@ def _join_condition(join: exp.Join, sources: Sources, unify: dict[str, str]) -> 
     """Validate ``ON`` (a conjunction of column equalities), record which units it equates and which
     tables it looks up by a foreign key (:attr:`Sources.looked_up`)."""
     normalised: list[exp.Expression] = []
+    filters: list[exp.Expression] = []
     for conjunct in _conjuncts(join.args["on"]):
         if not isinstance(conjunct, exp.EQ) or not all(
             isinstance(side, exp.Column) for side in (conjunct.this, conjunct.expression)
         ):
-            raise FeatureNotSupported(
-                "JOIN conditions must be equalities between columns",
-                hint="Non-equi joins can pair one person's rows with many others'.",
-            )
+            filters.append(conjunct)  # a predicate (LEFT JOIN … ON k = k AND o_comment NOT LIKE …): below
+            continue
         left = resolve_ref(conjunct.this, sources, identifiers=True)
         right = resolve_ref(conjunct.expression, sources, identifiers=True)
         normalised.append(exp.EQ(this=qualified(left[0], left[1]), expression=qualified(right[0], right[1])))
@@ -124,6 +126,15 @@ def _join_condition(join: exp.Join, sources: Sources, unify: dict[str, str]) -> 
                 hint="Join on the privacy-unit columns or along a foreign key declared in the policy "
                 "(references); joining on other columns mixes different persons' rows.",
             )
+    if not normalised:
+        raise FeatureNotSupported(
+            "JOIN conditions need an equality between columns",
+            hint="Join along a foreign key, the privacy unit or a public table's key (JOIN t ON a.k = t.k); "
+            "a join without one can pair one person's rows with many others'.",
+        )
+    # other conjuncts filter the pairs the equalities make (never more rows than those), checked as WHERE
+    scope = Scope(policy=sources.policy, sources=sources, check_predicate=lambda p: check_where(p, scope))
+    normalised += [check_where(f, scope) for f in filters]
     condition: exp.Expression = normalised[0]
     for extra in normalised[1:]:
         condition = exp.And(this=condition, expression=extra)
@@ -148,18 +159,13 @@ def resolve_sources(tree: exp.Select, policy: Policy) -> Sources:
         source = _source(join.this, policy)
         if any(s.alias == source.alias for s in sources.sources):
             raise DuplicateAlias(f'table name "{source.alias}" specified more than once')
-        if any(s.name == source.name for s in sources.sources):
-            if source.private:
-                raise FeatureNotSupported(
-                    f'self-joins of private table "{source.name}" are not supported',
-                    hint="A self-join can count one person's rows many times over.",
-                )
-            # A public table joined with itself adds no information and multiplies rows: a chain of
-            # them is a free way to hold the database (the query is charged, then runs for hours).
+        if source.private and any(s.name == source.name for s in sources.sources):
             raise FeatureNotSupported(
-                f'self-joins of public table "{source.name}" are not supported',
-                hint="Join each public table once.",
+                f'self-joins of private table "{source.name}" are not supported',
+                hint="A self-join can count one person's rows many times over.",
             )
+        # a public table joined again under another alias (TPC-H's nation n1, nation n2) is joined on an
+        # equality like every join (cross joins are refused), so it multiplies rows only as a key repeats
         sources.sources.append(source)
     if joins:
         for source in sources.private:

@@ -14,7 +14,7 @@ import math
 from sqlglot import exp
 
 from dpsql.aggregates import AGGREGATE_NODES
-from dpsql.analyze.scope import Scope
+from dpsql.analyze.scope import CHECKED, Scope
 from dpsql.errors import (
     DatatypeMismatch,
     FeatureNotSupported,
@@ -197,6 +197,8 @@ def _normalise_column(node: exp.Expression, scope: Scope) -> exp.Expression:
 
 def check_where(node: exp.Expression, scope: Scope) -> exp.Expression:
     """Validate a predicate tree; return it with columns normalised and literals typed."""
+    if node.meta.get(CHECKED):  # a subquery predicate, checked and rendered by dpsql.analyze.subqueries
+        return node
     if isinstance(node, exp.Paren):
         return exp.Paren(this=check_where(node.this, scope))
     if isinstance(node, exp.And | exp.Or):

@@ -140,19 +140,19 @@ def unit_findings(
     unit = table.privacy_unit
     if unit is None or unit not in present or not counts.unique(unit):
         return
-    if any(
-        (p := policy.unit_path(other)) is not None and other != name and p.person == f"{name}.{unit}"
-        for other in policy.tables
-    ):
-        return  # the person table: other tables' chains end at its unit, one row per person
     others = [c for c in repeating if c != unit]
     if table.references is not None and table.references.column != unit:
         others = [table.references.column, *(c for c in others if c != table.references.column)]
     if not others:
         return
     found = reaching(policy, name, backend, source, stored, others)
-    if found is None and table.references is None and not (person_like and table.max_rows_per_unit > 1):
-        return  # identifiers that repeat but point at no one (a department's id): a person table
+    if found is None:
+        pointed_at = any(
+            (p := policy.unit_path(other)) is not None and other != name and p.person == f"{name}.{unit}"
+            for other in policy.tables
+        )
+        if pointed_at or table.references is None and not (person_like and table.max_rows_per_unit > 1):
+            return  # the person table (others' chains end here), or identifiers that point at no one
     column = found[0] if found is not None else others[0]
     yield Finding(
         "error",
