@@ -50,8 +50,13 @@ from .draft_links import Link, chains, links, looks_like_identifier, lookups, ow
 MAX_DOMAIN = 20
 #: Domain values held by fewer people than this are flagged as rare in the draft.
 RARE_UNITS = 5
-#: ``max_rows_per_unit`` proposed for a table with many rows per person (to review with the data's owner).
+#: ``max_rows_per_unit`` proposed for a table with many rows per person when the data cannot say more
+#: (to review with the data's owner); else the 95th percentile of rows per person, rounded up.
 MANY_ROWS = 10
+#: The share of persons whose rows the proposed cap keeps whole.
+CAP_QUANTILE = 0.95
+#: Persons needed before a percentile is read (fewer: :data:`MANY_ROWS`, no figure read).
+CAP_MIN_UNITS = 100
 
 #: URL schemes whose path is a file (its extension is no part of the dataset's name).
 _FILE_SCHEMES = frozenset({"duckdb", "sqlite", "file", ""})
@@ -199,7 +204,7 @@ class Who(NamedTuple):
     links: list[Link]
 
 
-def _unit_lines(name: str, stored: dict[str, str], who: Who) -> tuple[str | None, list[str]]:
+def _unit_lines(backend: Any, name: str, stored: dict[str, str], who: Who) -> tuple[str | None, list[str]]:
     """(the column the draft counts people by, the lines saying whose rows these are)."""
     if name == who.person and who.key is not None:
         return who.key, [
@@ -209,6 +214,7 @@ def _unit_lines(name: str, stored: dict[str, str], who: Who) -> tuple[str | None
         ]
     if name in who.chains:
         link, others = who.chains[name]
+        cap, why = _proposed_cap(backend, name, who)
         how = (
             "a foreign key"
             if link.declared
@@ -225,7 +231,7 @@ def _unit_lines(name: str, stored: dict[str, str], who: Who) -> tuple[str | None
         return link.column, [
             *lines,
             f"    references: {reference}   # {how}; the person is {who.person}.{who.key}",
-            f"    max_rows_per_unit: {MANY_ROWS}   # REVIEW: rows one person may add (more are dropped)",
+            f"    max_rows_per_unit: {cap}   # REVIEW: rows one person may add (more are dropped){why}",
         ]
     if name in who.public:
         return None, ["    public: true   # REVIEW: small, and names no person: readable without noise"]
@@ -245,7 +251,7 @@ def _table_lines(backend: Any, table: str, stored: dict[str, str], who: Who) -> 
     out = [f"  {_scalar(name)}:"]
     if name != table:
         out.append(f"    source: {_scalar(table)}")
-    unit, lines = _unit_lines(name, stored, who)
+    unit, lines = _unit_lines(backend, name, stored, who)
     out += [*lines, "    columns:"]
     required = introspect.not_null(backend, table)
     own = who.keys.get(name)
@@ -283,3 +289,42 @@ def _null_free(backend: Any, table: str, stored: dict[str, str], required: set[s
 
 def _article(word: str) -> str:
     return "an" if word[:1].lower() in "aeiou" else "a"
+
+
+def _proposed_cap(backend: Any, name: str, who: Who) -> tuple[int, str]:
+    """``max_rows_per_unit`` for a table reaching the person: the rows 95 % of its persons have at most,
+    rounded up to 1, 2 or 5 × 10^k (a figure of the many, never one person's count), or
+    :data:`MANY_ROWS` when too few persons hold rows to read one; and the comment saying which."""
+    tables = {short(t): t for t in who.keys}  # policy name → source (drafted tables only)
+    joins, alias, table = "", "t0", name
+    while table in who.chains and table != who.person:
+        link = who.chains[table][0]
+        nxt = f"t{len(joins.split(' JOIN ')) if joins else 1}"
+        joins += (
+            f" JOIN {quote_ident(tables.get(link.target, link.target))} AS {nxt} "
+            f"ON {alias}.{quote_ident(link.column)} = {nxt}.{quote_ident(link.key)}"
+        )
+        alias, table = nxt, link.target
+    if table != who.person or who.key is None:
+        return MANY_ROWS, ""
+    unit = f"{alias}.{quote_ident(who.key)}"
+    source = quote_ident(tables.get(name, name))
+    _, rows = backend.execute(
+        f"SELECT COUNT(*), percentile_disc({CAP_QUANTILE}) WITHIN GROUP (ORDER BY n) FROM "
+        f"(SELECT {unit} AS u, COUNT(*) AS n FROM {source} AS t0{joins} GROUP BY {unit}) AS per_unit"
+    )
+    units, quantile = int(rows[0][0] or 0), rows[0][1]
+    if units < CAP_MIN_UNITS or quantile is None:
+        return MANY_ROWS, ""
+    cap = _round_up(int(quantile))
+    return cap, f"; {CAP_QUANTILE:.0%} of {who.person} have at most this many"
+
+
+def _round_up(n: int) -> int:
+    """The smallest of 1, 2, 5, 10, 20, 50, … that is at least ``n``."""
+    step = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * step >= n:
+                return m * step
+        step *= 10

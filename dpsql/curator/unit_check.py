@@ -50,6 +50,14 @@ def names_target(column: str, table: str, key: str) -> bool:
     return stem not in ("id", "key") and stem == _stem(key)
 
 
+def _names_public(policy: Policy, column: str) -> bool:
+    """Whether ``column`` is named after a public table or its key (``branch_id``: a branch, no person)."""
+    return any(
+        table.public and any(names_target(column, name, key) for key in table.columns)
+        for name, table in policy.tables.items()
+    )
+
+
 def unique(backend: Any, source: str, column: str) -> bool:
     """Whether the non-NULL values of ``source.column`` are all different (one aggregate, whole table)."""
     col = quote_ident(column)
@@ -124,7 +132,11 @@ def unit_findings(
         return
     present = [c for c in table.columns if c in counts.distinct]
     repeating = [c for c in present if table.columns[c].identifier and counts.repeats(c)]
-    person_like = [c for c in repeating if c.lower() == "id" or c.lower().endswith(("_id", "key"))]
+    person_like = [
+        c
+        for c in repeating
+        if (c.lower() == "id" or c.lower().endswith(("_id", "key"))) and not _names_public(policy, c)
+    ]
     path = policy.unit_path(name)
     if table.privacy_unit is None and table.references is None and person_like:
         column = person_like[0]
@@ -151,7 +163,7 @@ def unit_findings(
             (p := policy.unit_path(other)) is not None and other != name and p.person == f"{name}.{unit}"
             for other in policy.tables
         )
-        if pointed_at or table.references is None and not (person_like and table.max_rows_per_unit > 1):
+        if pointed_at or (table.references is None and not (person_like and table.max_rows_per_unit > 1)):
             return  # the person table (others' chains end here), or identifiers that point at no one
     column = found[0] if found is not None else others[0]
     yield Finding(

@@ -448,6 +448,12 @@ PEOPLE_ONLY_MEASURES = [m.replace("p.", "") for m in ["COUNT(*)", "COUNT(p.score
 PEOPLE_ONLY_KEYS = [k.replace("p.", "") for k in PEOPLE_KEYS]
 
 EVENT_WHERE = [
+    # subqueries by what they read (#36): the same person's rows (a semi- or anti-join tied along the
+    # foreign key), a group of them (HAVING on clamped aggregates), and a public table
+    "EXISTS (SELECT * FROM lines l WHERE l.eid = e.eid AND l.price > 20)",
+    "NOT EXISTS (SELECT * FROM lines l WHERE l.eid = e.eid)",
+    "e.eid IN (SELECT l.eid FROM lines l GROUP BY l.eid HAVING COUNT(*) > 1)",
+    "e.kind IN (SELECT name FROM kinds WHERE cat = 'x')",
     "e.amount > 5",
     "e.kind IN ('a', 'b')",
     "e.flag",
@@ -617,12 +623,16 @@ def queries(draw: st.DrawFn) -> str:
         conjuncts.append(draw(st.sampled_from(where_pool)))
     distinct = bool(keys) and draw(st.integers(0, 5)) == 0
     measures = [] if distinct else draw(st.lists(measure, min_size=1, max_size=3, unique=True))
-    where = " AND ".join(f"({w})" for w in conjuncts) if len(conjuncts) > 1 else next(iter(conjuncts), None)
     source = "events e"
-    if join_people:
+    comma = not join_kinds and draw(st.integers(0, 3)) == 0  # TPC-H's spelling: FROM a, b WHERE a.k = b.k
+    if join_people and comma:
+        source += ", people p"
+        conjuncts.append("e.pid = p.pid")
+    elif join_people:
         source += " JOIN people p ON e.pid = p.pid"
     if join_kinds:
         source += " JOIN kinds k ON e.kind = k.name"
+    where = " AND ".join(f"({w})" for w in conjuncts) if len(conjuncts) > 1 else next(iter(conjuncts), None)
     return _assemble(keys, measures, source, where, distinct=distinct)
 
 

@@ -33,6 +33,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
+from sqlglot import exp
 
 from dpsql.analyze import analyze
 from dpsql.backends import Backend, open_backend
@@ -206,6 +207,8 @@ class Stats:
         )
         self.shapes.update("source: per-person subquery" for s in plan.sources.sources if s.derived is not None)
         self.shapes["join looked up by foreign key"] += len(plan.sources.looked_up)
+        if plan.where is not None and plan.where.find(exp.Exists):
+            self.shapes["semi-join inside the person"] += 1
         self.shapes.update(
             "key: domain narrowed by WHERE"
             for k in plan.keys
@@ -418,6 +421,7 @@ def test_every_measure_moves_within_its_sensitivity(worlds: tuple[str, dict[str 
     for shape in ("source: two or more hops from the unit", "source: per-person subquery", "cap set per query"):
         assert stats.shapes[shape] > 0, stats.report(dialect)
     assert stats.shapes["join looked up by foreign key"] > 0, stats.report(dialect)
+    assert stats.shapes["semi-join inside the person"] > 0, stats.report(dialect)
 
 
 @pytest.mark.heavy

@@ -143,3 +143,20 @@ def test_a_reference_into_a_public_table_or_a_circle_fails_at_load() -> None:
                             "    references: {column: customer_id, table: loans, to: customer_id}")  # fmt: skip
     with pytest.raises(PolicyError, match="circle"):
         parse_policy(circle, "bank.yaml")
+
+
+def test_a_lookup_key_is_never_proposed_as_the_person(bank: Backend) -> None:
+    """A branch id on the person table (ids 1–12, also transaction and account ids) is a branch, not a
+    person: nothing suggests it as a unit, or that customers reference transactions."""
+    bank.execute_script("ALTER TABLE customers ADD COLUMN home_branch_id INTEGER")
+    bank.execute_script("UPDATE customers SET home_branch_id = 1 + customer_id % 12")
+    try:
+        text = POLICY.replace(
+            "      full_name: {type: text, identifier: true}",
+            "      full_name: {type: text, identifier: true}\n      home_branch_id: {type: int, identifier: true}",
+        ).replace("branch_id: {type: int, domain: [1, 2,", "home_branch_id: {type: int, domain: [1, 2,")
+        report = check_text(text, "bank.yaml", bank)
+        assert not any("home_branch_id" in e for e in report.errors), report.errors
+        assert not any("table: transactions" in e for e in report.errors), report.errors
+    finally:
+        bank.execute_script("ALTER TABLE customers DROP COLUMN home_branch_id")
