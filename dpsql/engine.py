@@ -33,7 +33,7 @@ from dpsql.analyze.parse import (
 from dpsql.analyze.randomized import local_query
 from dpsql.analyze.statement import CACHE_BYTES as PLAN_CACHE_BYTES
 from dpsql.analyze.statement import Kind, Statements, tree_bytes
-from dpsql.backends import DEFAULT_STATEMENT_TIMEOUT_MS, Backend, open_backend
+from dpsql.backends import DEFAULT_STATEMENT_TIMEOUT_MS, Backend, open_backend, quote_ident
 from dpsql.cache import ResultCache, cache_key, measurement_key
 from dpsql.errors import FeatureNotSupported, InvalidAuthorization
 from dpsql.explain import Explanation, explain, explain_format
@@ -65,6 +65,8 @@ from dpsql.writes import insert
 __all__ = ["Description", "Engine", "Explanation", "Prepared"]
 
 _PLAN_CACHE_SIZE = 1024
+#: A public table column with more stored values than this gets no domain from them (partition selection).
+MAX_PUBLIC_VALUES = 10_000
 
 
 class Engine:
@@ -89,6 +91,8 @@ class Engine:
         self._fingerprint_key: bytes | None = None
         #: Refuses columns stored as text but declared typed (schema only, read once per data version).
         self._stored_types = StoredTypes(backend)
+        #: Public table columns' stored values, the domains of keys the policy lists none for.
+        self._public_domains: LRU[tuple[str, str, int], tuple[tuple[Any, ...] | None]] = LRU(256)
         #: One audit row per statement (shape, cost, outcome), written to the ledger off the query's path.
         self.audit = AuditTrail(ledger, policy.dataset, lambda sql: (self.fingerprint(sql), statement_shape(sql)))
 
@@ -155,6 +159,21 @@ class Engine:
             data_version(self.backend),
         )
 
+    def _public_values(self, table: str, column: str) -> tuple[Any, ...] | None:
+        """A public table column's stored values (sorted, NULL last), None beyond :data:`MAX_PUBLIC_VALUES`:
+        a key's domain when the policy lists none (a public table's rows are public; read once per data
+        version). Free: it reads no person's data."""
+        key = (table, column, data_version(self.backend))
+        found = self._public_domains.get(key)
+        if found is None:
+            col = quote_ident(column)
+            _, rows = self.backend.execute(
+                f"SELECT DISTINCT {col} FROM {quote_ident(table)} ORDER BY 1 NULLS LAST LIMIT {MAX_PUBLIC_VALUES + 1}"
+            )
+            values = tuple(r[0] for r in rows if r[0] is not None)
+            found = self._public_domains.put(key, (None if len(rows) > MAX_PUBLIC_VALUES else values,))
+        return found[0]
+
     def _cap_setting(self, session: Session) -> int | str | None:
         """The session's ``dpsql.max_rows_per_unit``, else the policy's default (None: each table's cap)."""
         if session.max_rows_per_unit is not None:
@@ -187,7 +206,7 @@ class Engine:
 
     def _prepare(self, sql: str, tree: exp.Expression, session: Session, params: Params) -> Prepared:
         fingerprint = self.fingerprint(sql)
-        plan = analyze_tree(tree, self.policy, params)
+        plan = analyze_tree(tree, self.policy, params, self._public_values)
         self._stored_types.check(plan)
         local = local_query(plan, self.backend.render)
         version = data_version(self.backend)

@@ -16,6 +16,7 @@ from dpsql.analyze.checks import STATEMENT_CHECKS, require_known_tables
 from dpsql.analyze.fold import fold_constants
 from dpsql.analyze.joins import comma_joins
 from dpsql.analyze.parse import Params, bind_parameters, parse_statement, too_complex
+from dpsql.analyze.scope import PublicValues
 from dpsql.analyze.views import inline_views
 from dpsql.errors import UndefinedParameter
 from dpsql.plan import Plan
@@ -24,8 +25,10 @@ from dpsql.policy import PG_TYPE_NAMES, Policy
 __all__ = ["analyze", "analyze_tree", "infer_parameter_types", "parse_statement"]
 
 
-def analyze_tree(tree: exp.Expression, policy: Policy, params: Params = None) -> Plan:
-    """Check and plan an already parsed statement."""
+def analyze_tree(
+    tree: exp.Expression, policy: Policy, params: Params = None, public_values: PublicValues | None = None
+) -> Plan:
+    """Check and plan an already parsed statement (``public_values``: :attr:`Scope.public_values`)."""
     try:
         require_known_tables(tree, policy)
         tree = inline_views(fold_constants(comma_joins(tree, policy)))
@@ -33,7 +36,7 @@ def analyze_tree(tree: exp.Expression, policy: Policy, params: Params = None) ->
             check(tree)
         bound = fold_constants(bind_parameters(tree, params))
         assert isinstance(bound, exp.Select)
-        return build_plan(bound, policy)
+        return build_plan(bound, policy, public_values)
     except RecursionError:
         raise too_complex() from None
 

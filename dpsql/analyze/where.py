@@ -222,7 +222,7 @@ def check_where(node: exp.Expression, scope: Scope) -> exp.Expression:
             # whether a row's identifier is NULL (a loan without co-signer) is a value of that row like
             # any other: an identifier may be tested for NULL, never compared or grouped
             source, name, _ = resolve_ref(tested, scope.sources, identifiers=True)
-            return exp.Is(this=qualified(source, name), expression=exp.Null())
+            return exp.Is(this=qualified(source, name), expression=exp.Null(), negate=node.args.get("negate"))
         if _operand(node.this, scope) is None or not isinstance(node.expression, exp.Null | exp.Boolean):
             raise FeatureNotSupported("IS must test a column for NULL, TRUE or FALSE")
         return _normalise_column(node, scope)
