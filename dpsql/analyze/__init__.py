@@ -31,7 +31,7 @@ def analyze_tree(
     """Check and plan an already parsed statement (``public_values``: :attr:`Scope.public_values`)."""
     try:
         require_known_tables(tree, policy)
-        tree = inline_views(fold_constants(comma_joins(tree, policy)))
+        tree = inline_views(fold_constants(comma_joins(tree, policy)), policy)
         for check in STATEMENT_CHECKS:
             check(tree)
         bound = fold_constants(bind_parameters(tree, params))

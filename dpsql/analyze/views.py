@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from sqlglot import exp
 
+from dpsql.analyze.sources import grouped_by_unit
 from dpsql.errors import FeatureNotSupported, StatementTooComplex, SyntaxError_, UndefinedColumn
 from dpsql.plan.sources import ident_name
+from dpsql.policy import Policy
 
 _VIEW_REFUSED = {
     "group": "GROUP BY",
@@ -45,6 +47,7 @@ class _View:
     (a column, or a row-level computed expression)."""
 
     def __init__(self, select: exp.Select, name: str) -> None:
+        _refuse_grouping(select, name)
         for arg, clause in _VIEW_REFUSED.items():
             if select.args.get(arg):
                 raise FeatureNotSupported(
@@ -99,7 +102,7 @@ def _requalify(node: exp.Expression, inner_aliases: set[str], alias: str) -> exp
     return node.transform(repoint)
 
 
-def inline_views(tree: exp.Expression) -> exp.Expression:
+def inline_views(tree: exp.Expression, policy: Policy | None = None) -> exp.Expression:
     """Replace simple CTEs and FROM-subqueries by their table, merging their WHERE into the query's."""
     if not isinstance(tree, exp.Select):
         return tree
@@ -116,7 +119,7 @@ def inline_views(tree: exp.Expression) -> exp.Expression:
             body = cte.this
             if not isinstance(body, exp.Select):
                 raise FeatureNotSupported(f'the CTE "{cte.alias}" must be a plain SELECT')
-            ctes[ident_name(cte.args["alias"].this)] = inline_views(_with_ctes(body, ctes))  # type: ignore[assignment]
+            ctes[ident_name(cte.args["alias"].this)] = inline_views(_with_ctes(body, ctes), policy)  # type: ignore[assignment]
             cte_columns[ident_name(cte.args["alias"].this)] = list(cte.args["alias"].args.get("columns") or [])
         tree.set("with_", None)
     views: dict[str, _View] = {}
@@ -131,7 +134,7 @@ def inline_views(tree: exp.Expression) -> exp.Expression:
             alias = ident_name(node.args["alias"].this) if node.alias else ""
             if not alias:
                 raise SyntaxError_("a subquery in FROM must have an alias")
-            body = inline_views(node.this) if isinstance(node.this, exp.Select) else node.this
+            body = inline_views(node.this, policy) if isinstance(node.this, exp.Select) else node.this
             if not isinstance(body, exp.Select):
                 raise FeatureNotSupported(f'the subquery "{alias}" must be a plain SELECT')
         elif isinstance(node, exp.Table) and not node.args.get("db") and ident_name(node.this) in ctes:
@@ -139,7 +142,7 @@ def inline_views(tree: exp.Expression) -> exp.Expression:
             body = ctes[ident_name(node.this)]
         else:
             continue
-        if body.args.get("group"):  # a per-person relation, or refused as one (dpsql.analyze.persons)
+        if body.args.get("group") and policy is not None and grouped_by_unit(body, policy):  # one row per person
             named = exp.TableAlias(this=exp.to_identifier(alias), columns=[c.copy() for c in columns.get(alias, [])])
             if isinstance(node, exp.Subquery) and node.args.get("alias") is not None:
                 named = node.args["alias"].copy()
@@ -165,12 +168,23 @@ def inline_views(tree: exp.Expression) -> exp.Expression:
     return tree
 
 
+def _refuse_grouping(select: exp.Select, name: str) -> None:
+    """GROUP BY in a view that is not one row per person (:mod:`dpsql.analyze.persons`): refused."""
+    if select.args.get("group"):
+        raise FeatureNotSupported(
+            f'GROUP BY inside the subquery or CTE "{name}" is only supported on the privacy unit',
+            hint="A subquery may aggregate per person (GROUP BY the privacy unit: one row per person, then "
+            "aggregate in the outer query); aggregate anything else in the outer query.",
+        )
+
+
 def _flatten_joins(tree: exp.Select, body: exp.Select, alias: str) -> exp.Expression | None:
     """A FROM-subquery that joins tables and names their columns (ibis, Looker derived tables) becomes
     those joins in the outer query: ``SELECT t4.building, COUNT(*) FROM (SELECT t2.cost, t3.building
     FROM visits t2 JOIN departments t3 ON …) t4 GROUP BY 1`` is the same query as the flat join, so
     every join check (public tables, unit joins, join limits) applies unchanged. Returns the view's WHERE.
     """
+    _refuse_grouping(body, alias)
     for arg, clause in _VIEW_REFUSED.items():
         if arg != "joins" and body.args.get(arg):
             raise FeatureNotSupported(
