@@ -64,12 +64,19 @@ def _literal(value: Any) -> exp.Expression:
     return exp.Neg(this=number) if text.startswith("-") else number
 
 
-def _uncorrelated(select: exp.Select) -> bool:
-    """Whether every column the subquery names is qualified by one of its own tables or unqualified."""
-    own = {ident_name(t.args["alias"].this) if t.alias else ident_name(t.this) for t in select.find_all(exp.Table)} | {
-        ident_name(t.this) for t in select.find_all(exp.Table)
-    }
-    return all(not c.table or ident_name(c.args.get("table")) in own for c in select.find_all(exp.Column))
+def _uncorrelated(select: exp.Select, policy: Policy) -> bool:
+    """Whether every column the subquery names is one of its own tables': qualified by one of their
+    aliases, or unqualified and a column of one of them (else it reads the outer row: correlated)."""
+    tables = list(select.find_all(exp.Table))
+    own = {ident_name(t.args["alias"].this) if t.alias else ident_name(t.this) for t in tables}
+    names: set[str] = set()
+    for table in tables:
+        declared = policy.table(ident_name(table.this))
+        names |= set(declared.columns) if declared is not None else set()
+    return all(
+        ident_name(c.args.get("table")) in own if c.table else ident_name(c.this) in names
+        for c in select.find_all(exp.Column)
+    )
 
 
 def split_scalar(tree: exp.Expression, policy: Policy) -> ScalarFilter | None:
@@ -89,7 +96,7 @@ def split_scalar(tree: exp.Expression, policy: Policy) -> ScalarFilter | None:
     private = any(t is not None and not t.public for t in tables)
     if not private or not own_aggregates(select) or select.args.get("group") or len(select.expressions) != 1:
         return None
-    if not _uncorrelated(select):
+    if not _uncorrelated(select, policy):
         return None
     template = tree.copy()
     marker = "dpsql_scalar"

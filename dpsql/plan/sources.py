@@ -153,7 +153,9 @@ def resolve_ref(column: exp.Column, sources: Sources, *, identifiers: bool = Fal
         raise InsufficientPrivilege(
             f'permission denied for column "{name}"',
             detail=f'"{name}" is declared an identifier in the policy and can never be queried.',
-            hint="Identifiers may only appear in JOIN ... ON conditions and in COUNT(DISTINCT <privacy unit>).",
+            hint="Identifiers may appear in JOIN ... ON, IS [NOT] NULL, COUNT(...) and COUNT(DISTINCT <privacy unit>) "
+            "only. To aggregate per person, GROUP BY the privacy unit in a FROM-subquery and aggregate its rows "
+            "(one per person) in the outer query.",
         )
     return source, name, policy
 
