@@ -141,6 +141,13 @@ class ColumnPolicy(_Strict):
         description="An analyst's INSERT may give this column's value (stored as given). Never an identifier.",
     )
     description: str | None = None
+    #: ``domain: {table, column}`` naming a public column that lists no values: its stored values (public
+    #: data), read by the engine when a query groups by this column (:attr:`stored_domain`).
+    _stored_domain: DomainReference | None = PrivateAttr(default=None)
+
+    @property
+    def stored_domain(self) -> DomainReference | None:
+        return self._stored_domain
 
     @field_validator("type", mode="before")
     @classmethod
@@ -466,8 +473,14 @@ class Policy(_Strict):
                     raise PolicyPathError(
                         (*at, "column"), f"{where} is {source.type} but '{name}.{column_name}' is {column.type}"
                     )
-                if not isinstance(source.domain, tuple):
+                if isinstance(source.domain, DomainReference):
                     raise PolicyPathError((*at, "column"), f"{where} declares no list of values ('domain: [...]')")
+                if source.domain is None:
+                    # the public column's stored values, read by the engine when a query groups by it
+                    unlisted = column.model_copy(update={"domain": None})
+                    unlisted._stored_domain = ref
+                    resolved[column_name] = unlisted
+                    continue
                 resolved[column_name] = column.model_copy(update={"domain": source.domain})
             if resolved:
                 self.tables[name] = table.model_copy(update={"columns": {**table.columns, **resolved}})

@@ -145,11 +145,16 @@ def _source_policy(scope: Scope, table: str, name: str) -> ColumnPolicy | None:
     (public data) as one, when the engine can read them and there are few enough."""
     source = next((s for s in scope.sources.sources if s.alias == table), None)
     policy = source.table.columns.get(name) if source is not None else None
-    if policy is None or source is None or not source.table.public or policy.domain is not None:
+    if policy is None or source is None or policy.domain is not None or scope.public_values is None:
         return policy
-    if scope.public_values is None or policy.identifier:
+    reference = policy.stored_domain
+    if reference is not None:  # domain: {table, column} of a public column that lists none
+        target = scope.policy.tables[reference.table]
+        values = scope.public_values(target.source or reference.table, reference.column)
+    elif source.table.public and not policy.identifier:
+        values = scope.public_values(source.table.source or source.name, name)
+    else:
         return policy
-    values = scope.public_values(source.table.source or source.name, name)
     return policy if values is None else policy.model_copy(update={"domain": values})
 
 
