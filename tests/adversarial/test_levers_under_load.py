@@ -24,8 +24,7 @@ from dpsql.errors import InvalidParameterValue
 from dpsql.ledger import Ledger
 from dpsql.policy import Budget, Budgets
 from dpsql.server import ThreadedServer
-
-from ..server.conftest import Running, make_policy
+from tests.server.conftest import Running, make_policy
 
 ANALYST = "alice"
 BUDGET = Budget(epsilon=1.0, delta=1e-5)

@@ -19,8 +19,7 @@ import pytest
 
 from dpsql.engine import Engine
 from dpsql.server import ThreadedServer
-
-from ..server.conftest import PASSWORD, Running, open_engine
+from tests.server.conftest import PASSWORD, Running, open_engine
 
 
 @pytest.fixture(scope="module")

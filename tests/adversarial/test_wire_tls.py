@@ -22,8 +22,7 @@ import psycopg
 import pytest
 
 from dpsql.server import ThreadedServer
-
-from ..server.conftest import Running, open_engine
+from tests.server.conftest import Running, open_engine
 
 SSL_REQUEST = struct.pack("!II", 8, 80877103)
 

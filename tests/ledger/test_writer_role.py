@@ -45,7 +45,8 @@ def _reserve(ledger: Ledger) -> None:
 
 
 def test_the_writer_cannot_forge_a_pld_state(
-    roles: tuple[dict[str, str], str, str], caplog: pytest.LogCaptureFixture  # noqa: F811
+    roles: tuple[dict[str, str], str, str],  # noqa: F811
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     urls, _, _ = roles
     with Ledger.open(urls["dpsql_ledger_writer"]) as writer:
@@ -57,8 +58,9 @@ def test_the_writer_cannot_forge_a_pld_state(
         params = states.row(writer.url, installation_key, "health", states.ANALYST, "alice", forged)
         with psycopg.connect(urls["dpsql_ledger_writer"], autocommit=True) as conn:  # by hand, as the writer role
             conn.execute(
-                "UPDATE dpsql_ledger_pld SET through = %s, queries = %s, epsilon = %s, delta = %s, selection_delta = %s, "
-                "state = %s, mac = %s WHERE dataset = 'health' AND scope = 'analyst' AND analyst = 'alice'",
+                "UPDATE dpsql_ledger_pld SET through = %s, queries = %s, epsilon = %s, delta = %s, "
+                "selection_delta = %s, state = %s, mac = %s "
+                "WHERE dataset = 'health' AND scope = 'analyst' AND analyst = 'alice'",
                 params[3:],
             )
         states._KNOWN.clear()

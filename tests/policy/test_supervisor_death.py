@@ -94,9 +94,12 @@ def test_sigterm_stops_every_process_within_its_deadline(tmp_path: Path, servers
     long = f"SELECT COUNT(*) FROM patients WHERE bmi IN ({values})"
 
     def send() -> None:
-        with contextlib.suppress(psycopg.Error), psycopg.connect(
-            f"postgresql://alice@127.0.0.1:{server.port}/health", autocommit=True, connect_timeout=30
-        ) as conn:
+        with (
+            contextlib.suppress(psycopg.Error),
+            psycopg.connect(
+                f"postgresql://alice@127.0.0.1:{server.port}/health", autocommit=True, connect_timeout=30
+            ) as conn,
+        ):
             for _ in range(3):
                 conn.execute(long)
 
