@@ -177,13 +177,13 @@ class LoginLimiter:
     @contextlib.asynccontextmanager
     async def turn(
         self, user: str, address: str, extend: Callable[[float], object] = lambda _: None
-    ) -> AsyncIterator[None]:
+    ) -> AsyncIterator[bool]:
         """Around one password exchange of ``user`` from ``address``: while the pair is slowed down, wait for
         its turn (exchanges of the pair run one at a time, in arrival order), and answer no sooner than its
         delay after the turn began, whatever the outcome. ``extend(seconds)`` is told how long the turn made
-        the exchange wait, so that the startup deadline does not count it."""
+        the exchange wait, so that the startup deadline does not count it. Yields whether it was slowed."""
         if self.delay(user, address) <= 0:
-            yield
+            yield False
             return
         entry = self._pairs[(user, address)]
         if entry.turns is None:
@@ -194,7 +194,7 @@ class LoginLimiter:
             delay = self.delay(user, address)
             extend(began - queued + delay)
             try:
-                yield
+                yield True
             finally:
                 await asyncio.sleep(max(0.0, began + delay - time.monotonic()))
 

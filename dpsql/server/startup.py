@@ -18,6 +18,7 @@ from dpsql.errors import (
     FeatureNotSupported,
     InvalidAuthorization,
     InvalidPassword,
+    ProtocolViolation,
     ScramProtocolError,
 )
 from dpsql.session import Session
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dpsql.server")
 
+#: While its (analyst, address) is slowed down, the most one password exchange may take within its turn.
+TURN_SECONDS = 5.0
 #: StartupMessage parameters that are not settings.
 _NOT_SETTINGS = frozenset({"user", "database", "replication", "options", "application_name"})
 
@@ -150,19 +153,24 @@ async def _authenticate(conn: Connection, user: str) -> None:
     else:  # unknown role or no verifier: the same exchange, doomed to fail at the same point
         exchange = mock_exchange(conn.ctx.engine, user)
         reason = "unknown role" if analyst is None else "no password set"
-    # a pair slowed down by failures takes turns, each answered no sooner than its delay (success alike)
-    async with conn.ctx.logins.turn(user, conn.address, conn.extend_startup):
+    # a pair slowed down by failures takes turns, each answered no sooner than its delay (success alike); a
+    # client holding its turn without finishing the exchange (a real one needs milliseconds) is cut off
+    async with conn.ctx.logins.turn(user, conn.address, conn.extend_startup) as slowed:
         conn.replies.send(pq.auth_sasl(["SCRAM-SHA-256"]))
         await conn.replies.flush()
         try:
-            mechanism, first = parse_sasl_initial(await _read_password(conn))
-            if mechanism != "SCRAM-SHA-256":
-                raise ScramProtocolError("client selected an invalid SASL authentication mechanism")
-            conn.replies.send(pq.auth_sasl_continue(exchange.first(first)))
-            await conn.replies.flush()
-            proof = await _read_password(conn)
+            async with asyncio.timeout(TURN_SECONDS if slowed else None):
+                mechanism, first = parse_sasl_initial(await _read_password(conn))
+                if mechanism != "SCRAM-SHA-256":
+                    raise ScramProtocolError("client selected an invalid SASL authentication mechanism")
+                conn.replies.send(pq.auth_sasl_continue(exchange.first(first)))
+                await conn.replies.flush()
+                proof = await _read_password(conn)
             _refuse_if_locked(conn, user)  # again: parallel attempts must not all get their guess checked
             final = exchange.final(proof)
+        except TimeoutError:  # only the turn's own deadline: the startup deadline cancels, it is not caught here
+            conn.ctx.logins.failed(user, conn.address)  # it held the pair's turn: counted as a guess
+            raise ProtocolViolation("canceling authentication due to timeout").fatal() from None
         except AuthFailed:
             conn.ctx.logins.failed(user, conn.address)
             log.info("authentication failed analyst=%s peer=%s reason=%s", user, conn.peer, reason)
