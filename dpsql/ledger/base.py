@@ -282,10 +282,11 @@ class Ledger(CuratorLevers):
             upsert = self.dialect.upsert_totals
             if upsert is not None:  # PostgreSQL: the insert trigger sets the totals
                 execute(upsert, (dataset, analyst, *sums[:3], mine.queries, stamp, sums[3]))
-            if states is not None:
-                self._keep_states(execute, dataset, analyst, kept, charge_id)
+            held = self._keep_states(execute, dataset, analyst, kept, charge_id) if states is not None else []
             row = replace(audit, charge_id=charge_id)
             audit_id = self._insert_id(execute, self._sql(_INSERT_AUDIT_SQL), self._audit_params(row))
+        for scope, name, state, stored in held:  # committed: this process now holds them
+            loss_state.remember(self.url, dataset, scope, name, state, stored)
         return charge_id, audit_id, mine, all_
 
     def _spent_in(self, execute: Execute, dataset: str, analyst: str) -> tuple[Spent, Spent]:
@@ -315,11 +316,18 @@ class Ledger(CuratorLevers):
 
     def _keep_states(
         self, execute: Execute, dataset: str, analyst: str, kept: Sequence[Composed], charge_id: int
-    ) -> None:
-        """Store both states with the new charge composed in (signed), in the reservation's transaction."""
+    ) -> list[tuple[str, str, Kept, bool]]:
+        """The states with the new charge composed in, stored (signed) in the reservation's transaction when
+        due (:func:`.loss_state.due`); what this process then holds once it commits (:func:`.loss_state.remember`)."""
         key, sql = self.signing_key(), self._sql(loss_state.UPSERT_SQL)
+        held = []
         for scope, name, state in zip((loss_state.ANALYST, loss_state.DATASET), (analyst, ""), kept, strict=True):
-            execute(sql, loss_state.row(self.url, key, dataset, scope, name, Kept(state, charge_id)))
+            after = Kept(state, charge_id)
+            store = loss_state.due(self.url, dataset, scope, name, after)
+            if store:
+                execute(sql, loss_state.row(key, dataset, scope, name, after))
+            held.append((scope, name, after, store))
+        return held
 
     def signing_key(self) -> bytes:
         """The key of what the ledger writer must not forge (see :mod:`.signing`): the installation key for

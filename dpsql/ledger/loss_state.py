@@ -42,8 +42,8 @@ ANALYST, DATASET = "analyst", "dataset"
 _MAC_PERSON = b"dpsql pld v1"
 
 _OWN = "WHERE dataset = ? AND ((scope = 'analyst' AND analyst = ?) OR (scope = 'dataset' AND analyst = ''))"
-#: The two rows' signatures: when one is the signature this process last wrote or read, its state is known.
-HEADS_SQL = "SELECT scope, mac FROM dpsql_ledger_pld " + _OWN
+#: The two rows' progress: a row no further than the state this process holds need not be read.
+HEADS_SQL = "SELECT scope, through FROM dpsql_ledger_pld " + _OWN
 STATES_SQL = "SELECT scope, through, queries, epsilon, delta, selection_delta, state, mac FROM dpsql_ledger_pld " + _OWN
 #: The charges after a state's ``through``, in order: kind 0 one analyst's (dataset, analyst, id), kind 1 the dataset's.
 _AFTER_SQL = "SELECT id, epsilon, delta, selection_delta FROM dpsql_ledger WHERE dataset = ?"
@@ -61,10 +61,18 @@ _ALL_STATES_SQL = (
 )
 #: (ledger, dataset, scope, analyst) whose forged state was already logged by this process.
 _REPORTED: set[tuple[str, str, str, str]] = set()
-#: The states this process last wrote or read, by (ledger, dataset, scope, analyst): (signature, state). A
-#: row still carrying that signature is that state (a signature covers every column, ``through`` included:
-#: an older row replayed is only a state that lags, and is caught up from the charge rows).
-_KNOWN: LRU[tuple[str, str, str, str], tuple[str, Kept]] = LRU(4096, 64 << 20)
+#: The newest state this process composed (after its own committed reservations) or read and checked, by
+#: (ledger, dataset, scope, analyst), with the charge id of the last state it stored. Charge rows are
+#: append-only and inserted one reservation at a time under the dataset's lock, so a state composed up to
+#: charge ``through`` stays right: only the rows after it are read and composed. A stored row no further
+#: than it is not read at all (a row replayed from earlier is only a state that lags).
+_KNOWN: LRU[tuple[str, str, str, str], tuple[int, Kept]] = LRU(4096, 64 << 20)
+#: A reservation stores the states only every this many charges (or when they are small): in between the
+#: rows lag and whoever reads them composes the few charges after them, which costs less than writing
+#: tens of kilobytes into the ledger's transaction each time.
+STORE_EVERY = 16
+#: States this small are stored with every charge anyway.
+SMALL_STATE = 4096
 
 #: ``execute(sql, params)``: a cursor (in the reservation's transaction) or the rows of a read.
 Fetch = Callable[[str, tuple[Any, ...]], Sequence[Any]]
@@ -108,7 +116,7 @@ def _kept(url: str, key: bytes, dataset: str, scope: str, analyst: str, row: Seq
         if not hmac.compare_digest(str(signature), expected):
             raise ValueError("signature")
         kept = Kept(Composed(LossState.from_bytes(blob), spent), int(through))
-        _KNOWN.put((url, dataset, scope, analyst), (expected, kept), kept.composed.state.probs.nbytes)
+        _KNOWN.put((url, dataset, scope, analyst), (kept.through, kept), kept.composed.state.probs.nbytes)
         return kept
     except (ValueError, TypeError):
         marker = (url, dataset, scope, analyst)
@@ -127,17 +135,17 @@ def _kept(url: str, key: bytes, dataset: str, scope: str, analyst: str, row: Seq
 
 
 def load(fetch: Fetch, url: str, key: bytes, dataset: str, analyst: str, who: tuple[str, str]) -> tuple[Kept, Kept]:
-    """(analyst's, dataset's) state, brought up to the last charge row: each state read (from this process's
-    memory when the row still carries the signature it last saw), then the charges after its ``through``
-    composed in. A charge row no cost can hold refuses (53P01), like a non-finite total."""
+    """(analyst's, dataset's) state, brought up to the last charge row: each the newer of what this process
+    holds and the stored row (read and its signature checked only when it is further), then the charges
+    after its ``through`` composed in. A charge row no cost can hold refuses (53P01), like a non-finite total."""
     names = {ANALYST: analyst, DATASET: ""}
-    heads = {str(r[0]): str(r[1]) for r in fetch(HEADS_SQL, (dataset, analyst))}
+    heads = {str(r[0]): int(r[1]) for r in fetch(HEADS_SQL, (dataset, analyst))}
     kept: dict[str, Kept] = {}
-    for scope, signature in heads.items():
-        known = _KNOWN.get((url, dataset, scope, names[scope]))
-        if known is not None and hmac.compare_digest(known[0], signature):
+    for scope, name in names.items():
+        known = _KNOWN.get((url, dataset, scope, name))
+        if known is not None and heads.get(scope, 0) <= known[1].through:
             kept[scope] = known[1]
-    if len(kept) < len(heads):
+    if any(scope not in kept for scope in heads):
         for r in fetch(STATES_SQL, (dataset, analyst)):
             scope = str(r[0])
             if scope not in kept:
@@ -147,6 +155,26 @@ def load(fetch: Fetch, url: str, key: bytes, dataset: str, analyst: str, who: tu
         _caught_up(mine, fetch(AFTER_SQL[0], (dataset, analyst, mine.through)), who[0], who[1]),
         _caught_up(everyone, fetch(AFTER_SQL[1], (dataset, everyone.through)), "dataset", dataset),
     )
+
+
+def stored_through(url: str, dataset: str, scope: str, analyst: str) -> int:
+    """The charge id of the last state this process stored or read for the key (0: none)."""
+    known = _KNOWN.get((url, dataset, scope, analyst))
+    return 0 if known is None else known[0]
+
+
+def remember(url: str, dataset: str, scope: str, analyst: str, kept: Kept, stored: bool) -> None:
+    """Hold ``kept`` (composed in a reservation that committed) as this process's newest state; ``stored``:
+    its row was written too."""
+    last = kept.through if stored else stored_through(url, dataset, scope, analyst)
+    _KNOWN.put((url, dataset, scope, analyst), (last, kept), kept.composed.state.probs.nbytes)
+
+
+def due(url: str, dataset: str, scope: str, analyst: str, kept: Kept) -> bool:
+    """Whether a reservation stores ``kept`` now (see :data:`STORE_EVERY`)."""
+    if len(kept.composed.state.probs) * 8 <= SMALL_STATE:
+        return True
+    return kept.through - stored_through(url, dataset, scope, analyst) >= STORE_EVERY
 
 
 def _caught_up(kept: Kept, rows: Sequence[Any], who: str, name: str) -> Kept:
@@ -163,12 +191,10 @@ def _caught_up(kept: Kept, rows: Sequence[Any], who: str, name: str) -> Kept:
     return Kept(composed, int(rows[-1][0]))
 
 
-def row(url: str, key: bytes, dataset: str, scope: str, analyst: str, kept: Kept) -> tuple[Any, ...]:
-    """The parameters of :data:`UPSERT_SQL` for ``kept``, signed (and remembered: see :data:`_KNOWN`; a
-    transaction that then fails leaves a remembered signature no row carries, which is never matched)."""
+def row(key: bytes, dataset: str, scope: str, analyst: str, kept: Kept) -> tuple[Any, ...]:
+    """The parameters of :data:`UPSERT_SQL` for ``kept``, signed."""
     spent, blob = kept.composed.spent, kept.composed.state.to_bytes()
     signature = mac(key, dataset, scope, analyst, kept.through, spent, blob)
-    _KNOWN.put((url, dataset, scope, analyst), (signature, kept), kept.composed.state.probs.nbytes)
     return (
         dataset,
         scope,

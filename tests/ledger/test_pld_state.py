@@ -115,20 +115,24 @@ def test_reserve_charges_on_the_grid_and_keeps_the_state_current(ledger: Ledger)
     assert latest.cost.epsilon == 0.0124
     for i in range(30):
         _reserve(ledger, dataset, Cost(0.01 + i * 1e-7), analyst=("alice", "bob")[i % 2])
-    rows = ledger._read(states.STATES_SQL.replace("?) OR", "?) OR (scope = 'analyst') OR"), (dataset, "alice"))
+    rows = ledger._read("SELECT scope, analyst, through FROM dpsql_ledger_pld WHERE dataset = ?", (dataset,))
     last: dict[str, int] = {}
     for record in ledger.charges(dataset, limit=100):
         last[record.analyst] = max(last.get(record.analyst, 0), record.id)
-    by_scope = {(r[0], r[1]) for r in rows}
-    # every state composes up to its owner's last charge: the next reservation reads no past charge row
-    assert (states.ANALYST, last["alice"]) in by_scope and (states.ANALYST, last["bob"]) in by_scope
-    assert (states.DATASET, max(last.values())) in by_scope
+    stored = {(str(r[0]), str(r[1])): int(r[2]) for r in rows}
+    # the stored states lag by less than STORE_EVERY charges (this process holds the current ones): the next
+    # reservation reads at most that many past charge rows, however long the history
+    for analyst in ("alice", "bob"):
+        assert 0 <= last[analyst] - stored[(states.ANALYST, analyst)] < states.STORE_EVERY * 2
+        assert states._KNOWN.get((ledger.url, dataset, states.ANALYST, analyst))[1].through == last[analyst]  # type: ignore[index]
+    assert 0 <= max(last.values()) - stored[(states.DATASET, "")] < states.STORE_EVERY
     assert ledger.verify(dataset) == []
     # and the composition kept equals the rows recomposed
-    kept = ledger._read(states.STATES_SQL, (dataset, "alice"))
-    alice = {str(r[0]): LossState.from_bytes(bytes(r[6])) for r in kept}[states.ANALYST]
+    states._KNOWN.clear()  # as another process would: the stored row, then the charges after it
+    alice = states.load(ledger._read, ledger.url, ledger.signing_key(), dataset, "alice", ("analyst", "alice"))[0]
+    alice_state = alice.composed.state
     costs = [c.cost for c in reversed(ledger.charges(dataset, "alice", limit=100))]
-    assert alice.epsilon(1e-6) == pytest.approx(Composed.empty().add_all(costs).state.epsilon(1e-6), rel=1e-12)
+    assert alice_state.epsilon(1e-6) == pytest.approx(Composed.empty().add_all(costs).state.epsilon(1e-6), rel=1e-12)
 
 
 def test_remaining_reads_the_kept_state(ledger: Ledger) -> None:
@@ -145,7 +149,7 @@ def _state_row(ledger: Ledger, dataset: str, scope: str = states.ANALYST) -> tup
 
 
 def _write_state(ledger: Ledger, dataset: str, scope: str, analyst: str, kept: Kept, key: bytes) -> None:
-    params = states.row(ledger.url, key, dataset, scope, analyst, kept)
+    params = states.row(key, dataset, scope, analyst, kept)
     with ledger._append() as execute:
         execute(ledger._sql(states.UPSERT_SQL), params)
     states._KNOWN.clear()  # another process wrote it: this one has not seen it
@@ -174,10 +178,10 @@ def test_a_forged_state_gives_no_budget_back(ledger: Ledger, caplog: pytest.LogC
 def test_a_replayed_older_state_is_caught_up_from_the_rows(ledger: Ledger) -> None:
     """A writer replaying an earlier signed row (its signature checks) only makes the state lag."""
     dataset = _fresh()
-    for _ in range(10):
+    for _ in range(20):  # the state is stored every STORE_EVERY charges (16)
         _reserve(ledger, dataset, Cost(0.03))
     old = _state_row(ledger, dataset)
-    for _ in range(55):
+    for _ in range(45):
         _reserve(ledger, dataset, Cost(0.03))
     with ledger._append() as execute:
         execute(

@@ -55,7 +55,7 @@ def test_the_writer_cannot_forge_a_pld_state(
         installation_key = writer.installation_key()  # the writer may read it
         row = next(r for r in writer._read(states.STATES_SQL, ("health", "alice")) if r[0] == states.ANALYST)
         forged = Kept(Composed(LossState.identity(), Composed.empty().add_all([Cost(0.03)] * 65).spent), int(row[1]))
-        params = states.row(writer.url, installation_key, "health", states.ANALYST, "alice", forged)
+        params = states.row(installation_key, "health", states.ANALYST, "alice", forged)
         with psycopg.connect(urls["dpsql_ledger_writer"], autocommit=True) as conn:  # by hand, as the writer role
             conn.execute(
                 "UPDATE dpsql_ledger_pld SET through = %s, queries = %s, epsilon = %s, delta = %s, "
