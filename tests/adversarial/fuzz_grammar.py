@@ -15,7 +15,8 @@ nullability; queries (:func:`queries`) are drawn from the grammar dpsql accepts:
 aggregate (COUNT, COUNT(col), COUNT(DISTINCT unit), COUNT(DISTINCT col), SUM, AVG, VAR_POP, STDDEV,
 corr) with and without FILTER/CASE, over division, casts and ``%`` too, plain and expression keys
 (DATE_TRUNC, EXTRACT, FLOOR, CASE, width_bucket, date_bin, comparisons), joins along the reference and to
-the public table, WHERE (row arithmetic included), and SELECT DISTINCT. WHERE mixes plain predicates with the shapes that narrow a public key's domain
+the public table, WHERE (row arithmetic included), and SELECT DISTINCT. WHERE mixes plain predicates with
+the shapes that narrow a public key's domain
 (:data:`NARROWING_WHERE`: NOT IN lists, LIKE/ILIKE with ``%``, ``_`` and escapes, OR-ed equalities and INs
 on one column), often on a grouped column, one or two conjuncts. A case prints as a policy YAML plus
 SQL, which is all it takes to reproduce it.
