@@ -270,9 +270,9 @@ def check_where(node: exp.Expression, scope: Scope) -> exp.Expression:
         tested = _operand(node.this, scope)
         if tested is None or not isinstance(node.expression, exp.Null | exp.Boolean):
             raise FeatureNotSupported("IS must test a column for NULL, TRUE or FALSE")
-        checked = node.copy()  # keeps IS NOT (sqlglot's negate)
-        checked.set("this", tested.sql)
-        return checked
+        tested_node = node.copy()  # keeps IS NOT (sqlglot's negate)
+        tested_node.set("this", tested.sql)
+        return tested_node
     if isinstance(node, exp.In):
         return _check_in(node, scope)
     if isinstance(node, exp.Between):

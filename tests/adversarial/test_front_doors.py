@@ -269,6 +269,7 @@ def test_public_self_join_chain_refused(adv_clinic_backend: Backend) -> None:
     sql = f"SELECT COUNT(*) FROM visits v JOIN departments d0 ON d0.name = v.department {joins}"
     outcome = _outcome(engine, sql, Session(analyst="alice"))
     assert outcome[:2] == ("refused", "54000") and outcome[-1] == 0
+    # public tables alone (#36): no person in them, answered exactly and free in the sandbox
     sql = "SELECT COUNT(*) FROM departments a JOIN departments b ON a.name = b.name"
     outcome = _outcome(engine, sql, Session(analyst="alice"))
-    assert outcome == ("refused", "0A000", 'self-joins of public table "departments" are not supported', 0)
+    assert outcome == ("answered", 0)
