@@ -484,11 +484,11 @@ def _numeric_root(node: exp.Expression) -> bool:
     bare GROUP BY or ORDER BY item (``GROUP BY 2 - 1`` groups by a constant; folded, it would become
     the ordinal ``1``). Casts of constants to numeric types too (``CAST(2.5 AS INT)`` is 3)."""
     parent = node.parent
+    if isinstance(parent, exp.Group | exp.Ordered):
+        return False
     if isinstance(node, exp.Cast):  # a select item keeps its name ("int4"): cast constants elsewhere only
         return node.to.this in NUMERIC_CASTS and not isinstance(parent, exp.Select | exp.Alias)
-    if not isinstance(node, ARITHMETIC) and not (isinstance(node, exp.Neg) and not isinstance(node.this, exp.Literal)):
-        return False
-    return not isinstance(parent, exp.Group | exp.Ordered)
+    return isinstance(node, ARITHMETIC) or (isinstance(node, exp.Neg) and not isinstance(node.this, exp.Literal))
 
 
 def fold_constants(tree: exp.Expression, now: dt.datetime | None = None) -> exp.Expression:
