@@ -248,8 +248,8 @@ def main() -> None:
         ratios.append(dp / raw)
         notes = [n for n in result.notices if "public tables only" in n or "no group was released" in n]
         print(
-            f"{name:18} answered {len(result.rows)} rows, ε={result.epsilon_spent:g}, dpsql/raw {dp / raw:.1f}x"
-            + (f"  [{notes[0][:90]}…]" if notes else "")
+            f"{name:18} answered {len(result.rows)} rows, ε={result.epsilon_spent:g}, raw {raw * 1000:.1f} ms, "
+            f"dpsql {dp * 1000:.1f} ms: {dp / raw:.1f}x" + (f"  [{notes[0][:90]}…]" if notes else "")
         )
     if ratios:
         print(f"median dpsql/raw over answered queries: {statistics.median(ratios):.1f}x")
