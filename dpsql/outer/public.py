@@ -190,6 +190,13 @@ def _shape(engine: Host, tables: list[Table], sql: str, ends: float | None) -> l
     return [OutputColumn(name, pg_type(duck) or "text", noisy=False) for name, duck in described]
 
 
+def _names_public(sql: str, policy: Policy) -> bool:
+    """Whether the text names some public table: a statement reading public tables only must (a cheap test
+    on the text before its tree is walked, as every statement passes here)."""
+    text = sql.lower()
+    return any(name.lower() in text for name, table in policy.tables.items() if table.public)
+
+
 def _parts(engine: Host, tree: exp.Expression, params: Params) -> tuple[list[str], exp.Expression] | None:
     names = public_tables(tree, engine.policy)
     if names is None:
@@ -199,6 +206,8 @@ def _parts(engine: Host, tree: exp.Expression, params: Params) -> tuple[list[str
 
 def route(engine: Host, sql: str, session: Session, params: Params, parsed: exp.Expression) -> Result | None:
     """The exact answer of a statement over public tables only; None: not one (the usual path)."""
+    if not _names_public(sql, engine.policy):
+        return None
     parts = _parts(engine, parsed, params)
     if parts is None:
         return None
@@ -229,6 +238,8 @@ def explain(
 ) -> PublicExplanation | None:
     """EXPLAIN of a statement over public tables only (bound, so it refuses what execution would); None:
     not one. Reads nothing, charges nothing."""
+    if not _names_public(sql, engine.policy):
+        return None
     parts = _parts(engine, parsed, params)
     if parts is None:
         return None
@@ -241,7 +252,7 @@ def explain(
 
 def describe(engine: Host, sql: str, session: Session, parsed: exp.Expression) -> Description | None:
     """Columns and parameter types of a statement over public tables only (None: not one)."""
-    if public_tables(parsed, engine.policy) is None:
+    if not _names_public(sql, engine.policy) or public_tables(parsed, engine.policy) is None:
         return None
     param_types = infer_parameter_types(parsed, engine.policy)
     parts = _parts(engine, parsed, [placeholder_value(t) for t in param_types] or None)

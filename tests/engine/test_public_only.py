@@ -107,3 +107,15 @@ def test_empty_selection_says_why(clinic: Engine) -> None:
     assert "at ε=10)" in note
     full = engine.execute("SELECT department, COUNT(*) FROM visits GROUP BY department", session)
     assert full.rows and not any("no group was released" in n for n in full.notices)
+
+
+def test_a_write_is_never_answered_stale() -> None:
+    """Public tables are read once per data version: a write moves the stamp, so the next answer reads again."""
+    backend = dpsql.backends.open_backend("duckdb://")
+    load_demo(backend, ["clinic"])
+    engine = Engine(load_policy(demo_policy_path("clinic")), backend, Ledger.open("memory"))
+    sql = "SELECT COUNT(*) FROM departments WHERE building = 'East'"
+    before = engine.execute(sql, Session("alice")).rows[0][0]
+    backend.execute_script("INSERT INTO departments VALUES ('Radiology', 9, 'East')")
+    assert engine.execute(sql, Session("alice")).rows[0][0] == before + 1
+    engine.close()
