@@ -101,7 +101,13 @@ def test_text_stored_numeric_column_refused_on_neighbours(backend: str, pg_new_d
         try:
             _text_bmi_patients(db, odd)
             engine = Engine(policy, db, Ledger.open("sqlite:///:memory:"))
-            for sql in ("SELECT SUM(bmi) FROM patients", "SELECT COUNT(*) FROM patients WHERE bmi > 30"):
+            for sql in (
+                "SELECT SUM(bmi) FROM patients",
+                "SELECT COUNT(*) FROM patients WHERE bmi > 30",
+                # row arithmetic and casts (#36): the same refusal, from the schema, whatever the rows hold
+                "SELECT COUNT(*) FROM patients WHERE bmi * 2 + age / 3 > 30",
+                "SELECT SUM(bmi / 1000.0), AVG(CAST(bmi AS DOUBLE PRECISION)) FROM patients",
+            ):
                 outcomes.append((sql, _outcome(engine, sql, Session(analyst="alice"))))
         finally:
             db.close()
