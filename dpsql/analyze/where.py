@@ -3,7 +3,9 @@
 A predicate the backend could reject (a failing cast, a bad LIKE pattern, an overflowing number) is
 evaluated only when some row reaches it, so its error would tell whether anyone matches the rest of
 the clause: an exact, un-noised oracle. Every such check is done here, before anything runs,
-whatever the data; the backend then receives a WHERE that can only be true, false or NULL.
+whatever the data; the backend then receives a WHERE that can only be true, false or NULL. Row
+arithmetic (``age + 1 > 40``) is bounded as inside an aggregate (:func:`dpsql.analyze.expressions.bound`):
+columns clamped first, divisors that can be 0 read through NULLIF, so it cannot fail either.
 """
 
 from __future__ import annotations
