@@ -19,6 +19,7 @@ from typing import Any
 from sqlglot import exp
 
 from dpsql import budget_view
+from dpsql.accountant import Cost
 from dpsql.analyze import analyze_tree, infer_parameter_types
 from dpsql.analyze.fold import reads_clock
 from dpsql.analyze.parse import (
@@ -32,9 +33,9 @@ from dpsql.analyze.parse import (
 from dpsql.analyze.randomized import local_query
 from dpsql.analyze.statement import CACHE_BYTES as PLAN_CACHE_BYTES
 from dpsql.analyze.statement import Kind, Statements, tree_bytes
-from dpsql.backends import DEFAULT_STATEMENT_TIMEOUT_MS, Backend, open_backend
+from dpsql.backends import DEFAULT_STATEMENT_TIMEOUT_MS, Backend, open_backend, quote_ident
 from dpsql.cache import ResultCache, cache_key, measurement_key
-from dpsql.errors import InvalidAuthorization
+from dpsql.errors import FeatureNotSupported, InvalidAuthorization
 from dpsql.explain import Explanation, explain, explain_format
 from dpsql.fingerprint import fingerprint_key, keyed, row_selection_salt, statement_shape
 from dpsql.ledger import Ledger, resolve_ledger_url
@@ -47,21 +48,28 @@ from dpsql.outer.explain import CompositeExplanation
 from dpsql.outer.public import describe as describe_public
 from dpsql.outer.public import explain as explain_public
 from dpsql.outer.public import route as route_public
+from dpsql.plan import Plan
 from dpsql.policy import Policy, load_policy
 from dpsql.postprocess.trim import trim_time, trimming_on
 from dpsql.prepared import Description, Prepared
 from dpsql.release.accuracy import confidence as confidence_level
 from dpsql.release.calibrate import FREE, budget
+from dpsql.release.cap import CapChoice
+from dpsql.release.cap import candidates as cap_candidates
+from dpsql.release.cap import split as split_epsilon
 from dpsql.release.rounding import round_result, rounding_on
 from dpsql.rewrite import histogram_queries, rewrite
+from dpsql.rewrite.cap import units_above
 from dpsql.rewrite.physical import StoredTypes, choose_physical, data_version
-from dpsql.session import Result, Session
+from dpsql.session import AUTO, Result, Session
 from dpsql.step import Step, typed
 from dpsql.writes import insert
 
 __all__ = ["Description", "Engine", "Explanation", "Prepared"]
 
 _PLAN_CACHE_SIZE = 1024
+#: A public table column with more stored values than this gets no domain from them (partition selection).
+MAX_PUBLIC_VALUES = 10_000
 
 
 class Engine:
@@ -86,6 +94,8 @@ class Engine:
         self._fingerprint_key: bytes | None = None
         #: Refuses columns stored as text but declared typed (schema only, read once per data version).
         self._stored_types = StoredTypes(backend)
+        #: Public table columns' stored values, the domains of keys the policy lists none for.
+        self._public_domains: LRU[tuple[str, str, int], tuple[tuple[Any, ...] | None]] = LRU(256)
         #: One audit row per statement (shape, cost, outcome), written to the ledger off the query's path.
         self.audit = AuditTrail(ledger, policy.dataset, lambda sql: (self.fingerprint(sql), statement_shape(sql)))
 
@@ -148,9 +158,30 @@ class Engine:
         return (
             sql,
             params_key(params),
-            (session.epsilon, session.delta, session.mechanism, accuracy),
+            (session.epsilon, session.delta, session.mechanism, accuracy, self._cap_setting(session)),
             data_version(self.backend),
         )
+
+    def _public_values(self, table: str, column: str) -> tuple[Any, ...] | None:
+        """A public table column's stored values (sorted, NULL last), None beyond :data:`MAX_PUBLIC_VALUES`:
+        a key's domain when the policy lists none (a public table's rows are public; read once per data
+        version). Free: it reads no person's data."""
+        key = (table, column, data_version(self.backend))
+        found = self._public_domains.get(key)
+        if found is None:
+            col = quote_ident(column)
+            _, rows = self.backend.execute(
+                f"SELECT DISTINCT {col} FROM {quote_ident(table)} ORDER BY 1 NULLS LAST LIMIT {MAX_PUBLIC_VALUES + 1}"
+            )
+            values = tuple(r[0] for r in rows if r[0] is not None)
+            found = self._public_domains.put(key, (None if len(rows) > MAX_PUBLIC_VALUES else values,))
+        return found[0]
+
+    def _cap_setting(self, session: Session) -> int | str | None:
+        """The session's ``dpsql.max_rows_per_unit``, else the policy's default (None: each table's cap)."""
+        if session.max_rows_per_unit is not None:
+            return session.max_rows_per_unit
+        return self.policy.defaults.max_rows_per_unit
 
     def prepare(
         self, sql: str, session: Session, params: Params = None, tree: exp.Expression | None = None
@@ -178,23 +209,54 @@ class Engine:
 
     def _prepare(self, sql: str, tree: exp.Expression, session: Session, params: Params) -> Prepared:
         fingerprint = self.fingerprint(sql)
-        plan = analyze_tree(tree, self.policy, params)
+        plan = analyze_tree(tree, self.policy, params, self._public_values)
         self._stored_types.check(plan)
         local = local_query(plan, self.backend.render)
         version = data_version(self.backend)
         plan = replace(plan, physical=choose_physical(plan, self.backend, self._salt))
+        plan, choice = self._cap(plan, session, local is None)
         select = rewrite(plan)
-        budgeting = budget(self.policy, plan, session, confidence_level(self.policy, session))
+        budgeting = budget(
+            self.policy, plan, session if choice is None else choice.session, confidence_level(self.policy, session)
+        )
+        if choice is not None:  # the cap's choice and the measurement, composed: the query's ε in all
+            total = session.epsilon if session.epsilon is not None else self.policy.defaults.epsilon
+            budgeting = replace(
+                budgeting, epsilon=total, cost=Cost.total([Cost(epsilon=choice.epsilon), budgeting.cost])
+            )
         normalised = tree.sql(dialect=dialect("postgres"), normalize=True, copy=False)  # tree is not used afterwards
         histograms = histogram_queries(plan, self.backend.render)
-        settings = (budgeting.epsilon, budgeting.delta, budgeting.mechanism)
+        settings = (budgeting.epsilon, budgeting.delta, budgeting.mechanism, self._cap_setting(session))
         key = cache_key(self.policy.dataset, normalised, params_key(params), settings)
         sql = self.backend.render(select, copy=False)
         measured = (plan.keys, plan.measures, plan.selection_measure)  # what the measurement's columns mean
         measurement = measurement_key(self.policy.dataset, sql, histograms, params_key(params), measured, budgeting)
         if local is not None:
             budgeting = FREE
-        return Prepared(plan, sql, budgeting, fingerprint, histograms, key, local, version, measurement_key=measurement)
+        return Prepared(
+            plan, sql, budgeting, fingerprint, histograms, key, local, version, measurement_key=measurement, cap=choice
+        )
+
+    def _cap(self, plan: Plan, session: Session, measured: bool) -> tuple[Plan, CapChoice | None]:
+        """The plan at the session's (or policy's) per-unit cap; with ``auto``, at the largest candidate,
+        and how the one used is chosen when the query runs (:mod:`dpsql.release.cap`)."""
+        setting = self._cap_setting(session)
+        if setting is None or plan.unit is None or not plan.measures or not measured:
+            return plan, None
+        if setting != AUTO:
+            return replace(plan, tau=int(setting), tau_origin="set"), None
+        if session.accuracy is not None:
+            raise FeatureNotSupported(
+                "dpsql.max_rows_per_unit = auto cannot be combined with dpsql.accuracy",
+                hint="Accuracy-first needs the ± before the query runs; set a number of rows, e.g. "
+                "SET dpsql.max_rows_per_unit = 8, or RESET dpsql.accuracy.",
+            )
+        chosen = cap_candidates(plan.max_rows)
+        plan = replace(plan, tau=chosen[-1], tau_origin="auto")
+        epsilon = session.epsilon if session.epsilon is not None else self.policy.defaults.epsilon
+        spent, rest = split_epsilon(session, epsilon)
+        sql = self.backend.render(units_above(plan, chosen), copy=False)
+        return plan, CapChoice(chosen, spent, sql, rest)
 
     # -- front-door API ------------------------------------------------------------------------
 

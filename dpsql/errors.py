@@ -120,6 +120,10 @@ class InternalError(DatabaseError, code="XX000"):
     pass
 
 
+class UniqueViolation(IntegrityError, code="23505"):
+    """A key the policy's ``references`` relies on repeats in the data (see :mod:`dpsql.unit_keys`)."""
+
+
 class ProgrammingError(DatabaseError, code="42000"):
     pass
 

@@ -202,7 +202,7 @@ def explain(plan: Plan, budgeting: Budgeting, confidence: float, shown_sql: str)
         )
     unit = plan.sources.unit_description
     if plan.unit is not None:
-        unit += f" (at most {plan.max_rows} rows and {plan.max_groups} groups per unit)"
+        unit += f" (at most {plan.max_rows} rows and {plan.max_groups} groups per unit{plan.cap_origin})"
     note = bias_note(plan, confidence)
     bias = note.split("covers ", 1)[1] if note else ""  # "the noise only, not the bias of …"
     return Explanation(

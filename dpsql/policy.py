@@ -23,6 +23,7 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    PrivateAttr,
     Tag,
     ValidationError,
     field_validator,
@@ -35,6 +36,7 @@ from dpsql.errors import PolicyError
 from dpsql.localdp import RandomizedResponse
 from dpsql.noise.mechanisms import Mechanism
 from dpsql.session import PgType
+from dpsql.units import UnitError, UnitPath, resolve_units
 
 ColumnType = Literal["int", "float", "text", "date", "timestamp", "boolean"]
 
@@ -139,6 +141,13 @@ class ColumnPolicy(_Strict):
         description="An analyst's INSERT may give this column's value (stored as given). Never an identifier.",
     )
     description: str | None = None
+    #: ``domain: {table, column}`` naming a public column that lists no values: its stored values (public
+    #: data), read by the engine when a query groups by this column (:attr:`stored_domain`).
+    _stored_domain: DomainReference | None = PrivateAttr(default=None)
+
+    @property
+    def stored_domain(self) -> DomainReference | None:
+        return self._stored_domain
 
     @field_validator("type", mode="before")
     @classmethod
@@ -284,6 +293,10 @@ class Defaults(_Strict):
     delta: Annotated[float, Field(ge=0, lt=1)] = 1e-6
     mechanism: Mechanism = "laplace"
     confidence: Annotated[float, Field(gt=0, lt=1)] = 0.95
+    #: Rows one person adds to a query after its joins, for every query: None (each table's
+    #: ``max_rows_per_unit``, joins by foreign key multiplying nothing), a number, or ``auto`` (chosen
+    #: under DP per query at a share of its ε). ``SET dpsql.max_rows_per_unit`` overrides it.
+    max_rows_per_unit: Annotated[int, Field(ge=1, le=1_000_000)] | Literal["auto"] | None = None
 
 
 class Budgets(_Strict):
@@ -369,6 +382,8 @@ class Policy(_Strict):
     writes: Writes = Writes()
     tables: dict[str, TablePolicy]
     synopses: dict[str, Synopsis] = {}
+    #: (id of the ``tables`` dict they were resolved from, each table's unit path)
+    _units: tuple[int, dict[str, UnitPath | None]] = PrivateAttr(default=(0, {}))
 
     @model_validator(mode="before")
     @classmethod
@@ -411,6 +426,10 @@ class Policy(_Strict):
                     (*at, "to"),
                     f"'{ref.to}' is not a column of '{ref.table}'" + did_you_mean(ref.to, target.columns),
                 )
+        try:
+            self._units = (id(self.tables), resolve_units(self.tables))
+        except UnitError as exc:
+            raise PolicyPathError(exc.loc, str(exc)) from None
         names = [a.name for a in self.analysts]
         if len(set(names)) != len(names):
             raise ValueError("an analyst is declared twice")
@@ -454,14 +473,27 @@ class Policy(_Strict):
                     raise PolicyPathError(
                         (*at, "column"), f"{where} is {source.type} but '{name}.{column_name}' is {column.type}"
                     )
-                if not isinstance(source.domain, tuple):
+                if isinstance(source.domain, DomainReference):
                     raise PolicyPathError((*at, "column"), f"{where} declares no list of values ('domain: [...]')")
+                if source.domain is None:
+                    # the public column's stored values, read by the engine when a query groups by it
+                    unlisted = column.model_copy(update={"domain": None})
+                    unlisted._stored_domain = ref
+                    resolved[column_name] = unlisted
+                    continue
                 resolved[column_name] = column.model_copy(update={"domain": source.domain})
             if resolved:
                 self.tables[name] = table.model_copy(update={"columns": {**table.columns, **resolved}})
 
     def table(self, name: str) -> TablePolicy | None:
         return self.tables.get(name.lower()) or self.tables.get(name)
+
+    def unit_path(self, name: str) -> UnitPath | None:
+        """How table ``name``'s rows reach their person (:mod:`dpsql.units`); None: public, or each row
+        is one person. Resolved again for a copy with other tables (``model_copy(update=…)``)."""
+        if self._units[0] != id(self.tables):
+            self._units = (id(self.tables), resolve_units(self.tables))
+        return self._units[1].get(name)
 
     def analyst(self, name: str) -> Analyst | None:
         return next((a for a in self.analysts if a.name == name), None)

@@ -12,6 +12,7 @@ from dpsql.analyze.randomized import LocalQuery
 from dpsql.plan import Plan
 from dpsql.release.apply import ReleaseCache
 from dpsql.release.calibrate import Budgeting
+from dpsql.release.cap import CapChoice
 from dpsql.session import OutputColumn
 
 
@@ -44,3 +45,6 @@ class Prepared:
     measurement_key: str = ""
     #: Compiled post-processing and the public-key grid, built on first release.
     cache: ReleaseCache = field(default_factory=ReleaseCache)
+    #: ``dpsql.max_rows_per_unit = auto``: how the cap is chosen when it runs (the plan, SQL and budgeting
+    #: above are at the largest candidate, for EXPLAIN and the charge); None: the plan's cap as it is.
+    cap: CapChoice | None = None

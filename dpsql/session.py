@@ -57,6 +57,23 @@ def _accuracy(value: str) -> float:
     return x
 
 
+#: Largest per-person row cap SET dpsql.max_rows_per_unit accepts (sensitivity grows with it).
+MAX_ROWS_PER_UNIT = 1_000_000
+#: ``SET dpsql.max_rows_per_unit = auto``: the cap chosen under DP per query (:mod:`dpsql.release.cap`).
+AUTO = "auto"
+
+
+def _rows_per_unit(value: str) -> int | str:
+    """A per-person row cap for this session's queries (an integer ≥ 1), or ``auto``."""
+    text = value.strip().lower()
+    if text == AUTO:
+        return AUTO
+    number = int(text)
+    if not 1 <= number <= MAX_ROWS_PER_UNIT:
+        raise ValueError(value)
+    return number
+
+
 def _mechanism(value: str) -> Mechanism:
     name = value.strip().lower()
     if name not in MECHANISMS:
@@ -88,6 +105,13 @@ DPSQL_SETTINGS: dict[str, SettingSpec] = {
         _accuracy, "dpsql.accuracy is a positive half-width in the measure's units, e.g. '±10' (or DEFAULT: none)."
     ),
     "dpsql.mechanism": SettingSpec(_mechanism, "dpsql.mechanism is 'laplace' or 'gaussian'."),
+    # rows one person adds to a query after its joins (the policy's caps by default; any cap is private:
+    # the noise follows it, rows beyond it are left out); auto: chosen under DP at a share of the ε
+    "dpsql.max_rows_per_unit": SettingSpec(
+        _rows_per_unit,
+        f"dpsql.max_rows_per_unit is a whole number of rows from 1 to {MAX_ROWS_PER_UNIT:,}, or auto "
+        "(chosen under DP for each query), or DEFAULT (the policy's caps).",
+    ),
     "dpsql.show_intervals": SettingSpec(parse_bool, "dpsql.show_intervals is on or off."),
     # noisy floats rounded to two significant digits of their half-width (dpsql.release.rounding)
     "dpsql.round": SettingSpec(parse_bool, "dpsql.round is on (noisy values rounded to their interval) or off."),
@@ -95,7 +119,7 @@ DPSQL_SETTINGS: dict[str, SettingSpec] = {
     "dpsql.trim_time": SettingSpec(parse_bool, "dpsql.trim_time is on (time series trimmed to the data) or off."),
 }
 #: The settings that are fields of :class:`Session` (the others only shape the wire output).
-SESSION_FIELDS = ("epsilon", "delta", "confidence", "mechanism", "accuracy")
+SESSION_FIELDS = ("epsilon", "delta", "confidence", "mechanism", "accuracy", "max_rows_per_unit")
 
 
 def parse_setting(name: str, value: str) -> Any:
@@ -145,6 +169,9 @@ class Session:
     #: set, ε is the least that meets it (overrides ``epsilon``). Absolute only: a relative target
     #: would choose ε from the true value, which is not private.
     accuracy: float | None = None
+    #: Rows one person adds to each query after its joins: a number, ``auto`` (chosen under DP), or None
+    #: (the policy's caps, or its ``defaults.max_rows_per_unit``).
+    max_rows_per_unit: int | str | None = None
     settings: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -157,6 +184,7 @@ class Session:
         mechanism: str | None = None,
         confidence: float | None = None,
         accuracy: float | str | None = None,
+        max_rows_per_unit: int | str | None = None,
     ) -> Session:
         """A session whose settings went through the same checks as ``SET dpsql.…`` (22023 if invalid)."""
         session = cls(analyst)
@@ -166,6 +194,7 @@ class Session:
             "mechanism": mechanism,
             "confidence": confidence,
             "accuracy": accuracy,
+            "max_rows_per_unit": max_rows_per_unit,
         }
         for name, value in given.items():
             if value is not None:

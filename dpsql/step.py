@@ -81,15 +81,16 @@ from dpsql.postprocess.finish import finish, from_cache, from_release, released_
 from dpsql.prepared import Prepared
 from dpsql.release.accuracy import accuracy_notes, bias_note
 from dpsql.release.apply import Released, apply, apply_local, released_again, widths_at
-from dpsql.release.calibrate import threshold_at
+from dpsql.release.calibrate import budget, threshold_at
 from dpsql.release.selection import empty_selection_note
-from dpsql.rewrite import rewrite
+from dpsql.rewrite import histogram_queries, rewrite
 from dpsql.rewrite.physical import data_version
 from dpsql.session import Result, Session
 from dpsql.synopsis import Synopses, reuse
 from dpsql.synopsis import answer as synopsis_answer
 from dpsql.synopsis.answer import Derived
 from dpsql.synopsis.solve import noise_variance
+from dpsql.unit_keys import KeyGuard, chain_keys
 
 __all__ = ["Notice", "NoticeKind", "Part", "Severity", "Step"]
 
@@ -229,6 +230,7 @@ class Step:
         self._policy_hash = policy_hash(policy)
         self._database_identity: str | None = None
         self._synopses: Synopses | None = None
+        self._keys = KeyGuard(policy, backend)
 
     # -- a query alone ---------------------------------------------------------------------------
 
@@ -258,6 +260,7 @@ class Step:
         if synopsis is not None:
             return Part(prepared, hit=synopsis, derived=True)
         if self.cache is None or not prepared.plan.measures or prepared.local is not None:
+            self._check_keys(prepared, None)
             return Part(prepared)
         stamp = self._data_stamp()
         key = self.result_key(prepared, confidence, stamp)
@@ -276,15 +279,25 @@ class Step:
             coarser = self.coarsened(prepared, confidence, stamp)
             if coarser is not None:
                 return Part(prepared, key, coarser, measurement=measurement, derived=True, stamp=stamp)
+            self._check_keys(prepared, stamp)
             return Part(prepared, key, measurement=measurement, stamp=stamp)
         released = released_again(prepared.budgeting, *found, confidence)
         return Part(prepared, key, self.finish_released(prepared, released, confidence), stored[1], measurement, True)
+
+    def _check_keys(self, prepared: Prepared, stamp: str | None) -> None:
+        """Before anything is charged: the keys the query reaches its persons through are unique on this
+        data (:mod:`dpsql.unit_keys`; 23505 otherwise). Free queries read no data and are not checked."""
+        if not prepared.plan.measures or prepared.local is not None or not chain_keys(prepared.plan):
+            return
+        self._keys.check(prepared.plan, stamp if stamp is not None else self._data_stamp())
 
     def from_synopsis(self, prepared: Prepared, confidence: float) -> Result | None:
         """The query answered from the newest release of a declared synopsis that covers it (see
         :mod:`dpsql.synopsis.answer`) and, under ``dpsql.accuracy``, meets it: post-processing of released
         values, free; None when none does."""
         if not self.policy.synopses or not prepared.plan.measures or prepared.local is not None:
+            return None
+        if prepared.plan.tau is not None:  # a cap of its own: the synopsis was bounded at the policy's
             return None
         if self._synopses is None or self._synopses.ledger is not self.ledger:  # a ledger swapped in
             self._synopses = Synopses(self.policy, self.ledger)
@@ -311,8 +324,8 @@ class Step:
         """The query answered by summing the cells of an earlier, finer release of the same base
         (:mod:`dpsql.synopsis.reuse`), when that is accurate enough: within ``dpsql.accuracy`` if set, else
         no wider than the fresh query's own intervals. Post-processing of released values, free."""
-        if self.cache is None or self._database_identity is None:
-            return None
+        if self.cache is None or self._database_identity is None or prepared.plan.tau is not None:
+            return None  # (a cap of its own: earlier releases were bounded at another)
         plan, budgeting = prepared.plan, prepared.budgeting
         fresh = widths_at(budgeting, confidence)
         target = budgeting.accuracy
@@ -428,12 +441,38 @@ class Step:
     ) -> Result:
         """Run the measurement query (and its histograms) and release the noisy result; only ever
         after the reservation. The released measurements are stored under ``measurement`` (if given)."""
+        chosen = None
+        if prepared.cap is not None:
+            # released at a cap chosen from the data: its measurements are not the ones the key names
+            above = self.query(prepared.cap.sql)[0]
+            prepared, chosen = self.at_cap(prepared, prepared.cap.choose([int(n or 0) for n in above]))
+            measurement = stamp = None
         rows = self.query(prepared.sql)
         if prepared.plan.physical.proven and data_version(self.backend) != prepared.data_version:
             # a write raced the proof: run it again with every clamp in place
             rows = self.query(self.clamped_sql(prepared.plan))
         histograms = {i: self.query(sql) for i, sql in prepared.histograms}
-        return self.release_rows(prepared, rows, confidence, histograms, measurement, stamp)
+        result = self.release_rows(prepared, rows, confidence, histograms, measurement, stamp)
+        if chosen is not None:
+            result.notices.append(chosen)
+        return result
+
+    def at_cap(self, prepared: Prepared, tau: int) -> tuple[Prepared, Notice]:
+        """``prepared`` at the per-unit cap ``tau`` chosen under DP (:mod:`dpsql.release.cap`), with the
+        rest of its ε, and the notice saying so; only ever after the reservation of the whole ε."""
+        choice = prepared.cap
+        assert choice is not None
+        plan = replace(prepared.plan, tau=tau, tau_origin="chosen")
+        budgeting = budget(self.policy, plan, choice.session)
+        budgeting = replace(budgeting, epsilon=prepared.budgeting.epsilon, cost=prepared.budgeting.cost)
+        sql = self.backend.render(rewrite(plan), copy=False)
+        histograms = histogram_queries(plan, self.backend.render)
+        shown = ", ".join(map(str, choice.candidates))
+        notice = Notice(
+            f"dpsql: at most {tau} row{'s' if tau > 1 else ''} per {plan.sources.unit_description} kept, a cap "
+            f"chosen under DP among {shown} (ε={choice.epsilon:g} of this query's ε={budgeting.epsilon:g})"
+        )
+        return replace(prepared, plan=plan, sql=sql, budgeting=budgeting, histograms=histograms, cap=None), notice
 
     def release_rows(
         self,

@@ -8,7 +8,7 @@ from typing import Any
 
 from sqlglot import exp
 
-from dpsql.aggregates.base import Aggregate, Recognised, Scope, measure_var
+from dpsql.aggregates.base import Aggregate, Operand, Recognised, Scope, measure_var
 from dpsql.errors import FeatureNotSupported
 from dpsql.pgtypes import PgType
 from dpsql.plan import Measure, OutputItem, Plan
@@ -38,7 +38,7 @@ class Count(Aggregate):
         elif isinstance(node.this, exp.Star) or node.this is None:
             measure = Measure(kind="count_star")
         else:
-            measure = scope.count_of(scope.operand(node.this))
+            measure = scope.count_of(_counted(node.this, scope))
         index = scope.measure(measure)
         return Recognised(measure_var(index), self.kind, (index,))
 
@@ -63,6 +63,17 @@ class Count(Aggregate):
     def value_range(self, out: OutputItem, plan: Plan) -> tuple[float, float] | None:
         """A count is never negative."""
         return (0.0, math.inf)
+
+
+def _counted(argument: exp.Expression, scope: Scope) -> Operand:
+    """COUNT(x)'s operand. An identifier may be counted (TPC-H Q13's ``count(o_orderkey)``): how many of
+    a group's rows hold one is what ``COUNT(*) … WHERE id IS NOT NULL`` says; its values never leave."""
+    column = argument.unnest() if isinstance(argument, exp.Paren) else argument
+    if isinstance(column, exp.Column):
+        source, name, policy = resolve_ref(column, scope.sources, identifiers=True)
+        if policy.identifier:
+            return Operand(source.alias, name, policy)
+    return scope.operand(argument)
 
 
 def _distinct_units(node: exp.Expression, scope: Scope) -> Measure:

@@ -1,7 +1,8 @@
 """Analyze: SQL text + policy → a typed :class:`~dpsql.plan.Plan`, or one precise refusal.
 
-The order of passes is written down here and nowhere else: parse, fold constant date/time
-expressions (``fold.fold_constants``), inline simple views (``views.inline_views``),
+The order of passes is written down here and nowhere else: parse, comma joins made joins
+(``joins.comma_joins``), fold constant date/time expressions (``fold.fold_constants``), inline simple
+views (``views.inline_views``),
 statement-shape checks (``checks.STATEMENT_CHECKS``), bind parameters (then fold again: a bound
 parameter can complete a constant), then resolution and plan building.
 """
@@ -13,7 +14,9 @@ from sqlglot import exp
 from dpsql.analyze.build import build_plan
 from dpsql.analyze.checks import STATEMENT_CHECKS, require_known_tables
 from dpsql.analyze.fold import fold_constants
+from dpsql.analyze.joins import comma_joins
 from dpsql.analyze.parse import Params, bind_parameters, parse_statement, too_complex
+from dpsql.analyze.scope import PublicValues
 from dpsql.analyze.views import inline_views
 from dpsql.errors import UndefinedParameter
 from dpsql.plan import Plan
@@ -22,16 +25,18 @@ from dpsql.policy import PG_TYPE_NAMES, Policy
 __all__ = ["analyze", "analyze_tree", "infer_parameter_types", "parse_statement"]
 
 
-def analyze_tree(tree: exp.Expression, policy: Policy, params: Params = None) -> Plan:
-    """Check and plan an already parsed statement."""
+def analyze_tree(
+    tree: exp.Expression, policy: Policy, params: Params = None, public_values: PublicValues | None = None
+) -> Plan:
+    """Check and plan an already parsed statement (``public_values``: :attr:`Scope.public_values`)."""
     try:
         require_known_tables(tree, policy)
-        tree = inline_views(fold_constants(tree))
+        tree = inline_views(fold_constants(comma_joins(tree, policy)), policy)
         for check in STATEMENT_CHECKS:
             check(tree)
         bound = fold_constants(bind_parameters(tree, params))
         assert isinstance(bound, exp.Select)
-        return build_plan(bound, policy)
+        return build_plan(bound, policy, public_values)
     except RecursionError:
         raise too_complex() from None
 

@@ -12,8 +12,10 @@ from sqlglot import exp
 
 from dpsql.aggregates import AGGREGATE_NODES, OUTPUTS, recogniser
 from dpsql.analyze.domains import derive, narrow_policies
-from dpsql.analyze.scope import Scope
+from dpsql.analyze.scope import PublicValues, Scope
 from dpsql.analyze.sources import resolve_sources
+from dpsql.analyze.subqueries import Tools
+from dpsql.analyze.subqueries import resolve as resolve_subqueries
 from dpsql.analyze.where import canonical_cast, check_where, literal_type
 from dpsql.errors import (
     DatatypeMismatch,
@@ -107,6 +109,7 @@ def add_group_keys(targets: list[exp.Expression], scope: Scope, where: exp.Expre
             target = target.this
         if isinstance(target, exp.Column):
             source, name, policy = resolve_ref(target, scope.sources)
+            policy = _source_policy(scope, source.alias, name) or policy
             if any(k.column == name and k.table == source.alias for k in scope.keys):
                 continue
             domain = narrowed.get((source.alias, name), policy).release_domain()
@@ -138,8 +141,21 @@ _POLICY_TYPES: dict[str, ColumnType] = {
 
 
 def _source_policy(scope: Scope, table: str, name: str) -> ColumnPolicy | None:
+    """A column's policy; a public table's column without a declared domain gets its stored values
+    (public data) as one, when the engine can read them and there are few enough."""
     source = next((s for s in scope.sources.sources if s.alias == table), None)
-    return source.table.columns.get(name) if source is not None else None
+    policy = source.table.columns.get(name) if source is not None else None
+    if policy is None or source is None or policy.domain is not None or scope.public_values is None:
+        return policy
+    reference = policy.stored_domain
+    if reference is not None:  # domain: {table, column} of a public column that lists none
+        target = scope.policy.tables[reference.table]
+        values = scope.public_values(target.source or reference.table, reference.column)
+    elif source.table.public and not policy.identifier:
+        values = scope.public_values(source.table.source or source.name, name)
+    else:
+        return policy
+    return policy if values is None else policy.model_copy(update={"domain": values})
 
 
 def _canonical(node: exp.Expression, scope: Scope) -> str:
@@ -388,11 +404,18 @@ def _constant_int(node: exp.Expression | None, clause: str) -> int | None:
     raise FeatureNotSupported(f"{clause} must be a non-negative integer constant")
 
 
-def build_plan(tree: exp.Select, policy: Policy) -> Plan:
-    """Resolve ``tree`` (already through the statement checks) into a :class:`Plan`."""
-    scope = Scope(policy=policy, sources=resolve_sources(tree, policy), check_predicate=lambda p: check_where(p, scope))
+def build_plan(tree: exp.Select, policy: Policy, public_values: PublicValues | None = None) -> Plan:
+    """Resolve ``tree`` (already through the statement checks) into a :class:`Plan`; ``public_values``
+    reads a public table column's stored values (key domains; :attr:`Scope.public_values`)."""
+    scope = Scope(
+        policy=policy,
+        sources=resolve_sources(tree, policy),
+        check_predicate=lambda p: check_where(p, scope),
+        public_values=public_values,
+    )
     where = tree.args.get("where")
-    checked_where = check_where(where.this, scope) if where else None
+    tools = Tools(resolve_sources, check_where)
+    checked_where = check_where(resolve_subqueries(where.this, scope, tools), scope) if where else None
     resolve_group_keys(tree, scope, checked_where)
     if _distinct_keys(tree):
         add_group_keys([p.unalias() for p in tree.expressions], scope, checked_where)

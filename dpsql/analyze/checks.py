@@ -89,11 +89,25 @@ def reject_unsupported_clauses(tree: exp.Expression) -> None:
         )
     root: object = tree  # sqlglot's Query and Expression types do not overlap for mypy; identity is all we ask
     for sub in tree.find_all(exp.Subquery, exp.Select):
-        if sub is not root:
+        if sub is not root and not _per_person(sub):
             raise FeatureNotSupported(
                 "subqueries are not supported",
                 hint="A subquery can compute an exact aggregate; write one aggregate query instead.",
             )
+
+
+def _per_person(start: exp.Expr) -> bool:
+    """A FROM or JOIN subquery that groups (or a node inside one): a per-person relation, analysed and
+    refused precisely by :mod:`dpsql.analyze.persons` when it does not group by the privacy unit; or a
+    subquery in the statement's WHERE, classified by :mod:`dpsql.analyze.subqueries`."""
+    node: exp.Expr | None = start
+    while node is not None:
+        if isinstance(node, exp.Subquery) and isinstance(node.parent, exp.From | exp.Join):
+            return isinstance(node.this, exp.Select) and node.this.args.get("group") is not None
+        if isinstance(node, exp.Where) and isinstance(node.parent, exp.Select) and node.parent.parent is None:
+            return True
+        node = node.parent
+    return False
 
 
 def require_known_tables(tree: exp.Expression, policy: Policy) -> None:

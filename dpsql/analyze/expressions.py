@@ -154,7 +154,7 @@ def clamp_sql(value: exp.Expression, lower: exp.Expression, upper: exp.Expressio
     )
 
 
-def _bound_literal(value: object, policy: ColumnPolicy) -> exp.Expression:
+def bound_literal(value: object, policy: ColumnPolicy) -> exp.Expression:
     """A declared bound as a literal of the column's type."""
     if isinstance(value, dt.datetime):
         return exp.cast(exp.Literal.string(value.isoformat(sep=" ")), exp.DataType.Type.TIMESTAMP)
@@ -221,7 +221,7 @@ def bound(node: exp.Expression, resolve: Resolve, check_predicate: CheckPredicat
             )
         integer = policy.type == "int"
         # clamped in the stored type first: a stored value beyond BIGINT or ±infinity never reaches a cast
-        clamped = clamp_sql(column, _bound_literal(policy.lower, policy), _bound_literal(policy.upper, policy))
+        clamped = clamp_sql(column, bound_literal(policy.lower, policy), bound_literal(policy.upper, policy))
         if not integer:
             snap = exp.Literal.number(2.0**SNAP_EXPONENT)
             near_zero = exp.and_(
@@ -447,6 +447,6 @@ def _extract(node: exp.Extract, resolve: Resolve) -> Bounded:
         raise FeatureNotSupported(f'EXTRACT("{word}") is not supported inside an aggregate')
     # clamped first: EXTRACT(year FROM 'infinity') is infinite on PostgreSQL (and fails as BIGINT), NULL on DuckDB
     low_date, high_date = (policy.lower, policy.upper) if policy.bounded else (dt.date(1, 1, 1), dt.date(9999, 12, 31))
-    clamped = clamp_sql(column, _bound_literal(low_date, policy), _bound_literal(high_date, policy))
+    clamped = clamp_sql(column, bound_literal(low_date, policy), bound_literal(high_date, policy))
     sql = exp.cast(exp.Extract(this=exp.var(part.upper()), expression=clamped), exp.DataType.Type.BIGINT)
     return _checked(sql, float(bounds[0]), float(bounds[1]), True, policy.nullable)

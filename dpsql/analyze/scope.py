@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from sqlglot import exp
 
@@ -19,6 +20,13 @@ from dpsql.errors import FeatureNotSupported, GroupingError, UndefinedFunction
 from dpsql.plan import GroupKey, Measure
 from dpsql.plan.sources import Sources, qualified, resolve_ref
 from dpsql.policy import PG_TYPE_NAMES, ColumnPolicy, Policy
+
+#: Reads a public table column's stored values (backend table, column), None when too many.
+PublicValues = Callable[[str, str], "tuple[Any, ...] | None"]
+
+#: Meta flag on a predicate checked and rendered before WHERE's own checks (a subquery predicate,
+#: :mod:`dpsql.analyze.subqueries`): those pass it through as it is.
+CHECKED = "dpsql_subquery_checked"
 
 
 @dataclass
@@ -31,6 +39,9 @@ class Scope:
     check_predicate: Callable[[exp.Expression], exp.Expression]
     keys: list[GroupKey] = field(default_factory=list)
     measures: list[Measure] = field(default_factory=list)
+    #: The stored values of a public table's column (table, column), or None when there are too many:
+    #: a public table's data is public, so its values may be a key's domain (read by the engine).
+    public_values: PublicValues | None = None
     #: measure → its index in ``measures`` (a list scan per aggregate made analysis quadratic).
     _index: dict[Measure, int] = field(default_factory=dict)
 

@@ -15,6 +15,10 @@ from __future__ import annotations
 
 from sqlglot import exp
 
+from dpsql.analyze import persons
+from dpsql.analyze.persons import person_source
+from dpsql.analyze.scope import Scope
+from dpsql.analyze.where import check_where
 from dpsql.errors import (
     DuplicateAlias,
     FeatureNotSupported,
@@ -22,46 +26,12 @@ from dpsql.errors import (
     UndefinedTable,
 )
 from dpsql.plan.sources import Source, Sources, from_node, ident_name, qualified, resolve_ref
-from dpsql.policy import ColumnPolicy, Policy, TablePolicy
-
-
-def unit_column(policy: Policy, table: TablePolicy) -> str | None:
-    """The column of ``table`` whose value *is* the unit (directly, or a foreign key to the unit)."""
-    if table.public:
-        return None
-    if table.privacy_unit is not None:
-        return table.privacy_unit
-    ref = table.references
-    if ref is not None and policy.tables[ref.table].privacy_unit == ref.to:
-        return ref.column
-    return None
-
-
-def _unit_join(policy: Policy, alias: str, table: TablePolicy) -> exp.Join | None:
-    """LEFT JOIN to the referenced table when the unit is a coarser column there (e.g. a household)."""
-    ref = table.references
-    if table.public or table.privacy_unit is not None or ref is None:
-        return None
-    target = policy.tables[ref.table]
-    if target.privacy_unit in (None, ref.to):
-        return None
-    hidden = f"__unit_{alias}"
-    join = exp.Join(
-        this=exp.Table(
-            this=exp.to_identifier(target.source or ref.table, quoted=True),
-            alias=exp.TableAlias(this=exp.to_identifier(hidden, quoted=True)),
-        ),
-        on=exp.EQ(
-            this=exp.column(ref.column, table=alias, quoted=True),
-            expression=exp.column(ref.to, table=hidden, quoted=True),
-        ),
-        side="LEFT",
-    )
-    join.meta["unit"] = target.privacy_unit
-    return join
+from dpsql.policy import ColumnPolicy, Policy
 
 
 def _source(node: exp.Expression, policy: Policy) -> Source:
+    if isinstance(node, exp.Subquery):  # GROUP BY the unit inside: one row per person
+        return person_source(node, policy, resolve_sources)
     if not isinstance(node, exp.Table) or not isinstance(node.this, exp.Identifier):
         raise FeatureNotSupported("FROM must name a table", hint="Subqueries and table functions are refused.")
     schema = ident_name(node.args.get("db"))
@@ -74,13 +44,7 @@ def _source(node: exp.Expression, policy: Policy) -> Source:
             hint=f'Tables in dataset "{policy.dataset}": {", ".join(sorted(policy.tables))}.',
         )
     alias = ident_name(node.args["alias"].this) if node.alias else name
-    return Source(
-        alias=alias,
-        name=name,
-        table=table,
-        unit_column=unit_column(policy, table),
-        unit_join=_unit_join(policy, alias, table),
-    )
+    return Source(alias=alias, name=name, table=table, path=policy.unit_path(name))
 
 
 def _conjuncts(node: exp.Expression) -> list[exp.Expression]:
@@ -96,7 +60,8 @@ def _check_join_kind(join: exp.Join) -> None:
     if join_type == "CROSS" or (not join.args.get("on") and not join.args.get("using")):
         raise FeatureNotSupported(
             "cross joins are not supported",
-            hint="A cross join pairs every person with every row; join on the privacy unit instead.",
+            hint="A cross join pairs every row with every other: write JOIN t ON a.k = t.k (or an equality "
+            "between the tables in WHERE) along a foreign key, the privacy unit or a public table's key.",
         )
     if join.args.get("using"):
         raise FeatureNotSupported("JOIN ... USING is not supported", hint="Write the condition with ON.")
@@ -114,29 +79,62 @@ def _follows_reference(a: tuple[Source, str, ColumnPolicy], b: tuple[Source, str
     return ref is not None and ref.column == a[1] and ref.table == b[0].name and ref.to == b[1]
 
 
+def _same_unit(referencing: Source, target: Source) -> exp.Expression | None:
+    """``referencing.unit IS NOT DISTINCT FROM target.unit`` for a foreign-key join whose condition does
+    not itself equate the two units (one of them is reached through hops): the key may repeat in the
+    data, and a row must only ever meet rows of its own person. None when the condition equates them."""
+    ref = referencing.table.references
+    assert ref is not None
+    if referencing.unit is None or target.unit is None:
+        return None  # the target's rows are each one person, named by the key the condition matches
+    if (referencing.unit_column, target.unit_column) == (ref.column, ref.to):
+        return None
+    return exp.NullSafeEQ(this=referencing.unit, expression=target.unit)
+
+
 def _join_condition(join: exp.Join, sources: Sources, unify: dict[str, str]) -> exp.Expression:
-    """Validate ``ON`` (a conjunction of column equalities) and record which units it equates."""
-    normalised = []
+    """Validate ``ON`` (a conjunction of column equalities), record which units it equates and which
+    tables it looks up by a foreign key (:attr:`Sources.looked_up`)."""
+    normalised: list[exp.Expression] = []
+    filters: list[exp.Expression] = []
     for conjunct in _conjuncts(join.args["on"]):
         if not isinstance(conjunct, exp.EQ) or not all(
             isinstance(side, exp.Column) for side in (conjunct.this, conjunct.expression)
         ):
-            raise FeatureNotSupported(
-                "JOIN conditions must be equalities between columns",
-                hint="Non-equi joins can pair one person's rows with many others'.",
-            )
+            filters.append(conjunct)  # a predicate (LEFT JOIN … ON k = k AND o_comment NOT LIKE …): below
+            continue
         left = resolve_ref(conjunct.this, sources, identifiers=True)
         right = resolve_ref(conjunct.expression, sources, identifiers=True)
-        if left[0].private and right[0].private:
-            on_units = left[1] == left[0].unit_column and right[1] == right[0].unit_column
-            if not on_units and not _follows_reference(left, right) and not _follows_reference(right, left):
-                raise FeatureNotSupported(
-                    f'private tables "{left[0].name}" and "{right[0].name}" must be joined on their privacy unit',
-                    hint="Join on the privacy-unit columns or along a foreign key declared in the policy "
-                    "(references); joining on other columns mixes different persons' rows.",
-                )
-            _union(unify, left[0].alias, right[0].alias)
         normalised.append(exp.EQ(this=qualified(left[0], left[1]), expression=qualified(right[0], right[1])))
+        if not (left[0].private and right[0].private):
+            continue
+        on_units = left[1] == left[0].unit_column and right[1] == right[0].unit_column
+        if on_units:
+            _union(unify, left[0].alias, right[0].alias)
+            continue
+        for referencing, target in ((left, right), (right, left)):
+            if _follows_reference(referencing, target):
+                sources.looked_up.add(target[0].alias)
+                same = _same_unit(referencing[0], target[0])
+                if same is not None:
+                    normalised.append(same)
+                _union(unify, left[0].alias, right[0].alias)
+                break
+        else:
+            raise FeatureNotSupported(
+                f'private tables "{left[0].name}" and "{right[0].name}" must be joined on their privacy unit',
+                hint="Join on the privacy-unit columns or along a foreign key declared in the policy "
+                "(references); joining on other columns mixes different persons' rows.",
+            )
+    if not normalised:
+        raise FeatureNotSupported(
+            "JOIN conditions need an equality between columns",
+            hint="Join along a foreign key, the privacy unit or a public table's key (JOIN t ON a.k = t.k); "
+            "a join without one can pair one person's rows with many others'.",
+        )
+    # other conjuncts filter the pairs the equalities make (never more rows than those), checked as WHERE
+    scope = Scope(policy=sources.policy, sources=sources, check_predicate=lambda p: check_where(p, scope))
+    normalised += [check_where(f, scope) for f in filters]
     condition: exp.Expression = normalised[0]
     for extra in normalised[1:]:
         condition = exp.And(this=condition, expression=extra)
@@ -161,18 +159,13 @@ def resolve_sources(tree: exp.Select, policy: Policy) -> Sources:
         source = _source(join.this, policy)
         if any(s.alias == source.alias for s in sources.sources):
             raise DuplicateAlias(f'table name "{source.alias}" specified more than once')
-        if any(s.name == source.name for s in sources.sources):
-            if source.private:
-                raise FeatureNotSupported(
-                    f'self-joins of private table "{source.name}" are not supported',
-                    hint="A self-join can count one person's rows many times over.",
-                )
-            # A public table joined with itself adds no information and multiplies rows: a chain of
-            # them is a free way to hold the database (the query is charged, then runs for hours).
+        if source.private and any(s.name == source.name for s in sources.sources):
             raise FeatureNotSupported(
-                f'self-joins of public table "{source.name}" are not supported',
-                hint="Join each public table once.",
+                f'self-joins of private table "{source.name}" are not supported',
+                hint="A self-join can count one person's rows many times over.",
             )
+        # a public table joined again under another alias (TPC-H's nation n1, nation n2) is joined on an
+        # equality like every join (cross joins are refused), so it multiplies rows only as a key repeats
         sources.sources.append(source)
     if joins:
         for source in sources.private:
@@ -185,9 +178,8 @@ def resolve_sources(tree: exp.Select, policy: Policy) -> Sources:
     for join in joins:
         condition = _join_condition(join, sources, unify)
         sources.joins.append(
-            exp.Join(this=from_node(_by_alias(sources, join)), on=condition, side=join.args.get("side"))
+            exp.Join(this=from_node(_by_alias(sources, join), policy), on=condition, side=join.args.get("side"))
         )
-    sources.joins.extend(s.unit_join for s in sources.sources if s.unit_join is not None)
     private = sources.private
     if len(private) > 1:
         roots = {_root(unify, s.alias) for s in private}
@@ -198,6 +190,11 @@ def resolve_sources(tree: exp.Select, policy: Policy) -> Sources:
                 f"({', '.join(f'{s.alias}.{s.unit_column}' for s in private)}).",
             )
     return sources
+
+
+def grouped_by_unit(select: exp.Select, policy: Policy) -> bool:
+    """Whether ``select`` is a per-person relation (:func:`dpsql.analyze.persons.grouped_by_unit`)."""
+    return persons.grouped_by_unit(select, policy, resolve_sources)
 
 
 def _root(parent: dict[str, str], alias: str) -> str:
@@ -212,5 +209,6 @@ def _union(parent: dict[str, str], a: str, b: str) -> None:
 
 
 def _by_alias(sources: Sources, join: exp.Join) -> Source:
-    alias = ident_name(join.this.args["alias"].this) if join.this.alias else ident_name(join.this.this)
+    node = join.this
+    alias = ident_name(node.args["alias"].this) if node.alias else ident_name(node.this)
     return next(s for s in sources.sources if s.alias == alias)

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from sqlglot import exp
 
+from dpsql.analyze.sources import grouped_by_unit
 from dpsql.errors import FeatureNotSupported, StatementTooComplex, SyntaxError_, UndefinedColumn
 from dpsql.plan.sources import ident_name
+from dpsql.policy import Policy
 
 _VIEW_REFUSED = {
     "group": "GROUP BY",
@@ -45,6 +47,7 @@ class _View:
     (a column, or a row-level computed expression)."""
 
     def __init__(self, select: exp.Select, name: str) -> None:
+        _refuse_grouping(select, name)
         for arg, clause in _VIEW_REFUSED.items():
             if select.args.get(arg):
                 raise FeatureNotSupported(
@@ -99,7 +102,7 @@ def _requalify(node: exp.Expression, inner_aliases: set[str], alias: str) -> exp
     return node.transform(repoint)
 
 
-def inline_views(tree: exp.Expression) -> exp.Expression:
+def inline_views(tree: exp.Expression, policy: Policy | None = None) -> exp.Expression:
     """Replace simple CTEs and FROM-subqueries by their table, merging their WHERE into the query's."""
     if not isinstance(tree, exp.Select):
         return tree
@@ -108,6 +111,7 @@ def inline_views(tree: exp.Expression) -> exp.Expression:
         return tree
     tree = tree.copy()
     ctes: dict[str, exp.Select] = {}
+    cte_columns: dict[str, list[exp.Identifier]] = {}
     if with_:
         if with_.args.get("recursive"):
             raise FeatureNotSupported("WITH RECURSIVE is not supported")
@@ -115,22 +119,34 @@ def inline_views(tree: exp.Expression) -> exp.Expression:
             body = cte.this
             if not isinstance(body, exp.Select):
                 raise FeatureNotSupported(f'the CTE "{cte.alias}" must be a plain SELECT')
-            ctes[ident_name(cte.args["alias"].this)] = inline_views(_with_ctes(body, ctes))  # type: ignore[assignment]
+            ctes[ident_name(cte.args["alias"].this)] = inline_views(_with_ctes(body, ctes), policy)  # type: ignore[assignment]
+            cte_columns[ident_name(cte.args["alias"].this)] = list(cte.args["alias"].args.get("columns") or [])
         tree.set("with_", None)
     views: dict[str, _View] = {}
     conditions: list[exp.Expression] = []
+    columns = {  # a CTE's column names (WITH revenue0 (supplier_no, total_revenue) AS …), by the alias read
+        (ident_name(n.args["alias"].this) if n.alias else ident_name(n.this)): cte_columns[ident_name(n.this)]
+        for n in _sources(tree)
+        if isinstance(n, exp.Table) and ident_name(n.this) in cte_columns
+    }
     for node in _sources(tree):
         if isinstance(node, exp.Subquery):
             alias = ident_name(node.args["alias"].this) if node.alias else ""
             if not alias:
                 raise SyntaxError_("a subquery in FROM must have an alias")
-            body = inline_views(node.this) if isinstance(node.this, exp.Select) else node.this
+            body = inline_views(node.this, policy) if isinstance(node.this, exp.Select) else node.this
             if not isinstance(body, exp.Select):
                 raise FeatureNotSupported(f'the subquery "{alias}" must be a plain SELECT')
         elif isinstance(node, exp.Table) and not node.args.get("db") and ident_name(node.this) in ctes:
             alias = ident_name(node.args["alias"].this) if node.alias else ident_name(node.this)
             body = ctes[ident_name(node.this)]
         else:
+            continue
+        if body.args.get("group") and policy is not None and grouped_by_unit(body, policy):  # one row per person
+            named = exp.TableAlias(this=exp.to_identifier(alias), columns=[c.copy() for c in columns.get(alias, [])])
+            if isinstance(node, exp.Subquery) and node.args.get("alias") is not None:
+                named = node.args["alias"].copy()
+            node.replace(exp.Subquery(this=body, alias=named))
             continue
         if body.args.get("joins") and tree.args.get("from_") and node is tree.args["from_"].this:
             where = _flatten_joins(tree, body, alias)
@@ -152,12 +168,23 @@ def inline_views(tree: exp.Expression) -> exp.Expression:
     return tree
 
 
+def _refuse_grouping(select: exp.Select, name: str) -> None:
+    """GROUP BY in a view that is not one row per person (:mod:`dpsql.analyze.persons`): refused."""
+    if select.args.get("group"):
+        raise FeatureNotSupported(
+            f'GROUP BY inside the subquery or CTE "{name}" is only supported on the privacy unit',
+            hint="A subquery may aggregate per person (GROUP BY the privacy unit: one row per person, then "
+            "aggregate in the outer query); aggregate anything else in the outer query.",
+        )
+
+
 def _flatten_joins(tree: exp.Select, body: exp.Select, alias: str) -> exp.Expression | None:
     """A FROM-subquery that joins tables and names their columns (ibis, Looker derived tables) becomes
     those joins in the outer query: ``SELECT t4.building, COUNT(*) FROM (SELECT t2.cost, t3.building
     FROM visits t2 JOIN departments t3 ON …) t4 GROUP BY 1`` is the same query as the flat join, so
     every join check (public tables, unit joins, join limits) applies unchanged. Returns the view's WHERE.
     """
+    _refuse_grouping(body, alias)
     for arg, clause in _VIEW_REFUSED.items():
         if arg != "joins" and body.args.get(arg):
             raise FeatureNotSupported(
@@ -175,30 +202,47 @@ def _flatten_joins(tree: exp.Select, body: exp.Select, alias: str) -> exp.Expres
     }
     if inner_aliases & outer_aliases:
         raise FeatureNotSupported(f'the subquery "{alias}" reuses a table alias of the outer query')
-    columns: dict[str, exp.Column] = {}
+    columns: dict[str, exp.Expression] = {}
     for projection in body.expressions:
         node = projection.unalias()
-        if not isinstance(node, exp.Column) or isinstance(node.this, exp.Star):
-            raise FeatureNotSupported(
-                f'the subquery or CTE "{alias}" with a JOIN may only select named columns',
-                hint="List the columns the outer query reads (t.col AS name).",
-            )
         output = ident_name(projection.args["alias"].this) if isinstance(projection, exp.Alias) else None
-        columns[output or ident_name(node.this)] = node
+        if isinstance(node, exp.Column) and not isinstance(node.this, exp.Star):
+            columns[output or ident_name(node.this)] = node
+        elif output and not node.find(*_NOT_ROW_LEVEL) and not isinstance(node, exp.Star):
+            columns[output] = node  # a computed column (TPC-H's volume, l_year): inlined where it is read
+        else:
+            raise FeatureNotSupported(
+                f'the subquery or CTE "{alias}" with a JOIN may only select columns and named row-level expressions',
+                hint="List what the outer query reads (t.col AS name, or an expression AS name); aggregate, "
+                "window and subquery expressions belong in the outer query.",
+            )
     output_aliases = {ident_name(p.args["alias"].this) for p in tree.expressions if isinstance(p, exp.Alias)}
     for column in list(tree.find_all(exp.Column)):
         if isinstance(column.this, exp.Star):
             continue
         name, qualifier = ident_name(column.this), ident_name(column.args.get("table"))
-        if qualifier == alias:
-            if name not in columns:
-                raise UndefinedColumn(f"column {alias}.{name} does not exist")
-            column.replace(columns[name].copy())
-        elif not qualifier and name in columns and name not in output_aliases:
-            column.replace(columns[name].copy())
+        if qualifier == alias and name not in columns:
+            raise UndefinedColumn(f"column {alias}.{name} does not exist")
+        if qualifier == alias or (not qualifier and name in columns and name not in output_aliases):
+            column.replace(_inlined(tree, column, columns[name], name))
     tree.set("from_", body.args["from_"].copy())
     tree.set("joins", [j.copy() for j in body.args["joins"]] + list(tree.args.get("joins") or []))
     return body.args["where"].this.copy() if body.args.get("where") else None
+
+
+def _inlined(tree: exp.Select, column: exp.Column, target: exp.Expression, name: str) -> exp.Expression:
+    """What replaces a reference to a flattened view's column: the column or expression it names, in
+    parentheses when computed, and keeping its output name where the outer query selects it."""
+    if sum(1 for _ in target.walk()) > _MAX_INLINED_NODES:
+        raise StatementTooComplex(f'the computed column "{name}" is too complex to inline')
+    replacement = target.copy()
+    if isinstance(replacement, exp.Column):
+        return replacement
+    if not isinstance(replacement, exp.Literal | exp.Func | exp.Paren):
+        replacement = exp.Paren(this=replacement)
+    if column.parent is tree and column.arg_key == "expressions":
+        return exp.Alias(this=replacement, alias=exp.to_identifier(name, quoted=column.this.quoted))
+    return replacement
 
 
 def _map_columns(tree: exp.Select, views: dict[str, _View]) -> None:

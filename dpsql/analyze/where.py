@@ -18,7 +18,7 @@ from sqlglot import exp
 
 from dpsql.aggregates import AGGREGATE_NODES
 from dpsql.analyze.expressions import bound
-from dpsql.analyze.scope import Scope
+from dpsql.analyze.scope import CHECKED, Scope
 from dpsql.errors import (
     DatatypeMismatch,
     FeatureNotSupported,
@@ -251,6 +251,8 @@ def _normalise_column(node: exp.Expression, scope: Scope) -> exp.Expression:
 
 def check_where(node: exp.Expression, scope: Scope) -> exp.Expression:
     """Validate a predicate tree; return it with columns normalised and literals typed."""
+    if node.meta.get(CHECKED):  # a subquery predicate, checked and rendered by dpsql.analyze.subqueries
+        return node
     if isinstance(node, exp.Paren):
         return exp.Paren(this=check_where(node.this, scope))
     if isinstance(node, exp.And | exp.Or):
@@ -269,6 +271,12 @@ def check_where(node: exp.Expression, scope: Scope) -> exp.Expression:
     if isinstance(node, _PREDICATES):
         return _check_comparison(node, scope)
     if isinstance(node, exp.Is):
+        bare = node.this.unnest() if isinstance(node.this, exp.Paren) else node.this
+        if isinstance(bare, exp.Column) and isinstance(node.expression, exp.Null):
+            # whether a row's identifier is NULL (a loan without co-signer) is a value of that row like
+            # any other: an identifier may be tested for NULL, never compared or grouped
+            source, name, _ = resolve_ref(bare, scope.sources, identifiers=True)
+            return exp.Is(this=qualified(source, name), expression=exp.Null(), negate=node.args.get("negate"))
         tested = _operand(node.this, scope)
         if tested is None or not isinstance(node.expression, exp.Null | exp.Boolean):
             raise FeatureNotSupported("IS must test a column for NULL, TRUE or FALSE")

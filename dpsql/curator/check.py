@@ -20,11 +20,10 @@ exact figures from the data, for the curator's terminal only (``dpsql policy rep
 from __future__ import annotations
 
 import datetime as dt
-import difflib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 
@@ -36,8 +35,10 @@ from dpsql.policy import ColumnPolicy, Policy, _line_index, did_you_mean, parse_
 from dpsql.synopsis.solve import MAX_CELLS
 
 from . import introspect
+from .findings import Finding, count_table
 from .report import summary_findings, table_report
 from .synopsis import check_plan, cube_cells, marginal_sql
+from .unit_check import reference_findings, unit_findings
 
 #: A privacy unit with fewer distinct values than this is an error (it is surely the wrong column) …
 MIN_UNITS = 10
@@ -45,18 +46,6 @@ MIN_UNITS = 10
 FEW_UNITS = 100
 #: The units are counted among this many rows (any rows): enough to tell a person from a department.
 SCAN_ROWS = 100_000
-
-
-@dataclass(frozen=True, slots=True)
-class Finding:
-    severity: Literal["error", "warning"]
-    path: tuple[str, ...]
-    message: str
-
-    def render(self, where: str, line_of: Callable[[tuple[str, ...]], int]) -> str:
-        key = ".".join(self.path) or "<top>"
-        label = "" if self.severity == "error" else "warning: "
-        return f"{where}:{line_of(self.path)}: {key}: {label}{self.message}"
 
 
 def line_finder(text: str) -> Callable[[tuple[str, ...]], int]:
@@ -213,7 +202,7 @@ def database_findings(policy: Policy, backend: Any) -> Iterator[Finding]:
                 )
         present = {c for c in table.columns if (stored.get(c) or lowered.get(c.lower())) is not None}
         yield from _data_findings(policy, name, backend, source, present, stored)
-        yield from _reference_findings(policy, name, backend, stored)
+        yield from reference_findings(policy, name, backend, stored)
         unit = table.privacy_unit
         if unit is not None and (stored.get(unit) or lowered.get(unit.lower())) is not None:
             # capped at FEW_UNITS: the curator learns "few" or "enough", never the exact number; and
@@ -238,83 +227,20 @@ def database_findings(policy: Policy, backend: Any) -> Iterator[Finding]:
                 )
 
 
-@dataclass(frozen=True, slots=True)
-class _Counts:
-    """Whole-table counts of one table (one aggregate query): rows, non-NULL values per column, and
-    distinct non-NULL values per identifier. Exact, for the curator's terminal or the server's log only."""
-
-    rows: int
-    filled: dict[str, int]
-    distinct: dict[str, int]
-
-    def nulls(self, column: str) -> int:
-        return self.rows - self.filled[column]
-
-    def repeats(self, column: str) -> bool:
-        return self.distinct[column] < self.filled[column]
-
-    def unique(self, column: str) -> bool:
-        return self.filled[column] > 1 and self.distinct[column] == self.filled[column]
-
-
-def _count(backend: Any, source: str, plain: list[str], ids: list[str]) -> _Counts:
-    """:class:`_Counts` of ``source`` over all its rows: one scan, cheap on DuckDB and PostgreSQL, so a
-    NULL or a repeat on the last row is seen as surely as on the first."""
-    columns = [*plain, *ids]
-    items = ["COUNT(*)", *(f"COUNT({quote_ident(c)})" for c in columns)]
-    items += [f"COUNT(DISTINCT {quote_ident(c)})" for c in ids]
-    _, rows = backend.execute(f"SELECT {', '.join(items)} FROM {quote_ident(source)}")
-    values = [int(v or 0) for v in rows[0]]
-    filled = dict(zip(columns, values[1 : 1 + len(columns)], strict=True))
-    distinct = dict(zip(ids, values[1 + len(columns) :], strict=True))
-    return _Counts(values[0], filled, distinct)
-
-
-def _unmatched(backend: Any, source: str, column: str, target: str, to: str) -> tuple[int, int]:
-    """(distinct non-NULL values of ``source.column``, how many of them ``target.to`` does not hold):
-    one anti-join of the two distinct sets, whole tables."""
-    _, rows = backend.execute(
-        f"SELECT COUNT(*), COUNT(q.k) FROM (SELECT DISTINCT {quote_ident(column)} AS c FROM {quote_ident(source)} "
-        f"WHERE {quote_ident(column)} IS NOT NULL) AS r LEFT JOIN (SELECT DISTINCT {quote_ident(to)} AS k FROM "
-        f"{quote_ident(target)}) AS q ON r.c = q.k"
-    )
-    distinct, matched = int(rows[0][0] or 0), int(rows[0][1] or 0)
-    return distinct, distinct - matched
-
-
-def _person_tables(policy: Policy, name: str, backend: Any) -> Iterator[tuple[str, str, str, str]]:
-    """(table, its source, its privacy unit, the unit's stored type) of the other private tables with a
-    stored privacy unit: where a person identifier of ``name`` may point."""
-    for other, table in policy.tables.items():
-        source = table.source or other
-        if other == name or table.public or table.privacy_unit is None or source.startswith(("parquet:", "orc:")):
-            continue
-        stored = introspect.columns(backend, source) or {}
-        if table.privacy_unit in stored:
-            yield other, source, table.privacy_unit, stored[table.privacy_unit]
-
-
 def _data_findings(
     policy: Policy, name: str, backend: Any, source: str, present: set[str], stored: dict[str, str]
 ) -> Iterator[Finding]:
-    """What the data contradicts in the declarations of one table (all its rows, :func:`_count`).
-
-    - ``nullable: false`` on a column holding NULLs (an error: those rows silently leave answers);
-      a nullable column holding none (a warning: GROUP BY releases a phantom NULL group, AVG widens);
-    - a table without ``privacy_unit`` or ``references`` (each row one person) whose ``*_id``
-      identifier repeats: one person's many rows would each count as a person (an error);
-    - a ``privacy_unit`` unique per row, in a table no other table references, while the table allows
-      many rows per person and another identifier repeats, or another identifier's values all are
-      another table's privacy unit: a row id, not a person, so each of one person's rows would be
-      protected as a different person (an error naming the probable person column).
-    """
+    """What the data contradicts in the declarations of one table (all its rows, one scan):
+    ``nullable: false`` on a column holding NULLs (an error: those rows silently leave answers), a
+    nullable column holding none (a warning: GROUP BY releases a phantom NULL group, AVG widens), and
+    who the rows belong to (:func:`~dpsql.curator.unit_check.unit_findings`)."""
     table = policy.tables[name]
     if table.public:
         return
     plain = [c for c, column in table.columns.items() if c in present and not column.identifier]
     keys = (table.privacy_unit, table.references.column if table.references else None)
     ids = [c for c in table.columns if c in present and (table.columns[c].identifier or c in keys)]
-    counts = _count(backend, source, plain, ids)
+    counts = count_table(backend, source, plain, ids)
     for col_name in plain:
         column = table.columns[col_name]
         path = ("tables", name, "columns", col_name, "nullable")
@@ -333,110 +259,7 @@ def _data_findings(
                 f"'{col_name}' holds no NULL: declare 'nullable: false' (else GROUP BY releases a NULL group "
                 "nobody is in, and AVG's interval is wider than it needs to be)",
             )
-    identifiers = [c for c in ids if table.columns[c].identifier]
-    person_ids = [c for c in identifiers if c.lower() == "id" or c.lower().endswith("_id")]
-    if table.privacy_unit is None and table.references is None:
-        for col_name in person_ids:
-            if counts.repeats(col_name):
-                yield Finding(
-                    "error",
-                    ("tables", name),
-                    f"no 'privacy_unit' (each row is one person), but identifier '{col_name}' repeats: if it names "
-                    f"the person, declare 'privacy_unit: {col_name}' (or 'references') and 'max_rows_per_unit'",
-                )
-                break
-    unit = table.privacy_unit
-    if unit is None or unit not in present or not counts.unique(unit):
-        return
-    referenced = any(
-        t.references is not None and t.references.table == name and t.references.to == unit
-        for t in policy.tables.values()
-    )
-    if referenced:
-        return  # the person table: other tables' keys point at its unit, one row per person
-    person = next((c for c in identifiers if c != unit and counts.repeats(c) and c in person_ids), None)
-    if table.references is not None and table.references.column != unit:
-        person = table.references.column
-    repeating = [c for c in identifiers if c != unit and counts.repeats(c)]
-    pointing = _pointing(policy, name, backend, source, stored, repeating)
-    if pointing is not None:
-        person, other, other_unit = pointing
-    if person is None or not (pointing or table.max_rows_per_unit > 1 or table.references is not None):
-        return
-    why, fix = "", f"privacy_unit: {person}"
-    if pointing is not None:
-        why = f" and all its values are {other}.{other_unit}"
-        fix = f"references: {{column: {person}, table: {other}, to: {other_unit}}}"
-    yield Finding(
-        "error",
-        ("tables", name, "privacy_unit"),
-        f"'{unit}' is unique per row (a row id, not a person) while '{person}' repeats{why}: each of one "
-        f"person's rows would be protected as a different person; did you mean '{person}'? (declare {fix})",
-    )
-
-
-def _pointing(
-    policy: Policy, name: str, backend: Any, source: str, stored: dict[str, str], candidates: list[str]
-) -> tuple[str, str, str] | None:
-    """(column, table, unit): the first of ``candidates`` whose values all are another table's privacy
-    unit (same stored type family), i.e. the column naming the person this table's rows belong to."""
-    people = list(_person_tables(policy, name, backend)) if candidates else []  # each table introspected once
-    for col_name in candidates:
-        for other, other_source, other_unit, other_type in people:
-            if introspect.family(other_type) != introspect.family(stored.get(col_name, "")):
-                continue
-            distinct, unmatched = _unmatched(backend, source, col_name, other_source, other_unit)
-            if distinct and not unmatched:
-                return col_name, other, other_unit
-    return None
-
-
-def _reference_findings(policy: Policy, name: str, backend: Any, stored: dict[str, str]) -> Iterator[Finding]:
-    """``references`` between columns stored as different types (every query joining them would fail on
-    the database, after its charge), or whose values the referenced column does not hold (the column
-    names no row there: a row id, say, so each of its values would count as a person of its own)."""
-    table = policy.tables[name]
-    ref = table.references
-    target = policy.tables.get(ref.table) if ref is not None else None
-    if ref is None or target is None:
-        return
-    target_source = target.source or ref.table
-    here = stored.get(ref.column)
-    there = (introspect.columns(backend, target_source) or {}).get(ref.to)
-    if here is None or there is None:
-        return
-    if introspect.family(here) != introspect.family(there):
-        yield Finding(
-            "error",
-            ("tables", name, "references"),
-            f"'{ref.column}' is stored as {here} but {ref.table}.{ref.to} as {there}: the join to the privacy "
-            "unit cannot match them; store both with one type",
-        )
-        return
-    if table.public or target_source.startswith(("parquet:", "orc:")):
-        return
-    source = table.source or name
-    distinct, unmatched = _unmatched(backend, source, ref.column, target_source, ref.to)
-    if not unmatched:
-        return
-    fitting = []
-    for col_name, column in table.columns.items():
-        if col_name == ref.column or not column.identifier or col_name not in stored:
-            continue
-        if introspect.family(stored[col_name]) != introspect.family(there):
-            continue
-        others, missing = _unmatched(backend, source, col_name, target_source, ref.to)
-        if others and not missing:
-            fitting.append(col_name)
-    fitting.sort(key=lambda c: -difflib.SequenceMatcher(None, c.lower(), ref.table.lower()).ratio())
-    hint = f"; did you mean '{fitting[0]}' (all its values are in {ref.table}.{ref.to})?" if fitting else ""
-    yield Finding(
-        "error",
-        ("tables", name, "references", "column"),
-        f"{unmatched:,} of the {distinct:,} distinct values of '{ref.column}' are not in {ref.table}.{ref.to}: "
-        f"'{ref.column}' does not name a row of '{ref.table}', so each of its values would be protected as a "
-        f"person of its own{hint}",
-    )
+    yield from unit_findings(policy, name, backend, source, stored, counts)
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,40 +44,19 @@ from dpsql.backends import quote_ident
 from dpsql.errors import UndefinedTable
 
 from . import introspect
+from .draft_links import Link, chains, links, looks_like_identifier, lookups, own_key, person_table, short
 
 #: Text columns with at most this many distinct values get a proposed domain (for review).
 MAX_DOMAIN = 20
 #: Domain values held by fewer people than this are flagged as rare in the draft.
 RARE_UNITS = 5
-#: Words in a table's name that say its rows are people: a small ``managers(id, name)`` that others
-#: point at is still people, its ``name`` an identifier (never proposed as a public domain).
-PEOPLE_WORDS = (
-    "employee", "manager", "staff", "user", "person", "people", "customer", "patient", "member",
-    "student", "client", "doctor", "nurse", "contact", "owner", "worker", "teacher", "driver",
-    "author", "agent", "supervisor", "reviewer", "resident", "citizen", "applicant", "account",
-)  # fmt: skip
-
-
-def _of_people(table: str) -> bool:
-    """Whether a table's name says its rows are people (see :data:`PEOPLE_WORDS`)."""
-    return any(word in table.lower() for word in PEOPLE_WORDS)
-
-
-#: A table of at most this many rows that names no person is proposed ``public: true`` (for review).
-PUBLIC_ROWS = 1000
-#: ``max_rows_per_unit`` proposed for a table with many rows per person (to review with the data's owner).
+#: ``max_rows_per_unit`` proposed for a table with many rows per person when the data cannot say more
+#: (to review with the data's owner); else the 95th percentile of rows per person, rounded up.
 MANY_ROWS = 10
-
-_IDENTIFIER = re.compile(
-    r"^(id|uuid|guid|ssn|email|e_mail|phone|telephone|mobile|name|first_?name|last_?name|surname|full_?name|"
-    r"address|street|ip|ip_address|passport|iban|account)$|_id$|_uuid$|_email$|_phone$|_ssn$",
-    re.IGNORECASE,
-)
-
-
-def looks_like_identifier(column: str) -> bool:
-    return bool(_IDENTIFIER.search(column))
-
+#: The share of persons whose rows the proposed cap keeps whole.
+CAP_QUANTILE = 0.95
+#: Persons needed before a percentile is read (fewer: :data:`MANY_ROWS`, no figure read).
+CAP_MIN_UNITS = 100
 
 #: URL schemes whose path is a file (its extension is no part of the dataset's name).
 _FILE_SCHEMES = frozenset({"duckdb", "sqlite", "file", ""})
@@ -99,42 +78,6 @@ def dataset_name(url: str) -> str:
     if name[:1].isdigit():
         name = "db_" + name
     return name or "dataset"
-
-
-def _singulars(table: str) -> set[str]:
-    """The names a column may call ``table`` by: ``employees`` → employees, employee."""
-    name = table.split(".")[-1].lower()
-    forms = {name}
-    if name.endswith("ies"):
-        forms.add(name[:-3] + "y")
-    if name.endswith("es"):
-        forms.add(name[:-2])
-    if name.endswith("s"):
-        forms.add(name[:-1])
-    return forms
-
-
-def names_table(column: str, table: str) -> bool:
-    """Whether ``column`` is named after ``table`` (``employee_id`` for ``employees``)."""
-    lowered = column.lower()
-    return lowered.endswith("_id") and lowered.removesuffix("_id") in _singulars(table)
-
-
-class Link(NamedTuple):
-    """How a table references the person table: the column chosen as its unit, whether a foreign key
-    declares it, and the other columns that also point at a person (for the curator to confirm)."""
-
-    column: str
-    declared: bool
-    others: tuple[str, ...] = ()
-
-
-def _choose(candidates: list[str], order: list[str], person: str) -> tuple[str, tuple[str, ...]]:
-    """The unit among columns that all point at the person table: the one named after it, else the
-    first in column order. Deterministic, so the same schema always drafts the same unit."""
-    position = {c: i for i, c in enumerate(order)}
-    ranked = sorted(set(candidates), key=lambda c: (not names_table(c, person), position.get(c, len(order)), c))
-    return ranked[0], tuple(ranked[1:])
 
 
 def _scalar(value: Any) -> str:
@@ -167,22 +110,26 @@ def _column_lines(
     keys: set[str],
     keys_public: bool = False,
     plain: frozenset[str] = frozenset(),
+    null_free: bool = False,
 ) -> list[str]:
     """A column's draft line(s). ``keys``: the table's primary key (names a person unless the table
     is proposed public, ``keys_public``: then no value is flagged rare either, its rows are no people).
-    ``plain``: identifier-looking columns that name no person (a public lookup table's ``name``)."""
+    ``plain``: identifier-looking columns that name no person (a public lookup table's key and ``name``,
+    a key into one). ``null_free``: no NOT NULL declared, but no NULL stored (``nullable: false`` to
+    review)."""
     type_name = introspect.family(stored)
     policy_type = type_name if type_name != "other" else "text"
     key = _scalar(column)
-    null = ", nullable: false" if required else ""
+    null = ", nullable: false" if required or null_free else ""
     if (looks_like_identifier(column) and column not in plain) or column in keys:
         return [f"      {key}: {{type: {policy_type}, identifier: true}}   # looks like an identifier: never queryable"]
     if type_name == "other":
         return [f"      {key}: {{type: text}}   # TODO: stored as {stored}; check the type, or remove the column"]
+    review = "   # REVIEW nullable: no NULL stored today (no NOT NULL declared)" if null_free and not required else ""
     if type_name in ("int", "float", "date", "timestamp"):
         example = {"int": "0, upper: 100", "float": "0.0, upper: 100.0"}.get(type_name, "2000-01-01, upper: 2030-12-31")
         return [
-            f"      {key}: {{type: {policy_type}{null}}}",
+            f"      {key}: {{type: {policy_type}{null}}}{review}",
             f"        # TODO bounds: e.g. {{type: {policy_type}, lower: {example}}} — from domain knowledge, not",
             "        # from the data's min/max (those are someone's exact values); SUM/AVG/quantiles need them",
         ]
@@ -204,78 +151,7 @@ def _column_lines(
         return [
             f"      {key}: {{type: text{null}}}   # many values: GROUP BY on it goes through DP partition selection"
         ]
-    return [f"      {key}: {{type: {policy_type}{null}}}"]
-
-
-def _subset(backend: Any, table: str, column: str, person: str, key: str) -> bool:
-    """Whether every stored value of ``table.column`` is a key of the person table (the curator's tool
-    reads it: the answer is a yes or no, never a value)."""
-    col, src = quote_ident(column), quote_ident(table)
-    _, rows = backend.execute(
-        f"SELECT COUNT(*) FROM {src} WHERE {col} IS NOT NULL AND {col} NOT IN "
-        f"(SELECT {quote_ident(key)} FROM {quote_ident(person)} WHERE {quote_ident(key)} IS NOT NULL)"
-    )
-    return int(rows[0][0]) == 0
-
-
-def _people(
-    backend: Any, tables: list[str], stored: dict[str, dict[str, str]]
-) -> tuple[str | None, str | None, dict[str, Link]]:
-    """(person table, its key, {table: how it references the person table}).
-
-    The person table is the one whose single-column primary key the most drafted tables' foreign keys
-    point at; without foreign keys, the table whose ``id`` (or primary key) most tables name as
-    ``<table>_id`` with values that are all its keys."""
-    names = {t.split(".")[-1].lower(): t for t in tables}
-    pks = {t.lower(): cols for t, cols in introspect.primary_keys(backend).items()}
-    fks = [fk for fk in introspect.foreign_keys(backend) if fk[0].lower() in names and fk[2].lower() in names]
-    pointed: dict[tuple[str, str], dict[str, list[str]]] = {}
-    for table, column, ref_table, ref_column in fks:
-        if pks.get(ref_table.lower()) == [ref_column] and table.lower() != ref_table.lower():
-            pointed.setdefault((ref_table.lower(), ref_column), {}).setdefault(table.lower(), []).append(column)
-    if pointed:
-        (person, key), referencing = max(pointed.items(), key=lambda kv: (len(kv[1]), kv[0]))
-        links = {}
-        for table, columns in referencing.items():
-            column, others = _choose(columns, list(stored[names[table]]), person)
-            links[table] = Link(column, True, others)
-        return person, key, links
-    best: tuple[str | None, str | None, dict[str, Link]] = (None, None, {})
-    for person in sorted(names):
-        key = (pks.get(person) or ["id"])[0]
-        if len(pks.get(person) or ["id"]) != 1 or key not in stored[names[person]]:
-            continue
-        found: dict[str, Link] = {}
-        for other in sorted(names):
-            if other == person:
-                continue
-            order = list(stored[names[other]])
-            named = [c for c in order if names_table(c, person)]
-            columns = [c for c in named if _subset(backend, names[other], c, names[person], key)]
-            if columns:
-                column, others = _choose(columns, order, person)
-                found[other] = Link(column, False, others)
-        if len(found) > len(best[2]):
-            best = (person, key, found)
-    return best
-
-
-def _lookups(backend: Any, tables: list[str], stored: dict[str, dict[str, str]]) -> set[str]:
-    """Drafted tables other tables point at (a foreign key, or a ``<table>_id`` column): lookup tables,
-    whose ``name`` names the thing looked up (a department), not a person."""
-    names = {t.split(".")[-1].lower() for t in tables}
-    found = {ref.lower() for t, _, ref, _ in introspect.foreign_keys(backend) if t.lower() != ref.lower()} & names
-    for table in names:
-        for other, columns in stored.items():
-            if other.split(".")[-1].lower() != table and any(names_table(c, table) for c in columns):
-                found.add(table)
-    return found
-
-
-def _small(backend: Any, table: str) -> bool:
-    """At most :data:`PUBLIC_ROWS` rows (read as yes or no only)."""
-    _, rows = backend.execute(f"SELECT COUNT(*) FROM (SELECT 1 FROM {quote_ident(table)} LIMIT {PUBLIC_ROWS + 1}) t")
-    return int(rows[0][0]) <= PUBLIC_ROWS
+    return [f"      {key}: {{type: {policy_type}{null}}}{review}"]
 
 
 def draft_policy(backend: Any, tables: list[str], dataset: str) -> str:
@@ -306,73 +182,149 @@ def draft_policy(backend: Any, tables: list[str], dataset: str) -> str:
         if stored is None:
             raise UndefinedTable(f'relation "{table}" does not exist')
         stored_by[table] = stored
-    person, key, referencing = _people(backend, tables, stored_by)
     pks = {t.lower(): cols for t, cols in introspect.primary_keys(backend).items()}
-    lookups = _lookups(backend, tables, stored_by)
+    keys = {short(t): own_key(backend, t, stored_by[t], pks) for t in tables}
+    found = links(backend, tables, stored_by)
+    public = lookups(backend, tables, stored_by, found, keys)
+    person, key = person_table(tables, found, public, keys)
+    who = Who(person, key, chains(found, public, person) if person is not None else {}, public, keys, found)
     for table in tables:
-        stored = stored_by[table]
-        name = table.split(".")[-1].lower()
-        out.append(f"  {_scalar(name)}:")
-        if name != table:
-            out.append(f"    source: {_scalar(table)}")
-        unit: str | None = None
-        public = False
-        # a lookup table's own key and (when others point at it) its name identify no person
-        own = set(pks.get(name) or (["id"] if "id" in stored else []))
-        plain = frozenset(
-            c for c in stored if c.lower() == "name" and name in lookups and c not in own and not _of_people(name)
-        )
-        if name == person and key is not None:
-            unit = key
-            out += [
-                f"    # the person table: other tables' keys point at its {key} (one row per person)",
-                f"    privacy_unit: {_scalar(key)}",
-                "    max_rows_per_unit: 1",
-            ]
-        elif name in referencing and person is not None and key is not None:
-            column, declared, others = referencing[name]
-            unit = column
-            why = "a foreign key" if declared else f"REVIEW: every {column} is a {person}.{key} (no foreign key)"
-            reference = f"{{column: {_scalar(column)}, table: {_scalar(person)}, to: {_scalar(key)}}}"
-            if others:
-                verb = "points" if len(others) == 1 else "point"
-                out += [
-                    f"    # REVIEW: {', '.join(others)} also {verb} at {person}.{key}: whose data is a row?",
-                    f"    # The unit is one column: confirm {column}, or name another of them instead.",
-                ]
-            out += [
-                f"    references: {reference}   # {why}",
-                f"    max_rows_per_unit: {MANY_ROWS}   # REVIEW: rows one person may add (more are dropped)",
-            ]
-        elif not any(
-            (looks_like_identifier(c) and c not in own | plain) or (person is not None and names_table(c, person))
-            for c in stored
-        ) and _small(backend, table):
-            public = True
-            out += ["    public: true   # REVIEW: small, and names no person: readable without noise"]
-        else:
-            units = [c for c in stored if c.lower().endswith("_id")]
-            hint = f" (one of: {', '.join(units)}?)" if units else ""
-            out += [
-                "    # TODO privacy_unit: the identifier column naming the person each row belongs to" + hint + ";",
-                "    # null means one row per person. With several rows per person set max_rows_per_unit too.",
-                "    privacy_unit: null",
-                "    max_rows_per_unit: 1",
-            ]
-        out.append("    columns:")
-        required = introspect.not_null(backend, table)
-        keys = set() if public else set(pks.get(name, []))  # a person table's keys name people
-        for column, type_name in stored.items():
-            out += _column_lines(
-                backend,
-                table,
-                column,
-                type_name,
-                column in required,
-                unit,
-                keys,
-                public,
-                plain if public else frozenset(),
-            )
-        out.append("")
+        out += _table_lines(backend, table, stored_by[table], who)
     return "\n".join(out).rstrip("\n") + "\n"
+
+
+class Who(NamedTuple):
+    """Who the drafted tables' rows belong to (:mod:`dpsql.curator.draft_links`)."""
+
+    person: str | None
+    key: str | None
+    chains: dict[str, tuple[Link, tuple[str, ...]]]
+    public: set[str]
+    keys: dict[str, str | None]
+    links: list[Link]
+
+
+def _unit_lines(backend: Any, name: str, stored: dict[str, str], who: Who) -> tuple[str | None, list[str]]:
+    """(the column the draft counts people by, the lines saying whose rows these are)."""
+    if name == who.person and who.key is not None:
+        return who.key, [
+            f"    # the person table: other tables' keys lead to its {who.key} (one row per person)",
+            f"    privacy_unit: {_scalar(who.key)}",
+            "    max_rows_per_unit: 1",
+        ]
+    if name in who.chains:
+        link, others = who.chains[name]
+        cap, why = _proposed_cap(backend, name, who)
+        how = (
+            "a foreign key"
+            if link.declared
+            else f"REVIEW: every {link.column} is {_article(link.target)} {link.target}.{link.key}"
+        )
+        reference = f"{{column: {_scalar(link.column)}, table: {_scalar(link.target)}, to: {_scalar(link.key)}}}"
+        lines = []
+        if others:
+            verb = "points" if len(others) == 1 else "point"
+            lines += [
+                f"    # REVIEW: {', '.join(others)} also {verb} at {link.target}.{link.key}: whose data is a row?",
+                f"    # The unit is one column: confirm {link.column}, or name another of them instead.",
+            ]
+        return link.column, [
+            *lines,
+            f"    references: {reference}   # {how}; the person is {who.person}.{who.key}",
+            f"    max_rows_per_unit: {cap}   # REVIEW: rows one person may add (more are dropped){why}",
+        ]
+    if name in who.public:
+        return None, ["    public: true   # REVIEW: small, and names no person: readable without noise"]
+    units = [c for c in stored if c.lower().endswith("_id")]
+    hint = f" (one of: {', '.join(units)}?)" if units else ""
+    return None, [
+        "    # TODO privacy_unit: the identifier column naming the person each row belongs to" + hint + ";",
+        "    # null means one row per person. With several rows per person set max_rows_per_unit too.",
+        "    privacy_unit: null",
+        "    max_rows_per_unit: 1",
+    ]
+
+
+def _table_lines(backend: Any, table: str, stored: dict[str, str], who: Who) -> list[str]:
+    """One table's lines: who its rows belong to, then its columns."""
+    name = short(table)
+    out = [f"  {_scalar(name)}:"]
+    if name != table:
+        out.append(f"    source: {_scalar(table)}")
+    unit, lines = _unit_lines(backend, name, stored, who)
+    out += [*lines, "    columns:"]
+    required = introspect.not_null(backend, table)
+    own = who.keys.get(name)
+    public = name in who.public
+    pointed = {link.target for link in who.links}
+    # a public table's columns name no person (its key, and its name when others point at it), and a key
+    # into a public lookup table is a plain column too: it names a branch, not a person
+    plain = frozenset(
+        c
+        for c in stored
+        if (public and (c == own or (c.lower() == "name" and name in pointed)))
+        or any(link.table == name and link.column == c and link.target in who.public for link in who.links)
+    )
+    keys = set() if public or own is None else {own}
+    nulls = _null_free(backend, table, stored, required)
+    for column, type_name in stored.items():
+        out += _column_lines(
+            backend, table, column, type_name, column in required, unit, keys, public, plain, column in nulls
+        )
+    out.append("")
+    return out
+
+
+def _null_free(backend: Any, table: str, stored: dict[str, str], required: set[str]) -> set[str]:
+    """Columns without NOT NULL that hold no NULL today (one scan, a yes or no per column): proposed
+    ``nullable: false`` for review, since a schema without constraints (a DuckDB file, a CSV load)
+    says nothing, and a nullable column that never is NULL releases a phantom NULL group."""
+    open_columns = [c for c in stored if c not in required]
+    if not open_columns:
+        return set()
+    items = ", ".join(f"COUNT(*) = COUNT({quote_ident(c)})" for c in open_columns)
+    _, rows = backend.execute(f"SELECT {items} FROM {quote_ident(table)}")
+    return {c for c, full in zip(open_columns, rows[0], strict=True) if full}
+
+
+def _article(word: str) -> str:
+    return "an" if word[:1].lower() in "aeiou" else "a"
+
+
+def _proposed_cap(backend: Any, name: str, who: Who) -> tuple[int, str]:
+    """``max_rows_per_unit`` for a table reaching the person: the rows 95 % of its persons have at most,
+    rounded up to 1, 2 or 5 × 10^k (a figure of the many, never one person's count), or
+    :data:`MANY_ROWS` when too few persons hold rows to read one; and the comment saying which."""
+    tables = {short(t): t for t in who.keys}  # policy name → source (drafted tables only)
+    joins, alias, table = "", "t0", name
+    while table in who.chains and table != who.person:
+        link = who.chains[table][0]
+        nxt = f"t{len(joins.split(' JOIN ')) if joins else 1}"
+        joins += (
+            f" JOIN {quote_ident(tables.get(link.target, link.target))} AS {nxt} "
+            f"ON {alias}.{quote_ident(link.column)} = {nxt}.{quote_ident(link.key)}"
+        )
+        alias, table = nxt, link.target
+    if table != who.person or who.key is None:
+        return MANY_ROWS, ""
+    unit = f"{alias}.{quote_ident(who.key)}"
+    source = quote_ident(tables.get(name, name))
+    _, rows = backend.execute(
+        f"SELECT COUNT(*), percentile_disc({CAP_QUANTILE}) WITHIN GROUP (ORDER BY n) FROM "
+        f"(SELECT {unit} AS u, COUNT(*) AS n FROM {source} AS t0{joins} GROUP BY {unit}) AS per_unit"
+    )
+    units, quantile = int(rows[0][0] or 0), rows[0][1]
+    if units < CAP_MIN_UNITS or quantile is None:
+        return MANY_ROWS, ""
+    cap = _round_up(int(quantile))
+    return cap, f"; {CAP_QUANTILE:.0%} of {who.person} have at most this many"
+
+
+def _round_up(n: int) -> int:
+    """The smallest of 1, 2, 5, 10, 20, 50, … that is at least ``n``."""
+    step = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * step >= n:
+                return m * step
+        step *= 10

@@ -198,25 +198,25 @@ class Relation:
 
 def relation(policy: Policy, name: str, table: TablePolicy, stored: dict[str, str]) -> Relation:
     """The table aliased ``t`` and its unit expression, the way the engine finds the unit
-    (``analyze.sources``): its own ``privacy_unit``, a foreign key to the unit, or the coarser unit
-    of the referenced table through a join (households). No unit: each row is one person."""
+    (:mod:`dpsql.units`): its own column, or the end of its foreign-key chain through inner joins
+    (households, a customer two hops away). No unit: each row is one person."""
     source = quote_ident(table.source or name)
     base = f"{source} AS t"
-    if table.privacy_unit is not None:
-        return Relation(
-            base, f"t.{quote_ident(stored_column(stored, table.privacy_unit))}", f"{name}.{table.privacy_unit}"
+    path = policy.unit_path(name)
+    if path is None:
+        return Relation(base, None, None)
+    if not path.hops:
+        return Relation(base, f"t.{quote_ident(stored_column(stored, path.column))}", path.describe)
+    joined, previous = base, "t"
+    for i, hop in enumerate(path.hops):
+        target = policy.tables[hop.target]
+        column = stored_column(stored, hop.column) if previous == "t" else hop.column
+        joined += (
+            f" JOIN {quote_ident(target.source or hop.target)} AS u{i} "
+            f"ON {previous}.{quote_ident(column)} = u{i}.{quote_ident(hop.to)}"
         )
-    ref = table.references
-    if ref is None:
-        return Relation(base, None, None)
-    target = policy.tables[ref.table]
-    if target.privacy_unit is None:
-        return Relation(base, None, None)
-    column = quote_ident(stored_column(stored, ref.column))
-    if target.privacy_unit == ref.to:
-        return Relation(base, f"t.{column}", f"{ref.table}.{ref.to} via {ref.column}")
-    joined = f"{base} LEFT JOIN {quote_ident(target.source or ref.table)} AS u ON t.{column} = u.{quote_ident(ref.to)}"
-    return Relation(joined, f"u.{quote_ident(target.privacy_unit)}", f"{ref.table}.{target.privacy_unit}")
+        previous = f"u{i}"
+    return Relation(joined, f"{previous}.{quote_ident(path.column)}", path.describe)
 
 
 def stored_column(stored: dict[str, str], column: str) -> str:

@@ -286,3 +286,16 @@ def select_mode(counts: list[int], epsilon: float, sensitivity: float) -> int:
     The released value is the winning candidate only, never its count.
     """
     return int(_noisy_max_monotonic(sensitivity / epsilon)(counts))
+
+
+@lru_cache(maxsize=256)
+def _noisy_max_monotonic_float(scale: float) -> Any:
+    domain = dp.vector_domain(dp.atom_domain(T=float, nan=False))
+    return dp.m.make_noisy_max(domain, dp.linf_distance(T=float, monotonic=True), dp.max_divergence(), scale=scale)
+
+
+def select_cap(scores: Sequence[float], epsilon: float) -> int:
+    """Report-noisy-max over candidate scores that one unit moves by at most 1, all in one direction
+    (:mod:`dpsql.release.cap`: minus the units a cap cuts, minus public terms): ε-DP with exponential
+    noise of scale 1/ε ([MS20], OpenDP's exact CSPRNG sampling). Returns the winning index only."""
+    return int(_noisy_max_monotonic_float(1.0 / epsilon)(list(scores)))

@@ -39,6 +39,7 @@ from dpsql.outer.admission import Table, post_process
 from dpsql.outer.explain import CompositeExplanation, SubPlan
 from dpsql.outer.host import Host
 from dpsql.outer.sandbox import MAX_PUBLIC_ROWS, Sandbox, outer_sql, pg_type
+from dpsql.outer.scalar import answer_scalar, explain_scalar, split_scalar
 from dpsql.outer.series import answer_series, describe_series, explain_series, split_series
 from dpsql.outer.shapes import Composite, decompose, needs_outer, own_aggregates, refuse_recursion
 from dpsql.pgtypes import PgType
@@ -155,6 +156,9 @@ def route(
         return _empty([o.column for o in prepared.plan.outputs])
     if wraps:
         refuse_recursion(tree)
+    scalar = split_scalar(tree, engine.policy) if wraps else None
+    if scalar is not None:
+        return answer_scalar(engine, scalar, session, sql)
     series = split_series(tree) if wraps else None
     if series is not None:
         return answer_series(engine, series, session, sql)
@@ -177,6 +181,9 @@ def explain(
     if tree is None or not needs_outer(tree, engine.policy):
         return None
     refuse_recursion(tree)
+    scalar = split_scalar(tree, engine.policy)
+    if scalar is not None:
+        return explain_scalar(engine, scalar, session)
     series = split_series(tree)
     if series is not None:
         return explain_series(engine, series, session, params)
@@ -212,6 +219,10 @@ def describe(engine: Host, sql: str, session: Session, parsed: exp.Expression | 
     if not needs_outer(bound, engine.policy):
         return None
     refuse_recursion(bound)
+    scalar = split_scalar(bound, engine.policy)
+    if scalar is not None:
+        plan = analyze_tree(parse_statement(scalar.outer_sql(0)), engine.policy)
+        return Description([o.column for o in plan.outputs], param_types)
     series = split_series(bound)
     if series is not None:
         return Description(describe_series(engine, series), param_types)

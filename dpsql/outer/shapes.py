@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from sqlglot import exp
 
+from dpsql.analyze.sources import grouped_by_unit
 from dpsql.errors import FeatureNotSupported, UndefinedTable
 from dpsql.plan.sources import ident_name
 from dpsql.policy import Policy
@@ -360,7 +361,26 @@ def needs_outer(tree: exp.Expr, policy: Policy) -> bool:
         return False
     if _own_windows(tree) and own_aggregates(tree):
         return True
-    return any(node is not tree and own_aggregates(node) for node in tree.find_all(exp.Select))
+    # a sub-query grouped by the privacy unit is one row per person, read by the engine as a table; a
+    # semi-join inside each person's rows (EXISTS, IN over an identifier) is the engine's too
+    return any(
+        node is not tree and own_aggregates(node) and not grouped_by_unit(node, policy) and not _semi_join(node, policy)
+        for node in tree.find_all(exp.Select)
+    )
+
+
+def _semi_join(select: exp.Select, policy: Policy) -> bool:
+    """A subquery of WHERE that :mod:`dpsql.analyze.subqueries` answers as a semi-join: under EXISTS, or
+    selecting an identifier for IN (a DP sub-query, Superset's series limit, selects a released key)."""
+    parent = select.parent.parent if isinstance(select.parent, exp.Subquery) else select.parent
+    if isinstance(parent, exp.Exists):
+        return True
+    if isinstance(parent, exp.In) and len(select.expressions) == 1:
+        column = select.expressions[0].unalias()
+        if isinstance(column, exp.Column):
+            name = ident_name(column.this)
+            return any(name in t.columns and t.columns[name].identifier for t in policy.tables.values())
+    return False
 
 
 def refuse_recursion(tree: exp.Expr) -> None:

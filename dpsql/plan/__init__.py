@@ -178,6 +178,13 @@ class Plan:
     #: How this plan runs on one backend (salt, clamp proofs, cell bounding): set by the engine with
     #: ``dataclasses.replace``, never by mutation, so the analysed plan stays as the analyzer built it.
     physical: Physical = Physical()
+    #: The rows one unit keeps after the joins when not the policy's caps (``SET dpsql.max_rows_per_unit``,
+    #: or chosen under DP: :mod:`dpsql.release.cap`); set by the engine with ``replace``. Any cap is
+    #: private: bounding keeps at most this many rows per unit and every sensitivity follows it.
+    tau: int | None = None
+    #: How :attr:`tau` was set, for EXPLAIN and the notices: "" (the policy's caps), "set" (by the analyst),
+    #: "auto" (to be chosen under DP when the query runs; :attr:`tau` the largest candidate) or "chosen".
+    tau_origin: str = ""
 
     def post_centred(self) -> list[int]:
         """Centred sums computed as Σx − centre·COUNT(x) after the query (cheaper in SQL than Σ(x − centre))."""
@@ -194,12 +201,23 @@ class Plan:
 
     @property
     def max_rows(self) -> int:
-        return self.sources.max_rows if self.unit is not None else 1
+        if self.unit is None:
+            return 1
+        return self.tau if self.tau is not None else self.sources.max_rows
+
+    @property
+    def cap_origin(self) -> str:
+        """Where :attr:`max_rows` comes from, as a parenthesis for EXPLAIN and the notes ("" for the policy)."""
+        return {
+            "set": " (SET dpsql.max_rows_per_unit)",
+            "auto": " (the largest cap; the one used is chosen under DP when the query runs)",
+            "chosen": " (chosen under DP)",
+        }.get(self.tau_origin, "")
 
     @property
     def max_groups(self) -> int:
         """Groups one unit may touch: bounded in SQL to ``max_groups_per_unit`` and by ``max_rows``."""
-        return min(self.sources.max_groups, self.max_rows) if self.keys else 1
+        return min(self.sources.max_groups_declared or self.max_rows, self.max_rows) if self.keys else 1
 
     def sensitivities(self, measure: Measure) -> tuple[float, float]:
         """(L1, L2) sensitivity of ``measure`` over all released groups, for one whole unit."""

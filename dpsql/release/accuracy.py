@@ -99,7 +99,9 @@ def bias_note(plan: Plan, level: float) -> str | None:
     if plan.unit is not None:
         rows = "1 row" if plan.max_rows == 1 else f"{plan.max_rows} rows"
         groups = f" in at most {plan.max_groups} groups" if plan.keys and plan.max_groups > 1 else ""
-        parts.append(f"at most {rows}{groups} per {plan.sources.unit_description} (rows beyond are left out)")
+        parts.append(
+            f"at most {rows}{groups} per {plan.sources.unit_description}{plan.cap_origin} (rows beyond are left out)"
+        )
     if not parts:
         return None
     return f"dpsql: ±{ci_label(level)}% covers the noise only, not the bias of " + "; ".join(parts)

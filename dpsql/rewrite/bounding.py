@@ -80,7 +80,7 @@ def _hash(plan: Plan, values: list[exp.Expression]) -> exp.Expression:
     return exp.MD5(this=text)
 
 
-def _over_sources(select: exp.Select, *projections: exp.Expr) -> exp.Select:
+def over_sources(select: exp.Select, *projections: exp.Expr) -> exp.Select:
     """``projections`` over ``select``'s FROM, joins and WHERE: the rows a bounding step reads."""
     query = exp.select(*projections).from_(select.args["from_"].copy(), copy=False)
     for join in select.args.get("joins") or []:
@@ -115,7 +115,7 @@ def bound_contributions(select: exp.Select, plan: Plan) -> exp.Select:
             columns.setdefault(column.sql(), column)
     names = {sql: f"c{i}" for i, sql in enumerate(columns)}
     outer = select.copy()
-    for key in ("joins", "where"):
+    for key in ("from_", "joins", "where"):  # the outer query reads a bounding CTE, set below
         outer.set(key, None)
     for column in list(outer.find_all(exp.Column)):
         column.replace(exp.column(names[column.sql()], quoted=True))
@@ -127,7 +127,7 @@ def bound_contributions(select: exp.Select, plan: Plan) -> exp.Select:
     rank_groups = bool(plan.keys) and plan.max_groups < plan.max_rows
     keys = [key_column(plan, i) for i in range(len(plan.keys))]
     key_hash = [exp.alias_(_hash(plan, keys), "__kh")] if rank_groups else []
-    rows = _over_sources(
+    rows = over_sources(
         select,
         exp.alias_(plan.unit.copy(), "__unit"),
         *used,
@@ -258,7 +258,7 @@ def _bound_by_cells(
         node.replace(exp.Sum(this=exp.Case().when(whole, value.copy()).else_(scaled)))
     rank_groups = bool(plan.keys) and plan.max_groups < plan.max_rows
     key_columns = [key_column(plan, i) for i in range(len(plan.keys))]
-    cells = _over_sources(
+    cells = over_sources(
         select,
         exp.alias_(plan.unit.copy(), "__unit"),
         *(exp.alias_(columns[sql].copy(), names[sql]) for sql in inputs),
@@ -378,12 +378,12 @@ def _bound_by_top_rows(
     if plan.physical.top_rows == "row_number":
         in_order = exp.Order(expressions=[exp.Ordered(this=order)])
         number = exp.Window(this=exp.RowNumber(), partition_by=[plan.unit.copy()], order=in_order)
-        top = _over_sources(
+        top = over_sources(
             select, *unit_column, *(exp.alias_(k.copy(), names[k.sql()]) for k in keys), exp.alias_(number, "__rn")
         )
         within = exp.LTE(this=exp.column("__rn"), expression=exp.Literal.number(plan.max_rows))
         return outer.from_("__top", copy=False).where(within, copy=False).with_("__top", as_=top, copy=False)
-    top = _over_sources(
+    top = over_sources(
         select,
         *unit_column,
         *(
@@ -440,7 +440,7 @@ def _bound_per_unit(select: exp.Select, plan: Plan) -> exp.Select:
         total = exp.Coalesce(this=exp.Sum(this=capped), expressions=[exp.Literal.number(0)])
         totals.append(exp.alias_(total, name))
     assert plan.unit is not None
-    units = _over_sources(select, *partials).group_by(plan.unit.copy(), copy=False)
+    units = over_sources(select, *partials).group_by(plan.unit.copy(), copy=False)
     return exp.select(*totals).from_("__units").with_("__units", as_=units)
 
 

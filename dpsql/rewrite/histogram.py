@@ -57,7 +57,7 @@ def select_histogram(plan: Plan, index: int, bins: int | None = None) -> exp.Sel
         *(exp.alias_(k, f"k{i}") for i, k in enumerate(keys)),
         exp.alias_(bin_, "b"),
         exp.alias_(exp.Count(this=exp.Star(), big_int=True), "n"),
-    ).from_(from_node(plan.sources.sources[0]))
+    ).from_(from_node(plan.sources.sources[0], plan.sources.policy))
     for join in plan.sources.joins:
         select.append("joins", join.copy())
     return select

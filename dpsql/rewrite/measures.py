@@ -25,7 +25,7 @@ def select_measures(select: exp.Select, plan: Plan) -> exp.Select:
     if not projections:
         projections = [exp.alias_(exp.Count(this=exp.Star(), big_int=True), "m_unused", copy=False)]
     select = select.select(*projections, append=False, copy=False)
-    select = select.from_(from_node(plan.sources.sources[0]), copy=False)
+    select = select.from_(from_node(plan.sources.sources[0], plan.sources.policy), copy=False)
     for join in plan.sources.joins:
         select.append("joins", join.copy())
     return select

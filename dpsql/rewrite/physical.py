@@ -33,7 +33,7 @@ def proven_in_bounds(plan: Plan, backend: Backend) -> frozenset[int]:
     for i, m in enumerate(plan.measures):
         if m.clamped_sum and m.expr is None and m.column is not None and m.table is not None:
             source = next((s for s in plan.sources.sources if s.alias == m.table), None)
-            if source is not None:
+            if source is not None and source.derived is None:
                 wanted[i] = (source.table.source or source.name, m.column)
     if not wanted:
         return frozenset()
@@ -65,7 +65,7 @@ class StoredTypes:
     def check(self, plan: Plan) -> None:
         """Refuse a query over a column the database stores as text while the policy declares a number,
         date or boolean: its cast would fail on some rows only (see ``stored_type_mismatches``)."""
-        for source in plan.sources.sources:
+        for source in plan.sources.tables:
             table = source.table.source or source.name
             key = (table, data_version(self._backend))
             if key not in self._checked:

@@ -92,16 +92,15 @@ def table_comment(name: str, table: TablePolicy, policy: Policy | None = None) -
     if table.public:
         parts.append("public: read without noise")
         return "; ".join(parts)
-    ref = table.references
-    if table.privacy_unit is not None:
-        parts.append(f"privacy unit: {name}.{table.privacy_unit}")
-    elif ref is not None:
-        target = policy.tables.get(ref.table) if policy is not None else None
-        unit = target.privacy_unit if target is not None and target.privacy_unit else ref.to
-        parts.append(f"privacy unit: {ref.table}.{unit} (through {ref.column})")
+    path = policy.unit_path(name) if policy is not None else None
+    if path is not None:
+        ref = table.references
+        hops = f" → {' → '.join(path.chain[1:])}" if len(path.chain) > 2 else ""
+        through = f" (through {ref.column}{hops})" if ref is not None and table.privacy_unit is None else ""
+        parts.append(f"privacy unit: {path.person}{through}")
     else:
         parts.append("privacy unit: one row (each row is one person)")
-    if table.privacy_unit is not None or ref is not None:
+    if path is not None:
         parts.append(f"max_rows_per_unit {table.max_rows_per_unit}")
         if table.max_groups_per_unit is not None:
             parts.append(f"max_groups_per_unit {table.max_groups_per_unit}")

@@ -1,24 +1,28 @@
 """The sensitivity fuzzer's world: a schema, its data, worst-case neighbours, random policies and queries.
 
 A small person-level schema (``people`` is the unit table, ``events`` references it with many rows per
-person and a free-text ``tag``, ``kinds`` is public) is loaded once per backend as the base database D and as D + one
+person and a free-text ``tag``, ``lines`` references events — the person two hops away, three with
+households —, ``kinds`` is public) is loaded once per backend as the base database D and as D + one
 adversarial person for each entry of :data:`ADVERSARIES`. Each adversary is a worst case the bounding
 code must survive: many rows in one group, rows spread over every group (and a secret key nobody else
 holds), NULLs next to values so a crossing cell's non-NULL count differs from its row count, and stored
 values beyond every bound (±infinity, NaN, huge, out-of-range dates). Their tags are what WHERE's
 narrowing of text domains must survive: one tag in every row (matched by some patterns, not others), every
 declared tag and a secret one, NULL tags, and non-ASCII tags (accents, ß, a decomposed é, Ω) where ILIKE's
-case folding differs between backends.
+case folding differs between backends. Two attack the foreign-key chains: ``dupkey`` reuses another
+person's event ids (a referenced key that repeats: that person's lines meet two events), ``adopter`` brings
+the events that D's orphaned lines point at (rows that belong to nobody until it comes).
 
 Policies (:func:`policies`) vary ``max_rows_per_unit``, ``max_groups_per_unit``, bounds, domains and
 nullability; queries (:func:`queries`) are drawn from the grammar dpsql accepts: every additive
-aggregate (COUNT, COUNT(col), COUNT(DISTINCT unit), COUNT(DISTINCT col), SUM, AVG, VAR_POP, STDDEV,
-corr) with and without FILTER/CASE, over division, casts and ``%`` too, plain and expression keys
-(DATE_TRUNC, EXTRACT, FLOOR, CASE, width_bucket, date_bin, comparisons), joins along the reference and to
-the public table, WHERE (row arithmetic included), and SELECT DISTINCT. WHERE mixes plain predicates with
-the shapes that narrow a public key's domain
-(:data:`NARROWING_WHERE`: NOT IN lists, LIKE/ILIKE with ``%``, ``_`` and escapes, OR-ed equalities and INs
-on one column), often on a grouped column, one or two conjuncts. A case prints as a policy YAML plus
+aggregate (COUNT, COUNT(col), COUNT(DISTINCT unit), COUNT(DISTINCT col), SUM, AVG, VAR_POP, STDDEV, corr) with
+and without FILTER/CASE, over division, casts and ``%`` too, plain and expression keys (DATE_TRUNC, EXTRACT,
+FLOOR, CASE, width_bucket, date_bin, comparisons), joins along the reference and to the public table, WHERE (row
+arithmetic included), and SELECT DISTINCT; queries over lines, alone or joined up the chain by foreign key
+(:func:`line_queries`), and per-person subqueries grouped by the unit (:func:`person_queries`). WHERE mixes plain
+predicates with the shapes that narrow a public key's domain (:data:`NARROWING_WHERE`: NOT IN lists, LIKE/ILIKE
+with ``%``, ``_`` and escapes, OR-ed equalities and INs on one column), often on a grouped column, one or two
+conjuncts. A case prints as a policy YAML plus
 SQL, which is all it takes to reproduce it.
 """
 
@@ -53,7 +57,14 @@ CREATE TABLE people (pid INTEGER, hh INTEGER, grp VARCHAR(8), age INTEGER, score
 CREATE TABLE events (eid INTEGER, pid INTEGER, kind VARCHAR(8), amount DOUBLE PRECISION, qty INTEGER,
                      day DATE, ts TIMESTAMP, flag BOOLEAN, tag VARCHAR(16));
 CREATE TABLE kinds (name VARCHAR(8), cat VARCHAR(8));
+CREATE TABLE lines (lid INTEGER, eid INTEGER, price DOUBLE PRECISION, color VARCHAR(8));
 """
+
+#: lines.color's declared domain; lines reach the person two hops away (lines → events → people).
+COLORS = ["red", "blue"]
+#: Lines in D whose event no one has (orphans: they belong to nobody until an event with this id exists,
+#: which the ``adopter`` adversary brings); ids far from every person's events.
+ORPHAN_EIDS = (99001, 99002)
 
 
 def _lit(value: object) -> str:
@@ -82,6 +93,8 @@ def _ts(value: str | None) -> str:
 
 Event = tuple[str, float | None, int | None, str, str | None, bool]  # kind, amount, qty, day, ts, flag
 Tags = tuple[str | None, ...]  # one per event, cycled: a person's events' tags
+Line = tuple[float | None, str | None]  # price, color
+Lines = tuple[tuple[Line, ...], ...]  # per event (cycled): its lines
 
 
 @dataclass(frozen=True)
@@ -94,25 +107,35 @@ class Person:
     born: str
     events: tuple[Event, ...]
     tags: Tags = (None,)
+    lines: Lines = ((),)
+    #: Event ids to use instead of fresh ones (the ``dupkey`` adversary reuses another person's event id,
+    #: the ``adopter`` an orphaned line's), cycled over its events.
+    eids: tuple[int, ...] = ()
 
 
-def _insert(person: Person, first_eid: int) -> str:
+def _insert(person: Person, first_eid: int, first_lid: int = 0) -> str:
     sql = (
         f"INSERT INTO people VALUES ({person.pid}, {person.hh}, {_lit(person.grp)}, {person.age}, "
         f"{_lit(person.score)}, {_date(person.born)});\n"
     )
+    lid = first_lid
     for j, (kind, amount, qty, day, ts, flag) in enumerate(person.events):
         tag = person.tags[j % len(person.tags)]
+        eid = person.eids[j % len(person.eids)] if person.eids else first_eid + j
         sql += (
-            f"INSERT INTO events VALUES ({first_eid + j}, {person.pid}, {_lit(kind)}, {_lit(amount)}, "
+            f"INSERT INTO events VALUES ({eid}, {person.pid}, {_lit(kind)}, {_lit(amount)}, "
             f"{_lit(qty)}, {_date(day)}, {_ts(ts)}, {_lit(flag)}, {_lit(tag)});\n"
         )
+        for price, color in person.lines[j % len(person.lines)]:
+            sql += f"INSERT INTO lines VALUES ({lid}, {eid}, {_lit(price)}, {_lit(color)});\n"
+            lid += 1
     return sql
 
 
 def _base_people(seed: int = 7, n: int = 40) -> list[Person]:
     rng = random.Random(seed)
     tag_rng = random.Random(seed + 1)  # its own stream: the other columns stay as they were
+    line_rng = random.Random(seed + 2)  # and the lines theirs
     people = []
     for pid in range(1, n + 1):
         events = []
@@ -138,6 +161,13 @@ def _base_people(seed: int = 7, n: int = 40) -> list[Person]:
                 f"{rng.randint(1945, 2003)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}",
                 tuple(events),
                 tuple(None if tag_rng.random() < 0.15 else tag_rng.choice(TAGS) for _ in range(max(1, len(events)))),
+                tuple(
+                    tuple(
+                        (round(line_rng.uniform(0, 120), 1), line_rng.choice([*COLORS, None]))
+                        for _ in range(line_rng.randint(0, 3))
+                    )
+                    for _ in range(max(1, len(events)))
+                ),
             )
         )
     return people
@@ -158,7 +188,8 @@ def _heavy() -> Person:
         )
         for i, (a, q) in enumerate(zip(amounts, qtys, strict=True))
     ]
-    return Person(1001, 1001, "a", 40, 1.0, "1980-01-01", tuple(events), ("alpha",))  # 'al%' yes, 'al\\_ha' no
+    many = tuple((float(10 + i), COLORS[i % 2]) for i in range(9))  # many lines of one event
+    return Person(1001, 1001, "a", 40, 1.0, "1980-01-01", tuple(events), ("alpha",), (many,))  # 'al%' yes
 
 
 def _spread() -> Person:
@@ -178,7 +209,8 @@ def _spread() -> Person:
                 i % 2 == 1,
             )
         )
-    return Person(1002, 1002, "b", 101, -5.0, "1999-12-31", tuple(events), (*TAGS, SECRET_TAG, None))
+    spread = ((5.0, "red"),), ((None, "blue"), (99.0, None)), ((1e9, "red"),)
+    return Person(1002, 1002, "b", 101, -5.0, "1999-12-31", tuple(events), (*TAGS, SECRET_TAG, None), spread)
 
 
 def _crossing() -> Person:
@@ -204,23 +236,58 @@ def _odd() -> Person:
         ("b", 1e300, 7, "2024-06-30", "2024-06-30 23:59:59", True),
         ("a", -1e300, None, "2024-01-01", None, False),
     ]
-    return Person(1004, 1004, "c", 1000, float("inf"), "1800-01-01", tuple(events), ("É", "straße", "e\u0301", "Ωmega"))
+    odd = ((float("inf"), "red"), (float("-inf"), "blue"), (float("nan"), None), (-1e300, "red"))
+    return Person(
+        1004, 1004, "c", 1000, float("inf"), "1800-01-01", tuple(events), ("É", "straße", "e\u0301", "Ωmega"), (odd,)
+    )
 
 
-ADVERSARIES: dict[str, Person] = {"heavy": _heavy(), "spread": _spread(), "crossing": _crossing(), "odd": _odd()}
+def _dupkey() -> Person:
+    """Events whose ids are another person's (person 1's first event is eid 1): a key that repeats, so
+    that person's lines meet two events; the copies must count as this adversary's, never theirs."""
+    events = tuple(("b", 20.0, 3, "2024-03-03", "2024-03-03 10:00:00", True) for _ in range(3))
+    lines = (((30.0, "red"), (31.0, "blue")),)
+    return Person(1005, 1005, "a", 33, 0.5, "1990-05-05", events, ("alpha",), lines, eids=(1, 2))
+
+
+def _adopter() -> Person:
+    """Events with the ids of D's orphaned lines (:data:`ORPHAN_EIDS`): in D they belong to nobody, with
+    this person they are theirs; they must move one unit, never two (nobody's and theirs)."""
+    events = tuple(("c", 10.0, 1, "2024-04-04", "2024-04-04 09:00:00", False) for _ in ORPHAN_EIDS)
+    return Person(1006, 1006, "b", 44, 1.5, "1985-06-06", events, ("é",), ((),), eids=ORPHAN_EIDS)
+
+
+#: Neighbours outside the policy's constraints: ``dupkey`` makes a declared key (events.eid, which lines
+#: reference) repeat. No bound holds there (its lines would count for every owner of the id), so the
+#: engine refuses queries through the key (dpsql.unit_keys, 23505) and ``policy check`` reports it:
+#: tests/adversarial/test_multihop_neighbours.py. The sensitivity fuzzer checks the valid ones only.
+INVALID = frozenset({"dupkey"})
+
+ADVERSARIES: dict[str, Person] = {
+    "heavy": _heavy(),
+    "spread": _spread(),
+    "crossing": _crossing(),
+    "odd": _odd(),
+    "dupkey": _dupkey(),
+    "adopter": _adopter(),
+}
 
 
 def database_script(adversary: str | None) -> str:
     """DDL and rows of D (``adversary`` None) or of D plus one adversarial person."""
     script = DDL
     script += "".join(f"INSERT INTO kinds VALUES ('{k}', '{'x' if k in 'ab' else 'y'}');\n" for k in KINDS)
-    eid = 1
+    eid, lid = 1, 1
     people = _base_people()
     if adversary is not None:
         people.append(ADVERSARIES[adversary])
     for person in people:
-        script += _insert(person, eid)
-        eid += len(person.events)
+        script += _insert(person, eid, lid)
+        lid += sum(len(person.lines[j % len(person.lines)]) for j in range(len(person.events)))
+        eid += len(person.events) if not person.eids else 0
+    for i, orphan in enumerate(ORPHAN_EIDS):  # lines of events nobody has
+        script += f"INSERT INTO lines VALUES ({90000 + 2 * i}, {orphan}, 25.0, 'red');\n"
+        script += f"INSERT INTO lines VALUES ({90001 + 2 * i}, {orphan}, 75.0, 'blue');\n"
     return script
 
 
@@ -239,6 +306,7 @@ class FuzzPolicy:
     qty_bounds: tuple[int, int]
     score_bounds: tuple[float, float]
     tag_domain: bool = True
+    lines_rows: int = 3  # lines.max_rows_per_unit (lines reach the unit two or three hops away)
 
     def yaml(self) -> str:
         def null(table: str, column: str) -> str:
@@ -292,6 +360,14 @@ tables:
     columns:
       name: {{type: text, domain: [{", ".join(KINDS)}]}}
       cat: {{type: text, domain: [x, y]}}
+  lines:
+    references: {{column: eid, table: events, to: eid}}
+    max_rows_per_unit: {self.lines_rows}
+    columns:
+      lid: {{type: int, identifier: true}}
+      eid: {{type: int, identifier: true}}
+      price: {{type: float, lower: 0.0, upper: 100.0, nullable: true}}
+      color: {{type: text, domain: [{", ".join(COLORS)}], nullable: true}}
 """
 
 
@@ -313,6 +389,7 @@ def policies(draw: st.DrawFn) -> FuzzPolicy:
         qty_bounds=draw(st.sampled_from([(0, 10), (-5, 5), (1, 8)])),
         score_bounds=draw(st.sampled_from([(-5.0, 5.0), (0.0, 3.0)])),
         tag_domain=draw(st.integers(0, 3)) > 0,
+        lines_rows=draw(st.integers(1, 8)),
     )
 
 
@@ -386,6 +463,12 @@ PEOPLE_ONLY_MEASURES = [m.replace("p.", "") for m in ["COUNT(*)", "COUNT(p.score
 PEOPLE_ONLY_KEYS = [k.replace("p.", "") for k in PEOPLE_KEYS]
 
 EVENT_WHERE = [
+    # subqueries by what they read (#36): the same person's rows (a semi- or anti-join tied along the
+    # foreign key), a group of them (HAVING on clamped aggregates), and a public table
+    "EXISTS (SELECT * FROM lines l WHERE l.eid = e.eid AND l.price > 20)",
+    "NOT EXISTS (SELECT * FROM lines l WHERE l.eid = e.eid)",
+    "e.eid IN (SELECT l.eid FROM lines l GROUP BY l.eid HAVING COUNT(*) > 1)",
+    "e.kind IN (SELECT name FROM kinds WHERE cat = 'x')",
     "e.amount > 5",
     "e.kind IN ('a', 'b')",
     "e.flag",
@@ -470,10 +553,76 @@ NARROWING_WHERE: dict[str, list[str]] = {
 PEOPLE_NARROWING_WHERE = {"p.grp": ["p.grp NOT IN ('a')", "p.grp LIKE '_'", "p.grp = 'b' OR p.grp IN ('c')"]}
 
 
+LINE_KEYS = ["l.color", "FLOOR(l.price / 25)"]
+LINE_MEASURES = [
+    "COUNT(*)",
+    "SUM(l.price)",
+    "AVG(l.price)",
+    "COUNT(l.price)",
+    "COUNT(DISTINCT l.color)",
+    "MAX(l.price)",
+]
+LINE_WHERE = ["l.price > 20", "l.color = 'red'", "l.color IS NULL", "l.eid IS NOT NULL"]
+
+
+@st.composite
+def line_queries(draw: st.DrawFn) -> str:
+    """Over lines, two hops from the person (three with households): alone, or joined to its event (a
+    foreign-key lookup: one event per line, or two where the event id repeats) and on to the person."""
+    join = draw(st.sampled_from(["", "events", "people", "events-first"]))
+    source = {
+        "": "lines l",
+        "events": "lines l JOIN events e ON l.eid = e.eid",
+        "people": "lines l JOIN events e ON l.eid = e.eid JOIN people p ON e.pid = p.pid",
+        "events-first": "events e LEFT JOIN lines l ON e.eid = l.eid",
+    }[join]
+    keys_pool = LINE_KEYS + (["e.kind", "e.flag"] if join else []) + (["p.grp"] if join == "people" else [])
+    measures_pool = LINE_MEASURES + (["SUM(e.amount)", "COUNT(DISTINCT e.pid)"] if join else [])
+    keys = draw(st.lists(st.sampled_from(keys_pool), max_size=2, unique=True))
+    measures = draw(st.lists(st.sampled_from(measures_pool), min_size=1, max_size=3, unique=True))
+    where_pool = LINE_WHERE + (["e.amount > 5", "e.kind IN ('a', 'b')"] if join else [])
+    where = draw(st.sampled_from([None, None, *where_pool]))
+    return _assemble(keys, measures, source, where)
+
+
+#: Per-person values: a subquery grouped by the unit (one row per person), then aggregated outside.
+PERSON_INNER = {
+    "events": ("events e", "e.pid", ["COUNT(*)", "SUM(e.amount)", "AVG(e.qty)", "MAX(e.amount)", "MIN(e.day)"]),
+    "lines": (
+        "lines l JOIN events e ON l.eid = e.eid",
+        "e.pid",
+        ["COUNT(*)", "SUM(l.price)", "MAX(l.price)", "COUNT(DISTINCT l.color)"],
+    ),
+}
+PERSON_HAVING = [None, "COUNT(*) > 2", "SUM(e.amount) >= 30 OR COUNT(*) = 1", "NOT (COUNT(*) < 2)"]
+
+
+@st.composite
+def person_queries(draw: st.DrawFn) -> str:
+    """``SELECT … FROM (SELECT <unit>, <per-person aggregates> … GROUP BY <unit> [HAVING]) q``."""
+    name = draw(st.sampled_from(sorted(PERSON_INNER)))
+    source, unit, pool = PERSON_INNER[name]
+    inner = draw(st.lists(st.sampled_from(pool), min_size=1, max_size=3, unique=True))
+    having = draw(st.sampled_from(PERSON_HAVING if name == "events" else PERSON_HAVING[:2]))
+    where = draw(st.sampled_from([None, "e.amount > 10", "e.kind = 'a'"]))
+    body = f"SELECT {unit}, " + ", ".join(f"{m} AS x{i}" for i, m in enumerate(inner)) + f" FROM {source}"
+    body += (f" WHERE {where}" if where else "") + f" GROUP BY {unit}" + (f" HAVING {having}" if having else "")
+    numeric = [f"q.x{i}" for i, m in enumerate(inner) if not m.startswith("MIN(e.day")]
+    outer_pool = ["COUNT(*)", *(f"SUM({c})" for c in numeric), *(f"AVG({c})" for c in numeric)]
+    measures = draw(st.lists(st.sampled_from(outer_pool), min_size=1, max_size=3, unique=True))
+    keys = draw(st.lists(st.sampled_from([f"FLOOR({numeric[0]} / 2)"] if numeric else ["q.x0"]), max_size=1))
+    return _assemble(keys, measures, f"({body}) q", None)
+
+
 @st.composite
 def queries(draw: st.DrawFn) -> str:
     """A random query from the accepted grammar (some draws are refused by the analyzer: skipped)."""
-    if draw(st.integers(0, 9)) == 0:  # the unit table alone (max_rows 1)
+    family = draw(st.integers(0, 9))
+    if family == 1:
+        return draw(line_queries())
+    if family == 2:
+        return draw(person_queries())
+    if family == 0:  # the unit table alone (max_rows 1)
         keys = draw(st.lists(st.sampled_from(PEOPLE_ONLY_KEYS), max_size=2, unique=True))
         measures = draw(st.lists(st.sampled_from(PEOPLE_ONLY_MEASURES), min_size=1, max_size=3, unique=True))
         where = draw(
@@ -508,12 +657,16 @@ def queries(draw: st.DrawFn) -> str:
         conjuncts.append(draw(st.sampled_from(where_pool)))
     distinct = bool(keys) and draw(st.integers(0, 5)) == 0
     measures = [] if distinct else draw(st.lists(measure, min_size=1, max_size=3, unique=True))
-    where = " AND ".join(f"({w})" for w in conjuncts) if len(conjuncts) > 1 else next(iter(conjuncts), None)
     source = "events e"
-    if join_people:
+    comma = not join_kinds and draw(st.integers(0, 3)) == 0  # TPC-H's spelling: FROM a, b WHERE a.k = b.k
+    if join_people and comma:
+        source += ", people p"
+        conjuncts.append("e.pid = p.pid")
+    elif join_people:
         source += " JOIN people p ON e.pid = p.pid"
     if join_kinds:
         source += " JOIN kinds k ON e.kind = k.name"
+    where = " AND ".join(f"({w})" for w in conjuncts) if len(conjuncts) > 1 else next(iter(conjuncts), None)
     return _assemble(keys, measures, source, where, distinct=distinct)
 
 

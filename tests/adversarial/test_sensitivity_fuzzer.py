@@ -45,6 +45,7 @@ from dpsql.rewrite import histogram_queries, to_sql
 from dpsql.rewrite.physical import choose_physical
 from tests.adversarial.fuzz_grammar import (
     ADVERSARIES,
+    INVALID,
     NULLABLE_ALWAYS,
     FuzzPolicy,
     database_script,
@@ -152,6 +153,35 @@ REGRESSIONS: list[tuple[FuzzPolicy, str, str, int]] = [
         "s1",
         0,
     ),
+    # #35: a table two hops from the unit (lines → events → people; three with households), a foreign-key
+    # join that multiplies no cap, and per-person subqueries (one clamped row per person)
+    (_policy(3, 2), "SELECT COUNT(*) AS v0, SUM(l.price) AS v1 FROM lines l", "s1", 0),
+    (
+        _policy(2, 2),
+        "SELECT l.color AS k0, COUNT(*) AS v0 FROM lines l JOIN events e ON l.eid = e.eid GROUP BY k0",
+        "s1",
+        1,
+    ),
+    (
+        _policy(4, 3),
+        "SELECT e.kind AS k0, SUM(l.price) AS v0 FROM events e LEFT JOIN lines l ON e.eid = l.eid GROUP BY k0",
+        "x",
+        2,
+    ),
+    (
+        _policy(3, 2),
+        "SELECT FLOOR(q.x0 / 2) AS k0, COUNT(*) AS v0, AVG(q.x1) AS v1 FROM (SELECT e.pid, COUNT(*) AS x0, "
+        "SUM(e.amount) AS x1 FROM events e GROUP BY e.pid HAVING COUNT(*) > 2) q GROUP BY k0",
+        "s1",
+        0,
+    ),
+    (
+        _policy(2, 2),
+        "SELECT COUNT(*) AS v0, SUM(q.x0) AS v1 FROM (SELECT e.pid, COUNT(*) AS x0 FROM lines l "
+        "JOIN events e ON l.eid = e.eid GROUP BY e.pid) q",
+        "s1",
+        0,
+    ),
     # row arithmetic in WHERE and division / casts / % inside aggregates (#36): NULLIF'd divisors, clamps
     # before the arithmetic (the odd neighbour stores ±infinity, NaN and 2e9), integer division truncating
     (
@@ -188,6 +218,13 @@ class Stats:
         self.shapes.update(f"strategy: {name}" for cte, name in STRATEGIES.items() if cte in sql)
         self.shapes.update(f"aggregate: {m.kind}" for m in plan.measures)
         self.shapes.update("key: expression" if k.expr is not None else "key: column" for k in plan.keys)
+        self.shapes.update(
+            "source: two or more hops from the unit" for s in plan.sources.private if s.path and s.path.hops
+        )
+        self.shapes.update("source: per-person subquery" for s in plan.sources.sources if s.derived is not None)
+        self.shapes["join looked up by foreign key"] += len(plan.sources.looked_up)
+        if plan.where is not None and plan.where.find(exp.Exists):
+            self.shapes["semi-join inside the person"] += 1
         self.shapes.update(
             "key: domain narrowed by WHERE"
             for k in plan.keys
@@ -325,6 +362,7 @@ def _check_case(
     salt: str,
     choice: int,
     stats: Stats,
+    tau: int | None = None,
 ) -> None:
     policy: Policy = parse_policy(fuzz_policy.yaml(), "<fuzz policy>")
     try:
@@ -332,6 +370,9 @@ def _check_case(
     except Error:
         stats.refused += 1
         return
+    if tau is not None and plan.unit is not None:  # SET dpsql.max_rows_per_unit: any cap, the noise follows
+        plan = replace(plan, tau=tau, tau_origin="set")
+        stats.shapes["cap set per query"] += 1
     physical = PHYSICAL_CHOICES[dialect][choice % len(PHYSICAL_CHOICES[dialect])]
     base_plan = _bound(plan, worlds[None], salt, physical)
     stats.note(plan, to_sql(base_plan, dialect))
@@ -339,6 +380,8 @@ def _check_case(
     lost = _lost_groups(plan, base)
     assert not lost, f"\n-- on {dialect}, base database\n-- {chr(10).join(lost)}\n{sql};\n-- {fuzz_policy.yaml()}"
     for name in ADVERSARIES:
+        if name in INVALID:
+            continue  # a declared key repeats there: the engine refuses (tests/adversarial/test_multihop_neighbours.py)
         bound = _bound(plan, worlds[name], salt, physical)  # clamp proofs are the neighbour's own
         after = _measured(bound, worlds[name])
         problems = _violations(plan, base, after) + _lost_groups(plan, after)
@@ -346,7 +389,7 @@ def _check_case(
             problems += [f"measure {i}: {p}" for p in _histogram_violations(plan, base_histograms[i], histogram)]
         assert not problems, (
             f"\n-- sensitivity violated on {dialect}, adversary {name!r} "
-            f"(tests/adversarial/fuzz_grammar.py), salt {salt!r}, physical {physical}\n"
+            f"(tests/adversarial/fuzz_grammar.py), salt {salt!r}, physical {physical}, cap {tau}\n"
             f"-- {chr(10).join(problems)}\n{sql};\n-- policy:\n{fuzz_policy.yaml()}"
         )
 
@@ -369,12 +412,13 @@ def _fuzz(worlds: dict[str | None, Backend], dialect: str, examples: int, *, shr
         sql=queries(),
         salt=st.sampled_from(["s1", "salt-2", "x"]),
         choice=st.integers(0, 9),
+        tau=st.one_of(st.none(), st.none(), st.integers(1, 7)),
     )
-    def run(fuzz_policy: FuzzPolicy, sql: str, salt: str, choice: int) -> None:
-        _check_case(worlds, dialect, fuzz_policy, sql, salt, choice, stats)
+    def run(fuzz_policy: FuzzPolicy, sql: str, salt: str, choice: int, tau: int | None) -> None:
+        _check_case(worlds, dialect, fuzz_policy, sql, salt, choice, stats, tau)
 
     for case in reversed(REGRESSIONS):
-        run = example(*case)(run)
+        run = example(*case, None)(run)
     run()
     print(stats.report(dialect))  # shown with -s or -rP: what the run covered
     return stats
@@ -394,6 +438,10 @@ def test_every_measure_moves_within_its_sensitivity(worlds: tuple[str, dict[str 
     for strategy in STRATEGIES.values():
         assert stats.shapes[f"strategy: {strategy}"] > 0, stats.report(dialect)
     assert stats.shapes["key: domain narrowed by WHERE"] > 0, stats.report(dialect)
+    for shape in ("source: two or more hops from the unit", "source: per-person subquery", "cap set per query"):
+        assert stats.shapes[shape] > 0, stats.report(dialect)
+    assert stats.shapes["join looked up by foreign key"] > 0, stats.report(dialect)
+    assert stats.shapes["semi-join inside the person"] > 0, stats.report(dialect)
     assert stats.shapes["WHERE: row arithmetic"] > 0, stats.report(dialect)
     assert stats.shapes["aggregate: division, cast or %"] > 0, stats.report(dialect)
 

@@ -151,7 +151,7 @@ def test_an_aggregate_two_levels_down_is_not_inlined(policy: Policy, backend: Ba
         analyze(sql, policy)
     assert (info.value.sqlstate, info.value.message) == (
         "0A000",
-        'GROUP BY inside the subquery or CTE "t1" is not supported',
+        'GROUP BY inside the subquery or CTE "t1" is only supported on the privacy unit',
     )
     engine = Engine(policy, backend, Ledger.open("sqlite:///:memory:"))
     assert engine.execute(sql, SESSION).epsilon_spent == pytest.approx(1.0)

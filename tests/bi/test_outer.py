@@ -152,7 +152,7 @@ REFUSALS = [
     (
         "SELECT * FROM (SELECT sex, COUNT(*) AS n FROM patients GROUP BY sex) t JOIN patients p ON p.sex = t.sex",
         "0A000",
-        'GROUP BY inside the subquery or CTE "t" is not supported',
+        'GROUP BY inside the subquery or CTE "t" is only supported on the privacy unit',
     ),
     (
         "SELECT * FROM (SELECT COUNT(*) AS n FROM patients) t, no_such_table",

@@ -62,7 +62,8 @@ def test_each_contradiction_is_reported(hr: Backend) -> None:
     ), errors
     # 2. a unit that is a row id (unique per row) while the person's id repeats
     as_row_id = draft.replace(
-        "    references: {column: employee_id, table: employees, to: id}   # a foreign key\n    max_rows_per_unit: 10",
+        "    references: {column: employee_id, table: employees, to: id}   "
+        "# a foreign key; the person is employees.id\n    max_rows_per_unit: 10",
         "    privacy_unit: id\n    max_rows_per_unit: 10",
         1,
     )

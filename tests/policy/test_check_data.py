@@ -18,7 +18,7 @@ from dpsql.curator.draft import draft_policy
 
 from .test_draft_schema import TABLES, _schema
 
-FK = "    references: {column: employee_id, table: employees, to: id}   # a foreign key\n"
+FK = "    references: {column: employee_id, table: employees, to: id}   # a foreign key; the person is employees.id\n"
 
 
 @pytest.fixture(params=["duckdb", "postgres"])
@@ -50,7 +50,7 @@ def test_row_id_as_unit_is_an_error_naming_the_person(hr: Backend) -> None:
             and "tables.absences.privacy_unit: 'id' is unique per row (a row id, not a person) while 'employee_id' "
             "repeats"
             in e
-            and "did you mean 'employee_id'?" in e
+            and "did you mean 'employee_id' (declare references: {column: employee_id, table: employees, to: id}" in e
             for e in report.errors
         ), report.errors
 

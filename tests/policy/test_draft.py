@@ -21,7 +21,10 @@ def test_draft(make_db: Callable[..., tuple[str, Backend]]) -> None:
     assert "      name: {type: text, identifier: true}   # looks like an identifier: never queryable" in text
     # a low-cardinality text column: its stored values proposed as a domain, marked for review
     review = text.index("# REVIEW domain")
-    assert "dept: {type: text, domain: [Cardiology, Neurology, Oncology, Pediatrics, Rare disease]}" in text[review:]
+    assert (
+        "dept: {type: text, domain: [Cardiology, Neurology, Oncology, Pediatrics, Rare disease], nullable: false}"
+        in text[review:]
+    )  # no NOT NULL in the schema, no NULL stored: proposed for review
     assert "# TODO bounds" in text  # bounds are the curator's: none is read from the data
     assert all("lower:" not in line.split("#")[0] for line in text.splitlines())
     assert "privacy_unit: null" in text and "(one of: person_id?)" in text
@@ -30,7 +33,7 @@ def test_draft(make_db: Callable[..., tuple[str, Backend]]) -> None:
     report = check_text(text, "draft.yaml", backend)  # loads as drafted
     assert report.ok and report.errors == []
     finished = text.replace("privacy_unit: null", "privacy_unit: person_id").replace(
-        "      age: {type: int}\n", "      age: {type: int, lower: 0, upper: 110}\n"
+        "      age: {type: int, nullable: false}", "      age: {type: int, lower: 0, upper: 110, nullable: false}"
     )
     report = check_text(finished, "draft.yaml", backend)
     assert report.ok and report.errors == []

@@ -85,8 +85,10 @@ def test_draft_finds_the_people_and_checks_clean(hr: tuple[Backend, bool]) -> No
     assert policy.tables["reasons"].public  # small, names no person
     assert policy.tables["employees"].columns["salary"].nullable is False  # NOT NULL
     assert policy.tables["absences"].columns["days"].nullable is False
-    assert policy.tables["reviews"].columns["score"].nullable is True
-    marker = "# a foreign key" if foreign_keys else "# REVIEW: every employee_id is a employees.id (no foreign key)"
+    # no NOT NULL on score, but no NULL stored: proposed nullable: false, marked for review
+    assert policy.tables["reviews"].columns["score"].nullable is False
+    assert "score: {type: int, nullable: false}   # REVIEW nullable: no NULL stored today" in text
+    marker = "# a foreign key" if foreign_keys else "# REVIEW: every employee_id is an employees.id"
     assert marker in text
     # the lookup table's key names no person, and its one-row values are not "rare people"
     assert "      reason: {type: text, domain: [holiday, sick, training], nullable: false}\n" in text

@@ -84,11 +84,6 @@ def test_reference_resolves_and_adds_null_when_nullable() -> None:
             "refs.yaml:11: tables.visits.columns.department.domain.column: 'departments.code' is an identifier",
         ),
         (
-            "{table: departments, column: wing}",
-            "refs.yaml:11: tables.visits.columns.department.domain.column: "
-            "'departments.wing' declares no list of values ('domain: [...]')",
-        ),
-        (
             "{table: departments}",
             'refs.yaml:11: tables.visits.columns.department.domain: missing required setting "column"',
         ),
@@ -99,6 +94,16 @@ def test_bad_reference_is_reported_with_file_line_and_key_path(ref: str, message
         _parse(ref)
     assert raised.value.sqlstate == "F0000"
     assert raised.value.message == message
+
+
+def test_a_public_column_without_a_list_lends_its_stored_values() -> None:
+    """``{table: departments, column: wing}`` where wing lists no values: the engine reads the public
+    table's stored values when a query groups by the column (public data; the key set TPC-H's
+    ``l_suppkey`` takes from ``supplier.s_suppkey``)."""
+    policy = _parse("{table: departments, column: wing}")
+    column = policy.tables["visits"].columns["department"]
+    assert column.domain is None and column.stored_domain is not None
+    assert (column.stored_domain.table, column.stored_domain.column) == ("departments", "wing")
 
 
 def test_no_chained_references() -> None:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from sqlglot import exp
 
-from dpsql.analyze.expressions import _bound_literal, _exponent, clamp_sql, date_unit
+from dpsql.analyze.expressions import _exponent, bound_literal, clamp_sql, date_unit
 from dpsql.analyze.fold import truncate
 from dpsql.analyze.keys.base import (
     MAX_DERIVED_GROUPS,
@@ -53,7 +53,7 @@ def clamped_date(column: exp.Column, policy: ColumnPolicy) -> exp.Expression:
     """A date/timestamp column clamped to its bounds (year 1..9999 when it has none): ±infinity never
     reaches DATE_TRUNC or EXTRACT, whose results on it differ between backends."""
     low, high = (policy.lower, policy.upper) if policy.bounded else (_MIN_DATE, _MAX_DATE)
-    return clamp_sql(column, _bound_literal(low, policy), _bound_literal(high, policy))
+    return clamp_sql(column, bound_literal(low, policy), bound_literal(high, policy))
 
 
 def date_values(policy: ColumnPolicy) -> list[dt.datetime] | None:
