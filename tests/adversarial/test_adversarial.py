@@ -46,24 +46,19 @@ def _ors(n: int) -> str:
 
 REFUSALS = [
     # error oracles: expressions that could fail on a data value never reach the database
+    Refusal("div-zero-where", "SELECT COUNT(*) FROM patients WHERE age / 0 > 1", "22012", "division by zero"),
+    Refusal("div-zero-constant", "SELECT COUNT(*) FROM patients WHERE 1/0 = 1", "22012", "division by zero"),
     Refusal(
-        "div-zero-where",
-        "SELECT COUNT(*) FROM patients WHERE age / 0 > 1",
+        "div-float-near-zero",
+        "SELECT COUNT(*) FROM patients WHERE 1 / (bmi - 26) > 0",
         "0A000",
-        "comparisons in WHERE must involve a column",
+        "division by an expression that can be zero",
     ),
-    Refusal(
-        "div-zero-constant",
-        "SELECT COUNT(*) FROM patients WHERE 1/0 = 1",
-        "0A000",
-        "comparisons in WHERE must involve a column",
-    ),
-    Refusal("div-zero-shifted", "SELECT COUNT(*) FROM patients WHERE 1 / (age - 26) > 0", "0A000", None),
     Refusal(
         "failing-cast-column",
         "SELECT COUNT(*) FROM patients WHERE CAST(sex AS int) = 1",
         "0A000",
-        "comparisons in WHERE must involve a column",
+        'CAST of text column "sex" to int is not supported in WHERE',
     ),
     Refusal(
         "failing-cast-text",
@@ -110,7 +105,7 @@ REFUSALS = [
     Refusal("sum-ln", "SELECT SUM(ln(age)) FROM patients", "0A000", "LN is not supported inside an aggregate"),
     Refusal(
         "sum-div-zero",
-        "SELECT SUM(1 / (age - 30)) FROM patients",
+        "SELECT SUM(1.0 / (bmi - 30)) FROM patients",
         "0A000",
         "division by an expression that can be zero",
     ),
@@ -441,6 +436,9 @@ ANSWERS = [
     Answer("long-in-list", "SELECT COUNT(*) FROM patients WHERE age IN (" + ",".join(map(str, range(20_000))) + ")"),
     Answer("many-ors", "SELECT COUNT(*) FROM patients WHERE " + _ors(200)),
     Answer("huge-literal-compare", "SELECT COUNT(*) FROM patients WHERE age > 9223372036854775807999"),
+    # row arithmetic (#36): an integer divisor that can be 0 is read through NULLIF (NULL, never an error)
+    Answer("div-zero-shifted", "SELECT COUNT(*) FROM patients WHERE 1 / (age - 26) > 0"),
+    Answer("sum-int-div-zero", "SELECT SUM(100 / (age - 30)), AVG(age % (visits - 2)) FROM patients"),
     Answer("high-cardinality-groups", "SELECT dob, zip, age, COUNT(*) FROM patients GROUP BY dob, zip, age", None),
 ]
 
