@@ -93,7 +93,9 @@ def relative_errors(result: Result, exact: list[tuple[Any, ...]]) -> list[float]
     return errors
 
 
-def run_query(engine: Engine, sql: str, cap: int | str | None, runs: int, exact: list[tuple[Any, ...]]) -> dict[str, Any]:
+def run_query(
+    engine: Engine, sql: str, cap: int | str | None, runs: int, exact: list[tuple[Any, ...]]
+) -> dict[str, Any]:
     """dpsql's outcome for one query under one cap: rows, errors (median over runs), time per release."""
     medians, rows, seconds = [], 0, []
     for run in range(runs):
