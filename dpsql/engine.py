@@ -47,6 +47,9 @@ from dpsql.outer import describe as describe_outer
 from dpsql.outer import explain as explain_outer
 from dpsql.outer import route as route_outer
 from dpsql.outer.explain import CompositeExplanation
+from dpsql.outer.public import describe as describe_public
+from dpsql.outer.public import explain as explain_public
+from dpsql.outer.public import route as route_public
 from dpsql.plan import Plan
 from dpsql.policy import Policy, load_policy
 from dpsql.postprocess.trim import trim_time, trimming_on
@@ -267,6 +270,9 @@ class Engine:
         statement = self.statements.get(sql)
         if statement.kind is Kind.INSERT:  # stored at Execute; no result columns
             return Description([], [])
+        public = describe_public(self, sql, session, statement.tree)  # public tables only: exact
+        if public is not None:
+            return public
         described = describe_outer(self, sql, session, statement.tree)  # probes; post-processing over sub-queries
         if described is not None:
             return described
@@ -278,7 +284,11 @@ class Engine:
 
     def explain(self, sql: str, session: Session, params: Params = None) -> Explanation | CompositeExplanation:
         """Cost, sensitivity, noise scale and expected error per output; spends nothing."""
-        composite = explain_outer(self, sql, session, params, self.statements.get(sql).tree)
+        tree = self.statements.get(sql).tree
+        public = explain_public(self, sql, session, params, tree)  # public tables only: exact and free
+        if public is not None:
+            return public
+        composite = explain_outer(self, sql, session, params, tree)
         if composite is not None:  # every DP part and the post-processing
             return composite
         prepared = self.prepare(sql, session, params)
@@ -306,6 +316,9 @@ class Engine:
             return self.explain(statement.target, session, params).as_result(explain_format(sql))
         if statement.kind is Kind.INSERT:
             return insert(self.backend, self.policy, bind_parameters(statement.tree.copy(), params))
+        public = route_public(self, sql, session, params, statement.tree)  # public tables only: exact, free
+        if public is not None:
+            return public
         routed = route_outer(self, sql, session, params, statement.tree)  # probes; queries over DP results
         if routed is not None:
             return routed

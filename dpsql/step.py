@@ -57,6 +57,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum, StrEnum
+from functools import partial
 from typing import Any
 
 from dpsql.accountant import Cost
@@ -80,7 +81,8 @@ from dpsql.postprocess.finish import finish, from_cache, from_release, released_
 from dpsql.prepared import Prepared
 from dpsql.release.accuracy import accuracy_notes, bias_note
 from dpsql.release.apply import Released, apply, apply_local, released_again, widths_at
-from dpsql.release.calibrate import budget
+from dpsql.release.calibrate import budget, threshold_at
+from dpsql.release.selection import empty_selection_note
 from dpsql.rewrite import histogram_queries, rewrite
 from dpsql.rewrite.physical import data_version
 from dpsql.session import Result, Session
@@ -514,6 +516,9 @@ class Step:
         result.notices.extend(Notice.of(n) for n in accuracy_notes(plan, budgeting, confidence, result, released))
         if (bias := bias_note(plan, confidence)) is not None:
             result.notices.append(Notice.of(bias))
+        if budgeting.threshold is not None and plan.selection_measure is not None and not released.rows:
+            result.notices.append(Notice(empty_selection_note(plan, budgeting.epsilon, budgeting.threshold,
+                                                              partial(threshold_at, plan, budgeting))))  # fmt: skip
         return result
 
     def _release_local(self, prepared: Prepared, confidence: float) -> Result:

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 
 from sqlglot import exp
 
+from dpsql.analyze.arith import evaluate, render
 from dpsql.backends import cancellable
-from dpsql.errors import FeatureNotSupported, InvalidParameterValue, UndefinedFunction
+from dpsql.errors import DivisionByZero, FeatureNotSupported, InvalidParameterValue, UndefinedFunction
 from dpsql.policy import PG_TYPE_NAMES, ColumnPolicy
 
 #: Largest magnitude an expression may reach: beyond it doubles lose integers and BIGINT products overflow.
@@ -185,24 +186,24 @@ def _checked(node: exp.Expression, lower: float, upper: float, integer: bool, nu
     return Bounded(node, lower, upper, integer, nullable, 0 if integer else tiny)
 
 
-def _number(node: exp.Expression) -> float | None:
-    if isinstance(node, exp.Neg):
-        inner = _number(node.this)
-        return None if inner is None else -inner
-    if isinstance(node, exp.Paren):
-        return _number(node.this)
-    if isinstance(node, exp.Literal) and not node.is_string:
-        return float(node.name)
-    return None
+def _constant(node: exp.Expression) -> Bounded | None:
+    """A numeric constant (``2``, ``2.0``, ``-0.5``, ``CAST(1 AS BIGINT)``), typed by its spelling as
+    PostgreSQL types it: ``2.0`` is numeric, not an integer, so ``x / 2.0`` is exact division."""
+    if not isinstance(node, exp.Literal | exp.Neg | exp.Paren | exp.Cast) or node.find(exp.Column):
+        return None
+    number = evaluate(node)
+    if number is None:
+        return None
+    value = float(number.value)
+    integer = number.kind in ("smallint", "integer", "bigint")
+    return _checked(render(number), value, value, integer, False, _exponent(value))
 
 
 def bound(node: exp.Expression, resolve: Resolve, check_predicate: CheckPredicate) -> Bounded:
     """The interval of ``node`` for every possible row, or a refusal naming what is unbounded."""
-    constant = _number(node)
+    constant = _constant(node)
     if constant is not None:
-        literal = exp.Literal.number(int(abs(constant)) if constant.is_integer() else abs(constant))
-        sql = exp.Neg(this=literal) if constant < 0 else literal
-        return _checked(sql, constant, constant, constant.is_integer(), False, _exponent(constant))
+        return constant
     if isinstance(node, exp.Paren):
         inner = bound(node.this, resolve, check_predicate)
         return dataclasses.replace(inner, sql=exp.paren(inner.sql, copy=False))
@@ -235,7 +236,7 @@ def bound(node: exp.Expression, resolve: Resolve, check_predicate: CheckPredicat
     if isinstance(node, exp.Neg):
         inner = bound(node.this, resolve, check_predicate)
         return _checked(exp.Neg(this=inner.sql), -inner.upper, -inner.lower, inner.integer, inner.nullable, inner.tiny)
-    if isinstance(node, exp.Add | exp.Sub | exp.Mul | exp.Div):
+    if isinstance(node, exp.Add | exp.Sub | exp.Mul | exp.Div | exp.Mod):
         return _arithmetic(node, bound(node.this, resolve, check_predicate),
                            bound(node.expression, resolve, check_predicate))  # fmt: skip
     if isinstance(node, exp.Abs):
@@ -257,9 +258,62 @@ def bound(node: exp.Expression, resolve: Resolve, check_predicate: CheckPredicat
         return _case(node, resolve, check_predicate)
     if isinstance(node, exp.Extract):
         return _extract(node, resolve)
+    if isinstance(node, exp.Cast):
+        return _cast(node, resolve, check_predicate)
     raise FeatureNotSupported(
         f"{node.key.upper()} is not supported inside an aggregate",
-        hint="Aggregates may contain + - * /, ABS, COALESCE, CASE WHEN and EXTRACT over bounded columns.",
+        hint="Aggregates may contain + - * / %, ABS, COALESCE, CASE WHEN, EXTRACT and CAST to a number over "
+        "bounded columns.",
+    )
+
+
+_FLOAT_TYPES = (exp.DataType.Type.DOUBLE, exp.DataType.Type.FLOAT, exp.DataType.Type.DECIMAL)
+#: Integer cast targets and their ranges: a clamped value beyond one would fail on some rows only.
+_INTEGER_TYPES = {
+    exp.DataType.Type.SMALLINT: ("smallint", 2**15),
+    exp.DataType.Type.INT: ("integer", 2**31),
+    exp.DataType.Type.BIGINT: ("bigint", 2**63),
+}
+_CAST_HINT = "Inside an aggregate, cast bounded numbers (or a boolean) to DOUBLE PRECISION, NUMERIC, INTEGER or BIGINT."
+
+
+def _cast(node: exp.Cast, resolve: Resolve, check_predicate: CheckPredicate) -> Bounded:
+    """``CAST(x AS DOUBLE PRECISION | NUMERIC | REAL | INTEGER | BIGINT | SMALLINT)`` of a bounded number, and
+    ``CAST(flag AS INTEGER)`` of a boolean (1, 0 or NULL). Computed in double precision (NUMERIC and REAL
+    too: no declared precision to overflow, and DuckDB's bare DECIMAL would be DECIMAL(18,3)); a double
+    to an integer rounds half to even on both backends (rint), within the declared bounds so it cannot
+    overflow. Text is never cast: it could fail on some rows only."""
+    target = node.to.this
+    if isinstance(node.this, exp.Column):
+        column, policy = resolve(node.this)
+        if policy.type == "boolean" and target in _INTEGER_TYPES:
+            flag = (
+                exp.Case().when(column, exp.Literal.number(1)).when(exp.Not(this=column.copy()), exp.Literal.number(0))
+            )
+            return _checked(exp.cast(flag, exp.DataType.Type.BIGINT), 0.0, 1.0, True, policy.nullable)
+        if not policy.numeric:
+            raise FeatureNotSupported(
+                f'CAST of {PG_TYPE_NAMES[policy.type]} column "{node.this.name}" to {node.to.sql("postgres").lower()} '
+                "is not supported inside an aggregate",
+                hint=f"A cast of stored {PG_TYPE_NAMES[policy.type]} could fail on some rows only. " + _CAST_HINT,
+            )
+    if target in _FLOAT_TYPES and not node.to.expressions:
+        inner = bound(node.this, resolve, check_predicate)
+        return _checked(exp.cast(inner.sql, exp.DataType.Type.DOUBLE), inner.lower, inner.upper, False,
+                        inner.nullable, inner.tiny if not inner.integer else 0)  # fmt: skip
+    if target in _INTEGER_TYPES:
+        name, limit = _INTEGER_TYPES[target]
+        inner = bound(node.this, resolve, check_predicate)
+        lower, upper = float(round(inner.lower)), float(round(inner.upper))  # half to even, as rint
+        if lower < -limit or upper >= limit:
+            raise FeatureNotSupported(
+                f"CAST to {name} inside an aggregate could overflow",
+                hint=f"The expression's bounds, [{inner.lower:g}, {inner.upper:g}], exceed the {name} range.",
+            )
+        sql = inner.sql if inner.integer else exp.cast(inner.sql, exp.DataType.Type.BIGINT)
+        return _checked(sql, lower, upper, True, inner.nullable)
+    raise FeatureNotSupported(
+        f"CAST to {node.to.sql('postgres').lower()} is not supported inside an aggregate", hint=_CAST_HINT
     )
 
 
@@ -277,19 +331,71 @@ def _arithmetic(node: exp.Expression, left: Bounded, right: Bounded) -> Bounded:
         corners = [a * b for a in (left.lower, left.upper) for b in (right.lower, right.upper)]
         return _checked(exp.Mul(this=left.sql, expression=right.sql), min(corners), max(corners),
                         left.integer and right.integer, nullable, left.tiny + right.tiny)  # fmt: skip
+    if isinstance(node, exp.Mod):
+        return _remainder(left, right)
+    return _quotient(left, right)
+
+
+def _remainder(left: Bounded, right: Bounded) -> Bounded:
+    """``left % right`` of integers: the remainder has the dividend's sign and is smaller than the
+    divisor in magnitude (PostgreSQL, DuckDB and Spark alike); a divisor that can be 0 is read through
+    NULLIF (NULL, not an error on that row only). PostgreSQL has no ``%`` on doubles: refused."""
+    if not (left.integer and right.integer):
+        raise UndefinedFunction(
+            "operator does not exist: double precision % double precision",
+            hint="% takes integers; round first (CAST(x AS INTEGER)).",
+        )
+    divisor = right.sql
     if right.lower <= 0 <= right.upper:
-        raise FeatureNotSupported(
-            "division by an expression that can be zero",
-            hint="The divisor's bounds include 0, so some row could fail; divide by a range that excludes 0.",
-        )
+        if right.lower == right.upper == 0:
+            raise DivisionByZero("division by zero")
+        divisor = exp.Nullif(this=right.sql, expression=exp.Literal.number(0))
+    reach = max(abs(right.lower), abs(right.upper)) - 1
+    lower = 0.0 if left.lower >= 0 else -min(reach, abs(left.lower))
+    upper = 0.0 if left.upper <= 0 else min(reach, left.upper)
+    nullable = left.nullable or right.nullable or divisor is not right.sql
+    return _checked(exp.Mod(this=left.sql, expression=divisor), lower, upper, True, nullable)
+
+
+def _quotient(left: Bounded, right: Bounded) -> Bounded:
+    """``left / right``, never failing: a divisor whose bounds include 0 is read through ``NULLIF(d, 0)``
+    (a row dividing by zero gives NULL, which aggregates skip and WHERE does not match, rather than an
+    error on that row only); then, being an integer, its magnitude is at least 1. A float divisor near 0
+    would make the quotient unbounded: refused. Integer by integer truncates toward zero, as
+    PostgreSQL's ``/`` does (DuckDB's would not): computed as the double quotient, truncated, which is
+    exact while the dividend stays below 2^53 in magnitude."""
+    divisor = right.sql
+    pieces = [(right.lower, right.upper)]
+    nullable = left.nullable or right.nullable
+    if right.lower <= 0 <= right.upper:
+        if right.lower == right.upper == 0:
+            raise DivisionByZero("division by zero")
+        if not right.integer:
+            raise FeatureNotSupported(
+                "division by an expression that can be zero",
+                hint="Its bounds include 0 and it is not an integer, so the quotient is unbounded; divide by "
+                "an expression whose bounds exclude 0, or by an integer one (a row dividing by 0 then gives NULL).",
+            )
+        divisor = exp.Nullif(this=right.sql, expression=exp.Literal.number(0))
+        pieces = [p for p in ((right.lower, -1.0), (1.0, right.upper)) if p[0] <= p[1]]
+        nullable = True
+    corners = [a / b for a in (left.lower, left.upper) for piece in pieces for b in piece]
+    quotient = exp.Div(this=exp.cast(left.sql, exp.DataType.Type.DOUBLE), expression=divisor)
     if left.integer and right.integer:
-        raise FeatureNotSupported(
-            "integer division inside an aggregate is not supported",
-            hint="Write a decimal divisor (x / 2.0) for exact division.",
+        if max(abs(left.lower), abs(left.upper)) >= MAX_MAGNITUDE:
+            raise FeatureNotSupported(
+                "integer division of values reaching 2^53 is not supported",
+                hint="Scale the dividend down, or divide by a decimal (x / 2.0) for exact division.",
+            )
+        # toward zero: FLOOR above 0, CEIL below (TRUNC is a date function on Spark)
+        truncated = (
+            exp.Case()
+            .when(exp.GTE(this=quotient, expression=exp.Literal.number(0)), exp.Floor(this=quotient.copy()))
+            .else_(exp.Ceil(this=quotient.copy()))
         )
-    corners = [a / b for a in (left.lower, left.upper) for b in (right.lower, right.upper)]
-    quotient = exp.Div(this=exp.cast(left.sql, exp.DataType.Type.DOUBLE), expression=right.sql)
-    reach = max(abs(right.lower), abs(right.upper))
+        low, high = float(math.trunc(min(corners))), float(math.trunc(max(corners)))
+        return _checked(exp.cast(truncated, exp.DataType.Type.BIGINT), low, high, True, nullable)
+    reach = max(abs(b) for piece in pieces for b in piece)
     return _checked(quotient, min(corners), max(corners), False, nullable, left.tiny - _exponent(reach) - 1)
 
 

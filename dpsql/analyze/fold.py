@@ -13,7 +13,8 @@ field that overflows, a bigint where PostgreSQL takes an integer) raises Postgre
 22007, 22015, 42883) here, at analysis, before anything runs or is charged — the same outcome
 whatever the data. Dates are Python's, years 1 to 9999: a later one PostgreSQL would accept is 22008.
 ``NOW()`` and its synonyms are the statement's start time: the meaning of the query text depends on
-the clock, which is public.
+the clock, which is public. Numeric constants (``0.06 - 0.01``, ``7 / 2``) are folded by
+:mod:`dpsql.analyze.arith`, whole subtrees at a time, before the date/time passes see them.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from fractions import Fraction
 
 from sqlglot import exp
 
+from dpsql.analyze.arith import ARITHMETIC, NUMERIC_CASTS, evaluate, render
 from dpsql.analyze.expressions import date_unit
 from dpsql.errors import (
     DatetimeFieldOverflow,
@@ -215,15 +217,32 @@ def _value(node: exp.Expression) -> object:
         return None
     if isinstance(node, exp.Interval):
         text = node.this.name if isinstance(node.this, exp.Literal) else None
-        if text is None:
+        unit = _interval_unit(node.args.get("unit"))
+        if text is None or unit == "":
             return None
-        unit = node.args.get("unit")
-        return parse_interval(f"{text} {unit.name.lower()}" if unit is not None else text)
+        return parse_interval(f"{text} {unit}" if unit is not None else text)
     if isinstance(node, exp.Literal):
         if node.is_string:
             return node.name
         return int(node.name) if node.name.isdigit() else float(node.name)
     return None
+
+
+#: ``INTERVAL '90' DAY (3)`` (TPC-H Q1): the standard's leading-field precision, which changes no value.
+_PRECISION_UNITS: dict[type[exp.Expression], str] = {exp.Year: "year", exp.Month: "month", exp.Day: "day"}
+
+
+def _interval_unit(unit: exp.Expression | None) -> str | None:
+    """The unit word of an interval literal (None: no unit; "": one not folded here, such as a
+    ``SECOND (p)`` precision or a ``YEAR TO MONTH`` span, left for the analyzer)."""
+    if unit is None:
+        return None
+    if isinstance(unit, exp.Var):
+        return unit.name.lower()
+    named = _PRECISION_UNITS.get(type(unit))
+    if named is not None and isinstance(unit.this, exp.Literal) and not unit.this.is_string:
+        return named
+    return ""
 
 
 def _signed(node: exp.Expression | None) -> int | float | None:
@@ -415,6 +434,8 @@ def _fold(node: exp.Expression, now: dt.datetime) -> exp.Expression | None:
         if isinstance(left, dt.date) and isinstance(right, Interval):
             stamp = left if isinstance(left, dt.datetime) else dt.datetime(left.year, left.month, left.day)
             return _timestamp_literal(add_interval(stamp, right if isinstance(node, exp.Add) else -right))
+        if isinstance(node, exp.Sub) and type(left) is dt.date and type(right) is dt.date:
+            return exp.Literal.number((left - right).days)  # date - date: integer days
         days = _signed(node.expression)
         if type(left) is dt.date and days is not None:
             sign = "+" if isinstance(node, exp.Add) else "-"
@@ -427,6 +448,8 @@ def _fold(node: exp.Expression, now: dt.datetime) -> exp.Expression | None:
             except OverflowError:
                 raise DatetimeFieldOverflow("date out of range", hint=_YEARS_HINT) from None
         return None
+    if isinstance(node, exp.Mul):
+        return _scaled_interval(node)
     if isinstance(node, exp.Cast) and node.to.this in _TEMPORAL:
         value = _value(node.this)
         if isinstance(node.this, exp.Literal) and node.this.is_string:
@@ -441,14 +464,48 @@ def _fold(node: exp.Expression, now: dt.datetime) -> exp.Expression | None:
     return None
 
 
+def _scaled_interval(node: exp.Mul) -> exp.Expression | None:
+    """``INTERVAL '1 day' * 7`` (either side) by an integer: each field multiplied, as PostgreSQL's
+    interval_mul does exactly for integer factors (a fraction spills into smaller fields: not folded)."""
+    left, right = _value(node.this), _signed(node.expression)
+    if not isinstance(left, Interval):
+        left, right = _value(node.expression), _signed(node.this)
+    if not isinstance(left, Interval) or not isinstance(right, int):
+        return None
+    scaled = Interval(left.months * right, left.days * right, left.micros * right)
+    if not (_fits(scaled.months, 32) and _fits(scaled.days, 32) and _fits(scaled.micros, 64)):
+        raise DatetimeFieldOverflow("interval out of range")
+    text = f"{scaled.months} months {scaled.days} days {scaled.micros} microseconds"
+    return exp.Interval(this=exp.Literal.string(text))
+
+
+def _numeric_root(node: exp.Expression) -> bool:
+    """Whether ``node`` is an arithmetic operator folded whole by :mod:`dpsql.analyze.arith` — not a
+    bare GROUP BY or ORDER BY item (``GROUP BY 2 - 1`` groups by a constant; folded, it would become
+    the ordinal ``1``). Casts of constants to numeric types too (``CAST(2.5 AS INT)`` is 3)."""
+    parent = node.parent
+    if isinstance(parent, exp.Group | exp.Ordered):
+        return False
+    if isinstance(node, exp.Cast):  # a select item keeps its name ("int4"): cast constants elsewhere only
+        return node.to.this in NUMERIC_CASTS and not isinstance(parent, exp.Select | exp.Alias)
+    return isinstance(node, ARITHMETIC) or (isinstance(node, exp.Neg) and not isinstance(node.this, exp.Literal))
+
+
 def fold_constants(tree: exp.Expression, now: dt.datetime | None = None) -> exp.Expression:
-    """``tree`` with every constant date/time expression replaced by its literal (post-order, in place).
+    """``tree`` with every constant date/time expression replaced by its literal (post-order, in place),
+    and every constant numeric expression by its value (:mod:`dpsql.analyze.arith`, whole subtrees).
 
     ``now`` is the statement's start time (UTC, without time zone, as the session's TimeZone is UTC).
     """
     moment = now or dt.datetime.now(dt.UTC).replace(tzinfo=None)
 
     def visit(node: exp.Expression) -> exp.Expression:
+        if _numeric_root(node) and node is not tree:
+            number = evaluate(node)
+            if number is not None:
+                literal = render(number)
+                node.replace(literal)
+                return literal
         for child in list(node.iter_expressions()):
             visit(child)
         folded = _fold(node, moment)

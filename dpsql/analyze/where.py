@@ -3,17 +3,21 @@
 A predicate the backend could reject (a failing cast, a bad LIKE pattern, an overflowing number) is
 evaluated only when some row reaches it, so its error would tell whether anyone matches the rest of
 the clause: an exact, un-noised oracle. Every such check is done here, before anything runs,
-whatever the data; the backend then receives a WHERE that can only be true, false or NULL.
+whatever the data; the backend then receives a WHERE that can only be true, false or NULL. Row
+arithmetic (``age + 1 > 40``) is bounded as inside an aggregate (:func:`dpsql.analyze.expressions.bound`):
+columns clamped first, divisors that can be 0 read through NULLIF, so it cannot fail either.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import math
+from typing import NamedTuple
 
 from sqlglot import exp
 
 from dpsql.aggregates import AGGREGATE_NODES
+from dpsql.analyze.expressions import bound
 from dpsql.analyze.scope import CHECKED, Scope
 from dpsql.errors import (
     DatatypeMismatch,
@@ -169,18 +173,68 @@ def canonical_like_pattern(pattern: str) -> str:
     return "".join(out)
 
 
-def _operand(node: exp.Expression, scope: Scope) -> tuple[str, ColumnPolicy] | None:
-    """The column an operand refers to (unwrapping parentheses), or None for constants."""
-    while isinstance(node, exp.Paren):
-        node = node.this
-    if isinstance(node, exp.Column):
-        return resolve_column(node, scope)
-    if isinstance(node, exp.Lower | exp.Upper) and isinstance(node.this, exp.Column):
-        name, policy = resolve_column(node.this, scope)
+class _Side(NamedTuple):
+    """One side of a predicate that reads a row: what it is called, its policy, and the SQL sent."""
+
+    name: str
+    policy: ColumnPolicy
+    sql: exp.Expression
+
+
+#: Row arithmetic a predicate may compare (``age + 1 > 40``), bounded like an aggregate's argument.
+_ARITHMETIC = (
+    exp.Add,
+    exp.Sub,
+    exp.Mul,
+    exp.Div,
+    exp.Mod,
+    exp.Neg,
+    exp.Abs,
+    exp.Cast,
+    exp.Coalesce,
+    exp.Case,
+    exp.Extract,
+)
+
+
+def _operand(node: exp.Expression, scope: Scope) -> _Side | None:
+    """The column (or ``LOWER``/``UPPER`` of one, or arithmetic over columns) an operand reads,
+    unwrapping parentheses; None for constants."""
+    inner = node
+    while isinstance(inner, exp.Paren):
+        inner = inner.this
+    if isinstance(inner, exp.Column):
+        name, policy = resolve_column(inner, scope)
+        return _Side(name, policy, _normalise_column(inner, scope))
+    if isinstance(inner, exp.Lower | exp.Upper) and isinstance(inner.this, exp.Column):
+        name, policy = resolve_column(inner.this, scope)
         if policy.type != "text":
-            raise UndefinedFunction(f"function {node.key}({PG_TYPE_NAMES[policy.type]}) does not exist")
-        return name, policy
+            raise UndefinedFunction(f"function {inner.key}({PG_TYPE_NAMES[policy.type]}) does not exist")
+        return _Side(name, policy, _normalise_column(inner, scope))
+    if isinstance(inner, _ARITHMETIC) and inner.find(exp.Column):
+        return _arithmetic(inner, scope)
     return None
+
+
+def _arithmetic(node: exp.Expression, scope: Scope) -> _Side:
+    """Arithmetic over columns in a predicate, as inside an aggregate (:func:`bound`): every column is
+    clamped to its declared bounds *before* any operation, divisors that can be 0 are read through
+    NULLIF, and the result's bounds stay within 2^53. So the predicate cannot fail, overflow or read
+    NaN on any stored value (out of bounds, ±infinity, NaN, huge): its outcome is true, false or NULL,
+    never an error that only some rows would raise — the same on every backend."""
+
+    def resolve(column: exp.Column) -> tuple[exp.Column, ColumnPolicy]:
+        source, name, policy = resolve_ref(column, scope.sources)
+        return qualified(source, name), policy
+
+    try:
+        bounded = bound(node, resolve, lambda p: check_where(p, scope))
+    except FeatureNotSupported as exc:  # the same reasons, said of WHERE
+        raise FeatureNotSupported(
+            exc.message.replace("inside an aggregate", "in WHERE"),
+            hint=(exc.hint or "").replace("Inside an aggregate", "In WHERE") or None,
+        ) from None
+    return _Side(node.sql(dialect="postgres"), bounded.policy(), bounded.sql)
 
 
 def _normalise_column(node: exp.Expression, scope: Scope) -> exp.Expression:
@@ -217,24 +271,27 @@ def check_where(node: exp.Expression, scope: Scope) -> exp.Expression:
     if isinstance(node, _PREDICATES):
         return _check_comparison(node, scope)
     if isinstance(node, exp.Is):
-        tested = node.this.unnest() if isinstance(node.this, exp.Paren) else node.this
-        if isinstance(tested, exp.Column) and isinstance(node.expression, exp.Null):
+        bare = node.this.unnest() if isinstance(node.this, exp.Paren) else node.this
+        if isinstance(bare, exp.Column) and isinstance(node.expression, exp.Null):
             # whether a row's identifier is NULL (a loan without co-signer) is a value of that row like
             # any other: an identifier may be tested for NULL, never compared or grouped
-            source, name, _ = resolve_ref(tested, scope.sources, identifiers=True)
+            source, name, _ = resolve_ref(bare, scope.sources, identifiers=True)
             return exp.Is(this=qualified(source, name), expression=exp.Null(), negate=node.args.get("negate"))
-        if _operand(node.this, scope) is None or not isinstance(node.expression, exp.Null | exp.Boolean):
+        tested = _operand(node.this, scope)
+        if tested is None or not isinstance(node.expression, exp.Null | exp.Boolean):
             raise FeatureNotSupported("IS must test a column for NULL, TRUE or FALSE")
-        return _normalise_column(node, scope)
+        tested_node = node.copy()  # keeps IS NOT (sqlglot's negate)
+        tested_node.set("this", tested.sql)
+        return tested_node
     if isinstance(node, exp.In):
         return _check_in(node, scope)
     if isinstance(node, exp.Between):
         target = _required_operand(node.this, scope)
-        low = _check_literal_for(*target, node.args["low"])
-        high = _check_literal_for(*target, node.args["high"])
-        return exp.Between(this=_normalise_column(node.this, scope), low=low, high=high)
+        low = _check_literal_for(target.name, target.policy, node.args["low"])
+        high = _check_literal_for(target.name, target.policy, node.args["high"])
+        return exp.Between(this=target.sql, low=low, high=high, symmetric=node.args.get("symmetric"))
     if isinstance(node, exp.Like | exp.ILike):
-        name, policy = _required_operand(node.this, scope)
+        name, policy, _ = _required_operand(node.this, scope)
         if policy.type != "text":
             raise UndefinedFunction(
                 f"operator does not exist: {PG_TYPE_NAMES[policy.type]} ~~ unknown",
@@ -259,11 +316,12 @@ def check_where(node: exp.Expression, scope: Scope) -> exp.Expression:
         raise FeatureNotSupported("LIKE ... ESCAPE is not supported")
     raise FeatureNotSupported(
         f"{node.key.upper()} expressions are not supported in WHERE",
-        hint="WHERE may use comparisons with constants, AND/OR/NOT, IN, BETWEEN, LIKE and IS NULL.",
+        hint="WHERE may use comparisons of columns or arithmetic over them with constants, AND/OR/NOT, IN, "
+        "BETWEEN, LIKE and IS NULL.",
     )
 
 
-def _required_operand(node: exp.Expression, scope: Scope) -> tuple[str, ColumnPolicy]:
+def _required_operand(node: exp.Expression, scope: Scope) -> _Side:
     operand = _operand(node, scope)
     if operand is None:
         raise FeatureNotSupported(
@@ -276,27 +334,23 @@ def _required_operand(node: exp.Expression, scope: Scope) -> tuple[str, ColumnPo
 def _check_comparison(node: exp.Expression, scope: Scope) -> exp.Expression:
     left, right = _operand(node.this, scope), _operand(node.expression, scope)
     if left and right:
-        if (left[1].type in ("int", "float")) != (right[1].type in ("int", "float")) or (
-            left[1].type not in ("int", "float") and left[1].type != right[1].type
+        numeric = ("int", "float")
+        if (left.policy.type in numeric) != (right.policy.type in numeric) or (
+            left.policy.type not in numeric and left.policy.type != right.policy.type
         ):
             raise DatatypeMismatch(
-                f"operator does not exist: {PG_TYPE_NAMES[left[1].type]} {node.key} {PG_TYPE_NAMES[right[1].type]}",
+                f"operator does not exist: {PG_TYPE_NAMES[left.policy.type]} {node.key} "
+                f"{PG_TYPE_NAMES[right.policy.type]}",
                 hint="Compare columns of the same type.",
             )
-        return node.__class__(
-            this=_normalise_column(node.this, scope), expression=_normalise_column(node.expression, scope)
-        )
+        return node.__class__(this=left.sql, expression=right.sql)
     if left:
-        return node.__class__(
-            this=_normalise_column(node.this, scope), expression=_check_literal_for(*left, node.expression)
-        )
+        return node.__class__(this=left.sql, expression=_check_literal_for(left.name, left.policy, node.expression))
     if right:
-        return node.__class__(
-            this=_check_literal_for(*right, node.this), expression=_normalise_column(node.expression, scope)
-        )
+        return node.__class__(this=_check_literal_for(right.name, right.policy, node.this), expression=right.sql)
     raise FeatureNotSupported(
         "comparisons in WHERE must involve a column",
-        hint="Write predicates as <column> <operator> <constant>.",
+        hint="Write predicates as <column or arithmetic over columns> <operator> <constant>.",
     )
 
 
@@ -306,5 +360,5 @@ def _check_in(node: exp.In, scope: Scope) -> exp.Expression:
         raise FeatureNotSupported("IN (subquery) is not supported", hint="List constant values inside IN (...).")
     if not node.expressions:
         raise SyntaxError_('syntax error at or near ")"', hint="IN needs at least one value.")
-    values = [_check_literal_for(*target, v) for v in node.expressions]
-    return exp.In(this=_normalise_column(node.this, scope), expressions=values)
+    values = [_check_literal_for(target.name, target.policy, v) for v in node.expressions]
+    return exp.In(this=target.sql, expressions=values)

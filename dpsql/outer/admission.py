@@ -290,9 +290,12 @@ def post_process(
     sql: str,
     kinds: Sequence[PgType | None] | None = None,
     admission: Admission | None = None,
+    load: Callable[[Sandbox, Table], None] | None = None,
 ) -> list[tuple[Any, ...]]:
     """Run ``sql`` over ``tables`` (released rows and public tables) in a fresh sandbox, once admitted,
     on a low-priority thread; its rows as released values of ``kinds`` (see :meth:`Sandbox.run`).
+    ``load`` puts one table into the sandbox (default :meth:`Sandbox.load`; public tables of many rows
+    use a bulk loader, :func:`dpsql.outer.public.load_columns`).
 
     The calling thread waits (a cancel reaching it through :func:`cancellable` stops the sandbox); the
     place is given back, and the sandbox's CPU time charged to ``analyst``, when the sandbox has ended."""
@@ -304,8 +307,11 @@ def post_process(
         started = time.thread_time()
         try:
             with statement_hook(stops.hook), Sandbox(deadline) as box:
-                for name, columns, rows in tables:
-                    box.load(name, columns, rows)
+                for table in tables:
+                    if load is None:
+                        box.load(*table)
+                    else:
+                        load(box, table)
                 return box.run(sql, kinds)
         finally:
             gate.release(analyst, time.thread_time() - started)

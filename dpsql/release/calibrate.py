@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dpsql.accountant import Cost
-from dpsql.errors import FeatureNotSupported, InvalidParameterValue
+from dpsql.errors import Error, FeatureNotSupported, InvalidParameterValue
 from dpsql.lru import LRU
 from dpsql.noise.mechanisms import (
     MECHANISMS,
@@ -198,6 +198,15 @@ def _specs(plan: Plan, noise: NoiseMechanism, split: Split) -> list[NoiseSpec | 
         else noise.calibrate(plan.sensitivities(m), split, integer=integer_valued(m), cells=plan.max_groups)
         for m in plan.measures
     ]
+
+
+def threshold_at(plan: Plan, budgeting: Budgeting, epsilon: float) -> int | None:
+    """The partition-selection threshold the same query would have at ``epsilon`` (same δ and mechanism),
+    or None when no sampler serves it: public figures, for the note on an empty answer."""
+    try:
+        return calibrate(plan, epsilon, budgeting.delta, budgeting.mechanism, True).threshold
+    except (Error, ValueError):
+        return None
 
 
 def calibrate(plan: Plan, epsilon: float, delta: float, mechanism: str, selecting: bool) -> Budgeting:

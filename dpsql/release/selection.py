@@ -13,6 +13,8 @@ The quantile and mode mechanisms (pure math) are :mod:`dpsql.noise.exponential`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from dpsql.noise.mechanisms import NoiseSpec, partition_threshold
 from dpsql.plan import Plan
 
@@ -35,3 +37,33 @@ def selection_threshold(plan: Plan, spec: NoiseSpec, delta: float) -> int:
     (ε, δ + spec.δ)-DP, the same form of δ accounting as before.
     """
     return partition_threshold(spec, delta, max_partitions=plan.max_groups, max_rows=selection_contribution(plan))
+
+
+#: How much more ε the empty-answer note prices (τ at each multiple of the query's ε).
+_MORE_EPSILON = (2, 4, 10)
+
+
+def empty_selection_note(
+    plan: Plan, epsilon: float, threshold: int, threshold_at: Callable[[float], int | None]
+) -> str:
+    """Why a query released no group at all: partition selection kept none. Says the threshold τ the
+    noisy distinct-person counts had to reach, and what would release groups: a public domain for the
+    keys (declared, so every value is released without selection), a coarser key (fewer, larger groups),
+    or more ε (τ at a few larger ε, from ``threshold_at``). Every figure comes from the policy, the SQL
+    and the settings, and "none passed" is what the empty answer already shows: the note is the same on
+    every neighbouring database."""
+    keys = ", ".join(k.column if k.expr is not None or not k.table else f"{k.table}.{k.column}" for k in plan.keys
+                     if k.domain is None)  # fmt: skip
+    offers = []
+    for factor in _MORE_EPSILON:
+        tau = threshold_at(epsilon * factor)
+        if tau is not None and tau < threshold:
+            offers.append(f"τ={tau} at ε={epsilon * factor:g}")
+    more = f"more ε ({', '.join(offers)})" if offers else "more ε"
+    counted = f"distinct {plan.sources.unit_description}" if plan.unit is not None else "rows (one per person)"
+    return (
+        f"dpsql: no group was released: a group of {keys} (no public domain) is released only when its noisy "
+        f"count of {counted} reaches τ={threshold} at ε={epsilon:g}, and none did. "
+        f"To release groups: declare a domain for {keys} in the policy (every value is then released, none "
+        f"selected), group by a coarser key, or ask with {more}"
+    )

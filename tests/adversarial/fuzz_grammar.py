@@ -16,12 +16,13 @@ the events that D's orphaned lines point at (rows that belong to nobody until it
 Policies (:func:`policies`) vary ``max_rows_per_unit``, ``max_groups_per_unit``, bounds, domains and
 nullability; queries (:func:`queries`) are drawn from the grammar dpsql accepts: every additive
 aggregate (COUNT, COUNT(col), COUNT(DISTINCT unit), COUNT(DISTINCT col), SUM, AVG, VAR_POP, STDDEV, corr) with
-and without FILTER/CASE, plain and expression keys (DATE_TRUNC, EXTRACT, FLOOR, CASE, width_bucket, date_bin,
-comparisons), joins along the reference and to the public table, WHERE, and SELECT DISTINCT; queries over
-lines, alone or joined up the chain by foreign key (:func:`line_queries`), and per-person subqueries grouped
-by the unit (:func:`person_queries`). WHERE mixes plain predicates with the shapes that narrow a public key's
-domain (:data:`NARROWING_WHERE`: NOT IN lists, LIKE/ILIKE with ``%``, ``_`` and escapes, OR-ed equalities and
-INs on one column), often on a grouped column, one or two conjuncts. A case prints as a policy YAML plus
+and without FILTER/CASE, over division, casts and ``%`` too, plain and expression keys (DATE_TRUNC, EXTRACT,
+FLOOR, CASE, width_bucket, date_bin, comparisons), joins along the reference and to the public table, WHERE (row
+arithmetic included), and SELECT DISTINCT; queries over lines, alone or joined up the chain by foreign key
+(:func:`line_queries`), and per-person subqueries grouped by the unit (:func:`person_queries`). WHERE mixes plain
+predicates with the shapes that narrow a public key's domain (:data:`NARROWING_WHERE`: NOT IN lists, LIKE/ILIKE
+with ``%``, ``_`` and escapes, OR-ed equalities and INs on one column), often on a grouped column, one or two
+conjuncts. A case prints as a policy YAML plus
 SQL, which is all it takes to reproduce it.
 """
 
@@ -434,6 +435,20 @@ EVENT_MEASURE_FAMILIES: dict[str, list[str]] = {
         "COUNT(*) FILTER (WHERE e.tag LIKE '%a%')",
         "AVG(CASE WHEN e.flag THEN e.amount END)",
     ],
+    # division, casts and % inside aggregates (#36): NULLIF'd divisors that can be 0 (qty), PostgreSQL's
+    # truncating integer division, casts of doubles to integers (rint) and of booleans to 0/1
+    "arith": [
+        "SUM(e.amount / 1000.0)",
+        "SUM(CAST(e.qty AS DOUBLE PRECISION))",
+        "AVG(e.qty::float)",
+        "SUM(e.qty / 3)",
+        "SUM(e.amount / e.qty)",
+        "AVG(e.qty / (e.qty - 2))",
+        "SUM(e.qty % 4)",
+        "AVG(CAST(e.amount AS INTEGER))",
+        "SUM(CAST(e.flag AS INTEGER))",
+        "SUM(e.amount * (1 - e.qty / 20.0))",
+    ],
     "selected": [
         "MIN(e.amount)",
         "MAX(e.qty)",
@@ -460,8 +475,21 @@ EVENT_WHERE = [
     "e.day >= DATE '2024-03-01'",
     "e.qty BETWEEN 2 AND 8",
     "e.amount IS NULL",
+    # row arithmetic (#36): every column clamped before the operation, divisors that can be 0 NULLIF'd,
+    # constants folded as PostgreSQL would (0.06 - 0.01, INTERVAL '30' DAY (3))
+    "e.amount + 1 > 20",
+    "e.amount * (1 - 0.05) > 10",
+    "e.qty / 2 > 1",
+    "e.amount / e.qty > 3",
+    "e.qty % 3 = 0",
+    "CAST(e.amount AS INTEGER) = 42",
+    "e.qty / (e.qty - 1) >= 1",
+    "e.amount BETWEEN 0.06 - 0.01 AND 40 + 1",
+    "e.day <= DATE '2024-06-30' - INTERVAL '30' DAY (3)",
+    "EXTRACT(month FROM e.day) + 1 > 3",
+    "e.amount - e.qty * 2 < e.amount / 2",
 ]
-PEOPLE_WHERE = ["p.age < 60", "p.grp = 'a'", "p.score > 0"]
+PEOPLE_WHERE = ["p.age < 60", "p.grp = 'a'", "p.score > 0", "p.age + 1 > 40", "p.score * 2 + p.age / 10 < 3"]
 
 #: WHERE shapes that narrow a public key's domain (dpsql/analyze/keys/narrow.py), by the column they
 #: narrow: NOT IN (a NULL in the list passes no row), LIKE/ILIKE with ``%``, ``_``, escaped ``_``/``%``/
@@ -599,7 +627,13 @@ def queries(draw: st.DrawFn) -> str:
         measures = draw(st.lists(st.sampled_from(PEOPLE_ONLY_MEASURES), min_size=1, max_size=3, unique=True))
         where = draw(
             st.sampled_from(
-                [None, "age < 60", "grp = 'a'", *(w.replace("p.", "") for w in PEOPLE_NARROWING_WHERE["p.grp"])]
+                [
+                    None,
+                    "age < 60",
+                    "grp = 'a'",
+                    "age / 3 + score > 10",
+                    *(w.replace("p.", "") for w in PEOPLE_NARROWING_WHERE["p.grp"]),
+                ]
             )
         )
         return _assemble(keys, measures, "people", where)

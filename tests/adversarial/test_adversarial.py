@@ -46,24 +46,19 @@ def _ors(n: int) -> str:
 
 REFUSALS = [
     # error oracles: expressions that could fail on a data value never reach the database
+    Refusal("div-zero-where", "SELECT COUNT(*) FROM patients WHERE age / 0 > 1", "22012", "division by zero"),
+    Refusal("div-zero-constant", "SELECT COUNT(*) FROM patients WHERE 1/0 = 1", "22012", "division by zero"),
     Refusal(
-        "div-zero-where",
-        "SELECT COUNT(*) FROM patients WHERE age / 0 > 1",
+        "div-float-near-zero",
+        "SELECT COUNT(*) FROM patients WHERE 1 / (bmi - 26) > 0",
         "0A000",
-        "comparisons in WHERE must involve a column",
+        "division by an expression that can be zero",
     ),
-    Refusal(
-        "div-zero-constant",
-        "SELECT COUNT(*) FROM patients WHERE 1/0 = 1",
-        "0A000",
-        "comparisons in WHERE must involve a column",
-    ),
-    Refusal("div-zero-shifted", "SELECT COUNT(*) FROM patients WHERE 1 / (age - 26) > 0", "0A000", None),
     Refusal(
         "failing-cast-column",
         "SELECT COUNT(*) FROM patients WHERE CAST(sex AS int) = 1",
         "0A000",
-        "comparisons in WHERE must involve a column",
+        'CAST of text column "sex" to int is not supported in WHERE',
     ),
     Refusal(
         "failing-cast-text",
@@ -110,7 +105,7 @@ REFUSALS = [
     Refusal("sum-ln", "SELECT SUM(ln(age)) FROM patients", "0A000", "LN is not supported inside an aggregate"),
     Refusal(
         "sum-div-zero",
-        "SELECT SUM(1 / (age - 30)) FROM patients",
+        "SELECT SUM(1.0 / (bmi - 30)) FROM patients",
         "0A000",
         "division by an expression that can be zero",
     ),
@@ -276,23 +271,24 @@ REFUSALS = [
         "operator pow is not supported on aggregates",
     ),
     # subqueries and exact aggregates in predicates
+    # (an uncorrelated AVG subquery is answered as two DP queries: tests/engine/test_subqueries.py)
     Refusal(
-        "subquery-avg",
-        "SELECT COUNT(*) FROM patients WHERE age > (SELECT AVG(age) FROM patients)",
+        "subquery-avg-correlated",
+        "SELECT COUNT(*) FROM patients p WHERE age > (SELECT AVG(q.age) FROM patients q WHERE q.zip = p.zip)",
         "0A000",
-        "subqueries are not supported",
+        "a subquery in WHERE that aggregates protected rows is not supported",
     ),
     Refusal(
         "subquery-exists",
         "SELECT COUNT(*) FROM patients WHERE EXISTS (SELECT 1 FROM patients WHERE zip = 2138)",
         "0A000",
-        "subqueries are not supported",
+        "a subquery over protected rows may only filter rows of the same person",
     ),
     Refusal(
         "subquery-in",
         "SELECT COUNT(*) FROM patients WHERE age IN (SELECT age FROM patients)",
         "0A000",
-        "subqueries are not supported",
+        "a subquery over protected rows may only filter rows of the same person",
     ),
     Refusal(
         "aggregate-in-where",
@@ -355,14 +351,15 @@ REFUSALS = [
     ),
     # quoted identifiers, comments, unicode
     Refusal("quoted-upper-SSN", 'SELECT COUNT("SSN") FROM patients', "42703", 'column "SSN" does not exist'),
-    Refusal("quoted-ssn", 'SELECT COUNT("ssn") FROM patients', "42501", 'permission denied for column "ssn"'),
+    # (COUNT of an identifier is answered: how many rows hold one, never a value)
+    Refusal("quoted-ssn", 'SELECT MAX("ssn") FROM patients', "42501", 'permission denied for column "ssn"'),
     Refusal(
         "qualified-quoted-ssn",
-        'SELECT COUNT("patients"."ssn") FROM patients',
+        'SELECT MAX("patients"."ssn") FROM patients',
         "42501",
         'permission denied for column "ssn"',
     ),
-    Refusal("alias-ssn", "SELECT COUNT(p.ssn) FROM patients p", "42501", 'permission denied for column "ssn"'),
+    Refusal("alias-ssn", "SELECT MAX(p.ssn) FROM patients p", "42501", 'permission denied for column "ssn"'),
     Refusal("quoted-upper-table", 'SELECT COUNT(*) FROM "PATIENTS"', "42P01", 'relation "PATIENTS" does not exist'),
     Refusal(
         "other-schema", "SELECT COUNT(*) FROM secret.patients", "42P01", 'relation "secret.patients" does not exist'
@@ -439,6 +436,9 @@ ANSWERS = [
     Answer("long-in-list", "SELECT COUNT(*) FROM patients WHERE age IN (" + ",".join(map(str, range(20_000))) + ")"),
     Answer("many-ors", "SELECT COUNT(*) FROM patients WHERE " + _ors(200)),
     Answer("huge-literal-compare", "SELECT COUNT(*) FROM patients WHERE age > 9223372036854775807999"),
+    # row arithmetic (#36): an integer divisor that can be 0 is read through NULLIF (NULL, never an error)
+    Answer("div-zero-shifted", "SELECT COUNT(*) FROM patients WHERE 1 / (age - 26) > 0"),
+    Answer("sum-int-div-zero", "SELECT SUM(100 / (age - 30)), AVG(age % (visits - 2)) FROM patients"),
     Answer("high-cardinality-groups", "SELECT dob, zip, age, COUNT(*) FROM patients GROUP BY dob, zip, age", None),
 ]
 

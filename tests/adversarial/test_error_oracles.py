@@ -206,6 +206,34 @@ ATTACKS = [
         "SELECT SUM(1.0 / (cost - 4999)) FILTER (WHERE x > 0), COUNT(*) FILTER (WHERE d > '2021-01-01') FROM t",
     ),
     Attack("filter-trailing-escape", "SELECT COUNT(*) FILTER (WHERE problem LIKE 'o\\') FROM t", expected="22025"),
+    # row arithmetic in WHERE and division / casts / % inside aggregates (#36): columns clamped before the
+    # arithmetic, divisors that can be 0 read through NULLIF, integer division truncating on both backends
+    Attack("where-division-out-of-bounds", "SELECT COUNT(*) FROM t WHERE 1.0 / (cost - 4999) > -0.001"),
+    Attack("where-integer-division-by-zero", "SELECT COUNT(*) FROM t WHERE 100 / visits > 2"),
+    Attack("where-modulo-by-zero", "SELECT COUNT(*) FROM t WHERE visits % (visits - 3) = 1"),
+    Attack("where-bigint-overflow", "SELECT COUNT(*) FROM t WHERE visits * visits * visits * visits > 10"),
+    Attack("where-float-arithmetic", "SELECT COUNT(*) FROM t WHERE cost * x + 1 > 0.5 OR x - cost / 2 < -900"),
+    Attack("where-cast-integer", "SELECT COUNT(*) FROM t WHERE CAST(cost AS INTEGER) = 100"),
+    Attack("where-cast-double", "SELECT COUNT(*) FROM t WHERE CAST(visits AS DOUBLE PRECISION) / 3 > 1"),
+    Attack("where-extract-arithmetic", "SELECT COUNT(*) FROM t WHERE EXTRACT(year FROM d) + 1 > 2022"),
+    Attack("where-arithmetic-between-in", "SELECT COUNT(*) FROM t WHERE visits + 1 BETWEEN 2 AND 5 OR x * 2 IN (1)"),
+    Attack("where-arithmetic-is-null", "SELECT COUNT(*) FROM t WHERE 10 / visits IS NULL"),
+    Attack(
+        "where-folded-constants",
+        "SELECT COUNT(*) FROM t WHERE cost BETWEEN 0.06 - 0.01 AND 1000 + 1 "
+        "AND d <= DATE '2024-12-31' - INTERVAL '90' DAY (3)",
+    ),
+    Attack("where-division-by-constant-zero", "SELECT COUNT(*) FROM t WHERE visits / 0 > 1", expected="22012"),
+    Attack("where-float-divisor-near-zero", "SELECT COUNT(*) FROM t WHERE cost / x > 1", expected="0A000"),
+    Attack("where-modulo-float", "SELECT COUNT(*) FROM t WHERE cost % 2 = 0", expected="42883"),
+    Attack("sum-integer-division", "SELECT SUM(visits / 3), SUM(1000 / visits), AVG(visits % 7) FROM t"),
+    Attack(
+        "sum-casts",
+        "SELECT SUM(CAST(cost AS DOUBLE PRECISION)), AVG(x::float), SUM(CAST(cost AS INTEGER)), "
+        "SUM(CAST(x AS BIGINT)), AVG(visits::numeric) FROM t",
+    ),
+    Attack("sum-scaled-division", "SELECT SUM(cost / 1000.0), AVG(x / 2), SUM(cost / (visits + 1)) FROM t"),
+    Attack("sum-cast-text", "SELECT SUM(problem::float) FROM t", expected="0A000"),
 ]
 
 BACKENDS = ("duckdb", "postgres")

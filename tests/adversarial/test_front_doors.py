@@ -101,7 +101,13 @@ def test_text_stored_numeric_column_refused_on_neighbours(backend: str, pg_new_d
         try:
             _text_bmi_patients(db, odd)
             engine = Engine(policy, db, Ledger.open("sqlite:///:memory:"))
-            for sql in ("SELECT SUM(bmi) FROM patients", "SELECT COUNT(*) FROM patients WHERE bmi > 30"):
+            for sql in (
+                "SELECT SUM(bmi) FROM patients",
+                "SELECT COUNT(*) FROM patients WHERE bmi > 30",
+                # row arithmetic and casts (#36): the same refusal, from the schema, whatever the rows hold
+                "SELECT COUNT(*) FROM patients WHERE bmi * 2 + age / 3 > 30",
+                "SELECT SUM(bmi / 1000.0), AVG(CAST(bmi AS DOUBLE PRECISION)) FROM patients",
+            ):
                 outcomes.append((sql, _outcome(engine, sql, Session(analyst="alice"))))
         finally:
             db.close()
@@ -269,6 +275,7 @@ def test_public_self_join_chain_refused(adv_clinic_backend: Backend) -> None:
     sql = f"SELECT COUNT(*) FROM visits v JOIN departments d0 ON d0.name = v.department {joins}"
     outcome = _outcome(engine, sql, Session(analyst="alice"))
     assert outcome[:2] == ("refused", "54000") and outcome[-1] == 0
+    # public tables alone (#36): no person in them, answered exactly and free in the sandbox
     sql = "SELECT COUNT(*) FROM departments a JOIN departments b ON a.name = b.name"
     outcome = _outcome(engine, sql, Session(analyst="alice"))
-    assert outcome == ("refused", "0A000", 'self-joins of public table "departments" are not supported', 0)
+    assert outcome == ("answered", 0)

@@ -182,6 +182,22 @@ REGRESSIONS: list[tuple[FuzzPolicy, str, str, int]] = [
         "s1",
         0,
     ),
+    # row arithmetic in WHERE and division / casts / % inside aggregates (#36): NULLIF'd divisors, clamps
+    # before the arithmetic (the odd neighbour stores ±infinity, NaN and 2e9), integer division truncating
+    (
+        _policy(3, 2),
+        "SELECT SUM(e.amount / e.qty) AS v0, AVG(e.qty / (e.qty - 2)) AS v1, SUM(e.qty % 4) AS v2 FROM events e "
+        "WHERE (e.amount * (1 - 0.05) > 10) AND (e.qty / (e.qty - 1) >= 1)",
+        "s1",
+        0,
+    ),
+    (
+        _policy(2, 3),
+        "SELECT e.kind AS k0, AVG(CAST(e.amount AS INTEGER)) AS v0, SUM(CAST(e.flag AS INTEGER)) AS v1, "
+        "SUM(e.amount / 1000.0) AS v2 FROM events e WHERE e.amount / e.qty > 3 GROUP BY k0",
+        "x",
+        1,
+    ),
 ]
 
 
@@ -216,6 +232,10 @@ class Stats:
         )
         if plan.selection_measure is not None:
             self.shapes["partition selection"] += 1
+        if plan.where is not None and plan.where.find(exp.Div, exp.Mod, exp.Add, exp.Sub, exp.Mul):
+            self.shapes["WHERE: row arithmetic"] += 1
+        if any(m.expr is not None and m.expr.find(exp.Div, exp.Mod, exp.Cast) for m in plan.measures):
+            self.shapes["aggregate: division, cast or %"] += 1
 
     def report(self, dialect: str) -> str:
         lines = [f"{dialect}: {self.answered} cases answered x {len(ADVERSARIES)} neighbours, {self.refused} refused"]
@@ -422,6 +442,8 @@ def test_every_measure_moves_within_its_sensitivity(worlds: tuple[str, dict[str 
         assert stats.shapes[shape] > 0, stats.report(dialect)
     assert stats.shapes["join looked up by foreign key"] > 0, stats.report(dialect)
     assert stats.shapes["semi-join inside the person"] > 0, stats.report(dialect)
+    assert stats.shapes["WHERE: row arithmetic"] > 0, stats.report(dialect)
+    assert stats.shapes["aggregate: division, cast or %"] > 0, stats.report(dialect)
 
 
 @pytest.mark.heavy

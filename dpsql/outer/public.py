@@ -1,0 +1,263 @@
+"""Statements that read public tables only: answered exactly and free, in the post-processing sandbox.
+
+A table the policy declares ``public: true`` holds no personal data (a lookup list, TPC-H's part,
+supplier and nation with the customer as the unit). A statement whose every table is such a table —
+``SELECT COUNT(*) FROM part WHERE p_size = 15``, a row listing, joins, sub-queries, TPC-H Q2, Q11 and
+Q16 as written — is answered exactly: no noise, no charge, a NOTICE saying why, on every front door
+(they all call the engine), and EXPLAIN says so. A statement naming any other table is left to the DP
+path, unchanged.
+
+Privacy: nothing private is read. Only the declared, non-identifier columns of the public tables the
+statement names (those it refers to, at least one) are copied into a fresh sandbox
+(:mod:`dpsql.outer.sandbox`: no file system, no extension, no other table), and the statement runs
+there; whatever else it names does not exist there (42P01/42703). Free is not free: the sandbox is
+admitted like post-processing (:func:`dpsql.outer.admission.post_process`: memory, one per analyst at
+once, its CPU time charged to the analyst), bounded by the statement's deadline (57014) and its result
+caps (54000); a public table brings at most :data:`MAX_PUBLIC_ROWS` rows (54000), and functions that
+make rows or sized values are refused before anything runs (0A000), as over released rows.
+Constants are folded first (:mod:`dpsql.analyze.fold`): PostgreSQL's arithmetic, not DuckDB's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, overload
+
+import numpy as np
+from sqlglot import exp
+
+from dpsql.analyze import infer_parameter_types
+from dpsql.analyze.fold import fold_constants
+from dpsql.analyze.parse import Params, bind_parameters, placeholder_value
+from dpsql.errors import ProgramLimitExceeded
+from dpsql.explain import sql_lines
+from dpsql.lru import LRU
+from dpsql.outer import deadline
+from dpsql.outer.admission import Table, post_process
+from dpsql.outer.explain import CompositeExplanation
+from dpsql.outer.host import Host
+from dpsql.outer.sandbox import MAX_PUBLIC_ROWS, Sandbox, outer_sql, pg_type
+from dpsql.outer.shapes import refuse_recursion, refuse_sized
+from dpsql.pgtypes import PgType
+from dpsql.plan.sources import ident_name
+from dpsql.policy import PG_TYPE_NAMES, Policy
+from dpsql.prepared import Description
+from dpsql.session import OutputColumn, Result, Session
+from dpsql.step import Notice, NoticeKind
+
+__all__ = ["describe", "explain", "load_columns", "public_tables", "route"]
+
+
+def notice(names: Iterable[str]) -> Notice:
+    return Notice(
+        f"dpsql: reads public tables only ({', '.join(names)}): answered exactly, without noise; no budget charged",
+        NoticeKind.FREE,
+    )
+
+
+def public_tables(tree: exp.Expression, policy: Policy) -> list[str] | None:
+    """The public tables a statement reads, when it reads no other table (its own CTEs aside); None
+    otherwise, and for a statement that names no table (left to the usual path)."""
+    if not isinstance(tree, exp.Select | exp.SetOperation):
+        return None
+    ctes = {ident_name(c.args["alias"].this) for c in tree.find_all(exp.CTE) if c.args.get("alias")}
+    names: list[str] = []
+    for table in tree.find_all(exp.Table):
+        if not isinstance(table.this, exp.Identifier):  # a table function: not a public table
+            return None
+        name = ident_name(table.this)
+        if not table.args.get("db") and name in ctes:
+            continue
+        found = policy.table(name)
+        if found is None or not found.public or ident_name(table.args.get("db")) not in ("", "public"):
+            return None
+        if name not in names:
+            names.append(name)
+    return names or None
+
+
+def _columns(engine: Host, name: str, tree: exp.Expression) -> list[tuple[str, PgType]]:
+    """The declared, non-identifier columns of public table ``name`` that the statement can refer to:
+    those it names (every one for ``*`` or a NATURAL join), and at least one, so rows still count."""
+    table = engine.policy.table(name)
+    assert table is not None
+    declared = [(c, PG_TYPE_NAMES[col.type]) for c, col in table.columns.items() if not col.identifier]
+    every = tree.find(exp.Star) is not None or any(j.args.get("method") for j in tree.find_all(exp.Join))
+    named = {ident_name(c.this).lower() for c in tree.find_all(exp.Column) if isinstance(c.this, exp.Identifier)}
+    used = declared if every else [(c, t) for c, t in declared if c.lower() in named]
+    return used or declared[:1]
+
+
+def _statement(tree: exp.Expression, params: Params) -> exp.Expression:
+    """The statement as the sandbox runs it: parameters bound, constants folded (PostgreSQL's values and
+    errors), recursion and row-making functions refused (0A000) — from the SQL alone, before any read."""
+    bound = fold_constants(bind_parameters(tree.copy(), params))
+    refuse_recursion(bound)
+    refuse_sized(bound)
+    return bound
+
+
+class Columns(Sequence[tuple[Any, ...]]):
+    """A public table's rows held column-wise (NumPy object arrays), as :func:`load_columns` loads them."""
+
+    def __init__(self, arrays: list[np.ndarray[Any, Any]]) -> None:
+        self.arrays = arrays
+
+    def __len__(self) -> int:
+        return len(self.arrays[0]) if self.arrays else 0
+
+    @overload
+    def __getitem__(self, index: int) -> tuple[Any, ...]: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[tuple[Any, ...]]: ...
+    def __getitem__(self, index: int | slice) -> tuple[Any, ...] | Sequence[tuple[Any, ...]]:
+        if isinstance(index, slice):
+            return [tuple(a[i] for a in self.arrays) for i in range(*index.indices(len(self)))]
+        return tuple(a[index] for a in self.arrays)
+
+
+#: Public tables' columns by (database, table, columns, data stamp): read from the database once per data
+#: version, not per statement (TPC-H's partsupp, 80,000 rows: seconds to read and convert). Bounded in
+#: entries and (estimated) bytes; a new stamp is a miss, so a write is never answered stale.
+_READ: LRU[tuple[str, str, tuple[tuple[str, str], ...], str], Columns] = LRU(64, 256 << 20)
+#: Estimated bytes a cached value holds (an object pointer and a small Python object).
+_VALUE_BYTES = 64
+
+
+def _read(engine: Host, name: str, columns: Sequence[tuple[str, PgType]]) -> Table:
+    """A public table's ``columns``, read from the backend (public by policy: no noise needed), or from
+    :data:`_READ` when this data version was read before."""
+    backend = engine.backend
+    try:
+        key: tuple[str, str, tuple[tuple[str, str], ...], str] | None = (
+            backend.identity(),
+            name,
+            tuple(columns),
+            backend.data_stamp(),
+        )
+    except Exception:  # no stamp readable: read it afresh
+        key = None
+    cached = _READ.get(key) if key is not None else None
+    if cached is not None:
+        return name, columns, cached
+    table = engine.policy.table(name)
+    assert table is not None
+    source = table.source or name
+    where = exp.to_table(source) if "." in source else exp.to_table(source, quoted=True)
+    select = exp.select(*(exp.column(c, quoted=True) for c, _ in columns)).from_(where)
+    rows = engine.step.query(backend.render(select.limit(MAX_PUBLIC_ROWS + 1)))
+    if len(rows) > MAX_PUBLIC_ROWS:
+        raise ProgramLimitExceeded(f'public table "{name}" has more than {MAX_PUBLIC_ROWS} rows')
+    read = _columnar(rows, len(columns))
+    if key is not None:
+        _READ.put(key, read, _VALUE_BYTES * len(rows) * len(columns))
+    return name, columns, read
+
+
+def _columnar(rows: Sequence[tuple[Any, ...]], width: int) -> Columns:
+    arrays = []
+    for i in range(width):
+        values = np.empty(len(rows), dtype=object)  # filled, not built: a value may itself be a sequence
+        values[:] = [row[i] for row in rows]
+        arrays.append(values)
+    return Columns(arrays)
+
+
+def load_columns(box: Sandbox, table: Table) -> None:
+    """Load a table into ``box`` column-wise (DuckDB reads NumPy object arrays in bulk): a row at a
+    time, 80,000 rows took minutes."""
+    name, columns, rows = table
+    box.load(name, columns, [])  # the typed, empty table
+    if not rows:
+        return
+    if not isinstance(rows, Columns):
+        rows = _columnar(rows, len(columns))
+    data = {f"c{i}": values for i, values in enumerate(rows.arrays)}
+    quoted = ", ".join('"' + c.replace('"', '""') + '"' for c, _ in columns)
+    box.con.register("__dpsql_rows", data)
+    try:
+        box.con.execute(f'INSERT INTO "{name}" ({quoted}) SELECT {", ".join(data)} FROM __dpsql_rows')
+    finally:
+        box.con.unregister("__dpsql_rows")
+
+
+def _shape(engine: Host, tables: list[Table], sql: str, ends: float | None) -> list[OutputColumn]:
+    """The statement's columns, bound against empty public tables: known before anything is read."""
+    with Sandbox(ends) as box:
+        for name, columns, _ in tables:
+            box.load(name, columns, [])
+        described = box.describe(sql)
+    return [OutputColumn(name, pg_type(duck) or "text", noisy=False) for name, duck in described]
+
+
+def _names_public(sql: str, policy: Policy) -> bool:
+    """Whether the text names some public table: a statement reading public tables only must (a cheap test
+    on the text before its tree is walked, as every statement passes here)."""
+    text = sql.lower()
+    return any(name.lower() in text for name, table in policy.tables.items() if table.public)
+
+
+def _parts(engine: Host, tree: exp.Expression, params: Params) -> tuple[list[str], exp.Expression] | None:
+    names = public_tables(tree, engine.policy)
+    if names is None:
+        return None
+    return names, _statement(tree, params)
+
+
+def route(engine: Host, sql: str, session: Session, params: Params, parsed: exp.Expression) -> Result | None:
+    """The exact answer of a statement over public tables only; None: not one (the usual path)."""
+    if not _names_public(sql, engine.policy):
+        return None
+    parts = _parts(engine, parsed, params)
+    if parts is None:
+        return None
+    names, statement = parts
+    ends = deadline(engine)
+    query = outer_sql(statement)
+    empty: list[Table] = [(n, _columns(engine, n, statement), []) for n in names]
+    columns = _shape(engine, empty, query, ends)
+    tables = [_read(engine, name, cols) for name, cols, _ in empty]
+    rows = post_process(session.analyst, ends, tables, query, [c.type for c in columns], load=load_columns)
+    result = Result(columns, rows, [tuple(None for _ in columns)] * len(rows), 0.0, 0.0)
+    result.notices.append(notice(names))
+    return result
+
+
+class PublicExplanation(CompositeExplanation):
+    """EXPLAIN of a statement over public tables only: exact, free, and the SQL the sandbox runs."""
+
+    def lines(self) -> list[str]:
+        lines = [f"{self.node}  (epsilon=0 delta=0; exact, no noise, no budget charged)"]
+        lines.append("  SQL (over the public tables' declared columns, in a sandbox):")
+        lines.extend(sql_lines(self.outer_sql, indent=6))
+        return lines
+
+
+def explain(
+    engine: Host, sql: str, session: Session, params: Params, parsed: exp.Expression
+) -> PublicExplanation | None:
+    """EXPLAIN of a statement over public tables only (bound, so it refuses what execution would); None:
+    not one. Reads nothing, charges nothing."""
+    if not _names_public(sql, engine.policy):
+        return None
+    parts = _parts(engine, parsed, params)
+    if parts is None:
+        return None
+    names, statement = parts
+    query = outer_sql(statement)
+    _shape(engine, [(n, _columns(engine, n, statement), []) for n in names], query, None)
+    node = f"Public tables only: {', '.join(names)}"
+    return PublicExplanation(node, 0.0, 0.0, [], query, mechanism="exact")
+
+
+def describe(engine: Host, sql: str, session: Session, parsed: exp.Expression) -> Description | None:
+    """Columns and parameter types of a statement over public tables only (None: not one)."""
+    if not _names_public(sql, engine.policy) or public_tables(parsed, engine.policy) is None:
+        return None
+    param_types = infer_parameter_types(parsed, engine.policy)
+    parts = _parts(engine, parsed, [placeholder_value(t) for t in param_types] or None)
+    assert parts is not None
+    names, statement = parts
+    query = outer_sql(statement)
+    columns = _shape(engine, [(n, _columns(engine, n, statement), []) for n in names], query, None)
+    return Description(columns, param_types)
