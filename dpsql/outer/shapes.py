@@ -115,6 +115,8 @@ class Composite:
     public: list[str] = field(default_factory=list)
     #: Output columns that are plain references to exact (non-noisy) columns, by name.
     exact_outputs: set[int] = field(default_factory=set)
+    #: The outer statement in the sandbox's dialect, once generated (``dpsql.outer.outer_text``).
+    text: str = ""
 
     @property
     def limit_zero(self) -> bool:
