@@ -424,6 +424,8 @@ def decompose(tree: exp.Expr, policy: Policy) -> Composite | None:
             w.pop()
     public: list[str] = []
     for table in outer.find_all(exp.Table):
+        if table.db and ident_name(table.args.get("db")) == "public":
+            table.set("db", None)  # the sandbox holds the policy's tables by name alone
         name = ident_name(table.this)
         if name.startswith(RELEASED_PREFIX) or (not table.db and name in lifter.ctes):
             continue
