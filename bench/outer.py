@@ -148,5 +148,16 @@ def _row(case: str, inner: Stats, outer: Stats, overhead: float | None, bar: flo
     }
 
 
+def bars(section: dict[str, Any] | None) -> list[tuple[str, float | None, float]]:
+    """Issue #37's post-processing bars: (name, measured value or None, limit)."""
+    found = {r["case"].split(" (")[0]: r for r in (section or {}).get("results", [])}
+    overhead = found.get("AVG/MAX over a GROUP BY")
+    q15 = found.get("Q15-like")
+    return [
+        ("outer-query overhead p50 ms (issue #37)", overhead["value"] if overhead else None, BAR_OVERHEAD_MS),
+        ("Q15-like statement p50 ms (issue #37)", q15["value"] if q15 else None, BAR_Q15_MS),
+    ]
+
+
 if __name__ == "__main__":
     run(quick=True).print()
