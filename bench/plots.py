@@ -309,6 +309,53 @@ def plot_spark(plt: Any, section: dict[str, Any], report: dict[str, Any], out: P
     return _save(plt, fig, report, title, out / "spark.png")
 
 
+def plot_outer(plt: Any, section: dict[str, Any], report: dict[str, Any], out: Path) -> Path | None:
+    """Post-processing: the outer statement's p50 beside its inner DP query's (both cached), ratio above."""
+    results = section.get("results") or []
+    if not results:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4))
+    x = range(len(results))
+    inner = [r["inner_p50_ms"] for r in results]
+    outer = [r["outer_p50_ms"] for r in results]
+    ax.bar([i - 0.2 for i in x], inner, 0.4, color=OTHER, label="inner DP query (cached)")
+    ax.bar([i + 0.2 for i in x], outer, 0.4, color=DPSQL, label="the statement with its outer query")
+    for i, r in zip(x, results, strict=True):
+        label = f"{r['ratio_p50']:.2f}×" + (f", +{r['overhead_p50_ms']:.1f} ms" if r.get("overhead_p50_ms") else "")
+        ax.text(i + 0.2, outer[i], label, ha="center", va="bottom", fontsize=8)
+        ax.plot([i - 0.4, i + 0.4], [r["bar"]] * 2, color="black", linestyle="--", linewidth=1)
+    ax.set_xticks(list(x), [r["case"] for r in results], fontsize=8)
+    _plain_log(ax)
+    ax.set_ylabel("wall time p50, ms (dashed: bar)")
+    ax.legend(fontsize=8)
+    return _save(plt, fig, report, "post-processing: outer statement vs its inner query", out / "outer.png")
+
+
+def plot_cli(plt: Any, section: dict[str, Any], report: dict[str, Any], out: Path) -> Path | None:
+    """Start of each ``dpsql`` command per source tree, p50 seconds, with its bar and × python -c pass."""
+    results = section.get("results") or []
+    if not results:
+        return None
+    trees = list(results[0]["seconds"])
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(trees)
+    for t, tree in enumerate(trees):
+        xs = [i - 0.4 + width * (t + 0.5) for i in range(len(results))]
+        values = [r["seconds"][tree] for r in results]
+        ax.bar(xs, values, width, color=DPSQL if t == 0 else OTHER, label=tree)
+        for x, r in zip(xs, results, strict=True):
+            ax.text(x, r["seconds"][tree], f"{r['over_python'][tree]:.0f}×", ha="center", va="bottom", fontsize=7)
+    for i, r in enumerate(results):
+        bar = r.get("bar")
+        if bar:
+            ax.plot([i - 0.4, i + 0.4], [bar, bar], color="black", linestyle="--", linewidth=1)
+    ax.set_xticks(range(len(results)), [r["command"] for r in results], fontsize=8)
+    _plain_log(ax)
+    ax.set_ylabel("seconds p50 (× python -c pass above; dashed: bar)")
+    ax.legend(fontsize=8)
+    return _save(plt, fig, report, "dpsql command start", out / "cli.png")
+
+
 PLOTS: dict[str, Callable[[Any, dict[str, Any], dict[str, Any], Path], Path | None]] = {
     "overhead": plot_overhead,
     "e2e": plot_e2e,
@@ -318,6 +365,8 @@ PLOTS: dict[str, Callable[[Any, dict[str, Any], dict[str, Any], Path], Path | No
     "wire": plot_wire,
     "peers": plot_peers,
     "spark": plot_spark,
+    "outer": plot_outer,
+    "cli": plot_cli,
 }
 
 

@@ -24,9 +24,11 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing the pack
 
 import accounting  # noqa: E402
 import attacks  # noqa: E402
+import cli_start  # noqa: E402
 import common  # noqa: E402
 import e2e  # noqa: E402
 import noise  # noqa: E402
+import outer  # noqa: E402
 import overhead  # noqa: E402
 import peers  # noqa: E402
 import person  # noqa: E402
@@ -76,6 +78,8 @@ BENCHMARKS: dict[str, Callable[[bool], common.Section]] = {
     "attacks": attacks.run,
     "accounting": accounting.run,
     "reservation": reservation.run,
+    "outer": outer.run,
+    "cli": cli_start.run,
     "spark": run_spark,
 }
 
@@ -140,6 +144,8 @@ def bars(report: dict[str, Any]) -> list[dict[str, Any]]:
         )
     for name, test in TESTED_BARS:
         out.append({"bar": name, "value": None, "limit": None, "verdict": "test", "where": test})
+    for bar, value, limit in [*outer.bars(sections.get("outer")), *cli_start.bars(sections.get("cli"))]:
+        measured(bar, value, limit, "bench outer" if "outer" in bar or "Q15" in bar else "bench cli")
     return out
 
 

@@ -3,6 +3,12 @@
 Each family defines its subcommands and their handlers in its own module and registers them here
 (``register(sub)``); nothing imports this module, so a command never depends on another through it.
 With no options every command works on the embedded demo (:mod:`dpsql.commands`).
+
+Only the family the command line names is imported (issue #37): ``dpsql --version`` loads nothing
+else, and ``dpsql budget`` the ledger and the policy, not the engine, the server and every stage of
+the pipeline, which took 2.5-5 s. ``dpsql --help``, no command or an unknown one load every family,
+so the usage lists them all. This module is the one besides the package root whose functions may
+import (``scripts/check_layers.py``: ``LAZY_MODULES``).
 """
 
 from __future__ import annotations
@@ -10,41 +16,103 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import TypeAlias
 
-from dpsql import commands
-from dpsql.curator import cli as curator_cli
-from dpsql.curator import ledger_cli
-from dpsql.curator import synopsis as synopsis_cli
-from dpsql.dashboard import cli as dashboard_cli
-from dpsql.dev import cli as dev_cli
 from dpsql.errors import Error
-from dpsql.server import cli as server_cli
 from dpsql.version import __version__
 
-#: The families' registrations, in the order ``dpsql --help`` lists their subcommands.
-FAMILIES: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None], ...] = (
-    server_cli.register,  # serve
-    commands.register,  # query, explain
-    ledger_cli.register,  # budget [grant|revoke|freeze|unfreeze], audit [prune], ledger verify
-    dashboard_cli.register,  # dashboard: the curator's web view of the ledger
-    dev_cli.register,  # demo, demo-data
-    server_cli.register_passwd,  # passwd
-    curator_cli.register,  # policy draft|check|report, cache clear, reload
-    synopsis_cli.register,  # synopsis build|refresh|list
+#: A family's registration: adds its subcommands to ``dpsql``'s parser.
+Register: TypeAlias = "Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]"
+
+
+def _server() -> Register:
+    from dpsql.server import cli
+
+    return cli.register  # serve
+
+
+def _analyst() -> Register:
+    from dpsql import commands
+
+    return commands.register  # query, explain
+
+
+def _ledger() -> Register:
+    from dpsql.curator import ledger_cli
+
+    return ledger_cli.register  # budget [grant|revoke|freeze|unfreeze], audit [prune], ledger verify
+
+
+def _dashboard() -> Register:
+    from dpsql.dashboard import cli
+
+    return cli.register  # dashboard: the curator's web view of the ledger
+
+
+def _dev() -> Register:
+    from dpsql.dev import cli
+
+    return cli.register  # demo, demo-data
+
+
+def _passwd() -> Register:
+    from dpsql.server import cli
+
+    return cli.register_passwd  # passwd
+
+
+def _curator() -> Register:
+    from dpsql.curator import cli
+
+    return cli.register  # policy draft|check|report, cache clear, reload
+
+
+def _synopsis() -> Register:
+    from dpsql.curator import synopsis
+
+    return synopsis.register  # synopsis build|refresh|list
+
+
+#: The families, in the order ``dpsql --help`` lists their subcommands, with the commands each registers.
+FAMILIES: tuple[tuple[tuple[str, ...], Callable[[], Register]], ...] = (
+    (("serve",), _server),
+    (("query", "explain"), _analyst),
+    (("budget", "audit", "ledger"), _ledger),
+    (("dashboard",), _dashboard),
+    (("demo", "demo-data"), _dev),
+    (("passwd",), _passwd),
+    (("policy", "cache", "reload"), _curator),
+    (("synopsis",), _synopsis),
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _families(argv: Sequence[str] | None) -> list[Callable[[], Register]]:
+    """The families a command line needs: its command's, none for ``--version``, all otherwise."""
+    everything = [load for _, load in FAMILIES]
+    if argv is None:
+        return everything
+    for arg in argv:
+        if arg == "--version":
+            return []
+        if arg.startswith("-"):  # --help, or an option before the command (an error): list them all
+            return everything
+        return [load for names, load in FAMILIES if arg in names] or everything
+    return everything
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or (``argv`` given) of the ones that command line needs."""
     parser = argparse.ArgumentParser(prog="dpsql", description="Differential-privacy SQL gateway.")
     parser.add_argument("--version", action="version", version=f"dpsql {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for register in FAMILIES:
-        register(sub)
+    for load in _families(argv):
+        load()(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(args_list).parse_args(args_list)
     try:
         return int(args.func(args) or 0)
     except Error as exc:

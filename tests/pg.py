@@ -42,8 +42,59 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.postgres)
 
 
+def _children(pid: int) -> list[int] | None:
+    """Direct children of ``pid`` from ``/proc/<pid>/task/*/children`` (None: not readable here)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    kids: list[int] = []
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as children:
+                kids.extend(int(k) for k in children.read().split())
+        except OSError:
+            if pid == os.getpid():
+                return None  # no children files on this kernel: scan /proc instead
+    return kids
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            text = stat.read()
+    except OSError:
+        return ""
+    return text[text.index("(") + 1 : text.rindex(")")]
+
+
 def _postmasters() -> set[int]:
-    """PIDs of PostgreSQL postmasters (a ``postgres`` process whose parent is not one) started under this process."""
+    """PIDs of PostgreSQL postmasters (a ``postgres`` process whose parent is not one) started under this
+    process: its descendants only, found through the children lists (~0.1 ms; scanning every process of a
+    shared machine took ~20 ms, four times per test), else through a scan of /proc."""
+    me = os.getpid()
+    parent: dict[int, int] = {}
+    todo = [me]
+    while todo:
+        pid = todo.pop()
+        kids = _children(pid)
+        if kids is None:
+            if pid == me:
+                return _postmasters_scan()
+            continue
+        for kid in kids:
+            if kid not in parent:
+                parent[kid] = pid
+                todo.append(kid)
+    names = {pid: _comm(pid) for pid in parent}
+    names[me] = ""
+    return {
+        pid for pid, name in names.items() if name == "postgres" and names.get(parent.get(pid, 0), "") != "postgres"
+    }
+
+
+def _postmasters_scan() -> set[int]:
+    """:func:`_postmasters` by a scan of every process (kernels without children lists)."""
     names: dict[int, tuple[str, int]] = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():

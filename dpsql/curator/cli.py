@@ -11,7 +11,7 @@ from pathlib import Path
 
 from dpsql.backends import Backend, open_backend, redact_url
 from dpsql.cache import ResultCache, default_cache_url
-from dpsql.commands import require_policy
+from dpsql.console import require_policy
 from dpsql.dev.demo import DEMO_TABLES, load_demo
 from dpsql.errors import BackendError, InvalidParameterValue, UndefinedTable
 from dpsql.ledger import Ledger, default_ledger, resolve_ledger_url

@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from dpsql.accountant import Allowance, BudgetLike, Spent, remaining_budget
-from dpsql.commands import format_table, json_number, os_user, require_policy
+from dpsql.console import format_table, json_number, os_user, require_policy
 from dpsql.errors import DatetimeFieldOverflow, InvalidDatetimeFormat
 from dpsql.ledger import Ledger, default_ledger
 from dpsql.ledger.audit_report import TABLE_COLUMNS, as_csv, as_json, as_table_rows, audit_rows, parse_since, printable

@@ -16,7 +16,8 @@ import time
 
 from dpsql.accountant import Cost
 from dpsql.cache import database_identity
-from dpsql.commands import open_engine, require_policy
+from dpsql.commands import open_engine
+from dpsql.console import require_policy
 from dpsql.engine import Engine
 from dpsql.errors import FeatureNotSupported, InvalidParameterValue, charged_on_failure
 from dpsql.plan import Plan

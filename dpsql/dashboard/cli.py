@@ -12,7 +12,7 @@ import ssl
 import sys
 
 from dpsql.backends import redact_url
-from dpsql.commands import os_user, require_policy
+from dpsql.console import os_user, require_policy
 from dpsql.errors import PolicyError
 from dpsql.ledger import Ledger, default_ledger
 from dpsql.policy import load_policy

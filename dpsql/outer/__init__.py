@@ -25,7 +25,9 @@ and no rows, charging nothing: that no row is returned is decided from the SQL a
 from __future__ import annotations
 
 import re
+import secrets
 import time
+import weakref
 from dataclasses import replace
 from typing import Any
 
@@ -34,11 +36,14 @@ from sqlglot.optimizer.simplify import simplify
 
 from dpsql.analyze import analyze_tree, infer_parameter_types
 from dpsql.analyze.parse import Params, bind_parameters, parse_statement, placeholder_value
+from dpsql.backends import Backend
+from dpsql.cache import data_stamp, database_identity
 from dpsql.errors import ProgramLimitExceeded
-from dpsql.outer.admission import Table, post_process
+from dpsql.lru import LRU
+from dpsql.outer.admission import PublicTable, Table, post_process
 from dpsql.outer.explain import CompositeExplanation, SubPlan
 from dpsql.outer.host import Host
-from dpsql.outer.sandbox import MAX_PUBLIC_ROWS, Sandbox, outer_sql, pg_type
+from dpsql.outer.sandbox import MAX_PUBLIC_ROWS, Sandbox, outer_sql, pg_type, shape_database
 from dpsql.outer.scalar import answer_scalar, explain_scalar, split_scalar
 from dpsql.outer.series import answer_series, describe_series, explain_series, split_series
 from dpsql.outer.shapes import Composite, decompose, needs_outer, own_aggregates, refuse_recursion
@@ -142,6 +147,9 @@ def route(
     statements = engine.statements
     if statements.plain(sql):
         return None
+    known = None if params else _COMPOSITES.get(sql)
+    if known is not None and known[0] is engine.policy:
+        return answer(engine, known[1], session, sql)
     if parsed is not None and _plain(sql, parsed, engine.policy):
         statements.mark_plain(sql)
         return None
@@ -167,7 +175,17 @@ def route(
         if not params:
             statements.mark_plain(sql)
         return None
+    if not params:
+        _COMPOSITES.put(sql, (engine.policy, composite), weight=_TREE_BYTES_PER_CHAR * len(sql))
     return answer(engine, composite, session, sql)
+
+
+#: Composite statements already split, by their text (without parameters) and the policy that split
+#: them: a repeat (a dashboard's refresh) skips the parse, the copies and the split. The split depends on
+#: the SQL and the policy only, and :func:`answer` reads the tree without changing it.
+_COMPOSITES: LRU[str, tuple[Policy, Composite]] = LRU(256, max_bytes=32 * 1024 * 1024)
+#: A rough weight of a split statement's trees per character of its text (``dpsql.lru``: ~1 kB per node).
+_TREE_BYTES_PER_CHAR = 64
 
 
 def explain(
@@ -199,7 +217,7 @@ def explain(
     ]
     node = "Post-processing"
     return CompositeExplanation(
-        node, cost.epsilon if cost else 0.0, cost.delta if cost else 0.0, subplans, outer_sql(composite.outer)
+        node, cost.epsilon if cost else 0.0, cost.delta if cost else 0.0, subplans, outer_text(composite)
     )
 
 
@@ -236,6 +254,13 @@ def describe(engine: Host, sql: str, session: Session, parsed: exp.Expression | 
     return Description(_shape(engine, composite, inputs), param_types)
 
 
+def outer_text(composite: Composite) -> str:
+    """The outer statement in the sandbox's dialect, generated once per (cached) composite."""
+    if not composite.text:
+        composite.text = outer_sql(composite.outer)
+    return composite.text
+
+
 def deadline(engine: Host) -> float | None:
     """When a statement starting now must end (:func:`time.monotonic`): the engine's statement timeout,
     the one its backend applies to every database statement (None: no timeout)."""
@@ -264,17 +289,29 @@ def _public_columns(engine: Host, name: str) -> list[tuple[str, PgType]]:
     return [(c, PG_TYPE_NAMES[col.type]) for c, col in table.columns.items() if not col.identifier]
 
 
+#: Output columns (name, DuckDB type) of outer statements that bound, by their SQL and input tables.
+_SHAPES: LRU[str, list[tuple[str, str]]] = LRU(512, max_bytes=8 * 1024 * 1024)
+
+
 def _shape(
     engine: Host, composite: Composite, inputs: list[list[OutputColumn]], ends: float | None = None
 ) -> list[OutputColumn]:
     """Bind the outer statement to empty tables of the inner and public columns: its output columns,
-    or its error, known from the SQL and the policy alone (nothing has been read or charged)."""
-    with Sandbox(ends if ends is not None else deadline(engine)) as box:
-        for inner, columns in zip(composite.inners, inputs, strict=True):
-            box.load(inner.table, [(c.name, c.type) for c in columns], [])
-        for name in composite.public:
-            box.load(name, _public_columns(engine, name), [])
-        described = box.describe(outer_sql(composite.outer))
+    or its error, known from the SQL and the policy alone (nothing has been read or charged). A shape
+    that bound is remembered (:data:`_SHAPES`: the same SQL over the same columns binds the same)."""
+    sql = outer_text(composite)
+    tables = [
+        (inner.table, [(c.name, c.type) for c in columns])
+        for inner, columns in zip(composite.inners, inputs, strict=True)
+    ]
+    tables += [(name, _public_columns(engine, name)) for name in composite.public]
+    key = repr((sql, tables))
+    described = _SHAPES.get(key)
+    if described is None:
+        with Sandbox(ends if ends is not None else deadline(engine), database=shape_database()) as box:
+            for name, columns in tables:
+                box.load(name, columns, [])
+            described = _SHAPES.put(key, box.describe(sql), weight=len(key))
     exact = {c.name for columns in inputs for c in columns if c.noisy is False}
     for name in composite.public:
         exact.update(c for c, _ in _public_columns(engine, name))
@@ -317,9 +354,9 @@ def answer(engine: Host, composite: Composite, session: Session, sql: str) -> Re
             (inner.table, [(c.name, c.type) for c in cols], result.rows)
             for inner, cols, result in zip(composite.inners, inputs, released, strict=True)
         ]
-        tables.extend((name, *_read_public(engine, name)) for name in composite.public)
+        public = [_public_table(engine, name) for name in composite.public]
         kinds = [c.type for c in columns]
-        values = post_process(session.analyst, ends, tables, outer_sql(composite.outer), kinds)
+        values = post_process(session.analyst, ends, tables, outer_text(composite), kinds, public=public)
     exact = tuple(None for _ in columns)
     result = Result(columns, values, [exact] * len(values), 0.0, 0.0)
     step.notice(result, cost, charge, session, parts)
@@ -327,15 +364,41 @@ def answer(engine: Host, composite: Composite, session: Session, sql: str) -> Re
     return result
 
 
-def _read_public(engine: Host, name: str) -> tuple[list[tuple[str, PgType]], list[tuple[Any, ...]]]:
-    """A public table's declared columns, read from the backend (public by policy: no noise needed)."""
+#: A token per backend object (weakly held): kept public copies are never shared between two backend
+#: objects, even two in-memory databases pinned to one name.
+_BACKEND_TOKENS: weakref.WeakKeyDictionary[Backend, str] = weakref.WeakKeyDictionary()
+
+
+def public_key(engine: Host, source: str, columns: list[tuple[str, PgType]]) -> str:
+    """Equal keys, equal rows: the backend object and database, its data stamp (which moves with every
+    write it can see; a fresh token when it cannot be read, so nothing is reused), the source, the columns."""
+    backend = engine.backend
+    token = _BACKEND_TOKENS.get(backend)
+    if token is None:
+        token = _BACKEND_TOKENS.setdefault(backend, secrets.token_hex(8))
+    try:
+        stamp = data_stamp(backend)
+    except Exception:  # no version readable: never reused
+        stamp = secrets.token_hex(16)
+    return "\x1f".join([token, database_identity(backend), stamp, source, repr(columns)])
+
+
+def _public_table(engine: Host, name: str) -> PublicTable:
+    """A public table the outer statement reads, with the key of its current rows (read only when no kept
+    copy has them, see :meth:`dpsql.outer.sandbox.Database.public_table`)."""
     table = engine.policy.table(name)
     assert table is not None
     columns = _public_columns(engine, name)
     source = table.source or name
+    key = public_key(engine, source, columns)
+    return PublicTable(name, columns, key, lambda: _read_public(engine, name, source, columns))
+
+
+def _read_public(engine: Host, name: str, source: str, columns: list[tuple[str, PgType]]) -> list[tuple[Any, ...]]:
+    """A public table's declared columns, read from the backend (public by policy: no noise needed)."""
     where = exp.to_table(source) if "." in source else exp.to_table(source, quoted=True)
     select = exp.select(*(exp.column(c, quoted=True) for c, _ in columns)).from_(where)
     rows = engine.step.query(engine.backend.render(select.limit(MAX_PUBLIC_ROWS + 1)))
     if len(rows) > MAX_PUBLIC_ROWS:
         raise ProgramLimitExceeded(f'public table "{name}" has more than {MAX_PUBLIC_ROWS} rows')
-    return columns, rows
+    return rows

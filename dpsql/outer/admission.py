@@ -1,4 +1,4 @@
-"""Process-wide admission of post-processing sandboxes, and the low-priority threads they run on.
+"""Process-wide admission of post-processing sandboxes, and the databases they run in.
 
 The outer statement of a composite query is free once its inner queries are released or cached, so
 an analyst can send it again and again: without a bound, a few sessions running cross joins or large
@@ -9,16 +9,20 @@ windows over released rows took both cores and GBs of memory from everyone else 
   ``total // RESERVED_BYTES`` sandboxes hold released rows at once;
 * fair share: at most ``per_analyst`` of them (default 1) belong to one analyst; waiters are admitted in
   arrival order among those whose analyst is under its share;
-* CPU: sandboxes run on dedicated threads that lowered their own priority once (``nice`` +19 on
-  Linux: it applies to that thread only, and can never be raised again, hence threads of their own),
-  so DP queries and everyone else's work go first; the CPU time a sandbox used (its thread's
-  :func:`time.thread_time`) is charged to its analyst's token bucket (``cpu_rate`` CPU-seconds per
-  second, up to ``cpu_burst``), and an analyst in debt waits before its next sandbox starts.
+* CPU: a sandbox runs on the statement's own worker thread, at the priority of the query it serves
+  (issue #37: at ``nice`` +19 the same statements took twice as long on a busy host); the CPU time it
+  used (the thread's :func:`time.thread_time`, reading public tables from the backend excepted) is
+  charged to its analyst's token bucket (``cpu_rate`` CPU-seconds per second, up to ``cpu_burst``), and
+  an analyst in debt waits before its next sandbox starts;
+* databases: an admitted sandbox takes a kept database (:class:`Databases`, at most one idle per place),
+  so no statement starts a DuckDB or reloads an unchanged public table (see
+  :class:`dpsql.outer.sandbox.Database` for why a statement never sees another's released rows).
 
 Waiting counts against the statement's deadline (57014 when it passes); a cancel or the server's
 statement timeout (:func:`dpsql.backends.cancellable`, i.e. :meth:`dpsql.server.limits.Job.stoppable`)
 stops the wait or the running sandbox; more than ``max_waiting`` waiters are refused (53400). The
-statement's own worker thread waits for its sandbox, so the analyst's worker slot stays taken meanwhile.
+statement's own worker thread waits for its place and runs its sandbox, so the analyst's worker slot
+stays taken meanwhile.
 
 Privacy: sandboxes hold released (noisy) rows and public tables only. Whether a statement waits, times
 out or is refused here depends on the SQL, the released rows, and other statements' post-processing of
@@ -27,18 +31,16 @@ released rows (their CPU time and number): never on un-noised data.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from dpsql.backends import cancellable, statement_hook, timed_out
+from dpsql.backends import cancellable, timed_out
 from dpsql.errors import ConfigurationLimitExceeded, QueryCanceled
-from dpsql.outer.sandbox import Sandbox
+from dpsql.outer.sandbox import Database, Sandbox
 from dpsql.pgtypes import PgType
 
 log = logging.getLogger(__name__)
@@ -49,8 +51,6 @@ MIB = 1024 * 1024
 RESERVED_BYTES = 256 * MIB
 #: Sandbox memory of the process in all (``dpsql serve --sandbox-memory``): two sandboxes at once.
 DEFAULT_MEMORY = 512 * MIB
-#: ``nice`` of the sandbox threads (19: the lowest priority).
-NICE = 19
 
 #: (name, (column, PostgreSQL type) pairs, rows) of a table loaded into the sandbox.
 Table = tuple[str, Sequence[tuple[str, PgType]], Sequence[tuple[Any, ...]]]
@@ -225,62 +225,54 @@ def configure(
     return ADMISSION
 
 
-# -- low-priority threads ------------------------------------------------------------------------
-
-_pool_lock = threading.Lock()
-_pool: tuple[ThreadPoolExecutor, int] | None = None
+# -- databases --------------------------------------------------------------------------------------
 
 
-def _lower_priority() -> None:
-    """Once, in a new sandbox thread: the lowest CPU priority, for this thread only (Linux: a thread's
-    ``nice`` is its own; elsewhere this may apply to the process or fail, and is then skipped)."""
-    if not hasattr(os, "setpriority") or os.uname().sysname != "Linux":
-        return
-    with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+@dataclass(frozen=True, slots=True)
+class PublicTable:
+    """A public policy table the outer statement reads: ``name`` in the statement, its declared
+    ``columns``, the ``key`` of its rows (backend, data stamp, source, columns: equal keys, equal rows)
+    and ``read``, which reads them from the backend when no kept copy has that key."""
+
+    name: str
+    columns: Sequence[tuple[str, PgType]]
+    key: str
+    read: Callable[[], Sequence[tuple[Any, ...]]]
 
 
-def _submit(size: int, work: Callable[[], list[tuple[Any, ...]]]) -> Future[list[tuple[Any, ...]]]:
-    """Run ``work`` on a sandbox thread: as many threads as sandboxes may run at once (a new pool when
-    that changes; the old one's threads end with their work)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool[1] != size:
-            if _pool is not None:
-                _pool[0].shutdown(wait=False)
-            pool = ThreadPoolExecutor(max_workers=size, thread_name_prefix="dpsql-sandbox", initializer=_lower_priority)
-            _pool = (pool, size)
-        return _pool[0].submit(work)
-
-
-class _Stops:
-    """The running sandbox's stop functions (offered through :func:`cancellable` in its thread), called
-    by :meth:`stop` from the statement's thread; a stop before the sandbox starts stops it at its start."""
+class Databases:
+    """Post-processing databases kept between statements (:class:`dpsql.outer.sandbox.Database`), at most
+    as many idle as sandboxes may run at once; each admitted statement takes one for itself."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._stops: list[Callable[[], object]] = []
-        self.stopped = False
+        self._idle: list[Database] = []
 
-    @contextlib.contextmanager
-    def hook(self, stop: Callable[[], object]) -> Iterator[None]:
+    def take(self) -> Database:
         with self._lock:
-            if self.stopped:
-                raise QueryCanceled("canceling statement due to user request")
-            self._stops.append(stop)
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._stops.remove(stop)
+            if self._idle:
+                return self._idle.pop()
+        return Database()
 
-    def stop(self) -> None:
+    def give(self, database: Database, keep: int) -> None:
+        """Back after a statement: reset (:meth:`Database.reset`), kept unless broken or ``keep`` are idle."""
+        database.reset()
         with self._lock:
-            self.stopped = True
-            stops = list(self._stops)
-        for stop in stops:
-            with contextlib.suppress(Exception):
-                stop()
+            if not database.broken and len(self._idle) < keep:
+                self._idle.append(database)
+                return
+        database.close()
+
+    def clear(self) -> None:
+        """Close the idle databases (their public copies go with them)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for database in idle:
+            database.close()
+
+
+#: The process's post-processing databases.
+DATABASES = Databases()
 
 
 def post_process(
@@ -290,43 +282,38 @@ def post_process(
     sql: str,
     kinds: Sequence[PgType | None] | None = None,
     admission: Admission | None = None,
-    load: Callable[[Sandbox, Table], None] | None = None,
+    public: Sequence[PublicTable] = (),
 ) -> list[tuple[Any, ...]]:
-    """Run ``sql`` over ``tables`` (released rows and public tables) in a fresh sandbox, once admitted,
-    on a low-priority thread; its rows as released values of ``kinds`` (see :meth:`Sandbox.run`).
-    ``load`` puts one table into the sandbox (default :meth:`Sandbox.load`; public tables of many rows
-    use a bulk loader, :func:`dpsql.outer.public.load_columns`).
+    """Run ``sql`` over ``tables`` (released rows) and ``public`` tables, once admitted, in a kept
+    database (a connection of its own, on this thread: the priority of the statement it serves); its
+    rows as released values of ``kinds`` (see :meth:`Sandbox.run`).
 
-    The calling thread waits (a cancel reaching it through :func:`cancellable` stops the sandbox); the
-    place is given back, and the sandbox's CPU time charged to ``analyst``, when the sandbox has ended."""
+    The place is given back, and the sandbox's CPU time (reading a public table from the backend
+    excepted) charged to ``analyst``, when the sandbox has ended."""
     gate = ADMISSION if admission is None else admission
     gate.acquire(analyst, deadline)
-    stops = _Stops()
+    started = time.thread_time()
+    reading = 0.0
+    database = DATABASES.take()
 
-    def work() -> list[tuple[Any, ...]]:
-        started = time.thread_time()
-        try:
-            with statement_hook(stops.hook), Sandbox(deadline) as box:
-                for table in tables:
-                    if load is None:
-                        box.load(*table)
-                    else:
-                        load(box, table)
-                return box.run(sql, kinds)
-        finally:
-            gate.release(analyst, time.thread_time() - started)
+    def reader(table: PublicTable) -> Callable[[], Sequence[tuple[Any, ...]]]:
+        def read() -> Sequence[tuple[Any, ...]]:
+            nonlocal reading
+            began = time.thread_time()
+            try:
+                return table.read()
+            finally:
+                reading += time.thread_time() - began
+
+        return read
 
     try:
-        future = _submit(gate.capacity, work)
-    except BaseException:
-        gate.release(analyst)
-        raise
-    try:
-        with cancellable(stops.stop):
-            return future.result()
-    except BaseException:
-        if not future.done():  # interrupted before the hook was offered: stop the sandbox, wait for it
-            stops.stop()
-            with contextlib.suppress(BaseException):
-                future.result()
-        raise
+        with Sandbox(deadline, database=database) as box:
+            for spec in public:
+                box.alias(spec.name, database.public_table(box, spec.key, spec.columns, reader(spec)))
+            for name, columns, rows in tables:
+                box.load(name, columns, rows)
+            return box.run(sql, kinds)
+    finally:
+        DATABASES.give(database, gate.capacity)
+        gate.release(analyst, max(0.0, time.thread_time() - started - reading))

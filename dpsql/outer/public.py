@@ -32,8 +32,8 @@ from dpsql.analyze.parse import Params, bind_parameters, placeholder_value
 from dpsql.errors import ProgramLimitExceeded
 from dpsql.explain import sql_lines
 from dpsql.lru import LRU
-from dpsql.outer import deadline
-from dpsql.outer.admission import Table, post_process
+from dpsql.outer import deadline, public_key
+from dpsql.outer.admission import PublicTable, Table, post_process
 from dpsql.outer.explain import CompositeExplanation
 from dpsql.outer.host import Host
 from dpsql.outer.sandbox import MAX_PUBLIC_ROWS, Sandbox, outer_sql, pg_type
@@ -45,7 +45,7 @@ from dpsql.prepared import Description
 from dpsql.session import OutputColumn, Result, Session
 from dpsql.step import Notice, NoticeKind
 
-__all__ = ["describe", "explain", "load_columns", "public_tables", "route"]
+__all__ = ["describe", "explain", "public_tables", "route"]
 
 
 def notice(names: Iterable[str]) -> Notice:
@@ -98,7 +98,7 @@ def _statement(tree: exp.Expression, params: Params) -> exp.Expression:
 
 
 class Columns(Sequence[tuple[Any, ...]]):
-    """A public table's rows held column-wise (NumPy object arrays), as :func:`load_columns` loads them."""
+    """A public table's rows held column-wise (NumPy object arrays): cheap to keep, read once per data version."""
 
     def __init__(self, arrays: list[np.ndarray[Any, Any]]) -> None:
         self.arrays = arrays
@@ -154,6 +154,14 @@ def _read(engine: Host, name: str, columns: Sequence[tuple[str, PgType]]) -> Tab
     return name, columns, read
 
 
+def _kept(engine: Host, name: str, columns: Sequence[tuple[str, PgType]]) -> PublicTable:
+    """The public table as the kept post-processing databases hold it (loaded once per data version)."""
+    table = engine.policy.table(name)
+    assert table is not None
+    key = public_key(engine, table.source or name, list(columns))
+    return PublicTable(name, columns, key, lambda: _read(engine, name, columns)[2])
+
+
 def _columnar(rows: Sequence[tuple[Any, ...]], width: int) -> Columns:
     arrays = []
     for i in range(width):
@@ -161,24 +169,6 @@ def _columnar(rows: Sequence[tuple[Any, ...]], width: int) -> Columns:
         values[:] = [row[i] for row in rows]
         arrays.append(values)
     return Columns(arrays)
-
-
-def load_columns(box: Sandbox, table: Table) -> None:
-    """Load a table into ``box`` column-wise (DuckDB reads NumPy object arrays in bulk): a row at a
-    time, 80,000 rows took minutes."""
-    name, columns, rows = table
-    box.load(name, columns, [])  # the typed, empty table
-    if not rows:
-        return
-    if not isinstance(rows, Columns):
-        rows = _columnar(rows, len(columns))
-    data = {f"c{i}": values for i, values in enumerate(rows.arrays)}
-    quoted = ", ".join('"' + c.replace('"', '""') + '"' for c, _ in columns)
-    box.con.register("__dpsql_rows", data)
-    try:
-        box.con.execute(f'INSERT INTO "{name}" ({quoted}) SELECT {", ".join(data)} FROM __dpsql_rows')
-    finally:
-        box.con.unregister("__dpsql_rows")
 
 
 def _shape(engine: Host, tables: list[Table], sql: str, ends: float | None) -> list[OutputColumn]:
@@ -216,8 +206,8 @@ def route(engine: Host, sql: str, session: Session, params: Params, parsed: exp.
     query = outer_sql(statement)
     empty: list[Table] = [(n, _columns(engine, n, statement), []) for n in names]
     columns = _shape(engine, empty, query, ends)
-    tables = [_read(engine, name, cols) for name, cols, _ in empty]
-    rows = post_process(session.analyst, ends, tables, query, [c.type for c in columns], load=load_columns)
+    public = [_kept(engine, name, cols) for name, cols, _ in empty]
+    rows = post_process(session.analyst, ends, [], query, [c.type for c in columns], public=public)
     result = Result(columns, rows, [tuple(None for _ in columns)] * len(rows), 0.0, 0.0)
     result.notices.append(notice(names))
     return result

@@ -1,9 +1,14 @@
-"""The post-processing sandbox: a fresh in-process DuckDB per statement, holding released rows only.
+"""The post-processing sandbox: an in-process DuckDB kept per admitted place, holding released rows only
+for the statement that released them.
 
 Every scalar and window function of the outer statement runs here, over the noisy rows the inner
-queries released and the public tables of the policy, never over the data. The instance has no
+queries released and the public tables of the policy, never over the data. The database has no
 file system or network access, loads no extension, uses one thread and a bounded amount of memory,
 and its configuration is locked, so the outer SQL cannot reach anything but what it was given.
+Databases are kept between statements (:class:`Database`; issue #37): each statement works in its own
+connection, its released rows in temporary tables that no other connection sees and that closing the
+connection drops; public tables are loaded once per data stamp and kept (public by policy); a reset
+check after every statement replaces a database holding anything else.
 
 Resources (the outer statement is free once its inner queries are released, or cached, so it must
 not be a way to take the server's memory or a core): the statement's deadline interrupts the sandbox
@@ -11,9 +16,9 @@ not be a way to take the server's memory or a core): the statement's deadline in
 it holds pass :data:`MAX_RESULT_BYTES` (54000) or :data:`MAX_OUTPUT_ROWS`; recursive CTEs and functions
 that make rows or sized values are refused before anything is charged
 (:func:`dpsql.outer.shapes.refuse_sized`). Sandboxes that hold released rows are admitted process-wide
-and run on low-priority threads (:mod:`dpsql.outer.admission`): a bounded number at once (their memory
-capped in total), at most one per analyst, their CPU time charged to the analyst; the statement's worker
-thread waits for its sandbox while holding the analyst's worker slot
+(:mod:`dpsql.outer.admission`): a bounded number at once (their memory capped in total), at most one per
+analyst, their CPU time charged to the analyst; they run on the statement's own worker thread (the
+priority of the query they serve), which holds the analyst's worker slot
 (:class:`dpsql.server.limits.WorkSlots`), and the server's cancel or timeout reaches the sandbox through
 :func:`dpsql.backends.cancellable`, like a backend statement. None of this reads un-noised data: whether
 a limit is hit depends on the released rows and the SQL only (post-processing).
@@ -30,12 +35,15 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import decimal
+import hashlib
+import heapq
 import logging
 import re
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import duckdb
@@ -96,6 +104,8 @@ _TO_DUCKDB: dict[str, str] = {
     "timestamp": "TIMESTAMP",
     "boolean": "BOOLEAN",
 }
+#: A row of a sandbox table or result.
+Row = tuple[Any, ...]
 _INTEGERS = {"TINYINT", "SMALLINT", "INTEGER", "BIGINT", "UTINYINT", "USMALLINT", "UINTEGER"}
 
 
@@ -135,27 +145,192 @@ def value_bytes(value: Any) -> int:
     return sys.getsizeof(value)
 
 
+class Database:
+    """One locked-down in-memory DuckDB kept between statements (issue #37: starting one cost 56-61 % of a
+    small outer statement). Each statement works in a connection of its own (:class:`Sandbox`, a DuckDB
+    cursor) whose released rows are *temporary* tables: DuckDB keeps temporary objects per connection, so
+    another connection never sees them, and closing the connection drops them. What stays in the database
+    is public: copies of public tables (loaded once per key, i.e. per backend and data stamp, see
+    :meth:`public_table`), least recently used ones dropped past :data:`RETAINED_PUBLIC_ROWS`.
+    :meth:`reset` checks after every statement that nothing else is left; a database that fails the
+    check, or that DuckDB reported broken, is closed instead of reused (:attr:`broken`).
+
+    One statement at a time uses a pooled database (:mod:`dpsql.outer.admission`); the shapes database
+    (:func:`shape_database`) serves concurrent describes, each in its own connection with empty tables only."""
+
+    def __init__(self) -> None:
+        self.con = duckdb.connect(":memory:", config=dict(CONFIG))
+        for setting in _SESSION:
+            self.con.execute(setting)
+        self._lock = threading.Lock()
+        #: public copies: key -> (table name in ``main``, rows), least recently used first
+        self._public: OrderedDict[str, tuple[str, int]] = OrderedDict()
+        self.broken = False
+
+    def cursor(self) -> duckdb.DuckDBPyConnection:
+        """A new connection to this database (its own temporary schema, interrupt and random state)."""
+        with self._lock:
+            return self.con.cursor()
+
+    def public_table(
+        self, box: Sandbox, key: str, columns: Sequence[tuple[str, PgType]], read: Callable[[], Sequence[Row]]
+    ) -> str:
+        """The ``main`` table holding the public table of ``key`` (its rows read with ``read`` and loaded
+        in bulk through ``box`` when this database does not hold it yet)."""
+        found = self._public.get(key)
+        if found is not None:
+            self._public.move_to_end(key)
+            return found[0]
+        rows = read()
+        table = _PUBLIC_PREFIX + hashlib.sha256(key.encode()).hexdigest()[:24]
+        try:
+            box.load(table, columns, rows, temporary=False)
+        except BaseException:
+            with contextlib.suppress(duckdb.Error):
+                self.con.execute(f"DROP TABLE IF EXISTS main.{_quote(table)}")
+            raise
+        self._public[key] = (table, len(rows))
+        return table
+
+    def reset(self) -> None:
+        """After a statement (its connection closed): drop public copies past the retained rows, then check
+        that the tables left are exactly the public copies (no released rows kept for the next statement);
+        otherwise the database is :attr:`broken`."""
+        if self.broken:
+            return
+        try:
+            while len(self._public) > 1 and (
+                len(self._public) > RETAINED_PUBLIC_TABLES
+                or sum(n for _, n in self._public.values()) > RETAINED_PUBLIC_ROWS
+            ):
+                _, (table, _) = self._public.popitem(last=False)
+                self.con.execute(f"DROP TABLE main.{_quote(table)}")
+            left = self.con.execute(_LEFT_OVER).fetchall()
+        except duckdb.Error as exc:
+            log.warning("post-processing database failed its reset (%s): replaced", type(exc).__name__)
+            self.broken = True
+            return
+        expected = sorted(("table", t) for t, _ in self._public.values())
+        if sorted((str(kind), str(name)) for kind, name in left) != expected:
+            log.warning("post-processing database held unexpected objects after a statement: replaced")
+            self.broken = True
+
+    def close(self) -> None:
+        with contextlib.suppress(duckdb.Error):
+            self.con.close()
+
+
+#: The tables of the database (temporary ones are per connection: a closed connection's are gone). An
+#: outer statement is one SELECT and cannot create anything; this catches a slip of dpsql's own that
+#: would keep released rows in a table (views, sequences and macros hold no rows; listing them too would
+#: double the check's cost, listing functions multiply it by ~100).
+_LEFT_OVER = "SELECT 'table', table_name FROM duckdb_tables() WHERE NOT internal"
+_PUBLIC_PREFIX = "__dpsql_public_"
+#: Rows of public copies a database keeps between statements (a statement may load more; the least
+#: recently used copies are dropped after it), and how many copies.
+RETAINED_PUBLIC_ROWS = MAX_PUBLIC_ROWS
+RETAINED_PUBLIC_TABLES = 8
+
+
+class _Alarms:
+    """One daemon thread calling functions at their :func:`time.monotonic` deadlines: a sandbox's timeout
+    without starting a thread per statement (a :class:`threading.Timer` each cost ~0.1-10 ms on a busy
+    host). Cancelled entries are skipped when due, and dropped in bulk once they are most of the heap."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, list[Callable[[], object] | None]]] = []
+        self._count = 0
+        self._cancelled = 0
+        self._thread: threading.Thread | None = None
+
+    def add(self, when: float, call: Callable[[], object]) -> list[Callable[[], object] | None]:
+        """Call ``call`` at ``when``; returns the handle :meth:`cancel` takes."""
+        handle: list[Callable[[], object] | None] = [call]
+        with self._cond:
+            self._count += 1
+            heapq.heappush(self._heap, (when, self._count, handle))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="dpsql-sandbox-alarms", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        return handle
+
+    def cancel(self, handle: list[Callable[[], object] | None]) -> None:
+        with self._cond:
+            if handle[0] is not None:
+                handle[0] = None
+                self._cancelled += 1
+                if self._cancelled > 64 and self._cancelled * 2 > len(self._heap):
+                    self._heap = [entry for entry in self._heap if entry[2][0] is not None]
+                    heapq.heapify(self._heap)
+                    self._cancelled = 0
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap or self._heap[0][0] > time.monotonic():
+                    self._cond.wait(self._heap[0][0] - time.monotonic() if self._heap else None)
+                _, _, handle = heapq.heappop(self._heap)
+                call, handle[0] = handle[0], None
+                if call is None:
+                    self._cancelled = max(0, self._cancelled - 1)
+            if call is not None:
+                try:
+                    call()
+                except Exception:  # an alarm must not end the thread that serves every sandbox
+                    log.exception("post-processing sandbox alarm failed")
+
+
+_ALARMS = _Alarms()
+_shapes_lock = threading.Lock()
+_shapes: Database | None = None
+
+
+def shape_database() -> Database:
+    """The process's database for describing outer statements over empty tables (concurrent
+    connections, nothing kept): replaced when DuckDB reported it broken."""
+    global _shapes
+    with _shapes_lock:
+        if _shapes is None or _shapes.broken:
+            if _shapes is not None:
+                _shapes.close()
+            _shapes = Database()
+        return _shapes
+
+
 class Sandbox:
-    """One fresh, locked-down in-memory DuckDB; closed after the statement.
+    """One statement's connection to a locked-down in-memory DuckDB (``database``; None: a fresh one,
+    closed with the sandbox); closing it drops the statement's temporary tables and views.
 
     ``deadline`` (:func:`time.monotonic` seconds; None: none) is the statement's: :meth:`run` and
     :meth:`describe` are interrupted there (57014). ``max_bytes`` caps the fetched result (54000;
     default :data:`MAX_RESULT_BYTES`)."""
 
-    def __init__(self, deadline: float | None = None, max_bytes: int | None = None) -> None:
-        self.con = duckdb.connect(":memory:", config=dict(CONFIG))
-        for setting in _SESSION:
-            self.con.execute(setting)
+    def __init__(
+        self, deadline: float | None = None, max_bytes: int | None = None, database: Database | None = None
+    ) -> None:
+        self._owned = database is None
+        self.database = Database() if database is None else database
+        self.con = self.database.cursor()
         self.deadline = deadline
         self.max_bytes = MAX_RESULT_BYTES if max_bytes is None else max_bytes
         self._expired = False
         self._stopped = False
+        self._alarm: list[Callable[[], object] | None] | None = None
 
     def __enter__(self) -> Sandbox:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.con.close()
+        if self._alarm is not None:
+            _ALARMS.cancel(self._alarm)
+        try:
+            self.con.close()
+        except duckdb.Error:
+            self.database.broken = True
+        if self._owned:
+            self.database.close()
 
     def _expire(self) -> None:
         self._expired = True
@@ -177,16 +352,12 @@ class Sandbox:
 
     @contextlib.contextmanager
     def _bounded(self) -> Iterator[None]:
-        """Run a sandbox statement until the deadline (a timer thread interrupts it), cancellable by
-        the server's job like a backend statement; DuckDB's errors as PostgreSQL's."""
-        timer = None
-        if self.deadline is not None:
-            left = self.deadline - time.monotonic()
-            if left <= 0:
+        """Run a sandbox statement until the deadline (:data:`_ALARMS` interrupts it), cancellable by the
+        server's job like a backend statement; DuckDB's errors as PostgreSQL's."""
+        if self.deadline is not None and self._alarm is None:
+            if self.deadline <= time.monotonic():
                 raise timed_out()
-            timer = threading.Timer(left, self._expire)
-            timer.daemon = True
-            timer.start()
+            self._alarm = _ALARMS.add(self.deadline, self._expire)
         try:
             with cancellable(self.stop):
                 self._check()
@@ -197,20 +368,46 @@ class Sandbox:
                 raise timed_out() from None
             raise QueryCanceled("canceling statement due to user request") from None
         except duckdb.Error as exc:
+            if isinstance(exc, duckdb.FatalException | duckdb.InternalException):
+                self.database.broken = True  # DuckDB invalidates a database after these
             raise translate(exc) from None
-        finally:
-            if timer is not None:
-                timer.cancel()
 
-    def load(self, table: str, columns: Sequence[tuple[str, PgType]], rows: Sequence[tuple[Any, ...]]) -> None:
-        """Create ``table`` with PostgreSQL-typed columns and insert ``rows`` (none for a dry run);
-        interruptible like a statement (a public table may bring many rows)."""
+    def load(
+        self,
+        table: str,
+        columns: Sequence[tuple[str, PgType]],
+        rows: Sequence[Row],
+        *,
+        temporary: bool = True,
+    ) -> None:
+        """Create ``table`` with PostgreSQL-typed columns and insert ``rows`` (none for a dry run), in
+        bulk (:func:`_columns`); interruptible like a statement (a public table may bring many rows).
+        Temporary (the default): this connection's only, dropped with it."""
         cols = ", ".join(f"{_quote(n)} {_TO_DUCKDB.get(t, 'VARCHAR')}" for n, t in columns)
-        self.con.execute(f"CREATE TABLE {_quote(table)} ({cols})")
-        if rows:
+        where = "TEMPORARY TABLE" if temporary else f"TABLE main.{_quote(table)}"
+        name = _quote(table) if temporary else ""
+        self.con.execute(f"CREATE {where} {name} ({cols})")
+        if not rows:
+            return
+        target = _quote(table) if temporary else f"main.{_quote(table)}"
+        types = [_TO_DUCKDB.get(t, "VARCHAR") for _, t in columns]
+        with self._bounded():
+            values = _columns(rows, len(columns))
+            if values is not None:
+                unnest = ", ".join(f"UNNEST(?::{t}[])" for t in types)
+                try:
+                    self.con.execute(f"INSERT INTO {target} SELECT {unnest}", values)
+                    return
+                except duckdb.InterruptException:
+                    raise
+                except duckdb.Error as exc:  # a value DuckDB casts otherwise in a list: row by row, as before
+                    log.debug("bulk load of a sandbox table fell back to rows: %s", type(exc).__name__)
             marks = ", ".join("?" for _ in columns)
-            with self._bounded():
-                self.con.executemany(f"INSERT INTO {_quote(table)} VALUES ({marks})", [list(r) for r in rows])
+            self.con.executemany(f"INSERT INTO {target} VALUES ({marks})", [list(r) for r in rows])
+
+    def alias(self, name: str, table: str) -> None:
+        """``name`` (a temporary view of this connection) reads the ``main`` table ``table``."""
+        self.con.execute(f"CREATE TEMPORARY VIEW {_quote(name)} AS SELECT * FROM main.{_quote(table)}")
 
     def describe(self, sql: str) -> list[tuple[str, str]]:
         """(name, DuckDB type) of each output column, without running the statement."""
@@ -245,6 +442,24 @@ class Sandbox:
                     raise ProgramLimitExceeded(f"the result has more than {MAX_OUTPUT_ROWS} rows")
                 batch = max(1, min(FETCH_ROWS, (self.max_bytes - size) // (2 * widest + 1)))
         return rows
+
+
+def _columns(rows: Sequence[Row], width: int) -> list[list[Any]] | None:
+    """``rows`` as one list per column, for a bulk insert (``UNNEST`` of one list parameter per column),
+    or None when a column mixes Python types: DuckDB gives a list one element type, so ``[1, 2.5]`` would
+    become doubles before the column's cast (an integer above 2^53 changed), where a row-by-row insert
+    casts each value alone. Columns of one type (and None) load exactly as row by row."""
+    if rows and set(map(len, rows)) != {width}:
+        return None  # row by row, which refuses it as before
+    values = [list(column) for column in zip(*rows, strict=True)] if rows else [[] for _ in range(width)]
+    for column in values:
+        kinds = set(map(type, column))
+        kinds.discard(type(None))
+        if len(kinds) > 1:
+            return None
+        if kinds == {dt.datetime} and len({v.tzinfo is None for v in column if v is not None}) > 1:
+            return None  # naive and aware instants convert differently
+    return values
 
 
 def outer_sql(tree: exp.Expr) -> str:

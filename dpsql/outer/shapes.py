@@ -116,6 +116,8 @@ class Composite:
     public: list[str] = field(default_factory=list)
     #: Output columns that are plain references to exact (non-noisy) columns, by name.
     exact_outputs: set[int] = field(default_factory=set)
+    #: The outer statement in the sandbox's dialect, once generated (``dpsql.outer.outer_text``).
+    text: str = ""
 
     @property
     def limit_zero(self) -> bool:
@@ -442,6 +444,8 @@ def decompose(tree: exp.Expr, policy: Policy) -> Composite | None:
             w.pop()
     public: list[str] = []
     for table in outer.find_all(exp.Table):
+        if table.db and ident_name(table.args.get("db")) == "public":
+            table.set("db", None)  # the sandbox holds the policy's tables by name alone
         name = ident_name(table.this)
         if name.startswith(RELEASED_PREFIX) or (not table.db and name in lifter.ctes):
             continue

@@ -44,7 +44,7 @@ import sqlglot
 from sqlglot import exp
 
 from dpsql.analyze.parse import too_complex
-from dpsql.dev.local_postgres import start_local_postgres
+from dpsql.dev.local_postgres import local_server_version, start_local_postgres
 from dpsql.errors import CannotConnectNow, CatalogUnavailable, Error, FeatureNotSupported
 from dpsql.policy import Policy
 from dpsql.sqltext import first_word, identifiers
@@ -165,9 +165,11 @@ class CatalogShadow:
         self.restarts = 0
         self._lock = threading.Lock()
         self._started = False
+        self._failed = False
         self._ready = threading.Event()
         self._stopping = threading.Event()
         self._monitor: threading.Thread | None = None
+        self._starter: threading.Thread | None = None
 
     @property
     def database(self) -> str:
@@ -178,8 +180,22 @@ class CatalogShadow:
         """The running :class:`~dpsql.dev.local_postgres.LocalPostgres`, if dpsql started it (tests, operators)."""
         return self._local
 
-    def start(self) -> None:
-        """Start the local server (unless a DSN was given) and create the empty schema; idempotent."""
+    def start(self, background: bool = False) -> None:
+        """Start the local server (unless a DSN was given) and create the empty schema; idempotent.
+
+        ``background`` (a local server only): return at once, with :attr:`server_version` read from the
+        binaries, and start it in a thread (issue #37: ``dpsql serve`` listened only after initdb, 2-5 s
+        per worker process). Catalog queries meanwhile wait for it (57P03 after 15 s, as PostgreSQL
+        answers while it starts); if it cannot start they are refused with 0A000, as after a failed start."""
+        if background and self._given_dsn is None:
+            with self._lock:
+                if self._started:
+                    return
+                self.server_version = local_server_version()
+                self._started = True
+                self._starter = threading.Thread(target=self._start_local, name="dpsql-catalog-start", daemon=True)
+                self._starter.start()
+            return
         with self._lock:
             if self._started:
                 return
@@ -188,6 +204,22 @@ class CatalogShadow:
         if self._given_dsn is None:
             self._monitor = threading.Thread(target=self._supervise, name="dpsql-catalog-monitor", daemon=True)
             self._monitor.start()
+
+    def _start_local(self) -> None:
+        """The background start: launch, then supervise (unless stopped meanwhile)."""
+        try:
+            with self._lock:
+                if self._stopping.is_set():
+                    return
+                self._launch()
+                if self._stopping.is_set():
+                    return  # stop() waits for this thread, then stops the server just launched
+                self._monitor = threading.Thread(target=self._supervise, name="dpsql-catalog-monitor", daemon=True)
+                self._monitor.start()
+        except Exception as exc:
+            log.warning("catalog server unavailable, catalog queries will be refused: %s", exc)
+            self._failed = True
+            self._ready.set()  # wake waiting catalog queries: they see it unavailable (0A000)
 
     def _launch(self) -> None:
         """(Re)start the local server or reach the given one, and prepare it; sets ``_ready``."""
@@ -263,7 +295,7 @@ class CatalogShadow:
 
     @property
     def available(self) -> bool:
-        return self._started and not self._stopping.is_set()
+        return self._started and not self._failed and not self._stopping.is_set()
 
     def connect(self, analyst: str) -> ShadowSession:
         """A session that (re)connects lazily as the analyst's shadow role."""
@@ -281,6 +313,8 @@ class CatalogShadow:
             raise CatalogUnavailable()
         if not self._ready.wait(15):
             raise catalog_restarting()
+        if not self.available:
+            raise CatalogUnavailable()
         role = shadow_role(analyst)
         extra: dict[str, Any] = {"password": self._passwords[role]} if role in self._passwords else {}
         timeout = int(self.statement_timeout_ms)
@@ -302,6 +336,8 @@ class CatalogShadow:
     def stop(self) -> None:
         self._stopping.set()
         self._ready.clear()
+        if self._starter is not None and self._starter is not threading.current_thread():
+            self._starter.join(timeout=120)  # a start in progress finishes, then is stopped below
         if self._monitor is not None and self._monitor is not threading.current_thread():
             self._monitor.join(timeout=30)
         with self._lock:

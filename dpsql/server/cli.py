@@ -82,6 +82,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
             catalog_dsn=args.catalog_dsn,
+            catalog_background=True,  # listen at once; the local shadow catalog comes up meanwhile
             statement_timeout=args.statement_timeout or None,
             default_statement_timeout=args.default_statement_timeout,
             idle_in_transaction_timeout=args.idle_in_transaction_timeout or None,

@@ -75,6 +75,8 @@ class ServerOptions:
     tls_key: str | None = None
     #: PostgreSQL DSN for the shadow catalog; None starts a throwaway local server; "" disables catalogs.
     catalog_dsn: str | None = None
+    #: Listen before a local shadow catalog is up (started in a thread; ``dpsql serve`` does, issue #37).
+    catalog_background: bool = False
     idle_timeout: float | None = None
     #: A session idle outside a transaction block while holding more than its reserved floor of memory
     #: (WITH HOLD cursors, portals, prepared statements) is ended after this (seconds; None/0: never).
@@ -264,12 +266,13 @@ class ServerContext:
         return self.shadow is not None and self.shadow.available
 
     def start_catalog(self) -> None:
-        """Blocking: start the shadow catalog; on failure catalog queries get 0A000, DP queries work."""
+        """Start the shadow catalog (blocking unless ``catalog_background``); on failure catalog queries get
+        0A000, DP queries work."""
         if self.options.catalog_dsn == "":
             return
         shadow = CatalogShadow(self.policy, self.options.catalog_dsn)
         try:
-            shadow.start()
+            shadow.start(background=self.options.catalog_background)
         except Exception as exc:
             log.warning("catalog server unavailable, catalog queries will be refused: %s", exc)
             return
@@ -491,8 +494,8 @@ async def serve(
     """Serve until ``stop`` is set (or the task is cancelled). See :class:`ServerOptions` for ``options``.
 
     ``on_listening`` is called with the bound port once the socket accepts connections (and the
-    shadow catalog is up), so a "serving" message never precedes the server. ``reloader`` re-reads the
-    policy on ``SIGHUP`` (see :meth:`Server.reload`)."""
+    shadow catalog is up, unless it starts in the background), so a "serving" message never precedes
+    the server. ``reloader`` re-reads the policy on ``SIGHUP`` (see :meth:`Server.reload`)."""
     server = Server(
         engine,
         ServerOptions(host=host, port=port, tls_cert=tls_cert, tls_key=tls_key, catalog_dsn=catalog_dsn, **options),

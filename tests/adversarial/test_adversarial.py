@@ -765,15 +765,22 @@ except Error as exc:
 
 
 def test_tiny_epsilon_dos() -> None:
-    """A query at ε = 1e-9 must be refused (22023) or answered quickly, not burn minutes of CPU."""
+    """A query at ε = 1e-9 must be refused (22023) or answered quickly, not burn minutes of CPU: the child's
+    CPU time is the measure (10 s; its imports take ~1 s), wall time only a backstop, so a busy machine
+    does not fail it."""
+    import resource
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[2]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     try:
         done = subprocess.run(
-            [sys.executable, "-c", _TINY_EPSILON_SCRIPT, "1e-9"], cwd=root, capture_output=True, text=True, timeout=10
+            [sys.executable, "-c", _TINY_EPSILON_SCRIPT, "1e-9"], cwd=root, capture_output=True, text=True, timeout=120
         )
     except subprocess.TimeoutExpired:
-        pytest.fail("a single query at ε=1e-9 ran for more than 10 s")
+        pytest.fail("a single query at ε=1e-9 ran for more than 120 s")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert cpu < 10, f"a single query at ε=1e-9 used {cpu:.1f} s of CPU"
     assert done.returncode == 0, done.stderr

@@ -173,13 +173,14 @@ def test_shapes_and_argument_checks(sampler: Sampler) -> None:
 
 
 def test_speed_budget() -> None:
-    """Generous bounds (shared CI cores): 10^6 Laplace draws and single draws stay cheap."""
+    """Generous bounds: 10^6 Laplace draws and single draws stay cheap. The process's CPU time, not the
+    wall clock, so other work on shared CI cores (other tests, other workers) does not fail it."""
     import time
 
-    start = time.perf_counter()
+    start = time.process_time()
     discrete_laplace(3.7, 1_000_000)
-    assert time.perf_counter() - start < 6.0
-    start = time.perf_counter()
+    assert time.process_time() - start < 6.0
+    start = time.process_time()
     for _ in range(2_000):
         discrete_laplace(3.7, 1)
-    assert (time.perf_counter() - start) / 2_000 < 200e-6
+    assert (time.process_time() - start) / 2_000 < 200e-6

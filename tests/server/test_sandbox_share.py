@@ -4,7 +4,7 @@ The outer statement of a composite query runs over released rows only, so once i
 cached it is free to send again and again. One analyst running cross joins and large windows over
 released rows on several sessions raised another analyst's median latency 10x and took GBs of memory.
 Now (:mod:`dpsql.outer.admission`) sandboxes are admitted process-wide (memory capped in total, one per
-analyst), run on low-priority threads and have their CPU time charged to their analyst.
+analyst) and have their CPU time charged to their analyst.
 """
 
 from __future__ import annotations
@@ -355,15 +355,14 @@ def test_cpu_time_is_charged_to_the_analyst() -> None:
     assert 0.5 < time.monotonic() - started < 3
 
 
-def test_sandbox_threads_run_at_low_priority(engine: Engine) -> None:
-    """The sandbox's work runs on a thread whose nice value is 19 (Linux), and its CPU time is charged."""
-    if not sys.platform.startswith("linux"):
-        pytest.skip("per-thread nice values are Linux's")
-    seen: list[int] = []
+def test_sandbox_runs_at_the_priority_of_its_query(engine: Engine) -> None:
+    """The sandbox's work runs on the statement's own thread, at its priority (issue #37: at nice 19 the
+    same statements took twice as long on a busy host), and its CPU time is charged."""
+    seen: list[tuple[int, int]] = []
     original = admission.Sandbox.run
 
     def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
-        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        seen.append((threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
         return original(self, *args, **kwargs)
 
     from dpsql.session import Session
@@ -372,6 +371,5 @@ def test_sandbox_threads_run_at_low_priority(engine: Engine) -> None:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(admission.Sandbox, "run", spy)
         engine.execute(RELEASED + "SELECT COUNT(*) FROM s a, s b, s c", Session("grace"))
-    assert seen == [admission.NICE]
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) != admission.NICE
+    assert seen == [(threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))]
     assert gate.cpu_wait("grace") == 0 and gate.running == {}

@@ -38,9 +38,18 @@ def test_serving_line_means_listening(tmp_path: Path) -> None:
             assert line or server.poll() is None, "dpsql serve exited before serving"
             assert time.monotonic() < deadline
         assert f"127.0.0.1:{port}" in line and "ledger sqlite:///" in line
-        # no retry: the line is printed only once the socket (and the shadow catalog) is up
+        # no retry: the line is printed only once the socket is up
         with psycopg.connect(f"postgresql://analyst@127.0.0.1:{port}/health", connect_timeout=5) as conn:
             assert conn.execute("SELECT COUNT(*) FROM patients").fetchone()[0] > 9000  # type: ignore[index]
+            # the shadow catalog starts in the background (issue #37): a catalog query waits for it, and
+            # gets 57P03 (the database system is starting up) only past 15 s of waiting, as from PostgreSQL
+            while True:
+                try:
+                    tables = conn.execute("SELECT relname FROM pg_catalog.pg_class WHERE relname = 'patients'")
+                    assert tables.fetchall() == [("patients",)]
+                    break
+                except psycopg.errors.CannotConnectNow:
+                    assert time.monotonic() < deadline
     finally:
         server.terminate()
         server.wait(30)
