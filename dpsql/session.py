@@ -57,6 +57,14 @@ def _accuracy(value: str) -> float:
     return x
 
 
+def _factor(value: str) -> float:
+    """A finite factor of at least 1."""
+    x = float(value)
+    if not (math.isfinite(x) and x >= 1):
+        raise ValueError(value)
+    return x
+
+
 def _mechanism(value: str) -> Mechanism:
     name = value.strip().lower()
     if name not in MECHANISMS:
@@ -88,6 +96,11 @@ DPSQL_SETTINGS: dict[str, SettingSpec] = {
         _accuracy, "dpsql.accuracy is a positive half-width in the measure's units, e.g. '±10' (or DEFAULT: none)."
     ),
     "dpsql.mechanism": SettingSpec(_mechanism, "dpsql.mechanism is 'laplace' or 'gaussian'."),
+    # a synopsis answer whose ± is more than this many times a fresh answer's: a fresh, charged one instead
+    "dpsql.max_widening": SettingSpec(
+        _factor,
+        "dpsql.max_widening is a factor of at least 1, e.g. 2 (or DEFAULT: synopsis answers whatever their width).",
+    ),
     "dpsql.show_intervals": SettingSpec(parse_bool, "dpsql.show_intervals is on or off."),
     # noisy floats rounded to two significant digits of their half-width (dpsql.release.rounding)
     "dpsql.round": SettingSpec(parse_bool, "dpsql.round is on (noisy values rounded to their interval) or off."),
@@ -95,7 +108,7 @@ DPSQL_SETTINGS: dict[str, SettingSpec] = {
     "dpsql.trim_time": SettingSpec(parse_bool, "dpsql.trim_time is on (time series trimmed to the data) or off."),
 }
 #: The settings that are fields of :class:`Session` (the others only shape the wire output).
-SESSION_FIELDS = ("epsilon", "delta", "confidence", "mechanism", "accuracy")
+SESSION_FIELDS = ("epsilon", "delta", "confidence", "mechanism", "accuracy", "max_widening")
 
 
 def parse_setting(name: str, value: str) -> Any:
@@ -145,6 +158,8 @@ class Session:
     #: set, ε is the least that meets it (overrides ``epsilon``). Absolute only: a relative target
     #: would choose ε from the true value, which is not private.
     accuracy: float | None = None
+    #: A synopsis answer wider than this many times a fresh answer is replaced by a fresh, charged one.
+    max_widening: float | None = None
     settings: dict[str, str] = field(default_factory=dict)
 
     @classmethod

@@ -17,6 +17,7 @@ import datetime as dt
 import hashlib
 import hmac
 import json
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -112,6 +113,10 @@ class Released:
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(len(k.domain) for k in self.keys)
+
+    @property
+    def cells(self) -> int:
+        return math.prod(self.shape)
 
     @property
     def axes(self) -> tuple[tuple[int, ...], ...]:
