@@ -76,8 +76,8 @@ class Derivation:
             )
         times = ", ".join(released_at(t) for t in releases)
         return (
-            f"dpsql: answered by summing and combining the cells of {len(releases)} earlier releases (released at "
-            f"{times}: the same table and filters on this database and data); no budget charged"
+            f"dpsql: answered by summing the cells of {len(releases)} earlier, finer releases, combined (released "
+            f"at {times}: the same table and filters on this database and data); no budget charged"
         )
 
     def noise_text(self) -> str:
