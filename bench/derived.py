@@ -22,17 +22,17 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import common  # noqa: E402
+import common
 
-from dpsql.backends import open_backend  # noqa: E402
-from dpsql.cache import ResultCache  # noqa: E402
-from dpsql.curator.synopsis import build  # noqa: E402
-from dpsql.dev.demo import demo_policy_path, load_demo  # noqa: E402
-from dpsql.engine import Engine  # noqa: E402
-from dpsql.ledger import Ledger  # noqa: E402
-from dpsql.policy import parse_policy  # noqa: E402
-from dpsql.session import Session  # noqa: E402
-from dpsql.synopsis.solve import SOLVES  # noqa: E402
+from dpsql.backends import open_backend
+from dpsql.cache import ResultCache
+from dpsql.curator.synopsis import build
+from dpsql.dev.demo import demo_policy_path, load_demo
+from dpsql.engine import Engine
+from dpsql.ledger import Ledger
+from dpsql.policy import parse_policy
+from dpsql.session import Session
+from dpsql.synopsis.solve import SOLVES
 
 #: A second synopsis over the clinic's visits: department × day, COUNT and SUM(cost) (10,962 cells).
 CUBE = """
@@ -90,7 +90,9 @@ def _timed(engine: Engine, sqls: list[str], epsilon: float, *, free: bool) -> di
 def _scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
     def coarsened() -> dict[str, Any]:
         engine = _engine()
-        engine.execute("SELECT DATE_TRUNC('day', visit_date), COUNT(*) FROM visits GROUP BY 1", Session("alice", epsilon=10.0))
+        engine.execute(
+            "SELECT DATE_TRUNC('day', visit_date), COUNT(*) FROM visits GROUP BY 1", Session("alice", epsilon=10.0)
+        )
         sqls = [
             f"SELECT DATE_TRUNC('day', visit_date) AS d, COUNT(*) FROM visits WHERE visit_date >= '{lo}' "
             f"AND visit_date < '{hi}' GROUP BY 1"
@@ -123,7 +125,9 @@ def _scenarios() -> list[tuple[str, Callable[[], dict[str, Any]]]]:
         engine = _engine()
         for grouping in ("department, urgent", "department", "DATE_TRUNC('month', visit_date)", "urgent"):
             for epsilon in (1.0, 2.0):
-                engine.execute(f"SELECT {grouping}, COUNT(*) FROM visits GROUP BY {grouping}", Session("alice", epsilon=epsilon))
+                engine.execute(
+                    f"SELECT {grouping}, COUNT(*) FROM visits GROUP BY {grouping}", Session("alice", epsilon=epsilon)
+                )
         sqls = []
         for i in range(1, 2 ** len(DEPARTMENTS)):
             chosen = ", ".join(f"'{d}'" for j, d in enumerate(DEPARTMENTS) if i >> j & 1)

@@ -75,8 +75,7 @@ def _neighbours(new_database: Callable[[], str] | None) -> list[Backend]:
     heavy = backends[1].execute("SELECT patient_id FROM visits GROUP BY 1 ORDER BY COUNT(*) DESC LIMIT 1")[1][0][0]
     backends[1].execute_script(f"DELETE FROM visits WHERE patient_id = {int(heavy)}")
     backends[2].execute_script(
-        "UPDATE visits SET department = 'Radiology', visit_date = DATE '9999-12-31' "
-        f"WHERE patient_id = {int(heavy)}"
+        f"UPDATE visits SET department = 'Radiology', visit_date = DATE '9999-12-31' WHERE patient_id = {int(heavy)}"
     )
     return backends
 
@@ -96,7 +95,9 @@ def test_edges_answered_or_refused_alike_on_neighbours(kind: str, request: pytes
     new_database = request.getfixturevalue("pg_new_database") if kind == "postgres" else None
     outcomes = []
     for backend in _neighbours(new_database):
-        engine = Engine(load_policy(demo_policy_path("clinic")), backend, Ledger.open("sqlite:///:memory:"), ResultCache())
+        engine = Engine(
+            load_policy(demo_policy_path("clinic")), backend, Ledger.open("sqlite:///:memory:"), ResultCache()
+        )
         build(engine, "visits_dashboard")
         for sql in RELEASES:
             engine.execute(sql, Session("alice", epsilon=2.0))
