@@ -10,15 +10,20 @@ the ledger identity ``synopsis:<name>`` (not to any analyst), then stores only t
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
+from dataclasses import dataclass
+from typing import Any
 
 from dpsql.accountant import Cost
 from dpsql.cache import database_identity
 from dpsql.commands import open_engine, require_policy
 from dpsql.engine import Engine
 from dpsql.errors import FeatureNotSupported, InvalidParameterValue, charged_on_failure
+from dpsql.ledger import Ledger
+from dpsql.ledger.base import Claimed
 from dpsql.plan import Plan
 from dpsql.policy import Policy
 from dpsql.prepared import Prepared
@@ -27,7 +32,7 @@ from dpsql.session import Session
 from dpsql.synopsis import Released, Synopses, store
 from dpsql.synopsis.answer import key_signature
 from dpsql.synopsis.solve import MAX_CELLS, Marginal, noise_variance
-from dpsql.synopsis.store import SynopsisKey, SynopsisMeasure, declaration_hash, prefix
+from dpsql.synopsis.store import SynopsisKey, SynopsisMeasure, declaration_hash, prefix, release_key, unseal
 
 
 def ledger_identity(name: str) -> str:
@@ -98,10 +103,105 @@ def prepare(engine: Engine, name: str) -> tuple[list[Prepared], Prepared]:
     return parts, full
 
 
+@dataclass(frozen=True)
+class Built:
+    """What a build did: the release now stored for its generation, and whether this build charged it
+    (False: a concurrent build did, or this one repaired a paid release that was never stored)."""
+
+    released: Released
+    charged: bool
+
+
+def claim_key(dataset: str, name: str, generation: int) -> str:
+    """The ledger row a build claims, in its charge's transaction, for one generation of a synopsis."""
+    return f"synopsis-claim:{dataset}:{name}:g{generation:08d}"
+
+
+def _generations(ledger: Ledger, dataset: str, name: str) -> tuple[set[int], dict[int, dict[str, Any]]]:
+    """The generations stored, and the ones claimed (charged) with what each claim says."""
+    stored = {int(k.rsplit(":g", 1)[1]) for k in ledger.synopsis_keys(prefix(dataset, name) + "g")}
+    claims: dict[int, dict[str, Any]] = {}
+    for key in ledger.synopsis_keys(f"synopsis-claim:{dataset}:{name}:g"):
+        text = ledger.synopsis_document(key)
+        try:
+            claims[int(key.rsplit(":g", 1)[1])] = json.loads(text or "")
+        except ValueError:
+            continue
+    return stored, claims
+
+
 def build(engine: Engine, name: str) -> Released:
-    """Release synopsis ``name``: charge once, measure every marginal, store the noisy marginals."""
+    """Release synopsis ``name`` as a new generation, charged once: :func:`release`."""
+    return release(engine, name, after=latest(engine.ledger, engine.policy.dataset, name)).released
+
+
+def latest(ledger: Ledger, dataset: str, name: str) -> int:
+    """The newest generation of a synopsis stored or claimed (0: none)."""
+    stored, claims = _generations(ledger, dataset, name)
+    return max(stored | set(claims), default=0)
+
+
+def release(engine: Engine, name: str, *, after: int | None = None) -> Built:
+    """A release of synopsis ``name`` of the current declaration newer than generation ``after`` (None:
+    any), made and charged exactly once (issue #41 item 5).
+
+    A generation is claimed by a row of the ledger written in its charge's transaction
+    (:meth:`Ledger.reserve` with ``claim``): of builds racing for one generation one charges, the others
+    are refused the claim and charge nothing. Its release is stored under the generation's own key, first
+    writer wins, so at most one release is ever stored per charge. A build or refresh that finds what it
+    asks for already claimed by another uses that one: its stored release, or, when none was stored (a
+    build killed between its charge and its store, or still measuring), its own measurement stored in its
+    place — paid by that claim's charge, so nothing is charged again. Only releases of the declaration
+    that was paid for are reused. Nothing measured leaves but through the stored row."""
     policy = engine.policy
-    parts, full = prepare(engine, name)
+    parts, full = prepare(engine, name)  # validated and priced: refusals come before any charge
+    cost = Cost.total([p.budgeting.cost for p in parts])
+    declaration, identity = declaration_hash(policy, name), database_identity(engine.backend)
+    stored, claims = _generations(engine.ledger, policy.dataset, name)
+    paid = {"declaration": declaration, "identity": identity}
+    ours = sorted(g for g, c in claims.items() if paid.items() <= c.items() and g > (after or 0))
+    charged = False
+    if ours:  # asked for already: stored, or paid for and to be stored now
+        generation = ours[-1]
+    else:
+        generation = max(stored | set(claims), default=0) + 1
+        value = {"name": name, "generation": generation, **paid, "epsilon": cost.epsilon}
+        try:
+            engine.ledger.reserve(  # durably, before anything runs; never refunded
+                dataset=policy.dataset,
+                analyst=ledger_identity(name),
+                cost=cost,
+                dataset_budget=policy.budget.dataset,
+                analyst_budget=policy.budget.dataset,
+                fingerprint=_fingerprint(name, generation),
+                accounting=policy.budget.accounting,
+                claim=(claim_key(policy.dataset, name, generation), json.dumps(value, sort_keys=True)),
+            )
+            charged = True
+        except Claimed:  # a concurrent build charged this generation: its release, or ours in its place
+            pass
+    existing = _stored(engine.ledger, policy.dataset, name, generation)
+    if existing is not None:
+        return Built(existing, False)
+    with charged_on_failure(cost.epsilon if charged else 0.0):
+        result = _measure(engine, name, parts, full, cost, generation)
+    store(engine.ledger, result)
+    kept = _stored(engine.ledger, policy.dataset, name, generation)  # the first stored, if another raced us
+    return Built(kept or result, charged)
+
+
+def _fingerprint(name: str, generation: int) -> str:
+    return f"synopsis {name} g{generation}"
+
+
+def _stored(ledger: Ledger, dataset: str, name: str, generation: int) -> Released | None:
+    text = ledger.synopsis_document(release_key(dataset, name, generation))
+    return None if text is None else unseal(text, ledger.installation_key())
+
+
+def _measure(engine: Engine, name: str, parts: list[Prepared], full: Prepared, cost: Cost, generation: int) -> Released:
+    """Measure every marginal (only ever after the charge) into the release of ``generation``."""
+    policy = engine.policy
     synopsis = policy.synopses[name]
     keys = []
     for key in full.plan.keys:
@@ -110,31 +210,20 @@ def build(engine: Engine, name: str) -> Released:
     nkeys = len(keys)
     measure_of = [full.plan.outputs[nkeys + j].measures[0] for j in range(len(synopsis.measures))]
     measures = tuple(SynopsisMeasure(full.plan.measures[i].kind, full.plan.measures[i].column) for i in measure_of)
-    cost = Cost.total([p.budgeting.cost for p in parts])
-    engine.ledger.reserve(  # durably, before anything runs; never refunded
-        dataset=policy.dataset,
-        analyst=ledger_identity(name),
-        cost=cost,
-        dataset_budget=policy.budget.dataset,
-        analyst_budget=policy.budget.dataset,
-        fingerprint=f"synopsis {name}",
-        accounting=policy.budget.accounting,
-    )
     marginals: list[list[Marginal]] = [[] for _ in measures]
-    with charged_on_failure(cost.epsilon):
-        for axes, prepared in zip(synopsis.measured, parts, strict=True):
-            plan = prepared.plan
-            assert [tuple(k.domain or ()) for k in plan.keys] == [keys[a].domain for a in axes]
-            rows = engine.step.query(engine.step.clamped_sql(plan))  # every clamp in place
-            released = apply(plan, prepared.budgeting, rows, 0.95)
-            width = len(plan.keys)
-            for j in range(len(measures)):
-                i = plan.outputs[width + j].measures[0]
-                spec = prepared.budgeting.specs[i]
-                assert spec is not None
-                values = [float(v) for v in released.columns[i]]
-                marginals[j].append(Marginal(tuple(axes), values, noise_variance(spec)))
-    result = Released(
+    for axes, prepared in zip(synopsis.measured, parts, strict=True):
+        plan = prepared.plan
+        assert [tuple(k.domain or ()) for k in plan.keys] == [keys[a].domain for a in axes]
+        rows = engine.step.query(engine.step.clamped_sql(plan))  # every clamp in place
+        released = apply(plan, prepared.budgeting, rows, 0.95)
+        width = len(plan.keys)
+        for j in range(len(measures)):
+            i = plan.outputs[width + j].measures[0]
+            spec = prepared.budgeting.specs[i]
+            assert spec is not None
+            values = [float(v) for v in released.columns[i]]
+            marginals[j].append(Marginal(tuple(axes), values, noise_variance(spec)))
+    return Released(
         name=name,
         dataset=policy.dataset,
         table=synopsis.table,
@@ -147,9 +236,9 @@ def build(engine: Engine, name: str) -> Released:
         measures=measures,
         marginals=tuple(tuple(m) for m in marginals),
         laplace=parts[0].budgeting.mechanism == "laplace",
+        generation=generation,
+        charge=_fingerprint(name, generation),
     )
-    store(engine.ledger, result)
-    return result
 
 
 # -- the commands ------------------------------------------------------------------------------------
@@ -165,17 +254,24 @@ def cmd_synopsis_build(args: argparse.Namespace) -> int:
             print(f'ERROR:  the policy of dataset "{engine.policy.dataset}" declares no synopses', file=sys.stderr)
             return 1
         current = {r.name for r in Synopses(engine.policy, engine.ledger).current(database_identity(engine.backend))}
+        # what a refresh releases a newer one than (read first: a refresh racing this one is not repeated)
+        seen = {name: latest(engine.ledger, engine.policy.dataset, name) for name in names}
         for name in names:
             if args.synopsis_command == "build" and name in current:
                 print(f'synopsis "{name}": already released (use "dpsql synopsis refresh" to release it again)')
                 continue
-            released = build(engine, name)
+            built = release(engine, name, after=seen[name] if args.synopsis_command == "refresh" else None)
+            released = built.released
             cells = " × ".join(str(len(k.domain)) for k in released.keys)
+            charge = f"ε={released.epsilon:g}" + (f", δ={released.delta:g}" if released.delta else "")
+            paid = (
+                f"charged {charge} once to the dataset as {ledger_identity(name)}"
+                if built.charged
+                else f"nothing charged now ({charge} was charged once, as {released.charge})"
+            )
             print(
-                f'synopsis "{name}" of dataset "{released.dataset}": released at {released.released_at}, '
-                f"{cells} cells, {len(released.axes)} marginals; charged ε={released.epsilon:g}"
-                + (f", δ={released.delta:g}" if released.delta else "")
-                + f" once to the dataset as {ledger_identity(name)}"
+                f'synopsis "{name}" of dataset "{released.dataset}": release {released.generation} at '
+                f"{released.released_at}, {cells} cells, {len(released.axes)} marginals; {paid}"
             )
     finally:
         engine.close()

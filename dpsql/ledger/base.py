@@ -133,6 +133,13 @@ _SELECT_AUDIT_SQL = (
 )
 
 
+_CLAIM_SQL = "INSERT INTO dpsql_ledger_meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO NOTHING"
+
+
+class Claimed(Exception):
+    """A reservation's claim (:meth:`Ledger.reserve`) was already in the ledger: nothing was charged."""
+
+
 class Ledger(CuratorLevers):
     """A durable, concurrency-safe privacy ledger; open with :meth:`Ledger.open`."""
 
@@ -161,8 +168,13 @@ class Ledger(CuratorLevers):
         fingerprint: str,
         accounting: Accounting = "pure",
         rho_delta: float | None = None,
+        claim: tuple[str, str] | None = None,
     ) -> Charge:
         """Atomically check both budgets and durably record the charge, or raise.
+
+        ``claim`` (key, value): a row of the meta table written in the charge's transaction, first: when
+        the key is already there, nothing is charged and :class:`Claimed` is raised — what makes one
+        synopsis release charged exactly once however many builds race (:mod:`dpsql.curator.synopsis`).
 
         Raises :class:`PrivacyBudgetExhausted` (nothing recorded) or
         :class:`LedgerUnavailable` (nothing may be released). Under ``pld`` the check composes every
@@ -217,6 +229,7 @@ class Ledger(CuratorLevers):
             at=now,
             check=check,
             audit=audit_row,
+            claim=claim,
         )
         return Charge(
             id=charge_id,
@@ -253,6 +266,7 @@ class Ledger(CuratorLevers):
         at: dt.datetime,
         check: Callable[[Spent, Spent, Levers, tuple[GroupRows, GroupRows]], None],
         audit: AuditEntry,
+        claim: tuple[str, str] | None = None,
     ) -> tuple[int, int, Spent, Spent]:
         """The reservation, in one transaction that holds the dataset's write lock: read the spending and
         the levers (under pld also the charges, grouped) → ``check`` them (raises to refuse) → insert the
@@ -261,6 +275,8 @@ class Ledger(CuratorLevers):
         stamp = self._timestamp(at)
         eps, delta, rho, sel = cost.epsilon, cost.delta, cost.rho, cost.selection_delta
         with self._reservation(dataset) as execute:
+            if claim is not None and not execute(self._sql(_CLAIM_SQL), claim).rowcount:
+                raise Claimed(claim[0])  # rolls back: nothing written, nothing charged
             analyst_spent, dataset_spent = self._spent_in(execute, dataset, analyst)
             levers = levers_of(execute(self._sql(LEVERS_SQL), (dataset, analyst, dataset, analyst)).fetchone())
             history = self._groups_in(execute, dataset, analyst) if accounting == "pld" else ([], [])

@@ -357,19 +357,20 @@ class Index:
         if released.cells != entry.cells or len(released.measures) != len(entry.measures):
             return None
         with self._lock:
-            if entry.released is None:
-                entry.released = released
-                self._admit(entry)
-            return entry.released
+            if entry.released is not None:
+                return entry.released
+            entry.released = released
+            self._admit(entry)
+        return released  # used now even when not kept (the least useful of all loaded)
 
     def _admit(self, entry: Entry) -> None:
-        """Count a loaded entry's bytes and evict the least useful others beyond :data:`MEMORY_BYTES`
-        (called under the lock)."""
+        """Count a loaded entry's bytes and, beyond :data:`MEMORY_BYTES`, unload the least useful (fewest
+        uses, then least recently used; the newcomer too) until within it (called under the lock)."""
         self._loaded_bytes += entry.nbytes
         if self._loaded_bytes <= MEMORY_BYTES:
             return
-        loaded = [e for s in self._bases.values() for e in s.entries if e.released is not None and e is not entry]
-        loaded.sort(key=lambda e: (e.uses, e.used_at))
+        loaded = [e for s in self._bases.values() for e in s.entries if e.released is not None]
+        loaded.sort(key=lambda e: (e.uses, e.used_at, e is not entry))
         for victim in loaded:
             if self._loaded_bytes <= MEMORY_BYTES:
                 break

@@ -108,6 +108,10 @@ class Released:
     marginals: tuple[tuple[Marginal, ...], ...]
     #: Whether the noise is Laplace (intervals then use the heavier Laplace quantile), else Gaussian.
     laplace: bool = True
+    #: Which release of the synopsis this is (1, 2, …; 0 before generations were numbered) and the ledger
+    #: fingerprint of the charge that paid for it (:mod:`dpsql.curator.synopsis`).
+    generation: int = 0
+    charge: str = ""
     _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
 
     @property
@@ -150,6 +154,8 @@ class Released:
                 for k in self.keys
             ],
             "laplace": self.laplace,
+            "generation": self.generation,
+            "charge": self.charge,
             "measures": [{"kind": m.kind, "column": m.column, "centre": m.centre} for m in self.measures],
             "marginals": [
                 [{"axes": list(m.axes), "values": list(m.values), "variance": m.variance} for m in per_measure]
@@ -184,6 +190,8 @@ class Released:
             ),
             marginals=tuple(tuple(_marginal(m) for m in per) for per in doc["marginals"]),
             laplace=bool(doc.get("laplace", True)),
+            generation=int(doc.get("generation", 0)),
+            charge=str(doc.get("charge", "")),
         )
 
     @property
@@ -217,9 +225,18 @@ def unseal(text: str, installation_key: bytes) -> Released | None:
         return None
 
 
+def release_key(dataset: str, name: str, generation: int) -> str:
+    """Where generation ``generation`` of a synopsis is stored: one key per generation, so at most one
+    release is ever stored for it (``g`` sorts after the time-stamped keys of older versions: newer)."""
+    return prefix(dataset, name) + f"g{generation:08d}"
+
+
 def store(ledger: Ledger, released: Released) -> str:
-    """Append ``released`` to the ledger; its key."""
-    key = prefix(released.dataset, released.name) + f"{int(released.built_at * 1e6):020d}"
+    """Append ``released`` to the ledger (under its generation's key when it has one); its key."""
+    if released.generation:
+        key = release_key(released.dataset, released.name, released.generation)
+    else:
+        key = prefix(released.dataset, released.name) + f"{int(released.built_at * 1e6):020d}"
     ledger.add_synopsis(key, seal(released, ledger.installation_key()))
     return key
 
