@@ -220,7 +220,10 @@ class Engine:
         prepared = self.prepare(sql, session, params)
         # Every clamp shown, proven redundant or not: which ones the statistics prove is data-dependent.
         shown_sql = self.step.clamped_sql(prepared.plan).replace(self._salt, "<secret>")
-        return explain(prepared.plan, prepared.budgeting, confidence_level(self.policy, session), shown_sql)
+        confidence = confidence_level(self.policy, session)
+        explanation = explain(prepared.plan, prepared.budgeting, confidence, shown_sql)
+        free = self.step.free_answer(prepared, confidence, session.max_widening)  # what it would really cost
+        return explanation if free is None else explanation.answered_by(free)
 
     def execute(self, sql: str, session: Session, params: Params = None) -> Result:
         """Answer one DP query: reserve the budget, run, noise, post-process; audited however it ends.

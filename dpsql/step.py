@@ -80,6 +80,7 @@ from dpsql.postprocess.finish import finish, from_cache, from_release
 from dpsql.prepared import Prepared
 from dpsql.release.accuracy import accuracy_notes, bias_note
 from dpsql.release.apply import Released, apply, apply_local, released_again
+from dpsql.release.calibrate import accuracy_guard
 from dpsql.rewrite import rewrite
 from dpsql.rewrite.physical import data_version
 from dpsql.session import Result, Session
@@ -237,6 +238,14 @@ class Step:
         self.notice(result, cost, charge, session)
         return result
 
+    def free_answer(self, prepared: Prepared, confidence: float, widening: float | None = None) -> Result | None:
+        """What :meth:`answer` would return at no charge (a stored or derived answer), else None: what
+        EXPLAIN reports as the statement's real cost. Reads released values only; charges nothing."""
+        part = self.lookup(prepared, confidence, widening)
+        if part.hit is None or part.derived:
+            return part.hit
+        return typed((from_release if part.reused else from_cache)(part.hit, part.created))
+
     # -- the parts, shared with composite statements ------------------------------------------------
 
     def lookup(self, prepared: Prepared, confidence: float, widening: float | None = None) -> Part:
@@ -315,6 +324,7 @@ class Step:
         """Charge ``cost`` to the analyst and the dataset, durably, before anything runs (audited).
         Under a server job the reservation is gated (:func:`dpsql.ledger.audit.gated`): refused once
         the client stopped waiting, else recorded before the client is told what was charged."""
+        self._guard(cost, session)
         with gated() as record:
             charge = note_charge(
                 self.ledger.reserve(
@@ -329,6 +339,22 @@ class Step:
             )
             record(cost.epsilon)
         return charge
+
+    def _guard(self, cost: Cost, session: Session) -> None:
+        """Accuracy-first's guard against what the analyst really has left, grants included
+        (:func:`dpsql.release.calibrate.accuracy_guard`); read from the ledger before the charge."""
+        if session.accuracy is None:
+            return
+        dataset, budget = self.policy.dataset, self.policy.analyst_budget(session.analyst)
+        left = self.ledger.remaining(
+            dataset,
+            session.analyst,
+            budget=budget,
+            accounting=self.policy.budget.accounting,
+            dataset_budget=self.policy.budget.dataset,
+        )
+        total = self.ledger.levers(dataset, session.analyst).limit(budget).epsilon
+        accuracy_guard(cost.epsilon, session, left.epsilon, total)
 
     @contextlib.contextmanager
     def reserved(self, cost: Cost | None, session: Session, fingerprint: str) -> Iterator[Charge | None]:
