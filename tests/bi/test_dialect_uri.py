@@ -15,7 +15,7 @@ from dpsql.session import parse_setting
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "contrib" / "superset"))
 
-from dpsql_superset.dialect import DpsqlDialect  # noqa: E402
+from dpsql_superset.dialect import DpsqlDialect
 
 pytestmark = pytest.mark.unit
 
