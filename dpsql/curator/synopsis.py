@@ -33,6 +33,7 @@ from dpsql.synopsis import Released, Synopses, store
 from dpsql.synopsis.answer import key_signature
 from dpsql.synopsis.solve import MAX_CELLS, Marginal, noise_variance
 from dpsql.synopsis.store import SynopsisKey, SynopsisMeasure, declaration_hash, prefix, release_key, unseal
+from dpsql.synopsis.widths import WARN_RATIO, chart_widths
 
 
 def ledger_identity(name: str) -> str:
@@ -43,8 +44,8 @@ def ledger_identity(name: str) -> str:
 def marginal_sql(policy: Policy, name: str, axes: tuple[int, ...]) -> str:
     """The DP query measuring one marginal: the keys on ``axes`` and every measure, grouped by those keys."""
     synopsis = policy.synopses[name]
-    keys = ", ".join(synopsis.keys[a] for a in axes)
-    select = ", ".join([*(synopsis.keys[a] for a in axes), *synopsis.measures])
+    keys = ", ".join(synopsis.axes[a] for a in axes)
+    select = ", ".join([*(synopsis.axes[a] for a in axes), *synopsis.measures])
     return f"SELECT {select} FROM {synopsis.table}" + (f" GROUP BY {keys}" if keys else "")
 
 
@@ -86,7 +87,7 @@ def prepare(engine: Engine, name: str) -> tuple[list[Prepared], Prepared]:
         delta=synopsis.delta / share,
         mechanism=synopsis.mechanism or engine.policy.defaults.mechanism,
     )
-    every = tuple(range(len(synopsis.keys)))
+    every = tuple(range(len(synopsis.axes)))
     full = engine.prepare(marginal_sql(engine.policy, name, every), session)
     check_plan(name, marginal_sql(engine.policy, name, every), full.plan)
     cells = cube_cells(full.plan)
@@ -273,6 +274,10 @@ def cmd_synopsis_build(args: argparse.Namespace) -> int:
                 f'synopsis "{name}" of dataset "{released.dataset}": release {released.generation} at '
                 f"{released.released_at}, {cells} cells, {len(released.axes)} marginals; {paid}"
             )
+            parts, full = prepare(engine, name)
+            for chart in chart_widths(engine.policy, name, [p.plan for p in parts], full.plan):
+                wider = f" (more than {WARN_RATIO:g}× a fresh answer)" if chart.ratio > WARN_RATIO else ""
+                print("  " + chart.line(name, engine.policy.defaults.epsilon) + wider)
     finally:
         engine.close()
     return 0
@@ -291,7 +296,8 @@ def cmd_synopsis_list(args: argparse.Namespace) -> int:
             state = "not released" if released is None else f"released {released.released_at}"
             print(
                 f"{name}\ttable {synopsis.table}\tkeys {', '.join(synopsis.keys)}"
-                f"\tmeasures {', '.join(synopsis.measures)}"
+                + (f"\tfilters {', '.join(synopsis.filters)}" if synopsis.filters else "")
+                + f"\tmeasures {', '.join(synopsis.measures)}"
                 f"\tε={synopsis.epsilon:g}\t{state}\t{count} release{'s' if count != 1 else ''} in the ledger"
             )
     finally:
