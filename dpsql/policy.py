@@ -328,6 +328,8 @@ class Synopsis(_Strict):
     every key alone, and all keys together); a query is answered from the synopsis when its keys and
     filter columns fall inside one measured marginal (coarser time grains allowed). ``filters`` are
     public-domain columns every chart may filter on: each is a key of the cube inside every marginal.
+    ``continual``: a refresh releases only the time buckets after the last one released (the time key's
+    column bound extended), charged once each; answers span all of them.
     """
 
     table: str
@@ -335,6 +337,7 @@ class Synopsis(_Strict):
     measures: Annotated[tuple[str, ...], Field(min_length=1)] = ("COUNT(*)",)
     marginals: tuple[tuple[str, ...], ...] | None = None
     filters: tuple[str, ...] = ()
+    continual: bool = False
     epsilon: Annotated[float, Field(gt=0)]
     delta: Annotated[float, Field(ge=0, lt=1)] = 0.0
     mechanism: Mechanism | None = None

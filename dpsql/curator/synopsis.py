@@ -10,6 +10,7 @@ the ledger identity ``synopsis:<name>`` (not to any analyst), then stores only t
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import math
 import sys
@@ -31,6 +32,7 @@ from dpsql.release.apply import apply
 from dpsql.session import Session
 from dpsql.synopsis import Released, Synopses, store
 from dpsql.synopsis.answer import key_signature
+from dpsql.synopsis.grains import bucket_end, normal, time_columns
 from dpsql.synopsis.solve import MAX_CELLS, Marginal, noise_variance
 from dpsql.synopsis.store import SynopsisKey, SynopsisMeasure, declaration_hash, prefix, release_key, unseal
 from dpsql.synopsis.widths import WARN_RATIO, chart_widths
@@ -41,12 +43,14 @@ def ledger_identity(name: str) -> str:
     return f"synopsis:{name}"
 
 
-def marginal_sql(policy: Policy, name: str, axes: tuple[int, ...]) -> str:
-    """The DP query measuring one marginal: the keys on ``axes`` and every measure, grouped by those keys."""
+def marginal_sql(policy: Policy, name: str, axes: tuple[int, ...], where: str | None = None) -> str:
+    """The DP query measuring one marginal: the keys on ``axes`` and every measure, grouped by those keys
+    (``where``: a continual refresh's new periods)."""
     synopsis = policy.synopses[name]
     keys = ", ".join(synopsis.axes[a] for a in axes)
     select = ", ".join([*(synopsis.axes[a] for a in axes), *synopsis.measures])
-    return f"SELECT {select} FROM {synopsis.table}" + (f" GROUP BY {keys}" if keys else "")
+    sql = f"SELECT {select} FROM {synopsis.table}" + (f" WHERE {where}" if where else "")
+    return sql + (f" GROUP BY {keys}" if keys else "")
 
 
 def check_plan(name: str, sql: str, plan: Plan) -> None:
@@ -71,9 +75,9 @@ def cube_cells(plan: Plan) -> int:
     return math.prod(len(key.domain or ()) for key in plan.keys)
 
 
-def prepare(engine: Engine, name: str) -> tuple[list[Prepared], Prepared]:
+def prepare(engine: Engine, name: str, where: str | None = None) -> tuple[list[Prepared], Prepared]:
     """Each measured marginal's prepared query, and the query over all keys (its keys' domains); validated
-    and priced, nothing charged."""
+    and priced, nothing charged (``where``: only the periods a continual refresh releases)."""
     synopsis = engine.policy.synopses.get(name)
     if synopsis is None:
         declared = ", ".join(sorted(engine.policy.synopses)) or "none"
@@ -88,8 +92,8 @@ def prepare(engine: Engine, name: str) -> tuple[list[Prepared], Prepared]:
         mechanism=synopsis.mechanism or engine.policy.defaults.mechanism,
     )
     every = tuple(range(len(synopsis.axes)))
-    full = engine.prepare(marginal_sql(engine.policy, name, every), session)
-    check_plan(name, marginal_sql(engine.policy, name, every), full.plan)
+    full = engine.prepare(marginal_sql(engine.policy, name, every, where), session)
+    check_plan(name, marginal_sql(engine.policy, name, every, where), full.plan)
     cells = cube_cells(full.plan)
     if cells > MAX_CELLS:
         raise FeatureNotSupported(
@@ -97,7 +101,7 @@ def prepare(engine: Engine, name: str) -> tuple[list[Prepared], Prepared]:
         )
     parts = []
     for axes in synopsis.measured:
-        sql = marginal_sql(engine.policy, name, axes)
+        sql = marginal_sql(engine.policy, name, axes, where)
         prepared = engine.prepare(sql, session)
         check_plan(name, sql, prepared.plan)
         parts.append(prepared)
@@ -155,14 +159,21 @@ def release(engine: Engine, name: str, *, after: int | None = None) -> Built:
     place — paid by that claim's charge, so nothing is charged again. Only releases of the declaration
     that was paid for are reused. Nothing measured leaves but through the stored row."""
     policy = engine.policy
-    parts, full = prepare(engine, name)  # validated and priced: refusals come before any charge
-    cost = Cost.total([p.budgeting.cost for p in parts])
     declaration, identity = declaration_hash(policy, name), database_identity(engine.backend)
     stored, claims = _generations(engine.ledger, policy.dataset, name)
     paid = {"declaration": declaration, "identity": identity}
     ours = sorted(g for g, c in claims.items() if paid.items() <= c.items() and g > (after or 0))
+    if ours and (existing := _stored(engine.ledger, policy.dataset, name, ours[-1])) is not None:
+        return Built(existing, False)  # asked for already, and stored
+    since = _new_periods(engine, name, declaration, identity)
+    parts, full = prepare(engine, name, since)  # validated and priced: refusals come before any charge
+    if cube_cells(full.plan) == 0:  # a continual synopsis with no new period to release
+        raise InvalidParameterValue(
+            f'synopsis "{name}": no new period to release', hint=_NOTHING_NEW, detail=f"released until {since}"
+        )
+    cost = Cost.total([p.budgeting.cost for p in parts])
     charged = False
-    if ours:  # asked for already: stored, or paid for and to be stored now
+    if ours:  # paid for by another build, not stored (yet): stored now, no new charge
         generation = ours[-1]
     else:
         generation = max(stored | set(claims), default=0) + 1
@@ -189,6 +200,41 @@ def release(engine: Engine, name: str, *, after: int | None = None) -> Built:
     store(engine.ledger, result)
     kept = _stored(engine.ledger, policy.dataset, name, generation)  # the first stored, if another raced us
     return Built(kept or result, charged)
+
+
+_NOTHING_NEW = (
+    "A continual synopsis releases the time buckets after the last one released: extend its time column's "
+    "upper bound in the policy as periods are appended, then refresh."
+)
+
+
+def _new_periods(engine: Engine, name: str, declaration: str, identity: str) -> str | None:
+    """A continual synopsis's periods to release now: after the last bucket released (all, the first
+    time), up to its time column's upper bound — rows beyond it are later periods, released by a later
+    refresh, not clamped into this one's last bucket (they would be counted twice). None otherwise."""
+    policy = engine.policy
+    synopsis = policy.synopses[name]
+    table = policy.table(synopsis.table)
+    columns = time_columns(synopsis.keys)
+    if not synopsis.continual or table is None or len(columns) != 1 or columns[0] not in table.columns:
+        return None
+    column = columns[0]
+    column_type, upper = table.columns[column].type, table.columns[column].upper
+    until = f"{column} <= '{upper}'" if upper is not None else None
+    ends: list[dt.datetime] = []
+    for key in engine.ledger.synopsis_keys(prefix(policy.dataset, name) + "g"):
+        released = _stored(engine.ledger, policy.dataset, name, int(key.rsplit(":g", 1)[1]))
+        if released is None or released.declaration != declaration or released.identity != identity:
+            continue
+        for k in released.keys:
+            if k.kind == "trunc" and k.domain and k.unit is not None and k.column == column:
+                ends.append(normal(bucket_end(max(k.domain, key=normal), k.unit, column_type))[1])
+    if not ends:
+        return until
+    start = max(ends) + (dt.timedelta(days=1) if column_type == "date" else dt.timedelta(microseconds=1))
+    text = start.date().isoformat() if column_type == "date" else start.isoformat(sep=" ")
+    since = f"{column} >= '{text}'"
+    return since if until is None else f"{since} AND {until}"
 
 
 def _fingerprint(name: str, generation: int) -> str:

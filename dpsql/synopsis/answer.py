@@ -154,6 +154,8 @@ def estimate(plan: Plan, released: Released, policy: Policy) -> Cells | None:
     if not any(axes <= set(measured) for measured in released.axes):
         return None  # not in the span of one measured marginal
     labels, count = _labels(plan, released, [m for m in mapped if m is not None])
+    if count and np.bincount(labels[labels >= 0], minlength=count).min() == 0:
+        return None  # a row no released cell stands for (a bucket not released yet): not an exact 0
     if plan.where is not None:
         assert read is not None
         mask = cell_mask(plan.where, released.keys, types, read)

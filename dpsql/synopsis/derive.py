@@ -30,8 +30,9 @@ from dpsql.postprocess.finish import released_at
 from dpsql.release.apply import widths_at
 from dpsql.release.calibrate import Budgeting
 from dpsql.synopsis.answer import Cells, Derived, combine, derived, estimate
+from dpsql.synopsis.current import Synopses
 from dpsql.synopsis.reuse import Index
-from dpsql.synopsis.store import Released, Synopses
+from dpsql.synopsis.store import Released
 
 
 @dataclass(frozen=True)

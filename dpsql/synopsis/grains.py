@@ -8,10 +8,16 @@ year 9999 ends at 9999-12-31 (23:59:59.999999), not with an error (issue #38 ite
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any
+
+import sqlglot
+from sqlglot import exp
 
 from dpsql.analyze.expressions import date_unit
 from dpsql.analyze.fold import truncate as fold_truncate
+from dpsql.analyze.parse import dialect
 from dpsql.policy import Scalar
 
 #: Time grains in nesting order: a grain is a union of cells of every finer one (weeks only of days).
@@ -71,3 +77,19 @@ def normal(value: Scalar) -> Any:
     if isinstance(value, dt.date):
         return ("t", dt.datetime(value.year, value.month, value.day))
     return ("v", value)
+
+
+def time_columns(keys: Sequence[str]) -> list[str]:
+    """The columns of the time grains (``DATE_TRUNC(unit, column)``) among declared key texts."""
+    return [column for text in keys if (column := _trunc_column(text)) is not None]
+
+
+@lru_cache(maxsize=1024)
+def _trunc_column(text: str) -> str | None:
+    try:
+        tree = sqlglot.parse_one(text, dialect=dialect("postgres"))
+    except sqlglot.errors.SqlglotError:
+        return None
+    if isinstance(tree, exp.TimestampTrunc | exp.DateTrunc) and isinstance(tree.this, exp.Column):
+        return str(tree.this.name)
+    return None

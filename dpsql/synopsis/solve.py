@@ -28,6 +28,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Protocol
 
 import numpy as np
 
@@ -90,6 +91,12 @@ def marginal_index(shape: tuple[int, ...], axes: tuple[int, ...]) -> np.ndarray:
 
 def _size(shape: Sequence[int], axes: Sequence[int]) -> int:
     return math.prod(shape[a] for a in axes)
+
+
+class Totals(Protocol):
+    """What an answer reads of a cube's estimate: each group's sum and its variance."""
+
+    def totals(self, groups: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]: ...
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,9 @@ The document is signed (HMAC-SHA-256 under the installation key, as result-cache
 written by anyone without that key is ignored; it is typed JSON, never pickle.
 
 Which document serves a query: the newest one of a synopsis whose declaration (and its table's policy)
-hashes to the policy's current one, on the same database. A changed declaration makes old releases
-unused (never misread); the charge stays spent.
+hashes to the policy's current one, on the same database (:mod:`dpsql.synopsis.current`; a continual
+synopsis: all its periods). A changed declaration makes old releases unused (never misread); the
+charge stays spent.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import hmac
 import json
 import math
 import threading
-import time
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -27,11 +27,8 @@ from typing import Any
 from dpsql.ledger import Ledger
 from dpsql.policy import Policy, Scalar
 from dpsql.postprocess.finish import released_at
-from dpsql.synopsis.solve import Estimate, Marginal, solve
-
-#: How long the engine trusts its list of stored synopses before reading the ledger's again (seconds):
-#: a build in another process is served within this long.
-RELOAD_SECONDS = 1.0
+from dpsql.synopsis.grains import time_columns
+from dpsql.synopsis.solve import Marginal, Totals, solve
 
 _MAC_CONTEXT = b"dpsql synopsis v1"
 
@@ -41,11 +38,17 @@ def prefix(dataset: str, name: str | None = None) -> str:
 
 
 def declaration_hash(policy: Policy, name: str) -> str:
-    """The synopsis's declaration and its table's policy (bounds, caps, domains): what its release means."""
+    """The synopsis's declaration and its table's policy (bounds, caps, domains): what its release means.
+    A continual synopsis's time columns leave their upper bound out: it grows as periods are appended,
+    and the periods released before keep their meaning."""
     synopsis = policy.synopses[name]
     table = policy.table(synopsis.table)
     assert table is not None
-    text = json.dumps([synopsis.model_dump(mode="json"), table.model_dump(mode="json")], sort_keys=True)
+    table_doc = table.model_dump(mode="json")
+    if synopsis.continual:
+        for column in time_columns(synopsis.keys):
+            table_doc["columns"].get(column, {}).pop("upper", None)
+    text = json.dumps([synopsis.model_dump(mode="json"), table_doc], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -127,7 +130,7 @@ class Released:
         return tuple(m.axes for m in self.marginals[0])
 
     @cached_property
-    def estimates(self) -> tuple[Estimate, ...]:
+    def estimates(self) -> tuple[Totals, ...]:
         """The consistent cube of each measure (solved once per loaded release)."""
         with self._lock:
             return tuple(solve(self.shape, marginals) for marginals in self.marginals)
@@ -239,44 +242,3 @@ def store(ledger: Ledger, released: Released) -> str:
         key = prefix(released.dataset, released.name) + f"{int(released.built_at * 1e6):020d}"
     ledger.add_synopsis(key, seal(released, ledger.installation_key()))
     return key
-
-
-class Synopses:
-    """The engine's view of the stored synopses of its policy: the newest valid release of each declared
-    synopsis, re-read from the ledger at most every :data:`RELOAD_SECONDS`."""
-
-    def __init__(self, policy: Policy, ledger: Ledger) -> None:
-        self.policy = policy
-        self.ledger = ledger
-        self._declarations = {name: declaration_hash(policy, name) for name in policy.synopses}
-        self._loaded: dict[str, Released] = {}
-        self._keys: list[str] = []
-        self._read_at = -RELOAD_SECONDS
-        self._lock = threading.Lock()
-
-    def current(self, identity: str) -> list[Released]:
-        """The newest valid release of every declared synopsis built on the database ``identity``."""
-        if not self._declarations:
-            return []
-        with self._lock:
-            if time.monotonic() - self._read_at >= RELOAD_SECONDS:
-                self._keys = self.ledger.synopsis_keys(prefix(self.policy.dataset))
-                self._read_at = time.monotonic()
-            keys = self._keys
-        newest: dict[str, Released] = {}
-        for key in reversed(keys):  # newest first within each name
-            released = self._load(key)
-            if released is None or released.name in newest:
-                continue
-            if released.declaration == self._declarations.get(released.name) and released.identity == identity:
-                newest[released.name] = released
-        return list(newest.values())
-
-    def _load(self, key: str) -> Released | None:
-        released = self._loaded.get(key)
-        if released is None and key not in self._loaded:
-            text = self.ledger.synopsis_document(key)
-            released = None if text is None else unseal(text, self.ledger.installation_key())
-            if released is not None:
-                self._loaded[key] = released
-        return released
