@@ -191,16 +191,18 @@ def synopsis_width_findings(policy: Policy, notes: list[str]) -> Iterator[Findin
             found = chart_widths(policy, name, plans, full)
         except Error:
             continue  # reported by synopsis_findings
-        for chart in found:
-            notes.append(chart.line(name, policy.defaults.epsilon))
-            if chart.ratio > WARN_RATIO:
-                yield Finding("warning", ("synopses", name), chart.line(name, policy.defaults.epsilon) + _WIDER)
-
-
-_WIDER = (
-    ": more than 2× wider than the chart alone (raise the synopsis's ε, declare fewer marginals or measures; "
-    "analysts can SET dpsql.max_widening to get fresh answers instead)"
-)
+        notes.extend(chart.line(name, policy.defaults.epsilon) for chart in found)
+        wide = [chart for chart in found if chart.ratio > WARN_RATIO]
+        if wide:
+            worst = max(wide, key=lambda chart: chart.ratio)
+            yield Finding(
+                "warning",
+                ("synopses", name),
+                f"{len(wide)} of {len(found)} chart shapes get a ± more than {WARN_RATIO:g}× that of the chart asked "
+                f"alone at ε={policy.defaults.epsilon:g} (up to {worst.ratio:.2g}×: {worst.measure} by "
+                f"{', '.join(worst.keys) or 'no key'}); raise the synopsis's ε or declare fewer marginals or "
+                "measures (analysts see the factor, and can SET dpsql.max_widening to get fresh answers instead)",
+            )
 
 
 def database_findings(policy: Policy, backend: Any) -> Iterator[Finding]:
