@@ -26,7 +26,7 @@ from dpsql.errors import FeatureNotSupported, InvalidParameterValue, charged_on_
 from dpsql.ledger import Ledger
 from dpsql.ledger.base import Claimed
 from dpsql.plan import Plan
-from dpsql.policy import Policy
+from dpsql.policy import Policy, Synopsis
 from dpsql.prepared import Prepared
 from dpsql.release.apply import apply
 from dpsql.session import Session
@@ -75,15 +75,21 @@ def cube_cells(plan: Plan) -> int:
     return math.prod(len(key.domain or ()) for key in plan.keys)
 
 
+def declared(policy: Policy, name: str) -> Synopsis:
+    """The policy's declaration of synopsis ``name`` (22023 when there is none)."""
+    synopsis = policy.synopses.get(name)
+    if synopsis is None:
+        names = ", ".join(sorted(policy.synopses)) or "none"
+        raise InvalidParameterValue(
+            f'synopsis "{name}" is not declared in the policy', hint=f"Declared synopses: {names}."
+        )
+    return synopsis
+
+
 def prepare(engine: Engine, name: str, where: str | None = None) -> tuple[list[Prepared], Prepared]:
     """Each measured marginal's prepared query, and the query over all keys (its keys' domains); validated
     and priced, nothing charged (``where``: only the periods a continual refresh releases)."""
-    synopsis = engine.policy.synopses.get(name)
-    if synopsis is None:
-        declared = ", ".join(sorted(engine.policy.synopses)) or "none"
-        raise InvalidParameterValue(
-            f'synopsis "{name}" is not declared in the policy', hint=f"Declared synopses: {declared}."
-        )
+    synopsis = declared(engine.policy, name)
     share = len(synopsis.measured)
     session = Session(
         ledger_identity(name),
@@ -159,6 +165,7 @@ def release(engine: Engine, name: str, *, after: int | None = None) -> Built:
     place — paid by that claim's charge, so nothing is charged again. Only releases of the declaration
     that was paid for are reused. Nothing measured leaves but through the stored row."""
     policy = engine.policy
+    declared(policy, name)
     declaration, identity = declaration_hash(policy, name), database_identity(engine.backend)
     stored, claims = _generations(engine.ledger, policy.dataset, name)
     paid = {"declaration": declaration, "identity": identity}
