@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing the pack
 import accounting  # noqa: E402
 import attacks  # noqa: E402
 import common  # noqa: E402
+import derived  # noqa: E402
 import e2e  # noqa: E402
 import noise  # noqa: E402
 import overhead  # noqa: E402
@@ -74,6 +75,7 @@ BENCHMARKS: dict[str, Callable[[bool], common.Section]] = {
     "wire": wire.run,
     "attacks": attacks.run,
     "accounting": accounting.run,
+    "derived": derived.run,
     "spark": run_spark,
 }
 
