@@ -212,8 +212,12 @@ class Engine:
         plan = analyze_tree(tree, self.policy, placeholders or None)
         return Description([o.column for o in plan.outputs], param_types)
 
-    def explain(self, sql: str, session: Session, params: Params = None) -> Explanation | CompositeExplanation:
-        """Cost, sensitivity, noise scale and expected error per output; spends nothing."""
+    def explain(
+        self, sql: str, session: Session, params: Params = None, *, actual: bool = True
+    ) -> Explanation | CompositeExplanation:
+        """Cost, sensitivity, noise scale and expected error per output; spends nothing. ``actual``: what it
+        would really cost (nothing, when released values would answer it); a composite's parts are priced
+        as charged (its header composes them)."""
         composite = explain_outer(self, sql, session, params, self.statements.get(sql).tree)
         if composite is not None:  # every DP part and the post-processing
             return composite
@@ -222,7 +226,7 @@ class Engine:
         shown_sql = self.step.clamped_sql(prepared.plan).replace(self._salt, "<secret>")
         confidence = confidence_level(self.policy, session)
         explanation = explain(prepared.plan, prepared.budgeting, confidence, shown_sql)
-        free = self.step.free_answer(prepared, confidence, session.max_widening)  # what it would really cost
+        free = self.step.free_answer(prepared, confidence, session.max_widening) if actual else None
         return explanation if free is None else explanation.answered_by(free)
 
     def execute(self, sql: str, session: Session, params: Params = None) -> Result:
