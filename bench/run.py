@@ -26,6 +26,7 @@ import accounting  # noqa: E402
 import attacks  # noqa: E402
 import cli_start  # noqa: E402
 import common  # noqa: E402
+import derived  # noqa: E402
 import e2e  # noqa: E402
 import noise  # noqa: E402
 import outer  # noqa: E402
@@ -80,6 +81,7 @@ BENCHMARKS: dict[str, Callable[[bool], common.Section]] = {
     "reservation": reservation.run,
     "outer": outer.run,
     "cli": cli_start.run,
+    "derived": derived.run,
     "spark": run_spark,
 }
 

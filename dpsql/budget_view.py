@@ -12,9 +12,10 @@ what the analyst can really spend. The cap says no more about the others' spendi
 
 ``SELECT … FROM dpsql_budget`` (what a BI tool sends; the relation also exists, empty, in the
 shadow catalog so schema sync lists it) is answered by plain Python over that one row, for a fixed
-set of shapes read off the parse tree: ``*``, columns, constants and ``COUNT(*)`` (with aliases);
-a WHERE of AND/OR/NOT over comparisons, IS [NOT] NULL/TRUE/FALSE, IN and BETWEEN of columns and
-constants; ORDER BY; LIMIT/OFFSET. Any other node is refused (0A000) before anything is evaluated,
+set of shapes read off the parse tree: ``*``, columns, constants, ``COUNT``, and ``SUM``/``AVG``/``MIN``/
+``MAX`` of a column (with aliases); a WHERE of AND/OR/NOT over comparisons, IS [NOT] NULL/TRUE/FALSE, IN
+and BETWEEN of columns and constants; GROUP BY columns; ORDER BY; LIMIT/OFFSET (what a BI tool's chart
+over the relation sends, issue #38). Any other node is refused (0A000) before anything is evaluated,
 and no part of the statement is ever turned into code: the statement can only pick, filter and
 rename values of that row (an earlier version translated the tree to Python source and ran it, so a
 quoted identifier became server code — issue #26). Errors depend on the statement and the column
@@ -123,18 +124,17 @@ def answer(sql: str, row: tuple[Any, ...]) -> Result:
 # --- evaluation -----------------------------------------------------------------------------------
 
 _HINT = (
-    f"Over {BUDGET_RELATION}: SELECT *, columns, constants or COUNT(*) [AS name] FROM {BUDGET_RELATION} "
-    "[WHERE comparisons (=, <>, <, <=, >, >=, IN, BETWEEN, IS [NOT] NULL/TRUE/FALSE) of columns and "
-    "constants, joined by AND/OR/NOT] [ORDER BY columns or positions] [LIMIT n] [OFFSET n]; "
-    "or SHOW dpsql.budget."
+    f"Over {BUDGET_RELATION}: SELECT *, columns, constants, COUNT, or SUM/AVG/MIN/MAX of a column [AS name] "
+    f"FROM {BUDGET_RELATION} [WHERE comparisons (=, <>, <, <=, >, >=, IN, BETWEEN, IS [NOT] NULL/TRUE/FALSE) "
+    "of columns and constants, joined by AND/OR/NOT] [GROUP BY columns] [ORDER BY columns, aggregates or "
+    "positions] [LIMIT n] [OFFSET n]; or SHOW dpsql.budget."
 )
 #: Clauses of a SELECT the budget view answers (others, when present, are refused by name).
-_ALLOWED_CLAUSES = frozenset({"expressions", "from_", "where", "order", "limit", "offset", "distinct"})
+_ALLOWED_CLAUSES = frozenset({"expressions", "from_", "where", "group", "order", "limit", "offset", "distinct"})
 _CLAUSE_NAMES = {
     "with_": "WITH",
     "joins": "JOIN",
     "laterals": "LATERAL",
-    "group": "GROUP BY",
     "having": "HAVING",
     "windows": "WINDOW",
     "locks": "FOR UPDATE/SHARE",
@@ -175,6 +175,11 @@ class _Output:
     value: Any
     column: str | None = None  # a bare column reference (a grouping error next to COUNT)
     count: bool = False  # COUNT(…): ``value`` is the row's contribution (0 or 1)
+    aggregate: bool = False  # SUM/AVG/MIN/MAX(column): ``value`` is the row's (NULL over no row)
+
+
+#: The aggregates of a column answered over the one row, by their sqlglot class.
+_AGGREGATES: dict[type[exp.Expression], str] = {exp.Sum: "sum", exp.Avg: "avg", exp.Min: "min", exp.Max: "max"}
 
 
 def _answer(tree: exp.Select, row: tuple[Any, ...]) -> Result:
@@ -188,15 +193,19 @@ def _answer(tree: exp.Select, row: tuple[Any, ...]) -> Result:
     outputs = [out for node in tree.expressions for out in _outputs(node, scope)]
     where = tree.args.get("where")
     kept = where is None or _predicate(where.this, scope, "WHERE") is True
-    aggregate = any(o.count for o in outputs)
+    grouped = _grouped(tree.args.get("group"), outputs, scope)
+    aggregate = grouped is not None or any(o.count or o.aggregate for o in outputs)
     if aggregate:
-        bare = next((o.column for o in outputs if o.column is not None), None)
+        bare = next((o.column for o in outputs if o.column is not None and o.column not in (grouped or ())), None)
         if bare is not None:
             raise _grouping(scope, bare)
-        rows = [tuple((o.value if kept else 0) if o.count else o.value for o in outputs)]
+        if grouped is not None and not kept:
+            rows = []  # no row, no group
+        else:  # one group: the row, or (without GROUP BY) none, where COUNT is 0 and the others NULL
+            rows = [tuple(o.value if kept else (0 if o.count else None) for o in outputs)]
     else:
         rows = [tuple(o.value for o in outputs)] if kept else []
-    _check_order(tree.args.get("order"), outputs, scope, aggregate)
+    _check_order(tree.args.get("order"), outputs, scope, aggregate, grouped or ())
     offset = _row_count(tree.args.get("offset"), "OFFSET") or 0
     limit = _row_count(tree.args.get("limit"), "LIMIT")
     rows = rows[offset:] if limit is None else rows[offset : offset + limit]
@@ -289,6 +298,8 @@ def _outputs(node: exp.Expression, scope: _Scope) -> list[_Output]:
         node = node.this
     if isinstance(node, exp.Count):
         return [_count(node, scope, name or "count")]
+    if type(node) in _AGGREGATES:
+        return [_aggregate(node, scope, name)]
     if isinstance(node, exp.Column) and not isinstance(node.this, exp.Star):
         column = scope.column(node)
         return [_Output(name or column, _TYPES[column], scope.values[column], column=column)]
@@ -310,6 +321,49 @@ def _count(node: exp.Count, scope: _Scope, name: str) -> _Output:
     if isinstance(arg, exp.Column | exp.Literal | exp.Boolean | exp.Null | exp.Neg | exp.Paren):
         return _Output(name, "bigint", int(scope.operand(arg, "COUNT").value is not None), count=True)
     raise _unsupported("this COUNT")
+
+
+def _aggregate(node: exp.Expression, scope: _Scope, name: str | None) -> _Output:
+    """``SUM``/``AVG``/``MIN``/``MAX`` of a column: over the one row, its value, typed as PostgreSQL types
+    the aggregate (an integer's SUM and AVG are numeric)."""
+    kind = _AGGREGATES[type(node)]
+    arg = node.this
+    if any(v for k, v in node.args.items() if k != "this") or not isinstance(arg, exp.Column):
+        raise _unsupported(f"{kind.upper()} of anything but a column")
+    column = scope.column(arg)
+    type_, value = _TYPES[column], scope.values[column]
+    if (kind in ("sum", "avg") and type_ not in _NUMBERS) or (kind in ("min", "max") and type_ == "boolean"):
+        raise UndefinedFunction(
+            f"function {kind}({type_}) does not exist",
+            hint="No function matches the given name and argument types. You might need to add explicit type casts.",
+        )
+    if kind in ("sum", "avg") and type_ in _INTEGERS:
+        type_, value = "numeric", None if value is None else Decimal(value)
+    return _Output(name or kind, type_, value, aggregate=True)
+
+
+def _grouped(group: Any, outputs: list[_Output], scope: _Scope) -> set[str] | None:
+    """The columns of GROUP BY (names, or positions of bare columns in the select list); None without one."""
+    if group is None:
+        return None
+    if any(v for k, v in group.args.items() if k != "expressions"):
+        raise _unsupported("GROUPING SETS, CUBE or ROLLUP")
+    columns: set[str] = set()
+    for item in group.expressions:
+        if isinstance(item, exp.Literal) and not item.is_string and _DIGITS.fullmatch(item.this):
+            position = int(item.this)
+            if not 1 <= position <= len(outputs):
+                raise InvalidColumnReference(f"GROUP BY position {position} is not in select list")
+            if outputs[position - 1].column is None:
+                raise _unsupported("GROUP BY an aggregate or a constant")
+            columns.add(str(outputs[position - 1].column))
+        elif isinstance(item, exp.Column) and isinstance(item.this, exp.Identifier):
+            named = not item.args.get("table") and any(o.name == _ident(item.this) for o in outputs)
+            output = next((o for o in outputs if named and o.name == _ident(item.this)), None)
+            columns.add(str(output.column) if output is not None and output.column else scope.column(item))
+        else:
+            raise _unsupported("GROUP BY an expression")
+    return columns
 
 
 def _constant(node: exp.Expression) -> _Value | None:
@@ -430,7 +484,7 @@ def _cast(text: str | None, type_: PgType) -> Any:
         raise InvalidTextRepresentation(f'invalid input syntax for type {type_}: "{text}"') from None
 
 
-def _check_order(order: Any, outputs: list[_Output], scope: _Scope, aggregate: bool) -> None:
+def _check_order(order: Any, outputs: list[_Output], scope: _Scope, aggregate: bool, grouped: Any = ()) -> None:
     """ORDER BY output names, columns or positions: checked as PostgreSQL would, a no-op on ≤ 1 row."""
     if order is None:
         return
@@ -445,10 +499,12 @@ def _check_order(order: Any, outputs: list[_Output], scope: _Scope, aggregate: b
             named = not key.args.get("table") and any(o.name == _ident(key.this) for o in outputs)
             if not named:
                 column = scope.column(key)
-                if aggregate:
+                if aggregate and column not in grouped:
                     raise _grouping(scope, column)
         elif isinstance(key, exp.Count) and aggregate:
             _count(key, scope, "count")  # ORDER BY COUNT(*) next to COUNT(*): one row either way
+        elif type(key) in _AGGREGATES and aggregate:
+            _aggregate(key, scope, None)
         else:
             raise _unsupported("ORDER BY an expression")
 

@@ -282,8 +282,12 @@ class Engine:
         plan = analyze_tree(tree, self.policy, placeholders or None)
         return Description([o.column for o in plan.outputs], param_types)
 
-    def explain(self, sql: str, session: Session, params: Params = None) -> Explanation | CompositeExplanation:
-        """Cost, sensitivity, noise scale and expected error per output; spends nothing."""
+    def explain(
+        self, sql: str, session: Session, params: Params = None, *, actual: bool = True
+    ) -> Explanation | CompositeExplanation:
+        """Cost, sensitivity, noise scale and expected error per output; spends nothing. ``actual``: what it
+        would really cost (nothing, when released values would answer it); a composite's parts are priced
+        as charged (its header composes them)."""
         tree = self.statements.get(sql).tree
         public = explain_public(self, sql, session, params, tree)  # public tables only: exact and free
         if public is not None:
@@ -294,7 +298,10 @@ class Engine:
         prepared = self.prepare(sql, session, params)
         # Every clamp shown, proven redundant or not: which ones the statistics prove is data-dependent.
         shown_sql = self.step.clamped_sql(prepared.plan).replace(self._salt, "<secret>")
-        return explain(prepared.plan, prepared.budgeting, confidence_level(self.policy, session), shown_sql)
+        confidence = confidence_level(self.policy, session)
+        explanation = explain(prepared.plan, prepared.budgeting, confidence, shown_sql)
+        free = self.step.free_answer(prepared, confidence, session.max_widening) if actual else None
+        return explanation if free is None else explanation.answered_by(free)
 
     def execute(self, sql: str, session: Session, params: Params = None) -> Result:
         """Answer one DP query: reserve the budget, run, noise, post-process; audited however it ends.

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dpsql.aggregates import OUTPUTS
@@ -37,6 +37,29 @@ class Explanation:
     #: Accuracy-first (``dpsql.accuracy``): the half-width asked for, met by ``epsilon``; None otherwise.
     accuracy: float | None = None
     confidence: float = 0.95
+    #: Where the answer would come from when it is free (a stored or derived answer), as its notice says,
+    #: and how much wider than a fresh answer a synopsis's ± are (when they are).
+    answered: str | None = None
+    wider: str | None = None
+
+    def answered_by(self, result: Result) -> Explanation:
+        """What the statement would really get (issue #38 item 4): ``result``, the stored or derived answer
+        that costs nothing, with its own ± per output (the widest row's)."""
+        source = next((str(n) for n in result.notices if "no budget charged" in n), "released values")
+        wider = next((str(n) for n in result.notices if "those of a fresh answer" in n), None)
+        columns = []
+        for i, column in enumerate(self.columns):
+            widths = [w for row in result.accuracy if i < len(row) and (w := row[i]) is not None]
+            ci = max(widths) if widths else math.nan
+            columns.append({**column, "epsilon": 0.0, "ci": ci, "answered": True})
+        return replace(
+            self,
+            epsilon=0.0,
+            delta=0.0,
+            columns=columns,
+            answered=source.removeprefix("dpsql: "),
+            wider=None if wider is None else wider.removeprefix("dpsql: "),
+        )
 
     def as_json(self) -> str:
         """PostgreSQL's ``EXPLAIN (FORMAT JSON)`` shape: an array holding one ``{"Plan": …}`` object."""
@@ -53,6 +76,8 @@ class Explanation:
             "Group Keys": self.keys,
             "Intervals": self.bias or "noise only",
             **({} if self.accuracy is None else {"Accuracy Target": self.accuracy, "Confidence": self.confidence}),
+            **({} if self.answered is None else {"Free": self.answered}),
+            **({} if self.wider is None else {"Wider": self.wider}),
             "Outputs": [{k: finite(v) for k, v in c.items()} for c in self.columns],
             "Backend SQL": self.sql,
         }
@@ -76,6 +101,10 @@ class Explanation:
         ]
         if self.accuracy is not None:
             lines.insert(1, f"  {self.accuracy_line()}")
+        if self.wider is not None:
+            lines.insert(1, f"  Wider: {self.wider}")
+        if self.answered is not None:
+            lines.insert(1, f"  Free: {self.answered}")
         for c in self.columns:
             lines.append(f"  Output {c['name']}: {c['measure']}" + _figures(c))
         lines.append("  ->  Backend SQL:")
@@ -101,6 +130,8 @@ def _figures(c: dict[str, Any]) -> str:
         return f"  epsilon={c['epsilon']:g} rank error <= {c['rank_error95']:.4g} at 95%"
     if not c["noisy"]:
         return ""
+    if c.get("answered"):  # nothing charged: the ± of the stored or derived answer
+        return "  epsilon=0" + (f" ci95=±{c['ci']:.4g}" if not math.isnan(c["ci"]) else "")
     text = f"  sensitivity={c['sensitivity']:g} scale={c['scale']:g} epsilon={c['epsilon']:g}"
     if not math.isnan(c["ci"]):
         return text + f" ci95=±{c['ci']:.4g}"

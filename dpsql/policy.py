@@ -339,13 +339,18 @@ class Synopsis(_Strict):
     ``DATE_TRUNC('month', visit_date)`` of a bounded column); ``measures`` are ``COUNT(*)`` and ``SUM(col)``
     of bounded columns. ``marginals`` are the key sets measured, each at an equal share of (ε, δ) (default:
     every key alone, and all keys together); a query is answered from the synopsis when its keys and
-    filter columns fall inside one measured marginal (coarser time grains allowed).
+    filter columns fall inside one measured marginal (coarser time grains allowed). ``filters`` are
+    public-domain columns every chart may filter on: each is a key of the cube inside every marginal.
+    ``continual``: a refresh releases only the time buckets after the last one released (the time key's
+    column bound extended), charged once each; answers span all of them.
     """
 
     table: str
     keys: Annotated[tuple[str, ...], Field(min_length=1)]
     measures: Annotated[tuple[str, ...], Field(min_length=1)] = ("COUNT(*)",)
     marginals: tuple[tuple[str, ...], ...] | None = None
+    filters: tuple[str, ...] = ()
+    continual: bool = False
     epsilon: Annotated[float, Field(gt=0)]
     delta: Annotated[float, Field(ge=0, lt=1)] = 0.0
     mechanism: Mechanism | None = None
@@ -353,8 +358,8 @@ class Synopsis(_Strict):
 
     @model_validator(mode="after")
     def _check_marginals(self) -> Synopsis:
-        if len(set(self.keys)) != len(self.keys):
-            raise ValueError("a synopsis key is listed twice")
+        if len(set(self.axes)) != len(self.axes):
+            raise ValueError("a synopsis key or filter column is listed twice")
         for marginal in self.marginals or ():
             unknown = [k for k in marginal if k not in self.keys]
             if unknown:
@@ -362,12 +367,19 @@ class Synopsis(_Strict):
         return self
 
     @property
+    def axes(self) -> tuple[str, ...]:
+        """The cube's keys: the declared keys, then the filter columns."""
+        return self.keys + self.filters
+
+    @property
     def measured(self) -> tuple[tuple[int, ...], ...]:
-        """The measured marginals as key indices (default: each key alone, then all keys together)."""
+        """The measured marginals as indices into :attr:`axes` (default: each key alone, then all keys
+        together), each with every filter column."""
+        filters = tuple(range(len(self.keys), len(self.axes)))
         if self.marginals is not None:
-            return tuple(tuple(sorted(self.keys.index(k) for k in set(m))) for m in self.marginals)
-        alone = tuple((i,) for i in range(len(self.keys)))
-        return alone + ((tuple(range(len(self.keys))),) if len(self.keys) > 1 else ())
+            return tuple(tuple(sorted({self.keys.index(k) for k in m} | set(filters))) for m in self.marginals)
+        alone = tuple((i, *filters) for i in range(len(self.keys)))
+        return alone + ((tuple(range(len(self.axes))),) if len(self.keys) > 1 else ())
 
 
 class Policy(_Strict):

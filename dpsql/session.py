@@ -24,6 +24,8 @@ MECHANISMS: tuple[str, ...] = mechanism_names()
 MIN_EPSILON, MAX_EPSILON = 1e-6, 1e6
 #: Smallest non-zero δ accepted by SET dpsql.delta (smaller ones overflow the Gaussian calibration).
 MIN_DELTA = 1e-30
+#: Accuracy-first's guard by default: a query may take at most a quarter of the ε left, unless confirmed.
+DEFAULT_MAX_SHARE = 0.25
 
 
 def _fraction(value: str, low_open: bool, high: float, high_open: bool, low: float = 0.0) -> float:
@@ -74,6 +76,14 @@ def _rows_per_unit(value: str) -> int | str:
     return number
 
 
+def _factor(value: str) -> float:
+    """A finite factor of at least 1."""
+    x = float(value)
+    if not (math.isfinite(x) and x >= 1):
+        raise ValueError(value)
+    return x
+
+
 def _mechanism(value: str) -> Mechanism:
     name = value.strip().lower()
     if name not in MECHANISMS:
@@ -112,6 +122,20 @@ DPSQL_SETTINGS: dict[str, SettingSpec] = {
         f"dpsql.max_rows_per_unit is a whole number of rows from 1 to {MAX_ROWS_PER_UNIT:,}, or auto "
         "(chosen under DP for each query), or DEFAULT (the policy's caps).",
     ),
+    # accuracy-first's guard: a query whose chosen ε is more than this share of the ε left is refused …
+    "dpsql.max_share": SettingSpec(
+        lambda v: _fraction(v, True, 1.0, False), "dpsql.max_share is a share of the remaining ε in (0, 1], e.g. 0.25."
+    ),
+    # … unless its ε is at most this (the ε the refusal named, confirmed)
+    "dpsql.confirm_epsilon": SettingSpec(
+        lambda v: _fraction(v, True, MAX_EPSILON, False, MIN_EPSILON),
+        "dpsql.confirm_epsilon is the ε you accept for an accuracy-first query, e.g. the one its refusal named.",
+    ),
+    # a synopsis answer whose ± is more than this many times a fresh answer's: a fresh, charged one instead
+    "dpsql.max_widening": SettingSpec(
+        _factor,
+        "dpsql.max_widening is a factor of at least 1, e.g. 2 (or DEFAULT: synopsis answers whatever their width).",
+    ),
     "dpsql.show_intervals": SettingSpec(parse_bool, "dpsql.show_intervals is on or off."),
     # noisy floats rounded to two significant digits of their half-width (dpsql.release.rounding)
     "dpsql.round": SettingSpec(parse_bool, "dpsql.round is on (noisy values rounded to their interval) or off."),
@@ -119,7 +143,8 @@ DPSQL_SETTINGS: dict[str, SettingSpec] = {
     "dpsql.trim_time": SettingSpec(parse_bool, "dpsql.trim_time is on (time series trimmed to the data) or off."),
 }
 #: The settings that are fields of :class:`Session` (the others only shape the wire output).
-SESSION_FIELDS = ("epsilon", "delta", "confidence", "mechanism", "accuracy", "max_rows_per_unit")
+SESSION_FIELDS: tuple[str, ...] = ("epsilon", "delta", "confidence", "mechanism", "accuracy", "max_rows_per_unit")
+SESSION_FIELDS += ("max_widening", "max_share", "confirm_epsilon")
 
 
 def parse_setting(name: str, value: str) -> Any:
@@ -172,6 +197,12 @@ class Session:
     #: Rows one person adds to each query after its joins: a number, ``auto`` (chosen under DP), or None
     #: (the policy's caps, or its ``defaults.max_rows_per_unit``).
     max_rows_per_unit: int | str | None = None
+    #: A synopsis answer wider than this many times a fresh answer is replaced by a fresh, charged one.
+    max_widening: float | None = None
+    #: Accuracy-first's guard: the largest share of the analyst's remaining ε one query may take (None: the
+    #: default, :data:`DEFAULT_MAX_SHARE`), unless its ε is at most ``confirm_epsilon``.
+    max_share: float | None = None
+    confirm_epsilon: float | None = None
     settings: dict[str, str] = field(default_factory=dict)
 
     @classmethod

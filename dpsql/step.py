@@ -42,11 +42,11 @@ measures :func:`~dpsql.release.apply.apply` leaves in its rows are never stored.
 recomputed at the asking query's confidence: they are functions of the noise specs and the level only
 (:func:`dpsql.release.apply.widths_at`), and the accuracy notes of the released values.
 
-Derived answers. Before the cache, a query a curator synopsis covers is answered from it
-(:meth:`Step.from_synopsis`, :mod:`dpsql.synopsis`); after a measurement miss, one whose groups are unions
-of an earlier release's cells is answered by summing them when that is accurate enough
-(:meth:`Step.coarsened`, :mod:`dpsql.synopsis.reuse`). Both read released values and public variances
-only: post-processing, free, with a notice saying where the answer came from.
+Derived answers. Before the cache, a query a curator synopsis covers is answered from it, combined with
+the cells of earlier releases that answer it too; after a measurement miss, one whose groups are unions
+of earlier releases' cells is answered from them when that is accurate enough (:meth:`Step.derived`,
+:mod:`dpsql.synopsis.derive`). Both read released values and public variances only: post-processing,
+free, with a notice saying where the answer came from.
 """
 
 from __future__ import annotations
@@ -77,18 +77,17 @@ from dpsql.ledger import Charge, Ledger
 from dpsql.ledger.audit import gated, note_cache_hit, note_charge
 from dpsql.plan import Plan
 from dpsql.policy import Policy
-from dpsql.postprocess.finish import finish, from_cache, from_release, released_at
+from dpsql.postprocess.finish import finish, from_cache, from_release
 from dpsql.prepared import Prepared
 from dpsql.release.accuracy import accuracy_notes, bias_note
-from dpsql.release.apply import Released, apply, apply_local, released_again, widths_at
-from dpsql.release.calibrate import budget, threshold_at
+from dpsql.release.apply import Released, apply, apply_local, released_again
+from dpsql.release.calibrate import accuracy_guard, budget, threshold_at
 from dpsql.release.selection import empty_selection_note
 from dpsql.rewrite import histogram_queries, rewrite
 from dpsql.rewrite.physical import data_version
 from dpsql.session import Result, Session
-from dpsql.synopsis import Synopses, reuse
-from dpsql.synopsis import answer as synopsis_answer
-from dpsql.synopsis.answer import Derived
+from dpsql.synopsis.derive import Deriver
+from dpsql.synopsis.reuse import indexable
 from dpsql.synopsis.solve import noise_variance
 from dpsql.unit_keys import KeyGuard, chain_keys
 
@@ -177,13 +176,6 @@ ALL_RELEASED = Notice(
 LOCAL = Notice("dpsql: randomized-response estimate from perturbed answers; no budget charged", NoticeKind.FREE)
 
 
-def _within(widths: Sequence[float | None], limits: Sequence[float | None]) -> bool:
-    """Whether every half-width is at most its limit (a missing one never is)."""
-    return all(
-        w is not None and lim is not None and w <= lim * (1 + 1e-9) for w, lim in zip(widths, limits, strict=True)
-    )
-
-
 def typed(result: Result) -> Result:
     """``result`` with every notice a :class:`Notice` (those made as text below the engine typed)."""
     result.notices = [Notice.of(n) for n in result.notices]
@@ -229,15 +221,16 @@ class Step:
         self.cache = cache
         self._policy_hash = policy_hash(policy)
         self._database_identity: str | None = None
-        self._synopses: Synopses | None = None
         self._keys = KeyGuard(policy, backend)
+        #: Derived answers: declared synopses and the index of earlier releases' cells.
+        self.deriver = Deriver(policy, cache)
 
     # -- a query alone ---------------------------------------------------------------------------
 
     def answer(self, prepared: Prepared, session: Session, confidence: float) -> Result:
         """A validated, priced query: its stored release (free), or its cost reserved, then measured,
         stored and noticed. Its one cost is charged as it is (nothing to compose)."""
-        part = self.lookup(prepared, confidence)
+        part = self.lookup(prepared, confidence, session.max_widening)
         if part.derived and part.hit is not None:
             return part.hit
         if part.hit is not None:
@@ -249,20 +242,31 @@ class Step:
         self.notice(result, cost, charge, session)
         return result
 
+    def free_answer(self, prepared: Prepared, confidence: float, widening: float | None = None) -> Result | None:
+        """What :meth:`answer` would return at no charge (a stored or derived answer), else None: what
+        EXPLAIN reports as the statement's real cost. Reads released values only; charges nothing."""
+        part = self.lookup(prepared, confidence, widening)
+        if part.hit is None or part.derived:
+            return part.hit
+        return typed((from_release if part.reused else from_cache)(part.hit, part.created))
+
     # -- the parts, shared with composite statements ------------------------------------------------
 
-    def lookup(self, prepared: Prepared, confidence: float) -> Part:
+    def lookup(self, prepared: Prepared, confidence: float, widening: float | None = None) -> Part:
         """``prepared`` with its stored release, if this exact query was released before at this
         confidence level, or else finished again from the stored measurements of an earlier release
-        of the same measurement (nothing charged either way), or answered from a curator synopsis that covers
-        it. Free and unmeasured queries are never cached."""
-        synopsis = self.from_synopsis(prepared, confidence)
+        of the same measurement (nothing charged either way), or derived from released values (a curator
+        synopsis that covers it first, else earlier releases' cells: :meth:`derived`). Free and unmeasured
+        queries are never cached. ``widening``: ``dpsql.max_widening``."""
+        if not prepared.plan.measures or prepared.local is not None:
+            return Part(prepared)
+        stamp = self._data_stamp() if self.cache is not None else None
+        synopsis = self.derived(prepared, confidence, stamp, widening, synopses=True)
         if synopsis is not None:
             return Part(prepared, hit=synopsis, derived=True)
-        if self.cache is None or not prepared.plan.measures or prepared.local is not None:
+        if self.cache is None or stamp is None:
             self._check_keys(prepared, None)
             return Part(prepared)
-        stamp = self._data_stamp()
         key = self.result_key(prepared, confidence, stamp)
         entry = self.cache.get_entry(key)
         if entry is not None:
@@ -276,7 +280,7 @@ class Step:
             None if stored is None else measurements(stored[0], len(prepared.plan.keys), len(prepared.plan.measures))
         )
         if stored is None or found is None:
-            coarser = self.coarsened(prepared, confidence, stamp)
+            coarser = self.derived(prepared, confidence, stamp, widening, synopses=False)
             if coarser is not None:
                 return Part(prepared, key, coarser, measurement=measurement, derived=True, stamp=stamp)
             self._check_keys(prepared, stamp)
@@ -291,75 +295,35 @@ class Step:
             return
         self._keys.check(prepared.plan, stamp if stamp is not None else self._data_stamp())
 
-    def from_synopsis(self, prepared: Prepared, confidence: float) -> Result | None:
-        """The query answered from the newest release of a declared synopsis that covers it (see
-        :mod:`dpsql.synopsis.answer`) and, under ``dpsql.accuracy``, meets it: post-processing of released
-        values, free; None when none does."""
-        if not self.policy.synopses or not prepared.plan.measures or prepared.local is not None:
+    def derived(
+        self, prepared: Prepared, confidence: float, stamp: str | None, widening: float | None, *, synopses: bool
+    ) -> Result | None:
+        """The query answered from released values (:mod:`dpsql.synopsis.derive`): the declared synopses
+        that cover it (``synopses``), combined with earlier releases' cells, or those cells alone.
+        Post-processing of released values, free; None when nothing answers it accurately enough."""
+        if prepared.plan.tau is not None:  # a cap of its own: released values were bounded at another
             return None
-        if prepared.plan.tau is not None:  # a cap of its own: the synopsis was bounded at the policy's
-            return None
-        if self._synopses is None or self._synopses.ledger is not self.ledger:  # a ledger swapped in
-            self._synopses = Synopses(self.policy, self.ledger)
         if self._database_identity is None:
             self._database_identity = database_identity(self.backend)
-        for released in self._synopses.current(self._database_identity):
-            found = synopsis_answer(prepared.plan, released, self.policy, confidence)
-            if found is None:
-                continue
-            target = prepared.budgeting.accuracy  # SET dpsql.accuracy: met, or a fresh query
-            if target is not None and not all(_within(row, [target] * len(row)) for row in found[2]):
-                continue
-            cost = f"ε={released.epsilon:g}" + (f", δ={released.delta:g}" if released.delta else "")
-            source = (
-                f'dpsql: answered from synopsis "{released.name}" released {released.released_at} ({cost} '
-                f'charged once to dataset "{released.dataset}"); no budget charged'
-            )
-            return self._derived(
-                prepared, found, source, "the synopsis's noise after least-squares consistency", confidence
-            )
-        return None
-
-    def coarsened(self, prepared: Prepared, confidence: float, stamp: str) -> Result | None:
-        """The query answered by summing the cells of an earlier, finer release of the same base
-        (:mod:`dpsql.synopsis.reuse`), when that is accurate enough: within ``dpsql.accuracy`` if set, else
-        no wider than the fresh query's own intervals. Post-processing of released values, free."""
-        if self.cache is None or self._database_identity is None or prepared.plan.tau is not None:
-            return None  # (a cap of its own: earlier releases were bounded at another)
-        plan, budgeting = prepared.plan, prepared.budgeting
-        fresh = widths_at(budgeting, confidence)
-        target = budgeting.accuracy
-        found = reuse.candidates(
-            self.cache, plan, database=self._database_identity, stamp=stamp, policy=self._policy_hash
+        current = self.deriver.synopses(self.ledger, self._database_identity) if synopses else []
+        if synopses and not current:
+            return None
+        index = None if stamp is None else (self._database_identity, stamp, self._policy_hash)
+        found = self.deriver.derive(
+            prepared.plan, prepared.budgeting, confidence, synopses=current, index=index, widening=widening
         )
-        for released, residual, created in found:
-            asked = replace(plan, where=residual)
-            answered = synopsis_answer(asked, released, self.policy, confidence)
-            if answered is None:
-                continue
-            limits = [target] * len(fresh) if target is not None else fresh
-            if not all(_within(row, limits) for row in answered[2]):
-                continue
-            source = (
-                f"dpsql: answered by summing the cells of an earlier, finer release (first released at "
-                f"{released_at(created)}: the same table, filters and measures on this database and data); "
-                "no budget charged"
-            )
-            return self._derived(prepared, answered, source, "the summed cells' noise", confidence)
-        return None
-
-    @staticmethod
-    def _derived(prepared: Prepared, answered: Derived, source: str, noise: str, confidence: float) -> Result:
-        """A query's answer derived from released cells (a synopsis, or an earlier finer release): the usual
-        post-processing, then where it came from, what its ± cover and the bias they leave out."""
-        result = typed(finish(prepared.plan, *answered, prepared.cache))
-        result.notices.append(Notice(source, NoticeKind.FREE))
+        if found is None:
+            return None
+        result = typed(finish(prepared.plan, *found.answered, prepared.cache))
+        result.notices.append(Notice(found.source_text(), NoticeKind.FREE))
         result.notices.append(
             Notice(
-                f"dpsql: ± are {confidence:.0%} intervals of {noise} (its standard deviation times the Laplace or "
-                "normal quantile); they cover noise only, not the bias of the caps and bounds"
+                f"dpsql: ± are {confidence:.0%} intervals of {found.noise_text()} (its standard deviation times the "
+                "Laplace or normal quantile); they cover noise only, not the bias of the caps and bounds"
             )
         )
+        if (wider := found.widening_text(prepared.budgeting.epsilon)) is not None:
+            result.notices.append(Notice(wider))
         if (bias := bias_note(prepared.plan, confidence)) is not None:
             result.notices.append(Notice.of(bias))
         return result
@@ -375,6 +339,7 @@ class Step:
         """Charge ``cost`` to the analyst and the dataset, durably, before anything runs (audited).
         Under a server job the reservation is gated (:func:`dpsql.ledger.audit.gated`): refused once
         the client stopped waiting, else recorded before the client is told what was charged."""
+        self._guard(cost, session)
         with gated() as record:
             charge = note_charge(
                 self.ledger.reserve(
@@ -389,6 +354,22 @@ class Step:
             )
             record(cost.epsilon)
         return charge
+
+    def _guard(self, cost: Cost, session: Session) -> None:
+        """Accuracy-first's guard against what the analyst really has left, grants included
+        (:func:`dpsql.release.calibrate.accuracy_guard`); read from the ledger before the charge."""
+        if session.accuracy is None:
+            return
+        dataset, budget = self.policy.dataset, self.policy.analyst_budget(session.analyst)
+        left = self.ledger.remaining(
+            dataset,
+            session.analyst,
+            budget=budget,
+            accounting=self.policy.budget.accounting,
+            dataset_budget=self.policy.budget.dataset,
+        )
+        total = self.ledger.levers(dataset, session.analyst).limit(budget).epsilon
+        accuracy_guard(cost.epsilon, session, left.epsilon, total)
 
     @contextlib.contextmanager
     def reserved(self, cost: Cost | None, session: Session, fingerprint: str) -> Iterator[Charge | None]:
@@ -492,10 +473,10 @@ class Step:
         released = Released([row[:nkeys] for row in released.rows], released.columns, released.widths)
         if self.cache is not None and measurement is not None:
             self.cache.put(measurement, measurement_result(nkeys, released.rows, released.columns))
-            if stamp is not None and self._database_identity is not None and reuse.indexable(plan):
+            index = self.deriver.index
+            if stamp is not None and self._database_identity is not None and index is not None and indexable(plan):
                 variances = [noise_variance(s) for s in prepared.budgeting.specs if s is not None]
-                reuse.record(
-                    self.cache,
+                index.record(
                     plan,
                     released.columns,
                     variances,

@@ -5,7 +5,10 @@
 #
 #   scripts/superset.sh            install into .superset-venv (or $DPSQL_SUPERSET_VENV) with dpsql's
 #                                  engine spec (contrib/superset: `pip install ./contrib/superset`) and
-#                                  prepare a metadata template (superset db upgrade + init + an admin user)
+#                                  prepare a metadata template (superset db upgrade + init + an admin user,
+#                                  its password in .superset-venv/dpsql/admin-password)
+#   scripts/superset.sh web [PORT] the same, then Superset's web UI on http://127.0.0.1:PORT (default 8088)
+#                                  over a copy of the template in .superset-venv/dpsql/web (user admin)
 #
 # Idempotent: pip runs only when the requirements below changed, the template is rebuilt only then;
 # contrib/superset is reinstalled whenever one of its files changed.
@@ -78,11 +81,36 @@ EOF
   quiet() { "$@" > "$work/log" 2>&1 || { cat "$work/log" >&2; say "failed: $*" >&2; return 1; }; }
   quiet "$venv/bin/superset" db upgrade
   quiet "$venv/bin/superset" init
+  password="$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')"
   quiet "$venv/bin/superset" fab create-admin --username admin --firstname Ada --lastname Admin \
-    --email admin@example.invalid --password "$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')"
+    --email admin@example.invalid --password "$password"
+  (umask 077 && printf '%s\n' "$password" > "$venv/dpsql/admin-password")
   cp "$work/superset.db" "$template.tmp" && mv "$template.tmp" "$template"
   say "template ready in $((SECONDS - start)) s"
+fi
+if [ -s "$venv/dpsql/admin-password" ]; then
+  say "admin login: user admin, password in $venv/dpsql/admin-password"
+else # a template from before the password was kept: rebuild it to get one
+  say "the template's admin password was not kept: rm $template and run this script again for a new one"
 fi
 
 "$venv/bin/python" -c 'import importlib.metadata as m, superset.cli.main; print("superset:", m.version("apache-superset"), "imports, dpsql-superset", m.version("dpsql-superset"))'
 say "ready: $venv/bin/superset (metadata template $template)"
+
+if [ "${1:-}" = "web" ]; then
+  # The web UI over its own copy of the template (the databases and charts added there are kept).
+  port="${2:-8088}"
+  web="$(cd "$venv/dpsql" && pwd)/web"
+  mkdir -p "$web"
+  [ -s "$web/superset.db" ] || cp "$template" "$web/superset.db"
+  if [ ! -s "$web/superset_config.py" ]; then
+    cat > "$web/superset_config.py" << EOF
+SECRET_KEY = "$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')"
+SQLALCHEMY_DATABASE_URI = "sqlite:///$web/superset.db"
+EOF
+  fi
+  export SUPERSET_CONFIG_PATH="$web/superset_config.py" SUPERSET_HOME="$web" FLASK_APP=superset
+  say "web UI on http://127.0.0.1:$port (user admin, password in $venv/dpsql/admin-password); Ctrl-C stops it"
+  say "then Settings > Database Connections > + Database > dpsql: dpsql://alice@127.0.0.1:6543/clinic"
+  exec "$venv/bin/superset" run -h 127.0.0.1 -p "$port" --with-threads
+fi

@@ -33,6 +33,7 @@ from dpsql.backends import quote_ident
 from dpsql.errors import Error, PolicyError
 from dpsql.policy import ColumnPolicy, Policy, _line_index, did_you_mean, parse_policy
 from dpsql.synopsis.solve import MAX_CELLS
+from dpsql.synopsis.widths import WARN_RATIO, chart_widths
 
 from . import introspect
 from .findings import Finding, count_table
@@ -137,7 +138,7 @@ def synopsis_findings(policy: Policy) -> Iterator[Finding]:
     a public domain, measures other than COUNT(*)/SUM, identifiers or a cube too large are errors here,
     not at ``dpsql synopsis build``; many marginals get a warning (each costs its share of ε)."""
     for name, synopsis in policy.synopses.items():
-        every = tuple(range(len(synopsis.keys)))
+        every = tuple(range(len(synopsis.axes)))
         for axes in dict.fromkeys((every, *synopsis.measured)):
             sql = marginal_sql(policy, name, axes)
             try:
@@ -164,6 +165,33 @@ def synopsis_findings(policy: Policy) -> Iterator[Finding]:
                     f"1/{shares} of ε={synopsis.epsilon:g}, about {shares}× the noise of one query at that ε; "
                     "declare only the marginals the dashboard needs",
                 )
+
+
+def synopsis_width_findings(policy: Policy, notes: list[str]) -> Iterator[Finding]:
+    """Per declared synopsis and chart shape, the ± it will get beside the same chart alone (a line in
+    ``notes``), and a warning where it is more than 2× wider (:mod:`dpsql.synopsis.widths`; policy only)."""
+    for name, synopsis in policy.synopses.items():
+        try:
+            every = tuple(range(len(synopsis.axes)))
+            full = analyze_tree(parse_statement(marginal_sql(policy, name, every)), policy, None)
+            plans = [
+                analyze_tree(parse_statement(marginal_sql(policy, name, a)), policy, None) for a in synopsis.measured
+            ]
+            found = chart_widths(policy, name, plans, full)
+        except Error:
+            continue  # reported by synopsis_findings
+        notes.extend(chart.line(name, policy.defaults.epsilon) for chart in found)
+        wide = [chart for chart in found if chart.ratio > WARN_RATIO]
+        if wide:
+            worst = max(wide, key=lambda chart: chart.ratio)
+            yield Finding(
+                "warning",
+                ("synopses", name),
+                f"{len(wide)} of {len(found)} chart shapes get a ± more than {WARN_RATIO:g}× that of the chart asked "
+                f"alone at ε={policy.defaults.epsilon:g} (up to {worst.ratio:.2g}×: {worst.measure} by "
+                f"{', '.join(worst.keys) or 'no key'}); raise the synopsis's ε or declare fewer marginals or "
+                "measures (analysts see the factor, and can SET dpsql.max_widening to get fresh answers instead)",
+            )
 
 
 def database_findings(policy: Policy, backend: Any) -> Iterator[Finding]:
@@ -287,6 +315,8 @@ def check_text(text: str, where: str, backend: Any | None = None, *, bias: bool 
         return Report(None, problems, [])
     findings = [*policy_findings(policy), *synopsis_findings(policy)]
     notes: list[str] = []
+    if bias:  # `dpsql policy check`: what each chart of each synopsis will get
+        findings += synopsis_width_findings(policy, notes)
     if backend is not None:
         findings += database_findings(policy, backend)
         if bias and not any(f.severity == "error" for f in findings) and introspect.checkable(backend):

@@ -10,9 +10,13 @@ the ledger identity ``synopsis:<name>`` (not to any analyst), then stores only t
 from __future__ import annotations
 
 import argparse
+import datetime as dt
+import json
 import math
 import sys
 import time
+from dataclasses import dataclass
+from typing import Any
 
 from dpsql.accountant import Cost
 from dpsql.cache import database_identity
@@ -20,15 +24,19 @@ from dpsql.commands import open_engine
 from dpsql.console import require_policy
 from dpsql.engine import Engine
 from dpsql.errors import FeatureNotSupported, InvalidParameterValue, charged_on_failure
+from dpsql.ledger import Ledger
+from dpsql.ledger.base import Claimed
 from dpsql.plan import Plan
-from dpsql.policy import Policy
+from dpsql.policy import Policy, Synopsis
 from dpsql.prepared import Prepared
 from dpsql.release.apply import apply
 from dpsql.session import Session
 from dpsql.synopsis import Released, Synopses, store
 from dpsql.synopsis.answer import key_signature
+from dpsql.synopsis.grains import bucket_end, normal, time_columns
 from dpsql.synopsis.solve import MAX_CELLS, Marginal, noise_variance
-from dpsql.synopsis.store import SynopsisKey, SynopsisMeasure, declaration_hash, prefix
+from dpsql.synopsis.store import SynopsisKey, SynopsisMeasure, declaration_hash, prefix, release_key, unseal
+from dpsql.synopsis.widths import WARN_RATIO, chart_widths
 
 
 def ledger_identity(name: str) -> str:
@@ -36,12 +44,14 @@ def ledger_identity(name: str) -> str:
     return f"synopsis:{name}"
 
 
-def marginal_sql(policy: Policy, name: str, axes: tuple[int, ...]) -> str:
-    """The DP query measuring one marginal: the keys on ``axes`` and every measure, grouped by those keys."""
+def marginal_sql(policy: Policy, name: str, axes: tuple[int, ...], where: str | None = None) -> str:
+    """The DP query measuring one marginal: the keys on ``axes`` and every measure, grouped by those keys
+    (``where``: a continual refresh's new periods)."""
     synopsis = policy.synopses[name]
-    keys = ", ".join(synopsis.keys[a] for a in axes)
-    select = ", ".join([*(synopsis.keys[a] for a in axes), *synopsis.measures])
-    return f"SELECT {select} FROM {synopsis.table}" + (f" GROUP BY {keys}" if keys else "")
+    keys = ", ".join(synopsis.axes[a] for a in axes)
+    select = ", ".join([*(synopsis.axes[a] for a in axes), *synopsis.measures])
+    sql = f"SELECT {select} FROM {synopsis.table}" + (f" WHERE {where}" if where else "")
+    return sql + (f" GROUP BY {keys}" if keys else "")
 
 
 def check_plan(name: str, sql: str, plan: Plan) -> None:
@@ -66,15 +76,21 @@ def cube_cells(plan: Plan) -> int:
     return math.prod(len(key.domain or ()) for key in plan.keys)
 
 
-def prepare(engine: Engine, name: str) -> tuple[list[Prepared], Prepared]:
-    """Each measured marginal's prepared query, and the query over all keys (its keys' domains); validated
-    and priced, nothing charged."""
-    synopsis = engine.policy.synopses.get(name)
+def declared(policy: Policy, name: str) -> Synopsis:
+    """The policy's declaration of synopsis ``name`` (22023 when there is none)."""
+    synopsis = policy.synopses.get(name)
     if synopsis is None:
-        declared = ", ".join(sorted(engine.policy.synopses)) or "none"
+        names = ", ".join(sorted(policy.synopses)) or "none"
         raise InvalidParameterValue(
-            f'synopsis "{name}" is not declared in the policy', hint=f"Declared synopses: {declared}."
+            f'synopsis "{name}" is not declared in the policy', hint=f"Declared synopses: {names}."
         )
+    return synopsis
+
+
+def prepare(engine: Engine, name: str, where: str | None = None) -> tuple[list[Prepared], Prepared]:
+    """Each measured marginal's prepared query, and the query over all keys (its keys' domains); validated
+    and priced, nothing charged (``where``: only the periods a continual refresh releases)."""
+    synopsis = declared(engine.policy, name)
     share = len(synopsis.measured)
     session = Session(
         ledger_identity(name),
@@ -82,9 +98,9 @@ def prepare(engine: Engine, name: str) -> tuple[list[Prepared], Prepared]:
         delta=synopsis.delta / share,
         mechanism=synopsis.mechanism or engine.policy.defaults.mechanism,
     )
-    every = tuple(range(len(synopsis.keys)))
-    full = engine.prepare(marginal_sql(engine.policy, name, every), session)
-    check_plan(name, marginal_sql(engine.policy, name, every), full.plan)
+    every = tuple(range(len(synopsis.axes)))
+    full = engine.prepare(marginal_sql(engine.policy, name, every, where), session)
+    check_plan(name, marginal_sql(engine.policy, name, every, where), full.plan)
     cells = cube_cells(full.plan)
     if cells > MAX_CELLS:
         raise FeatureNotSupported(
@@ -92,17 +108,155 @@ def prepare(engine: Engine, name: str) -> tuple[list[Prepared], Prepared]:
         )
     parts = []
     for axes in synopsis.measured:
-        sql = marginal_sql(engine.policy, name, axes)
+        sql = marginal_sql(engine.policy, name, axes, where)
         prepared = engine.prepare(sql, session)
         check_plan(name, sql, prepared.plan)
         parts.append(prepared)
     return parts, full
 
 
+@dataclass(frozen=True)
+class Built:
+    """What a build did: the release now stored for its generation, and whether this build charged it
+    (False: a concurrent build did, or this one repaired a paid release that was never stored)."""
+
+    released: Released
+    charged: bool
+
+
+def claim_key(dataset: str, name: str, generation: int) -> str:
+    """The ledger row a build claims, in its charge's transaction, for one generation of a synopsis."""
+    return f"synopsis-claim:{dataset}:{name}:g{generation:08d}"
+
+
+def _generations(ledger: Ledger, dataset: str, name: str) -> tuple[set[int], dict[int, dict[str, Any]]]:
+    """The generations stored, and the ones claimed (charged) with what each claim says."""
+    stored = {int(k.rsplit(":g", 1)[1]) for k in ledger.synopsis_keys(prefix(dataset, name) + "g")}
+    claims: dict[int, dict[str, Any]] = {}
+    for key in ledger.synopsis_keys(f"synopsis-claim:{dataset}:{name}:g"):
+        text = ledger.synopsis_document(key)
+        try:
+            claims[int(key.rsplit(":g", 1)[1])] = json.loads(text or "")
+        except ValueError:
+            continue
+    return stored, claims
+
+
 def build(engine: Engine, name: str) -> Released:
-    """Release synopsis ``name``: charge once, measure every marginal, store the noisy marginals."""
+    """Release synopsis ``name`` as a new generation, charged once: :func:`release`."""
+    return release(engine, name, after=latest(engine.ledger, engine.policy.dataset, name)).released
+
+
+def latest(ledger: Ledger, dataset: str, name: str) -> int:
+    """The newest generation of a synopsis stored or claimed (0: none)."""
+    stored, claims = _generations(ledger, dataset, name)
+    return max(stored | set(claims), default=0)
+
+
+def release(engine: Engine, name: str, *, after: int | None = None) -> Built:
+    """A release of synopsis ``name`` of the current declaration newer than generation ``after`` (None:
+    any), made and charged exactly once (issue #41 item 5).
+
+    A generation is claimed by a row of the ledger written in its charge's transaction
+    (:meth:`Ledger.reserve` with ``claim``): of builds racing for one generation one charges, the others
+    are refused the claim and charge nothing. Its release is stored under the generation's own key, first
+    writer wins, so at most one release is ever stored per charge. A build or refresh that finds what it
+    asks for already claimed by another uses that one: its stored release, or, when none was stored (a
+    build killed between its charge and its store, or still measuring), its own measurement stored in its
+    place — paid by that claim's charge, so nothing is charged again. Only releases of the declaration
+    that was paid for are reused. Nothing measured leaves but through the stored row."""
     policy = engine.policy
-    parts, full = prepare(engine, name)
+    declared(policy, name)
+    declaration, identity = declaration_hash(policy, name), database_identity(engine.backend)
+    stored, claims = _generations(engine.ledger, policy.dataset, name)
+    paid = {"declaration": declaration, "identity": identity}
+    ours = sorted(g for g, c in claims.items() if paid.items() <= c.items() and g > (after or 0))
+    if ours and (existing := _stored(engine.ledger, policy.dataset, name, ours[-1])) is not None:
+        return Built(existing, False)  # asked for already, and stored
+    since = _new_periods(engine, name, declaration, identity)
+    parts, full = prepare(engine, name, since)  # validated and priced: refusals come before any charge
+    if cube_cells(full.plan) == 0:  # a continual synopsis with no new period to release
+        raise InvalidParameterValue(
+            f'synopsis "{name}": no new period to release', hint=_NOTHING_NEW, detail=f"released until {since}"
+        )
+    cost = Cost.total([p.budgeting.cost for p in parts])
+    charged = False
+    if ours:  # paid for by another build, not stored (yet): stored now, no new charge
+        generation = ours[-1]
+    else:
+        generation = max(stored | set(claims), default=0) + 1
+        value = {"name": name, "generation": generation, **paid, "epsilon": cost.epsilon}
+        try:
+            engine.ledger.reserve(  # durably, before anything runs; never refunded
+                dataset=policy.dataset,
+                analyst=ledger_identity(name),
+                cost=cost,
+                dataset_budget=policy.budget.dataset,
+                analyst_budget=policy.budget.dataset,
+                fingerprint=_fingerprint(name, generation),
+                accounting=policy.budget.accounting,
+                claim=(claim_key(policy.dataset, name, generation), json.dumps(value, sort_keys=True)),
+            )
+            charged = True
+        except Claimed:  # a concurrent build charged this generation: its release, or ours in its place
+            pass
+    existing = _stored(engine.ledger, policy.dataset, name, generation)
+    if existing is not None:
+        return Built(existing, False)
+    with charged_on_failure(cost.epsilon if charged else 0.0):
+        result = _measure(engine, name, parts, full, cost, generation)
+    store(engine.ledger, result)
+    kept = _stored(engine.ledger, policy.dataset, name, generation)  # the first stored, if another raced us
+    return Built(kept or result, charged)
+
+
+_NOTHING_NEW = (
+    "A continual synopsis releases the time buckets after the last one released: extend its time column's "
+    "upper bound in the policy as periods are appended, then refresh."
+)
+
+
+def _new_periods(engine: Engine, name: str, declaration: str, identity: str) -> str | None:
+    """A continual synopsis's periods to release now: after the last bucket released (all, the first
+    time), up to its time column's upper bound — rows beyond it are later periods, released by a later
+    refresh, not clamped into this one's last bucket (they would be counted twice). None otherwise."""
+    policy = engine.policy
+    synopsis = policy.synopses[name]
+    table = policy.table(synopsis.table)
+    columns = time_columns(synopsis.keys)
+    if not synopsis.continual or table is None or len(columns) != 1 or columns[0] not in table.columns:
+        return None
+    column = columns[0]
+    column_type, upper = table.columns[column].type, table.columns[column].upper
+    until = f"{column} <= '{upper}'" if upper is not None else None
+    ends: list[dt.datetime] = []
+    for key in engine.ledger.synopsis_keys(prefix(policy.dataset, name) + "g"):
+        released = _stored(engine.ledger, policy.dataset, name, int(key.rsplit(":g", 1)[1]))
+        if released is None or released.declaration != declaration or released.identity != identity:
+            continue
+        for k in released.keys:
+            if k.kind == "trunc" and k.domain and k.unit is not None and k.column == column:
+                ends.append(normal(bucket_end(max(k.domain, key=normal), k.unit, column_type))[1])
+    if not ends:
+        return until
+    start = max(ends) + (dt.timedelta(days=1) if column_type == "date" else dt.timedelta(microseconds=1))
+    text = start.date().isoformat() if column_type == "date" else start.isoformat(sep=" ")
+    since = f"{column} >= '{text}'"
+    return since if until is None else f"{since} AND {until}"
+
+
+def _fingerprint(name: str, generation: int) -> str:
+    return f"synopsis {name} g{generation}"
+
+
+def _stored(ledger: Ledger, dataset: str, name: str, generation: int) -> Released | None:
+    text = ledger.synopsis_document(release_key(dataset, name, generation))
+    return None if text is None else unseal(text, ledger.signing_key())
+
+
+def _measure(engine: Engine, name: str, parts: list[Prepared], full: Prepared, cost: Cost, generation: int) -> Released:
+    """Measure every marginal (only ever after the charge) into the release of ``generation``."""
+    policy = engine.policy
     synopsis = policy.synopses[name]
     keys = []
     for key in full.plan.keys:
@@ -111,31 +265,20 @@ def build(engine: Engine, name: str) -> Released:
     nkeys = len(keys)
     measure_of = [full.plan.outputs[nkeys + j].measures[0] for j in range(len(synopsis.measures))]
     measures = tuple(SynopsisMeasure(full.plan.measures[i].kind, full.plan.measures[i].column) for i in measure_of)
-    cost = Cost.total([p.budgeting.cost for p in parts])
-    engine.ledger.reserve(  # durably, before anything runs; never refunded
-        dataset=policy.dataset,
-        analyst=ledger_identity(name),
-        cost=cost,
-        dataset_budget=policy.budget.dataset,
-        analyst_budget=policy.budget.dataset,
-        fingerprint=f"synopsis {name}",
-        accounting=policy.budget.accounting,
-    )
     marginals: list[list[Marginal]] = [[] for _ in measures]
-    with charged_on_failure(cost.epsilon):
-        for axes, prepared in zip(synopsis.measured, parts, strict=True):
-            plan = prepared.plan
-            assert [tuple(k.domain or ()) for k in plan.keys] == [keys[a].domain for a in axes]
-            rows = engine.step.query(engine.step.clamped_sql(plan))  # every clamp in place
-            released = apply(plan, prepared.budgeting, rows, 0.95)
-            width = len(plan.keys)
-            for j in range(len(measures)):
-                i = plan.outputs[width + j].measures[0]
-                spec = prepared.budgeting.specs[i]
-                assert spec is not None
-                values = [float(v) for v in released.columns[i]]
-                marginals[j].append(Marginal(tuple(axes), values, noise_variance(spec)))
-    result = Released(
+    for axes, prepared in zip(synopsis.measured, parts, strict=True):
+        plan = prepared.plan
+        assert [tuple(k.domain or ()) for k in plan.keys] == [keys[a].domain for a in axes]
+        rows = engine.step.query(engine.step.clamped_sql(plan))  # every clamp in place
+        released = apply(plan, prepared.budgeting, rows, 0.95)
+        width = len(plan.keys)
+        for j in range(len(measures)):
+            i = plan.outputs[width + j].measures[0]
+            spec = prepared.budgeting.specs[i]
+            assert spec is not None
+            values = [float(v) for v in released.columns[i]]
+            marginals[j].append(Marginal(tuple(axes), values, noise_variance(spec)))
+    return Released(
         name=name,
         dataset=policy.dataset,
         table=synopsis.table,
@@ -148,9 +291,9 @@ def build(engine: Engine, name: str) -> Released:
         measures=measures,
         marginals=tuple(tuple(m) for m in marginals),
         laplace=parts[0].budgeting.mechanism == "laplace",
+        generation=generation,
+        charge=_fingerprint(name, generation),
     )
-    store(engine.ledger, result)
-    return result
 
 
 # -- the commands ------------------------------------------------------------------------------------
@@ -166,18 +309,29 @@ def cmd_synopsis_build(args: argparse.Namespace) -> int:
             print(f'ERROR:  the policy of dataset "{engine.policy.dataset}" declares no synopses', file=sys.stderr)
             return 1
         current = {r.name for r in Synopses(engine.policy, engine.ledger).current(database_identity(engine.backend))}
+        # what a refresh releases a newer one than (read first: a refresh racing this one is not repeated)
+        seen = {name: latest(engine.ledger, engine.policy.dataset, name) for name in names}
         for name in names:
             if args.synopsis_command == "build" and name in current:
                 print(f'synopsis "{name}": already released (use "dpsql synopsis refresh" to release it again)')
                 continue
-            released = build(engine, name)
+            built = release(engine, name, after=seen[name] if args.synopsis_command == "refresh" else None)
+            released = built.released
             cells = " × ".join(str(len(k.domain)) for k in released.keys)
-            print(
-                f'synopsis "{name}" of dataset "{released.dataset}": released at {released.released_at}, '
-                f"{cells} cells, {len(released.axes)} marginals; charged ε={released.epsilon:g}"
-                + (f", δ={released.delta:g}" if released.delta else "")
-                + f" once to the dataset as {ledger_identity(name)}"
+            charge = f"ε={released.epsilon:g}" + (f", δ={released.delta:g}" if released.delta else "")
+            paid = (
+                f"charged {charge} once to the dataset as {ledger_identity(name)}"
+                if built.charged
+                else f"nothing charged now ({charge} was charged once, as {released.charge})"
             )
+            print(
+                f'synopsis "{name}" of dataset "{released.dataset}": release {released.generation} at '
+                f"{released.released_at}, {cells} cells, {len(released.axes)} marginals; {paid}"
+            )
+            parts, full = prepare(engine, name)
+            for chart in chart_widths(engine.policy, name, [p.plan for p in parts], full.plan):
+                wider = f" (more than {WARN_RATIO:g}× a fresh answer)" if chart.ratio > WARN_RATIO else ""
+                print("  " + chart.line(name, engine.policy.defaults.epsilon) + wider)
     finally:
         engine.close()
     return 0
@@ -196,7 +350,8 @@ def cmd_synopsis_list(args: argparse.Namespace) -> int:
             state = "not released" if released is None else f"released {released.released_at}"
             print(
                 f"{name}\ttable {synopsis.table}\tkeys {', '.join(synopsis.keys)}"
-                f"\tmeasures {', '.join(synopsis.measures)}"
+                + (f"\tfilters {', '.join(synopsis.filters)}" if synopsis.filters else "")
+                + f"\tmeasures {', '.join(synopsis.measures)}"
                 f"\tε={synopsis.epsilon:g}\t{state}\t{count} release{'s' if count != 1 else ''} in the ledger"
             )
     finally:

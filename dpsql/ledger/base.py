@@ -125,6 +125,13 @@ _SELECT_AUDIT_SQL = (
 )
 
 
+_CLAIM_SQL = "INSERT INTO dpsql_ledger_meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO NOTHING"
+
+
+class Claimed(Exception):
+    """A reservation's claim (:meth:`Ledger.reserve`) was already in the ledger: nothing was charged."""
+
+
 class Ledger(CuratorLevers):
     """A durable, concurrency-safe privacy ledger; open with :meth:`Ledger.open`."""
 
@@ -156,8 +163,13 @@ class Ledger(CuratorLevers):
         fingerprint: str,
         accounting: Accounting = "pure",
         rho_delta: float | None = None,
+        claim: tuple[str, str] | None = None,
     ) -> Charge:
         """Atomically check both budgets and durably record the charge, or raise.
+
+        ``claim`` (key, value): a row of the meta table written in the charge's transaction, first: when
+        the key is already there, nothing is charged and :class:`Claimed` is raised — what makes one
+        synopsis release charged exactly once however many builds race (:mod:`dpsql.curator.synopsis`).
 
         Raises :class:`PrivacyBudgetExhausted` (nothing recorded) or
         :class:`LedgerUnavailable` (nothing may be released). Under ``pld`` the check composes every
@@ -224,6 +236,7 @@ class Ledger(CuratorLevers):
             check=check,
             audit=audit_row,
             kept=kept,
+            claim=claim,
         )
         return Charge(
             id=charge_id,
@@ -261,6 +274,7 @@ class Ledger(CuratorLevers):
         check: Callable[[Spent, Spent, Levers, tuple[Kept, Kept] | None], None],
         audit: AuditEntry,
         kept: Sequence[Composed] = (),
+        claim: tuple[str, str] | None = None,
     ) -> tuple[int, int, Spent, Spent]:
         """The reservation, in one transaction that holds the dataset's write lock: read the spending and
         the levers (under pld also the composed states, brought up to date) → ``check`` them (raises to
@@ -270,6 +284,8 @@ class Ledger(CuratorLevers):
         stamp = self._timestamp(at)
         eps, delta, rho, sel = cost.epsilon, cost.delta, cost.rho, cost.selection_delta
         with self._reservation(dataset) as execute:
+            if claim is not None and not execute(self._sql(_CLAIM_SQL), claim).rowcount:
+                raise Claimed(claim[0])  # rolls back: nothing written, nothing charged
             analyst_spent, dataset_spent = self._spent_in(execute, dataset, analyst)
             levers = levers_of(execute(self._sql(LEVERS_SQL), (dataset, analyst, dataset, analyst)).fetchone())
             states = self._states_in(execute, dataset, analyst) if accounting == "pld" else None

@@ -212,7 +212,7 @@ def explain(
     _shape(engine, composite, [_inner_columns([o.column for o in p.plan.outputs]) for p in prepared])
     cost = Step.total([Part(p) for p in prepared])
     subplans = [
-        SubPlan(f"DP sub-query, released as {inner.table}", engine.explain(inner.sql, session))
+        SubPlan(f"DP sub-query, released as {inner.table}", engine.explain(inner.sql, session, actual=False))
         for inner in composite.inners
     ]
     node = "Post-processing"

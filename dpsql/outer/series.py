@@ -334,11 +334,11 @@ def explain_series(engine: Host, series: Series, session: Session, params: Param
     subplans = [
         SubPlan(
             f'DP sub-query "{series.name}", released first (its keys choose the series)',
-            engine.explain(series.inner, session),
+            engine.explain(series.inner, session, actual=False),
         ),
         SubPlan(
             f'DP query over the chosen series ({keys} IN the keys "{series.name}" releases)',
-            engine.explain(stand_in, session),
+            engine.explain(stand_in, session, actual=False),
         ),
     ]
     return CompositeExplanation("Series limit", cost.epsilon if cost else 0.0, cost.delta if cost else 0.0, subplans)

@@ -27,7 +27,7 @@ from dpsql.noise.mechanisms import (
 from dpsql.plan import Plan, integer_valued
 from dpsql.policy import Policy
 from dpsql.release.selection import selection_threshold
-from dpsql.session import MAX_EPSILON, MIN_EPSILON, Session, ci_label
+from dpsql.session import DEFAULT_MAX_SHARE, MAX_EPSILON, MIN_EPSILON, Session, ci_label
 
 #: Accuracy-first's bisection stops when its bracket [lo, hi] has hi/lo ≤ 1 + this (then hi is used).
 _ACCURACY_TOLERANCE = 1e-9
@@ -92,15 +92,9 @@ def budget(policy: Policy, plan: Plan, session: Session, confidence: float | Non
         )
     if session.accuracy is not None:
         level = confidence if confidence is not None else session.confidence or defaults.confidence
+        # whether the analyst can (and means to) spend it is checked against the ledger before the charge,
+        # with the grants and what is left (:func:`accuracy_guard`)
         epsilon = accuracy_epsilon(plan, session.accuracy, level, delta, mechanism, selecting)
-        allowed = policy.analyst_budget(session.analyst).epsilon
-        if epsilon > allowed:
-            raise InvalidParameterValue(
-                f"accuracy ±{session.accuracy:g} needs ε={_rounded_up(epsilon)}, more than your budget "
-                f"(ε={allowed:g} in all)",
-                hint="Ask for a wider interval (a larger dpsql.accuracy), fewer measures or groups, "
-                "or RESET dpsql.accuracy and choose dpsql.epsilon yourself.",
-            )
     try:
         budgeting = calibrate(plan, epsilon, delta, mechanism, selecting)
     except ValueError as exc:  # calibration's own checks: a setting no exact sampler can serve
@@ -182,6 +176,29 @@ def _bisect(plan: Plan, target: float, confidence: float, delta: float, mechanis
         else:
             lo = mid
     return hi
+
+
+def accuracy_guard(epsilon: float, session: Session, left: float, total: float) -> None:
+    """Accuracy-first's guard (issue #38 item 5), before the charge: the ε ``dpsql.accuracy`` chose must
+    fit what the analyst has ``left`` (of ``total``, the policy's budget plus the curator's grants), and
+    take at most ``dpsql.max_share`` of it (25 % by default) unless ``dpsql.confirm_epsilon`` accepts it.
+    A refusal names the ε it would take (22023); the figures are the query's and the analyst's own."""
+    if session.accuracy is None:
+        return
+    need = _rounded_up(epsilon)
+    what = f"accuracy ±{session.accuracy:g} needs ε={need}"
+    of = f"the ε={left:.4g} you have left (ε={total:g} in all, grants included)"
+    hint = "Ask for a wider interval (a larger dpsql.accuracy), fewer measures or groups, or RESET dpsql.accuracy "
+    hint += "and choose dpsql.epsilon yourself."
+    if epsilon > left * (1 + 1e-9):
+        raise InvalidParameterValue(f"{what}, more than {of}", hint=hint)
+    share = session.max_share if session.max_share is not None else DEFAULT_MAX_SHARE
+    confirmed = session.confirm_epsilon is not None and epsilon <= session.confirm_epsilon * (1 + 1e-9)
+    if epsilon > share * left * (1 + 1e-9) and not confirmed:
+        raise InvalidParameterValue(
+            f"{what}, more than {share:.0%} of {of}",
+            hint=f"SET dpsql.confirm_epsilon = {need} to spend it on this query (or raise dpsql.max_share). " + hint,
+        )
 
 
 def _rounded_up(epsilon: float) -> str:

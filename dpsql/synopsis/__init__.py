@@ -4,6 +4,7 @@ least squares (:mod:`~dpsql.synopsis.solve`), stored signed in the ledger (:mod:
 Built by ``dpsql synopsis build`` (:mod:`dpsql.curator.synopsis`)."""
 
 from dpsql.synopsis.answer import answer
-from dpsql.synopsis.store import Released, Synopses, store
+from dpsql.synopsis.current import Synopses
+from dpsql.synopsis.store import Released, store
 
 __all__ = ["Released", "Synopses", "answer", "store"]

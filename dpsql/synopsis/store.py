@@ -8,8 +8,9 @@ The document is signed (HMAC-SHA-256 under the ledger's signing key, as result-c
 written by anyone without that key is ignored; it is typed JSON, never pickle.
 
 Which document serves a query: the newest one of a synopsis whose declaration (and its table's policy)
-hashes to the policy's current one, on the same database. A changed declaration makes old releases
-unused (never misread); the charge stays spent.
+hashes to the policy's current one, on the same database (:mod:`dpsql.synopsis.current`; a continual
+synopsis: all its periods). A changed declaration makes old releases unused (never misread); the
+charge stays spent.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import datetime as dt
 import hashlib
 import hmac
 import json
+import math
 import threading
-import time
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -27,11 +28,8 @@ from typing import Any
 from dpsql.ledger import Ledger
 from dpsql.policy import Policy, Scalar
 from dpsql.postprocess.finish import released_at
-from dpsql.synopsis.solve import Estimate, Marginal, solve
-
-#: How long the engine trusts its list of stored synopses before reading the ledger's again (seconds):
-#: a build in another process is served within this long.
-RELOAD_SECONDS = 1.0
+from dpsql.synopsis.grains import time_columns
+from dpsql.synopsis.solve import Marginal, Totals, solve
 
 _MAC_CONTEXT = b"dpsql synopsis v1"
 
@@ -41,11 +39,17 @@ def prefix(dataset: str, name: str | None = None) -> str:
 
 
 def declaration_hash(policy: Policy, name: str) -> str:
-    """The synopsis's declaration and its table's policy (bounds, caps, domains): what its release means."""
+    """The synopsis's declaration and its table's policy (bounds, caps, domains): what its release means.
+    A continual synopsis's time columns leave their upper bound out: it grows as periods are appended,
+    and the periods released before keep their meaning."""
     synopsis = policy.synopses[name]
     table = policy.table(synopsis.table)
     assert table is not None
-    text = json.dumps([synopsis.model_dump(mode="json"), table.model_dump(mode="json")], sort_keys=True)
+    table_doc = table.model_dump(mode="json")
+    if synopsis.continual:
+        for column in time_columns(synopsis.keys):
+            table_doc["columns"].get(column, {}).pop("upper", None)
+    text = json.dumps([synopsis.model_dump(mode="json"), table_doc], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -108,6 +112,10 @@ class Released:
     marginals: tuple[tuple[Marginal, ...], ...]
     #: Whether the noise is Laplace (intervals then use the heavier Laplace quantile), else Gaussian.
     laplace: bool = True
+    #: Which release of the synopsis this is (1, 2, …; 0 before generations were numbered) and the ledger
+    #: fingerprint of the charge that paid for it (:mod:`dpsql.curator.synopsis`).
+    generation: int = 0
+    charge: str = ""
     _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
 
     @property
@@ -115,11 +123,15 @@ class Released:
         return tuple(len(k.domain) for k in self.keys)
 
     @property
+    def cells(self) -> int:
+        return math.prod(self.shape)
+
+    @property
     def axes(self) -> tuple[tuple[int, ...], ...]:
         return tuple(m.axes for m in self.marginals[0])
 
     @cached_property
-    def estimates(self) -> tuple[Estimate, ...]:
+    def estimates(self) -> tuple[Totals, ...]:
         """The consistent cube of each measure (solved once per loaded release)."""
         with self._lock:
             return tuple(solve(self.shape, marginals) for marginals in self.marginals)
@@ -146,6 +158,8 @@ class Released:
                 for k in self.keys
             ],
             "laplace": self.laplace,
+            "generation": self.generation,
+            "charge": self.charge,
             "measures": [{"kind": m.kind, "column": m.column, "centre": m.centre} for m in self.measures],
             "marginals": [
                 [{"axes": list(m.axes), "values": list(m.values), "variance": m.variance} for m in per_measure]
@@ -180,6 +194,8 @@ class Released:
             ),
             marginals=tuple(tuple(_marginal(m) for m in per) for per in doc["marginals"]),
             laplace=bool(doc.get("laplace", True)),
+            generation=int(doc.get("generation", 0)),
+            charge=str(doc.get("charge", "")),
         )
 
     @property
@@ -213,49 +229,17 @@ def unseal(text: str, installation_key: bytes) -> Released | None:
         return None
 
 
+def release_key(dataset: str, name: str, generation: int) -> str:
+    """Where generation ``generation`` of a synopsis is stored: one key per generation, so at most one
+    release is ever stored for it (``g`` sorts after the time-stamped keys of older versions: newer)."""
+    return prefix(dataset, name) + f"g{generation:08d}"
+
+
 def store(ledger: Ledger, released: Released) -> str:
-    """Append ``released`` to the ledger; its key."""
-    key = prefix(released.dataset, released.name) + f"{int(released.built_at * 1e6):020d}"
-    ledger.add_synopsis(key, seal(released, ledger.signing_key()))  # out of a ledger writer role's reach
+    """Append ``released`` to the ledger (under its generation's key when it has one); its key."""
+    if released.generation:
+        key = release_key(released.dataset, released.name, released.generation)
+    else:
+        key = prefix(released.dataset, released.name) + f"{int(released.built_at * 1e6):020d}"
+    ledger.add_synopsis(key, seal(released, ledger.signing_key()))
     return key
-
-
-class Synopses:
-    """The engine's view of the stored synopses of its policy: the newest valid release of each declared
-    synopsis, re-read from the ledger at most every :data:`RELOAD_SECONDS`."""
-
-    def __init__(self, policy: Policy, ledger: Ledger) -> None:
-        self.policy = policy
-        self.ledger = ledger
-        self._declarations = {name: declaration_hash(policy, name) for name in policy.synopses}
-        self._loaded: dict[str, Released] = {}
-        self._keys: list[str] = []
-        self._read_at = -RELOAD_SECONDS
-        self._lock = threading.Lock()
-
-    def current(self, identity: str) -> list[Released]:
-        """The newest valid release of every declared synopsis built on the database ``identity``."""
-        if not self._declarations:
-            return []
-        with self._lock:
-            if time.monotonic() - self._read_at >= RELOAD_SECONDS:
-                self._keys = self.ledger.synopsis_keys(prefix(self.policy.dataset))
-                self._read_at = time.monotonic()
-            keys = self._keys
-        newest: dict[str, Released] = {}
-        for key in reversed(keys):  # newest first within each name
-            released = self._load(key)
-            if released is None or released.name in newest:
-                continue
-            if released.declaration == self._declarations.get(released.name) and released.identity == identity:
-                newest[released.name] = released
-        return list(newest.values())
-
-    def _load(self, key: str) -> Released | None:
-        released = self._loaded.get(key)
-        if released is None and key not in self._loaded:
-            text = self.ledger.synopsis_document(key)
-            released = None if text is None else unseal(text, self.ledger.signing_key())
-            if released is not None:
-                self._loaded[key] = released
-        return released

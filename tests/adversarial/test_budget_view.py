@@ -38,7 +38,7 @@ from dpsql.session import Session
 SELECT_LIST = "this expression in the select list is not supported over dpsql_budget"
 IN_WHERE = "this expression in WHERE is not supported over dpsql_budget"
 IN_ORDER = "ORDER BY an expression is not supported over dpsql_budget"
-HINT_START = "Over dpsql_budget: SELECT *, columns, constants or COUNT(*) [AS name] FROM dpsql_budget"
+HINT_START = "Over dpsql_budget: SELECT *, columns, constants, COUNT, or SUM/AVG/MIN/MAX of a column [AS name] FROM"
 
 
 def _code(marker: Path) -> str:
@@ -240,6 +240,34 @@ def test_budget_view_star_is_the_own_row(health: Engine) -> None:
         ("SELECT DISTINCT frozen FROM dpsql_budget ORDER BY 1 LIMIT 1", [("frozen", "boolean")], [(False,)]),
         ("SELECT frozen FROM dpsql_budget LIMIT ALL OFFSET 1", [("frozen", "boolean")], []),
         ("SELECT frozen FROM dpsql_budget LIMIT 0", [("frozen", "boolean")], []),
+        # what a BI chart over the relation sends (issue #38): aggregates, GROUP BY
+        (
+            "SELECT SUM(epsilon_remaining) AS rem FROM public.dpsql_budget LIMIT 100",
+            [("rem", "double precision")],
+            [(10.0,)],
+        ),
+        (
+            "SELECT analyst AS analyst, SUM(epsilon_remaining) AS rem FROM public.dpsql_budget GROUP BY analyst "
+            "ORDER BY rem DESC LIMIT 100",
+            [("analyst", "text"), ("rem", "double precision")],
+            [("alice", 10.0)],
+        ),
+        (
+            "SELECT frozen, MAX(queries), AVG(queries), MIN(analyst) FROM dpsql_budget GROUP BY 1 "
+            "ORDER BY SUM(queries)",
+            [("frozen", "boolean"), ("max", "bigint"), ("avg", "numeric"), ("min", "text")],
+            [(False, 0, 0, "alice")],
+        ),
+        (
+            "SELECT analyst, COUNT(*) FROM dpsql_budget WHERE frozen GROUP BY analyst",
+            [("analyst", "text"), ("count", "bigint")],
+            [],
+        ),
+        (
+            "SELECT SUM(epsilon_spent), COUNT(*) FROM dpsql_budget WHERE frozen",
+            [("sum", "double precision"), ("count", "bigint")],
+            [(None, 0)],
+        ),
     ],
 )
 def test_budget_view_supported_shapes(
@@ -259,9 +287,20 @@ def test_budget_view_supported_shapes(
         ("SELECT analyst FROM dpsql_budget WHERE nope = 1", UndefinedColumn, 'column "nope" does not exist'),
         ("SELECT x.analyst FROM dpsql_budget", UndefinedTable, 'missing FROM-clause entry for table "x"'),
         (
-            "SELECT analyst FROM dpsql_budget GROUP BY analyst",
+            "SELECT analyst FROM dpsql_budget GROUP BY ROLLUP (analyst)",
             FeatureNotSupported,
-            "GROUP BY is not supported over dpsql_budget",
+            "GROUP BY an expression is not supported over dpsql_budget",
+        ),
+        ("SELECT SUM(analyst) FROM dpsql_budget", UndefinedFunction, "function sum(text) does not exist"),
+        (
+            "SELECT SUM(queries + 1) FROM dpsql_budget",
+            FeatureNotSupported,
+            "SUM of anything but a column is not supported over dpsql_budget",
+        ),
+        (
+            "SELECT frozen, SUM(queries) FROM dpsql_budget GROUP BY analyst",
+            GroupingError,
+            'column "dpsql_budget.frozen" must appear in the GROUP BY clause or be used in an aggregate function',
         ),
         ("SELECT upper(analyst) FROM dpsql_budget", FeatureNotSupported, SELECT_LIST),
         ("SELECT analyst FROM dpsql_budget WHERE analyst LIKE 'a%'", FeatureNotSupported, IN_WHERE),

@@ -76,6 +76,7 @@ def test_least_epsilon_meets_the_target_and_is_charged(
     engine = _engine(health_policy, backend)
     options: dict[str, object] = {"accuracy": "±10", **settings}
     session = Session.configure("alice", **options)  # type: ignore[arg-type]
+    session.apply("dpsql.max_share", 1.0, "1")  # the guard is tested below: any ε within the budget
     target = session.accuracy
     assert target is not None
     level = session.confidence or 0.95
@@ -153,13 +154,44 @@ def test_refusals_charge_nothing(health_policy: Policy, backend: Backend) -> Non
     assert hint is not None and "not a ± half-width" in hint and "RESET dpsql.accuracy" in hint
     with pytest.raises(Error) as exc:
         engine.execute(COUNT_AND_SUM, session)
-    assert _refusal(exc)[:2] == ("22023", "accuracy ±10 needs ε=62.56, more than your budget (ε=10 in all)")
+    left = "the ε=10 you have left (ε=10 in all, grants included)"
+    assert _refusal(exc)[:2] == ("22023", f"accuracy ±10 needs ε=62.56, more than {left}")
     total = "SELECT SUM(age) FROM patients"
     with pytest.raises(Error) as exc:  # bob's own budget is 5 in all
         engine.execute(total, Session.configure("bob", accuracy="±50"))
-    assert _refusal(exc)[:2] == ("22023", "accuracy ±50 needs ε=6.525, more than your budget (ε=5 in all)")
+    bob = "the ε=5 you have left (ε=5 in all, grants included)"
+    assert _refusal(exc)[:2] == ("22023", f"accuracy ±50 needs ε=6.525, more than {bob}")
     assert _spent(engine) == 0 and _spent(engine, "bob") == 0
-    assert engine.execute(total, Session.configure("alice", accuracy="±50")).epsilon_spent == pytest.approx(6.524, 1e-3)
+
+
+def test_a_large_share_of_what_is_left_needs_a_confirmation(health_policy: Policy, backend: Backend) -> None:
+    """Issue #38 item 5: ``SET dpsql.accuracy = '±50'`` silently took 6.5 of alice's 10. Beyond 25 % of what
+    is left (``dpsql.max_share``) it is refused with the ε it would take, until confirmed; the figures
+    count the curator's grants."""
+    engine = _engine(health_policy, backend)
+    total = "SELECT SUM(age) FROM patients"
+    session = Session.configure("alice", accuracy="±50")
+    with pytest.raises(Error) as exc:
+        engine.execute(total, session)
+    state, message, hint = _refusal(exc)
+    assert (state, message) == (
+        "22023",
+        "accuracy ±50 needs ε=6.525, more than 25% of the ε=10 you have left (ε=10 in all, grants included)",
+    )
+    assert hint is not None and hint.startswith("SET dpsql.confirm_epsilon = 6.525 to spend it on this query")
+    assert _spent(engine) == 0
+    engine.ledger.grant(dataset="health", analyst="alice", epsilon=2.0, by="curator", reason="test")  # counted
+    with pytest.raises(Error) as exc:
+        engine.execute(total, session)
+    assert "25% of the ε=12 you have left (ε=12 in all, grants included)" in exc.value.message
+    session.apply("dpsql.confirm_epsilon", 6.0, "6")  # less than it needs: still refused
+    with pytest.raises(Error):
+        engine.execute(total, session)
+    session.apply("dpsql.confirm_epsilon", 6.525, "6.525")
+    assert engine.execute(total, session).epsilon_spent == pytest.approx(6.524, 1e-3)
+    relaxed = Session.configure("alice", accuracy="±80")  # ε≈4.1 of the 5.5 left: more than half
+    relaxed.apply("dpsql.max_share", 0.9, "0.9")
+    assert engine.execute(total, relaxed).epsilon_spent > 0
 
 
 def test_explain_shows_the_chosen_epsilon_and_charges_nothing(engine: Engine) -> None:
@@ -233,7 +265,7 @@ def test_set_show_reset_over_the_wire(server: tuple[str, Engine]) -> None:
         with pytest.raises(psycopg.Error) as exc:
             conn.execute(COUNT_AND_SUM)
         assert exc.value.sqlstate == "22023"
-        assert exc.value.diag.message_primary == "accuracy ±10 needs ε=62.56, more than your budget (ε=10 in all)"
+        assert exc.value.diag.message_primary.startswith("accuracy ±10 needs ε=62.56, more than the ε=9.7")
         assert _spent(engine) == chosen
         conn.execute("RESET dpsql.accuracy")
         assert conn.execute("SHOW dpsql.accuracy").fetchone() == ("",)

@@ -168,7 +168,7 @@ def test_a_tampered_measurement_is_a_charged_miss(health_policy: Policy, health_
         flipped = bytearray(blob)
         flipped[-5] ^= 0x01
         cache._conn.execute("UPDATE dpsql_result_cache SET result = ? WHERE key = ?", (bytes(flipped), key))
-    assert len(rows) == 3  # the answer, its measurement and its cells in the coarsening index
+    assert len(rows) == 4  # the answer, its measurement, and its signature and cells in the release index
     assert engine.execute(BASE + " LIMIT 3", Session("alice")).epsilon_spent == 1.0
 
 

@@ -5,8 +5,9 @@ unchanged. The dialect exists only so that a URI can *say* it points at dpsql
 (``dpsql://analyst:pw@host:6543/dataset``): Superset picks its engine spec from the URI's backend
 name, and ``postgresql://`` must keep meaning plain PostgreSQL (Superset's ``PostgresEngineSpec``).
 
-One convenience on top: ``?epsilon=0.5`` (and ``?delta=1e-7``) in the URI become the startup option
-``-c dpsql.epsilon=0.5``, the per-connection ε that docs/bi.md otherwise spells as
+One convenience on top: ``?epsilon=0.5`` (and ``?delta=1e-7``, ``?accuracy=10`` for accuracy-first,
+``?max_widening=2``, ``?max_share=0.25``, ``?confirm_epsilon=3``) in the URI become the startup option
+``-c dpsql.epsilon=0.5``, the per-connection setting that docs/bi.md otherwise spells as
 ``?options=-c%20dpsql.epsilon%3D0.5``. The value is parsed as a finite positive number here, so it
 cannot smuggle further ``-c`` settings into the startup packet; dpsql validates its range itself.
 The same holds for the display switches ``?show_intervals=on`` (a ``<col>_ci95`` column after each
@@ -24,7 +25,8 @@ from sqlalchemy.dialects.postgresql.psycopg2 import PGDialect_psycopg2
 from sqlalchemy.engine.url import URL
 
 #: URI query parameters turned into dpsql session settings at connection start: numbers …
-SETTINGS = {"epsilon": "dpsql.epsilon", "delta": "dpsql.delta"}
+SETTINGS = {name: f"dpsql.{name}" for name in ("epsilon", "delta", "accuracy", "max_widening", "max_share")}
+SETTINGS["confirm_epsilon"] = "dpsql.confirm_epsilon"
 #: … and on/off switches (how results are shown; none changes what is charged).
 SWITCHES = {"show_intervals": "dpsql.show_intervals", "round": "dpsql.round", "trim_time": "dpsql.trim_time"}
 _ON, _OFF = {"on", "true", "1", "yes"}, {"off", "false", "0", "no"}

@@ -32,8 +32,10 @@ the policy alone, for free. Superset's PostgreSQL spec works against it, except 
   the data.
 - ``supports_file_upload = False``: dpsql refuses every write (25006); CSV upload cannot work.
 - :meth:`estimate_statement_cost`: SQL Lab's "estimate cost" runs ``EXPLAIN``, which dpsql answers
-  for free with the ε, δ and mechanism the statement would be charged; PostgreSQL's parser looked
-  for ``cost=…`` and found nothing.
+  for free with the ε, δ and mechanism the statement would really be charged and the ± it would get
+  (ε = 0 and where from when it would be answered from released values: the result cache, a synopsis,
+  earlier releases' cells; how much wider a synopsis's ± are); PostgreSQL's parser looked for
+  ``cost=…`` and found nothing.
 - :meth:`execute` and :meth:`handle_cursor`: dpsql says what each answer cost and how accurate it is
   in NOTICEs (``dpsql: charged ε=…; remaining ε=…``, ``dpsql: 95% CI half-widths: …``), which
   psycopg2 collects on ``connection.notices`` and Superset never reads. Superset 6.1 has no place in
@@ -320,13 +322,18 @@ class DpsqlEngineSpec(PostgresEngineSpec):
 
     @classmethod
     def estimate_statement_cost(cls, database: Database, statement: str, cursor: Any) -> dict[str, Any]:
-        """dpsql's ``EXPLAIN`` (free): the ε, δ and mechanism the statement would be charged."""
+        """dpsql's ``EXPLAIN`` (free): the ε, δ and mechanism the statement would really be charged (0 when
+        it would be answered from released values: then where from, and how much wider a synopsis's ± is)."""
         cursor.execute(f"EXPLAIN {statement}")
         plan = [str(row[0]) for row in cursor.fetchall()]
         head = re.search(r"mechanism=(\S+) epsilon=(\S+) delta=([^\s)]+)", plan[0] if plan else "")
         if head is None:
             return {"plan": " / ".join(line.strip() for line in plan[:3])}
         cost: dict[str, Any] = {"epsilon": head.group(2), "delta": head.group(3), "mechanism": head.group(1)}
+        for line in plan[1:3]:
+            label, _, text = line.strip().partition(": ")
+            if label in ("Free", "Wider"):
+                cost[label.lower()] = text
         intervals = [
             f"{m.group(1)} {m.group(2)}"
             for line in plan
