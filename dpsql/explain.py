@@ -204,7 +204,7 @@ def explain(plan: Plan, budgeting: Budgeting, confidence: float, shown_sql: str)
     if plan.unit is not None:
         unit += f" (at most {plan.max_rows} rows and {plan.max_groups} groups per unit)"
     note = bias_note(plan, confidence)
-    bias = note.split("covers ", 1)[1] if note else ""  # "the noise only, not the bias of …"
+    bias = note.split(" cover", 1)[1].split(" ", 1)[1] if note else ""  # "the noise only, not the bias of …"
     return Explanation(
         shown_sql,
         budgeting.epsilon,

@@ -429,7 +429,10 @@ class Step:
         if prepared.plan.physical.proven and data_version(self.backend) != prepared.data_version:
             # a write raced the proof: run it again with every clamp in place
             rows = self.query(self.clamped_sql(prepared.plan))
-        histograms = {i: self.query(sql) for i, sql in prepared.histograms}
+        read: dict[str, list[tuple[Any, ...]]] = {}  # a quantile's interval ends share its histogram
+        histograms = {
+            i: read[sql] if sql in read else read.setdefault(sql, self.query(sql)) for i, sql in prepared.histograms
+        }
         return self.release_rows(prepared, rows, confidence, histograms, measurement, stamp)
 
     def release_rows(
