@@ -90,13 +90,15 @@ class Quantile(Selection):
         return select_quantile(counts, q, epsilon, sensitivity, grid)
 
     def interval(self, out: OutputItem, env: Mapping[str, Any]) -> Interval | None:
-        """The released ends of an interior quantile's value interval (post-processing)."""
+        """The released ends of an interior quantile's value interval (post-processing). Each end is on
+        its side of the exact quantile with probability ≥ 1 − β/2 on its own; crossed ends (possible when
+        the group is nearly empty) are shown as the range between them, which can only hold more."""
         if len(out.measures) != 3:
             return None
         low, high = (env.get(f"m{i}") for i in out.measures[1:])
         if not isinstance(low, int | float) or not isinstance(high, int | float):
             return None
-        return float(low), float(high)
+        return float(min(low, high)), float(max(low, high))
 
     def grid(self, measure: Measure) -> QuantileGrid:
         """Exact integers or equal cells over the column's bounds (:func:`quantile_grid`): public."""

@@ -306,19 +306,8 @@ def interval_end(
     runs = [0] * grid.runs
     for cell, count in counts.items():
         runs[cell // stride] += count
-    total = sum(runs)
     reach = 1.0 + interval_reach(epsilon, sensitivity, grid, level)
-    target = q * total + reach if upper else q * total - reach
-    utilities, below = [], 0
-    for count in runs:
-        above = below + count
-        utilities.append(-max(0.0, below - target, target - above))
-        below = above
-    if upper:
-        utilities.append(-max(0.0, total - target))
-    else:
-        utilities.insert(0, -max(0.0, target))
-    chosen = int(_noisy_max(2.0 * sensitivity / epsilon)(utilities))
+    chosen = int(_noisy_max(2.0 * sensitivity / epsilon)(interval_utilities(runs, q, reach, upper)))
     if upper:
         if chosen == grid.runs:
             return grid.upper
@@ -326,6 +315,21 @@ def interval_end(
     if chosen == 0:
         return grid.lower
     return grid.span((chosen - 1) * stride, chosen * stride - 1)[0]
+
+
+def interval_utilities(runs: Sequence[int], q: float, reach: float, upper: bool) -> list[float]:
+    """The candidates' utilities for one end (:func:`interval_end`): the runs in order, with the sentinel
+    bound first (lower end) or last (upper end); the target rank is q·n ∓ ``reach``."""
+    total = sum(runs)
+    target = q * total + reach if upper else q * total - reach
+    utilities, below = [], 0
+    for count in runs:
+        above = below + count
+        utilities.append(-max(0.0, below - target, target - above))
+        below = above
+    if upper:
+        return [*utilities, -max(0.0, total - target)]
+    return [-max(0.0, target), *utilities]
 
 
 def rank_error_bound(epsilon: float, sensitivity: float, confidence: float = 0.95, bins: int = QUANTILE_BINS) -> float:
