@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from dpsql.accountant import fmt
 from dpsql.aggregates import OUTPUTS
 from dpsql.analyze.parse import skip_comments
 from dpsql.analyze.statement import EXPLAIN_OPTIONS
@@ -69,7 +70,7 @@ class Explanation:
                 command_tag="EXPLAIN",
             )
         lines = [
-            f"DP Aggregate  (mechanism={self.mechanism} epsilon={self.epsilon:g} delta={self.delta:g})",
+            f"DP Aggregate  (mechanism={self.mechanism} epsilon={fmt(self.epsilon)} delta={fmt(self.delta)})",
             f"  Privacy unit: {self.unit}",
             f"  Group keys: {self.keys}",
             f"  Intervals: {self.bias or 'noise only'}",
@@ -98,10 +99,10 @@ def _figures(c: dict[str, Any]) -> str:
     """An output's figures on its EXPLAIN line: sensitivity, scale, ε, then its accuracy — a CI,
     a rank error bound (quantiles), or why the CI is per row (it depends on released values)."""
     if "rank_error95" in c:
-        return f"  epsilon={c['epsilon']:g} rank error <= {c['rank_error95']:.4g} at 95%"
+        return f"  epsilon={fmt(c['epsilon'])} rank error <= {c['rank_error95']:.4g} at 95%"
     if not c["noisy"]:
         return ""
-    text = f"  sensitivity={c['sensitivity']:g} scale={c['scale']:g} epsilon={c['epsilon']:g}"
+    text = f"  sensitivity={c['sensitivity']:g} scale={c['scale']:g} epsilon={fmt(c['epsilon'])}"
     if not math.isnan(c["ci"]):
         return text + f" ci95=±{c['ci']:.4g}"
     if c["measure"].startswith("AVG"):
@@ -198,7 +199,7 @@ def explain(plan: Plan, budgeting: Budgeting, confidence: float, shown_sql: str)
         counted = plan.measures[plan.selection_measure].label if plan.selection_measure is not None else "COUNT(*)"
         keys = (
             ", ".join(k.column for k in plan.keys)
-            + f" (partition selection: noisy {counted} >= {budgeting.threshold}, δ={budgeting.selection_delta:g})"
+            + f" (partition selection: noisy {counted} >= {budgeting.threshold}, δ={fmt(budgeting.selection_delta)})"
         )
     unit = plan.sources.unit_description
     if plan.unit is not None:

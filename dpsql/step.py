@@ -59,7 +59,7 @@ from dataclasses import dataclass, replace
 from enum import Enum, StrEnum
 from typing import Any
 
-from dpsql.accountant import Cost
+from dpsql.accountant import Cost, fmt
 from dpsql.backends import Backend, log_database_error
 from dpsql.cache import (
     ResultCache,
@@ -158,10 +158,11 @@ class Notice(str):
     @classmethod
     def charged(cls, cost: Cost, remaining_epsilon: float, analyst: str, queries: int | None = None) -> Notice:
         """What was charged (``queries``: for how many DP sub-queries of a composite) and what is left."""
-        text = f"dpsql: charged ε={cost.epsilon:g}" + (f", δ={cost.delta:g}" if cost.delta else "")
+        text = f"dpsql: charged ε={fmt(cost.epsilon)}" + (f", δ={fmt(cost.delta)}" if cost.delta else "")
         if queries is not None:
             text += f" for {queries} DP sub-quer{'y' if queries == 1 else 'ies'}"
-        return cls(text + f'; remaining ε={remaining_epsilon:g} for analyst "{analyst}"', NoticeKind.CHARGE)
+        left = fmt(remaining_epsilon, down=True)  # never more than is left
+        return cls(text + f'; remaining ε={left} for analyst "{analyst}"', NoticeKind.CHARGE)
 
 
 ALL_CACHED = Notice("dpsql: every DP sub-query was answered from the result cache; no budget charged", NoticeKind.FREE)
@@ -294,7 +295,7 @@ class Step:
             target = prepared.budgeting.accuracy  # SET dpsql.accuracy: met, or a fresh query
             if target is not None and not all(_within(row, [target] * len(row)) for row in found[2]):
                 continue
-            cost = f"ε={released.epsilon:g}" + (f", δ={released.delta:g}" if released.delta else "")
+            cost = f"ε={fmt(released.epsilon)}" + (f", δ={fmt(released.delta)}" if released.delta else "")
             source = (
                 f'dpsql: answered from synopsis "{released.name}" released {released.released_at} ({cost} '
                 f'charged once to dataset "{released.dataset}"); no budget charged'

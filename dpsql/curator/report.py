@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from dpsql.accountant import fmt
 from dpsql.backends import quote_ident
 from dpsql.noise.mechanisms import gaussian_spec, laplace_spec
 from dpsql.policy import ColumnPolicy, Policy, TablePolicy
@@ -565,16 +566,16 @@ def _tradeoff_lines(head: str, what: str, choices: list[Choice]) -> list[str]:
 
 def render(report: PolicyReport) -> str:
     """The report as text for the curator's terminal."""
-    mech = report.mechanism + (f", δ={report.delta:g}" if report.mechanism == "gaussian" else "")
+    mech = report.mechanism + (f", δ={fmt(report.delta)}" if report.mechanism == "gaussian" else "")
     out = [
         f"dpsql policy report: dataset {report.dataset}. EXACT figures read from the data: for the curator only,",
         "never for analysts (bounds read from them reveal someone's values unless public knowledge).",
-        f"Noise: the policy's default ε={report.epsilon:g} ({mech}) on one measurement.",
+        f"Noise: the policy's default ε={fmt(report.epsilon)} ({mech}) on one measurement.",
     ]
     if report.dp_epsilon is not None:
         share = report.dp_epsilon / max(report.dp_columns, 1)
         out.append(
-            f"DP bounds: ε={report.dp_epsilon:g} charged to the ledger, ε={share:.4g} for each of "
+            f"DP bounds: ε={fmt(report.dp_epsilon)} charged to the ledger, ε={fmt(share)} for each of "
             f"{report.dp_columns} column{'s' if report.dp_columns != 1 else ''}."
         )
     for t in report.tables:

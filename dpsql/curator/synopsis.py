@@ -14,7 +14,7 @@ import math
 import sys
 import time
 
-from dpsql.accountant import Cost
+from dpsql.accountant import Cost, fmt
 from dpsql.cache import database_identity
 from dpsql.commands import open_engine, require_policy
 from dpsql.engine import Engine
@@ -173,8 +173,8 @@ def cmd_synopsis_build(args: argparse.Namespace) -> int:
             cells = " × ".join(str(len(k.domain)) for k in released.keys)
             print(
                 f'synopsis "{name}" of dataset "{released.dataset}": released at {released.released_at}, '
-                f"{cells} cells, {len(released.axes)} marginals; charged ε={released.epsilon:g}"
-                + (f", δ={released.delta:g}" if released.delta else "")
+                f"{cells} cells, {len(released.axes)} marginals; charged ε={fmt(released.epsilon)}"
+                + (f", δ={fmt(released.delta)}" if released.delta else "")
                 + f" once to the dataset as {ledger_identity(name)}"
             )
     finally:
@@ -196,7 +196,7 @@ def cmd_synopsis_list(args: argparse.Namespace) -> int:
             print(
                 f"{name}\ttable {synopsis.table}\tkeys {', '.join(synopsis.keys)}"
                 f"\tmeasures {', '.join(synopsis.measures)}"
-                f"\tε={synopsis.epsilon:g}\t{state}\t{count} release{'s' if count != 1 else ''} in the ledger"
+                f"\tε={fmt(synopsis.epsilon)}\t{state}\t{count} release{'s' if count != 1 else ''} in the ledger"
             )
     finally:
         engine.close()
