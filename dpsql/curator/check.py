@@ -37,7 +37,7 @@ from dpsql.synopsis.solve import MAX_CELLS
 
 from . import introspect
 from .report import summary_findings, table_report
-from .synopsis import check_plan, cube_cells, marginal_sql
+from .synopsis import check_plan, cube_cells, marginal_sql, noise_warning
 
 #: A privacy unit with fewer distinct values than this is an error (it is surely the wrong column) …
 MIN_UNITS = 10
@@ -194,15 +194,9 @@ def synopsis_findings(policy: Policy) -> Iterator[Finding]:
                 )
                 break
         else:
-            shares = len(synopsis.measured) * len(synopsis.measures)
-            if shares > 2:
-                yield Finding(
-                    "warning",
-                    ("synopses", name),
-                    f"{len(synopsis.measured)} marginals × {len(synopsis.measures)} measures: each is measured at "
-                    f"1/{shares} of ε={synopsis.epsilon:g}, about {shares}× the noise of one query at that ε; "
-                    "declare only the marginals the dashboard needs",
-                )
+            warning = noise_warning(synopsis)
+            if warning is not None:
+                yield Finding("warning", ("synopses", name), warning)
 
 
 def database_findings(policy: Policy, backend: Any) -> Iterator[Finding]:

@@ -20,7 +20,7 @@ from dpsql.commands import open_engine, require_policy
 from dpsql.engine import Engine
 from dpsql.errors import FeatureNotSupported, InvalidParameterValue, charged_on_failure
 from dpsql.plan import Plan
-from dpsql.policy import Policy
+from dpsql.policy import Policy, Synopsis
 from dpsql.prepared import Prepared
 from dpsql.release.apply import apply
 from dpsql.session import Session
@@ -164,6 +164,10 @@ def cmd_synopsis_build(args: argparse.Namespace) -> int:
         if not names:
             print(f'ERROR:  the policy of dataset "{engine.policy.dataset}" declares no synopses', file=sys.stderr)
             return 1
+        for name in names:
+            warning = noise_warning(engine.policy.synopses[name]) if name in engine.policy.synopses else None
+            if warning is not None:
+                print(f'WARNING:  synopsis "{name}": {warning}', file=sys.stderr)
         current = {r.name for r in Synopses(engine.policy, engine.ledger).current(database_identity(engine.backend))}
         for name in names:
             if args.synopsis_command == "build" and name in current:
@@ -180,6 +184,19 @@ def cmd_synopsis_build(args: argparse.Namespace) -> int:
     finally:
         engine.close()
     return 0
+
+
+def noise_warning(synopsis: Synopsis) -> str | None:
+    """Many marginals × measures share the synopsis's ε: each is that many times noisier than one query at
+    that ε. Said by ``policy check`` and by ``dpsql synopsis build`` itself, where the curator types it."""
+    shares = len(synopsis.measured) * len(synopsis.measures)
+    if shares <= 2:
+        return None
+    return (
+        f"{len(synopsis.measured)} marginals × {len(synopsis.measures)} measures: each is measured at "
+        f"1/{shares} of ε={fmt(synopsis.epsilon)}, about {shares}× the noise of one query at that ε; "
+        "declare only the marginals the dashboard needs"
+    )
 
 
 def cmd_synopsis_list(args: argparse.Namespace) -> int:
