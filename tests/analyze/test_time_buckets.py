@@ -106,11 +106,11 @@ tables:
 """
     warnings = [w for w in check_text(text, "p.yaml").warnings if ".upper: " in w]
     assert warnings == [
-        "p.yaml:9: tables.t.columns.ts.upper: warning: upper bound 2026-01-01 starts a day/month/quarter/year: "
+        "p.yaml:8: tables.t.columns.ts.upper: warning: upper bound 2026-01-01 starts a day/month/quarter/year: "
         "GROUP BY DATE_TRUNC/date_bin/EXTRACT releases no day, month, quarter or year starting at it (only the "
         "bound itself could fall there); values after it are clamped to it: write the last day or instant the "
         "data hold",
-        "p.yaml:11: tables.t.columns.w.upper: warning: upper bound 2025-12-29 starts a week: GROUP BY "
+        "p.yaml:10: tables.t.columns.w.upper: warning: upper bound 2025-12-29 starts a week: GROUP BY "
         "DATE_TRUNC/date_bin/EXTRACT releases no week starting at it (only the bound itself could fall there); "
         "values after it are clamped to it: write the last day or instant the data hold",
     ], warnings
