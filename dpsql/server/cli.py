@@ -104,6 +104,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             sandbox_memory=getattr(args, "sandbox_memory", 512),
             catalog_pool=args.catalog_pool,
             reuse_port=getattr(args, "reuse_port", False),
+            worker_index=getattr(args, "worker_index", None),
+            cancel_dir=getattr(args, "cancel_dir", None),
             on_listening=announce,
             reloader=make_reloader(policy_path, status),
         )
