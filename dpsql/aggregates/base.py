@@ -175,7 +175,7 @@ class Aggregate:
             return widths[int(out.expr.name[1:])]
         return None
 
-    def interval(self, out: OutputItem, env: Mapping[str, Any]) -> Interval | None:
+    def interval(self, out: OutputItem, plan: Plan, env: Mapping[str, Any]) -> Interval | None:
         """The cell's released value interval (quantiles: its own measures), when it has one that is
         not a symmetric ± (post-processing of the row's released measures ``env``)."""
         return None

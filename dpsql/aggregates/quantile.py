@@ -89,10 +89,19 @@ class Quantile(Selection):
         """One group's released value from its cell counts."""
         return select_quantile(counts, q, epsilon, sensitivity, grid)
 
-    def interval(self, out: OutputItem, env: Mapping[str, Any]) -> Interval | None:
+    def interval(self, out: OutputItem, plan: Plan, env: Mapping[str, Any]) -> Interval | None:
         """The released ends of an interior quantile's value interval (post-processing). Each end is on
         its side of the exact quantile with probability ≥ 1 − β/2 on its own; crossed ends (possible when
-        the group is nearly empty) are shown as the range between them, which can only hold more."""
+        the group is nearly empty) are shown as the range between them, which can only hold more.
+        MIN/MAX: their 95% range, from the released value's run (or cell) to the bound (the note's)."""
+        measure = plan.measures[out.measures[0]]
+        if measure.q in (0.0, 1.0):
+            value = env.get(f"m{out.measures[0]}")
+            if not isinstance(value, int | float) or measure.lower is None or measure.upper is None:
+                return None
+            grid = self.grid(measure)
+            _, edge_low, edge_high = grid.candidate(float(value), grid.stride > 1)
+            return (edge_low, measure.upper) if measure.q == 1.0 else (measure.lower, edge_high)
         if len(out.measures) != 3:
             return None
         low, high = (env.get(f"m{i}") for i in out.measures[1:])

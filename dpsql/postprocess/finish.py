@@ -60,7 +60,7 @@ def finish(
             env[f"o{o}"] = value
             out_values.append(value)
             out_acc.append(None if value is None else accuracy(out, env, widths[j]))  # NULL: no interval
-            out_ranges.append(None if value is None else OUTPUTS[out.kind].interval(out, env))
+            out_ranges.append(None if value is None else OUTPUTS[out.kind].interval(out, plan, env))
         if having is not None and _evaluate_released(having, env) is not True:
             continue
         sort_key = tuple(_evaluate_released(term, env) for term in order)
