@@ -146,7 +146,6 @@ class Engine:
             sql,
             params_key(params),
             (session.epsilon, session.delta, session.mechanism, accuracy),
-            session.confidence or self.policy.defaults.confidence,  # quantile intervals' ends are chosen at it
             data_version(self.backend),
         )
 

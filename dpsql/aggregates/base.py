@@ -64,6 +64,8 @@ class Spending(Protocol):
     def specs(self) -> Sequence[NoiseSpec | None]: ...
     @property
     def shares(self) -> Sequence[float]: ...
+    @property
+    def interval_level(self) -> float | None: ...
 
 
 class Recognised(NamedTuple):
@@ -111,7 +113,7 @@ class Aggregate:
     own_note: ClassVar[bool] = False
     #: Released as NULL when its noisy count is ≤ 0 (AVG, variance): a note says why.
     null_when_empty: ClassVar[bool] = False
-    #: Its measures are ends of a value interval, chosen at the query's confidence level.
+    #: Its measures are ends of a value interval, chosen at the policy's confidence level.
     interval_end: ClassVar[bool] = False
 
     # -- analysis -------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 The histogram's cells are those of :func:`~dpsql.noise.exponential.quantile_grid` (exact integers
 for an int column of at most 65,536 values, else 65,536 equal cells); the value is chosen by one
 exponential mechanism over them (MIN/MAX: over runs of cells). An interior quantile (median,
-percentiles) comes with a value interval at the query's confidence: two more measures of the same
+percentiles) comes with a value interval at the policy's confidence: two more measures of the same
 histogram (:class:`QuantileEnd`), each an ε-DP choice of one end, so the query's ε is shared by three
 measures for it — privacy argument in :mod:`dpsql.noise.exponential`. MIN and MAX get theirs free
 (post-processing of the released value, :func:`_quantile_notes`).
@@ -148,7 +148,8 @@ class Quantile(Selection):
         stages = f" grouped in {grid.runs} runs" if grid.stride > 1 and extreme else ""
         if len(out.measures) == 3:
             ends = f"{grid.runs} runs" if grid.stride > 1 else cells
-            stages += f"; its {ci_label(confidence)}% value interval: one more for each end, over {ends}"
+            level = budgeting.interval_level or confidence
+            stages += f"; its {ci_label(level)}% value interval: one more for each end, over {ends}"
         return {
             "measure": f"{measure.label}: exponential mechanism over {cells}{stages}",
             "sensitivity": sensitivity,
@@ -302,7 +303,8 @@ def _quantile_notes(
         error = quantile_rank_error(epsilon, sensitivity, grid, level)
         floor_, why = 2 * error, f"twice its {pct}% rank error"
         shares = [budgeting.shares[j] for j in out.measures]
-        notes.extend(_interval_notes(name, measure, grid, shares, level, clamp, values, intervals))
+        ends_level = budgeting.interval_level or level  # the policy's level the ends were chosen at
+        notes.extend(_interval_notes(name, grid, shares, ends_level, clamp, values, intervals))
     else:
         error = quantile_rank_error(epsilon, sensitivity, grid, level)
         levels = ""
@@ -327,7 +329,6 @@ def _quantile_notes(
 
 def _interval_notes(
     name: str,
-    measure: Measure,
     grid: QuantileGrid,
     shares: list[float],
     level: float,
@@ -335,7 +336,7 @@ def _interval_notes(
     values: list[Any],
     intervals: Sequence[tuple[str, Interval | None]],
 ) -> list[str]:
-    """``p90: between 434 and 1,563 at 95% (…)``, or per row: the released ends, rounded outwards to two
+    """``p90: between 433.5 and 1558.6, at 95% (…)``, or per row: the released ends, rounded outwards to two
     significant digits of a run's width (never narrower than released)."""
     width = grid.width * grid.stride
     how = (
