@@ -26,6 +26,7 @@ Everything here is a pure function of budget figures: no data, no I/O.
 
 from __future__ import annotations
 
+import decimal
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -348,8 +349,29 @@ def _within(total: float, budget: float) -> bool:
     return total <= budget + REL_TOLERANCE * budget
 
 
-def fmt(value: float) -> str:
-    return f"{value:.6g}"
+#: Significant digits an ε or δ is shown with (the ledger, ``--json`` and the DB-API keep every digit).
+SHOWN_DIGITS = 4
+
+
+def fmt(value: float, *, down: bool = False, up: bool = False) -> str:
+    """An ε or δ as people read it: at most :data:`SHOWN_DIGITS` significant digits (``0.3333``, ``3.7``,
+    ``12350`` rather than ``1.235e+04``), rounded as :func:`shown` rounds."""
+    rounded = shown(value, down=down, up=up)
+    if 1e4 <= abs(rounded) < 1e15:
+        return str(int(rounded))
+    return f"{rounded:.{SHOWN_DIGITS}g}"
+
+
+def shown(value: float, *, down: bool = False, up: bool = False) -> float:
+    """``value`` to :data:`SHOWN_DIGITS` significant digits for display: to the nearest, or ``down`` (what
+    is left: a figure shown never promises budget that is not there) or ``up`` (what was spent). Float
+    noise (3.6999999999999993) is rounded away at 12 digits first, so it never shows as 3.699."""
+    if not math.isfinite(value) or value == 0:
+        return value
+    clean = decimal.Decimal(f"{value:.12g}")
+    rounding = decimal.ROUND_FLOOR if down else decimal.ROUND_CEILING if up else decimal.ROUND_HALF_EVEN
+    step = decimal.Decimal(1).scaleb(clean.adjusted() - SHOWN_DIGITS + 1)
+    return float(clean.quantize(step, rounding=rounding))
 
 
 def _conversion_delta(budget: BudgetLike, rho_delta: float | None) -> float:

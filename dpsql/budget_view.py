@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import sqlglot
 from sqlglot import exp
 
-from dpsql.accountant import Spent, remaining_budget
+from dpsql.accountant import Spent, remaining_budget, shown
 from dpsql.analyze.parse import too_complex
 from dpsql.errors import (
     DatatypeMismatch,
@@ -80,13 +80,13 @@ def own_budget(ledger: Ledger, policy: Policy, analyst: str) -> tuple[Any, ...]:
     left = min_remaining(left, remaining_budget(ledger.spent(dataset), policy.budget.dataset, accounting))
     epsilon_spent = spent.privacy_loss(accounting, limit.delta)[0]
     delta_spent = spent.delta if accounting == "pure" else spent.selection_delta
-    return (
+    return (  # figures people read: 4 significant digits, spent rounded up and what is left down
         analyst,
-        epsilon_spent,
-        left.epsilon,
+        shown(epsilon_spent, up=True),
+        shown(left.epsilon, down=True),
         limit.epsilon,
-        delta_spent,
-        left.delta,
+        shown(delta_spent, up=True),
+        shown(left.delta, down=True),
         limit.delta,
         spent.queries,
         levers.frozen,

@@ -208,6 +208,8 @@ RESULT_FIELDS = (
     "command_tag",
 )
 _DOCUMENT_FIELDS = frozenset({"key", "created", *RESULT_FIELDS})
+#: Fields an entry leaves out: quantiles' value intervals (the notes stating them are kept).
+UNSTORED_FIELDS = ("intervals",)
 
 
 def _object(pairs: dict[str, Any]) -> Any:

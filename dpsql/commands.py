@@ -69,6 +69,8 @@ def print_result(result: Result, as_json: bool, show_ci: bool = True, confidence
             "columns": [{"name": c.name, "type": c.type} for c in result.columns],
             "rows": [list(r) for r in result.rows],
             "ci_half_width": [list(a) for a in result.accuracy],
+            # quantiles' value intervals (low, high) per cell, at the confidence their note states
+            "value_interval": [[list(i) if i else None for i in row] for row in result.intervals] or None,
             "epsilon_spent": result.epsilon_spent,
             "delta_spent": result.delta_spent,
             "remaining_epsilon": result.remaining_epsilon,

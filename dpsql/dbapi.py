@@ -1,8 +1,8 @@
 """PEP 249 (DB-API 2.0) driver: ``dpsql.connect(...)`` talks to an in-process :class:`Engine`.
 
 Cursors expose, beside the standard API, what a DP answer needs to be read correctly:
-``accuracy`` (confidence half-width per cell), ``epsilon_spent``, ``delta_spent``,
-``remaining_epsilon`` and ``notices``.
+``accuracy`` (confidence half-width per cell), ``intervals`` (quantiles' value intervals),
+``epsilon_spent``, ``delta_spent``, ``remaining_epsilon`` and ``notices``.
 """
 
 from __future__ import annotations
@@ -185,6 +185,12 @@ class Cursor:
     def accuracy(self) -> list[tuple[float | None, ...]]:
         """Confidence half-width of each released cell (same shape as the rows)."""
         return [] if self._result is None else self._result.accuracy
+
+    @property
+    def intervals(self) -> list[tuple[tuple[float, float] | None, ...]]:
+        """Each quantile cell's value interval (low, high), same shape as the rows; [] when none has one
+        (a result served again from the cache keeps only the notes that state them)."""
+        return [] if self._result is None else self._result.intervals
 
     @property
     def epsilon_spent(self) -> float:

@@ -470,7 +470,7 @@ def charged_on_failure(epsilon: float) -> Iterator[None]:
         if epsilon > 0 and not exc.charged_epsilon:
             exc.charged_epsilon = epsilon
             note = (
-                f"ε={epsilon:g} was charged for this statement: the budget is reserved before it runs "
+                f"ε={epsilon:.4g} was charged for this statement: the budget is reserved before it runs "
                 "and is not refunded when it fails."
             )
             exc.detail = f"{exc.detail}\n{note}" if exc.detail else note

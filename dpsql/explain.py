@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from dpsql.accountant import fmt
 from dpsql.aggregates import OUTPUTS
 from dpsql.analyze.parse import skip_comments
 from dpsql.analyze.statement import EXPLAIN_OPTIONS
@@ -94,7 +95,7 @@ class Explanation:
                 command_tag="EXPLAIN",
             )
         lines = [
-            f"DP Aggregate  (mechanism={self.mechanism} epsilon={self.epsilon:g} delta={self.delta:g})",
+            f"DP Aggregate  (mechanism={self.mechanism} epsilon={fmt(self.epsilon)} delta={fmt(self.delta)})",
             f"  Privacy unit: {self.unit}",
             f"  Group keys: {self.keys}",
             f"  Intervals: {self.bias or 'noise only'}",
@@ -127,12 +128,12 @@ def _figures(c: dict[str, Any]) -> str:
     """An output's figures on its EXPLAIN line: sensitivity, scale, ε, then its accuracy — a CI,
     a rank error bound (quantiles), or why the CI is per row (it depends on released values)."""
     if "rank_error95" in c:
-        return f"  epsilon={c['epsilon']:g} rank error <= {c['rank_error95']:.4g} at 95%"
+        return f"  epsilon={fmt(c['epsilon'])} rank error <= {c['rank_error95']:.4g} at 95%"
     if not c["noisy"]:
         return ""
     if c.get("answered"):  # nothing charged: the ± of the stored or derived answer
         return "  epsilon=0" + (f" ci95=±{c['ci']:.4g}" if not math.isnan(c["ci"]) else "")
-    text = f"  sensitivity={c['sensitivity']:g} scale={c['scale']:g} epsilon={c['epsilon']:g}"
+    text = f"  sensitivity={c['sensitivity']:g} scale={c['scale']:g} epsilon={fmt(c['epsilon'])}"
     if not math.isnan(c["ci"]):
         return text + f" ci95=±{c['ci']:.4g}"
     if c["measure"].startswith("AVG"):
@@ -229,13 +230,13 @@ def explain(plan: Plan, budgeting: Budgeting, confidence: float, shown_sql: str)
         counted = plan.measures[plan.selection_measure].label if plan.selection_measure is not None else "COUNT(*)"
         keys = (
             ", ".join(k.column for k in plan.keys)
-            + f" (partition selection: noisy {counted} >= {budgeting.threshold}, δ={budgeting.selection_delta:g})"
+            + f" (partition selection: noisy {counted} >= {budgeting.threshold}, δ={fmt(budgeting.selection_delta)})"
         )
     unit = plan.sources.unit_description
     if plan.unit is not None:
         unit += f" (at most {plan.max_rows} rows and {plan.max_groups} groups per unit{plan.cap_origin})"
     note = bias_note(plan, confidence)
-    bias = note.split("covers ", 1)[1] if note else ""  # "the noise only, not the bias of …"
+    bias = note.split(" cover", 1)[1].split(" ", 1)[1] if note else ""  # "the noise only, not the bias of …"
     return Explanation(
         shown_sql,
         budgeting.epsilon,

@@ -258,6 +258,10 @@ class Result:
     remaining_epsilon: float | None = None
     notices: list[str] = field(default_factory=list)
     command_tag: str = "SELECT"
+    #: Per row, each cell's released value interval (low, high) when it has one that is not a ± (a
+    #: quantile's, at the policy's confidence); empty when no cell has one. Not kept by the result cache
+    #: (the notes that state them are).
+    intervals: list[tuple[tuple[float, float] | None, ...]] = field(default_factory=list)
 
     @property
     def rowcount(self) -> int:

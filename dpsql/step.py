@@ -60,7 +60,7 @@ from enum import Enum, StrEnum
 from functools import partial
 from typing import Any
 
-from dpsql.accountant import Cost
+from dpsql.accountant import Cost, fmt
 from dpsql.backends import Backend, log_database_error
 from dpsql.cache import (
     ResultCache,
@@ -161,10 +161,11 @@ class Notice(str):
     @classmethod
     def charged(cls, cost: Cost, remaining_epsilon: float, analyst: str, queries: int | None = None) -> Notice:
         """What was charged (``queries``: for how many DP sub-queries of a composite) and what is left."""
-        text = f"dpsql: charged ε={cost.epsilon:g}" + (f", δ={cost.delta:g}" if cost.delta else "")
+        text = f"dpsql: charged ε={fmt(cost.epsilon)}" + (f", δ={fmt(cost.delta)}" if cost.delta else "")
         if queries is not None:
             text += f" for {queries} DP sub-quer{'y' if queries == 1 else 'ies'}"
-        return cls(text + f'; remaining ε={remaining_epsilon:g} for analyst "{analyst}"', NoticeKind.CHARGE)
+        left = fmt(remaining_epsilon, down=True)  # never more than is left
+        return cls(text + f'; remaining ε={left} for analyst "{analyst}"', NoticeKind.CHARGE)
 
 
 ALL_CACHED = Notice("dpsql: every DP sub-query was answered from the result cache; no budget charged", NoticeKind.FREE)
@@ -432,7 +433,10 @@ class Step:
         if prepared.plan.physical.proven and data_version(self.backend) != prepared.data_version:
             # a write raced the proof: run it again with every clamp in place
             rows = self.query(self.clamped_sql(prepared.plan))
-        histograms = {i: self.query(sql) for i, sql in prepared.histograms}
+        read: dict[str, list[tuple[Any, ...]]] = {}  # a quantile's interval ends share its histogram
+        histograms = {
+            i: read[sql] if sql in read else read.setdefault(sql, self.query(sql)) for i, sql in prepared.histograms
+        }
         result = self.release_rows(prepared, rows, confidence, histograms, measurement, stamp)
         if chosen is not None:
             result.notices.append(chosen)
@@ -451,7 +455,7 @@ class Step:
         shown = ", ".join(map(str, choice.candidates))
         notice = Notice(
             f"dpsql: at most {tau} row{'s' if tau > 1 else ''} per {plan.sources.unit_description} kept, a cap "
-            f"chosen under DP among {shown} (ε={choice.epsilon:g} of this query's ε={budgeting.epsilon:g})"
+            f"chosen under DP among {shown} (ε={fmt(choice.epsilon)} of this query's ε={fmt(budgeting.epsilon)})"
         )
         return replace(prepared, plan=plan, sql=sql, budgeting=budgeting, histograms=histograms, cap=None), notice
 

@@ -21,7 +21,7 @@ from dpsql.aggregates.bivariate import Bivariate
 from dpsql.aggregates.count import Count, CountStar
 from dpsql.aggregates.distinct import CountDistinct
 from dpsql.aggregates.mode import Mode
-from dpsql.aggregates.quantile import Quantile, QuantileDisc
+from dpsql.aggregates.quantile import QUANTILE_HIGH, QUANTILE_LOW, Quantile, QuantileDisc
 from dpsql.aggregates.sum import Sum
 from dpsql.aggregates.units import CountUnits
 from dpsql.aggregates.variance import Variance
@@ -42,7 +42,18 @@ __all__ = [
 
 #: Measure kind → the aggregate that labels, bounds, computes and converts it.
 MEASURES: dict[str, Aggregate] = {
-    a.kind: a for a in (CountStar(), Count(), CountUnits(), CountDistinct(), Sum(), Quantile(), Mode())
+    a.kind: a
+    for a in (
+        CountStar(),
+        Count(),
+        CountUnits(),
+        CountDistinct(),
+        Sum(),
+        Quantile(),
+        QUANTILE_LOW,
+        QUANTILE_HIGH,
+        Mode(),
+    )
 }
 MEASURE_AGGREGATES.update(MEASURES)
 #: Output kind → the aggregate that coerces, bounds the error of, and explains it.

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, NamedTuple, Protocol
 
 from sqlglot import exp
 
-from dpsql.aggregates.notes import Counts
+from dpsql.aggregates.notes import Counts, Interval
 from dpsql.noise.exponential import QuantileGrid
 from dpsql.noise.mechanisms import NoiseSpec, half_width
 from dpsql.pgtypes import PgType
@@ -64,6 +64,8 @@ class Spending(Protocol):
     def specs(self) -> Sequence[NoiseSpec | None]: ...
     @property
     def shares(self) -> Sequence[float]: ...
+    @property
+    def interval_level(self) -> float | None: ...
 
 
 class Recognised(NamedTuple):
@@ -111,6 +113,8 @@ class Aggregate:
     own_note: ClassVar[bool] = False
     #: Released as NULL when its noisy count is ≤ 0 (AVG, variance): a note says why.
     null_when_empty: ClassVar[bool] = False
+    #: Its measures are ends of a value interval, chosen at the policy's confidence level.
+    interval_end: ClassVar[bool] = False
 
     # -- analysis -------------------------------------------------------------------------------
 
@@ -173,6 +177,11 @@ class Aggregate:
             return widths[int(out.expr.name[1:])]
         return None
 
+    def interval(self, out: OutputItem, plan: Plan, env: Mapping[str, Any]) -> Interval | None:
+        """The cell's released value interval (quantiles: its own measures), when it has one that is
+        not a symmetric ± (post-processing of the row's released measures ``env``)."""
+        return None
+
     def notes(
         self,
         out: OutputItem,
@@ -181,10 +190,12 @@ class Aggregate:
         level: float,
         values: list[Any],
         counts: Mapping[str | None, Counts],
+        intervals: Sequence[tuple[str, Interval | None]] | None = None,
     ) -> list[str] | None:
         """NOTICE texts on a bare output of this aggregate (``out.expr`` one measure variable) that a ±
         cannot give, from public figures and the released ``values`` only (``counts``: each column's
-        released noisy group counts); None: the release stage's generic notes (clipped intervals)."""
+        released noisy group counts; ``intervals``: each row's label and released value interval);
+        None: the release stage's generic notes (clipped intervals)."""
         return None
 
     def explain(self, out: OutputItem, plan: Plan, budgeting: Spending, confidence: float) -> dict[str, Any]:
@@ -209,10 +220,16 @@ class Selection(Aggregate):
     own_note = True
 
     def sensitivities(self, measure: Measure, plan: Plan) -> tuple[float, float]:
-        # utility sensitivity, composed over the groups a unit touches
-        return float(plan.max_rows * plan.max_groups), float(plan.max_rows * plan.max_groups)
+        """Utility sensitivity Δ = max_rows, composed over the groups a unit touches: its rows move group
+        g's utilities by at most d_g with Σ_g d_g ≤ max_rows (the fuzzer's histogram check), and each
+        group's mechanism at scale 2Δ/ε (Δ/ε: monotone) is (2d_g/(2Δ/ε))-DP, so together ε-DP."""
+        return float(plan.max_rows), float(plan.max_rows)
 
-    def select(self, plan: Plan, index: int, rows: Rows, histogram: Rows, epsilon: float) -> list[Any]:
+    def select(
+        self, plan: Plan, index: int, rows: Rows, histogram: Rows, epsilon: float, *, level: float = 0.95
+    ) -> list[Any]:
+        """One released value per row, chosen ε-DP from that group's histogram (``level``: the query's
+        confidence, for measures that release an interval's end)."""
         raise NotImplementedError(self.kind)
 
     def grid(self, measure: Measure) -> QuantileGrid | None:

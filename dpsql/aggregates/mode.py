@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from sqlglot import exp
 
 from dpsql.aggregates.base import Recognised, Rows, Scope, Selection, Spending, measure_var
-from dpsql.aggregates.notes import Counts
+from dpsql.aggregates.notes import Counts, Interval
 from dpsql.errors import FeatureNotSupported
 from dpsql.noise.exponential import select_mode
 from dpsql.pgtypes import PgType
@@ -47,7 +47,9 @@ class Mode(Selection):
     def converter(self, measure: Measure) -> Callable[[Any], Any]:
         return lambda value: value
 
-    def select(self, plan: Plan, index: int, rows: Rows, histogram: Rows, epsilon: float) -> list[Any]:
+    def select(
+        self, plan: Plan, index: int, rows: Rows, histogram: Rows, epsilon: float, *, level: float = 0.95
+    ) -> list[Any]:
         """Report-noisy-max, once per released group, over the counts of the public candidates."""
         nkeys = len(plan.keys)
         measure = plan.measures[index]
@@ -74,6 +76,7 @@ class Mode(Selection):
         level: float,
         values: list[Any],
         counts: Mapping[str | None, Counts],
+        intervals: Sequence[tuple[str, Interval | None]] | None = None,
     ) -> list[str] | None:
         i = out.measures[0]
         return [_mode_note(out.column.name, plan.measures[i], plan, budgeting.shares[i], level, ci_label(level))]

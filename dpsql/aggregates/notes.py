@@ -17,6 +17,8 @@ WARNING = "dpsql: WARNING: "
 NOTE_ROWS = 5
 #: Each released group's key, noisy count and the count's half-width.
 Counts = list[tuple[tuple[Any, ...], float, float]]
+#: A released value interval (low, high): a quantile's, at the policy's confidence.
+Interval = tuple[float, float]
 
 
 def number(x: float, width: float | None = None) -> str:

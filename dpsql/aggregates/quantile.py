@@ -2,26 +2,30 @@
 
 The histogram's cells are those of :func:`~dpsql.noise.exponential.quantile_grid` (exact integers
 for an int column of at most 65,536 values, else 65,536 equal cells); the value is chosen by one
-exponential mechanism, or two (run, then cell) over a larger grid — privacy argument in
-:mod:`dpsql.noise.exponential`.
+exponential mechanism over them (MIN/MAX: over runs of cells). An interior quantile (median,
+percentiles) comes with a value interval at the policy's confidence: two more measures of the same
+histogram (:class:`QuantileEnd`), each an ε-DP choice of one end, so the query's ε is shared by three
+measures for it — privacy argument in :mod:`dpsql.noise.exponential`. MIN and MAX get theirs free
+(post-processing of the released value, :func:`_quantile_notes`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, ClassVar
 
 from sqlglot import exp
 
 from dpsql.aggregates.base import Operand, Recognised, Rows, Scope, Selection, Spending, measure_var
-from dpsql.aggregates.notes import NOTE_ROWS, WARNING, Counts, number
+from dpsql.aggregates.notes import NOTE_ROWS, WARNING, Counts, Interval, number
 from dpsql.errors import FeatureNotSupported, InvalidParameterValue
 from dpsql.noise.exponential import (
     EXTREME_BETA,
-    STAGE2_REACH,
     QuantileGrid,
     extreme_aims,
+    interval_end,
     quantile_grid,
     quantile_rank_error,
     rank_error_bound,
@@ -40,8 +44,13 @@ class Quantile(Selection):
     recognises: ClassVar[tuple[type[exp.Expr], ...]] = (exp.Median, exp.PercentileCont)
 
     def recognise(self, node: exp.Expression, scope: Scope) -> Recognised:
-        index = scope.measure(_quantile_measure(node, scope))
-        return Recognised(measure_var(index), self.kind, (index,))
+        """The value's measure, then (0 < q < 1) the two ends of its value interval."""
+        measure = _quantile_measure(node, scope)
+        index = scope.measure(measure)
+        if measure.q in (0.0, 1.0):  # MIN/MAX: the value range is post-processing of the value
+            return Recognised(measure_var(index), self.kind, (index,))
+        ends = tuple(scope.measure(replace(measure, kind=end.kind)) for end in (QUANTILE_LOW, QUANTILE_HIGH))
+        return Recognised(measure_var(index), self.kind, (index, *ends))
 
     def label(self, measure: Measure) -> str:
         return f"QUANTILE({measure.q:g}) OF clamp({measure.column}, {measure.lower:g}, {measure.upper:g})"
@@ -49,8 +58,10 @@ class Quantile(Selection):
     def converter(self, measure: Measure) -> Callable[[Any], Any]:
         return float
 
-    def select(self, plan: Plan, index: int, rows: Rows, histogram: Rows, epsilon: float) -> list[Any]:
-        """The exponential mechanism(s), once per released group, over that group's cell counts.
+    def select(
+        self, plan: Plan, index: int, rows: Rows, histogram: Rows, epsilon: float, *, level: float = 0.95
+    ) -> list[Any]:
+        """The exponential mechanism, once per released group, over that group's cell counts.
 
         Groups without any value (and keys released without a histogram row) are chosen from an
         empty histogram like the others: whether a group has data changes nothing but utilities.
@@ -68,8 +79,35 @@ class Quantile(Selection):
                 group[clamped] = group.get(clamped, 0) + int(row[nkeys + 1])
         sensitivity = plan.sensitivities(measure)[0]
         return [
-            select_quantile(counts.get(tuple(row[:nkeys]), {}), measure.q, epsilon, sensitivity, grid) for row in rows
+            self.choose(counts.get(tuple(row[:nkeys]), {}), measure.q, epsilon, sensitivity, grid, level)
+            for row in rows
         ]
+
+    def choose(
+        self, counts: Mapping[int, int], q: float, epsilon: float, sensitivity: float, grid: QuantileGrid, level: float
+    ) -> float:
+        """One group's released value from its cell counts."""
+        return select_quantile(counts, q, epsilon, sensitivity, grid)
+
+    def interval(self, out: OutputItem, plan: Plan, env: Mapping[str, Any]) -> Interval | None:
+        """The released ends of an interior quantile's value interval (post-processing). Each end is on
+        its side of the exact quantile with probability ≥ 1 − β/2 on its own; crossed ends (possible when
+        the group is nearly empty) are shown as the range between them, which can only hold more.
+        MIN/MAX: their 95% range, from the released value's run (or cell) to the bound (the note's)."""
+        measure = plan.measures[out.measures[0]]
+        if measure.q in (0.0, 1.0):
+            value = env.get(f"m{out.measures[0]}")
+            if not isinstance(value, int | float) or measure.lower is None or measure.upper is None:
+                return None
+            grid = self.grid(measure)
+            _, edge_low, edge_high = grid.candidate(float(value), grid.stride > 1)
+            return (edge_low, measure.upper) if measure.q == 1.0 else (measure.lower, edge_high)
+        if len(out.measures) != 3:
+            return None
+        low, high = (env.get(f"m{i}") for i in out.measures[1:])
+        if not isinstance(low, int | float) or not isinstance(high, int | float):
+            return None
+        return float(min(low, high)), float(max(low, high))
 
     def grid(self, measure: Measure) -> QuantileGrid:
         """Exact integers or equal cells over the column's bounds (:func:`quantile_grid`): public."""
@@ -92,10 +130,11 @@ class Quantile(Selection):
         level: float,
         values: list[Any],
         counts: Mapping[str | None, Counts],
+        intervals: Sequence[tuple[str, Interval | None]] | None = None,
     ) -> list[str] | None:
-        """The value range (MIN/MAX) or rank error (other quantiles), small groups, values at a bound."""
+        """The value interval (rank error without one), small groups, values at a bound."""
         measure = plan.measures[out.measures[0]]
-        notes = _quantile_notes(out, plan, budgeting, level, values, counts.get(measure.column))
+        notes = _quantile_notes(out, plan, budgeting, level, values, counts.get(measure.column), intervals)
         return notes + _bound_notes(out.column.name, measure, values)
 
     def explain(self, out: OutputItem, plan: Plan, budgeting: Spending, confidence: float) -> dict[str, Any]:
@@ -106,20 +145,49 @@ class Quantile(Selection):
         grid = quantile_grid(measure.lower, measure.upper, measure.integer)
         cells = f"{grid.cells} integers" if grid.integer else f"{grid.cells} cells"
         extreme = measure.q in (0.0, 1.0)
-        if grid.stride == 1:
-            stages = ""
-        elif extreme:
-            stages = f" grouped in {grid.runs} runs"
-        else:
-            stages = f" in two stages ({grid.runs} runs, then a cell of the chosen run ±{STAGE2_REACH})"
+        stages = f" grouped in {grid.runs} runs" if grid.stride > 1 and extreme else ""
+        if len(out.measures) == 3:
+            ends = f"{grid.runs} runs" if grid.stride > 1 else cells
+            level = budgeting.interval_level or confidence
+            stages += f"; its {ci_label(level)}% value interval: one more for each end, over {ends}"
         return {
             "measure": f"{measure.label}: exponential mechanism over {cells}{stages}",
             "sensitivity": sensitivity,
             "scale": 2 * sensitivity / budgeting.shares[i],
-            "epsilon": budgeting.shares[i],
+            "epsilon": sum(budgeting.shares[j] for j in out.measures),
             "ci": float("nan"),
             "rank_error95": quantile_rank_error(budgeting.shares[i], sensitivity, grid, confidence, extreme=extreme),
         }
+
+
+class QuantileEnd(Quantile):
+    """One end of an interior quantile's value interval: a measure chosen from the quantile's own
+    histogram (:func:`~dpsql.noise.exponential.interval_end`), never an output of its own."""
+
+    upper: ClassVar[bool]
+    recognises = ()
+    interval_end = True
+
+    def label(self, measure: Measure) -> str:
+        return f"{'UPPER' if self.upper else 'LOWER'} END OF {super().label(measure)}"
+
+    def choose(
+        self, counts: Mapping[int, int], q: float, epsilon: float, sensitivity: float, grid: QuantileGrid, level: float
+    ) -> float:
+        return interval_end(counts, q, epsilon, sensitivity, grid, level, self.upper)
+
+
+class QuantileLow(QuantileEnd):
+    kind = "quantile_low"
+    upper = False
+
+
+class QuantileHigh(QuantileEnd):
+    kind = "quantile_high"
+    upper = True
+
+
+QUANTILE_LOW, QUANTILE_HIGH = QuantileLow(), QuantileHigh()
 
 
 class QuantileDisc(Quantile):
@@ -179,6 +247,7 @@ def _quantile_notes(
     level: float,
     values: list[Any],
     counts: Counts | None,
+    intervals: Sequence[tuple[str, Interval | None]] | None = None,
 ) -> list[str]:
     """A quantile's accuracy in words, from public quantities and its released values only.
 
@@ -186,9 +255,9 @@ def _quantile_notes(
     all the data with probability ≤ β = 5% (:func:`~dpsql.noise.exponential.extreme_aims`), so the
     true extreme lies between the released value's grid cell (or run) and the bound, plus how many
     values may lie beyond it (the aim of the released value's candidate plus the rank error). Other
-    quantiles: the rank error, as quantile levels when the group's noisy count is released. A value
-    range for those would need the values at the ranks around it, which are not released: said so.
-    Then a warning for groups whose *noisy* count is too small for the quantile to mean anything.
+    quantiles: their released value interval (:class:`QuantileEnd`), else (a stored release without
+    one) the rank error, as quantile levels when the group's noisy count is released. Then a warning
+    for groups whose *noisy* count is too small for the quantile to mean anything.
     """
     i = out.measures[0]
     measure = plan.measures[i]
@@ -230,6 +299,12 @@ def _quantile_notes(
             f"dpsql: {name}: {between} at {sure}% ({clamp}); no DP mechanism finds the exact {extreme}: "
             f"at {pct}% at most {depth} of {where}{_size_hint(floor_, counts)}"
         )
+    elif intervals is not None and len(out.measures) == 3:
+        error = quantile_rank_error(epsilon, sensitivity, grid, level)
+        floor_, why = 2 * error, f"twice its {pct}% rank error"
+        shares = [budgeting.shares[j] for j in out.measures]
+        ends_level = budgeting.interval_level or level  # the policy's level the ends were chosen at
+        notes.extend(_interval_notes(name, grid, shares, ends_level, clamp, values, intervals))
     else:
         error = quantile_rank_error(epsilon, sensitivity, grid, level)
         levels = ""
@@ -250,6 +325,53 @@ def _quantile_notes(
         )
     notes.extend(_small_group_note(name, floor_, why, counts, plan))
     return notes
+
+
+def _interval_notes(
+    name: str,
+    grid: QuantileGrid,
+    shares: list[float],
+    level: float,
+    clamp: str,
+    values: list[Any],
+    intervals: Sequence[tuple[str, Interval | None]],
+) -> list[str]:
+    """``p90: between 433.5 and 1558.6, at 95% (…)``, or per row: the released ends, rounded outwards to two
+    significant digits of a run's width (never narrower than released)."""
+    width = grid.width * grid.stride
+    how = (
+        f"the exponential mechanism chose the value at ε={shares[0]:.4g} and each end at ε={shares[1]:.4g} of "
+        f"this query's ε; {clamp}"
+    )
+    shown = [
+        (label, value, ends)
+        for (label, ends), value in zip(intervals, values, strict=False)
+        if ends is not None and isinstance(value, int | float)
+    ]
+    if not shown:
+        return []
+    pct = ci_label(level)
+
+    def between(ends: Interval, joint: str) -> str:
+        low, high = (_outward(x, grid, width, up) for x, up in ((ends[0], False), (ends[1], True)))
+        whole = ", the whole range" if (ends[0], ends[1]) == (grid.lower, grid.upper) else ""
+        return f"{low}{joint}{high}{whole}"
+
+    if len(values) == 1:
+        return [f"dpsql: {name}: between {between(shown[0][2], ' and ')}, at {pct}% ({how})"]
+    rows = [f"{label}{number(value)} ({between(ends, ' to ')})" for label, value, ends in shown[:NOTE_ROWS]]
+    more = "; …" if len(shown) > NOTE_ROWS else ""
+    return [f"dpsql: {name}: {pct}% value intervals ({how}): " + "; ".join(rows) + more]
+
+
+def _outward(x: float, grid: QuantileGrid, width: float, up: bool) -> str:
+    """An interval end as shown: a bound or an integer as is, else rounded away from the value to two
+    significant digits of ``width`` (the shown interval holds the released one)."""
+    if grid.integer or x in (grid.lower, grid.upper) or not (width > 0 and math.isfinite(width)):
+        return number(x)
+    scale = 10.0 ** (1 - math.floor(math.log10(width)))
+    shown = (math.ceil(x * scale) if up else math.floor(x * scale)) / scale
+    return number(min(max(shown, grid.lower), grid.upper))
 
 
 def _small_group_note(name: str, floor_: float, why: str, counts: Counts | None, plan: Plan) -> list[str]:

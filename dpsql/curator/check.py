@@ -38,7 +38,7 @@ from dpsql.synopsis.widths import WARN_RATIO, chart_widths
 from . import introspect
 from .findings import Finding, count_table
 from .report import summary_findings, table_report
-from .synopsis import check_plan, cube_cells, marginal_sql
+from .synopsis import check_plan, cube_cells, marginal_sql, noise_warning
 from .unit_check import reference_findings, unit_findings
 
 #: A privacy unit with fewer distinct values than this is an error (it is surely the wrong column) …
@@ -133,6 +133,34 @@ def policy_findings(policy: Policy) -> Iterator[Finding]:
                 )
 
 
+def bucket_bound_findings(policy: Policy) -> Iterator[Finding]:
+    """A date/timestamp upper bound that starts a time bucket (#40 item 3): the derived key domains leave
+    that bucket out (only the bound's own instant, or day, and values clamped to it could fall there),
+    so the curator hears which buckets charts stop before."""
+    for name, table in policy.tables.items():
+        for col_name, column in table.columns.items():
+            upper = column.upper
+            if column.type not in ("date", "timestamp") or not isinstance(upper, dt.date):
+                continue
+            stamp = upper if isinstance(upper, dt.datetime) else dt.datetime(upper.year, upper.month, upper.day)
+            if stamp.time() != dt.time():
+                continue
+            units = [] if column.type == "date" else ["day"]
+            units += ["week"] if stamp.weekday() == 0 else []
+            units += ["month"] if stamp.day == 1 else []
+            units += ["quarter"] if stamp.day == 1 and stamp.month in (1, 4, 7, 10) else []
+            units += ["year"] if (stamp.month, stamp.day) == (1, 1) else []
+            if units:
+                which = ", ".join(units[:-1]) + (" or " if len(units) > 1 else "") + units[-1]
+                yield Finding(
+                    "warning",
+                    ("tables", name, "columns", col_name, "upper"),
+                    f"upper bound {upper} starts a {'/'.join(units)}: GROUP BY DATE_TRUNC/date_bin/EXTRACT "
+                    f"releases no {which} starting at it (only the bound itself could fall there); values "
+                    "after it are clamped to it: write the last day or instant the data hold",
+                )
+
+
 def synopsis_findings(policy: Policy) -> Iterator[Finding]:
     """Each declared synopsis analysed as the DP queries that would measure it (policy alone): keys without
     a public domain, measures other than COUNT(*)/SUM, identifiers or a cube too large are errors here,
@@ -156,15 +184,9 @@ def synopsis_findings(policy: Policy) -> Iterator[Finding]:
                 )
                 break
         else:
-            shares = len(synopsis.measured) * len(synopsis.measures)
-            if shares > 2:
-                yield Finding(
-                    "warning",
-                    ("synopses", name),
-                    f"{len(synopsis.measured)} marginals × {len(synopsis.measures)} measures: each is measured at "
-                    f"1/{shares} of ε={synopsis.epsilon:g}, about {shares}× the noise of one query at that ε; "
-                    "declare only the marginals the dashboard needs",
-                )
+            warning = noise_warning(synopsis)
+            if warning is not None:
+                yield Finding("warning", ("synopses", name), warning)
 
 
 def synopsis_width_findings(policy: Policy, notes: list[str]) -> Iterator[Finding]:
@@ -313,7 +335,7 @@ def check_text(text: str, where: str, backend: Any | None = None, *, bias: bool 
     except PolicyError as exc:
         problems = [exc.message, *(exc.detail.splitlines() if exc.detail else [])]
         return Report(None, problems, [])
-    findings = [*policy_findings(policy), *synopsis_findings(policy)]
+    findings = [*policy_findings(policy), *synopsis_findings(policy), *bucket_bound_findings(policy)]
     notes: list[str] = []
     if bias:  # `dpsql policy check`: what each chart of each synopsis will get
         findings += synopsis_width_findings(policy, notes)

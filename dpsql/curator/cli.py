@@ -9,6 +9,7 @@ import math
 import sys
 from pathlib import Path
 
+from dpsql.accountant import fmt
 from dpsql.backends import Backend, open_backend, redact_url
 from dpsql.cache import ResultCache, default_cache_url
 from dpsql.console import require_policy
@@ -152,8 +153,8 @@ def cmd_policy_report(args: argparse.Namespace) -> int:
             finally:
                 ledger.close()
             print(
-                f"charged ε={args.epsilon:g} to {charge.analyst} (dataset {policy.dataset} now at "
-                f"ε={charge.dataset_spent.epsilon:g} spent)",
+                f"charged ε={fmt(args.epsilon)} to {charge.analyst} (dataset {policy.dataset} now at "
+                f"ε={fmt(charge.dataset_spent.epsilon, up=True)} spent)",
                 file=sys.stderr,
             )
             dp = dp_bounds(policy, backend, targets, args.epsilon, args.coverage)

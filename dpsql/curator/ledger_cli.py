@@ -14,10 +14,10 @@ import json
 import sys
 from typing import Any
 
-from dpsql.accountant import Allowance, BudgetLike, Spent, remaining_budget
+from dpsql.accountant import Allowance, BudgetLike, Spent, fmt, remaining_budget
 from dpsql.console import format_table, json_number, os_user, require_policy
 from dpsql.errors import DatetimeFieldOverflow, InvalidDatetimeFormat
-from dpsql.ledger import Ledger, default_ledger
+from dpsql.ledger import Ledger, dataset_charge, default_ledger
 from dpsql.ledger.audit_report import TABLE_COLUMNS, as_csv, as_json, as_table_rows, audit_rows, parse_since, printable
 from dpsql.policy import Policy, load_policy
 
@@ -95,10 +95,13 @@ def cmd_budget(args: argparse.Namespace) -> int:
 
     try:
         spent = {row.analyst: row.spent for row in ledger.summary(policy.dataset)}
-        names = sorted({a.name for a in policy.analysts} | set(spent))
+        declared = {a.name for a in policy.analysts}
+        # synopses and DP bounds are the dataset's own charges: listed under it, never as analysts
+        charges = sorted(name for name in spent if dataset_charge(name, declared))
+        names = sorted((declared | set(spent)) - set(charges))
         if args.analyst:
-            names = [args.analyst]
-        rows = []
+            names, charges = [args.analyst], []
+        rows: list[tuple[str, float, float | None, float | None, int]] = []
         # an analyst can spend no more than the dataset has left: their remaining is the smaller of the two
         dataset_left = spent_and_left(ledger.spent(policy.dataset), policy.budget.dataset)[1]
         for name in names:
@@ -110,15 +113,26 @@ def cmd_budget(args: argparse.Namespace) -> int:
         dataset_total = policy.budget.dataset
         eps, left = spent_and_left(all_spent, dataset_total)
         rows.append(("(dataset)", eps, dataset_total.epsilon, left, all_spent.queries))
+        for name in charges:
+            used = spent[name]
+            rows.append(
+                (f"(dataset) {name}", used.privacy_loss(accounting, dataset_total.delta)[0], None, None, used.queries)
+            )
         columns = ["analyst", "epsilon_spent", "epsilon_total", "epsilon_remaining", "queries"]
-        if args.json:  # a corrupt total reads as inf: null in JSON (Infinity is not JSON)
+        if args.json:  # full precision; a corrupt total reads as inf: null in JSON (Infinity is not JSON)
             print(json.dumps([dict(zip(columns, map(json_number, r), strict=True)) for r in rows]))
-        else:
+        else:  # 4 significant digits: spent rounded up, what is left down
+            shown_rows = [(printable(r[0]), _eps(r[1], up=True), _eps(r[2]), _eps(r[3], down=True), r[4]) for r in rows]
             print(f'privacy budget of dataset "{policy.dataset}"')
-            print(format_table(columns, [(printable(r[0]), *r[1:]) for r in rows]))
+            print(format_table(columns, shown_rows))
     finally:
         ledger.close()
     return 0
+
+
+def _eps(value: float | None, *, up: bool = False, down: bool = False) -> str | None:
+    """An ε cell of ``dpsql budget``'s table (None: not applicable, a dataset charge's own total)."""
+    return None if value is None else fmt(value, up=up, down=down)
 
 
 def _ledger_options(parser: argparse.ArgumentParser, suppress: bool = False) -> None:
@@ -221,8 +235,8 @@ def cmd_lever(args: argparse.Namespace) -> int:
     else:
         print(
             f'{args.lever}: analyst "{args.analyst}" of dataset "{policy.dataset}" '
-            f"now has ε={limit.epsilon:g} in total, "
-            f"ε={remaining.epsilon:g} remaining{' (frozen)' if levers.frozen else ''}"
+            f"now has ε={fmt(limit.epsilon)} in total, "
+            f"ε={fmt(remaining.epsilon, down=True)} remaining{' (frozen)' if levers.frozen else ''}"
         )
     return 0
 

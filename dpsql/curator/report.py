@@ -12,7 +12,8 @@ policy's default ε (PipelineDP's utility analysis and parameter tuning, with th
 * per bounded column: the share of non-NULL values below ``lower`` and above ``upper``;
 * for candidate caps, ``COUNT(*)``'s bias, noise standard deviation and RMSE = √(bias² + var), and
   for candidate bounds (quantiles of the data, and the best of a geometric ladder between p99
-  and max: with a few huge values the best bound lies there) the same for ``SUM(column)``; the
+  and max: with a few huge values the best bound lies there; each rounded away from the data to two
+  significant digits, so no candidate is one person's exact value) the same for ``SUM(column)``; the
   smallest RMSE among the rows shown is marked as the suggestion. The models are the engine's
   ungrouped measurements exactly: a unit's count capped at the cap, its sum of clamped values at
   cap × bounds (``rewrite.bounding``).
@@ -29,11 +30,13 @@ charged to the ledger). The command itself is :func:`dpsql.curator.cli.cmd_polic
 from __future__ import annotations
 
 import datetime as dt
+import decimal
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from dpsql.accountant import fmt
 from dpsql.backends import quote_ident
 from dpsql.noise.mechanisms import gaussian_spec, laplace_spec
 from dpsql.policy import ColumnPolicy, Policy, TablePolicy
@@ -367,7 +370,8 @@ def _caps(policy: Policy, report: TableReport, histogram: list[tuple[int, int]])
     sensitivity cap (each unit's count is capped at it)."""
     if not histogram or histogram[-1][0] <= 1:
         return []  # one row per unit: no cap to trade
-    p99, top = report.rows_per_unit.get("p99", 1), report.rows_per_unit.get("max", 1)
+    # rounded up to two significant digits: a suggested cap is never one person's exact row count
+    p99, top = (int(_outward(float(report.rows_per_unit.get(q, 1)), up=True)) for q in ("p99", "max"))
     candidates = sorted({c for c in CAP_LADDER if c <= top} | {p99, top, report.max_rows})
     choices = []
     for cap in candidates:
@@ -482,12 +486,12 @@ def _candidate_bounds(c: ColumnPolicy, report: ColumnReport) -> list[tuple[str, 
     pairs = {0.90: ("p10", "p90"), 0.95: ("p05", "p95"), 0.99: ("p01", "p99"), 1.0: ("min", "max")}
     for level in BOUND_QUANTILES:
         lo_key, hi_key = pairs[level]
-        lo, hi = min(0.0, q[lo_key]), max(0.0, q[hi_key])
+        lo, hi = _outward(min(0.0, q[lo_key]), up=False), _outward(max(0.0, q[hi_key]), up=True)
         if math.isfinite(lo) and math.isfinite(hi) and (lo, hi) != (0.0, 0.0):
             out.append((hi_key if hi_key != "max" else "min/max", lo, hi))
     if report.dp_lower is not None and report.dp_upper is not None:
         out.append(("dp", min(0.0, report.dp_lower), max(0.0, report.dp_upper)))
-    out += [(LADDER_LABEL, lo, hi) for lo, hi in _ladder(q)]
+    out += [(LADDER_LABEL, _outward(lo, up=False), _outward(hi, up=True)) for lo, hi in _ladder(q)]
     seen: set[tuple[float, float]] = set()
     unique = []
     for label, lo, hi in out:
@@ -495,6 +499,16 @@ def _candidate_bounds(c: ColumnPolicy, report: ColumnReport) -> list[tuple[str, 
             seen.add((lo, hi))
             unique.append((label, lo, hi))
     return unique
+
+
+def _outward(value: float, *, up: bool) -> float:
+    """A bound read from the data, rounded away from the data to two significant digits (−599,716 →
+    −600,000): a suggestion is never one person's exact value (#40 item 4)."""
+    if value == 0 or not math.isfinite(value):
+        return value
+    exact = decimal.Decimal(repr(value))
+    step = decimal.Decimal(1).scaleb(exact.adjusted() - 1)
+    return float(exact.quantize(step, rounding=decimal.ROUND_CEILING if up else decimal.ROUND_FLOOR))
 
 
 def _bounds(
@@ -565,16 +579,16 @@ def _tradeoff_lines(head: str, what: str, choices: list[Choice]) -> list[str]:
 
 def render(report: PolicyReport) -> str:
     """The report as text for the curator's terminal."""
-    mech = report.mechanism + (f", δ={report.delta:g}" if report.mechanism == "gaussian" else "")
+    mech = report.mechanism + (f", δ={fmt(report.delta)}" if report.mechanism == "gaussian" else "")
     out = [
         f"dpsql policy report: dataset {report.dataset}. EXACT figures read from the data: for the curator only,",
         "never for analysts (bounds read from them reveal someone's values unless public knowledge).",
-        f"Noise: the policy's default ε={report.epsilon:g} ({mech}) on one measurement.",
+        f"Noise: the policy's default ε={fmt(report.epsilon)} ({mech}) on one measurement.",
     ]
     if report.dp_epsilon is not None:
         share = report.dp_epsilon / max(report.dp_columns, 1)
         out.append(
-            f"DP bounds: ε={report.dp_epsilon:g} charged to the ledger, ε={share:.4g} for each of "
+            f"DP bounds: ε={fmt(report.dp_epsilon)} charged to the ledger, ε={fmt(share)} for each of "
             f"{report.dp_columns} column{'s' if report.dp_columns != 1 else ''}."
         )
     for t in report.tables:

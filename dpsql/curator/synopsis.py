@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from dpsql.accountant import Cost
+from dpsql.accountant import Cost, fmt
 from dpsql.cache import database_identity
 from dpsql.commands import open_engine
 from dpsql.console import require_policy
@@ -308,6 +308,10 @@ def cmd_synopsis_build(args: argparse.Namespace) -> int:
         if not names:
             print(f'ERROR:  the policy of dataset "{engine.policy.dataset}" declares no synopses', file=sys.stderr)
             return 1
+        for name in names:
+            warning = noise_warning(engine.policy.synopses[name]) if name in engine.policy.synopses else None
+            if warning is not None:
+                print(f'WARNING:  synopsis "{name}": {warning}', file=sys.stderr)
         current = {r.name for r in Synopses(engine.policy, engine.ledger).current(database_identity(engine.backend))}
         # what a refresh releases a newer one than (read first: a refresh racing this one is not repeated)
         seen = {name: latest(engine.ledger, engine.policy.dataset, name) for name in names}
@@ -318,7 +322,7 @@ def cmd_synopsis_build(args: argparse.Namespace) -> int:
             built = release(engine, name, after=seen[name] if args.synopsis_command == "refresh" else None)
             released = built.released
             cells = " × ".join(str(len(k.domain)) for k in released.keys)
-            charge = f"ε={released.epsilon:g}" + (f", δ={released.delta:g}" if released.delta else "")
+            charge = f"ε={fmt(released.epsilon)}" + (f", δ={fmt(released.delta)}" if released.delta else "")
             paid = (
                 f"charged {charge} once to the dataset as {ledger_identity(name)}"
                 if built.charged
@@ -337,6 +341,19 @@ def cmd_synopsis_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def noise_warning(synopsis: Synopsis) -> str | None:
+    """Many marginals × measures share the synopsis's ε: each is that many times noisier than one query at
+    that ε. Said by ``policy check`` and by ``dpsql synopsis build`` itself, where the curator types it."""
+    shares = len(synopsis.measured) * len(synopsis.measures)
+    if shares <= 2:
+        return None
+    return (
+        f"{len(synopsis.measured)} marginals × {len(synopsis.measures)} measures: each is measured at "
+        f"1/{shares} of ε={fmt(synopsis.epsilon)}, about {shares}× the noise of one query at that ε; "
+        "declare only the marginals the dashboard needs"
+    )
+
+
 def cmd_synopsis_list(args: argparse.Namespace) -> int:
     if require_policy(args, "synopsis list") is None:
         return 1
@@ -352,7 +369,7 @@ def cmd_synopsis_list(args: argparse.Namespace) -> int:
                 f"{name}\ttable {synopsis.table}\tkeys {', '.join(synopsis.keys)}"
                 + (f"\tfilters {', '.join(synopsis.filters)}" if synopsis.filters else "")
                 + f"\tmeasures {', '.join(synopsis.measures)}"
-                f"\tε={synopsis.epsilon:g}\t{state}\t{count} release{'s' if count != 1 else ''} in the ledger"
+                f"\tε={fmt(synopsis.epsilon)}\t{state}\t{count} release{'s' if count != 1 else ''} in the ledger"
             )
     finally:
         engine.close()

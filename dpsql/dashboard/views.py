@@ -19,9 +19,9 @@ from importlib import resources
 from string import Template
 from typing import Any
 
-from dpsql.accountant import Allowance, Spent, remaining_budget
+from dpsql.accountant import Allowance, Spent, remaining_budget, shown
 from dpsql.errors import InvalidParameterValue
-from dpsql.ledger import LEVER_KINDS, Ledger
+from dpsql.ledger import LEVER_KINDS, Ledger, dataset_charge
 from dpsql.ledger.audit_report import SPENT_OUTCOMES, audit_rows, parse_since
 from dpsql.policy import DomainReference, Policy
 
@@ -75,7 +75,8 @@ def budget_rows(ledger: Ledger, policy: Policy) -> tuple[list[BudgetRow], Budget
     budget = policy.budget.dataset
     dataset_left = remaining_budget(all_spent, budget, accounting).epsilon
     rows = []
-    for name in sorted({a.name for a in policy.analysts} | set(summary)):
+    declared = {a.name for a in policy.analysts}
+    for name in sorted(declared | set(summary)):
         base = Allowance.of(policy.analyst_budget(name))
         levers = ledger.levers(policy.dataset, name)
         total = levers.limit(base)
@@ -83,13 +84,16 @@ def budget_rows(ledger: Ledger, policy: Policy) -> tuple[list[BudgetRow], Budget
         used = entry.spent if entry else Spent()
         eps, delta = used.privacy_loss(accounting, total.delta)
         left = min(remaining_budget(used, total, accounting).epsilon, dataset_left)
+        if dataset_charge(name, declared):  # a synopsis or DP bounds: drawn from the dataset's budget
+            name, base, left = f"(dataset) {name}", Allowance.of(budget), dataset_left
+            total = base
         rows.append(
             BudgetRow(
                 name,
-                eps,
+                shown(eps, up=True),  # 4 significant digits: spent rounded up, what is left down
                 total.epsilon,
                 total.epsilon - base.epsilon,
-                left,
+                shown(left, down=True),
                 delta,
                 total.delta,
                 used.queries,
@@ -101,7 +105,16 @@ def budget_rows(ledger: Ledger, policy: Policy) -> tuple[list[BudgetRow], Budget
     left = dataset_left
     last = max((r.last_at for r in rows if r.last_at), default=None)
     dataset = BudgetRow(
-        "(dataset)", eps, budget.epsilon, 0.0, left, delta, budget.delta, all_spent.queries, False, last
+        "(dataset)",
+        shown(eps, up=True),
+        budget.epsilon,
+        0.0,
+        shown(left, down=True),
+        delta,
+        budget.delta,
+        all_spent.queries,
+        False,
+        last,
     )
     return rows, dataset
 

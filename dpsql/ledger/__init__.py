@@ -51,6 +51,7 @@ from dpsql.ledger.records import (
     ChargeRecord,
     LeverEvent,
     Levers,
+    dataset_charge,
     frozen_error,
     min_remaining,
 )
@@ -78,6 +79,7 @@ __all__ = [
     "SQLiteLedger",
     "Spent",
     "check_budget",
+    "dataset_charge",
     "default_ledger",
     "dpsql_home",
     "frozen_error",

@@ -49,6 +49,17 @@ class Charge:
         return min_remaining(own, remaining_budget(self.dataset_spent, self.dataset_limit, accounting))
 
 
+#: Who a charge made for the dataset itself is recorded as: a curator's synopsis (``synopsis:<name>``) or
+#: DP bounds (``curator:<user>``, or ``curator``); never an analyst's budget.
+DATASET_CHARGES = ("synopsis:", "curator:")
+
+
+def dataset_charge(name: str, analysts: set[str]) -> bool:
+    """Whether ledger rows under ``name`` are a dataset charge rather than an analyst's (``analysts``: the
+    policy's names; a curator charging DP bounds to a declared analyst charges that analyst)."""
+    return name not in analysts and (name.startswith(DATASET_CHARGES) or name == "curator")
+
+
 def pld_remaining(loss: float, spent: Spent, budget: BudgetLike) -> Remaining:
     """What is left under pld accounting after a composed loss of ``loss`` (ε at the budget's δ):
     ε_budget − loss, the loss composed so far and not an additive allowance (the next charge composes

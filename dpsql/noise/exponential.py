@@ -15,19 +15,26 @@ value changes every C_j by at most 1 and t by at most q ≤ 1, so every u_j move
 exponential noise = the exponential mechanism, [MS20]) with scale 2Δu/ε selects a candidate ε-DP;
 it samples exactly from the OS CSPRNG.
 
-Two stages (:func:`select_quantile`). Over more than :data:`QUANTILE_BINS` cells an interior
-quantile (0 < q < 1) is chosen by two exponential mechanisms: stage 1 picks one of at most
-:data:`QUANTILE_BINS` runs of consecutive cells with ε₁ = :data:`STAGE1_SHARE`·ε, stage 2 picks a
-cell in that run or the :data:`STAGE2_REACH` runs either side with ε₂ = ε − ε₁, its utilities using
-the same global ranks (counts below the window included, so Δu is unchanged). Each stage is an
-ε_i-DP exponential mechanism whatever the other's outcome (stage 2's candidate set is a function of
-stage 1's released run only), so by adaptive sequential composition the pair is (ε₁ + ε₂) = ε-DP.
-Both stages read the same histogram: one query, whose shape depends only on the public bounds.
-MIN and MAX (q = 0, 1) use one stage over the runs at full ε (their error is the rank depth they
-must aim at, which a split would double), released at the run's middle. Otherwise the released
-value is the cell's (the integer itself, or the cell's midpoint rounded to two significant digits
-of the cell's width, which keeps it inside the cell): post-processing. Across groups the caller
-passes Δ = max_rows·max_groups, so the mechanisms of all groups one unit touches compose to ε.
+One stage over every cell (:func:`select_quantile`). Over more than :data:`QUANTILE_BINS` cells an
+interior quantile (0 < q < 1) is one exponential mechanism over all the cells (Smith 2011, as in
+OpenDP's and Tumult's quantiles): cell c is chosen with probability ∝ exp(u_c·ε/2Δ). The empty cells
+between two non-empty ones share one utility, so they are drawn as a block of weight (length)
+(Gumbel-max over u + (2Δ/ε)·ln(length), exact in OpenDP), then a cell uniformly inside it (OS
+CSPRNG): the same distribution over cells, at a cost linear in the non-empty cells. The float
+ln(length) perturbs a cell's log-probability by ≤ 1e-14 (ln 65536·2^-52): the privacy loss too.
+MIN and MAX (q = 0, 1) use one exponential mechanism over the runs (at most :data:`QUANTILE_BINS`
+consecutive cells each), released at the run's middle. Otherwise the released value is the cell's
+(the integer itself, or the cell's midpoint rounded to two significant digits of the cell's width,
+which keeps it inside the cell): post-processing. Across groups the caller passes Δ = max_rows: a
+unit's rows move group g's utilities by at most d_g with Σ_g d_g ≤ max_rows, so the mechanisms of
+all groups one unit touches compose to ε.
+
+Value intervals (:func:`interval_end`). Each end of a quantile's interval is one more ε-DP
+report-noisy-max over the runs plus a sentinel (the bound itself), aiming E ranks beyond the
+quantile's rank (E = :func:`interval_reach`, a function of ε, Δ, the grid and the level only): a run
+on the wrong side of the exact quantile scores below −E, a candidate scoring 0 always exists, so it
+wins with probability ≤ runs·e^{−E·ε/2Δ} = β/2 and the two ends cover the exact quantile with
+probability ≥ 1 − β. Its utilities move by at most Δ per unit like the value's.
 
 MIN and MAX aim at a rank per candidate (:func:`extreme_aims`): the j-th candidate from the
 extreme end aims k_j = (2Δ/ε)·ln(j·H_B/β) values in (H_B the B-th harmonic number, β =
@@ -45,6 +52,7 @@ unchanged.
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -60,11 +68,6 @@ dp.enable_features("contrib")
 QUANTILE_BINS = 512
 #: Cells of the finest grid: 512 runs of 128 cells, resolution (U − L)/65536.
 FINE_CELLS = QUANTILE_BINS * 128
-#: Share of ε spent choosing the run (stage 1); the rest chooses the cell inside it (stage 2).
-STAGE1_SHARE = 0.5
-#: Stage 2 chooses among the cells of the chosen run and of this many runs on either side, so a
-#: stage-1 choice one run off (likely at ε₁ when the data are sparse) is corrected at the cell level.
-STAGE2_REACH = 1
 
 
 @dataclass(frozen=True)
@@ -218,25 +221,115 @@ def _choose(counts: Sequence[int], q: float, total: int, before: int, epsilon: f
 def select_quantile(
     counts: Mapping[int, int], q: float, epsilon: float, sensitivity: float, grid: QuantileGrid
 ) -> float:
-    """An ε-DP q-quantile of the histogram ``counts`` (cell → count) on ``grid``: one exponential
-    mechanism over at most :data:`QUANTILE_BINS` cells, else two (run, then cell: module docstring)."""
+    """An ε-DP q-quantile of the histogram ``counts`` (cell → count) on ``grid``: report-noisy-max over
+    at most :data:`QUANTILE_BINS` cells, MIN/MAX over the runs, else the exponential mechanism over
+    every cell (:func:`_every_cell`; module docstring)."""
     total = sum(counts.values())
     stride = grid.stride
     if stride == 1:
         return grid.value(_choose([counts.get(j, 0) for j in range(grid.cells)], q, total, 0, epsilon, sensitivity))
+    if q in (0.0, 1.0):
+        # MIN/MAX aim (2Δ/ε)·ln(B/β) ranks inside the data: one mechanism over the runs at full ε,
+        # released at the run's middle.
+        runs = [0] * grid.runs
+        for cell, count in counts.items():
+            runs[cell // stride] += count
+        return grid.run_value(_choose(runs, q, total, 0, epsilon, sensitivity))
+    return grid.value(_every_cell(counts, q * total, epsilon, sensitivity, grid.cells))
+
+
+@lru_cache(maxsize=256)
+def _gumbel_max(scale: float) -> Any:
+    domain = dp.vector_domain(dp.atom_domain(T=float, nan=False))
+    return dp.m.make_noisy_max(domain, dp.linf_distance(T=float), dp.zero_concentrated_divergence(), scale=scale)
+
+
+def _every_cell(counts: Mapping[int, int], target: float, epsilon: float, sensitivity: float, cells: int) -> int:
+    """The exponential mechanism over cells 0 … cells − 1 with utility −distance(target, the cell's
+    ranks): the non-empty cells one by one, each run of empty cells between them as one block weighted
+    by its length (Gumbel-max, exact), then a cell uniformly inside the chosen block (OS CSPRNG)."""
+    scale = 2.0 * sensitivity / epsilon
+    starts: list[int] = []
+    lengths: list[int] = []
+    utilities: list[float] = []
+
+    def block(start: int, length: int, below: float, above: float) -> None:
+        starts.append(start)
+        lengths.append(length)
+        utilities.append(-max(0.0, below - target, target - above) + scale * math.log(length))
+
+    below, following = 0, 0
+    for cell in sorted(c for c, n in counts.items() if n):
+        if cell > following:
+            block(following, cell - following, below, below)
+        above = below + counts[cell]
+        block(cell, 1, below, above)
+        below, following = above, cell + 1
+    if following < cells:
+        block(following, cells - following, below, below)
+    chosen = int(_gumbel_max(scale)(utilities))
+    return starts[chosen] + (secrets.randbelow(lengths[chosen]) if lengths[chosen] > 1 else 0)
+
+
+def interval_reach(epsilon: float, sensitivity: float, grid: QuantileGrid, level: float) -> float:
+    """E: how many ranks beyond the quantile's each end of its interval aims (:func:`interval_end`).
+
+    Report-noisy-max with exponential noise of scale s = 2Δ/ε picks a candidate scoring g below the
+    best with probability ≤ e^{−g/s}; the best scores 0, the wrong-side candidates (at most one per
+    run) below −E, so with E = s·ln(runs/(β/2)) an end lands on the wrong side with probability
+    ≤ β/2. A function of ε, Δ, the grid and the level only (public)."""
+    candidates = grid.runs if grid.stride > 1 else grid.cells
+    return 2.0 * sensitivity / epsilon * math.log(candidates / ((1.0 - level) / 2.0))
+
+
+def interval_end(
+    counts: Mapping[int, int],
+    q: float,
+    epsilon: float,
+    sensitivity: float,
+    grid: QuantileGrid,
+    level: float,
+    upper: bool,
+) -> float:
+    """One end of the q-quantile's ``level`` value interval: the outer edge of a run (a cell when the
+    grid has at most :data:`QUANTILE_BINS`) chosen ε-DP to lie E ranks beyond the quantile's, or the
+    bound.
+
+    The exact quantile (percentile_cont's or percentile_disc's) is a value of rank k in (qn − 1, qn + 2).
+    The lower end aims at t = qn − 1 − E: a run whose lower edge is above the k-th value has at least
+    k > qn − 1 values below it, so it scores below −E. The sentinel (the bound L, "everything below")
+    scores −max(0, t): 0 when t < 0; otherwise the run holding rank t scores 0. The upper end mirrors
+    it (t = qn + 1 + E, sentinel U scoring −max(0, n − t)). Every utility moves by at most Δ per unit
+    (n, the counts below a run and t move by at most Δ, in the same direction).
+    """
+    stride = grid.stride
     runs = [0] * grid.runs
     for cell, count in counts.items():
         runs[cell // stride] += count
-    if q in (0.0, 1.0):
-        # MIN/MAX aim (2Δ/ε)·ln(B/β) ranks inside the data: splitting ε would double that depth
-        # and cost more than the run's width, so one stage at full ε, released at the run's middle.
-        return grid.run_value(_choose(runs, q, total, 0, epsilon, sensitivity))
-    epsilon1 = epsilon * STAGE1_SHARE
-    run = _choose(runs, q, total, 0, epsilon1, sensitivity)
-    first, last = max(0, run - STAGE2_REACH), min(grid.runs - 1, run + STAGE2_REACH)
-    start, stop = first * stride, min((last + 1) * stride, grid.cells)
-    cells = [counts.get(j, 0) for j in range(start, stop)]
-    return grid.value(start + _choose(cells, q, total, sum(runs[:first]), epsilon - epsilon1, sensitivity))
+    reach = 1.0 + interval_reach(epsilon, sensitivity, grid, level)
+    chosen = int(_noisy_max(2.0 * sensitivity / epsilon)(interval_utilities(runs, q, reach, upper)))
+    if upper:
+        if chosen == grid.runs:
+            return grid.upper
+        return grid.span(chosen * stride, min((chosen + 1) * stride, grid.cells) - 1)[1]
+    if chosen == 0:
+        return grid.lower
+    return grid.span((chosen - 1) * stride, chosen * stride - 1)[0]
+
+
+def interval_utilities(runs: Sequence[int], q: float, reach: float, upper: bool) -> list[float]:
+    """The candidates' utilities for one end (:func:`interval_end`): the runs in order, with the sentinel
+    bound first (lower end) or last (upper end); the target rank is q·n ∓ ``reach``."""
+    total = sum(runs)
+    target = q * total + reach if upper else q * total - reach
+    utilities, below = [], 0
+    for count in runs:
+        above = below + count
+        utilities.append(-max(0.0, below - target, target - above))
+        below = above
+    if upper:
+        return [*utilities, -max(0.0, total - target)]
+    return [-max(0.0, target), *utilities]
 
 
 def rank_error_bound(epsilon: float, sensitivity: float, confidence: float = 0.95, bins: int = QUANTILE_BINS) -> float:
@@ -252,22 +345,11 @@ def rank_error_bound(epsilon: float, sensitivity: float, confidence: float = 0.9
 def quantile_rank_error(
     epsilon: float, sensitivity: float, grid: QuantileGrid, confidence: float = 0.95, *, extreme: bool = False
 ) -> float:
-    """The rank error bound of :func:`select_quantile` at ``confidence``.
-
-    Two stages: the run is within E₁ ranks of the best (probability 1 − β/2), and the best cell
-    of stage 2's window (which holds the run) is as good as the run, so the cell is within E₁ + E₂
-    (probability ≥ 1 − β by a union bound).
-    """
-    if grid.stride == 1:
-        return rank_error_bound(epsilon, sensitivity, confidence, grid.cells)
-    if extreme:
+    """The rank error bound of :func:`select_quantile` at ``confidence``: over the cells (or, for
+    MIN/MAX on a grid of runs, over the runs)."""
+    if extreme and grid.stride > 1:
         return rank_error_bound(epsilon, sensitivity, confidence, grid.runs)
-    half = (1.0 + confidence) / 2.0
-    epsilon1 = epsilon * STAGE1_SHARE
-    window = (2 * STAGE2_REACH + 1) * grid.stride
-    return rank_error_bound(epsilon1, sensitivity, half, grid.runs) + rank_error_bound(
-        epsilon - epsilon1, sensitivity, half, window
-    )
+    return rank_error_bound(epsilon, sensitivity, confidence, grid.cells)
 
 
 @lru_cache(maxsize=256)

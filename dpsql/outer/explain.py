@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from dpsql.accountant import fmt
 from dpsql.explain import Explanation, sql_lines
 from dpsql.session import OutputColumn, Result
 
@@ -52,7 +53,7 @@ class CompositeExplanation:
     def lines(self) -> list[str]:
         queries = len(self.subplans)
         lines = [
-            f"{self.node}  (epsilon={self.epsilon:g} delta={self.delta:g}; {queries} DP quer"
+            f"{self.node}  (epsilon={fmt(self.epsilon)} delta={fmt(self.delta)}; {queries} DP quer"
             + ("y" if queries == 1 else "ies")
             + ", reserved together; post-processing is free)"
         ]

@@ -35,7 +35,7 @@ def finish(
     if direct is not None and (not widths or all(w is widths[0] for w in widths)):
         return _postprocess_direct(plan, rows, columns, widths[0] if widths else [], direct)
     nkeys = len(plan.keys)
-    released: list[tuple[tuple[Any, ...], tuple[Any, ...], tuple[float | None, ...]]] = []
+    released: list[tuple[tuple[Any, ...], tuple[Any, ...], tuple[float | None, ...], tuple[Any, ...]]] = []
     key_names = [f"k{i}" for i in range(nkeys)]
     measure_names = [f"m{i}" for i in range(len(columns))]
     converters = [converter(m) for m in plan.measures]
@@ -51,7 +51,7 @@ def finish(
         env: dict[str, Any] = dict(zip(key_names, row, strict=False))
         for name, values, convert in zip(measure_names, columns, converters, strict=True):
             env[name] = convert(values[j])
-        out_values, out_acc = [], []
+        out_values, out_acc, out_ranges = [], [], []
         for o, out in enumerate(plan.outputs):
             value = _evaluate_released(outputs[o], env)
             value = OUTPUTS[out.kind].coerce(out, value)
@@ -60,10 +60,11 @@ def finish(
             env[f"o{o}"] = value
             out_values.append(value)
             out_acc.append(None if value is None else accuracy(out, env, widths[j]))  # NULL: no interval
+            out_ranges.append(None if value is None else OUTPUTS[out.kind].interval(out, plan, env))
         if having is not None and _evaluate_released(having, env) is not True:
             continue
         sort_key = tuple(_evaluate_released(term, env) for term in order)
-        released.append((sort_key, tuple(out_values), tuple(out_acc)))
+        released.append((sort_key, tuple(out_values), tuple(out_acc), tuple(out_ranges)))
     if plan.distinct:
         seen: dict[tuple[Any, ...], Any] = {}
         for item in released:
@@ -74,12 +75,14 @@ def finish(
         released = order_rows([(item[0], item) for item in released], spec)
     end = None if plan.limit is None else plan.offset + plan.limit
     released = released[plan.offset : end]
+    ranged = any(r is not None for item in released for r in item[3])
     return Result(
         columns=[o.column for o in plan.outputs],
         rows=[item[1] for item in released],
         accuracy=[item[2] for item in released],
         epsilon_spent=0.0,
         delta_spent=0.0,
+        intervals=[item[3] for item in released] if ranged else [],
     )
 
 

@@ -61,7 +61,11 @@ def accuracy_notes(
         aggregate = OUTPUTS[out.kind]
         if aggregate.null_when_empty and (not isinstance(out.expr, exp.Var) or len(out.measures) != 1):
             notes.extend(null_note(out.column.name, values))
-        own = aggregate.notes(out, plan, budgeting, level, values, counts) if isinstance(out.expr, exp.Var) else None
+        own = (
+            aggregate.notes(out, plan, budgeting, level, values, counts, _intervals(plan, result, o))
+            if isinstance(out.expr, exp.Var)
+            else None
+        )
         if own is not None:
             notes.extend(own)
         elif out.noisy:
@@ -80,14 +84,16 @@ def accuracy_notes(
 
 
 def bias_note(plan: Plan, level: float) -> str | None:
-    """What the ± intervals leave out: the bias of contribution bounding, said every time it can apply.
+    """What the intervals leave out: the bias of contribution bounding, said every time it can apply.
 
-    An interval covers the noise only. Values clamped to the declared bounds and rows beyond a unit's
-    ``max_rows``/``max_groups`` shift answers too, by an amount the analyst cannot see (a curator's
-    ``dpsql policy report`` measures it). Names only the policy's bounds and caps: public, so the
-    note is the same on every neighbouring database."""
-    if not any(not m.selected for m in plan.measures):
-        return None
+    An interval (a ±, or a quantile's value range) covers the noise only. Values clamped to the declared
+    bounds and rows beyond a unit's ``max_rows``/``max_groups`` shift answers too, by an amount the analyst
+    cannot see (a curator's ``dpsql policy report`` measures it). Names only the policy's bounds and caps,
+    and only caps that can leave a row out (:func:`_caps_cut`): public, so the note is the same on every
+    neighbouring database. A quantile's own note names its bounds."""
+    additive = any(not m.selected for m in plan.measures)
+    if not additive and not any(m.q is not None for m in plan.measures):
+        return None  # a mode: no interval to qualify
     clamps: list[str] = []
     for m in plan.measures:
         if m.clamped_sum and m.lower is not None and m.upper is not None:
@@ -96,7 +102,7 @@ def bias_note(plan: Plan, level: float) -> str | None:
             if text not in clamps:
                 clamps.append(text)
     parts = [f"values clamped ({', '.join(clamps)})"] if clamps else []
-    if plan.unit is not None:
+    if plan.unit is not None and _caps_cut(plan):
         rows = "1 row" if plan.max_rows == 1 else f"{plan.max_rows} rows"
         groups = f" in at most {plan.max_groups} groups" if plan.keys and plan.max_groups > 1 else ""
         parts.append(
@@ -104,7 +110,27 @@ def bias_note(plan: Plan, level: float) -> str | None:
         )
     if not parts:
         return None
-    return f"dpsql: ±{ci_label(level)}% covers the noise only, not the bias of " + "; ".join(parts)
+    pct = ci_label(level)
+    lead = f"±{pct}% covers" if additive else f"the {pct}% value ranges cover"
+    return f"dpsql: {lead} the noise only, not the bias of " + "; ".join(parts)
+
+
+def _caps_cut(plan: Plan) -> bool:
+    """Whether the caps can leave a row out. Not when the query reads only the person table itself: its
+    unit is the table's own ``privacy_unit``, other tables' ``references`` point at it (a key: one row per
+    person) and ``max_rows_per_unit`` is 1. Policy facts only."""
+    private = plan.sources.private
+    if len(private) != 1:
+        return True
+    source = private[0]
+    table = source.table
+    unit = table.privacy_unit
+    if unit is None or source.unit_column != unit or plan.max_rows != 1:  # (a unit through hops: no unit_column)
+        return True
+    tables = plan.sources.policy.tables.values()
+    return not any(
+        t.references is not None and (t.references.table, t.references.to) == (source.name, unit) for t in tables
+    )
 
 
 def _noisy_counts(plan: Plan, released: Released | None) -> dict[str | None, Counts]:
@@ -131,6 +157,19 @@ def _noisy_counts(plan: Plan, released: Released | None) -> dict[str | None, Cou
     return out
 
 
+def _row_label(plan: Plan, row: tuple[Any, ...]) -> str:
+    """How a note names a row: its released key values, space-separated (empty without keys)."""
+    keys = [k for k, item in enumerate(plan.outputs) if item.kind == "key"]
+    return " ".join(str(row[k]) for k in keys) + " " if keys else ""
+
+
+def _intervals(plan: Plan, result: Result, o: int) -> list[tuple[str, tuple[float, float] | None]] | None:
+    """Each row's label and column ``o``'s released value interval, when the result has any."""
+    if len(result.intervals) != len(result.rows):
+        return None
+    return [(_row_label(plan, row), ranges[o]) for row, ranges in zip(result.rows, result.intervals, strict=True)]
+
+
 def _clip_note(out: OutputItem, plan: Plan, o: int, result: Result, widths: list[Any], pct: str) -> list[str]:
     """``count: 95% interval clipped to its possible range [0, ∞): 2 ±5 is 0 to 7``: an interval
     intersected with what the value can be (a count ≥ 0, an AVG inside the declared bounds):
@@ -139,7 +178,6 @@ def _clip_note(out: OutputItem, plan: Plan, o: int, result: Result, widths: list
     if bounds is None:
         return []
     low, high = bounds
-    keys = [k for k, item in enumerate(plan.outputs) if item.kind == "key"]
     clipped = []
     for row, width in zip(result.rows, widths, strict=False):
         value = row[o]
@@ -147,7 +185,7 @@ def _clip_note(out: OutputItem, plan: Plan, o: int, result: Result, widths: list
             continue
         if value - width < low or value + width > high:
             lo, hi = max(low, value - width), min(high, value + width)
-            name = " ".join(str(row[k]) for k in keys) + " " if keys else ""
+            name = _row_label(plan, row)
             interval = f"{number(lo, width)} to {number(hi, width)}"
             clipped.append(f"{name}{number(value, width)} ±{number(width, width)} is {interval}")
     if not clipped:

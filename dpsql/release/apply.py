@@ -83,7 +83,9 @@ def apply(
         if spec is None:
             selection = plan.measures[i].aggregate
             assert isinstance(selection, Selection)
-            noisy.append(selection.select(plan, i, rows, (histograms or {}).get(i, []), budgeting.shares[i]))
+            level = budgeting.interval_level if budgeting.interval_level is not None else confidence
+            histogram = (histograms or {}).get(i, [])
+            noisy.append(selection.select(plan, i, rows, histogram, budgeting.shares[i], level=level))
             continue
         values = measured[i] if measured is not None else [0 if r[nkeys + i] is None else r[nkeys + i] for r in rows]
         noisy.append(release(values, spec) if values else np.zeros(0))

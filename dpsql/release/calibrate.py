@@ -55,6 +55,10 @@ class Budgeting:
     #: session's confidence; None when ε came from ``dpsql.epsilon`` or the policy. Not in the repr, so not
     #: in the measurement key (:func:`dpsql.cache.measurement_key`): the target sets no noise, ε does.
     accuracy: float | None = field(default=None, repr=False)
+    #: The confidence level the ends of quantile value intervals are chosen at: the policy's default
+    #: (None: the plan has none), never the session's, so a release is reused at any session level
+    #: (spend once) and its note says the level it holds. In the repr, so in the measurement key.
+    interval_level: float | None = None
 
 
 #: A query answered from randomized-response values already stored: post-processing, no central cost.
@@ -103,6 +107,8 @@ def budget(policy: Policy, plan: Plan, session: Session, confidence: float | Non
             hint="Use a larger dpsql.epsilon (or a smaller dpsql.delta) for this query.",
         ) from None
     budgeting.accuracy = session.accuracy
+    if any(m.aggregate.interval_end for m in plan.measures):
+        budgeting.interval_level = defaults.confidence
     return budgeting
 
 

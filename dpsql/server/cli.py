@@ -11,6 +11,7 @@ import argparse
 import getpass
 import logging
 import os
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -20,10 +21,20 @@ from dpsql.commands import add_common, default_policy, open_engine, seconds
 from dpsql.curator import serve as curator
 from dpsql.curator.reload import default_pid_file, make_reloader, remove_pid_file, remove_verdict, write_pid_file
 from dpsql.ledger import default_ledger
+from dpsql.policy import Policy
 from dpsql.server.auth import make_verifier
 from dpsql.server.protocol import DEFAULT_PORT
 from dpsql.server.server import run
 from dpsql.server.workers import supervise
+
+
+def banner_login(policy: Policy, host: str, port: int) -> str:
+    """The start banner's ``try: psql …``, naming an analyst the policy declares (``analyst`` when it is one)."""
+    declared = [a.name for a in policy.analysts]
+    who = "analyst" if "analyst" in declared else declared[0] if declared else None
+    if who is None:
+        return "no analyst declared: nobody can log in"
+    return f"try: psql -h {host} -p {port} -U {shlex.quote(who)} {shlex.quote(policy.dataset)}"
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -62,7 +73,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             write_pid_file(pid_files[-1])
         print(
             f'dpsql serving dataset "{engine.policy.dataset}" on {args.host}:{port} '
-            f"(try: psql -h {args.host} -p {port} -U analyst {engine.policy.dataset}); "
+            f"({banner_login(engine.policy, args.host, port)}); "
             f"policy {policy_path}; ledger {ledger}; log on stderr; curator dashboard: "
             f"dpsql dashboard --policy {policy_path} --ledger {ledger} (http://127.0.0.1:8080/)"
             + (
@@ -97,6 +108,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             sandbox_memory=getattr(args, "sandbox_memory", 512),
             catalog_pool=args.catalog_pool,
             reuse_port=getattr(args, "reuse_port", False),
+            worker_index=getattr(args, "worker_index", None),
+            cancel_dir=getattr(args, "cancel_dir", None),
             on_listening=announce,
             reloader=make_reloader(policy_path, status),
         )

@@ -517,13 +517,16 @@ class Connection:
 
         started = time.monotonic()
 
-        def late(f: asyncio.Future[Any]) -> None:
-            """The client stopped waiting (timeout, cancel, disconnect, shutdown): log what it cost anyway."""
+        def late(f: asyncio.Future[Any], charged: float) -> None:
+            """The client stopped waiting (timeout, cancel, disconnect, shutdown): log what it cost anyway,
+            as the ledger has it (``charged``: what the statement reserved) and the client was told."""
             note = " (finished after the client stopped waiting)"
             if f.cancelled():
-                self._log_query(stmt, 0.0, "57014", started, " (never started)")
+                self._log_query(stmt, charged, "57014", started, " (never started)")
             elif (exc := f.exception()) is not None:
-                self._log_query(stmt, 0.0, exc.sqlstate if isinstance(exc, Error) else "XX000", started, note)
+                told = exc.charged_epsilon if isinstance(exc, Error) else 0.0
+                state = exc.sqlstate if isinstance(exc, Error) else "XX000"
+                self._log_query(stmt, max(charged, told), state, started, note)
             else:
                 self._log_query(stmt, f.result()[0].epsilon_spent, "ok", started, note)
 

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dpsql.accountant import fmt
 from dpsql.pgtypes import FLOAT8, type_size
 from dpsql.session import OutputColumn, Result, ci_label
 from dpsql.step import Notice, NoticeKind
@@ -159,8 +160,9 @@ def result_notices(result: Result, confidence: float, per_row: bool = True) -> l
     typed = [Notice.of(t) for t in result.notices]
     accounting = [n for n in typed if n.budget]
     if result.epsilon_spent and not accounting:
-        remaining = "" if result.remaining_epsilon is None else f"; remaining ε={result.remaining_epsilon:g}"
-        accounting.append(Notice(f"dpsql: charged ε={result.epsilon_spent:g}{remaining}", NoticeKind.CHARGE))
+        left = result.remaining_epsilon
+        remaining = "" if left is None else f"; remaining ε={fmt(left, down=True)}"
+        accounting.append(Notice(f"dpsql: charged ε={fmt(result.epsilon_spent)}{remaining}", NoticeKind.CHARGE))
     notices = [_diagnostic(n) for n in accounting]
     summary = interval_summary(result, confidence, per_row)
     if summary is not None:

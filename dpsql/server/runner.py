@@ -73,7 +73,7 @@ class WorkRunner:
         *args: Any,
         timeout_ms: int = 0,
         on_done: Callable[[Any], None] | None = None,
-        on_late: Callable[[Any], None] | None = None,
+        on_late: Callable[[Any, float], None] | None = None,
         pure: bool = False,
         checkout: Callable[[], Awaitable[object]] | None = None,
     ) -> Any:
@@ -83,7 +83,8 @@ class WorkRunner:
         timeout or the client going away interrupts the backend statement when the backend
         allows it; the slot stays taken until the work has really stopped. ``on_done`` runs
         (on the loop) exactly once: when the work finishes, whoever still waits for it, or with
-        None when it never started. ``on_late`` runs only if nobody waits for the work any more.
+        None when it never started. ``on_late`` runs only if nobody waits for the work any more, with
+        the ε the work reserved (what the ledger holds, for the log line).
         ``checkout`` is awaited once the slot is held, before ``fn`` starts (a shared resource such
         as a catalog connection is then held for the run only, never while waiting for a slot);
         ``on_done`` gives it back.
@@ -165,6 +166,8 @@ class WorkRunner:
                 charged = job.charged
             await asyncio.wait({future}, timeout=STOP_GRACE)  # never raises the work's own error
             if future.done() and _own_outcome(future):
+                if isinstance(stopped := future.exception(), QueryCanceled):
+                    raise self._stopped(stopped)  # the backend only knows it was interrupted
                 return future.result()
             self._abandon(job, future, on_late)
             with charged_on_failure(charged):
@@ -216,14 +219,22 @@ class WorkRunner:
             return QueryCanceled("canceling statement due to user request")
         return QueryCanceled("canceling statement due to statement timeout")
 
-    def _abandon(self, job: Job, future: asyncio.Future[Any], on_late: Callable[[Any], None] | None) -> None:
+    def _stopped(self, interrupted: QueryCanceled) -> QueryCanceled:
+        """The 57014 of work this runner interrupted, saying why it did (the client's cancel, or the
+        statement timeout), with what the work's own error says it was charged."""
+        said = self._canceled()
+        said.detail, said.charged_epsilon = interrupted.detail, interrupted.charged_epsilon
+        said.hint = None if self._cancel.is_set() else interrupted.hint
+        return said
+
+    def _abandon(self, job: Job, future: asyncio.Future[Any], on_late: Callable[[Any, float], None] | None) -> None:
         """Nobody waits for ``future`` any more: stop its backend statement if possible, log its end."""
         if not future.done():
             asyncio.get_running_loop().run_in_executor(None, job.interrupt)
         future.add_done_callback(lambda f: f.cancelled() or f.exception())  # silence late failures
         if on_late is not None:
             self.late = True
-            future.add_done_callback(on_late)
+            future.add_done_callback(lambda f: on_late(f, job.charged))  # final: the work has ended
 
     async def shadow_call(self, method: str, *args: Any, timeout_ms: int = 0, **kwargs: Any) -> Any:
         """Run one call on a pooled shadow connection; it returns to the pool when the call has ended."""

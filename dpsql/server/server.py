@@ -21,6 +21,7 @@ from dpsql.errors import Error, TooManyConnections
 from dpsql.outer.admission import configure as sandbox_admission
 from dpsql.version import __version__
 
+from .cancels import CancelRoutes
 from .catalog import CatalogShadow
 from .connection import Connection
 from .cpu_share import DEFAULT_SHARE as CPU_SHARE
@@ -149,6 +150,10 @@ class ServerOptions:
     read_buffer: int = 256 * 1024
     #: SO_REUSEPORT on the listening socket, so worker processes share the port (``--processes``).
     reuse_port: bool = False
+    #: Under ``--processes``: this worker's index and the supervisor's directory of cancel sockets
+    #: (:mod:`.cancels`: a CancelRequest reaching another worker is forwarded to this one).
+    worker_index: int | None = None
+    cancel_dir: str | None = None
 
 
 def make_ssl_context(cert: str, key: str | None) -> ssl.SSLContext:
@@ -207,6 +212,7 @@ class ServerContext:
         self.server_version = f"{FALLBACK_SERVER_VERSION} (dpsql {__version__})"
         self.connections: dict[int, Connection] = {}
         self._next_pid = 1000
+        self.cancels = CancelRoutes(options.worker_index, options.cancel_dir)
         self.memory = Memory(
             options.max_statement_memory,
             options.max_session_memory,
@@ -325,14 +331,21 @@ class ServerContext:
 
     def register(self, conn: Connection) -> int:
         self._next_pid += 1
-        self.connections[self._next_pid] = conn
-        return self._next_pid
+        while self.cancels.pid_of(self._next_pid) in self.connections:  # after a wrap
+            self._next_pid += 1
+        pid = self.cancels.pid_of(self._next_pid)
+        self.connections[pid] = conn
+        return pid
 
     def unregister(self, conn: Connection) -> None:
         if self.connections.get(conn.pid) is conn:
             del self.connections[conn.pid]
 
     def cancel(self, pid: int, secret: int) -> None:
+        owner = self.cancels.owner(pid)
+        if owner is not None:  # another worker's connection: it checks the secret
+            self.cancels.forward(owner, pid, secret)
+            return
         conn = self.connections.get(pid)
         if conn is not None and hmac.compare_digest(
             conn.secret.to_bytes(4, "big"), (secret & 0xFFFFFFFF).to_bytes(4, "big")
@@ -371,6 +384,7 @@ class Server:
             limit=self.options.read_buffer,
             reuse_port=self.options.reuse_port or None,
         )
+        self.ctx.cancels.listen(self.ctx.cancel)
         log.info(
             "dpsql listening on %s:%d (server_version %s)",
             self.options.host,
@@ -464,6 +478,7 @@ class Server:
         """Stop listening, terminate connections, stop the catalog server and the thread pool."""
         if self._server is not None:
             self._server.close()
+        self.ctx.cancels.close()
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:

@@ -21,9 +21,12 @@ its worker is gone). SIGTERM stops everything within :data:`KILL_AFTER_SECONDS`:
 own shutdown deadline (statements get ``shutdown_grace`` to finish, then it exits whatever still runs),
 and the supervisor then kills each worker's group, so no helper outlives it.
 
-Limits: a CancelRequest arrives on a new connection, which the kernel may hand to another worker
-than the one running the statement; it is then ignored (the statement still ends at its statement
-timeout). If a worker dies the supervisor stops the others and exits non-zero, so a process manager
+A CancelRequest arrives on a new connection, which the kernel may hand to another worker than the
+one running the statement: backend pids name their worker, and a worker forwards a request for
+another's pid to it over a Unix datagram socket in a private directory the supervisor creates
+(:mod:`.cancels`), so the client's cancel is 57014 "due to user request" whichever worker it reached.
+
+Limits: if a worker dies the supervisor stops the others and exits non-zero, so a process manager
 (systemd, Docker's restart policy) restarts the whole set.
 """
 
@@ -35,9 +38,11 @@ import ctypes
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -45,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from dpsql.curator.reload import default_pid_file, remove_pid_file, write_pid_file
+from dpsql.server.cancels import MAX_WORKERS
 
 log = logging.getLogger("dpsql.server.workers")
 
@@ -110,7 +116,7 @@ def _worker_main(
     )
     if supervisor is not None:
         _die_with(supervisor)
-    args = argparse.Namespace(**options)
+    args = argparse.Namespace(**options, worker_index=index)
     try:
         code = serve(args)
     except KeyboardInterrupt:
@@ -122,6 +128,9 @@ def supervise(args: argparse.Namespace, serve: Callable[[argparse.Namespace], in
     """Run ``args.processes`` workers of ``serve`` (a module-level function, ``dpsql serve``'s command)
     on ``args.host:args.port`` until SIGINT/SIGTERM or a worker exits."""
     count = int(args.processes)
+    if count > MAX_WORKERS:
+        print(f"ERROR:  --processes is at most {MAX_WORKERS}", file=sys.stderr)
+        return 1
     if not hasattr(socket, "SO_REUSEPORT"):
         print("ERROR:  --processes needs SO_REUSEPORT (Linux, BSD, macOS)", file=sys.stderr)
         return 1
@@ -136,6 +145,8 @@ def supervise(args: argparse.Namespace, serve: Callable[[argparse.Namespace], in
     port = int(placeholder.getsockname()[1])
     options = {k: v for k, v in vars(args).items() if k != "func"}
     options.update(port=port, processes=1, reuse_port=True, pid_file="")  # the supervisor's pid is the one to signal
+    cancel_dir = tempfile.mkdtemp(prefix="dpsql-cancel-")  # 0700: only this user's workers reach the sockets
+    options["cancel_dir"] = cancel_dir
     ctx = multiprocessing.get_context("spawn")
     stopping = False
 
@@ -187,6 +198,7 @@ def supervise(args: argparse.Namespace, serve: Callable[[argparse.Namespace], in
             proc.join(5)
         placeholder.close()
         remove_pid_file(pid_file)
+        shutil.rmtree(cancel_dir, ignore_errors=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return code

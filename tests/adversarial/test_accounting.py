@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dpsql.accountant import fmt
 from dpsql.backends import Backend, open_backend
 from dpsql.dev.demo import HEALTH_COLUMNS, health_rows
 from dpsql.engine import Engine
@@ -119,7 +120,7 @@ def test_zcdp_gaussian_selection_charges_rho_and_half_the_delta(
     assert result.remaining_epsilon == pytest.approx(expected)
     shown = engine.ledger.remaining("health", "alice", budget=budget, accounting="zcdp").epsilon
     assert shown == pytest.approx(expected)
-    assert f"remaining ε={expected:g}" in result.notices[-1]
+    assert f"remaining ε={fmt(expected, down=True)}" in result.notices[-1]  # 4 significant digits, never more
     engine.ledger.close()
 
 

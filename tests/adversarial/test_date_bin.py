@@ -26,12 +26,13 @@ __all__ = ["key_backends"]  # the shared module fixture (DuckDB and PostgreSQL b
 ATTACKS = [
     # 2020-01-01..2024-12-31 in 30-day bins from 2001-01-01: 62 bins, + NULL (d is nullable)
     KeyAttack("bin-30-days-date", "SELECT date_bin('30 days', d, '2001-01-01'), COUNT(*) FROM t GROUP BY 1", 63),
-    # the attacked person's ordinary ts (2021-06-01 10:00) is alone in its 6-hour bin in June 2021
+    # the attacked person's ordinary ts (2021-06-01 10:00) is alone in its 6-hour bin in June 2021; the bin
+    # of 2021-06-03 00:00 lies wholly outside the WHERE range and is not released (#40 item 3)
     KeyAttack(
         "bin-6-hours-alone",
         "SELECT date_bin('6 hours', ts, TIMESTAMP '2000-01-01') AS b, COUNT(*) FROM t "
         "WHERE ts >= '2021-06-01' AND ts < '2021-06-03' GROUP BY b",
-        9,
+        8,
     ),
     # bins before the origin (floor toward −∞), an infinite ts clamped into the last one
     KeyAttack(

@@ -38,6 +38,12 @@ class KeyAttack:
 ATTACKS = [
     KeyAttack("trunc-month-date", "SELECT DATE_TRUNC('month', d), COUNT(*) FROM t GROUP BY 1", 61),
     KeyAttack("trunc-year-ts-sum", "SELECT DATE_TRUNC('year', ts) AS y, SUM(visits) FROM t GROUP BY y", 6),
+    # weeks of Nov 25 … Dec 23: the week of Monday 2024-12-30 lies wholly outside WHERE (#40 item 3)
+    KeyAttack(
+        "trunc-week-ts-before",
+        "SELECT DATE_TRUNC('week', ts), COUNT(*) FROM t WHERE ts >= '2024-12-01' AND ts < '2024-12-30' GROUP BY 1",
+        5,
+    ),
     KeyAttack("trunc-where", "SELECT DATE_TRUNC('month', d), COUNT(*) FROM t WHERE d >= '2024-06-01' GROUP BY 1", 7),
     KeyAttack("extract-year", "SELECT EXTRACT(year FROM d), COUNT(*) FROM t GROUP BY 1", 6),
     KeyAttack("extract-dow-ts", "SELECT EXTRACT(dow FROM ts), AVG(cost) FROM t GROUP BY 1", 8),

@@ -3,14 +3,19 @@
 The histogram query's cells (exact integers for an int column, 65,536 equal cells for a float) must
 be computed identically by both backends for every neighbour (one person absent, ordinary, out of
 bounds, at a bound, NaN, ±infinity, huge), and the query must be answered on each, with values of
-the same type inside the bounds: no error, type or range that says whether the person is there.
+the same type inside the bounds and a value interval for every interior quantile (#40): no error,
+type, range or missing interval that says whether the person is there. Each end of the interval is
+ε-DP on the neighbours' real histograms, on both backends.
 """
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from collections.abc import Callable, Iterator
 
 import pytest
+from scipy.stats import beta
 
 from dpsql.analyze import analyze
 from dpsql.backends import Backend, open_backend
@@ -102,3 +107,51 @@ def test_answered_alike_on_every_neighbour(neighbours: dict[tuple[str, str], Bac
             if "GROUP BY" in sql:
                 assert all(isinstance(v, int) for v in row[2:]), (variant, kind, row)
                 assert float(row[1]).is_integer(), (variant, kind, row)
+        # every quantile (MIN/MAX: their 95% range) carries a value interval inside the bounds, on every neighbour
+        low, high = (-50, 50) if "GROUP BY" in sql else (0.0, 10.0)
+        for ranges in result.intervals:
+            for o, ends in enumerate(ranges):
+                if o == 0 and "GROUP BY" in sql:
+                    assert ends is None, (variant, kind, ranges)  # the key
+                else:
+                    assert ends is not None and low <= ends[0] <= ends[1] <= high, (variant, kind, ranges)
+        assert len(result.intervals) == len(result.rows), (variant, kind)
+
+
+#: Each end of median(n)'s interval at a share of ε = 1 (the query's ε = 3 split in three).
+INTERVAL_SQL = "SELECT median(n) FROM t"
+
+
+@pytest.mark.parametrize("kind", ["duckdb", "postgres"])
+@pytest.mark.parametrize("variant", ["at-bounds", "out-of-bounds"])
+def test_interval_ends_are_epsilon_dp_on_neighbours(
+    neighbours: dict[tuple[str, str], Backend], kind: str, variant: str
+) -> None:
+    """The person absent or present (at a bound, or far beyond it and clamped): every possible lower
+    and upper end, P₁ ≤ e^ε·P₂ both ways (Clopper–Pearson, Bonferroni over outcomes and directions),
+    from the neighbours' histograms as each backend counts them."""
+    policy = parse_policy(POLICY)
+    n, epsilon = 3000, 1.0
+    lows: list[Counter[float]] = []
+    highs: list[Counter[float]] = []
+    for name in ("absent", variant):
+        engine = Engine(policy, neighbours[(name, kind)], Ledger.open("sqlite:///:memory:"))
+        prepared = engine.prepare(INTERVAL_SQL, Session("alice", epsilon=3 * epsilon))
+        assert prepared.budgeting.shares == [epsilon] * 3
+        rows = engine.step.query(prepared.sql)
+        histograms = {i: engine.step.query(q) for i, q in prepared.histograms}
+        ends = [engine.step.release_rows(prepared, rows, 0.95, histograms).intervals[0][0] for _ in range(n)]
+        lows.append(Counter(e[0] for e in ends if e is not None))
+        highs.append(Counter(e[1] for e in ends if e is not None))
+    for samples in (lows, highs):
+        outcomes = set(samples[0]) | set(samples[1])
+        assert len(outcomes) > 2, samples  # the ends vary: the check is not vacuous
+        alpha = 0.001 / (2 * len(outcomes))
+        for outcome in outcomes:
+            for a, b in ((samples[0], samples[1]), (samples[1], samples[0])):
+                k_a, k_b = a[outcome], b[outcome]
+                if k_a == 0:
+                    continue
+                low_a = beta.ppf(alpha, k_a, n - k_a + 1)
+                high_b = beta.ppf(1 - alpha, k_b + 1, n - k_b) if k_b < n else 1.0
+                assert low_a <= math.exp(epsilon) * high_b, (kind, variant, outcome, k_a, k_b)

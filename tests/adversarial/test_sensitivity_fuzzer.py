@@ -38,7 +38,8 @@ from sqlglot import exp
 from dpsql.analyze import analyze
 from dpsql.backends import Backend, open_backend
 from dpsql.errors import Error
-from dpsql.plan import GroupKey, Plan
+from dpsql.noise.exponential import QuantileGrid, extreme_aims, interval_reach, interval_utilities, rank_utilities
+from dpsql.plan import GroupKey, Measure, Plan
 from dpsql.policy import Policy, parse_policy
 from dpsql.release.apply import centre_rows
 from dpsql.rewrite import histogram_queries, to_sql
@@ -354,6 +355,66 @@ def _histogram_violations(plan: Plan, before: dict[tuple, float], after: dict[tu
     return problems
 
 
+def _utility_violations(plan: Plan, i: int, before: dict[tuple, float], after: dict[tuple, float]) -> list[str]:
+    """A quantile measure's utilities (the value's, MIN/MAX's aims, an interval end's) on the two
+    histograms: summed over the groups, the largest move of any candidate's utility is at most the
+    measure's stated sensitivity (what the composition of the groups' mechanisms assumes)."""
+    measure = plan.measures[i]
+    if measure.q is None:
+        return []  # a mode: its utilities are the counts, checked by _histogram_violations
+    grid = measure.aggregate.grid(measure)
+    assert grid is not None
+    sensitivity = plan.sensitivities(measure)[0]
+    groups = {k[:-1] for k in (*before, *after)}
+    moved = 0.0
+    for group in groups:
+        hists = [_cells_of(h, group, grid.cells) for h in (before, after)]
+        # the cells where some utility can change: the non-empty ones of either side, each next one, cell 0
+        places = sorted({0, *(c for h in hists for cell in h for c in (cell, cell + 1) if c < grid.cells)})
+        utilities = [_utilities(measure, grid, h, sensitivity, places) for h in hists]
+        moved += max(abs(a - b) for a, b in zip(*utilities, strict=True))
+    if moved > sensitivity + 1e-6:
+        return [f"utilities of {measure.label} moved {moved:g} in all > sensitivity {sensitivity:g}"]
+    return []
+
+
+def _cells_of(histogram: dict[tuple, float], group: tuple, cells: int) -> dict[int, int]:
+    """One group's cell counts as the release reads them (NULL cells dropped, the bound in the last cell)."""
+    out: dict[int, int] = {}
+    for key, count in histogram.items():
+        if key[:-1] == group and key[-1] is not None:
+            cell = min(max(int(key[-1]), 0), cells - 1)
+            out[cell] = out.get(cell, 0) + int(count)
+    return out
+
+
+def _utilities(
+    measure: Measure, grid: QuantileGrid, counts: dict[int, int], sensitivity: float, places: list[int]
+) -> list[float]:
+    """The candidate utilities the measure's mechanism reads, at fixed positions (so two histograms' lists
+    compare candidate by candidate): runs for MIN/MAX and interval ends, else the cells at ``places`` (every
+    other cell scores as the last of them before it)."""
+    q = measure.q
+    assert q is not None
+    runs = [0] * grid.runs
+    for cell, count in counts.items():
+        runs[cell // grid.stride] += count
+    total = sum(runs)
+    if measure.kind in ("quantile_low", "quantile_high"):
+        reach = 1.0 + interval_reach(1.0, sensitivity, grid, 0.95)
+        return interval_utilities(runs, q, reach, measure.kind == "quantile_high")
+    if q in (0.0, 1.0):
+        candidates = runs if grid.stride > 1 else [counts.get(j, 0) for j in range(grid.cells)]
+        return rank_utilities(candidates, q, total, 0, extreme_aims(1.0, sensitivity, len(candidates)))
+    out: list[float] = []
+    cells = sorted(counts)
+    for place in places:
+        below = sum(counts[c] for c in cells if c < place)
+        above = below + counts.get(place, 0)
+        out.append(-max(0.0, below - q * total, q * total - above))
+    return out
+
+
 def _check_case(
     worlds: dict[str | None, Backend],
     dialect: str,
@@ -387,6 +448,7 @@ def _check_case(
         problems = _violations(plan, base, after) + _lost_groups(plan, after)
         for i, histogram in _histograms(bound, worlds[name]).items():
             problems += [f"measure {i}: {p}" for p in _histogram_violations(plan, base_histograms[i], histogram)]
+            problems += [f"measure {i}: {p}" for p in _utility_violations(plan, i, base_histograms[i], histogram)]
         assert not problems, (
             f"\n-- sensitivity violated on {dialect}, adversary {name!r} "
             f"(tests/adversarial/fuzz_grammar.py), salt {salt!r}, physical {physical}, cap {tau}\n"

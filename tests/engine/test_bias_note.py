@@ -35,6 +35,29 @@ def test_capped_query_names_its_caps_and_bounds() -> None:
             counted.notices
         )
         median = engine.execute("SELECT median(cost) FROM visits", Session("alice"))
-        assert not any("covers the noise only" in n for n in median.notices)  # no ± to qualify
+        assert not any("covers the noise only" in n for n in median.notices)  # no ±, but a value range:
+        assert (
+            "dpsql: the 95% value ranges cover the noise only, not the bias of at most 20 rows per patients.id "
+            "(rows beyond are left out)"
+        ) in median.notices  # its own note names the bounds
+        mode = engine.execute("SELECT mode() WITHIN GROUP (ORDER BY department) FROM visits", Session("alice"))
+        assert not any("cover the noise only" in n or "covers the noise only" in n for n in mode.notices)
+    finally:
+        backend.close()
+
+
+def test_no_cap_named_where_none_can_cut() -> None:
+    """patients is the person table (visits reference its unit, one row per patient): its cap of 1 row
+    per patients.id never leaves a row out, so only the clamp is named (#40 item 4); a join to visits can."""
+    backend = open_backend("duckdb://")
+    try:
+        load_demo(backend, ["clinic"])
+        engine = Engine(load_policy(demo_policy_path("clinic")), backend, Ledger.open("sqlite:///:memory:"))
+        result = engine.execute("SELECT sex, AVG(age) FROM patients GROUP BY sex", Session("alice"))
+        assert "dpsql: ±95% covers the noise only, not the bias of values clamped (age to [0, 110])" in result.notices
+        counted = engine.execute("SELECT COUNT(*) FROM patients", Session("alice"))
+        assert not any("covers the noise only" in n for n in counted.notices), counted.notices
+        explained = engine.explain("SELECT COUNT(*) FROM patients", Session("alice")).as_result().rows
+        assert ("  Intervals: noise only",) in explained, explained
     finally:
         backend.close()

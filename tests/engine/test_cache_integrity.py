@@ -34,6 +34,7 @@ from dpsql.cache import (
     ENTRY_TAG,
     MEASUREMENT_TAG,
     RESULT_FIELDS,
+    UNSTORED_FIELDS,
     PostgresResultCache,
     ResultCache,
     dump_result,
@@ -246,7 +247,7 @@ def _assert_same_result(got: Result, want: Result) -> None:
 
 def test_entry_holds_every_result_field() -> None:
     """A field added to Result (or OutputColumn) must be added to the entry format too."""
-    assert {f.name for f in dataclasses.fields(Result)} == set(RESULT_FIELDS)
+    assert {f.name for f in dataclasses.fields(Result)} == set(RESULT_FIELDS) | set(UNSTORED_FIELDS)
     assert {f.name for f in dataclasses.fields(OutputColumn)} == {"name", "type", "noisy"}
 
 

@@ -72,15 +72,24 @@ def test_max_is_a_value_range_up_to_the_bound(staff: tuple[Policy, Backend]) -> 
     assert low <= top <= low + 80 / 512  # the chosen run's upper edge
 
 
-def test_interior_quantile_says_ranks_as_levels_from_the_noisy_count(staff: tuple[Policy, Backend]) -> None:
+def test_interior_quantile_is_a_value_interval(staff: tuple[Policy, Backend]) -> None:
+    """A median comes with its 95% value interval (#40 item 2): the released ends of two more ε-DP
+    choices, each a third of the quantile's share, stated in the note and holding the exact median."""
+    _, backend = staff
+    exact = backend.execute("SELECT quantile_cont(salary, 0.5) FROM staff")[1][0][0]
     result = _engine(staff).execute("SELECT median(salary), COUNT(*) FROM staff", Session("alice", epsilon=2.0))
     (note,) = [n for n in _notes(result) if n.startswith("dpsql: median")]
-    assert re.fullmatch(
-        r"dpsql: median has no ± interval \(exponential mechanism\): at 95% its rank is within \d+ of the exact "
-        r"0.5-quantile's, i.e. between the group's p4\d and p5\d \(from its noisy count ~\d+\); a value range "
-        r"would need the data \(noise only; bounds \[0, 200000\] clamp salary\)",
+    match = re.fullmatch(
+        r"dpsql: median: between ([0-9.]+) and ([0-9.]+), at 95% \(the exponential mechanism chose the value at "
+        r"ε=0.5 and each end at ε=0.5 of this query's ε; noise only; bounds \[0, 200000\] clamp salary\)",
         note,
-    ), note
+    )
+    assert match, note
+    low, high = float(match.group(1)), float(match.group(2))
+    assert low <= exact <= high and high - low < 20000, (low, exact, high)
+    assert result.intervals[0][0] is not None and result.intervals[0][1] is None  # the count has a ±
+    released_low, released_high = result.intervals[0][0]
+    assert low <= released_low and released_high <= high  # shown rounded outwards
 
 
 def test_small_groups_get_a_warning_from_their_noisy_count(staff: tuple[Policy, Backend]) -> None:

@@ -200,7 +200,20 @@ def test_tradeoff_suggests_the_lowest_rmse(clinic: tuple[str, Backend]) -> None:
     visits = build_report(parse_policy(POLICY), backend, ["visits"]).tables[0]
     _check_suggestion(visits.caps)
     caps = [c.cap for c in visits.caps]
-    assert caps == sorted(caps) and 10 in caps and visits.rows_per_unit["max"] in caps
+    top = visits.rows_per_unit["max"]
+    assert (
+        caps == sorted(caps)
+        and 10 in caps
+        and math.ceil(top / 10 ** (len(str(top)) - 2)) * 10 ** (len(str(top)) - 2) in caps
+    )
+    # #40 item 4: no candidate bound or cap is one person's exact value (rounded away from the data)
+    exact = {float(v) for v in visits.rows_per_unit.values()}
+    assert not any(float(c) in exact and c >= 100 for c in caps if c != 10), (caps, exact)
+    for column in visits.columns:
+        if column.quantiles:
+            shown = {b for c in column.tradeoff if not c.declared for b in (c.lower, c.upper)}
+            data = {v for k, v in column.quantiles.items() if k in ("min", "max") and abs(v) >= 100}
+            assert not shown & data, (column.name, shown & data)
     suggested = next(c for c in visits.caps if c.suggested)
     assert suggested.cap != 10  # heavy visitors: the declared cap leaves out far more than its noise
     for column in visits.columns:

@@ -85,15 +85,15 @@ def test_psql_explain_is_one_plan_line_per_row(dp_server: Running) -> None:
         "   Group keys: public domain: sex",
         "   Intervals: the noise only, not the bias of values clamped (age to [0, 110])",
         "   Output sex: group key",
-        "   Output count: COUNT(*)  sensitivity=1 scale=0.003 epsilon=333.333 ci95=±0",
-        "   Output avg: AVG = centre + noisy centred SUM / noisy COUNT  sensitivity=55 scale=0.165 "
-        "epsilon=666.667 ci95 per row (depends on the noisy count)",
-        "   Output median: QUANTILE(0.5) OF clamp(age, 0, 110): exponential mechanism over 111 integers  "
-        "epsilon=333.333 rank error <= 0.04623 at 95%",
+        "   Output count: COUNT(*)  sensitivity=1 scale=0.005 epsilon=200 ci95=±0",
+        "   Output avg: AVG = centre + noisy centred SUM / noisy COUNT  sensitivity=55 scale=0.275 "
+        "epsilon=400 ci95 per row (depends on the noisy count)",
+        "   Output median: QUANTILE(0.5) OF clamp(age, 0, 110): exponential mechanism over 111 integers; its 95% "
+        "value interval: one more for each end, over 111 integers  epsilon=600 rank error <= 0.07705 at 95%",
         "   ->  Backend SQL:",
         '         SELECT "patients"."sex" AS k0, COUNT(*) AS m0, COALESCE(SUM(CASE WHEN "patients"."age" < 0',
         '             THEN 0 WHEN "patients"."age" > 110 THEN 110 ELSE "patients"."age" END), 0) AS m1,',
-        "             COUNT(*) AS m2, COUNT(*) AS z1",
+        "             COUNT(*) AS m2, COUNT(*) AS m3, COUNT(*) AS m4, COUNT(*) AS z1",
         '         FROM "patients" AS "patients"',
         '         WHERE "patients"."problem" = \'Asthma\'',
         '         GROUP BY "patients"."sex"',

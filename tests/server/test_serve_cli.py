@@ -12,6 +12,10 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from dpsql.dev.demo import demo_policy_path
+from dpsql.policy import Analyst, load_policy
+from dpsql.server.cli import banner_login
+
 pytestmark = pytest.mark.postgres  # starts a local PostgreSQL (shadow catalog or cluster)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,3 +57,14 @@ def test_serving_line_means_listening(tmp_path: Path) -> None:
     finally:
         server.terminate()
         server.wait(30)
+
+
+def test_banner_names_a_declared_analyst() -> None:
+    """#40 item 4: the banner's ``psql -U`` names someone who can log in (``analyst`` when declared)."""
+    clinic = load_policy(demo_policy_path("clinic"))
+    assert banner_login(clinic, "127.0.0.1", 6543) == "try: psql -h 127.0.0.1 -p 6543 -U analyst clinic"
+    others = clinic.model_copy(update={"analysts": (Analyst(name="bob"), Analyst(name="carol smith"))})
+    assert banner_login(others, "::1", 7) == "try: psql -h ::1 -p 7 -U bob clinic"
+    alone = clinic.model_copy(update={"analysts": (Analyst(name="carol smith"),)})
+    assert banner_login(alone, "h", 7) == "try: psql -h h -p 7 -U 'carol smith' clinic"
+    assert banner_login(clinic.model_copy(update={"analysts": ()}), "h", 7) == "no analyst declared: nobody can log in"

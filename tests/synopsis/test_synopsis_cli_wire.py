@@ -80,3 +80,23 @@ def test_psycopg_sees_the_answer_free_with_its_notice(server: tuple[str, int]) -
     assert len(rows) == 12 and all(r[0].year == 2021 for r in rows)
     assert any('answered from synopsis "visits_dashboard"' in n for n in notices), notices
     assert budget == [(0.0,)]
+
+
+def test_build_prints_the_noise_warning_where_it_is_typed(tmp_path: Path) -> None:
+    """#40 item 4: a synopsis whose ε is shared by many marginals is warned about by ``synopsis build``
+    itself (stderr), not only in a server's log."""
+    text = Path(CLINIC).read_text(encoding="utf-8")
+    month = "\"DATE_TRUNC('month', visit_date)\""
+    two, three = f"[[department], [{month}]]", f"[[department], [{month}], [department, {month}]]"
+    policy = tmp_path / "clinic.yaml"
+    policy.write_text(text.replace(f"marginals: {two}", f"marginals: {three}"))
+    built = subprocess.run(
+        [sys.executable, "-m", "dpsql.cli", "synopsis", "build", "--policy", str(policy), "--ledger",
+         f"sqlite:///{tmp_path / 'ledger.db'}"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    assert (
+        'WARNING:  synopsis "visits_dashboard": 3 marginals × 1 measures: each is measured at 1/3 of ε=1, about 3× '
+        "the noise of one query at that ε; declare only the marginals the dashboard needs"
+    ) in built.stderr

@@ -12,10 +12,13 @@ from sqlglot import exp
 
 from dpsql.analyze.fold import Interval, parse_interval
 from dpsql.analyze.keys.base import MAX_DERIVED_GROUPS, KeyContext, KeyExpr, finite_domain, too_many
-from dpsql.analyze.keys.dates import clamped_date, date_bounds, date_values, time_column
+from dpsql.analyze.keys.dates import clamped_date, date_bounds, date_values, opened_by_bound, time_column
 from dpsql.errors import DatetimeFieldOverflow, FeatureNotSupported, UndefinedFunction
 from dpsql.pgtypes import PgType
 from dpsql.policy import PG_TYPE_NAMES
+
+#: A day in microseconds: a date column's bins of at most a day hold its whole day.
+_DAY = 86_400_000_000
 
 
 def _bin_stride(stride: exp.Expression) -> int:
@@ -84,7 +87,8 @@ def date_bin_key(node: exp.Expression, keys: KeyContext) -> KeyExpr:
 
     Computed as DATE_BIN on PostgreSQL and TIME_BUCKET on DuckDB over timestamps, with the stride in
     microseconds (both floor toward −∞ from the origin, as PostgreSQL ≥ 14.2 does); the domain is every
-    bin from bin(lower) to bin(upper), from the policy's (WHERE-narrowed) bounds: no data. Typed as
+    bin from bin(lower) to bin(upper), from the policy's (WHERE-narrowed) bounds: no data; but not a last
+    bin starting at the upper bound (:func:`~dpsql.analyze.keys.dates.opened_by_bound`). Typed as
     PostgreSQL types it: ``timestamp with time zone`` for a date column and an untyped or date origin
     (PostgreSQL then resolves ``date_bin(interval, timestamptz, timestamptz)``; the session is UTC, so
     the bins are the same instants), ``timestamp`` otherwise.
@@ -126,6 +130,8 @@ def date_bin_key(node: exp.Expression, keys: KeyContext) -> KeyExpr:
         return KeyExpr(sql, pg_type, None, policy.nullable)
     # in integer microseconds: a stride wider than Python's timedelta (~2.7 million years) is one bin
     count = (last - first) // dt.timedelta(microseconds=1) // stride + 1
+    if opened_by_bound(policy, first, last, stride <= _DAY):
+        count -= 1  # the last bin starts at the upper bound: only its instant could fall there
     if count > MAX_DERIVED_GROUPS:
         raise too_many(node, count)
     bins = (first + dt.timedelta(microseconds=stride * i) for i in range(count))

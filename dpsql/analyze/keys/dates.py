@@ -3,7 +3,10 @@
 The domain is every bucket (or field value) between the column's declared, WHERE-narrowed bounds:
 60 months for 2020-01-01..2024-12-31, from the policy alone. The column is clamped to those bounds
 (year 1..9999 when it has none) before the function, so ±infinity or an out-of-bounds value lands
-in an edge bucket instead of creating a group.
+in an edge bucket instead of creating a group. A last bucket that starts exactly at the upper bound
+is not released (:func:`opened_by_bound`): only the bound's own instant (a date column's day) and
+values clamped to it could fall there, so an upper bound of 2026-01-01, or ``WHERE ts < '2025-12-29'``
+with weekly buckets, adds no phantom January, 2026 or week of 2025-12-29.
 """
 
 from __future__ import annotations
@@ -41,6 +44,16 @@ def _next(unit: str, value: dt.datetime) -> dt.datetime:
         return dt.datetime(index // 12, index % 12 + 1, 1) if index // 12 <= 9999 else dt.datetime.max
     step = {"week": dt.timedelta(days=7), "day": dt.timedelta(days=1), "hour": dt.timedelta(hours=1)}[unit]
     return value + step if value <= dt.datetime.max - step else dt.datetime.max
+
+
+def opened_by_bound(policy: ColumnPolicy, first: dt.datetime, last: dt.datetime, day_or_finer: bool) -> bool:
+    """Whether the last bucket (starting at ``last``; the first at ``first``) is one only the upper bound's
+    last instant opens: it starts at the bound, it is not the only bucket, and it spans more than the
+    bound itself holds (a date column's bound is a whole day: its day or hour bucket is a real one).
+    Public: the policy's (WHERE-narrowed) bounds and the bucket size only."""
+    if not policy.bounded or last <= first or last != as_datetime(policy.upper):
+        return False
+    return not (policy.type == "date" and day_or_finer)
 
 
 def date_bounds(policy: ColumnPolicy) -> tuple[dt.datetime, dt.datetime]:
@@ -118,6 +131,8 @@ def date_trunc(node: exp.Expression, keys: KeyContext) -> KeyExpr:
         if len(values) > MAX_DERIVED_GROUPS:
             raise too_many(node, _count_buckets(unit, current, last, len(values)))
         current = _next(unit, current)
+    if opened_by_bound(policy, values[0], values[-1], unit in ("day", "hour")):
+        values.pop()
     return KeyExpr(sql, pg_type, finite_domain(node, values, policy.nullable), policy.nullable)
 
 
@@ -182,6 +197,8 @@ def extract(node: exp.Expression, keys: KeyContext) -> KeyExpr:
     if part == "year":
         low, high = date_bounds(policy)
         low_value, high_value = low.year, high.year
+        if opened_by_bound(policy, dt.datetime(low.year, 1, 1), dt.datetime(high.year, 1, 1), False):
+            high_value -= 1  # a bound on 1 January opens no year
     elif part in ("hour", "minute") and policy.type == "date":
         low_value = high_value = 0
     return KeyExpr(
