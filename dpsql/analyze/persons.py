@@ -90,7 +90,10 @@ def person_source(node: exp.Subquery, policy: Policy, resolve_sources: ResolveSo
         )
     for clause in ("distinct", "limit", "offset", "order", "windows", "with_"):
         if select.args.get(clause):
-            raise FeatureNotSupported(f'{clause.upper().rstrip("_")} inside the per-person subquery "{alias}"')
+            raise FeatureNotSupported(
+                f'{clause.upper().rstrip("_")} is not supported inside the per-person subquery "{alias}"',
+                hint="A per-person subquery keeps every person (one row each); filter with WHERE or HAVING.",
+            )
     sources = resolve_sources(select, policy)
     scope = Scope(policy=policy, sources=sources, check_predicate=lambda p: check_where(p, scope))
     where = select.args.get("where")

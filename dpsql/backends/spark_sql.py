@@ -85,6 +85,7 @@ def prepare_tree(tree: exp.Expr) -> PreparedQuery:
     files = resolve_sources(tree)
     _postgres_date_parts(tree)
     _duckdb_double_text(tree)
+    _rounding_integer_casts(tree)
     one_row = (
         isinstance(tree, exp.Select)
         and not tree.args.get("group")
@@ -191,6 +192,27 @@ def _duckdb_double_text(tree: exp.Expr) -> None:
                 if placeholder.name == "__v":
                     placeholder.replace(value.copy())
             cast.replace(replacement)
+
+
+#: Integer types a cast rounds to on PostgreSQL and DuckDB (Spark truncates toward zero).
+_INTEGER_TYPES = (exp.DataType.Type.SMALLINT, exp.DataType.Type.INT, exp.DataType.Type.BIGINT)
+#: Operand types a cast to an integer must round first.
+_FRACTIONAL_TYPES = (exp.DataType.Type.DOUBLE, exp.DataType.Type.FLOAT, exp.DataType.Type.DECIMAL)
+
+
+def _rounding_integer_casts(tree: exp.Expr) -> None:
+    """``CAST(x AS INTEGER)`` of a fractional ``x`` rounds half to even on PostgreSQL and DuckDB (12.7 → 13,
+    12.5 → 12) but truncates on Spark (12): ``BROUND`` (half to even) first, so a SUM of such casts is the
+    same sum on every backend. Operands dpsql generates are casts to DOUBLE (clamped values); others are
+    left as they are."""
+    for cast in list(tree.find_all(exp.Cast)):
+        operand = cast.this
+        if (
+            cast.to.is_type(*_INTEGER_TYPES)
+            and isinstance(operand, exp.Cast)
+            and operand.to.is_type(*_FRACTIONAL_TYPES)
+        ):
+            operand.replace(exp.Anonymous(this="BROUND", expressions=[operand.copy()]))
 
 
 def split_statements(sql: str) -> list[str]:

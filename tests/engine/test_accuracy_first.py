@@ -14,6 +14,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from dpsql.accountant import fmt
 from dpsql.backends import Backend
 from dpsql.cache import ResultCache
 from dpsql.cli import main
@@ -203,7 +204,7 @@ def test_explain_shows_the_chosen_epsilon_and_charges_nothing(engine: Engine) ->
         == f"  ε chosen for accuracy ±10 at 95 %: {chosen:.4g}"
         == "  ε chosen for accuracy ±10 at 95 %: 0.2843"
     )
-    assert f"epsilon={chosen:g}" in lines[0]
+    assert f"epsilon={fmt(chosen)}" in lines[0]
     at90 = engine.execute("EXPLAIN " + COUNTS, Session.configure("alice", accuracy="±10", confidence=0.9))
     assert at90.rows[1][0].startswith("  ε chosen for accuracy ±10 at 90 %: ")
     plan = json.loads(engine.execute("EXPLAIN (FORMAT JSON) " + COUNTS, session).rows[0][0])[0]["Plan"]

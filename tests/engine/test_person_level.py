@@ -187,7 +187,7 @@ JOIN_REFUSALS = [
     (
         "SELECT COUNT(*) FROM visits v JOIN prescriptions r ON v.patient_id < r.patient_id",
         "0A000",
-        "JOIN conditions must be equalities between columns",
+        "JOIN conditions need an equality between columns",
     ),
     (
         "SELECT COUNT(*) FROM visits v JOIN prescriptions r ON v.id = r.id",
@@ -216,7 +216,7 @@ JOIN_REFUSALS = [
         "0A000",
         "UNION is not supported",
     ),
-    ("SELECT COUNT(patient_id) FROM visits", "42501", 'permission denied for column "patient_id"'),
+    ("SELECT SUM(patient_id) FROM visits", "42501", 'permission denied for column "patient_id"'),
     (
         "SELECT COUNT(*) FROM visits v JOIN patients p ON v.patient_id = p.id WHERE p.id = 42",
         "42501",

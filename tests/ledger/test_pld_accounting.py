@@ -117,7 +117,7 @@ def test_pld_refusal_message_and_remaining(ledger: Ledger) -> None:
     assert error.message == 'privacy budget exhausted for analyst "alice"'
     assert error.detail is not None
     assert error.detail.startswith("spent ε=0.99") and "composed by PLD at δ=1e-06" in error.detail
-    assert error.detail.endswith("this query needs ε=0.03, which would total ε=1.00843")
+    assert error.detail.endswith("this query needs ε=0.03, which would total ε=1.008")
     assert error.hint == "Ask the data curator for more budget, or lower ε with SET dpsql.epsilon."
     # the dataset's budget: same check, a refusal without the others' figures
     other = _fresh("pld")

@@ -33,7 +33,7 @@ def bank(request: pytest.FixtureRequest) -> Iterator[Backend]:
     else:
         make: Callable[[], str] = request.getfixturevalue("pg_new_database")
         backend = open_backend(make())
-    backend.execute_script(bank_script(generate(200), keys=request.param.endswith("-keys")))
+    backend.execute_script(bank_script(generate(200), keys=not request.param.endswith("no-keys")))
     yield backend
     backend.close()
 

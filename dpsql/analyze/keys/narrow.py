@@ -203,7 +203,8 @@ def narrow_policies(
             if got:
                 narrow, policy = got
                 narrow.not_null = True
-                values = _equal_to_any(conjunct.expressions, policy)
+                listed = conjunct.expressions and not conjunct.args.get("query")  # x IN (SELECT …): not a list
+                values = _equal_to_any(conjunct.expressions, policy) if listed else None
                 if values is not None:
                     narrow.values = values if narrow.values is None else narrow.values & values
             continue
