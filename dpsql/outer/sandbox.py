@@ -392,7 +392,7 @@ class Sandbox:
         target = _quote(table) if temporary else f"main.{_quote(table)}"
         types = [_TO_DUCKDB.get(t, "VARCHAR") for _, t in columns]
         with self._bounded():
-            values = _columns(rows, len(columns))
+            values = _columns(rows, types)
             if values is not None:
                 unnest = ", ".join(f"UNNEST(?::{t}[])" for t in types)
                 try:
@@ -444,22 +444,31 @@ class Sandbox:
         return rows
 
 
-def _columns(rows: Sequence[Row], width: int) -> list[list[Any]] | None:
+def _columns(rows: Sequence[Row], types: Sequence[str]) -> list[list[Any]] | None:
     """``rows`` as one list per column, for a bulk insert (``UNNEST`` of one list parameter per column),
     or None when a column mixes Python types: DuckDB gives a list one element type, so ``[1, 2.5]`` would
     become doubles before the column's cast (an integer above 2^53 changed), where a row-by-row insert
-    casts each value alone. Columns of one type (and None) load exactly as row by row."""
+    casts each value alone. Columns of one type (and None) load exactly as row by row; so does a DOUBLE
+    column of floats and integers within ±2^53 (each exact as a double: a backend may hand 12.0 back as 12)."""
+    width = len(types)
     if rows and set(map(len, rows)) != {width}:
         return None  # row by row, which refuses it as before
     values = [list(column) for column in zip(*rows, strict=True)] if rows else [[] for _ in range(width)]
-    for column in values:
+    for i, column in enumerate(values):
         kinds = set(map(type, column))
         kinds.discard(type(None))
-        if len(kinds) > 1:
+        if kinds == {int, float} and types[i] == "DOUBLE" and all(_exact_double(v) for v in column):
+            values[i] = [v if v is None or isinstance(v, float) else float(v) for v in column]
+        elif len(kinds) > 1:
             return None
         if kinds == {dt.datetime} and len({v.tzinfo is None for v in column if v is not None}) > 1:
             return None  # naive and aware instants convert differently
     return values
+
+
+def _exact_double(value: Any) -> bool:
+    """Whether ``value`` converts to a double unchanged (None, a float, or an integer within ±2^53)."""
+    return not isinstance(value, int) or -(2**53) <= value <= 2**53
 
 
 def outer_sql(tree: exp.Expr) -> str:
