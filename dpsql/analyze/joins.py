@@ -76,8 +76,12 @@ def _disjuncts(node: exp.Expression) -> list[exp.Expression]:
 
 
 def and_all(parts: Iterable[exp.Expression]) -> exp.Expression | None:
+    """``parts`` joined by AND; an OR part keeps its parentheses (:func:`conjuncts` took them off, and
+    ``A OR B AND C`` is ``A OR (B AND C)``: without them a WHERE would keep rows it filters out)."""
     result: exp.Expression | None = None
     for part in parts:
+        if isinstance(part, exp.Or):
+            part = exp.paren(part, copy=False)
         result = part if result is None else exp.And(this=result, expression=part)
     return result
 

@@ -135,8 +135,9 @@ def _join_condition(join: exp.Join, sources: Sources, unify: dict[str, str]) -> 
     # other conjuncts filter the pairs the equalities make (never more rows than those), checked as WHERE
     scope = Scope(policy=sources.policy, sources=sources, check_predicate=lambda p: check_where(p, scope))
     normalised += [check_where(f, scope) for f in filters]
-    condition: exp.Expression = normalised[0]
-    for extra in normalised[1:]:
+    parts = [exp.paren(p, copy=False) if isinstance(p, exp.Or) else p for p in normalised]  # A OR B AND C ≠
+    condition: exp.Expression = parts[0]
+    for extra in parts[1:]:
         condition = exp.And(this=condition, expression=extra)
     return condition
 

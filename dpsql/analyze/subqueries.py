@@ -295,6 +295,8 @@ def _split(node: exp.Expression) -> list[exp.Expression]:
 
 
 def _and(parts: list[exp.Expression]) -> exp.Expression:
+    """``parts`` joined by AND, an OR part in parentheses (``_split`` took them off)."""
+    parts = [exp.paren(p, copy=False) if isinstance(p, exp.Or) else p for p in parts]
     out = parts[0]
     for part in parts[1:]:
         out = exp.And(this=out, expression=part)

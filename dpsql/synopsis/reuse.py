@@ -78,9 +78,10 @@ def _conjunction(parts: list[exp.Expression]) -> exp.Expression | None:
     """``a AND b AND …`` of copies of ``parts`` (one part: itself; none: None)."""
     if not parts:
         return None
-    tree = parts[0].copy()
-    for part in parts[1:]:
-        tree = exp.And(this=tree, expression=part.copy())
+    copies = [exp.paren(p.copy(), copy=False) if isinstance(p, exp.Or) else p.copy() for p in parts]
+    tree = copies[0]
+    for part in copies[1:]:
+        tree = exp.And(this=tree, expression=part)
     return tree
 
 

@@ -145,3 +145,28 @@ def test_subqueries_refused_with_what_works(engine: Engine, sql: str, message: s
         _run(engine, sql)
     assert (info.value.sqlstate, info.value.message) == ("0A000", message)
     assert info.value.hint
+
+
+@pytest.mark.parametrize(
+    ("sql", "exact"),
+    [
+        (  # a comma join with two OR groups: A OR B AND C OR D would keep rows the WHERE filters out
+            "SELECT COUNT(*) FROM transactions t, accounts a WHERE (t.category = 'rent' OR t.category = 'fuel') "
+            "AND (a.kind = 'credit' OR a.kind = 'savings') AND t.account_id = a.account_id",
+            "SELECT COUNT(*) FROM transactions t JOIN accounts a ON t.account_id = a.account_id "
+            "WHERE t.category IN ('rent', 'fuel') AND a.kind IN ('credit', 'savings')",
+        ),
+        (  # the same groups as extra conditions in JOIN … ON
+            "SELECT COUNT(*) FROM transactions t JOIN accounts a ON t.account_id = a.account_id "
+            "AND (t.category = 'rent' OR t.category = 'fuel') AND (a.kind = 'credit' OR a.kind = 'savings')",
+            "SELECT COUNT(*) FROM transactions t JOIN accounts a ON t.account_id = a.account_id "
+            "WHERE t.category IN ('rent', 'fuel') AND a.kind IN ('credit', 'savings')",
+        ),
+    ],
+)
+def test_or_groups_keep_their_parentheses(engine: Engine, backend: Backend, sql: str, exact: str) -> None:
+    """Conjuncts split apart and joined again keep an OR's parentheses: the measurement counts exactly the
+    rows the query names (a fuzzer find: the WHERE had become ``A OR B AND C OR D``)."""
+    rows = backend.execute(_measurement(engine, sql))[1]
+    assert rows == backend.execute(_measurement(engine, exact))[1]
+    assert "OR" in _measurement(engine, sql) and ") AND (" in _measurement(engine, sql)
