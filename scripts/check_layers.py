@@ -14,6 +14,9 @@ rules over its structure (issue #39):
 4. **Sizes** (issue #39): no module over :data:`MAX_MODULE_LINES` lines, no function or method over
    :data:`MAX_FUNCTION_LINES` (``def`` to its last line, decorators not counted). Growth lands in
    small named parts, not in a grab-bag.
+5. **One charge path** (issue #39): ``.reserve(`` (the ledger's durable charge) is called only in
+   :data:`CHARGE_MODULES` (:func:`dpsql.step.reserve_charge` and the ledger itself), so the privacy
+   order — validate, reserve durably, measure, release — is written once.
 
 ``python scripts/check_layers.py`` prints every violation and exits 1 when there is one;
 ``--graph`` prints the stage of each module and its imports instead.
@@ -66,6 +69,8 @@ LAZY_MODULES = frozenset({"dpsql", "dpsql.cli"})
 #: The size caps of rule 4.
 MAX_MODULE_LINES = 700
 MAX_FUNCTION_LINES = 80
+#: Rule 5: the modules (or packages, by prefix) that may call ``.reserve(``.
+CHARGE_MODULES = ("dpsql.step", "dpsql.ledger")
 
 
 @dataclass(frozen=True)
@@ -209,9 +214,24 @@ def sizes(known: dict[str, Path], root: Path = ROOT) -> list[str]:
     return problems
 
 
+def reserve_calls(known: dict[str, Path], root: Path = ROOT) -> list[str]:
+    """Rule 5: every call of a ``.reserve`` attribute outside :data:`CHARGE_MODULES`."""
+    problems: list[str] = []
+    for module, path in known.items():
+        if any(module == m or module.startswith(m + ".") for m in CHARGE_MODULES):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "reserve":
+                problems.append(
+                    f"{path.relative_to(root)}:{node.lineno}: .reserve( outside {', '.join(CHARGE_MODULES)} "
+                    "(charge through dpsql.step.reserve_charge)"
+                )
+    return problems
+
+
 def violations(root: Path = ROOT) -> list[str]:
     known = modules(root)
-    problems: list[str] = sizes(known, root)
+    problems: list[str] = sizes(known, root) + reserve_calls(known, root)
     edges: dict[str, set[str]] = defaultdict(set)
     for module in known:
         if stage_of(module) < 0:

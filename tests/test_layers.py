@@ -60,6 +60,11 @@ def _package(tmp_path: Path, files: dict[str, str]) -> Path:
         # a module over 700 lines, a function over 80 (issue #39)
         ({"__init__.py": "", "engine.py": "x = 1\n" * 701}, "dpsql/engine.py: 701 lines"),
         ({"__init__.py": "", "engine.py": "def f():\n" + "    x = 1\n" * 80}, "function f has 81 lines"),
+        # a charge outside the one charge path (issue #39)
+        (
+            {"__init__.py": "", "curator/__init__.py": "", "curator/x.py": "def f(ledger):\n    ledger.reserve()\n"},
+            "dpsql/curator/x.py:2: .reserve( outside",
+        ),
     ],
 )
 def test_checker_reports(tmp_path: Path, files: dict[str, str], expected: str) -> None:

@@ -31,6 +31,7 @@ from dpsql.policy import Policy, Synopsis
 from dpsql.prepared import Prepared
 from dpsql.release.apply import apply
 from dpsql.session import Session
+from dpsql.step import reserve_charge
 from dpsql.synopsis import Released, Synopses, store
 from dpsql.synopsis.answer import key_signature
 from dpsql.synopsis.grains import bucket_end, normal, time_columns
@@ -187,14 +188,13 @@ def release(engine: Engine, name: str, *, after: int | None = None) -> Built:
         generation = max(stored | set(claims), default=0) + 1
         value = {"name": name, "generation": generation, **paid, "epsilon": cost.epsilon}
         try:
-            engine.ledger.reserve(  # durably, before anything runs; never refunded
-                dataset=policy.dataset,
-                analyst=ledger_identity(name),
-                cost=cost,
-                dataset_budget=policy.budget.dataset,
-                analyst_budget=policy.budget.dataset,
+            reserve_charge(  # durably, before anything runs; never refunded
+                engine.ledger,
+                policy,
+                cost,
+                who=ledger_identity(name),
                 fingerprint=_fingerprint(name, generation),
-                accounting=policy.budget.accounting,
+                analyst_budget=policy.budget.dataset,
                 claim=(claim_key(policy.dataset, name, generation), json.dumps(value, sort_keys=True)),
             )
             charged = True
