@@ -64,8 +64,8 @@ def check_plan(name: str, sql: str, plan: Plan) -> None:
             hint="Use keys with a declared domain, or a time grain (DATE_TRUNC) of a bounded column.",
         )
     for measure in plan.measures:
-        plain_sum = measure.kind == "sum" and measure.expr is None and not measure.square and not measure.centre
-        if measure.kind != "count_star" and not plain_sum:
+        plain_sum = measure.clamped_sum and measure.expr is None and not measure.square and not measure.centre
+        if not measure.star and not plain_sum:
             raise FeatureNotSupported(
                 f'synopsis "{name}": only COUNT(*) and SUM(column) can be measured',
                 detail=sql,
