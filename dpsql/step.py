@@ -60,7 +60,7 @@ from enum import Enum, StrEnum
 from functools import partial
 from typing import Any
 
-from dpsql.accountant import Cost, fmt
+from dpsql.accountant import BudgetLike, Cost, fmt
 from dpsql.backends import Backend, log_database_error
 from dpsql.cache import (
     ResultCache,
@@ -341,20 +341,7 @@ class Step:
         Under a server job the reservation is gated (:func:`dpsql.ledger.audit.gated`): refused once
         the client stopped waiting, else recorded before the client is told what was charged."""
         self._guard(cost, session)
-        with gated() as record:
-            charge = note_charge(
-                self.ledger.reserve(
-                    dataset=self.policy.dataset,
-                    analyst=session.analyst,
-                    cost=cost,
-                    dataset_budget=self.policy.budget.dataset,
-                    analyst_budget=self.policy.analyst_budget(session.analyst),
-                    fingerprint=fingerprint,
-                    accounting=self.policy.budget.accounting,
-                )
-            )
-            record(cost.epsilon)
-        return charge
+        return reserve_charge(self.ledger, self.policy, cost, who=session.analyst, fingerprint=fingerprint)
 
     def _guard(self, cost: Cost, session: Session) -> None:
         """Accuracy-first's guard against what the analyst really has left, grants included
@@ -547,3 +534,41 @@ class Step:
             log_database_error("reading the query's result failed", exc)
             raise BackendError("the database failed to run the query") from None
         return rows
+
+
+# -- the one charge path -------------------------------------------------------------------------
+
+
+def reserve_charge(
+    ledger: Ledger,
+    policy: Policy,
+    cost: Cost,
+    *,
+    who: str,
+    fingerprint: str,
+    analyst_budget: BudgetLike | None = None,
+    claim: tuple[str, str] | None = None,
+) -> Charge:
+    """Charge ``cost`` to ``who`` and the policy's dataset, durably, before anything is measured: the only
+    call of :meth:`dpsql.ledger.Ledger.reserve` outside the ledger (``scripts/check_layers.py`` checks it).
+    Every release reserves here, whoever measures: :meth:`Step.reserve` (queries), a synopsis build
+    (:mod:`dpsql.curator.synopsis`, with its generation's ``claim``) and the curator's DP bounds
+    (:mod:`dpsql.curator.dp_bounds`). Under a server job the reservation is gated
+    (:func:`dpsql.ledger.audit.gated`: refused once the client stopped waiting, else recorded before the
+    client is told), and the charge is noted on the statement being recorded (its audit row).
+    ``analyst_budget``: the budget ``who`` is checked against (default: the policy's for ``who``)."""
+    with gated() as record:
+        charge = note_charge(
+            ledger.reserve(
+                dataset=policy.dataset,
+                analyst=who,
+                cost=cost,
+                dataset_budget=policy.budget.dataset,
+                analyst_budget=policy.analyst_budget(who) if analyst_budget is None else analyst_budget,
+                fingerprint=fingerprint,
+                accounting=policy.budget.accounting,
+                claim=claim,
+            )
+        )
+        record(cost.epsilon)
+    return charge

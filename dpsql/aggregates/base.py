@@ -115,6 +115,11 @@ class Aggregate:
     null_when_empty: ClassVar[bool] = False
     #: Its measures are ends of a value interval, chosen at the policy's confidence level.
     interval_end: ClassVar[bool] = False
+    #: Its measure is COUNT(*): it reads no column, and its noisy value is a group's released size.
+    counts_rows: ClassVar[bool] = False
+    #: Its measure counts rows or a column's non-NULL values (COUNT(*), COUNT(column)): a non-negative
+    #: integer read as a group's (or a column's) size.
+    counts_values: ClassVar[bool] = False
 
     # -- analysis -------------------------------------------------------------------------------
 

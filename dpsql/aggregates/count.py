@@ -17,6 +17,8 @@ from dpsql.plan.sources import resolve_ref
 
 class CountStar(Aggregate):
     kind = "count_star"
+    counts_rows = True
+    counts_values = True
 
     def label(self, measure: Measure) -> str:
         return "COUNT(*)"
@@ -26,6 +28,7 @@ class Count(Aggregate):
     """COUNT(column) measures, and every count output (COUNT(*) included)."""
 
     kind = "count"
+    counts_values = True
     direct = True
     explain_ci = True
     recognises = (exp.Count,)

@@ -270,35 +270,11 @@ def _quantile_notes(
     released = [float(v) for v in values if isinstance(v, int | float)]
     notes: list[str] = []
     if measure.q in (0.0, 1.0):
-        top = measure.q == 1.0
-        runs = grid.stride > 1
-        candidates = grid.runs if runs else grid.cells
+        candidates = grid.runs if grid.stride > 1 else grid.cells
         aims = extreme_aims(epsilon, sensitivity, candidates)
         error = rank_error_bound(epsilon, sensitivity, level, candidates)
-        reach, ranges = 0.0, []
-        for v in released:
-            index, low, high = grid.candidate(v, runs)
-            aim = aims[candidates - 1 - index] if top else aims[index]
-            reach = max(reach, aim + error)
-            ranges.append((low, measure.upper) if top else (measure.lower, high))
-        depth = math.ceil(reach or aims[0] + error)
-        extreme, side = ("maximum", "above") if top else ("minimum", "below")
-        sure = ci_label(1.0 - EXTREME_BETA)
-        if len(ranges) == 1:
-            low, high = ranges[0]
-            exact = grid.integer and not runs
-            ends = (_approx(low, grid, exact, high - low), _approx(high, grid, exact, high - low))
-            between = f"between {ends[0]} and {ends[1]}" if low < high else f"{ends[0]} (the declared bound)"
-            where = f"the group's values lie {side} {number(released[0])}"
-        else:
-            bound = measure.upper if top else measure.lower
-            between = f"between ~each row's value and {bound:g}" if top else f"between {bound:g} and ~each row's value"
-            where = f"a group's values lie {side} its value"
         floor_, why = aims[0] + error, f"the depth it must aim at plus its {pct}% rank error"
-        notes.append(
-            f"dpsql: {name}: {between} at {sure}% ({clamp}); no DP mechanism finds the exact {extreme}: "
-            f"at {pct}% at most {depth} of {where}{_size_hint(floor_, counts)}"
-        )
+        notes.append(_extreme_note(name, measure, grid, aims, error, pct, clamp, released, counts))
     elif intervals is not None and len(out.measures) == 3:
         error = quantile_rank_error(epsilon, sensitivity, grid, level)
         floor_, why = 2 * error, f"twice its {pct}% rank error"
@@ -307,24 +283,74 @@ def _quantile_notes(
         notes.extend(_interval_notes(name, grid, shares, ends_level, clamp, values, intervals))
     else:
         error = quantile_rank_error(epsilon, sensitivity, grid, level)
-        levels = ""
-        if counts is not None and len(counts) == 1 and len(released) == 1:
-            _, noisy, width = counts[0]
-            n = noisy - width
-            if n > 2 * error:
-                low_q, high_q = max(0.0, measure.q - error / n), min(1.0, measure.q + error / n)
-                levels = (
-                    f", i.e. between the group's p{math.floor(low_q * 100):d} and p{math.ceil(high_q * 100):d} "
-                    f"(from its noisy count ~{number(noisy)})"
-                )
         floor_, why = 2 * error, f"twice its {pct}% rank error"
-        notes.append(
-            f"dpsql: {name} has no ± interval (exponential mechanism): at {pct}% its rank is within "
-            f"{math.ceil(error)} of the exact {measure.q:g}-quantile's{levels}; a value range would need "
-            f"the data ({clamp}){_size_hint(floor_, counts)}"
-        )
+        notes.append(_rank_note(name, measure.q, error, pct, clamp, released, counts))
     notes.extend(_small_group_note(name, floor_, why, counts, plan))
     return notes
+
+
+def _extreme_note(
+    name: str,
+    measure: Measure,
+    grid: QuantileGrid,
+    aims: Sequence[float],
+    error: float,
+    pct: str,
+    clamp: str,
+    released: list[float],
+    counts: Counts | None,
+) -> str:
+    """MIN/MAX's value range: between the released value's grid cell (or run) and the declared bound, and
+    how many values may lie beyond it (the aim of the released value's candidate plus the rank error)."""
+    assert measure.lower is not None and measure.upper is not None
+    top = measure.q == 1.0
+    runs = grid.stride > 1
+    candidates = grid.runs if runs else grid.cells
+    reach, ranges = 0.0, []
+    for v in released:
+        index, low, high = grid.candidate(v, runs)
+        aim = aims[candidates - 1 - index] if top else aims[index]
+        reach = max(reach, aim + error)
+        ranges.append((low, measure.upper) if top else (measure.lower, high))
+    depth = math.ceil(reach or aims[0] + error)
+    extreme, side = ("maximum", "above") if top else ("minimum", "below")
+    sure = ci_label(1.0 - EXTREME_BETA)
+    if len(ranges) == 1:
+        low, high = ranges[0]
+        exact = grid.integer and not runs
+        ends = (_approx(low, grid, exact, high - low), _approx(high, grid, exact, high - low))
+        between = f"between {ends[0]} and {ends[1]}" if low < high else f"{ends[0]} (the declared bound)"
+        where = f"the group's values lie {side} {number(released[0])}"
+    else:
+        bound = measure.upper if top else measure.lower
+        between = f"between ~each row's value and {bound:g}" if top else f"between {bound:g} and ~each row's value"
+        where = f"a group's values lie {side} its value"
+    return (
+        f"dpsql: {name}: {between} at {sure}% ({clamp}); no DP mechanism finds the exact {extreme}: "
+        f"at {pct}% at most {depth} of {where}{_size_hint(aims[0] + error, counts)}"
+    )
+
+
+def _rank_note(
+    name: str, q: float, error: float, pct: str, clamp: str, released: list[float], counts: Counts | None
+) -> str:
+    """A quantile without a value interval (a stored release without one): its rank error, as quantile
+    levels when the group's noisy count is released."""
+    levels = ""
+    if counts is not None and len(counts) == 1 and len(released) == 1:
+        _, noisy, width = counts[0]
+        n = noisy - width
+        if n > 2 * error:
+            low_q, high_q = max(0.0, q - error / n), min(1.0, q + error / n)
+            levels = (
+                f", i.e. between the group's p{math.floor(low_q * 100):d} and p{math.ceil(high_q * 100):d} "
+                f"(from its noisy count ~{number(noisy)})"
+            )
+    return (
+        f"dpsql: {name} has no ± interval (exponential mechanism): at {pct}% its rank is within "
+        f"{math.ceil(error)} of the exact {q:g}-quantile's{levels}; a value range would need "
+        f"the data ({clamp}){_size_hint(2 * error, counts)}"
+    )
 
 
 def _interval_notes(

@@ -14,7 +14,7 @@ from dpsql.backends import Backend, open_backend, redact_url
 from dpsql.cache import ResultCache, default_cache_url
 from dpsql.console import require_policy
 from dpsql.dev.demo import DEMO_TABLES, load_demo
-from dpsql.errors import BackendError, InvalidParameterValue, UndefinedTable
+from dpsql.errors import BackendError, InvalidParameterValue, UndefinedTable, charged_on_failure
 from dpsql.ledger import Ledger, default_ledger, resolve_ledger_url
 from dpsql.policy import load_policy
 from dpsql.server.protocol import DEFAULT_PORT
@@ -157,7 +157,8 @@ def cmd_policy_report(args: argparse.Namespace) -> int:
                 f"ε={fmt(charge.dataset_spent.epsilon, up=True)} spent)",
                 file=sys.stderr,
             )
-            dp = dp_bounds(policy, backend, targets, args.epsilon, args.coverage)
+            with charged_on_failure(args.epsilon):  # charged above, never refunded
+                dp = dp_bounds(policy, backend, targets, args.epsilon, args.coverage)
         report = build_report(policy, backend, tables, dp)
     finally:
         backend.close()

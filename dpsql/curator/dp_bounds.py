@@ -27,9 +27,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from dpsql.accountant import Cost
-from dpsql.ledger.audit import AuditTrail, note_charge
+from dpsql.ledger import Charge, Ledger
+from dpsql.ledger.audit import AuditTrail
 from dpsql.noise.samplers import discrete_laplace, laplace_rational_scale
 from dpsql.policy import ColumnPolicy, Policy
+from dpsql.step import reserve_charge
 
 from . import introspect
 from .report import Relation, relation, stored_column
@@ -209,23 +211,15 @@ def curator_name() -> str:
         return "curator"
 
 
-def charge_dp_bounds(policy: Policy, ledger: Any, epsilon: float, who: str, targets: Sequence[tuple[str, str]]) -> Any:
+def charge_dp_bounds(
+    policy: Policy, ledger: Ledger, epsilon: float, who: str, targets: Sequence[tuple[str, str]]
+) -> Charge:
     """Charge ε to ``who`` and the dataset before any DP bounds are computed (refused when the
     budget is exhausted). The audit row's shape names the columns, never a value."""
     reason = f"{DP_FINGERPRINT} (curator bounds suggestion): " + ", ".join(f"{t}.{c}" for t, c in targets)
     trail = AuditTrail(ledger, policy.dataset, lambda sql: (DP_FINGERPRINT, sql))
     try:
         with trail.recording(reason, who):
-            return note_charge(
-                ledger.reserve(
-                    dataset=policy.dataset,
-                    analyst=who,
-                    cost=Cost(epsilon=epsilon),
-                    dataset_budget=policy.budget.dataset,
-                    analyst_budget=policy.analyst_budget(who),
-                    fingerprint=DP_FINGERPRINT,
-                    accounting=policy.budget.accounting,
-                )
-            )
+            return reserve_charge(ledger, policy, Cost(epsilon=epsilon), who=who, fingerprint=DP_FINGERPRINT)
     finally:
         trail.close()

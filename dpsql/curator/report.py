@@ -38,7 +38,7 @@ from typing import Any
 
 from dpsql.accountant import fmt
 from dpsql.backends import quote_ident
-from dpsql.noise.mechanisms import gaussian_spec, laplace_spec
+from dpsql.noise.mechanisms import MECHANISMS, gaussian_spec, laplace_spec
 from dpsql.policy import ColumnPolicy, Policy, TablePolicy
 
 from . import introspect
@@ -244,7 +244,7 @@ def noise_std(policy: Policy, sensitivity: float, *, integer: bool) -> float:
     if sensitivity <= 0:
         return 0.0
     d = policy.defaults
-    if d.mechanism == "gaussian":
+    if MECHANISMS[d.mechanism].uses_delta:  # the Gaussian
         spec = gaussian_spec(sensitivity, d.epsilon, d.delta, integer=integer)
         return spec.grid * spec.scale
     spec = laplace_spec(sensitivity, d.epsilon, integer=integer)
@@ -275,7 +275,9 @@ def build_report(
     for name in tables or list(policy.tables):
         out.append(table_report(policy, backend, name, dp or {}))
     d = policy.defaults
-    return PolicyReport(policy.dataset, d.epsilon, d.delta if d.mechanism == "gaussian" else 0.0, d.mechanism, out)
+    return PolicyReport(
+        policy.dataset, d.epsilon, d.delta if MECHANISMS[d.mechanism].uses_delta else 0.0, d.mechanism, out
+    )
 
 
 def table_report(
@@ -579,7 +581,7 @@ def _tradeoff_lines(head: str, what: str, choices: list[Choice]) -> list[str]:
 
 def render(report: PolicyReport) -> str:
     """The report as text for the curator's terminal."""
-    mech = report.mechanism + (f", δ={fmt(report.delta)}" if report.mechanism == "gaussian" else "")
+    mech = report.mechanism + (f", δ={fmt(report.delta)}" if MECHANISMS[report.mechanism].uses_delta else "")
     out = [
         f"dpsql policy report: dataset {report.dataset}. EXACT figures read from the data: for the curator only,",
         "never for analysts (bounds read from them reveal someone's values unless public knowledge).",

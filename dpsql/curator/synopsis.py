@@ -31,6 +31,7 @@ from dpsql.policy import Policy, Synopsis
 from dpsql.prepared import Prepared
 from dpsql.release.apply import apply
 from dpsql.session import Session
+from dpsql.step import reserve_charge
 from dpsql.synopsis import Released, Synopses, store
 from dpsql.synopsis.answer import key_signature
 from dpsql.synopsis.grains import bucket_end, normal, time_columns
@@ -63,8 +64,8 @@ def check_plan(name: str, sql: str, plan: Plan) -> None:
             hint="Use keys with a declared domain, or a time grain (DATE_TRUNC) of a bounded column.",
         )
     for measure in plan.measures:
-        plain_sum = measure.kind == "sum" and measure.expr is None and not measure.square and not measure.centre
-        if measure.kind != "count_star" and not plain_sum:
+        plain_sum = measure.clamped_sum and measure.expr is None and not measure.square and not measure.centre
+        if not measure.star and not plain_sum:
             raise FeatureNotSupported(
                 f'synopsis "{name}": only COUNT(*) and SUM(column) can be measured',
                 detail=sql,
@@ -187,14 +188,13 @@ def release(engine: Engine, name: str, *, after: int | None = None) -> Built:
         generation = max(stored | set(claims), default=0) + 1
         value = {"name": name, "generation": generation, **paid, "epsilon": cost.epsilon}
         try:
-            engine.ledger.reserve(  # durably, before anything runs; never refunded
-                dataset=policy.dataset,
-                analyst=ledger_identity(name),
-                cost=cost,
-                dataset_budget=policy.budget.dataset,
-                analyst_budget=policy.budget.dataset,
+            reserve_charge(  # durably, before anything runs; never refunded
+                engine.ledger,
+                policy,
+                cost,
+                who=ledger_identity(name),
                 fingerprint=_fingerprint(name, generation),
-                accounting=policy.budget.accounting,
+                analyst_budget=policy.budget.dataset,
                 claim=(claim_key(policy.dataset, name, generation), json.dumps(value, sort_keys=True)),
             )
             charged = True

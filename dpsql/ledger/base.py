@@ -11,7 +11,7 @@ import datetime as dt
 import os
 import secrets
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
@@ -128,6 +128,60 @@ _SELECT_AUDIT_SQL = (
 _CLAIM_SQL = "INSERT INTO dpsql_ledger_meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO NOTHING"
 
 
+@dataclass
+class _BudgetCheck:
+    """The budget check of one :meth:`Ledger.reserve`, run inside its transaction (a freeze or grant
+    committed before it counts). What it learns is read by the reservation afterwards: the analyst's
+    limit with the curator's grants, and under ``pld`` the composed ε and states with this charge."""
+
+    dataset: str
+    analyst: str
+    cost: Cost
+    recorded: Cost
+    accounting: Accounting
+    rho_delta: float | None
+    analyst_budget: BudgetLike
+    dataset_budget: BudgetLike
+    limit: Allowance
+    #: under pld: the composed ε this charge brings the analyst and the dataset to
+    composed: list[float] = field(default_factory=list)
+    #: under pld: the analyst's and the dataset's states with this charge
+    kept: list[Composed] = field(default_factory=list)
+
+    def __call__(
+        self, analyst_spent: Spent, dataset_spent: Spent, levers: Levers, states: tuple[Kept, Kept] | None
+    ) -> None:
+        if levers.frozen:
+            raise frozen_error(self.analyst)
+        self.limit = levers.limit(self.analyst_budget)
+        require_finite("analyst", self.analyst, analyst_spent + self.cost)
+        require_finite("dataset", self.dataset, dataset_spent + self.cost)
+        if states is not None:
+            # the composed state of every charge so far (kept incrementally), untagged: the generic PLD of
+            # each (ε, δ) bounds any mechanism; the reconciled sums cover whatever the state lacks
+            mine = check_composed(
+                who="analyst",
+                name=self.analyst,
+                composed=states[0].composed,
+                recorded=analyst_spent,
+                cost=self.recorded,
+                budget=self.limit,
+            )
+            everyone = check_composed(
+                who="dataset",
+                name=self.dataset,
+                composed=states[1].composed,
+                recorded=dataset_spent,
+                cost=self.recorded,
+                budget=self.dataset_budget,
+            )
+            self.composed[:], self.kept[:] = [mine[0], everyone[0]], [mine[1], everyone[1]]
+            return
+        common: dict[str, Any] = {"cost": self.cost, "accounting": self.accounting, "rho_delta": self.rho_delta}
+        check_budget(who="analyst", name=self.analyst, spent=analyst_spent, budget=self.limit, **common)
+        check_budget(who="dataset", name=self.dataset, spent=dataset_spent, budget=self.dataset_budget, **common)
+
+
 class Claimed(Exception):
     """A reservation's claim (:meth:`Ledger.reserve`) was already in the ledger: nothing was charged."""
 
@@ -183,49 +237,19 @@ class Ledger(CuratorLevers):
         rho = cost.zcdp_rho() if accounting == "zcdp" else self._recorded_rho(cost)
         recorded = Cost(cost.epsilon, cost.delta, rho, cost.selection_delta)
         now = dt.datetime.now(dt.UTC)
-        limit = Allowance.of(analyst_budget)
         # The statement's audit row, written in the charge's transaction: a charge never lacks one.
         audit_row = charged_entry(dataset, analyst, fingerprint, cost, now)
-        composed: list[float] = []  # under pld: the composed ε this charge brings the analyst and the dataset to
-        kept: list[Composed] = []  # under pld: the analyst's and the dataset's states with this charge
-
-        def check(analyst_spent: Spent, dataset_spent: Spent, levers: Levers, states: tuple[Kept, Kept] | None) -> None:
-            # Read in the reservation's transaction: a freeze or grant committed before it counts.
-            nonlocal limit
-            if levers.frozen:
-                raise frozen_error(analyst)
-            limit = levers.limit(analyst_budget)
-            require_finite("analyst", analyst, analyst_spent + cost)
-            require_finite("dataset", dataset, dataset_spent + cost)
-            if states is not None:
-                # the composed state of every charge so far (kept incrementally), untagged: the generic PLD of
-                # each (ε, δ) bounds any mechanism; the reconciled sums cover whatever the state lacks
-                mine = check_composed(
-                    who="analyst",
-                    name=analyst,
-                    composed=states[0].composed,
-                    recorded=analyst_spent,
-                    cost=recorded,
-                    budget=limit,
-                )
-                everyone = check_composed(
-                    who="dataset",
-                    name=dataset,
-                    composed=states[1].composed,
-                    recorded=dataset_spent,
-                    cost=recorded,
-                    budget=dataset_budget,
-                )
-                composed[:], kept[:] = [mine[0], everyone[0]], [mine[1], everyone[1]]
-                return
-            common: dict[str, Any] = {
-                "cost": cost,
-                "accounting": accounting,
-                "rho_delta": rho_delta,
-            }
-            check_budget(who="analyst", name=analyst, spent=analyst_spent, budget=limit, **common)
-            check_budget(who="dataset", name=dataset, spent=dataset_spent, budget=dataset_budget, **common)
-
+        check = _BudgetCheck(
+            dataset,
+            analyst,
+            cost,
+            recorded,
+            accounting,
+            rho_delta,
+            analyst_budget,
+            dataset_budget,
+            Allowance.of(analyst_budget),
+        )
         charge_id, audit_id, analyst_spent, dataset_spent = self._reserve(
             dataset=dataset,
             analyst=analyst,
@@ -235,7 +259,7 @@ class Ledger(CuratorLevers):
             at=now,
             check=check,
             audit=audit_row,
-            kept=kept,
+            kept=check.kept,
             claim=claim,
         )
         return Charge(
@@ -248,10 +272,10 @@ class Ledger(CuratorLevers):
             accounting=accounting,
             analyst_spent=analyst_spent,
             dataset_spent=dataset_spent,
-            analyst_limit=limit,
+            analyst_limit=check.limit,
             audit_id=audit_id,
             dataset_limit=Allowance.of(dataset_budget),
-            composed=(composed[0], composed[1]) if composed else None,
+            composed=(check.composed[0], check.composed[1]) if check.composed else None,
         )
 
     @staticmethod

@@ -43,6 +43,7 @@ __all__ = [
     "half_width",
     "laplace_spec",
     "mechanism_names",
+    "mechanism_of",
     "noise_tail",
     "partition_threshold",
     "release",
@@ -139,7 +140,7 @@ def exact_spec(mechanism: Mechanism, epsilon: float) -> NoiseSpec:
 def check_samplable(spec: NoiseSpec) -> None:
     """Raise ``ValueError`` unless the exact samplers can draw ``spec``'s noise (scale ≤ 2^50 grid units
     for Laplace, σ ≤ 2^44 for Gaussian): checked at calibration, before any budget is charged."""
-    limit = _mechanism(spec).max_scale
+    limit = mechanism_of(spec).max_scale
     if not spec.scale <= limit:
         raise ValueError(f"noise scale {spec.scale:.4g} grid units exceeds the exact samplers' maximum {limit:.4g}")
 
@@ -207,7 +208,7 @@ def sample_noise(spec: NoiseSpec, size: int) -> np.ndarray:
     """Integer noise (grid units) for ``spec``, from the OS CSPRNG."""
     if spec.scale == 0:
         return np.zeros(size, dtype=np.int64)
-    return _mechanism(spec).sample(spec.scale, size)
+    return mechanism_of(spec).sample(spec.scale, size)
 
 
 def _exact_units(value: object, grid: float) -> int:
@@ -337,7 +338,7 @@ def noise_tail(spec: NoiseSpec, j: int) -> float:
     (the pmf is decreasing and its normaliser is ≥ σ√(2π) by Poisson summation), which is tight to
     O(1/σ) relative and errs on the side of more noise/higher thresholds.
     """
-    return _mechanism(spec).tail(spec.scale, int(j))
+    return mechanism_of(spec).tail(spec.scale, int(j))
 
 
 def _smallest_j(spec: NoiseSpec, target: float, start: int) -> int:
@@ -351,7 +352,7 @@ def _smallest_j(spec: NoiseSpec, target: float, start: int) -> int:
 
 
 def _tail_guess(spec: NoiseSpec, target: float) -> int:
-    return _mechanism(spec).tail_guess(spec.scale, target)
+    return mechanism_of(spec).tail_guess(spec.scale, target)
 
 
 @lru_cache(maxsize=4096)
@@ -431,6 +432,10 @@ class NoiseMechanism(Protocol):
 
     def tail_guess(self, scale: float, target: float) -> int: ...
 
+    def variance(self, scale: float) -> float:
+        """The variance of one draw at ``scale``, in grid units (an upper bound where not exact)."""
+        ...
+
 
 class Laplace:
     """Discrete Laplace: pure ε-DP on the L1 sensitivity; ε is split evenly over the measures."""
@@ -461,6 +466,11 @@ class Laplace:
         # solve α^j/(1+α) = target exactly; the search then moves ±1
         la = _laplace_alpha_log(scale)
         return max(1, math.ceil((math.log(target) + math.log1p(math.exp(la))) / la))
+
+    def variance(self, scale: float) -> float:
+        # the discrete Laplace's 2α/(1-α)² with α = e^{-1/b}
+        a = math.exp(-1.0 / scale)
+        return 2.0 * a / (1.0 - a) ** 2
 
 
 class Gaussian:
@@ -502,6 +512,10 @@ class Gaussian:
     def tail_guess(self, sigma: float, target: float) -> int:
         return max(1, math.ceil(sigma * _normal_q_inv(min(target, 0.5))))
 
+    def variance(self, sigma: float) -> float:
+        # the discrete Gaussian's variance is at most σ² (Canonne, Kamath, Steinke 2020)
+        return sigma**2
+
 
 #: Every noise mechanism, by name: what policies, sessions, the server and the CLI validate against.
 MECHANISMS: dict[str, NoiseMechanism] = {m.name: m for m in (Laplace(), Gaussian())}
@@ -516,7 +530,8 @@ def mechanism_names() -> tuple[str, ...]:
     return tuple(MECHANISMS)
 
 
-def _mechanism(spec: NoiseSpec) -> NoiseMechanism:
+def mechanism_of(spec: NoiseSpec) -> NoiseMechanism:
+    """The registered mechanism that draws ``spec``'s noise; ValueError when none is."""
     try:
         return MECHANISMS[spec.mechanism]
     except KeyError:

@@ -76,7 +76,12 @@ class Measure:
     @property
     def star(self) -> bool:
         """COUNT(*): reads no column."""
-        return self.kind == "count_star"
+        return self.aggregate.counts_rows
+
+    @property
+    def counts(self) -> bool:
+        """COUNT(*) or COUNT(column): a count of rows or of a column's non-NULL values."""
+        return self.aggregate.counts_values
 
     @property
     def sensitivity(self) -> float:

@@ -99,7 +99,7 @@ def _empty_groups_counted_empty(plan: Plan, columns: list[list[Any]]) -> list[li
     it: rounded, never below 0), never a true count: post-processing, free. ``columns`` is not
     changed in place (it may be stored for measurement reuse).
     """
-    star = next((i for i, m in enumerate(plan.measures) if m.kind == "count_star"), None)
+    star = next((i for i, m in enumerate(plan.measures) if m.star), None)
     if star is None:
         return columns
     convert = converter(plan.measures[star])  # as the COUNT(*) output reads it
@@ -108,7 +108,7 @@ def _empty_groups_counted_empty(plan: Plan, columns: list[list[Any]]) -> list[li
         return columns
     columns = list(columns)
     for i, measure in enumerate(plan.measures):
-        if measure.kind not in ("count", "count_star"):
+        if not measure.counts:
             continue
         column = columns[i] = list(columns[i])
         for j in empty:

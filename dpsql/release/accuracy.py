@@ -14,7 +14,7 @@ from typing import Any
 
 from sqlglot import exp
 
-from dpsql.aggregates import OUTPUTS
+from dpsql.aggregates import OUTPUTS, Key
 from dpsql.aggregates.notes import NOTE_ROWS, Counts, null_note, number
 from dpsql.errors import InvalidParameterValue
 from dpsql.plan import OutputItem, Plan
@@ -142,8 +142,8 @@ def _noisy_counts(plan: Plan, released: Released | None) -> dict[str | None, Cou
     nkeys = len(plan.keys)
     found: dict[str | None, int] = {}
     for i, m in enumerate(plan.measures):
-        if m.expr is None and m.kind in ("count_star", "count"):
-            found.setdefault(None if m.kind == "count_star" else m.column, i)
+        if m.expr is None and m.counts:
+            found.setdefault(None if m.star else m.column, i)
     out: dict[str | None, Counts] = {}
     columns = {m.column for m in plan.measures if m.selected}
     for column in columns:
@@ -159,7 +159,7 @@ def _noisy_counts(plan: Plan, released: Released | None) -> dict[str | None, Cou
 
 def _row_label(plan: Plan, row: tuple[Any, ...]) -> str:
     """How a note names a row: its released key values, space-separated (empty without keys)."""
-    keys = [k for k, item in enumerate(plan.outputs) if item.kind == "key"]
+    keys = [k for k, item in enumerate(plan.outputs) if isinstance(OUTPUTS[item.kind], Key)]
     return " ".join(str(row[k]) for k in keys) + " " if keys else ""
 
 

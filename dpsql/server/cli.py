@@ -15,6 +15,7 @@ import shlex
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from dpsql.backends import database_log, redact_url
 from dpsql.commands import add_common, default_policy, open_engine, seconds
@@ -35,6 +36,34 @@ def banner_login(policy: Policy, host: str, port: int) -> str:
     if who is None:
         return "no analyst declared: nobody can log in"
     return f"try: psql -h {host} -p {port} -U {shlex.quote(who)} {shlex.quote(policy.dataset)}"
+
+
+def _server_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of :func:`dpsql.server.run` set by ``dpsql serve``'s options."""
+    return dict(
+        host=args.host,
+        port=args.port,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        catalog_dsn=args.catalog_dsn,
+        catalog_background=True,  # listen at once; the local shadow catalog comes up meanwhile
+        statement_timeout=args.statement_timeout or None,
+        default_statement_timeout=args.default_statement_timeout,
+        idle_in_transaction_timeout=args.idle_in_transaction_timeout or None,
+        idle_holding_timeout=getattr(args, "idle_holding_timeout", 120.0) or None,
+        analyst_cpu_share=getattr(args, "analyst_cpu_share", 0.1),
+        require_tls=getattr(args, "require_tls", False),
+        startup_timeout=args.authentication_timeout,
+        max_connections=args.max_connections,
+        max_connections_per_analyst=args.max_connections_per_analyst,
+        workers=args.workers,
+        analyst_workers=args.analyst_workers,
+        sandbox_memory=getattr(args, "sandbox_memory", 512),
+        catalog_pool=args.catalog_pool,
+        reuse_port=getattr(args, "reuse_port", False),
+        worker_index=getattr(args, "worker_index", None),
+        cancel_dir=getattr(args, "cancel_dir", None),
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -88,28 +117,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         run(
             engine,
-            host=args.host,
-            port=args.port,
-            tls_cert=args.tls_cert,
-            tls_key=args.tls_key,
-            catalog_dsn=args.catalog_dsn,
-            catalog_background=True,  # listen at once; the local shadow catalog comes up meanwhile
-            statement_timeout=args.statement_timeout or None,
-            default_statement_timeout=args.default_statement_timeout,
-            idle_in_transaction_timeout=args.idle_in_transaction_timeout or None,
-            idle_holding_timeout=getattr(args, "idle_holding_timeout", 120.0) or None,
-            analyst_cpu_share=getattr(args, "analyst_cpu_share", 0.1),
-            require_tls=getattr(args, "require_tls", False),
-            startup_timeout=args.authentication_timeout,
-            max_connections=args.max_connections,
-            max_connections_per_analyst=args.max_connections_per_analyst,
-            workers=args.workers,
-            analyst_workers=args.analyst_workers,
-            sandbox_memory=getattr(args, "sandbox_memory", 512),
-            catalog_pool=args.catalog_pool,
-            reuse_port=getattr(args, "reuse_port", False),
-            worker_index=getattr(args, "worker_index", None),
-            cancel_dir=getattr(args, "cancel_dir", None),
+            **_server_options(args),
             on_listening=announce,
             reloader=make_reloader(policy_path, status),
         )

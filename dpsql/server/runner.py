@@ -98,82 +98,114 @@ class WorkRunner:
         def remaining() -> float | None:
             return None if deadline is None else max(0.0, deadline - loop.time())
 
-        slots, user = self.ctx.slots, self._analyst() or "?"
+        user = self._analyst() or "?"
         waiter: asyncio.Future[Any] = asyncio.ensure_future(self._cancel.wait())
-        serial: asyncio.Lock | None = None
-        share, started = self.ctx.cpu_share, False
         try:
-            try:
-                serial = await self._cpu_admit(user, waiter, remaining)
-                share.started(user)
-                started = True
-                admission = asyncio.ensure_future(slots.acquire(user))
-                try:
-                    done, _ = await asyncio.wait(
-                        {admission, waiter}, timeout=remaining(), return_when=asyncio.FIRST_COMPLETED
-                    )
-                except BaseException:
-                    _drop_admission(admission, slots, user)
-                    raise
-                if admission not in done:
-                    _drop_admission(admission, slots, user)
-                    raise self._canceled()
-                admission.result()  # 53400 when the queue is full
-                if checkout is not None:
-                    await self._checkout(checkout, waiter, remaining(), slots, user)
-                job = Job(pure)
-                self._jobs.add(job)
-                try:
-                    future = loop.run_in_executor(self.ctx.executor, job.run, fn, *args)
-                except BaseException:
-                    self._jobs.discard(job)
-                    slots.release(user)
-                    raise
-            except BaseException:
-                if serial is not None:
-                    serial.release()
-                if started:
-                    share.finished(user, 0.0)
-                if on_done is not None:
-                    on_done(None)
-                raise
-
-            def finished(f: asyncio.Future[Any]) -> None:
-                slots.release(user)
-                share.finished(user, job.cpu)  # its analyst's CPU share: what it used, charged or not
-                if serial is not None:
-                    serial.release()
-                self._jobs.discard(job)
-                self.ctx.inflight.discard(f)
-                if on_done is not None:
-                    on_done(f)
-
-            self.ctx.inflight.add(future)
-            future.add_done_callback(finished)
-            try:
-                waiting: set[asyncio.Future[Any]] = {future, waiter}
-                done, _ = await asyncio.wait(waiting, timeout=remaining(), return_when=asyncio.FIRST_COMPLETED)
-            except BaseException:
-                self._abandon(job, future, on_late)
-                raise
-            if future in done:
-                return future.result()
-            # Stop it and learn what it reserved (final: no reservation can follow); if it then ends
-            # within the grace period its own outcome is the answer (an error says what was charged).
-            try:
-                charged = await asyncio.wait_for(loop.run_in_executor(None, job.settle), SETTLE_WAIT)
-            except TimeoutError:
-                charged = job.charged
-            await asyncio.wait({future}, timeout=STOP_GRACE)  # never raises the work's own error
-            if future.done() and _own_outcome(future):
-                if isinstance(stopped := future.exception(), QueryCanceled):
-                    raise self._stopped(stopped)  # the backend only knows it was interrupted
-                return future.result()
-            self._abandon(job, future, on_late)
-            with charged_on_failure(charged):
-                raise self._canceled()
+            job, future = await self._start(fn, args, user, waiter, remaining, pure, checkout, on_done)
+            return await self._outcome(job, future, waiter, remaining, on_late)
         finally:
             waiter.cancel()
+
+    async def _start(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        user: str,
+        waiter: asyncio.Future[Any],
+        remaining: Callable[[], float | None],
+        pure: bool,
+        checkout: Callable[[], Awaitable[object]] | None,
+        on_done: Callable[[Any], None] | None,
+    ) -> tuple[Job, asyncio.Future[Any]]:
+        """Admit the work (the CPU share, a worker slot, the ``checkout``) and start it in the pool. Whatever
+        stops it before it starts gives back what was taken and calls ``on_done(None)``; once started, the
+        slot, the CPU share and the serial lock are given back when the work really ends."""
+        loop = asyncio.get_running_loop()
+        slots, share = self.ctx.slots, self.ctx.cpu_share
+        serial: asyncio.Lock | None = None
+        started = False
+        try:
+            serial = await self._cpu_admit(user, waiter, remaining)
+            share.started(user)
+            started = True
+            admission = asyncio.ensure_future(slots.acquire(user))
+            try:
+                done, _ = await asyncio.wait(
+                    {admission, waiter}, timeout=remaining(), return_when=asyncio.FIRST_COMPLETED
+                )
+            except BaseException:
+                _drop_admission(admission, slots, user)
+                raise
+            if admission not in done:
+                _drop_admission(admission, slots, user)
+                raise self._canceled()
+            admission.result()  # 53400 when the queue is full
+            if checkout is not None:
+                await self._checkout(checkout, waiter, remaining(), slots, user)
+            job = Job(pure)
+            self._jobs.add(job)
+            try:
+                future = loop.run_in_executor(self.ctx.executor, job.run, fn, *args)
+            except BaseException:
+                self._jobs.discard(job)
+                slots.release(user)
+                raise
+        except BaseException:
+            if serial is not None:
+                serial.release()
+            if started:
+                share.finished(user, 0.0)
+            if on_done is not None:
+                on_done(None)
+            raise
+
+        def finished(f: asyncio.Future[Any]) -> None:
+            slots.release(user)
+            share.finished(user, job.cpu)  # its analyst's CPU share: what it used, charged or not
+            if serial is not None:
+                serial.release()
+            self._jobs.discard(job)
+            self.ctx.inflight.discard(f)
+            if on_done is not None:
+                on_done(f)
+
+        self.ctx.inflight.add(future)
+        future.add_done_callback(finished)
+        return job, future
+
+    async def _outcome(
+        self,
+        job: Job,
+        future: asyncio.Future[Any],
+        waiter: asyncio.Future[Any],
+        remaining: Callable[[], float | None],
+        on_late: Callable[[Any, float], None] | None,
+    ) -> Any:
+        """Wait for the started work: its result, or, on a cancel or the timeout, the work stopped and either
+        its own outcome (when it ends within the grace period) or 57014 saying what it reserved."""
+        loop = asyncio.get_running_loop()
+        try:
+            waiting: set[asyncio.Future[Any]] = {future, waiter}
+            done, _ = await asyncio.wait(waiting, timeout=remaining(), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            self._abandon(job, future, on_late)
+            raise
+        if future in done:
+            return future.result()
+        # Stop it and learn what it reserved (final: no reservation can follow); if it then ends
+        # within the grace period its own outcome is the answer (an error says what was charged).
+        try:
+            charged = await asyncio.wait_for(loop.run_in_executor(None, job.settle), SETTLE_WAIT)
+        except TimeoutError:
+            charged = job.charged
+        await asyncio.wait({future}, timeout=STOP_GRACE)  # never raises the work's own error
+        if future.done() and _own_outcome(future):
+            if isinstance(stopped := future.exception(), QueryCanceled):
+                raise self._stopped(stopped)  # the backend only knows it was interrupted
+            return future.result()
+        self._abandon(job, future, on_late)
+        with charged_on_failure(charged):
+            raise self._canceled()
 
     async def _cpu_admit(
         self, user: str, waiter: asyncio.Future[Any], remaining: Callable[[], float | None]

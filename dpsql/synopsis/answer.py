@@ -90,9 +90,9 @@ def _axis_for(key: GroupKey, keys: Sequence[SynopsisKey]) -> tuple[int, Callable
 def _measure_terms(measure: Measure, released: Released) -> list[tuple[int, float]] | None:
     """A plan measure as a linear combination of synopsis measures: [(synopsis measure, coefficient)]."""
     count = next((i for i, m in enumerate(released.measures) if m.kind == "count_star"), None)
-    if measure.kind == "count_star":
+    if measure.star:
         return None if count is None else [(count, 1.0)]
-    if measure.kind == "sum" and measure.expr is None and not measure.square and measure.column is not None:
+    if measure.clamped_sum and measure.expr is None and not measure.square and measure.column is not None:
         sums = [i for i, m in enumerate(released.measures) if m.kind == "sum" and m.column == measure.column]
         if not sums:
             return None

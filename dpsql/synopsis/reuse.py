@@ -97,8 +97,7 @@ def indexable(plan: Plan) -> bool:
     if cells > MAX_CELLS or cells == 0:
         return False
     return all(
-        m.kind == "count_star" or (m.kind == "sum" and m.expr is None and not m.square and m.column is not None)
-        for m in plan.measures
+        m.star or (m.clamped_sum and m.expr is None and not m.square and m.column is not None) for m in plan.measures
     )
 
 
@@ -159,9 +158,9 @@ class Entry:
             if not any(_matches(kind, column, unit, text, k) for k in self.keys):
                 return False
         for measure in plan.measures:
-            if measure.kind == "count_star" and ("count_star", None) not in self.measures:
+            if measure.star and (measure.kind, None) not in self.measures:
                 return False
-            if measure.kind == "sum" and ("sum", measure.column) not in self.measures:
+            if measure.clamped_sum and (measure.kind, measure.column) not in self.measures:
                 return False
         return True
 

@@ -32,7 +32,7 @@ from typing import Protocol
 
 import numpy as np
 
-from dpsql.noise.mechanisms import NoiseSpec
+from dpsql.noise.mechanisms import NoiseSpec, mechanism_of
 
 #: Largest cube a synopsis or an indexed release may have (cells): a derived answer reads every cell.
 MAX_CELLS = 16384
@@ -55,16 +55,10 @@ SOLVES = _Counter()
 
 
 def noise_variance(spec: NoiseSpec) -> float:
-    """Variance of the noise one released value carries (value units): the discrete Laplace's
-    ``2e^{-1/b}/(1-e^{-1/b})²`` or the discrete Gaussian's σ² (an upper bound), times the grid²."""
-    if spec.mechanism == "laplace":
-        a = math.exp(-1.0 / spec.scale)
-        units = 2.0 * a / (1.0 - a) ** 2
-    elif spec.mechanism == "gaussian":
-        units = spec.scale**2
-    else:
-        raise ValueError(f"unknown noise mechanism {spec.mechanism!r}")
-    return units * spec.grid**2
+    """Variance of the noise one released value carries (value units): its mechanism's variance in grid
+    units (:meth:`dpsql.noise.mechanisms.NoiseMechanism.variance`), times the grid²; ValueError for a
+    mechanism that is not registered."""
+    return mechanism_of(spec).variance(spec.scale) * spec.grid**2
 
 
 @dataclass(frozen=True)

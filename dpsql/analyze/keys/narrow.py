@@ -137,98 +137,119 @@ def narrow_policies(
         return found.setdefault(key, _Narrow()), policy
 
     for conjunct in _conjuncts(where):
-        union = _or_of_equalities(conjunct)
-        if union is not None:
-            got = note(union[0])
-            if got:
-                narrow, policy = got
-                values = _equal_to_any(union[1], policy)
-                narrow.not_null = True
-                if values is not None:
-                    narrow.values = values if narrow.values is None else narrow.values & values
-            continue
-        negated = False
-        if isinstance(conjunct, exp.Not):
-            negated, conjunct = True, conjunct.this
-            while isinstance(conjunct, exp.Paren):
-                conjunct = conjunct.this
-        escape: str | None = None  # the checked WHERE sends every LIKE with ESCAPE '\\' (where.py)
-        if isinstance(conjunct, exp.Escape):
-            escape = conjunct.expression.name if isinstance(conjunct.expression, exp.Literal) else ""
-            conjunct = conjunct.this
-        if conjunct.args.get("negate"):  # sqlglot's IS NOT / NOT IN / NOT LIKE
-            negated = not negated
-        if isinstance(conjunct, exp.Column):
-            got = note(conjunct)
-            if got and got[1].type == "boolean":
-                got[0].values = (got[0].values or {True, False}) & {not negated}
-            continue
-        if isinstance(conjunct, exp.Is):
-            got = note(conjunct.this)
-            if got is None:
-                continue
-            narrow, policy = got
-            if isinstance(conjunct.expression, exp.Null):
-                if negated:
-                    narrow.not_null = True
-                else:
-                    narrow.only_null = True
-            elif isinstance(conjunct.expression, exp.Boolean) and not negated:
-                narrow.values = (narrow.values or {True, False}) & {bool(conjunct.expression.this)}
-            continue
-        if negated:
-            if isinstance(conjunct, (exp.In, exp.Like, exp.ILike, *_FLIP)):  # NOT (x op c): x is not NULL
-                got = note(conjunct.this)
-                if got:
-                    got[0].not_null = True
-                    if isinstance(conjunct, exp.In) and not conjunct.args.get("query"):
-                        # x NOT IN (a, b): a and b are not grouped (a NULL in the list passes no row at
-                        # all; not narrowed further then, a superset)
-                        constants = [_constant(v, got[1]) for v in conjunct.expressions]
-                        values = _equal_to_any(conjunct.expressions, got[1])
-                        if values is not None and None not in constants:
-                            got[0].excluded = (got[0].excluded or set()) | values
-            continue
-        if isinstance(conjunct, exp.Like | exp.ILike):
-            got = note(conjunct.this)
-            if got:
-                narrow, policy = got
-                narrow.not_null = True
-                matched = _like_domain(conjunct, policy, escape)
-                if matched is not None:
-                    narrow.values = matched if narrow.values is None else narrow.values & matched
-            continue
-        if isinstance(conjunct, exp.In):
-            got = note(conjunct.this)
-            if got:
-                narrow, policy = got
-                narrow.not_null = True
-                listed = conjunct.expressions and not conjunct.args.get("query")  # x IN (SELECT …): not a list
-                values = _equal_to_any(conjunct.expressions, policy) if listed else None
-                if values is not None:
-                    narrow.values = values if narrow.values is None else narrow.values & values
-            continue
-        if isinstance(conjunct, exp.Between):
-            got = note(conjunct.this)
-            if got:
-                _bound_range(got[0], got[1], exp.GTE, _constant(conjunct.args["low"], got[1]))
-                _bound_range(got[0], got[1], exp.LTE, _constant(conjunct.args["high"], got[1]))
-            continue
-        if isinstance(conjunct, tuple(_FLIP)):
-            op: type[exp.Expression] = type(conjunct)
-            column, other = conjunct.this, conjunct.expression
-            if _key(column) is None or (_key(other) is not None):
-                if _key(other) is not None and _key(column) is not None:
-                    for side in (column, other):
-                        got = note(side)
-                        if got:
-                            got[0].not_null = True
-                    continue
-                column, other, op = other, column, _FLIP[op]
-            got = note(column)
-            if got:
-                _bound_range(got[0], got[1], op, _constant(other, got[1]))
+        _narrow_conjunct(conjunct, note)
     return {key: _narrowed(policies(*key), narrow) for key, narrow in found.items()}  # type: ignore[arg-type]
+
+
+#: The narrowing a column of the policy collects (None: not a policy column), created on first sight.
+_Note = Callable[[exp.Expression], "tuple[_Narrow, ColumnPolicy] | None"]
+
+
+def _narrow_conjunct(conjunct: exp.Expression, note: _Note) -> None:
+    """What one top-level conjunct says about the columns it constrains (nothing when not understood)."""
+    union = _or_of_equalities(conjunct)
+    if union is not None:
+        got = note(union[0])
+        if got:
+            narrow, policy = got
+            values = _equal_to_any(union[1], policy)
+            narrow.not_null = True
+            if values is not None:
+                narrow.values = values if narrow.values is None else narrow.values & values
+        return
+    negated = False
+    if isinstance(conjunct, exp.Not):
+        negated, conjunct = True, conjunct.this
+        while isinstance(conjunct, exp.Paren):
+            conjunct = conjunct.this
+    escape: str | None = None  # the checked WHERE sends every LIKE with ESCAPE '\\' (where.py)
+    if isinstance(conjunct, exp.Escape):
+        escape = conjunct.expression.name if isinstance(conjunct.expression, exp.Literal) else ""
+        conjunct = conjunct.this
+    if conjunct.args.get("negate"):  # sqlglot's IS NOT / NOT IN / NOT LIKE
+        negated = not negated
+    if isinstance(conjunct, exp.Column):
+        got = note(conjunct)
+        if got and got[1].type == "boolean":
+            got[0].values = (got[0].values or {True, False}) & {not negated}
+    elif isinstance(conjunct, exp.Is):
+        _narrow_is(conjunct, negated, note)
+    elif negated:
+        _narrow_negated(conjunct, note)
+    else:
+        _narrow_comparison(conjunct, escape, note)
+
+
+def _narrow_is(conjunct: exp.Is, negated: bool, note: _Note) -> None:
+    """``x IS [NOT] NULL``, ``x IS TRUE``/``FALSE``."""
+    got = note(conjunct.this)
+    if got is None:
+        return
+    narrow = got[0]
+    if isinstance(conjunct.expression, exp.Null):
+        if negated:
+            narrow.not_null = True
+        else:
+            narrow.only_null = True
+    elif isinstance(conjunct.expression, exp.Boolean) and not negated:
+        narrow.values = (narrow.values or {True, False}) & {bool(conjunct.expression.this)}
+
+
+def _narrow_negated(conjunct: exp.Expression, note: _Note) -> None:
+    """``NOT (x op c)``: x is not NULL; ``x NOT IN (a, b)`` also drops a and b."""
+    if not isinstance(conjunct, (exp.In, exp.Like, exp.ILike, *_FLIP)):
+        return
+    got = note(conjunct.this)
+    if not got:
+        return
+    got[0].not_null = True
+    if isinstance(conjunct, exp.In) and not conjunct.args.get("query"):
+        # x NOT IN (a, b): a and b are not grouped (a NULL in the list passes no row at
+        # all; not narrowed further then, a superset)
+        constants = [_constant(v, got[1]) for v in conjunct.expressions]
+        values = _equal_to_any(conjunct.expressions, got[1])
+        if values is not None and None not in constants:
+            got[0].excluded = (got[0].excluded or set()) | values
+
+
+def _narrow_comparison(conjunct: exp.Expression, escape: str | None, note: _Note) -> None:
+    """``x LIKE p``, ``x IN (…)``, ``x BETWEEN a AND b`` and ``x op c`` (either side), un-negated."""
+    if isinstance(conjunct, exp.Like | exp.ILike):
+        got = note(conjunct.this)
+        if got:
+            narrow, policy = got
+            narrow.not_null = True
+            matched = _like_domain(conjunct, policy, escape)
+            if matched is not None:
+                narrow.values = matched if narrow.values is None else narrow.values & matched
+    elif isinstance(conjunct, exp.In):
+        got = note(conjunct.this)
+        if got:
+            narrow, policy = got
+            narrow.not_null = True
+            listed = conjunct.expressions and not conjunct.args.get("query")  # x IN (SELECT …): not a list
+            values = _equal_to_any(conjunct.expressions, policy) if listed else None
+            if values is not None:
+                narrow.values = values if narrow.values is None else narrow.values & values
+    elif isinstance(conjunct, exp.Between):
+        got = note(conjunct.this)
+        if got:
+            _bound_range(got[0], got[1], exp.GTE, _constant(conjunct.args["low"], got[1]))
+            _bound_range(got[0], got[1], exp.LTE, _constant(conjunct.args["high"], got[1]))
+    elif isinstance(conjunct, tuple(_FLIP)):
+        op: type[exp.Expression] = type(conjunct)
+        column, other = conjunct.this, conjunct.expression
+        if _key(column) is None or (_key(other) is not None):
+            if _key(other) is not None and _key(column) is not None:
+                for side in (column, other):
+                    got = note(side)
+                    if got:
+                        got[0].not_null = True
+                return
+            column, other, op = other, column, _FLIP[op]
+        got = note(column)
+        if got:
+            _bound_range(got[0], got[1], op, _constant(other, got[1]))
 
 
 def _or_of_equalities(node: exp.Expression) -> tuple[exp.Expression, list[exp.Expression]] | None:
