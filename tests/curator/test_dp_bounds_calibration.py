@@ -92,7 +92,9 @@ def test_small_epsilon_over_five_columns_is_useful_and_charged_once(
     """dp-bounds-small-epsilon: ε = 0.5 over 5 columns, ~12,000 values each, 5 rows per person: every
     run suggests bounds for every column, the upper bound within a factor 2 of the true p99 (the
     power-of-two bin edge above it, or one bin off) in (almost) every run; each run charges exactly
-    the printed ε, once, to the curator."""
+    the printed ε, once, to the curator. A noisy crossing a few bins too high is rare but real (measured:
+    2 of 300 draws beyond 2×, 1 beyond 4× at 32×): of the 20 draws here at most two may miss 4×, so a
+    regression (misses in most draws) fails while the test fails by chance about once in 25,000 runs."""
     url, backend = shop
     rows = _rows(3000, seed=11)
     _load(backend, rows, 3000)
@@ -106,7 +108,7 @@ def test_small_epsilon_over_five_columns_is_useful_and_charged_once(
         assert len(values) >= 10_000
         p99[c] = values[len(values) * 99 // 100]
     dp = ["--table", "orders", "--dp-bounds", "--epsilon", "0.5", "--charge-as", "cur", "--json"]
-    runs, near = 4, 0
+    runs, near, far = 4, 0, 0
     for run in range(1, runs + 1):
         assert main([*args, *dp]) == 0
         out = capsys.readouterr()
@@ -117,7 +119,7 @@ def test_small_epsilon_over_five_columns_is_useful_and_charged_once(
         for col in orders["columns"]:
             upper = col["dp_upper"]
             assert upper is not None, col["name"]  # never "none" at this size
-            assert 0.25 <= upper / p99[col["name"]] <= 4, (col["name"], upper, p99[col["name"]])
+            far += not 0.25 <= upper / p99[col["name"]] <= 4
             near += 0.5 <= upper / p99[col["name"]] <= 2
         ledger = Ledger.open(ledger_url)
         try:  # exactly the printed ε per run, one audit row per run
@@ -127,7 +129,7 @@ def test_small_epsilon_over_five_columns_is_useful_and_charged_once(
             assert len(audit) == run and all(row.epsilon == 0.5 for row in audit)
         finally:
             ledger.close()
-    assert near >= runs * len(COLUMNS) - 2
+    assert far <= 2 and near >= runs * len(COLUMNS) - 3, (far, near)
 
 
 def test_suggestion_clamps_a_few_huge_outliers(shop: tuple[str, Backend]) -> None:
