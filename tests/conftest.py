@@ -36,25 +36,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.unit)
 
 
-#: Test files that time things against what else runs (another analyst's latency, login slow-downs,
-#: timing side channels, throughput, RSS): under pytest-xdist each of their tests runs with no other test
-#: of the run beside it, so a second worker's load is not noise in their measurements. A single test
-#: elsewhere can ask the same with ``@pytest.mark.exclusive``.
-EXCLUSIVE_PATHS = (
-    "tests/server/test_sandbox_share.py",
-    "tests/server/test_limits.py",
-    "tests/server/test_front_door_round2.py",
-    "tests/server/test_memory_bytes.py",
-    "tests/server/test_catalog_limits.py",
-    "tests/trust/test_side_channels.py",
-    "tests/trust/test_load.py",
-    "tests/trust/test_wire_fuzz.py",
-    "tests/dashboard/test_round2.py",
-)
-
-
 def _exclusive(item: pytest.Item) -> bool:
-    return item.nodeid.startswith(EXCLUSIVE_PATHS) or item.get_closest_marker("exclusive") is not None
+    """A test that times things against what else runs (another analyst's latency, login slow-downs, timing
+    side channels, a timeout racing the work, throughput) carries ``@pytest.mark.exclusive``: under
+    pytest-xdist it runs with no other test of the run beside it, so a second worker's load is not noise in
+    its measurement. Only such tests: the other worker idles meanwhile (it was whole files, ~1/4 of the run's
+    wall time; tests with a loose bound, or whose bound load can only help, run beside others)."""
+    return item.get_closest_marker("exclusive") is not None
 
 
 @contextlib.contextmanager
