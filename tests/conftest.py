@@ -40,7 +40,7 @@ def _exclusive(item: pytest.Item) -> bool:
     """A test that times things against what else runs (another analyst's latency, login slow-downs, timing
     side channels, a timeout racing the work, throughput) carries ``@pytest.mark.exclusive``: under
     pytest-xdist it runs with no other test of the run beside it, so a second worker's load is not noise in
-    its measurement. Only such tests: the other worker idles meanwhile (it was whole files, ~1/4 of the run's
+    its measurement. Only such tests: the other worker idles meanwhile (it was whole files, ~15 % of the run's
     wall time; tests with a loose bound, or whose bound load can only help, run beside others)."""
     return item.get_closest_marker("exclusive") is not None
 
