@@ -1,10 +1,10 @@
 """Shared pytest configuration; PostgreSQL fixtures live in tests/pg.py."""
 
-import contextlib
 import fcntl
 import os
 import tempfile
 from collections.abc import Iterator
+from typing import IO
 
 import pytest
 
@@ -36,53 +36,54 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.unit)
 
 
-#: Test files that time things against what else runs (another analyst's latency, login slow-downs,
-#: timing side channels, throughput, RSS): under pytest-xdist each of their tests runs with no other test
-#: of the run beside it, so a second worker's load is not noise in their measurements. A single test
-#: elsewhere can ask the same with ``@pytest.mark.exclusive``.
-EXCLUSIVE_PATHS = (
-    "tests/server/test_sandbox_share.py",
-    "tests/server/test_limits.py",
-    "tests/server/test_front_door_round2.py",
-    "tests/server/test_memory_bytes.py",
-    "tests/server/test_catalog_limits.py",
-    "tests/trust/test_side_channels.py",
-    "tests/trust/test_load.py",
-    "tests/trust/test_wire_fuzz.py",
-    "tests/dashboard/test_round2.py",
-)
-
-
 def _exclusive(item: pytest.Item) -> bool:
-    return item.nodeid.startswith(EXCLUSIVE_PATHS) or item.get_closest_marker("exclusive") is not None
+    """A test that times things against what else runs (another analyst's latency, login slow-downs, timing
+    side channels, a timeout racing the work, throughput) carries ``@pytest.mark.exclusive``: under
+    pytest-xdist it runs with no other test of the run beside it, so a second worker's load is not noise in
+    its measurement. Only such tests: the other worker idles meanwhile (it was whole files, ~15 % of the run's
+    wall time; tests with a loose bound, or whose bound load can only help, run beside others)."""
+    return item.get_closest_marker("exclusive") is not None
 
 
-@contextlib.contextmanager
-def _turn(exclusive: bool) -> Iterator[None]:
+#: The exclusive turn this worker still holds (turnstile and lock files), kept while exclusive tests follow
+#: one another: released between them, each would wait again for the other worker's current (maybe long) test.
+_HELD: list[tuple[IO[str], IO[str]]] = []
+
+
+def _take(exclusive: bool) -> tuple[IO[str], IO[str]] | None:
     """Under pytest-xdist, a readers-writer lock shared by the run's workers (files under the temporary
     directory named by the run's id): ordinary tests hold it shared, exclusive ones alone. A turnstile
     keeps an exclusive test from waiting behind a stream of ordinary ones."""
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if not run:
-        yield
-        return
+        return None
+    if _HELD:
+        return _HELD.pop()  # the previous test was exclusive and kept the turn for this one
     base = os.path.join(tempfile.gettempdir(), f"dpsql-pytest-{run}")
-    with open(base + ".turnstile", "a") as turnstile, open(base + ".lock", "a") as lock:
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        finally:
-            if not exclusive:
-                fcntl.flock(turnstile, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-            if exclusive:
-                fcntl.flock(turnstile, fcntl.LOCK_UN)
+    turnstile, lock = open(base + ".turnstile", "a"), open(base + ".lock", "a")  # noqa: SIM115 - held across tests
+    fcntl.flock(turnstile, fcntl.LOCK_EX)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+    finally:
+        if not exclusive:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+    return turnstile, lock
+
+
+def _give(files: tuple[IO[str], IO[str]]) -> None:
+    for f in reversed(files):  # the lock, then the turnstile (closing a file drops its flock)
+        f.close()
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    with _turn(_exclusive(item)):
+    exclusive = _exclusive(item)
+    files = _take(exclusive)
+    try:
         yield
+    finally:
+        if files is not None:
+            if exclusive and nextitem is not None and _exclusive(nextitem):
+                _HELD.append(files)
+            else:
+                _give(files)

@@ -20,6 +20,7 @@ from .conftest import Running
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.exclusive
 def test_huge_catalog_result_is_refused_not_buffered(dp_server: Running) -> None:
     """A cross join of catalog tables (hundreds of millions of rows within the shadow's timeout)
     is cancelled once it passes the cap: 54000, and the session stays usable."""
@@ -32,6 +33,7 @@ def test_huge_catalog_result_is_refused_not_buffered(dp_server: Running) -> None
         assert conn.execute("SELECT count(*) FROM pg_catalog.pg_namespace").fetchone()[0] > 0  # type: ignore[index]
 
 
+@pytest.mark.exclusive
 def test_cancel_reaches_a_streaming_catalog_query(dp_server: Running) -> None:
     """Reading rows one at a time must not block the thread that sends the cancel (psycopg's
     get_result holds the GIL while libpq waits): a pg_sleep is cut by the client's timeout."""

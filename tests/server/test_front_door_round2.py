@@ -105,6 +105,7 @@ def catalog_server(engine: Engine) -> Iterator[tuple[Running, ThreadedServer]]:
         server.stop()
 
 
+@pytest.mark.exclusive
 def test_250kB_catalog_statement_is_answered_and_returns_its_slot(
     catalog_server: tuple[Running, ThreadedServer],
 ) -> None:
@@ -119,6 +120,7 @@ def test_250kB_catalog_statement_is_answered_and_returns_its_slot(
     assert eventually(lambda: pool_idle(server), 10)
 
 
+@pytest.mark.exclusive
 def test_two_analysts_sending_big_catalog_statements_do_not_stop_a_third(
     catalog_server: tuple[Running, ThreadedServer],
 ) -> None:
@@ -241,6 +243,7 @@ def _idle_sockets(port: int, n: int) -> list[socket.socket]:
     return socks
 
 
+@pytest.mark.exclusive
 def test_210_idle_unauthenticated_sockets_do_not_lock_analysts_out(engine: Engine) -> None:
     """The issue's flood with the default limits: 210 sockets that never send a byte, then 16
     logins: every one is answered, and the server holds at most its per-address pre-auth cap."""
@@ -292,6 +295,7 @@ def test_authenticated_sessions_have_their_own_budget(engine: Engine) -> None:
         server.stop()
 
 
+@pytest.mark.exclusive
 def test_idle_socket_is_cut_at_the_short_preauth_deadline(engine: Engine) -> None:
     """By default an unauthenticated socket has 10 s (was 60), in the server and the CLI alike."""
     from dpsql.cli import build_parser

@@ -84,6 +84,7 @@ def timed(conn: psycopg.Connection[Any], sql: str) -> float:
 # --- 1. shared pools: back-pressure, fair share, parsing off the loop ---------------------------------
 
 
+@pytest.mark.exclusive
 def test_abandoned_work_stays_within_the_analysts_share(limited: tuple[Running, ThreadedServer]) -> None:
     """statement_timeout=1ms and a flood of statements: the work left running never exceeds the
     analyst's share of the pool, and another analyst's COUNT stays fast."""
@@ -120,6 +121,7 @@ def test_abandoned_work_stays_within_the_analysts_share(limited: tuple[Running, 
     assert max(latencies) < 1.5
 
 
+@pytest.mark.exclusive
 def test_slowest_statements_do_not_delay_another_analyst(limited: tuple[Running, ThreadedServer]) -> None:
     """8 connections send the slowest statement; another analyst's COUNT: normal latency + < 1 s;
     no statement runs past the server's 3 s cap (each answers within it, plus scheduling slack)."""
@@ -172,6 +174,7 @@ def _flood(dsn: str, kind: str, seconds: float, out: Any) -> None:
     out.put((kind, seen))
 
 
+@pytest.mark.exclusive
 def test_flooding_big_and_timed_out_statements(limited: tuple[Running, ThreadedServer]) -> None:
     """One client floods ~1 MiB statements (refused early, 54000), another floods timed-out
     queries; a third client's DP COUNT keeps p50 < 100 ms."""
@@ -305,6 +308,7 @@ def test_custom_settings_are_capped(limited: tuple[Running, ThreadedServer]) -> 
         conn.execute("SET app.after_reset = 'v'")
 
 
+@pytest.mark.exclusive
 def test_startup_deadline_covers_the_whole_startup(limited: tuple[Running, ThreadedServer]) -> None:
     """Each packet arrives in time but the startup as a whole does not: cut at the deadline (1 s)."""
     running, _ = limited
@@ -469,6 +473,7 @@ def test_dead_shadow_is_a_connection_error(engine: Engine) -> None:
 # --- 4. timeouts -------------------------------------------------------------------------------------
 
 
+@pytest.mark.exclusive
 def test_statement_timeout_is_capped_by_the_server(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     server = ThreadedServer(engine, catalog_dsn="", statement_timeout=1.0, default_statement_timeout=0.5)
     running = Running(server.host, server.port, engine)
@@ -494,6 +499,7 @@ def test_statement_timeout_is_capped_by_the_server(engine: Engine, monkeypatch: 
         server.stop()
 
 
+@pytest.mark.exclusive
 def test_idle_in_transaction_timeout(limited: tuple[Running, ThreadedServer]) -> None:
     running, _ = limited
     conn = connect(running, "alice")
@@ -539,6 +545,7 @@ def test_a_statement_stopped_by_its_timeout_says_what_it_was_charged(
     assert "57014" in seen
 
 
+@pytest.mark.exclusive
 def test_a_parameter_number_beyond_the_protocol_is_refused_at_once(limited: tuple[Running, ThreadedServer]) -> None:
     """A Parse of ``… $99999999`` with no declared types sized its type list by the number: 25–35 s
     of CPU and +1 GB RSS kept after disconnect. PostgreSQL numbers parameters up to 65535 (Bind's

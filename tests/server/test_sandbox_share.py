@@ -144,6 +144,7 @@ def serve_process() -> Iterator[tuple[subprocess.Popen[str], int]]:
             proc.kill()
 
 
+@pytest.mark.exclusive
 def test_one_analysts_sandboxes_do_not_slow_another_analyst(serve_process: tuple[subprocess.Popen[str], int]) -> None:
     """The issue's attack, by one analyst on 8 sessions for 15 s (each statement may run 20 s, and is free:
     its inner query is cached): another analyst's DP COUNT p50 stays
@@ -234,6 +235,7 @@ def _start(conn: psycopg.Connection[Any], sql: str, states: list[str | None]) ->
     return thread
 
 
+@pytest.mark.exclusive
 def test_cap_timeout_and_cancel(engine: Engine) -> None:
     """Two sandboxes at once (512 MB, 256 MB each), one per analyst: a third analyst's statement, and
     the same analyst's second one, wait for a place and get 57014 at their timeout (or on cancel); a
@@ -329,6 +331,7 @@ def test_admission_order_share_and_queue_bound() -> None:
     assert gate.peak == 2 and gate.running == {"a": 1, "c": 1}
 
 
+@pytest.mark.exclusive
 def test_admission_wait_ends_at_the_deadline() -> None:
     gate = Admission(memory=RESERVED_BYTES)
     gate.acquire("a", None)
@@ -341,6 +344,7 @@ def test_admission_wait_ends_at_the_deadline() -> None:
     gate.acquire("b", time.monotonic() + 1)
 
 
+@pytest.mark.exclusive
 def test_cpu_time_is_charged_to_the_analyst() -> None:
     """An analyst whose sandboxes used more CPU than its bucket waits before its next one; others don't."""
     gate = Admission(memory=4 * RESERVED_BYTES, cpu_rate=1.0, cpu_burst=0.5)

@@ -188,16 +188,19 @@ def run_load(server: ServerProcess, data: Data, clients: int, seconds: float) ->
     assert "Traceback" not in server.log_text()
 
 
+@pytest.mark.exclusive
 def test_50_clients_for_15_seconds(pg_server: ServerProcess, data_pg: Data) -> None:
     assert backend_connections(data_pg) <= POOL_SIZE
     run_load(pg_server, data_pg, clients=50, seconds=15)
 
 
+@pytest.mark.exclusive
 @pytest.mark.heavy
 def test_200_clients_for_3_minutes(pg_server: ServerProcess, data_pg: Data) -> None:
     run_load(pg_server, data_pg, clients=200, seconds=180)
 
 
+@pytest.mark.exclusive
 def test_backend_down_and_back_up(pg_server: ServerProcess, data_pg: Data) -> None:
     outcomes: Counter[str] = Counter()
     slowest = 0.0

@@ -81,6 +81,7 @@ def big_policy() -> Policy:
     return parse_policy(health_policy_text(analyst_epsilon=1e9, dataset_epsilon=1e9))
 
 
+@pytest.mark.exclusive
 @pytest.mark.parametrize("sql", RELEASE_QUERIES)
 def test_release_time_does_not_depend_on_true_values(
     sql: str,

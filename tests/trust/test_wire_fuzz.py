@@ -416,10 +416,12 @@ def _run_campaign(server: ServerProcess, cases: int) -> None:
     assert stats.sqlstates["XX000"] <= known, "internal errors (XX000) other than the known bugs reached clients"
 
 
+@pytest.mark.exclusive
 def test_wire_fuzz(fuzz_server: ServerProcess) -> None:
     _run_campaign(fuzz_server, DEFAULT_CASES)
 
 
+@pytest.mark.exclusive
 @pytest.mark.heavy
 def test_wire_fuzz_heavy(fuzz_server: ServerProcess) -> None:
     _run_campaign(fuzz_server, HEAVY_CASES)
