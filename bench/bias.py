@@ -89,6 +89,7 @@ QUESTIONS: list[tuple[str, str, bool]] = [
     ("accounts", "SELECT COUNT(*) AS n FROM accounts", True),
 ]
 
+
 def build_bank(backend: Backend, customers: int, seed: float = 0.4) -> None:
     """Seeded bank data in SQL: transactions per account lognormal (a tail of customers beyond 200),
     incomes lognormal (a tail beyond 300k), amounts with a tail beyond 500, loan principals beyond 500k."""
@@ -119,6 +120,7 @@ CREATE OR REPLACE TABLE loans AS
 """
     backend.execute_script(script)
 
+
 def covered(
     engine: Engine, backend: Backend, sql: str, bias: bool, reps: int, analyst: str = "analyst"
 ) -> tuple[int, int, list[float]]:
@@ -142,8 +144,10 @@ def covered(
                 inside += abs(exact_value - float(value)) <= float(width)
     return inside, total, widths
 
+
 def _keys(row: tuple[Any, ...]) -> int:
     return sum(1 for v in row if isinstance(v, str))
+
 
 def bank(customers: int, reps: int) -> list[dict[str, Any]]:
     backend = open_backend("duckdb://")
@@ -167,6 +171,7 @@ def bank(customers: int, reps: int) -> list[dict[str, Any]]:
     backend.close()
     return out
 
+
 def clinic(reps: int) -> dict[str, Any]:
     backend = open_backend("duckdb://")
     load_demo(backend, ["clinic"])
@@ -181,6 +186,7 @@ def clinic(reps: int) -> dict[str, Any]:
         "median_ci_on": statistics.median(widths),
         "median_ci_off": statistics.median(widths_off),
     }
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -209,6 +215,7 @@ def main() -> None:
         f"clinic COUNT(*) of visits: covered {c['covered_on'][0]}/{c['covered_on'][1]} with bias on, "
         f"{c['covered_off'][0]}/{c['covered_off'][1]} off; median ±{c['median_ci_on']:.4g} vs ±{c['median_ci_off']:.4g}"
     )
+
 
 if __name__ == "__main__":
     main()

@@ -54,12 +54,12 @@ from dpsql.plan import Plan
 from dpsql.policy import Policy, load_policy
 from dpsql.postprocess.trim import trim_time, trimming_on
 from dpsql.prepared import Description, Prepared
-from dpsql.release.accuracy import confidence as confidence_level
-from dpsql.release.calibrate import FREE, budget
 from dpsql.release.accuracy import caps_cut
+from dpsql.release.accuracy import confidence as confidence_level
 from dpsql.release.bias import BiasEstimate
 from dpsql.release.bias import estimate as bias_estimate
 from dpsql.release.bias import rest as bias_rest
+from dpsql.release.calibrate import FREE, budget
 from dpsql.release.cap import CapChoice
 from dpsql.release.cap import candidates as cap_candidates
 from dpsql.release.cap import split as split_epsilon
@@ -224,16 +224,24 @@ class Engine:
         estimate, choice = self._bias(plan, session, choice, local is None)
         select = rewrite(plan)
         calibrated = session if choice is None else choice.session  # (the choice's: less the estimate's share)
-        if choice is None and estimate is not None:
+        if choice is None and estimate is not None and estimate.epsilon:
             calibrated = bias_rest(session, self._epsilon(session), estimate.epsilon)
         budgeting = budget(self.policy, plan, calibrated, confidence_level(self.policy, session))
-        shares = ([] if choice is None else [choice.epsilon]) + ([] if estimate is None else [estimate.epsilon])
+        shares = ([] if choice is None else [choice.epsilon]) + (
+            [] if estimate is None or not estimate.epsilon else [estimate.epsilon]
+        )
         if shares:  # the cap's choice, the bias estimate and the measurement, composed: the query's ε in all
             costs = [Cost(epsilon=e) for e in shares] + [budgeting.cost]
             budgeting = replace(budgeting, epsilon=self._epsilon(session), cost=Cost.total(costs))
         normalised = tree.sql(dialect=dialect("postgres"), normalize=True, copy=False)  # tree is not used afterwards
         histograms = histogram_queries(plan, self.backend.render)
-        settings = (budgeting.epsilon, budgeting.delta, budgeting.mechanism, self._cap_setting(session), estimate is not None)
+        settings = (
+            budgeting.epsilon,
+            budgeting.delta,
+            budgeting.mechanism,
+            self._cap_setting(session),
+            estimate is not None,
+        )
         key = cache_key(self.policy.dataset, normalised, params_key(params), settings)
         sql = self.backend.render(select, copy=False)
         measured = (plan.keys, plan.measures, plan.selection_measure)  # what the measurement's columns mean
@@ -258,7 +266,7 @@ class Engine:
         candidates = (plan.max_rows,) if choice is None else choice.candidates
         render = partial(self.backend.render, copy=False)
         estimate = bias_estimate(plan, caps_cut(plan), self._epsilon(session), candidates, render)
-        if estimate is None or choice is None:
+        if estimate is None or choice is None or not estimate.epsilon:
             return estimate, choice
         rest = bias_rest(choice.session, self._epsilon(choice.session), estimate.epsilon)
         return estimate, replace(choice, session=rest)

@@ -224,6 +224,7 @@ class Session:
         confidence: float | None = None,
         accuracy: float | str | None = None,
         max_rows_per_unit: int | str | None = None,
+        bias: bool | str | None = None,
     ) -> Session:
         """A session whose settings went through the same checks as ``SET dpsql.…`` (22023 if invalid)."""
         session = cls(analyst)
@@ -234,6 +235,7 @@ class Session:
             "confidence": confidence,
             "accuracy": accuracy,
             "max_rows_per_unit": max_rows_per_unit,
+            "bias": None if bias is None else ("on" if bias is True else "off" if bias is False else bias),
         }
         for name, value in given.items():
             if value is not None:

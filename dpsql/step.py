@@ -445,7 +445,8 @@ class Step:
             prepared, chosen = self.at_cap(prepared, prepared.cap.choose([int(n or 0) for n in above]))
             measurement = stamp = None
         # the cap/clamp bias, estimated under DP at its share of the reserved ε (noised with the released keys)
-        bias = None if prepared.bias is None else self.query(prepared.bias.sql_at(prepared.plan.max_rows))
+        totals = None if prepared.bias is None else prepared.bias.sql_at(prepared.plan.max_rows)
+        bias = None if prepared.bias is None else [] if totals is None else self.query(totals)
         rows = self.query(prepared.sql)
         if prepared.plan.physical.proven and data_version(self.backend) != prepared.data_version:
             # a write raced the proof: run it again with every clamp in place
@@ -499,7 +500,7 @@ class Step:
         if self.cache is not None and measurement is not None:
             self.cache.put(measurement, measurement_result(nkeys, released.rows, released.columns))
             if figures is not None:
-                self.cache.put(measurement + BIAS_SUFFIX, figures.as_result())
+                self.cache.put(measurement + BIAS_SUFFIX, measurement_result(*figures.stored()))
             index = self.deriver.index
             if stamp is not None and self._database_identity is not None and index is not None and indexable(plan):
                 variances = [noise_variance(s) for s in prepared.budgeting.specs if s is not None]

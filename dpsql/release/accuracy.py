@@ -54,10 +54,10 @@ def accuracy_notes(
     be, and outputs without any interval (post-processed).
 
     Privacy: every figure here is a function of ε, the policy's bounds and domains, the grid and the
-    confidence (all public), or of released values (``widened``: columns whose ± covers the estimated bias
-    of :mod:`dpsql.release.bias`, never clipped to the clamped value's range) (a value equal to a bound, a quantile's grid cell,
+    confidence (all public), or of released values (a value equal to a bound, a quantile's grid cell,
     a NULL or a group's size judged from a *noisy* count in ``released``): post-processing, free. No
-    true count or value is read.
+    true count or value is read. ``widened``: columns whose ± covers the estimated bias of
+    :mod:`dpsql.release.bias` (never clipped to what the clamped value can be).
     """
     notes: list[str] = []
     pct = ci_label(level)

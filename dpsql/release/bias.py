@@ -90,8 +90,14 @@ class BiasEstimate:
     #: How the note names the privacy unit.
     unit: str
     nkeys: int
+    #: The share of rows the caps leave out as the curator published it (``tables.T.published_rows_cut``):
+    #: used instead of a DP estimate of the rows cut (None: estimated, when ``cuts``).
+    published: float | None = None
 
-    def sql_at(self, tau: int) -> str:
+    def sql_at(self, tau: int) -> str | None:
+        """The totals' SQL at the cap used (None: nothing to estimate under DP, a published figure only)."""
+        if not self.totals:
+            return None
         return next((sql for cap, sql in self.sql if cap == tau), self.sql[-1][1])
 
     def spec(self, total: Total, cells: int) -> NoiseSpec:
@@ -105,20 +111,23 @@ class BiasEstimate:
         found = {tuple(row[: self.nkeys]): row[self.nkeys :] for row in rows}
         zeros = [0.0] * len(self.totals)
         cells = [tuple(key) for key in keys]
-        noisy: dict[tuple[Any, ...], dict[str, float]] = {}
+        noisy: dict[tuple[Any, ...], dict[str, float]] = {key: {} for key in cells}
         for t, total in enumerate(self.totals):
             exact = [float(found.get(key, zeros)[t] or 0.0) for key in cells]
-            values = release(exact, self.spec(total, len(cells))) if cells else []
+            values = list(release(exact, self.spec(total, len(cells)))) if cells else []
             for key, value in zip(cells, values, strict=True):
                 noisy.setdefault(key, {})[total.name] = float(value)
         return BiasFigures(self, noisy, level)
 
     def explain_text(self, epsilon: float) -> str:
         """EXPLAIN's ``Intervals`` line: what the ± covers and what the estimate costs."""
-        return (
-            f"noise and the {_what(self)} bias estimated under DP (ε={fmt(self.epsilon)} of this query's "
-            f"ε={fmt(epsilon)})"
-        )
+        if not self.totals:
+            return f"noise and the cap bias the curator published ({_percent(self.published or 0.0)} of rows cut)"
+        share = f"ε={fmt(self.epsilon)} of this query's ε={fmt(epsilon)}"
+        text = f"noise and the {_what(self)} bias estimated under DP ({share})"
+        if self.published is not None:
+            text += f", and the cap bias the curator published ({_percent(self.published)} of rows cut)"
+        return text
 
 
 def _what(estimate: BiasEstimate) -> str:
@@ -170,6 +179,8 @@ class BiasFigures:
                 return max(0.0, self.total(name)[0]), self.total(name)[1]
             return max(0.0, self.noisy[key][name]), self._width(name)
 
+        if not self.estimate.totals:  # a published figure only
+            return BiasRates((_per_kept(self.estimate.published), 0.0), {}, {})
         kept = self._kept(key)
         cut = figure("cut") if self.estimate.cuts else (0.0, 0.0)
         per_total, per_row = {}, {}
@@ -178,12 +189,15 @@ class BiasFigures:
             per_row[i] = (excess / kept, width / kept)
             if size.get(i, 0.0) > 0:
                 per_total[i] = (excess / size[i], width / size[i])
+        if self.estimate.published is not None:
+            return BiasRates((_per_kept(self.estimate.published), 0.0), per_total, per_row)
         return BiasRates((cut[0] / kept, cut[1] / kept), per_total, per_row)
 
-    def as_result(self) -> Result:
-        """The released figures as rows (key, totals), to keep beside the measurements they were released with."""
-        rows = [(*key, *(v[t.name] for t in self.estimate.totals)) for key, v in self.noisy.items()]
-        return Result([], rows, [], self.estimate.epsilon, 0.0)
+    def stored(self) -> tuple[int, list[tuple[Any, ...]], list[list[float]]]:
+        """The released figures as measurements are kept (:func:`dpsql.cache.measurement_result`): the number
+        of keys, each released group's key and each total's column, to keep beside the measurements."""
+        keys = list(self.noisy)
+        return self.estimate.nkeys, keys, [[self.noisy[k][t.name] for k in keys] for t in self.estimate.totals]
 
     @classmethod
     def from_rows(cls, estimate: BiasEstimate, rows: Sequence[Sequence[Any]], level: float) -> BiasFigures:
@@ -197,7 +211,12 @@ class BiasFigures:
         """``dpsql: ±95% covers noise and the estimated cap/clamp bias (~4 % of rows cut …)``: released
         figures only (the totals over the released groups), public bounds and caps."""
         parts = []
-        kept = self._kept(None)
+        kept = self._kept(None) if self.estimate.totals else 1.0
+        if self.estimate.published is not None:
+            share = _percent(self.estimate.published)
+            parts.append(
+                f"{share} of rows cut beyond {plan.max_rows} per {self.estimate.unit}, as the curator published"
+            )
         if self.estimate.cuts:
             value, width = self.total("cut")
             beyond = f"beyond {plan.max_rows} per {self.estimate.unit}"
@@ -219,6 +238,8 @@ class BiasFigures:
                 else f"no {beyond} detected (less than ~{width / kept:.3g} a row)"
             )
         pct = ci_label(level)
+        if not self.estimate.totals:
+            return f"dpsql: ±{pct}% covers noise and the cap bias ({parts[0]} for the whole table)"
         lead = (
             f"±{pct}% covers noise and the estimated {_what(self.estimate)} bias"
             if widened
@@ -231,6 +252,11 @@ class BiasFigures:
             f"dpsql: {lead} ({'; '.join(parts)}; estimated under DP with ε={fmt(self.estimate.epsilon)} of this "
             f"query's ε; a lower bound where {' or '.join(limits)})"
         )
+
+
+def _per_kept(share: float | None) -> float:
+    """Rows cut per row kept, from the share of rows cut."""
+    return 0.0 if share is None else share / (1.0 - share)
 
 
 def _percent(share: float) -> str:
@@ -259,6 +285,11 @@ def estimate(
     clamped = clamped_measures(plan)
     if plan.unit is None or (not cuts and not clamped) or not any(not m.selected for m in plan.measures):
         return None
+    published = published_cut(plan) if cuts else None
+    cuts = cuts and published is None  # (a published figure: nothing to estimate)
+    unit = plan.sources.unit_description
+    if not cuts and not clamped:
+        return BiasEstimate(0.0, (), (), False, (), unit, len(plan.keys), published)
     tau = max(candidates)
     totals = [Total("kept", float(tau))]
     if cuts:
@@ -269,8 +300,16 @@ def estimate(
         if i == j:
             totals.append(Total(f"excess{i}", tau * _ceiling(m.lower, m.upper), RARE))
     sql = tuple((c, render(totals_query(plan, c, clamped, cuts))) for c in candidates)
-    unit = plan.sources.unit_description
-    return BiasEstimate(epsilon * SHARE, sql, tuple(totals), cuts, clamped, unit, len(plan.keys))
+    return BiasEstimate(epsilon * SHARE, sql, tuple(totals), cuts, clamped, unit, len(plan.keys), published)
+
+
+def published_cut(plan: Plan) -> float | None:
+    """The share of rows cut the curator published for the query's tables (the largest), when the query runs at
+    the policy's caps (a cap of its own cuts other rows); None otherwise. Public: the policy's."""
+    if plan.tau is not None:
+        return None
+    shares = [s.table.published_rows_cut for s in plan.sources.private if s.table.published_rows_cut is not None]
+    return max(shares) if shares else None
 
 
 def _ceiling(lower: float, upper: float) -> float:
@@ -293,14 +332,15 @@ def totals_query(plan: Plan, tau: int, clamped: Sequence[tuple[int, int]], cuts:
     """``SELECT k…, SUM(kept), SUM(cut), SUM(excess) … GROUP BY k…`` over the rows per (unit, group).
 
     Per (unit, group): its rows ``n_g`` (after the measurement's joins and WHERE) and per clamped value the
-    sum over them of ``clamp(x − U, 0, W) + clamp(L − x, 0, W)``, in DOUBLE (no integer overflow: an error
-    must not depend on the data); the unit's rows ``n`` in all by a window. NaN lies above every bound on
-    every backend (:func:`clamp_sql`); NULLs are skipped. One unit's rows move each total's vector over
-    the groups by at most its :class:`Total` sensitivity (the module's argument)."""
+    sum over them of ``clamp(x − U, 0, W)`` above U, ``clamp(L − x, 0, W)`` below L, in DOUBLE (no integer
+    overflow: an error must not depend on the data); the unit's rows ``n`` in all by a window. NaN lies
+    above every bound on every backend (:func:`clamp_sql`; one branch per row, so at most W); NULLs are
+    skipped. One unit's rows move each total's vector over the groups by at most its :class:`Total`
+    sensitivity (the module's argument)."""
     assert plan.unit is not None
     double = exp.DataType.Type.DOUBLE
     keys = [key_column(plan, k) for k in range(len(plan.keys))]
-    per_cell: list[exp.Expression] = [exp.alias_(plan.unit.copy(), "__u")]
+    per_cell: list[exp.Expr] = [exp.alias_(plan.unit.copy(), "__u")]
     per_cell += [exp.alias_(k.copy(), f"k{i}") for i, k in enumerate(keys)]
     per_cell.append(exp.alias_(exp.Count(this=exp.Star(), big_int=True), "__m"))
     unique = [i for i, j in clamped if i == j]
@@ -309,9 +349,15 @@ def totals_query(plan: Plan, tau: int, clamped: Sequence[tuple[int, int]], cuts:
         assert m.lower is not None and m.upper is not None
         x = exp.cast(measure_input(m), double)
         lo, hi, width = literal_number(m.lower), literal_number(m.upper), literal_number(_ceiling(m.lower, m.upper))
-        above = clamp_sql(exp.Sub(this=x.copy(), expression=hi), exp.Literal.number(0), width)
-        below = clamp_sql(exp.Sub(this=lo, expression=x.copy()), exp.Literal.number(0), width.copy())
-        excess = exp.Add(this=exp.paren(above, copy=False), expression=exp.paren(below, copy=False))
+        above = clamp_sql(exp.Sub(this=x.copy(), expression=hi.copy()), exp.Literal.number(0), width)
+        below = clamp_sql(exp.Sub(this=lo.copy(), expression=x.copy()), exp.Literal.number(0), width.copy())
+        # one branch per row, at most W: NaN lies above U (and would lie below L too)
+        excess = (
+            exp.Case()
+            .when(exp.GT(this=x.copy(), expression=hi), above)
+            .when(exp.LT(this=x.copy(), expression=lo), below)
+            .else_(exp.Literal.number(0))
+        )
         per_cell.append(exp.alias_(exp.Sum(this=excess), f"__e{i}"))
     base = filter_rows(select_measures(exp.select(), plan), plan)
     cells = over_sources(base, *per_cell).group_by(plan.unit.copy(), *(k.copy() for k in keys), copy=False)
@@ -322,7 +368,7 @@ def totals_query(plan: Plan, tau: int, clamped: Sequence[tuple[int, int]], cuts:
     cap = exp.Literal.number(tau)
     share = exp.Div(this=exp.cast(m_.copy(), double), expression=exp.cast(n.copy(), double))  # n_g / n
     kept = exp.Case().when(exp.GT(this=n.copy(), expression=cap.copy()), cap.copy()).else_(n.copy())
-    outer: list[exp.Expression] = [exp.column(f"k{i}", quoted=True) for i in range(len(keys))]
+    outer: list[exp.Expr] = [exp.column(f"k{i}", quoted=True) for i in range(len(keys))]
     outer.append(_total(exp.Mul(this=share.copy(), expression=exp.paren(kept, copy=False)), "kept"))
     if cuts:
         beyond = clamp_sql(
@@ -347,7 +393,7 @@ def totals_query(plan: Plan, tau: int, clamped: Sequence[tuple[int, int]], cuts:
     return query.with_("__bias_cells", as_=cells, copy=False).with_("__bias_units", as_=units, copy=False)
 
 
-def _total(value: exp.Expression, name: str) -> exp.Expression:
+def _total(value: exp.Expression, name: str) -> exp.Expr:
     return exp.alias_(exp.Coalesce(this=exp.Sum(this=value), expressions=[exp.Literal.number(0)]), name)
 
 
@@ -358,7 +404,7 @@ def widen(plan: Plan, result: Result, figures: BiasFigures, released: Released) 
     (:meth:`dpsql.aggregates.base.Aggregate.bias`). A row is matched to its group by its selected keys; a
     query whose keys are not all selected spreads the totals like the kept rows. Returns the columns widened."""
     nkeys = len(plan.keys)
-    where = {}  # key index → output column
+    where: dict[int, int] = {}  # key index → output column
     for o, out in enumerate(plan.outputs):
         if out.kind == "key" and isinstance(out.expr, exp.Var) and out.expr.name.startswith("k"):
             where.setdefault(int(out.expr.name[1:]), o)
@@ -371,9 +417,9 @@ def widen(plan: Plan, result: Result, figures: BiasFigures, released: Released) 
     for row, widths in zip(result.rows, result.accuracy, strict=True):
         key = tuple(row[where[k]] for k in range(nkeys)) if matched else None
         j = index.get(key) if key is not None else None
-        if key is not None and (j is None or key not in figures.noisy):
+        if j is None or key not in figures.noisy:
             key = None  # (not found: the totals, spread)
-        sizes = totals if key is None else {i: abs(float(released.columns[i][j] or 0.0)) for i in clamped}
+        sizes = totals if key is None or j is None else {i: abs(float(released.columns[i][j] or 0)) for i in clamped}
         rates = figures.rates(key, sizes)
         new = list(widths)
         for o, out in enumerate(plan.outputs):
