@@ -69,7 +69,8 @@ tables:
       principal: {type: float, lower: 0.0, upper: 500000.0, nullable: false}
 """
 
-#: (name, SQL, whether the policy's caps and bounds leave the exact answer unchanged on this data).
+#: (name, SQL, whether the policy's caps and bounds leave the exact answer unchanged on this data: principals
+#: stay below 500k and each customer has at most 4 accounts and 1 loan).
 QUESTIONS: list[tuple[str, str, bool]] = [
     (
         "HAVING over categories",
@@ -82,7 +83,12 @@ QUESTIONS: list[tuple[str, str, bool]] = [
         "SELECT COUNT(*) AS n, SUM(amount) AS total FROM transactions WHERE ts >= '2025-01-01'",
         False,
     ),
-    ("SUM of principal by loan kind", "SELECT kind, SUM(principal) AS total FROM loans GROUP BY kind", False),
+    (
+        "amount by category",
+        "SELECT category, SUM(amount) AS total FROM transactions GROUP BY category",
+        False,
+    ),
+    ("principal by loan kind", "SELECT kind, SUM(principal) AS total FROM loans GROUP BY kind", True),
     ("accounts by kind", "SELECT kind, COUNT(*) AS n FROM accounts GROUP BY kind", True),
     ("balance by kind", "SELECT kind, SUM(balance) AS total FROM accounts GROUP BY kind", True),
     ("customers by region", "SELECT region, COUNT(*) AS n FROM customers GROUP BY region", True),

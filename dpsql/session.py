@@ -139,7 +139,7 @@ DPSQL_SETTINGS: dict[str, SettingSpec] = {
     # ± covers the cap/clamp bias estimated under DP at a share of the query's ε (dpsql.release.bias)
     "dpsql.bias": SettingSpec(
         parse_bool,
-        "dpsql.bias is on (± covers noise and the cap/clamp bias estimated under DP at a tenth of the query's ε) "
+        "dpsql.bias is on (± covers noise and the cap/clamp bias estimated under DP at a fifth of the query's ε) "
         "or off (± covers the noise only).",
     ),
     "dpsql.show_intervals": SettingSpec(parse_bool, "dpsql.show_intervals is on or off."),

@@ -43,7 +43,8 @@ from dpsql.accountant import fmt
 from dpsql.aggregates import OUTPUTS
 from dpsql.aggregates.base import BiasRates
 from dpsql.analyze.expressions import clamp_sql
-from dpsql.noise.mechanisms import NoiseSpec, half_width, laplace_spec, release
+from dpsql.errors import InvalidParameterValue
+from dpsql.noise.mechanisms import NoiseSpec, check_samplable, half_width, laplace_spec, release
 from dpsql.plan import Plan
 from dpsql.release.apply import Released
 from dpsql.rewrite._sql import key_column, literal_number, measure_input
@@ -300,7 +301,16 @@ def estimate(
         if i == j:
             totals.append(Total(f"excess{i}", tau * _ceiling(m.lower, m.upper), RARE))
     sql = tuple((c, render(totals_query(plan, c, clamped, cuts))) for c in candidates)
-    return BiasEstimate(epsilon * SHARE, sql, tuple(totals), cuts, clamped, unit, len(plan.keys), published)
+    made = BiasEstimate(epsilon * SHARE, sql, tuple(totals), cuts, clamped, unit, len(plan.keys), published)
+    try:  # before any charge: a total no exact sampler can noise is refused here, not after the reservation
+        for total in totals:
+            check_samplable(made.spec(total, 1))
+    except ValueError as exc:
+        raise InvalidParameterValue(
+            f"cannot estimate the cap/clamp bias at ε={epsilon * SHARE:g}: {exc}",
+            hint="Use a larger dpsql.epsilon, or SET dpsql.bias = off for the noise-only ±.",
+        ) from None
+    return made
 
 
 def published_cut(plan: Plan) -> float | None:
