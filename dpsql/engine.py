@@ -54,7 +54,11 @@ from dpsql.plan import Plan
 from dpsql.policy import Policy, load_policy
 from dpsql.postprocess.trim import trim_time, trimming_on
 from dpsql.prepared import Description, Prepared
+from dpsql.release.accuracy import caps_cut
 from dpsql.release.accuracy import confidence as confidence_level
+from dpsql.release.bias import BiasEstimate
+from dpsql.release.bias import estimate as bias_estimate
+from dpsql.release.bias import rest as bias_rest
 from dpsql.release.calibrate import FREE, budget
 from dpsql.release.cap import CapChoice
 from dpsql.release.cap import candidates as cap_candidates
@@ -160,7 +164,7 @@ class Engine:
         return (
             sql,
             params_key(params),
-            (session.epsilon, session.delta, session.mechanism, accuracy, self._cap_setting(session)),
+            (session.epsilon, session.delta, session.mechanism, accuracy, self._cap_setting(session), session.bias),
             data_version(self.backend),
         )
 
@@ -217,18 +221,27 @@ class Engine:
         version = data_version(self.backend)
         plan = replace(plan, physical=choose_physical(plan, self.backend, self._salt))
         plan, choice = self._cap(plan, session, local is None)
+        estimate, choice = self._bias(plan, session, choice, local is None)
         select = rewrite(plan)
-        budgeting = budget(
-            self.policy, plan, session if choice is None else choice.session, confidence_level(self.policy, session)
+        calibrated = session if choice is None else choice.session  # (the choice's: less the estimate's share)
+        if choice is None and estimate is not None and estimate.epsilon:
+            calibrated = bias_rest(session, self._epsilon(session), estimate.epsilon)
+        budgeting = budget(self.policy, plan, calibrated, confidence_level(self.policy, session))
+        shares = ([] if choice is None else [choice.epsilon]) + (
+            [] if estimate is None or not estimate.epsilon else [estimate.epsilon]
         )
-        if choice is not None:  # the cap's choice and the measurement, composed: the query's ε in all
-            total = session.epsilon if session.epsilon is not None else self.policy.defaults.epsilon
-            budgeting = replace(
-                budgeting, epsilon=total, cost=Cost.total([Cost(epsilon=choice.epsilon), budgeting.cost])
-            )
+        if shares:  # the cap's choice, the bias estimate and the measurement, composed: the query's ε in all
+            costs = [Cost(epsilon=e) for e in shares] + [budgeting.cost]
+            budgeting = replace(budgeting, epsilon=self._epsilon(session), cost=Cost.total(costs))
         normalised = tree.sql(dialect=dialect("postgres"), normalize=True, copy=False)  # tree is not used afterwards
         histograms = histogram_queries(plan, self.backend.render)
-        settings = (budgeting.epsilon, budgeting.delta, budgeting.mechanism, self._cap_setting(session))
+        settings = (
+            budgeting.epsilon,
+            budgeting.delta,
+            budgeting.mechanism,
+            self._cap_setting(session),
+            estimate is not None,
+        )
         key = cache_key(self.policy.dataset, normalised, params_key(params), settings)
         sql = self.backend.render(select, copy=False)
         measured = (plan.keys, plan.measures, plan.selection_measure)  # what the measurement's columns mean
@@ -236,8 +249,27 @@ class Engine:
         if local is not None:
             budgeting = FREE
         return Prepared(
-            plan, sql, budgeting, fingerprint, histograms, key, local, version, measurement_key=measurement, cap=choice
+            plan, sql, budgeting, fingerprint, histograms, key, local, version, measurement, cap=choice, bias=estimate
         )
+
+    def _epsilon(self, session: Session) -> float:
+        return session.epsilon if session.epsilon is not None else self.policy.defaults.epsilon
+
+    def _bias(
+        self, plan: Plan, session: Session, choice: CapChoice | None, measured: bool
+    ) -> tuple[BiasEstimate | None, CapChoice | None]:
+        """How the query's cap/clamp bias is estimated under DP (``dpsql.bias``, on by default;
+        :mod:`dpsql.release.bias`) at a share of its ε, taken from what the cap's choice leaves (if any).
+        None when off, free, accuracy-first (its ε is set by the ± asked for) or nothing can be cut."""
+        if session.bias is False or not measured or not plan.measures or session.accuracy is not None:
+            return None, choice
+        candidates = (plan.max_rows,) if choice is None else choice.candidates
+        render = partial(self.backend.render, copy=False)
+        estimate = bias_estimate(plan, caps_cut(plan), self._epsilon(session), candidates, render)
+        if estimate is None or choice is None or not estimate.epsilon:
+            return estimate, choice
+        rest = bias_rest(choice.session, self._epsilon(choice.session), estimate.epsilon)
+        return estimate, replace(choice, session=rest)
 
     def _cap(self, plan: Plan, session: Session, measured: bool) -> tuple[Plan, CapChoice | None]:
         """The plan at the session's (or policy's) per-unit cap; with ``auto``, at the largest candidate,
@@ -300,6 +332,8 @@ class Engine:
         shown_sql = self.step.clamped_sql(prepared.plan).replace(self._salt, "<secret>")
         confidence = confidence_level(self.policy, session)
         explanation = explain(prepared.plan, prepared.budgeting, confidence, shown_sql)
+        if prepared.bias is not None:  # what the estimate spends, stated
+            explanation = replace(explanation, bias=prepared.bias.explain_text(prepared.budgeting.epsilon))
         free = self.step.free_answer(prepared, confidence, session.max_widening) if actual else None
         return explanation if free is None else explanation.answered_by(free)
 

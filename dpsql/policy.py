@@ -243,6 +243,11 @@ class TablePolicy(_Strict):
     references: Reference | None = None
     max_rows_per_unit: Annotated[int, Field(ge=1)] = 1
     max_groups_per_unit: Annotated[int, Field(ge=1)] | None = None
+    published_rows_cut: Annotated[float, Field(ge=0, lt=1)] | None = Field(
+        default=None,
+        description="Share of this table's rows its max_rows_per_unit leaves out, published by the curator (who "
+        "owns that disclosure): queries at the policy's caps widen their ± by it instead of estimating it under DP.",
+    )
     columns: dict[str, ColumnPolicy]
     description: str | None = None
 

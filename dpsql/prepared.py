@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from dpsql.analyze.randomized import LocalQuery
 from dpsql.plan import Plan
 from dpsql.release.apply import ReleaseCache
+from dpsql.release.bias import BiasEstimate
 from dpsql.release.calibrate import Budgeting
 from dpsql.release.cap import CapChoice
 from dpsql.session import OutputColumn
@@ -48,3 +49,6 @@ class Prepared:
     #: ``dpsql.max_rows_per_unit = auto``: how the cap is chosen when it runs (the plan, SQL and budgeting
     #: above are at the largest candidate, for EXPLAIN and the charge); None: the plan's cap as it is.
     cap: CapChoice | None = None
+    #: ``dpsql.bias``: how the cap/clamp bias is estimated under DP when it runs (its ε share is in the
+    #: budgeting's charge); None: no estimate (off, or nothing can be cut).
+    bias: BiasEstimate | None = None

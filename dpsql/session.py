@@ -136,6 +136,12 @@ DPSQL_SETTINGS: dict[str, SettingSpec] = {
         _factor,
         "dpsql.max_widening is a factor of at least 1, e.g. 2 (or DEFAULT: synopsis answers whatever their width).",
     ),
+    # ± covers the cap/clamp bias estimated under DP at a share of the query's ε (dpsql.release.bias)
+    "dpsql.bias": SettingSpec(
+        parse_bool,
+        "dpsql.bias is on (± covers noise and the cap/clamp bias estimated under DP at a fifth of the query's ε) "
+        "or off (± covers the noise only).",
+    ),
     "dpsql.show_intervals": SettingSpec(parse_bool, "dpsql.show_intervals is on or off."),
     # noisy floats rounded to two significant digits of their half-width (dpsql.release.rounding)
     "dpsql.round": SettingSpec(parse_bool, "dpsql.round is on (noisy values rounded to their interval) or off."),
@@ -144,7 +150,7 @@ DPSQL_SETTINGS: dict[str, SettingSpec] = {
 }
 #: The settings that are fields of :class:`Session` (the others only shape the wire output).
 SESSION_FIELDS: tuple[str, ...] = ("epsilon", "delta", "confidence", "mechanism", "accuracy", "max_rows_per_unit")
-SESSION_FIELDS += ("max_widening", "max_share", "confirm_epsilon")
+SESSION_FIELDS += ("max_widening", "max_share", "confirm_epsilon", "bias")
 
 
 def parse_setting(name: str, value: str) -> Any:
@@ -203,6 +209,8 @@ class Session:
     #: default, :data:`DEFAULT_MAX_SHARE`), unless its ε is at most ``confirm_epsilon``.
     max_share: float | None = None
     confirm_epsilon: float | None = None
+    #: ``dpsql.bias``: whether ± covers the cap/clamp bias estimated under DP (None: on, the default).
+    bias: bool | None = None
     settings: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -216,6 +224,7 @@ class Session:
         confidence: float | None = None,
         accuracy: float | str | None = None,
         max_rows_per_unit: int | str | None = None,
+        bias: bool | str | None = None,
     ) -> Session:
         """A session whose settings went through the same checks as ``SET dpsql.…`` (22023 if invalid)."""
         session = cls(analyst)
@@ -226,6 +235,7 @@ class Session:
             "confidence": confidence,
             "accuracy": accuracy,
             "max_rows_per_unit": max_rows_per_unit,
+            "bias": None if bias is None else ("on" if bias is True else "off" if bias is False else bias),
         }
         for name, value in given.items():
             if value is not None:

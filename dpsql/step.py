@@ -81,6 +81,7 @@ from dpsql.postprocess.finish import finish, from_cache, from_release
 from dpsql.prepared import Prepared
 from dpsql.release.accuracy import accuracy_notes, bias_note
 from dpsql.release.apply import Released, apply, apply_local, released_again
+from dpsql.release.bias import BIAS_SUFFIX, BiasFigures, widen
 from dpsql.release.calibrate import accuracy_guard, budget, threshold_at
 from dpsql.release.selection import empty_selection_note
 from dpsql.rewrite import histogram_queries, rewrite
@@ -286,8 +287,22 @@ class Step:
                 return Part(prepared, key, coarser, measurement=measurement, derived=True, stamp=stamp)
             self._check_keys(prepared, stamp)
             return Part(prepared, key, measurement=measurement, stamp=stamp)
+        figures = self._stored_figures(prepared, measurement, confidence)
+        if prepared.bias is not None and figures is None:  # its bias estimate not kept: released again
+            self._check_keys(prepared, stamp)
+            return Part(prepared, key, measurement=measurement, stamp=stamp)
         released = released_again(prepared.budgeting, *found, confidence)
-        return Part(prepared, key, self.finish_released(prepared, released, confidence), stored[1], measurement, True)
+        result = self.finish_released(prepared, released, confidence, figures)
+        return Part(prepared, key, result, stored[1], measurement, True)
+
+    def _stored_figures(self, prepared: Prepared, measurement: str, confidence: float) -> BiasFigures | None:
+        """The bias estimate released with a stored measurement (:mod:`dpsql.release.bias`), if any."""
+        if prepared.bias is None or self.cache is None:
+            return None
+        entry = self.cache.get_entry(measurement + BIAS_SUFFIX)
+        if entry is None:
+            return None
+        return BiasFigures.from_rows(prepared.bias, entry[0].rows, confidence)
 
     def _check_keys(self, prepared: Prepared, stamp: str | None) -> None:
         """Before anything is charged: the keys the query reaches its persons through are unique on this
@@ -416,6 +431,9 @@ class Step:
             above = self.query(prepared.cap.sql)[0]
             prepared, chosen = self.at_cap(prepared, prepared.cap.choose([int(n or 0) for n in above]))
             measurement = stamp = None
+        # the cap/clamp bias, estimated under DP at its share of the reserved ε (noised with the released keys)
+        totals = None if prepared.bias is None else prepared.bias.sql_at(prepared.plan.max_rows)
+        bias = None if prepared.bias is None else [] if totals is None else self.query(totals)
         rows = self.query(prepared.sql)
         if prepared.plan.physical.proven and data_version(self.backend) != prepared.data_version:
             # a write raced the proof: run it again with every clamp in place
@@ -424,7 +442,7 @@ class Step:
         histograms = {
             i: read[sql] if sql in read else read.setdefault(sql, self.query(sql)) for i, sql in prepared.histograms
         }
-        result = self.release_rows(prepared, rows, confidence, histograms, measurement, stamp)
+        result = self.release_rows(prepared, rows, confidence, histograms, measurement, stamp, bias)
         if chosen is not None:
             result.notices.append(chosen)
         return result
@@ -454,6 +472,7 @@ class Step:
         histograms: dict[int, list[tuple[Any, ...]]] | None = None,
         measurement: str | None = None,
         stamp: str | None = None,
+        bias: list[tuple[Any, ...]] | None = None,
     ) -> Result:
         """Noise the measures (:func:`dpsql.release.apply.apply`), store the released measurements under
         ``measurement`` (if given), then post-process the released values."""
@@ -462,8 +481,13 @@ class Step:
         # the keys only: the raw measures apply leaves in its rows are never stored nor post-processed
         nkeys = len(plan.keys)
         released = Released([row[:nkeys] for row in released.rows], released.columns, released.widths)
+        figures = None
+        if prepared.bias is not None and bias is not None:  # ε-DP over the released groups (dpsql.release.bias)
+            figures = prepared.bias.release(bias, released.rows if nkeys else [()], confidence)
         if self.cache is not None and measurement is not None:
             self.cache.put(measurement, measurement_result(nkeys, released.rows, released.columns))
+            if figures is not None:
+                self.cache.put(measurement + BIAS_SUFFIX, measurement_result(*figures.stored()))
             index = self.deriver.index
             if stamp is not None and self._database_identity is not None and index is not None and indexable(plan):
                 variances = [noise_variance(s) for s in prepared.budgeting.specs if s is not None]
@@ -477,16 +501,23 @@ class Step:
                     built_at=time.time(),
                     laplace=prepared.budgeting.mechanism == "laplace",
                 )
-        return self.finish_released(prepared, released, confidence)
+        return self.finish_released(prepared, released, confidence, figures)
 
-    def finish_released(self, prepared: Prepared, released: Released, confidence: float) -> Result:
-        """Post-process released measurements: outputs, HAVING, ORDER BY, LIMIT, intervals and notes."""
+    def finish_released(
+        self, prepared: Prepared, released: Released, confidence: float, figures: BiasFigures | None = None
+    ) -> Result:
+        """Post-process released measurements: outputs, HAVING, ORDER BY, LIMIT, intervals and notes
+        (``figures``: the released bias estimate, added to the ± it covers)."""
         plan, budgeting = prepared.plan, prepared.budgeting
         result = typed(finish(plan, *released, prepared.cache))
         result.epsilon_spent, result.delta_spent = budgeting.epsilon, budgeting.delta
+        # ± covering the cap/clamp bias estimated under DP (dpsql.release.bias)
+        widened = widen(plan, result, figures, released) if figures is not None else set()
         # what ± cannot say, nor what it leaves out
-        result.notices.extend(Notice.of(n) for n in accuracy_notes(plan, budgeting, confidence, result, released))
-        if (bias := bias_note(plan, confidence)) is not None:
+        notes = accuracy_notes(plan, budgeting, confidence, result, released, widened)
+        result.notices.extend(Notice.of(n) for n in notes)
+        bias = bias_note(plan, confidence) if figures is None else figures.note(plan, confidence, bool(widened))
+        if bias is not None:
             result.notices.append(Notice.of(bias))
         if budgeting.threshold is not None and plan.selection_measure is not None and not released.rows:
             result.notices.append(Notice(empty_selection_note(plan, budgeting.epsilon, budgeting.threshold,

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 from sqlglot import exp
 
-from dpsql.aggregates.base import Aggregate, Recognised, Scope, Spending, measure_var
+from dpsql.aggregates.base import Aggregate, BiasRates, Recognised, Scope, Spending, measure_var
 from dpsql.pgtypes import PgType
 from dpsql.plan import OutputItem, Plan
 
@@ -55,6 +55,10 @@ class Avg(Aggregate):
         total_w, count_w = widths[total_i], widths[count_i]
         assert total_w is not None and count_w is not None
         return math.hypot(total_w / count, count_w * abs(total) / count**2)
+
+    def bias(self, out: OutputItem, plan: Plan, value: float, rates: BiasRates) -> tuple[float, float]:
+        """Values beyond the bounds move an average by their excess per row (rows cut: none, spread alike)."""
+        return rates.per_row.get(out.measures[0], (0.0, 0.0))
 
     def explain(self, out: OutputItem, plan: Plan, budgeting: Spending, confidence: float) -> dict[str, Any]:
         entry = super().explain(out, plan, budgeting, confidence)

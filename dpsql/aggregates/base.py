@@ -68,6 +68,17 @@ class Spending(Protocol):
     def interval_level(self) -> float | None: ...
 
 
+class BiasRates(NamedTuple):
+    """A query's released bias estimate as rates, each (estimate ≥ 0, half-width at the query's level)."""
+
+    #: Rows cut by the cap per row kept.
+    cut: tuple[float, float]
+    #: Per clamped measure: how far its values lie beyond the bounds, per unit of its |clamped total| …
+    per_total: Mapping[int, tuple[float, float]]
+    #: … and per row kept.
+    per_row: Mapping[int, tuple[float, float]]
+
+
 class Recognised(NamedTuple):
     """An aggregate call, replaced: an output expression over measure variables ``m<i>``."""
 
@@ -181,6 +192,12 @@ class Aggregate:
         if isinstance(out.expr, exp.Var) and out.expr.name.startswith("m"):
             return widths[int(out.expr.name[1:])]
         return None
+
+    def bias(self, out: OutputItem, plan: Plan, value: float, rates: BiasRates) -> tuple[float, float]:
+        """How far contribution bounding may have moved the cell ``value``, as (estimate ≥ 0, its half-width)
+        from the query's released bias ``rates`` (:mod:`dpsql.release.bias`): post-processing. Default: none
+        known (quantiles, modes, distinct counts, variances)."""
+        return 0.0, 0.0
 
     def interval(self, out: OutputItem, plan: Plan, env: Mapping[str, Any]) -> Interval | None:
         """The cell's released value interval (quantiles: its own measures), when it has one that is

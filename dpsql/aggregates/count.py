@@ -8,7 +8,7 @@ from typing import Any
 
 from sqlglot import exp
 
-from dpsql.aggregates.base import Aggregate, Operand, Recognised, Scope, measure_var
+from dpsql.aggregates.base import Aggregate, BiasRates, Operand, Recognised, Scope, measure_var
 from dpsql.errors import FeatureNotSupported
 from dpsql.pgtypes import PgType
 from dpsql.plan import Measure, OutputItem, Plan
@@ -62,6 +62,12 @@ class Count(Aggregate):
 
     def accuracy(self, out: OutputItem, env: dict[str, Any], widths: list[float | None]) -> float | None:
         return widths[out.measures[0]]
+
+    def bias(self, out: OutputItem, plan: Plan, value: float, rates: BiasRates) -> tuple[float, float]:
+        """Rows cut lower a count by its share of them (a count of distinct units loses none)."""
+        if not isinstance(out.expr, exp.Var) or plan.measures[out.measures[0]].aggregate.once_per_unit:
+            return 0.0, 0.0
+        return abs(value) * rates.cut[0], abs(value) * rates.cut[1]
 
     def value_range(self, out: OutputItem, plan: Plan) -> tuple[float, float] | None:
         """A count is never negative."""

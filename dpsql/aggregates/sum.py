@@ -8,7 +8,7 @@ from typing import Any
 
 from sqlglot import exp
 
-from dpsql.aggregates.base import Aggregate, Recognised, Scope, measure_var
+from dpsql.aggregates.base import Aggregate, BiasRates, Recognised, Scope, measure_var
 from dpsql.pgtypes import PgType
 from dpsql.plan import Measure, OutputItem, Plan
 
@@ -44,6 +44,14 @@ class Sum(Aggregate):
 
     def accuracy(self, out: OutputItem, env: dict[str, Any], widths: list[float | None]) -> float | None:
         return widths[out.measures[0]]
+
+    def bias(self, out: OutputItem, plan: Plan, value: float, rates: BiasRates) -> tuple[float, float]:
+        """Rows cut take their share of the total; values beyond the bounds add their excess (per unit of the
+        clamped total)."""
+        if not isinstance(out.expr, exp.Var):
+            return 0.0, 0.0
+        clamp = rates.per_total.get(out.measures[0], (0.0, 0.0))
+        return abs(value) * (rates.cut[0] + clamp[0]), abs(value) * math.hypot(rates.cut[1], clamp[1])
 
     def value_range(self, out: OutputItem, plan: Plan) -> tuple[float, float] | None:
         """A sum of values clamped to non-negative (non-positive) bounds is non-negative (non-positive)."""

@@ -42,7 +42,12 @@ def accuracy(out: OutputItem, env: dict[str, Any], widths: list[float | None]) -
 
 
 def accuracy_notes(
-    plan: Plan, budgeting: Budgeting, level: float, result: Result, released: Released | None = None
+    plan: Plan,
+    budgeting: Budgeting,
+    level: float,
+    result: Result,
+    released: Released | None = None,
+    widened: set[int] | frozenset[int] = frozenset(),
 ) -> list[str]:
     """NOTICE texts for what a ± half-width cannot say: quantile and MIN/MAX value ranges, groups too
     small for a quantile, modes, bound-capped values, NULL AVGs, intervals clipped to what a value can
@@ -51,7 +56,8 @@ def accuracy_notes(
     Privacy: every figure here is a function of ε, the policy's bounds and domains, the grid and the
     confidence (all public), or of released values (a value equal to a bound, a quantile's grid cell,
     a NULL or a group's size judged from a *noisy* count in ``released``): post-processing, free. No
-    true count or value is read.
+    true count or value is read. ``widened``: columns whose ± covers the estimated bias of
+    :mod:`dpsql.release.bias` (never clipped to what the clamped value can be).
     """
     notes: list[str] = []
     pct = ci_label(level)
@@ -78,7 +84,7 @@ def accuracy_notes(
                         "values by arithmetic, ROUND, a ratio or several measures; only bare aggregates and "
                         "constant multiples of one get ±)"
                     )
-            else:
+            elif o not in widened:  # a ± widened by the bias reaches beyond what the clamped value can be
                 notes.extend(_clip_note(out, plan, o, result, widths, pct))
     return notes
 
@@ -89,7 +95,7 @@ def bias_note(plan: Plan, level: float) -> str | None:
     An interval (a ±, or a quantile's value range) covers the noise only. Values clamped to the declared
     bounds and rows beyond a unit's ``max_rows``/``max_groups`` shift answers too, by an amount the analyst
     cannot see (a curator's ``dpsql policy report`` measures it). Names only the policy's bounds and caps,
-    and only caps that can leave a row out (:func:`_caps_cut`): public, so the note is the same on every
+    and only caps that can leave a row out (:func:`caps_cut`): public, so the note is the same on every
     neighbouring database. A quantile's own note names its bounds."""
     additive = any(not m.selected for m in plan.measures)
     if not additive and not any(m.q is not None for m in plan.measures):
@@ -102,7 +108,7 @@ def bias_note(plan: Plan, level: float) -> str | None:
             if text not in clamps:
                 clamps.append(text)
     parts = [f"values clamped ({', '.join(clamps)})"] if clamps else []
-    if plan.unit is not None and _caps_cut(plan):
+    if plan.unit is not None and caps_cut(plan):
         rows = "1 row" if plan.max_rows == 1 else f"{plan.max_rows} rows"
         groups = f" in at most {plan.max_groups} groups" if plan.keys and plan.max_groups > 1 else ""
         parts.append(
@@ -115,7 +121,7 @@ def bias_note(plan: Plan, level: float) -> str | None:
     return f"dpsql: {lead} the noise only, not the bias of " + "; ".join(parts)
 
 
-def _caps_cut(plan: Plan) -> bool:
+def caps_cut(plan: Plan) -> bool:
     """Whether the caps can leave a row out. Not when the query reads only the person table itself: its
     unit is the table's own ``privacy_unit``, other tables' ``references`` point at it (a key: one row per
     person) and ``max_rows_per_unit`` is 1. Policy facts only."""

@@ -28,6 +28,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import pytest
@@ -42,6 +43,8 @@ from dpsql.noise.exponential import QuantileGrid, extreme_aims, interval_reach, 
 from dpsql.plan import GroupKey, Measure, Plan
 from dpsql.policy import Policy, parse_policy
 from dpsql.release.apply import centre_rows
+from dpsql.release.bias import BiasEstimate
+from dpsql.release.bias import estimate as bias_estimate
 from dpsql.rewrite import histogram_queries, to_sql
 from dpsql.rewrite.physical import choose_physical
 from tests.adversarial.fuzz_grammar import (
@@ -270,6 +273,30 @@ def _histograms(bound: Plan, backend: Backend) -> dict[int, dict[tuple, float]]:
     return out
 
 
+def _bias_totals(plan: Plan, backend: Backend) -> tuple[BiasEstimate, dict[tuple, list[float]]] | None:
+    """The bias estimate's un-noised totals by group key (None: the plan has none), caps counted as cutting."""
+    estimate = bias_estimate(plan, True, 1.0, (plan.max_rows,), partial(backend.render, copy=False))
+    sql = None if estimate is None else estimate.sql_at(plan.max_rows)
+    if estimate is None or sql is None:
+        return None
+    _, rows = backend.execute(sql)
+    n = estimate.nkeys
+    return estimate, {tuple(_key(v) for v in r[:n]): [0.0 if v is None else float(v) for v in r[n:]] for r in rows}
+
+
+def _bias_violations(
+    estimate: BiasEstimate, before: dict[tuple, list[float]], after: dict[tuple, list[float]]
+) -> list[str]:
+    """Each bias total's vector over the groups moves by at most its stated L1 sensitivity."""
+    problems = []
+    zeros = [0.0] * len(estimate.totals)
+    for t, total in enumerate(estimate.totals):
+        moved = sum(abs(after.get(k, zeros)[t] - before.get(k, zeros)[t]) for k in set(before) | set(after))
+        if not moved <= total.sensitivity * (1 + 1e-9) + 1e-6:
+            problems.append(f"bias total {total.name} moved by {moved:g}, its sensitivity is {total.sensitivity:g}")
+    return problems
+
+
 def _key(value: Any) -> Any:
     if isinstance(value, float) and math.isnan(value):
         return "NaN"
@@ -438,6 +465,7 @@ def _check_case(
     base_plan = _bound(plan, worlds[None], salt, physical)
     stats.note(plan, to_sql(base_plan, dialect))
     base, base_histograms = _measured(base_plan, worlds[None]), _histograms(base_plan, worlds[None])
+    base_bias = _bias_totals(plan, worlds[None])
     lost = _lost_groups(plan, base)
     assert not lost, f"\n-- on {dialect}, base database\n-- {chr(10).join(lost)}\n{sql};\n-- {fuzz_policy.yaml()}"
     for name in ADVERSARIES:
@@ -446,6 +474,8 @@ def _check_case(
         bound = _bound(plan, worlds[name], salt, physical)  # clamp proofs are the neighbour's own
         after = _measured(bound, worlds[name])
         problems = _violations(plan, base, after) + _lost_groups(plan, after)
+        if base_bias is not None:  # the bias estimate's totals (dpsql.release.bias), on the same rows
+            problems += _bias_violations(base_bias[0], base_bias[1], _bias_totals(plan, worlds[name])[1])  # type: ignore[index]
         for i, histogram in _histograms(bound, worlds[name]).items():
             problems += [f"measure {i}: {p}" for p in _histogram_violations(plan, base_histograms[i], histogram)]
             problems += [f"measure {i}: {p}" for p in _utility_violations(plan, i, base_histograms[i], histogram)]

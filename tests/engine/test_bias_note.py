@@ -26,11 +26,12 @@ def test_capped_query_names_its_caps_and_bounds() -> None:
     try:
         load_demo(backend, ["clinic"])
         engine = Engine(load_policy(demo_policy_path("clinic")), backend, Ledger.open("sqlite:///:memory:"))
-        result = engine.execute(CLINIC, Session("alice"))
+        off = Session.configure("alice", bias=False)  # the noise-only ± (SET dpsql.bias = off)
+        result = engine.execute(CLINIC, off)
         assert NOTE in result.notices
-        explained = engine.explain(CLINIC, Session("alice"))
+        explained = engine.explain(CLINIC, off)
         assert explained.as_result().rows[3] == (f"  Intervals: {NOTE.split('covers ', 1)[1]}",)
-        counted = engine.execute("SELECT COUNT(*) FROM visits", Session("alice", confidence=0.9))
+        counted = engine.execute("SELECT COUNT(*) FROM visits", Session.configure("alice", confidence=0.9, bias="off"))
         assert "dpsql: ±90% covers the noise only, not the bias of at most 20 rows per patients.id" in " ".join(
             counted.notices
         )
@@ -53,7 +54,8 @@ def test_no_cap_named_where_none_can_cut() -> None:
     try:
         load_demo(backend, ["clinic"])
         engine = Engine(load_policy(demo_policy_path("clinic")), backend, Ledger.open("sqlite:///:memory:"))
-        result = engine.execute("SELECT sex, AVG(age) FROM patients GROUP BY sex", Session("alice"))
+        off = Session.configure("alice", bias=False)
+        result = engine.execute("SELECT sex, AVG(age) FROM patients GROUP BY sex", off)
         assert "dpsql: ±95% covers the noise only, not the bias of values clamped (age to [0, 110])" in result.notices
         counted = engine.execute("SELECT COUNT(*) FROM patients", Session("alice"))
         assert not any("covers the noise only" in n for n in counted.notices), counted.notices

@@ -1,0 +1,445 @@
+"""Bias sized under DP (``SET dpsql.bias = on``, the default): intervals that cover what bounding cuts.
+
+A released count or sum is computed after contribution bounding: rows beyond a person's cap τ are
+left out and values beyond the declared bounds are clamped. Both move the answer away from the exact
+one in a known direction (a count or a positive sum only ever loses), often by far more than the noise.
+So each query that *can* cut something (the policy's caps can leave a row out, or a measure is clamped:
+public facts, :func:`estimate`) spends a stated share :data:`SHARE` of its ε on one auxiliary query over
+the rows the measurement reads (its sources, joins and WHERE), per group and privacy unit. A unit with
+``n`` rows in all, ``n_g`` of them in group g, adds to group g's totals:
+
+- ``kept``: ``n_g/n · min(n, τ)`` — Σ over its groups ≤ τ;
+- ``cut``: ``n_g/n · min(n − τ, C)`` for n > τ, ceiling C = :data:`CEILING`·τ — Σ ≤ C; beyond it the
+  estimate is a lower bound (said in the note);
+- per clamped value, ``excess``: ``min(1, τ/n) · Σ`` over its rows in g of how far the value lies beyond
+  the bounds, each at most W = :data:`REACH` times the bounds' width — Σ ≤ τ·W (a lower bound beyond W).
+
+So one unit moves each total's vector over the groups by at most those amounts in L1, whatever
+``max_groups``. Each is released with discrete Laplace noise at a weighted part of ``SHARE·ε`` for every
+released group (a group the auxiliary query has no row for counts 0; the released groups are DP
+already, so the vector is over a set that does not depend on one unit): sequential composition, pure
+ε. The measurement is calibrated with the rest and the query's one charge is their composition,
+reserved before anything runs (as the DP cap choice of :mod:`dpsql.release.cap`; never a second charge).
+
+Everything after is post-processing of released values and public scales. A total counts as detected
+when its sum over the released groups exceeds that sum's half-width (√G·h); undetected totals widen
+nothing (queries that cut nothing keep their ±, bar the share of ε), and the note says what could
+still hide below the threshold. Detected ones widen each cell (its aggregate's
+:meth:`dpsql.aggregates.base.Aggregate.bias`): its own group's estimate b and half-width h join the
+noise's w as ± (√(w² + h²) + b). When an output row cannot be matched to its group (a key not
+selected), the query's totals are spread over the rows like the kept ones instead.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlglot import exp
+
+from dpsql.accountant import fmt
+from dpsql.aggregates import OUTPUTS
+from dpsql.aggregates.base import BiasRates
+from dpsql.analyze.expressions import clamp_sql
+from dpsql.errors import InvalidParameterValue
+from dpsql.noise.mechanisms import NoiseSpec, check_samplable, half_width, laplace_spec, release
+from dpsql.plan import Plan
+from dpsql.release.apply import Released
+from dpsql.rewrite._sql import key_column, literal_number, measure_input
+from dpsql.rewrite.bounding import over_sources
+from dpsql.rewrite.filter import filter_rows
+from dpsql.rewrite.measures import select_measures
+from dpsql.session import Result, Session, ci_label
+
+#: Share of a query's ε spent estimating its bias (stated in the note and in EXPLAIN).
+SHARE = 0.2
+#: Rows cut per unit counted at most, in caps: a unit with more than (1 + CEILING)·τ rows counts as CEILING·τ.
+CEILING = 2
+#: How far beyond its bounds one value counts at most, in bounds' widths.
+REACH = 4
+#: Weight of the rare totals (rows cut, excess beyond bounds) against the large one they are divided by.
+RARE = 3.0
+
+
+@dataclass(frozen=True, slots=True)
+class Total:
+    """One total of the auxiliary query: its name, how much one unit moves its vector over the groups (L1)."""
+
+    name: str
+    sensitivity: float
+    #: Its part of the estimate's ε, relative to the others': the rare figures (rows cut, excess) get
+    #: more than the large total they are divided by (rows kept).
+    weight: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class BiasEstimate:
+    """How one query's bias is estimated when it runs (prepared once with the query)."""
+
+    #: ε spent on the estimate: a pure-ε share of the query's.
+    epsilon: float
+    #: SQL of the totals (a row per group: keys, then totals), per candidate cap (one unless chosen at run time).
+    sql: tuple[tuple[int, str], ...]
+    totals: tuple[Total, ...]
+    #: Whether the caps can cut a row (else only clamps are estimated).
+    cuts: bool
+    #: Per clamped measure, (its index, the index of the first measure clamping the same value alike, whose
+    #: ``excess`` total it shares).
+    clamped: tuple[tuple[int, int], ...]
+    #: How the note names the privacy unit.
+    unit: str
+    nkeys: int
+    #: The share of rows the caps leave out as the curator published it (``tables.T.published_rows_cut``):
+    #: used instead of a DP estimate of the rows cut (None: estimated, when ``cuts``).
+    published: float | None = None
+
+    def sql_at(self, tau: int) -> str | None:
+        """The totals' SQL at the cap used (None: nothing to estimate under DP, a published figure only)."""
+        if not self.totals:
+            return None
+        return next((sql for cap, sql in self.sql if cap == tau), self.sql[-1][1])
+
+    def spec(self, total: Total, cells: int) -> NoiseSpec:
+        """The noise of one total over ``cells`` groups: discrete Laplace at its weighted part of the ε."""
+        share = total.weight / sum(t.weight for t in self.totals)
+        return laplace_spec(total.sensitivity, self.epsilon * share, integer=False, cells=max(cells, 1))
+
+    def release(self, rows: Sequence[Sequence[Any]], keys: Sequence[tuple[Any, ...]], level: float) -> BiasFigures:
+        """The totals of the released groups ``keys`` (one empty key without GROUP BY) noised: together
+        ε-DP at ``self.epsilon``; only ever after the reservation."""
+        found = {tuple(row[: self.nkeys]): row[self.nkeys :] for row in rows}
+        zeros = [0.0] * len(self.totals)
+        cells = [tuple(key) for key in keys]
+        noisy: dict[tuple[Any, ...], dict[str, float]] = {key: {} for key in cells}
+        for t, total in enumerate(self.totals):
+            exact = [float(found.get(key, zeros)[t] or 0.0) for key in cells]
+            values = list(release(exact, self.spec(total, len(cells)))) if cells else []
+            for key, value in zip(cells, values, strict=True):
+                noisy.setdefault(key, {})[total.name] = float(value)
+        return BiasFigures(self, noisy, level)
+
+    def explain_text(self, epsilon: float) -> str:
+        """EXPLAIN's ``Intervals`` line: what the ± covers and what the estimate costs."""
+        if not self.totals:
+            return f"noise and the cap bias the curator published ({_percent(self.published or 0.0)} of rows cut)"
+        share = f"ε={fmt(self.epsilon)} of this query's ε={fmt(epsilon)}"
+        text = f"noise and the {_what(self)} bias estimated under DP ({share})"
+        if self.published is not None:
+            text += f", and the cap bias the curator published ({_percent(self.published)} of rows cut)"
+        return text
+
+
+def _what(estimate: BiasEstimate) -> str:
+    return "/".join((["cap"] if estimate.cuts else []) + (["clamp"] if estimate.clamped else []))
+
+
+#: The suffix of the result-cache key a release's bias estimate is kept under, beside its measurements.
+BIAS_SUFFIX = "#bias"
+
+
+@dataclass(frozen=True, slots=True)
+class BiasFigures:
+    """The released totals per released group and the confidence level their bounds are read at;
+    everything below is post-processing of them (and of public noise scales)."""
+
+    estimate: BiasEstimate
+    noisy: dict[tuple[Any, ...], dict[str, float]]
+    level: float
+
+    def _width(self, name: str) -> float:
+        """One group's half-width for total ``name``."""
+        total = next(t for t in self.estimate.totals if t.name == name)
+        return half_width(self.estimate.spec(total, len(self.noisy)), self.level)
+
+    def total(self, name: str) -> tuple[float, float]:
+        """The total over the released groups and its half-width (√G·h: G independent noises)."""
+        return sum(v[name] for v in self.noisy.values()), math.sqrt(max(len(self.noisy), 1)) * self._width(name)
+
+    def detected(self, name: str) -> bool:
+        """Whether the total over the released groups is above 0 at the level, one-sided (its two-sided
+        half-width at 2·level − 1): what a query that cuts nothing passes with probability ≤ 1 − level."""
+        total = next(t for t in self.estimate.totals if t.name == name)
+        width = half_width(self.estimate.spec(total, len(self.noisy)), max(2 * self.level - 1, 0.5))
+        return self.total(name)[0] > math.sqrt(max(len(self.noisy), 1)) * width
+
+    def _kept(self, key: tuple[Any, ...] | None) -> float:
+        return max(1.0, self.total("kept")[0] if key is None else self.noisy[key]["kept"])
+
+    def rates(self, key: tuple[Any, ...] | None, size: Mapping[int, float]) -> BiasRates:
+        """Group ``key``'s figures (None: the query's totals) as rates, each (estimate ≥ 0, half-width): rows
+        cut and excess per row kept, and excess per unit of ``size`` (per clamped SUM measure, |its released
+        value| in the group, or Σ over the groups). Undetected totals count 0. The rows kept divide: a large
+        released figure whose own noise is neglected (a relative error of ~τ/(ε·rows))."""
+
+        def figure(name: str) -> tuple[float, float]:
+            if not self.detected(name):
+                return 0.0, 0.0
+            if key is None:
+                return max(0.0, self.total(name)[0]), self.total(name)[1]
+            return max(0.0, self.noisy[key][name]), self._width(name)
+
+        if not self.estimate.totals:  # a published figure only
+            return BiasRates((_per_kept(self.estimate.published), 0.0), {}, {})
+        kept = self._kept(key)
+        cut = figure("cut") if self.estimate.cuts else (0.0, 0.0)
+        per_total, per_row = {}, {}
+        for i, j in self.estimate.clamped:
+            excess, width = figure(f"excess{j}")
+            per_row[i] = (excess / kept, width / kept)
+            if size.get(i, 0.0) > 0:
+                per_total[i] = (excess / size[i], width / size[i])
+        if self.estimate.published is not None:
+            return BiasRates((_per_kept(self.estimate.published), 0.0), per_total, per_row)
+        return BiasRates((cut[0] / kept, cut[1] / kept), per_total, per_row)
+
+    def stored(self) -> tuple[int, list[tuple[Any, ...]], list[list[float]]]:
+        """The released figures as measurements are kept (:func:`dpsql.cache.measurement_result`): the number
+        of keys, each released group's key and each total's column, to keep beside the measurements."""
+        keys = list(self.noisy)
+        return self.estimate.nkeys, keys, [[self.noisy[k][t.name] for k in keys] for t in self.estimate.totals]
+
+    @classmethod
+    def from_rows(cls, estimate: BiasEstimate, rows: Sequence[Sequence[Any]], level: float) -> BiasFigures:
+        n = estimate.nkeys
+        noisy = {
+            tuple(row[:n]): {t.name: float(x) for t, x in zip(estimate.totals, row[n:], strict=True)} for row in rows
+        }
+        return cls(estimate, noisy, level)
+
+    def note(self, plan: Plan, level: float, widened: bool) -> str:
+        """``dpsql: ±95% covers noise and the estimated cap/clamp bias (~4 % of rows cut …)``: released
+        figures only (the totals over the released groups), public bounds and caps."""
+        parts = []
+        kept = self._kept(None) if self.estimate.totals else 1.0
+        if self.estimate.published is not None:
+            share = _percent(self.estimate.published)
+            parts.append(
+                f"{share} of rows cut beyond {plan.max_rows} per {self.estimate.unit}, as the curator published"
+            )
+        if self.estimate.cuts:
+            value, width = self.total("cut")
+            beyond = f"beyond {plan.max_rows} per {self.estimate.unit}"
+            parts.append(
+                f"~{_percent(value / (value + kept))} of rows cut {beyond}"
+                if self.detected("cut")
+                else f"no rows cut {beyond} detected (fewer than ~{_percent(width / kept)})"
+            )
+        for i, j in self.estimate.clamped:
+            if i != j:
+                continue
+            m = plan.measures[i]
+            value, width = self.total(f"excess{j}")
+            what = m.column if m.expr is None and m.column else "a summed expression"
+            beyond = f"{what} beyond [{m.lower:g}, {m.upper:g}]"
+            parts.append(
+                f"{beyond} by ~{value / kept:.3g} a row"
+                if self.detected(f"excess{j}")
+                else f"no {beyond} detected (less than ~{width / kept:.3g} a row)"
+            )
+        pct = ci_label(level)
+        if not self.estimate.totals:
+            return f"dpsql: ±{pct}% covers noise and the cap bias ({parts[0]} for the whole table)"
+        lead = (
+            f"±{pct}% covers noise and the estimated {_what(self.estimate)} bias"
+            if widened
+            else f"±{pct}% covers the noise only; the estimated {_what(self.estimate)} bias"
+        )
+        limits = ([f"one person has more than {plan.max_rows * CEILING} rows cut"] if self.estimate.cuts else []) + (
+            [f"a value lies more than {REACH} times its bounds' width beyond them"] if self.estimate.clamped else []
+        )
+        return (
+            f"dpsql: {lead} ({'; '.join(parts)}; estimated under DP with ε={fmt(self.estimate.epsilon)} of this "
+            f"query's ε; a lower bound where {' or '.join(limits)})"
+        )
+
+
+def _per_kept(share: float | None) -> float:
+    """Rows cut per row kept, from the share of rows cut."""
+    return 0.0 if share is None else share / (1.0 - share)
+
+
+def _percent(share: float) -> str:
+    pct = 100 * share
+    return f"{pct:.0f} %" if pct >= 10 else f"{pct:.1g} %" if pct >= 0.1 or pct == 0 else "<0.1 %"
+
+
+def clamped_measures(plan: Plan) -> tuple[tuple[int, int], ...]:
+    """The additive measures summing a value clamped to declared bounds (not squares: variances), each with
+    the first such measure of the same value and bounds (an AVG and a SUM of one column share a total)."""
+    out: list[tuple[int, int]] = []
+    first: dict[tuple[str, float, float], int] = {}
+    for i, m in enumerate(plan.measures):
+        if m.clamped_sum and not m.square and m.lower is not None and m.upper is not None:
+            key = (measure_input(m).sql(), float(m.lower), float(m.upper))
+            out.append((i, first.setdefault(key, i)))
+    return tuple(out)
+
+
+def estimate(
+    plan: Plan, cuts: bool, epsilon: float, candidates: Sequence[int], render: Callable[[exp.Expression], str]
+) -> BiasEstimate | None:
+    """The estimate of a query that can cut something (``cuts``: its caps can leave a row out; or a measure is
+    clamped), at ``SHARE`` of its ``epsilon``; None (no estimate, no cost) when nothing can be cut. Public
+    facts only (the plan and the policy), so whether an estimate is made never depends on the data."""
+    clamped = clamped_measures(plan)
+    if plan.unit is None or (not cuts and not clamped) or not any(not m.selected for m in plan.measures):
+        return None
+    published = published_cut(plan) if cuts else None
+    cuts = cuts and published is None  # (a published figure: nothing to estimate)
+    unit = plan.sources.unit_description
+    if not cuts and not clamped:
+        return BiasEstimate(0.0, (), (), False, (), unit, len(plan.keys), published)
+    tau = max(candidates)
+    totals = [Total("kept", float(tau))]
+    if cuts:
+        totals.append(Total("cut", float(tau * CEILING), RARE))
+    for i, j in clamped:
+        m = plan.measures[i]
+        assert m.lower is not None and m.upper is not None
+        if i == j:
+            totals.append(Total(f"excess{i}", tau * _ceiling(m.lower, m.upper), RARE))
+    sql = tuple((c, render(totals_query(plan, c, clamped, cuts))) for c in candidates)
+    made = BiasEstimate(epsilon * SHARE, sql, tuple(totals), cuts, clamped, unit, len(plan.keys), published)
+    try:  # before any charge: a total no exact sampler can noise is refused here, not after the reservation
+        for total in totals:
+            check_samplable(made.spec(total, 1))
+    except ValueError as exc:
+        raise InvalidParameterValue(
+            f"cannot estimate the cap/clamp bias at ε={epsilon * SHARE:g}: {exc}",
+            hint="Use a larger dpsql.epsilon, or SET dpsql.bias = off for the noise-only ±.",
+        ) from None
+    return made
+
+
+def published_cut(plan: Plan) -> float | None:
+    """The share of rows cut the curator published for the query's tables (the largest), when the query runs at
+    the policy's caps (a cap of its own cuts other rows); None otherwise. Public: the policy's."""
+    if plan.tau is not None:
+        return None
+    shares = [s.table.published_rows_cut for s in plan.sources.private if s.table.published_rows_cut is not None]
+    return max(shares) if shares else None
+
+
+def _ceiling(lower: float, upper: float) -> float:
+    """How far beyond its bounds one value counts at most: REACH bounds' widths (their reach if they are equal)."""
+    return REACH * (upper - lower if upper > lower else max(abs(lower), abs(upper), 1.0))
+
+
+def rest(session: Session, epsilon: float, spent: float) -> Session:
+    """The settings the measurement is calibrated with: ``epsilon`` less what the estimate spends."""
+    return Session(
+        session.analyst,
+        epsilon=epsilon - spent,
+        delta=session.delta,
+        mechanism=session.mechanism,
+        confidence=session.confidence,
+    )
+
+
+def totals_query(plan: Plan, tau: int, clamped: Sequence[tuple[int, int]], cuts: bool) -> exp.Select:
+    """``SELECT k…, SUM(kept), SUM(cut), SUM(excess) … GROUP BY k…`` over the rows per (unit, group).
+
+    Per (unit, group): its rows ``n_g`` (after the measurement's joins and WHERE) and per clamped value the
+    sum over them of ``clamp(x − U, 0, W)`` above U, ``clamp(L − x, 0, W)`` below L, in DOUBLE (no integer
+    overflow: an error must not depend on the data); the unit's rows ``n`` in all by a window. NaN lies
+    above every bound on every backend (:func:`clamp_sql`; one branch per row, so at most W); NULLs are
+    skipped. One unit's rows move each total's vector over the groups by at most its :class:`Total`
+    sensitivity (the module's argument)."""
+    assert plan.unit is not None
+    double = exp.DataType.Type.DOUBLE
+    keys = [key_column(plan, k) for k in range(len(plan.keys))]
+    per_cell: list[exp.Expr] = [exp.alias_(plan.unit.copy(), "__u")]
+    per_cell += [exp.alias_(k.copy(), f"k{i}") for i, k in enumerate(keys)]
+    per_cell.append(exp.alias_(exp.Count(this=exp.Star(), big_int=True), "__m"))
+    unique = [i for i, j in clamped if i == j]
+    for i in unique:
+        m = plan.measures[i]
+        assert m.lower is not None and m.upper is not None
+        x = exp.cast(measure_input(m), double)
+        lo, hi, width = literal_number(m.lower), literal_number(m.upper), literal_number(_ceiling(m.lower, m.upper))
+        above = clamp_sql(exp.Sub(this=x.copy(), expression=hi.copy()), exp.Literal.number(0), width)
+        below = clamp_sql(exp.Sub(this=lo.copy(), expression=x.copy()), exp.Literal.number(0), width.copy())
+        # one branch per row, at most W: NaN lies above U (and would lie below L too)
+        excess = (
+            exp.Case()
+            .when(exp.GT(this=x.copy(), expression=hi), above)
+            .when(exp.LT(this=x.copy(), expression=lo), below)
+            .else_(exp.Literal.number(0))
+        )
+        per_cell.append(exp.alias_(exp.Sum(this=excess), f"__e{i}"))
+    base = filter_rows(select_measures(exp.select(), plan), plan)
+    cells = over_sources(base, *per_cell).group_by(plan.unit.copy(), *(k.copy() for k in keys), copy=False)
+    m_ = exp.column("__m", quoted=True)
+    window = exp.Window(this=exp.Sum(this=m_.copy()), partition_by=[exp.column("__u", quoted=True)])
+    units = exp.select(exp.Star(), exp.alias_(window, "__n")).from_("__bias_cells")
+    n = exp.column("__n", quoted=True)
+    cap = exp.Literal.number(tau)
+    share = exp.Div(this=exp.cast(m_.copy(), double), expression=exp.cast(n.copy(), double))  # n_g / n
+    kept = exp.Case().when(exp.GT(this=n.copy(), expression=cap.copy()), cap.copy()).else_(n.copy())
+    outer: list[exp.Expr] = [exp.column(f"k{i}", quoted=True) for i in range(len(keys))]
+    outer.append(_total(exp.Mul(this=share.copy(), expression=exp.paren(kept, copy=False)), "kept"))
+    if cuts:
+        beyond = clamp_sql(
+            exp.Sub(this=n.copy(), expression=cap.copy()), exp.Literal.number(0), exp.Literal.number(tau * CEILING)
+        )
+        outer.append(_total(exp.Mul(this=share.copy(), expression=exp.paren(beyond, copy=False)), "cut"))
+    # a unit with n > τ rows is counted at the τ rows the measurement keeps: τ/n of its excess
+    scale = (
+        exp.Case()
+        .when(
+            exp.GT(this=n.copy(), expression=cap.copy()),
+            exp.Div(this=exp.cast(cap.copy(), double), expression=exp.cast(n.copy(), double)),
+        )
+        .else_(exp.Literal.number(1))
+    )
+    for i in unique:
+        column = exp.Coalesce(this=exp.column(f"__e{i}", quoted=True), expressions=[exp.Literal.number(0)])
+        outer.append(_total(exp.Mul(this=column, expression=exp.paren(scale.copy(), copy=False)), f"excess{i}"))
+    query = exp.select(*outer).from_("__bias_units")
+    if keys:
+        query = query.group_by(*(exp.column(f"k{i}", quoted=True) for i in range(len(keys))), copy=False)
+    return query.with_("__bias_cells", as_=cells, copy=False).with_("__bias_units", as_=units, copy=False)
+
+
+def _total(value: exp.Expression, name: str) -> exp.Expr:
+    return exp.alias_(exp.Coalesce(this=exp.Sum(this=value), expressions=[exp.Literal.number(0)]), name)
+
+
+def widen(plan: Plan, result: Result, figures: BiasFigures, released: Released) -> set[int]:
+    """Widen each cell's ± to cover its estimated bias (post-processing of released values and figures): the
+    noise's half-width w and the estimate's h combine as √(w² + h²) (independent noises), and the estimated
+    bias b is added: ± (√(w² + h²) + b). Each output's aggregate says how bounding biases it
+    (:meth:`dpsql.aggregates.base.Aggregate.bias`). A row is matched to its group by its selected keys; a
+    query whose keys are not all selected spreads the totals like the kept rows. Returns the columns widened."""
+    nkeys = len(plan.keys)
+    where: dict[int, int] = {}  # key index → output column
+    for o, out in enumerate(plan.outputs):
+        if out.kind == "key" and isinstance(out.expr, exp.Var) and out.expr.name.startswith("k"):
+            where.setdefault(int(out.expr.name[1:]), o)
+    matched = nkeys == 0 or all(k in where for k in range(nkeys))
+    index = {tuple(row[:nkeys]): j for j, row in enumerate(released.rows)}
+    clamped = [i for i, _ in figures.estimate.clamped if plan.measures[i].centre == 0]
+    totals = {i: float(sum(abs(float(v)) for v in released.columns[i] if v is not None)) for i in clamped}
+    widened: set[int] = set()
+    rows = []
+    for row, widths in zip(result.rows, result.accuracy, strict=True):
+        key = tuple(row[where[k]] for k in range(nkeys)) if matched else None
+        j = index.get(key) if key is not None else None
+        if j is None or key not in figures.noisy:
+            key = None  # (not found: the totals, spread)
+        sizes = totals if key is None or j is None else {i: abs(float(released.columns[i][j] or 0)) for i in clamped}
+        rates = figures.rates(key, sizes)
+        new = list(widths)
+        for o, out in enumerate(plan.outputs):
+            width, value = new[o] if o < len(new) else None, row[o]
+            if not isinstance(width, int | float) or not math.isfinite(width) or not isinstance(value, int | float):
+                continue
+            shift, half = OUTPUTS[out.kind].bias(out, plan, float(value), rates)
+            if shift > 0 or half > 0:
+                new[o] = math.hypot(width, half) + shift
+                widened.add(o)
+        rows.append(tuple(new))
+    result.accuracy = rows
+    return widened
