@@ -416,7 +416,7 @@ def widen(plan: Plan, result: Result, figures: BiasFigures, released: Released) 
     nkeys = len(plan.keys)
     where: dict[int, int] = {}  # key index → output column
     for o, out in enumerate(plan.outputs):
-        if out.kind == "key" and isinstance(out.expr, exp.Var) and out.expr.name.startswith("k"):
+        if isinstance(out.expr, exp.Var) and out.expr.name[:1] == "k" and out.expr.name[1:].isdigit():  # a key
             where.setdefault(int(out.expr.name[1:]), o)
     matched = nkeys == 0 or all(k in where for k in range(nkeys))
     index = {tuple(row[:nkeys]): j for j, row in enumerate(released.rows)}

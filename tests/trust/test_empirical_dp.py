@@ -261,6 +261,8 @@ NEGATIVE = {
 def test_detector_flags_a_mis_scaled_mechanism(name: str, request: pytest.FixtureRequest) -> None:
     """Negative control: the same detector, same sample size, on a mechanism that lies about ε or δ."""
     case = next(c for c in CASES if c.name == name)
+    # the measurement at the whole ε (no share spent sizing the bias): the lie is the factor, not diluted
+    case = dataclasses.replace(case, session=dataclasses.replace(case.session, bias=False))
     violations, _, _ = _run_case(case, request, N, tamper=NEGATIVE[name])
     assert violations, "the detector did not notice a mechanism that under-states its privacy loss"
 
