@@ -120,7 +120,7 @@ def _masked(text: str) -> str:
 
 
 #: Notes about released values that may or may not appear, by their noise (post-processing of them).
-RELEASED_ONLY = ("clipped to its possible range",)
+RELEASED_ONLY = ("clipped to its possible range", "its noisy count is <= 0")
 
 
 def _outcome(engine: Engine, sql: str) -> tuple[object, ...]:
