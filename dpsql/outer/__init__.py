@@ -391,10 +391,10 @@ def _public_table(engine: Host, name: str) -> PublicTable:
     columns = _public_columns(engine, name)
     source = table.source or name
     key = public_key(engine, source, columns)
-    return PublicTable(name, columns, key, lambda: _read_public(engine, name, source, columns))
+    return PublicTable(name, columns, key, lambda: read_public(engine, name, source, columns))
 
 
-def _read_public(engine: Host, name: str, source: str, columns: list[tuple[str, PgType]]) -> list[tuple[Any, ...]]:
+def read_public(engine: Host, name: str, source: str, columns: list[tuple[str, PgType]]) -> list[tuple[Any, ...]]:
     """A public table's declared columns, read from the backend (public by policy: no noise needed)."""
     where = exp.to_table(source) if "." in source else exp.to_table(source, quoted=True)
     select = exp.select(*(exp.column(c, quoted=True) for c, _ in columns)).from_(where)

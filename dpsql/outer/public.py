@@ -21,22 +21,18 @@ Constants are folded first (:mod:`dpsql.analyze.fold`): PostgreSQL's arithmetic,
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, overload
 
-import numpy as np
 from sqlglot import exp
 
 from dpsql.analyze import infer_parameter_types
 from dpsql.analyze.fold import fold_constants
 from dpsql.analyze.parse import Params, bind_parameters, placeholder_value
-from dpsql.errors import ProgramLimitExceeded
 from dpsql.explain import sql_lines
-from dpsql.lru import LRU
-from dpsql.outer import deadline, public_key
+from dpsql.outer import deadline, public_key, read_public
 from dpsql.outer.admission import PublicTable, Table, post_process
 from dpsql.outer.explain import CompositeExplanation
 from dpsql.outer.host import Host
-from dpsql.outer.sandbox import MAX_PUBLIC_ROWS, Sandbox, outer_sql, pg_type
+from dpsql.outer.sandbox import Sandbox, outer_sql, pg_type
 from dpsql.outer.shapes import refuse_recursion, refuse_sized
 from dpsql.pgtypes import PgType
 from dpsql.plan.sources import ident_name
@@ -97,78 +93,15 @@ def _statement(tree: exp.Expression, params: Params) -> exp.Expression:
     return bound
 
 
-class Columns(Sequence[tuple[Any, ...]]):
-    """A public table's rows held column-wise (NumPy object arrays): cheap to keep, read once per data version."""
-
-    def __init__(self, arrays: list[np.ndarray[Any, Any]]) -> None:
-        self.arrays = arrays
-
-    def __len__(self) -> int:
-        return len(self.arrays[0]) if self.arrays else 0
-
-    @overload
-    def __getitem__(self, index: int) -> tuple[Any, ...]: ...
-    @overload
-    def __getitem__(self, index: slice) -> Sequence[tuple[Any, ...]]: ...
-    def __getitem__(self, index: int | slice) -> tuple[Any, ...] | Sequence[tuple[Any, ...]]:
-        if isinstance(index, slice):
-            return [tuple(a[i] for a in self.arrays) for i in range(*index.indices(len(self)))]
-        return tuple(a[index] for a in self.arrays)
-
-
-#: Public tables' columns by (database, table, columns, data stamp): read from the database once per data
-#: version, not per statement (TPC-H's partsupp, 80,000 rows: seconds to read and convert). Bounded in
-#: entries and (estimated) bytes; a new stamp is a miss, so a write is never answered stale.
-_READ: LRU[tuple[str, str, tuple[tuple[str, str], ...], str], Columns] = LRU(64, 256 << 20)
-#: Estimated bytes a cached value holds (an object pointer and a small Python object).
-_VALUE_BYTES = 64
-
-
-def _read(engine: Host, name: str, columns: Sequence[tuple[str, PgType]]) -> Table:
-    """A public table's ``columns``, read from the backend (public by policy: no noise needed), or from
-    :data:`_READ` when this data version was read before."""
-    backend = engine.backend
-    try:
-        key: tuple[str, str, tuple[tuple[str, str], ...], str] | None = (
-            backend.identity(),
-            name,
-            tuple(columns),
-            backend.data_stamp(),
-        )
-    except Exception:  # no stamp readable: read it afresh
-        key = None
-    cached = _READ.get(key) if key is not None else None
-    if cached is not None:
-        return name, columns, cached
+def _kept(engine: Host, name: str, columns: Sequence[tuple[str, PgType]]) -> PublicTable:
+    """The public table as the kept post-processing databases hold it: read from the backend straight into
+    a kept database once per data stamp (the key, :func:`dpsql.outer.public_key`), not per statement, and
+    not copied anywhere else (:meth:`dpsql.outer.sandbox.Database.public_table`)."""
     table = engine.policy.table(name)
     assert table is not None
     source = table.source or name
-    where = exp.to_table(source) if "." in source else exp.to_table(source, quoted=True)
-    select = exp.select(*(exp.column(c, quoted=True) for c, _ in columns)).from_(where)
-    rows = engine.step.query(backend.render(select.limit(MAX_PUBLIC_ROWS + 1)))
-    if len(rows) > MAX_PUBLIC_ROWS:
-        raise ProgramLimitExceeded(f'public table "{name}" has more than {MAX_PUBLIC_ROWS} rows')
-    read = _columnar(rows, len(columns))
-    if key is not None:
-        _READ.put(key, read, _VALUE_BYTES * len(rows) * len(columns))
-    return name, columns, read
-
-
-def _kept(engine: Host, name: str, columns: Sequence[tuple[str, PgType]]) -> PublicTable:
-    """The public table as the kept post-processing databases hold it (loaded once per data version)."""
-    table = engine.policy.table(name)
-    assert table is not None
-    key = public_key(engine, table.source or name, list(columns))
-    return PublicTable(name, columns, key, lambda: _read(engine, name, columns)[2])
-
-
-def _columnar(rows: Sequence[tuple[Any, ...]], width: int) -> Columns:
-    arrays = []
-    for i in range(width):
-        values = np.empty(len(rows), dtype=object)  # filled, not built: a value may itself be a sequence
-        values[:] = [row[i] for row in rows]
-        arrays.append(values)
-    return Columns(arrays)
+    key = public_key(engine, source, list(columns))
+    return PublicTable(name, columns, key, lambda: read_public(engine, name, source, list(columns)))
 
 
 def _shape(engine: Host, tables: list[Table], sql: str, ends: float | None) -> list[OutputColumn]:

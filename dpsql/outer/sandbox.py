@@ -381,7 +381,7 @@ class Sandbox:
         temporary: bool = True,
     ) -> None:
         """Create ``table`` with PostgreSQL-typed columns and insert ``rows`` (none for a dry run), in
-        bulk (:func:`_columns`); interruptible like a statement (a public table may bring many rows).
+        bulk (:func:`_columns`, every kind of value); interruptible like a statement (a public table may bring many rows).
         Temporary (the default): this connection's only, dropped with it."""
         cols = ", ".join(f"{_quote(n)} {_TO_DUCKDB.get(t, 'VARCHAR')}" for n, t in columns)
         where = "TEMPORARY TABLE" if temporary else f"TABLE main.{_quote(table)}"
@@ -392,15 +392,14 @@ class Sandbox:
         target = _quote(table) if temporary else f"main.{_quote(table)}"
         types = [_TO_DUCKDB.get(t, "VARCHAR") for _, t in columns]
         with self._bounded():
-            values = _columns(rows, types)
-            if values is not None:
-                unnest = ", ".join(f"UNNEST(?::{t}[])" for t in types)
+            parts = _columns(rows, len(types))
+            if parts is not None:
                 try:
-                    self.con.execute(f"INSERT INTO {target} SELECT {unnest}", values)
+                    self.con.execute(_bulk_insert(target, types, [len(p) for p in parts]), _flat(parts))
                     return
                 except duckdb.InterruptException:
                     raise
-                except duckdb.Error as exc:  # a value DuckDB casts otherwise in a list: row by row, as before
+                except duckdb.Error as exc:  # a value no list of its kind takes: row by row, as before
                     log.debug("bulk load of a sandbox table fell back to rows: %s", type(exc).__name__)
             marks = ", ".join("?" for _ in columns)
             self.con.executemany(f"INSERT INTO {target} VALUES ({marks})", [list(r) for r in rows])
@@ -444,31 +443,46 @@ class Sandbox:
         return rows
 
 
-def _columns(rows: Sequence[Row], types: Sequence[str]) -> list[list[Any]] | None:
-    """``rows`` as one list per column, for a bulk insert (``UNNEST`` of one list parameter per column),
-    or None when a column mixes Python types: DuckDB gives a list one element type, so ``[1, 2.5]`` would
-    become doubles before the column's cast (an integer above 2^53 changed), where a row-by-row insert
-    casts each value alone. Columns of one type (and None) load exactly as row by row; so does a DOUBLE
-    column of floats and integers within ±2^53 (each exact as a double: a backend may hand 12.0 back as 12)."""
-    width = len(types)
+def _columns(rows: Sequence[Row], width: int) -> list[list[list[Any]]] | None:
+    """``rows`` column-wise for a bulk insert (:func:`_bulk_insert`): per column, one list per kind of value
+    it holds (:func:`_kind`), the other kinds' places None; None when a row has another width (row by row,
+    which refuses it). DuckDB gives a list one element type, so ``[1, 2.5]`` in one list would become
+    doubles before the column's cast (an integer above 2^53 changed); one list per kind casts each value
+    from its own type, as a row-by-row insert does (a backend may hand ``12.0`` back as ``12``, a
+    driver mix naive and aware instants)."""
     if rows and set(map(len, rows)) != {width}:
-        return None  # row by row, which refuses it as before
-    values = [list(column) for column in zip(*rows, strict=True)] if rows else [[] for _ in range(width)]
-    for i, column in enumerate(values):
-        kinds = set(map(type, column))
-        kinds.discard(type(None))
-        if kinds == {int, float} and types[i] == "DOUBLE" and all(_exact_double(v) for v in column):
-            values[i] = [v if v is None or isinstance(v, float) else float(v) for v in column]
-        elif len(kinds) > 1:
-            return None
-        if kinds == {dt.datetime} and len({v.tzinfo is None for v in column if v is not None}) > 1:
-            return None  # naive and aware instants convert differently
-    return values
+        return None
+    columns = zip(*rows, strict=True) if rows else iter([() for _ in range(width)])
+    out: list[list[list[Any]]] = []
+    for column in columns:
+        kinds = list(dict.fromkeys(_kind(v) for v in column if v is not None))
+        if len(kinds) <= 1:
+            out.append([list(column)])
+        else:
+            out.append([[v if v is not None and _kind(v) == k else None for v in column] for k in kinds])
+    return out
 
 
-def _exact_double(value: Any) -> bool:
-    """Whether ``value`` converts to a double unchanged (None, a float, or an integer within ±2^53)."""
-    return not isinstance(value, int) or -(2**53) <= value <= 2**53
+def _kind(value: Any) -> tuple[type, bool]:
+    """A value's kind for a bulk list: its Python type (and, for an instant, whether it is aware: naive and
+    aware ones convert differently)."""
+    return type(value), isinstance(value, dt.datetime | dt.time) and value.tzinfo is not None
+
+
+def _bulk_insert(target: str, types: Sequence[str], parts: Sequence[int]) -> str:
+    """``INSERT … SELECT`` of one list parameter per (column, kind) (``UNNEST`` zips them), each cast to the
+    column's type element by element; a column of several kinds takes the one value of its row that is set."""
+    inner: list[str] = []
+    outer: list[str] = []
+    for c, (kind, n) in enumerate(zip(types, parts, strict=True)):
+        names = [f"c{c}_{p}" for p in range(n)]
+        inner += [f"UNNEST(?::{kind}[]) AS {name}" for name in names]
+        outer.append(names[0] if n == 1 else f"COALESCE({', '.join(names)})")
+    return f"INSERT INTO {target} SELECT {', '.join(outer)} FROM (SELECT {', '.join(inner)})"
+
+
+def _flat(parts: Sequence[Sequence[list[Any]]]) -> list[list[Any]]:
+    return [values for column in parts for values in column]
 
 
 def outer_sql(tree: exp.Expr) -> str:
