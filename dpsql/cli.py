@@ -14,6 +14,7 @@ import (``scripts/check_layers.py``: ``LAZY_MODULES``).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import TypeAlias
@@ -111,6 +112,9 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # dpsql validates its policy with pydantic and uses no pydantic plugin: not discovering them skips a scan
+    # of every installed distribution's entry points (~0.05-0.1 s of each command's start; issue #37)
+    os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
     args_list = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(args_list).parse_args(args_list)
     try:

@@ -31,10 +31,12 @@ import struct
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from dpsql.accountant import HINT_SELECTION, REL_TOLERANCE, BudgetLike, Cost, Spent, fmt, refusal
+
+if TYPE_CHECKING:  # NumPy (~0.4 s to import) is loaded by the functions that compute, not by `dpsql budget`
+    import numpy as np
 
 #: Step of the loss lattice (as :data:`dpsql.pld.DISCRETIZATION`: the same pessimism as before).
 GRID = 1e-4
@@ -63,6 +65,8 @@ def _steps(epsilon: float) -> tuple[int, int]:
 def _light_end(probs: np.ndarray) -> tuple[int, float]:
     """How many leading entries of ``probs`` hold at most :data:`TAIL` together, and their mass (scanning only
     as far as needed: the tails are short)."""
+    import numpy as np
+
     size = 16
     while True:
         sums = np.cumsum(probs[:size])
@@ -74,6 +78,8 @@ def _light_end(probs: np.ndarray) -> tuple[int, float]:
 
 def _trim(probs: np.ndarray, offset: int, infinity: float) -> tuple[int, np.ndarray, float]:
     """Move the lightest tails (pessimistically): the left one up to the lowest loss kept, the right one to +∞."""
+    import numpy as np
+
     cut, left = _light_end(probs)
     cut = min(cut, len(probs) - 1)
     drop, right = _light_end(probs[::-1])
@@ -99,12 +105,16 @@ class LossState:
     @classmethod
     def identity(cls) -> LossState:
         """No release yet: loss 0 with probability 1."""
+        import numpy as np
+
         return cls(0, np.ones(1))
 
     @classmethod
     def exhausted(cls) -> LossState:
         """Loss +∞ with probability 1: what :data:`MAX_LOSS` and :data:`MAX_WIDTH` fall back to (only basic
         composition's Σε then says anything, and still does)."""
+        import numpy as np
+
         return cls(0, np.zeros(1), 1.0)
 
     def compose(self, epsilon: float, delta: float = 0.0, count: int = 1) -> LossState:
@@ -115,6 +125,8 @@ class LossState:
     def compose_all(self, releases: Sequence[tuple[float, float]]) -> LossState:
         """This state composed with each generic (ε, δ) PLD of ``releases`` in turn; the tails are trimmed
         every :data:`_TRIM_EVERY` releases and at the end (in between the state is only more exact)."""
+        import numpy as np
+
         probs, offset, infinity = self.probs, self.offset, self.infinity
         for index, (epsilon, delta) in enumerate(releases):
             if not (math.isfinite(epsilon) and epsilon >= 0 and 0 <= delta < 1):
@@ -139,10 +151,14 @@ class LossState:
         return LossState(*_trim(probs, offset, infinity))
 
     def _losses(self) -> np.ndarray:
+        import numpy as np
+
         return (self.offset + np.arange(len(self.probs))) * GRID
 
     def delta_at(self, epsilon: float) -> float:
         """δ(ε) = P(∞) + Σ_{l > ε} p_l (1 − e^{ε − l}): the hockey-stick divergence at ``epsilon``."""
+        import numpy as np
+
         losses = self._losses()
         above = losses > epsilon
         return self.infinity + float(np.sum(self.probs[above] * -np.expm1(epsilon - losses[above])))
@@ -152,6 +168,8 @@ class LossState:
 
         δ at every lattice point at once from two suffix sums, δ(l_j) = P(∞) + Σ_{i>j} p_i − e^{l_j}·Σ_{i>j} p_i
         e^{−l_i}, to find the bracket; then δ solved exactly on it from sums taken afresh (no cancellation)."""
+        import numpy as np
+
         if self.infinity > delta:
             return math.inf
         if self.delta_at(0.0) <= delta:
@@ -180,6 +198,8 @@ class LossState:
     def to_bytes(self) -> bytes:
         """Offset, length, +∞ mass and the float64 probabilities, little-endian, deflated (a few large
         charges leave long runs of zeros between their losses)."""
+        import numpy as np
+
         raw = self.probs.astype("<f8").tobytes()
         sparse = 2 * int(np.count_nonzero(self.probs)) < len(self.probs)  # deflate pays only on runs of zeros
         body = b"z" + zlib.compress(raw, 1) if sparse else b"r" + raw
@@ -188,6 +208,8 @@ class LossState:
     @classmethod
     def from_bytes(cls, data: bytes) -> LossState:
         """The state :meth:`to_bytes` wrote; ValueError for anything else (a truncated or foreign blob)."""
+        import numpy as np
+
         try:
             magic, offset, length, infinity = _HEADER.unpack_from(data)
         except struct.error:

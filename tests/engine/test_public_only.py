@@ -164,5 +164,3 @@ def test_a_column_of_mixed_python_types_loads_in_bulk_as_row_by_row_would(kind: 
         box.con.executemany('INSERT INTO "one" VALUES (?, ?)', [list(r) for r in rows])
         one = box.run("SELECT k, x FROM one ORDER BY k")
         assert box.run("SELECT k, x FROM bulk ORDER BY k") == one == box.run("SELECT k, x FROM direct ORDER BY k")
-
-
