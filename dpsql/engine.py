@@ -221,8 +221,8 @@ class Engine:
         version = data_version(self.backend)
         plan = replace(plan, physical=choose_physical(plan, self.backend, self._salt))
         plan, choice = self._cap(plan, session, local is None)
-        estimate, choice = self._bias(plan, session, choice, local is None)
         select = rewrite(plan)
+        estimate, choice = self._bias(plan, session, choice, local is None, select)
         calibrated = session if choice is None else choice.session  # (the choice's: less the estimate's share)
         if choice is None and estimate is not None and estimate.epsilon:
             calibrated = bias_rest(session, self._epsilon(session), estimate.epsilon)
@@ -256,16 +256,18 @@ class Engine:
         return session.epsilon if session.epsilon is not None else self.policy.defaults.epsilon
 
     def _bias(
-        self, plan: Plan, session: Session, choice: CapChoice | None, measured: bool
+        self, plan: Plan, session: Session, choice: CapChoice | None, measured: bool, select: exp.Select
     ) -> tuple[BiasEstimate | None, CapChoice | None]:
         """How the query's cap/clamp bias is estimated under DP (``dpsql.bias``, on by default;
         :mod:`dpsql.release.bias`) at a share of its ε, taken from what the cap's choice leaves (if any).
-        None when off, free, accuracy-first (its ε is set by the ± asked for) or nothing can be cut."""
+        None when off, free, accuracy-first (its ε is set by the ± asked for) or nothing can be cut. On
+        DuckDB at a cap not chosen at run time, folded into the measurement ``select`` where it can be."""
         if session.bias is False or not measured or not plan.measures or session.accuracy is not None:
             return None, choice
         candidates = (plan.max_rows,) if choice is None else choice.candidates
         render = partial(self.backend.render, copy=False)
-        estimate = bias_estimate(plan, caps_cut(plan), self._epsilon(session), candidates, render)
+        fold = select if choice is None and getattr(self.backend, "dialect", None) == "duckdb" else None
+        estimate = bias_estimate(plan, caps_cut(plan), self._epsilon(session), candidates, render, fold)
         if estimate is None or choice is None or not estimate.epsilon:
             return estimate, choice
         rest = bias_rest(choice.session, self._epsilon(choice.session), estimate.epsilon)

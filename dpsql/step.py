@@ -81,7 +81,7 @@ from dpsql.postprocess.finish import finish, from_cache, from_release
 from dpsql.prepared import Prepared
 from dpsql.release.accuracy import accuracy_notes, bias_note
 from dpsql.release.apply import Released, apply, apply_local, released_again
-from dpsql.release.bias import BIAS_SUFFIX, BiasFigures, widen
+from dpsql.release.bias import BIAS_SUFFIX, BiasFigures, split_folded, widen
 from dpsql.release.calibrate import accuracy_guard, budget, threshold_at
 from dpsql.release.selection import empty_selection_note
 from dpsql.rewrite import histogram_queries, rewrite
@@ -432,9 +432,14 @@ class Step:
             prepared, chosen = self.at_cap(prepared, prepared.cap.choose([int(n or 0) for n in above]))
             measurement = stamp = None
         # the cap/clamp bias, estimated under DP at its share of the reserved ε (noised with the released keys)
-        totals = None if prepared.bias is None else prepared.bias.sql_at(prepared.plan.max_rows)
-        bias = None if prepared.bias is None else [] if totals is None else self.query(totals)
-        rows = self.query(prepared.sql)
+        folded = None if prepared.bias is None or chosen is not None else prepared.bias.folded
+        bias: list[tuple[Any, ...]] | None
+        if folded is not None:  # the measurement and the bias totals in one statement (dpsql.release.bias.fold)
+            rows, bias = split_folded(self.query(folded[0]), folded[1], len(prepared.plan.keys))
+        else:
+            totals = None if prepared.bias is None else prepared.bias.sql_at(prepared.plan.max_rows)
+            bias = None if prepared.bias is None else [] if totals is None else self.query(totals)
+            rows = self.query(prepared.sql)
         if prepared.plan.physical.proven and data_version(self.backend) != prepared.data_version:
             # a write raced the proof: run it again with every clamp in place
             rows = self.query(self.clamped_sql(prepared.plan))

@@ -146,11 +146,12 @@ def clamp_sql(value: exp.Expression, lower: exp.Expression, upper: exp.Expressio
     """``value`` clamped to ``[lower, upper]``; NULL stays NULL, NaN (above +infinity on every
     backend) becomes ``upper``. CASE rather than GREATEST/LEAST: those treat NULL differently
     across engines (PostgreSQL ignores NULL arguments)."""
+    # each argument copied once per use (``when`` would copy again what is built here)
     return (
         exp.Case()
-        .when(exp.LT(this=value, expression=lower), lower)
-        .when(exp.GT(this=value.copy(), expression=upper), upper.copy())
-        .else_(value.copy())
+        .when(exp.LT(this=value.copy(), expression=lower.copy()), lower.copy(), copy=False)
+        .when(exp.GT(this=value.copy(), expression=upper.copy()), upper.copy(), copy=False)
+        .else_(value.copy(), copy=False)
     )
 
 

@@ -69,6 +69,7 @@ _MAX_GRID_UNITS = 2**1000
 #: scale inside what the exact samplers draw (2^50 for discrete Laplace, 2^44 for the Gaussian).
 _MAX_INTEGER_SCALE = 2.0**44
 
+
 @dataclass(frozen=True)
 class NoiseSpec:
     """A calibrated noise distribution.

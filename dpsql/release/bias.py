@@ -80,7 +80,8 @@ class BiasEstimate:
 
     #: ε spent on the estimate: a pure-ε share of the query's.
     epsilon: float
-    #: SQL of the totals (a row per group: keys, then totals), per candidate cap (one unless chosen at run time).
+    #: SQL of the totals (a row per group: keys, then totals), per candidate cap (one unless chosen at run time);
+    #: none when :attr:`folded`.
     sql: tuple[tuple[int, str], ...]
     totals: tuple[Total, ...]
     #: Whether the caps can cut a row (else only clamps are estimated).
@@ -94,11 +95,15 @@ class BiasEstimate:
     #: The share of rows the caps leave out as the curator published it (``tables.T.published_rows_cut``):
     #: used instead of a DP estimate of the rows cut (None: estimated, when ``cuts``).
     published: float | None = None
+    #: The measurement and the totals in one statement (:func:`folded_query`) at the plan's cap, and the
+    #: measurement's width: run instead of the two (one scan of the rows, not two). None: run apart.
+    folded: tuple[str, int] | None = None
 
     def sql_at(self, tau: int) -> str | None:
         """The totals' SQL at the cap used (None: nothing to estimate under DP, a published figure only)."""
         if not self.totals:
             return None
+        assert self.sql, "a folded estimate runs with its measurement"
         return next((sql for cap, sql in self.sql if cap == tau), self.sql[-1][1])
 
     def spec(self, total: Total, cells: int) -> NoiseSpec:
@@ -267,22 +272,34 @@ def _percent(share: float) -> str:
 
 def clamped_measures(plan: Plan) -> tuple[tuple[int, int], ...]:
     """The additive measures summing a value clamped to declared bounds (not squares: variances), each with
-    the first such measure of the same value and bounds (an AVG and a SUM of one column share a total)."""
+    the first such measure of the same value and bounds (an AVG and a SUM of one column share a total).
+
+    Not a summed expression: its bounds are derived from its clamped columns' (interval arithmetic,
+    rounded outward), so it never lies beyond them; estimating its excess spent ε and a pass of per-row
+    work on a total that is 0 (TPC-H Q1's two price expressions)."""
     out: list[tuple[int, int]] = []
     first: dict[tuple[str, float, float], int] = {}
     for i, m in enumerate(plan.measures):
-        if m.clamped_sum and not m.square and m.lower is not None and m.upper is not None:
+        if m.clamped_sum and not m.square and m.expr is None and m.lower is not None and m.upper is not None:
             key = (measure_input(m).sql(), float(m.lower), float(m.upper))
             out.append((i, first.setdefault(key, i)))
     return tuple(out)
 
 
 def estimate(
-    plan: Plan, cuts: bool, epsilon: float, candidates: Sequence[int], render: Callable[[exp.Expression], str]
+    plan: Plan,
+    cuts: bool,
+    epsilon: float,
+    candidates: Sequence[int],
+    render: Callable[[exp.Expression], str],
+    measurement: exp.Select | None = None,
 ) -> BiasEstimate | None:
     """The estimate of a query that can cut something (``cuts``: its caps can leave a row out; or a measure is
     clamped), at ``SHARE`` of its ``epsilon``; None (no estimate, no cost) when nothing can be cut. Public
-    facts only (the plan and the policy), so whether an estimate is made never depends on the data."""
+    facts only (the plan and the policy), so whether an estimate is made never depends on the data.
+
+    ``measurement`` (the rewritten query, when its backend takes a folded statement): at the plan's cap
+    alone, the totals are folded into it (:func:`folded_query`) when it is shaped for that."""
     clamped = clamped_measures(plan)
     if plan.unit is None or (not cuts and not clamped) or not any(not m.selected for m in plan.measures):
         return None
@@ -300,8 +317,12 @@ def estimate(
         assert m.lower is not None and m.upper is not None
         if i == j:
             totals.append(Total(f"excess{i}", tau * _ceiling(m.lower, m.upper), RARE))
-    sql = tuple((c, render(totals_query(plan, c, clamped, cuts))) for c in candidates)
-    made = BiasEstimate(epsilon * SHARE, sql, tuple(totals), cuts, clamped, unit, len(plan.keys), published)
+    folded = None
+    if measurement is not None and tuple(candidates) == (plan.max_rows,):
+        query = folded_query(plan, measurement, plan.max_rows, clamped, cuts)
+        folded = None if query is None else (render(query), len(measurement.expressions))
+    sql = () if folded else tuple((c, render(totals_query(plan, c, clamped, cuts))) for c in candidates)
+    made = BiasEstimate(epsilon * SHARE, sql, tuple(totals), cuts, clamped, unit, len(plan.keys), published, folded)
     try:  # before any charge: a total no exact sampler can noise is refused here, not after the reservation
         for total in totals:
             check_samplable(made.spec(total, 1))
@@ -348,37 +369,65 @@ def totals_query(plan: Plan, tau: int, clamped: Sequence[tuple[int, int]], cuts:
     skipped. One unit's rows move each total's vector over the groups by at most its :class:`Total`
     sensitivity (the module's argument)."""
     assert plan.unit is not None
-    double = exp.DataType.Type.DOUBLE
     keys = [key_column(plan, k) for k in range(len(plan.keys))]
     per_cell: list[exp.Expr] = [exp.alias_(plan.unit.copy(), "__u")]
     per_cell += [exp.alias_(k.copy(), f"k{i}") for i, k in enumerate(keys)]
     per_cell.append(exp.alias_(exp.Count(this=exp.Star(), big_int=True), "__m"))
-    unique = [i for i, j in clamped if i == j]
-    for i in unique:
+    per_cell += _excess_sums(plan, clamped)
+    cells = over_sources(_rows(plan), *per_cell).group_by(plan.unit.copy(), *(k.copy() for k in keys), copy=False)
+    window = exp.Window(
+        this=exp.Sum(this=exp.column("__m", quoted=True)), partition_by=[exp.column("__u", quoted=True)]
+    )
+    units = exp.select(exp.Star(), exp.alias_(window, "__n")).from_("__bias_cells")
+    key_names = [exp.column(f"k{i}", quoted=True) for i in range(len(keys))]
+    query = _totals(plan, tau, clamped, cuts, key_names, ("__m", "__n"))
+    return query.with_("__bias_cells", as_=cells, copy=False).with_("__bias_units", as_=units, copy=False)
+
+
+def _rows(plan: Plan) -> exp.Select:
+    """The rows the measurement reads (its sources, joins and WHERE), as a SELECT to project over."""
+    return filter_rows(select_measures(exp.select(), plan), plan)
+
+
+def _excess_sums(plan: Plan, clamped: Sequence[tuple[int, int]]) -> list[exp.Expr]:
+    """Per clamped value (the first measure of each), ``SUM(excess) AS __e{i}`` over a cell's rows."""
+    double = exp.DataType.Type.DOUBLE
+    out: list[exp.Expr] = []
+    for i in [i for i, j in clamped if i == j]:
         m = plan.measures[i]
         assert m.lower is not None and m.upper is not None
-        x = exp.cast(measure_input(m), double)
+        x = exp.cast(measure_input(m), double, copy=False)
         lo, hi, width = literal_number(m.lower), literal_number(m.upper), literal_number(_ceiling(m.lower, m.upper))
         above = clamp_sql(exp.Sub(this=x.copy(), expression=hi.copy()), exp.Literal.number(0), width)
         below = clamp_sql(exp.Sub(this=lo.copy(), expression=x.copy()), exp.Literal.number(0), width.copy())
         # one branch per row, at most W: NaN lies above U (and would lie below L too)
         excess = (
             exp.Case()
-            .when(exp.GT(this=x.copy(), expression=hi), above)
-            .when(exp.LT(this=x.copy(), expression=lo), below)
-            .else_(exp.Literal.number(0))
+            .when(exp.GT(this=x.copy(), expression=hi), above, copy=False)
+            .when(exp.LT(this=x, expression=lo), below, copy=False)
+            .else_(exp.Literal.number(0), copy=False)
         )
-        per_cell.append(exp.alias_(exp.Sum(this=excess), f"__e{i}"))
-    base = filter_rows(select_measures(exp.select(), plan), plan)
-    cells = over_sources(base, *per_cell).group_by(plan.unit.copy(), *(k.copy() for k in keys), copy=False)
-    m_ = exp.column("__m", quoted=True)
-    window = exp.Window(this=exp.Sum(this=m_.copy()), partition_by=[exp.column("__u", quoted=True)])
-    units = exp.select(exp.Star(), exp.alias_(window, "__n")).from_("__bias_cells")
-    n = exp.column("__n", quoted=True)
+        out.append(exp.alias_(exp.Sum(this=excess), f"__e{i}"))
+    return out
+
+
+def _totals(
+    plan: Plan,
+    tau: int,
+    clamped: Sequence[tuple[int, int]],
+    cuts: bool,
+    keys: Sequence[exp.Expression],
+    counts: tuple[str, str],
+) -> exp.Select:
+    """The totals over ``__bias_units`` (a row per cell: its rows, ``counts[0]``, and its unit's rows in all,
+    ``counts[1]``; its ``__e{i}`` sums), grouped by the ``keys`` (named ``k{i}``). Each total is linear in a
+    cell's rows and sums at a given unit's ``n``: cells finer than (unit, group) give the same totals."""
+    double = exp.DataType.Type.DOUBLE
+    m_, n = exp.column(counts[0], quoted=True), exp.column(counts[1], quoted=True)
     cap = exp.Literal.number(tau)
     share = exp.Div(this=exp.cast(m_.copy(), double), expression=exp.cast(n.copy(), double))  # n_g / n
     kept = exp.Case().when(exp.GT(this=n.copy(), expression=cap.copy()), cap.copy()).else_(n.copy())
-    outer: list[exp.Expr] = [exp.column(f"k{i}", quoted=True) for i in range(len(keys))]
+    outer: list[exp.Expr] = [exp.alias_(k.copy(), f"k{i}", quoted=True) for i, k in enumerate(keys)]
     outer.append(_total(exp.Mul(this=share.copy(), expression=exp.paren(kept, copy=False)), "kept"))
     if cuts:
         beyond = clamp_sql(
@@ -394,13 +443,93 @@ def totals_query(plan: Plan, tau: int, clamped: Sequence[tuple[int, int]], cuts:
         )
         .else_(exp.Literal.number(1))
     )
-    for i in unique:
+    for i in [i for i, j in clamped if i == j]:
         column = exp.Coalesce(this=exp.column(f"__e{i}", quoted=True), expressions=[exp.Literal.number(0)])
         outer.append(_total(exp.Mul(this=column, expression=exp.paren(scale.copy(), copy=False)), f"excess{i}"))
     query = exp.select(*outer).from_("__bias_units")
     if keys:
-        query = query.group_by(*(exp.column(f"k{i}", quoted=True) for i in range(len(keys))), copy=False)
-    return query.with_("__bias_cells", as_=cells, copy=False).with_("__bias_units", as_=units, copy=False)
+        query = query.group_by(*(k.copy() for k in keys), copy=False)
+    return query
+
+
+#: The folded statement's first column: 0 on the measurement's rows, 1 on the totals' rows.
+PART = "__part"
+
+
+def folded_query(
+    plan: Plan, measurement: exp.Select, tau: int, clamped: Sequence[tuple[int, int]], cuts: bool
+) -> exp.Union | None:
+    """The measurement and its bias totals in one statement over one aggregation of (unit, group) cells, or
+    None when the measurement is not shaped for it (its cells must read the rows :func:`totals_query`
+    reads, grouped by the unit and by every key as a column of their own).
+
+    The measurement's ``__cells`` gains the ``__e{i}`` sums (it already counts each cell's rows, ``__n``) and
+    is computed once (MATERIALIZED); the totals are :func:`_totals` over it, with the unit's rows by a
+    window. The measurement's rows are untouched: the cells are the same rows and the later steps select
+    their own columns. Rows come tagged by :data:`PART`: ``(0, measurement columns…, NULL…)`` and
+    ``(1, keys…, NULL…, totals…)`` (:func:`split_folded`). The totals equal :func:`totals_query`'s: each is
+    linear in a cell's rows at its unit's ``n`` (:func:`_totals`), so the privacy argument is unchanged."""
+    ctes = {cte.alias: cte for cte in (measurement.args.get("with_") or exp.With()).expressions}
+    cells_cte = ctes.get("__cells")
+    if cells_cte is None or not isinstance(cells_cte.this, exp.Select) or plan.unit is None:
+        return None
+    cells = cells_cte.this
+    rows = over_sources(_rows(plan), exp.Star())
+    if any(_sql(cells, part) != _sql(rows, part) for part in ("from_", "joins", "where")):
+        return None
+    named = {e.this.sql(): e.alias for e in cells.expressions if isinstance(e, exp.Alias)}
+    grouped = {g.sql() for g in (cells.args.get("group") or exp.Group()).expressions}
+    keys = [key_column(plan, i).sql() for i in range(len(plan.keys))]
+    if named.get(plan.unit.sql()) != "__unit" or any(k not in named or k not in grouped for k in keys):
+        return None
+    main = measurement.copy()  # the measurement's own SELECT, its CTEs taken out (copied once)
+    with_ = main.args["with_"]
+    main.set("with_", None)
+    ctes = {cte.alias: cte for cte in with_.expressions}
+    ctes["__cells"].set("materialized", True)
+    for sums in _excess_sums(plan, clamped):
+        ctes["__cells"].this.append("expressions", sums)
+    window = exp.Window(
+        this=exp.Sum(this=exp.column("__n", quoted=True)), partition_by=[exp.column("__unit", quoted=True)]
+    )
+    units = exp.select(exp.Star(), exp.alias_(window, "__bn")).from_("__cells")
+    key_names = [exp.column(named[k], quoted=True) for k in keys]
+    totals = _totals(plan, tau, clamped, cuts, key_names, ("__n", "__bn"))
+    width, extra = len(main.expressions), len(totals.expressions) - len(keys)
+    first = exp.select(exp.alias_(exp.Literal.number(0), PART), exp.Star(), *_nulls(extra)).from_("__measured")
+    second = exp.select(
+        exp.Literal.number(1), *[exp.column(f"k{i}", quoted=True) for i in range(len(keys))], *_nulls(width - len(keys))
+    ).from_("__totals")
+    second.select(*[exp.column(e.alias, quoted=True) for e in totals.expressions[len(keys) :]], copy=False)
+    both = exp.union(first, second, distinct=False)
+    for cte in with_.expressions:
+        both = both.with_(cte.alias, as_=cte.this, materialized=cte.args.get("materialized"), copy=False)
+    return (
+        both.with_("__bias_units", as_=units, copy=False)
+        .with_("__measured", as_=main, copy=False)
+        .with_("__totals", as_=totals, copy=False)
+    )
+
+
+def _nulls(count: int) -> list[exp.Expr]:
+    return [exp.Null() for _ in range(count)]
+
+
+def split_folded(
+    rows: Sequence[Sequence[Any]], width: int, nkeys: int
+) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    """The folded statement's rows (:func:`folded_query`) as the measurement's rows (``width`` columns) and
+    the totals' rows (keys, then totals), in the order each came."""
+    measured = [tuple(row[1 : 1 + width]) for row in rows if row[0] == 0]
+    totals = [tuple(row[1 : 1 + nkeys]) + tuple(row[1 + width :]) for row in rows if row[0] != 0]
+    return measured, totals
+
+
+def _sql(select: exp.Select, part: str) -> str:
+    value = select.args.get(part)
+    if isinstance(value, list):
+        return ";".join(v.sql() for v in value)
+    return value.sql() if isinstance(value, exp.Expression) else ""
 
 
 def _total(value: exp.Expression, name: str) -> exp.Expr:
