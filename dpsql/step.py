@@ -434,7 +434,7 @@ class Step:
         # the cap/clamp bias, estimated under DP at its share of the reserved ε (noised with the released keys)
         folded = None if prepared.bias is None or chosen is not None else prepared.bias.folded
         bias: list[tuple[Any, ...]] | None
-        if folded is not None:  # the measurement and the bias totals in one statement (dpsql.release.bias.fold)
+        if folded is not None:  # the measurement and the bias totals in one statement (dpsql.release.bias.folded_query)
             rows, bias = split_folded(self.query(folded[0]), folded[1], len(prepared.plan.keys))
         else:
             totals = None if prepared.bias is None else prepared.bias.sql_at(prepared.plan.max_rows)
