@@ -17,6 +17,7 @@ import contextlib
 import logging
 import secrets
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from dpsql.analyze.parse import MAX_STATEMENT_CHARS
@@ -59,6 +60,8 @@ log = logging.getLogger("dpsql.server")
 
 __all__ = ["Connection"]
 
+#: The most the login limiter may stop one startup's deadline for (waiting for a place, holding a failure).
+_MAX_LOGIN_WAIT = 120.0
 #: Statements longer than this are split, parsed and routed in the worker pool, not on the event loop.
 _INLINE_SQL = 4096
 
@@ -108,12 +111,23 @@ class Connection:
         if self.pending is not None:
             self.ctx.preauth.leave(self.pending)
 
-    def extend_startup(self, seconds: float) -> None:
-        """The login limiter made this startup wait ``seconds`` (a slowed-down pair's turn): the startup
-        deadline moves by as much (at most a minute), so that the wait never times the login out."""
+    @contextlib.contextmanager
+    def startup_paused(self) -> Iterator[None]:
+        """The login limiter makes this startup wait (for one of its pair's places, or holding a wrong
+        password's reply): the startup deadline stops meanwhile (for at most two minutes), so that the wait
+        never times a correct login out."""
         deadline = self._startup_deadline
-        if deadline is not None and (when := deadline.when()) is not None:
-            deadline.reschedule(when + min(max(seconds, 0.0), 60.0))
+        when = deadline.when() if deadline is not None else None
+        if deadline is None or when is None:
+            yield
+            return
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        deadline.reschedule(when + _MAX_LOGIN_WAIT)
+        try:
+            yield
+        finally:
+            deadline.reschedule(when + min(loop.time() - began, _MAX_LOGIN_WAIT))
 
     def negotiating(self) -> None:
         """A first packet came (SSLRequest, GSSENCRequest): no longer a silent socket."""

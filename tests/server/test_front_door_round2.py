@@ -346,8 +346,9 @@ def _login(running: Running, user: str, password: str, **settings: str) -> str |
 
 def test_wire_password_guessing_is_limited(scram_engine: Engine) -> None:
     """The issue's 523 guesses in 10 s: with the default limiter a few guesses are answered at once, then
-    the (account, address) is slowed down, one exchange at a time, each answered no sooner than its delay
-    (1, 2, 4 s); the right password from the same address then still gets in (issue #41: never locked)."""
+    the (account, address) is slowed down: each wrong password is answered (and keeps its place) only after
+    its delay (1, 2, 4, 8 s); the right password from the same address then gets in at once (issue #41:
+    never locked, not delayed by the guesses either)."""
     server = ThreadedServer(scram_engine, catalog_dsn="")
     running = Running(server.host, server.port, scram_engine)
     try:
@@ -362,8 +363,8 @@ def test_wire_password_guessing_is_limited(scram_engine: Engine) -> None:
         assert outcomes.get("28P01", 0) <= 12
         assert set(outcomes) <= {"28P01", "28000"}
         started = time.monotonic()
-        assert _login(running, "scram", PASSWORD) is None  # slowed down, never refused
-        assert time.monotonic() - started >= 1.0
+        assert _login(running, "scram", PASSWORD) is None  # never refused
+        assert time.monotonic() - started < 1.0  # a correct password leaves its place at once
     finally:
         server.stop()
 
