@@ -61,7 +61,7 @@ log = logging.getLogger("dpsql.server")
 __all__ = ["Connection"]
 
 #: The most the login limiter may stop one startup's deadline for (waiting for a place, holding a failure).
-_MAX_LOGIN_WAIT = 120.0
+_MAX_LOGIN_WAIT = 300.0
 #: Statements longer than this are split, parsed and routed in the worker pool, not on the event loop.
 _INLINE_SQL = 4096
 
@@ -114,7 +114,7 @@ class Connection:
     @contextlib.contextmanager
     def startup_paused(self) -> Iterator[None]:
         """The login limiter makes this startup wait (for one of its pair's places, or holding a wrong
-        password's reply): the startup deadline stops meanwhile (for at most two minutes), so that the wait
+        password's reply): the startup deadline stops meanwhile (for at most five minutes), so that the wait
         never times a correct login out."""
         deadline = self._startup_deadline
         when = deadline.when() if deadline is not None else None

@@ -102,8 +102,8 @@ class ServerOptions:
     login_free_failures: int = 5
     login_lock: float = 1.0
     login_max_lock: float = 30.0
-    login_max_delay: float = 8.0
-    login_slots: int = 4
+    login_max_delay: float = 16.0
+    login_slots: int = 8
     login_account_failures: int = 30
     login_address_failures: int = 60
     login_window: float = 900.0

@@ -97,7 +97,7 @@ def _timed_logins(running: Running, seconds: float, user: str = "scram") -> list
 
 def test_two_guessing_threads_on_the_same_address_lock_nobody_out(scram_engine: Engine) -> None:
     """The bench's attack: two threads of wrong passwords. The analyst's correct logins all get in, at once
-    (the guessers hold two of the pair's four places); the guessers get a few answers."""
+    (the guessers hold two of the pair's eight places); the guessers get a few answers."""
     server = ThreadedServer(scram_engine, catalog_dsn="")
     running = Running(server.host, server.port, scram_engine)
     try:
@@ -119,7 +119,7 @@ def test_two_guessing_threads_on_the_same_address_lock_nobody_out(scram_engine: 
     assert states and all(state is None for state in states), states  # never refused
     assert statistics.median(times) < 1.0 and max(times) < 5.0  # the round-3 turns: p50 10.4 s
     assert set(guesses) <= {"28P01"}
-    # 5 free, then each guess keeps one of the 2 guessers' places for 1, 2, 4, 8 s: a few per thread
+    # 5 free, then each guess keeps one of the 2 guessers' places for 1, 2, 4, 8, 16 s: a few per thread
     assert checked <= 5 + 2 * 6
 
 

@@ -27,7 +27,6 @@ import os
 import re
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -41,6 +40,7 @@ from typing import Any
 import pytest
 
 from tests.bi.superset_charts import CASES, DATASETS
+from tests.listening import port_of
 
 # `dpsql serve` starts a PostgreSQL of its own (the shadow catalog Superset's sync reads)
 pytestmark = [pytest.mark.bi, pytest.mark.postgres]
@@ -139,12 +139,6 @@ EXPECTED: dict[str, Expect] = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @dataclass
 class Served:
     port: int
@@ -162,9 +156,8 @@ def dpsql_serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 @contextmanager
 def serve(home: Path) -> Iterator[Served]:
     """`dpsql serve --policy schemas/clinic.yaml` (the demo data) with its ledger under ``home`` (DPSQL_HOME)."""
-    port = _free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "dpsql.cli", "serve", "--policy", "schemas/clinic.yaml", "--port", str(port)],
+        [sys.executable, "-m", "dpsql.cli", "serve", "--policy", "schemas/clinic.yaml", "--port", "0"],
         cwd=ROOT,
         env={**os.environ, "DPSQL_HOME": str(home)},
         stdout=subprocess.DEVNULL,
@@ -179,6 +172,7 @@ def serve(home: Path) -> Iterator[Served]:
             log.append(server.stderr.readline())
             assert log[-1] or server.poll() is None, "dpsql serve exited before serving:\n" + "".join(log)
             assert time.monotonic() < deadline, "dpsql serve did not start within 90 s"
+        port = port_of(log[-1])  # it bound port 0 and says which port it got
         threading.Thread(target=lambda: log.extend(server.stderr or ()), daemon=True).start()  # keep draining
         yield Served(port, home, log)
     finally:

@@ -298,7 +298,7 @@ def test_verifier_file_and_tls(tmp_path: Path) -> None:
     import ssl
     import urllib.parse
 
-    from tests.dashboard.conftest import _spawn, _stop, free_port
+    from tests.dashboard.conftest import _spawn, _stop
 
     verifier = subprocess.run(
         [sys.executable, "-m", "dpsql.cli", "passwd", "--password", PASSWORD],
@@ -330,7 +330,6 @@ def test_verifier_file_and_tls(tmp_path: Path) -> None:
         check=True,
         capture_output=True,
     )
-    port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in (auth.ENV_PASSWORD, auth.ENV_VERIFIER)}
     running = _spawn(
         [
@@ -338,7 +337,7 @@ def test_verifier_file_and_tls(tmp_path: Path) -> None:
             "--policy",
             str(ROOT / "schemas" / "health.yaml"),
             "--port",
-            str(port),
+            "0",
             "--password-file",
             str(tmp_path / "curator.verifier"),
             "--tls-cert",
@@ -351,6 +350,7 @@ def test_verifier_file_and_tls(tmp_path: Path) -> None:
         "dpsql dashboard",
         {**env, "PYTHONPATH": str(ROOT), "DPSQL_HOME": str(tmp_path)},
     )
+    port = running.port
     try:
         assert f"at https://127.0.0.1:{port}/" in running.banner
         context = ssl.create_default_context(cafile=str(cert))

@@ -347,7 +347,7 @@ def _login(running: Running, user: str, password: str, **settings: str) -> str |
 def test_wire_password_guessing_is_limited(scram_engine: Engine) -> None:
     """The issue's 523 guesses in 10 s: with the default limiter a few guesses are answered at once, then
     the (account, address) is slowed down: each wrong password is answered (and keeps its place) only after
-    its delay (1, 2, 4, 8 s); the right password from the same address then gets in at once (issue #41:
+    its delay (1, 2, 4, 8, 16 s); the right password from the same address then gets in at once (issue #41:
     never locked, not delayed by the guesses either)."""
     server = ThreadedServer(scram_engine, catalog_dsn="")
     running = Running(server.host, server.port, scram_engine)

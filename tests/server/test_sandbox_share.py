@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -64,15 +63,9 @@ from dpsql.outer.admission import ADMISSION
 from dpsql.server.server import run
 engine = open_engine(trust=True)
 print("ready", flush=True)
-run(engine, port=int(sys.argv[2]), catalog_dsn="")
+run(engine, port=0, catalog_dsn="", on_listening=lambda port: print("listening", port, flush=True))
 print(json.dumps({"peak": ADMISSION.peak, "capacity": ADMISSION.capacity}), flush=True)
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _connect(port: int, user: str) -> psycopg.Connection[Any]:
@@ -121,10 +114,9 @@ def _accepts(port: int) -> bool:
 @pytest.fixture()
 def serve_process() -> Iterator[tuple[subprocess.Popen[str], int]]:
     """``dpsql serve``'s server over the demo data in a process of its own (its RSS is the server's)."""
-    port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.Popen(
-        [sys.executable, "-c", _LAUNCHER, str(ROOT), str(port)],
+        [sys.executable, "-c", _LAUNCHER, str(ROOT)],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -133,6 +125,8 @@ def serve_process() -> Iterator[tuple[subprocess.Popen[str], int]]:
     )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        lines = iter(proc.stdout.readline, "")  # the server bound port 0 and says which port it got
+        port = next(int(line.split()[1]) for line in lines if line.startswith("listening "))
         assert eventually(lambda: _accepts(port), 60)
         yield proc, port
     finally:
