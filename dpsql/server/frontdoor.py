@@ -150,14 +150,16 @@ class Slots:
                 return
         self.held -= 1
 
+    @property
+    def idle(self) -> bool:
+        return self.held == 0 and not self._waiters
+
 
 @dataclass(slots=True)
 class _Failures:
     count: int = 0
     last: float = 0.0
     until: float = 0.0
-    #: For a pair: its password checks in progress, and those held for the failure delay (made on the loop).
-    slots: Slots | None = None
 
 
 class LoginTurn:
@@ -216,6 +218,9 @@ class LoginLimiter:
         self._addresses: OrderedDict[str, _Failures] = OrderedDict()
         #: (account, address) pairs that logged in successfully, and when.
         self._good: OrderedDict[tuple[str, str], float] = OrderedDict()
+        #: Each pair's places while any is taken or awaited (at most one per pre-auth socket or held failure):
+        #: apart from the failure counts, so that no churn of other names can evict them.
+        self._places: dict[tuple[str, str], Slots] = {}
 
     def __len__(self) -> int:
         return len(self._pairs) + len(self._accounts) + len(self._addresses) + len(self._good)
@@ -239,28 +244,38 @@ class LoginLimiter:
     async def turn(
         self, user: str, address: str, paused: Callable[[], contextlib.AbstractContextManager[object]]
     ) -> AsyncIterator[LoginTurn]:
-        """Around one password exchange of ``user`` from ``address``. Once the pair has failed, its exchanges
-        take one of its ``slots`` places first (waiting in arrival order) and are checked at once when
-        admitted; a correct password leaves at once, a wrong one (:meth:`LoginTurn.failed`) keeps its place
+        """Around one password exchange of ``user`` from ``address``. Every exchange of the pair takes one of
+        its ``slots`` places first (waiting in arrival order) and is checked at once when admitted; a correct password leaves at once, a wrong one (:meth:`LoginTurn.failed`) keeps its place
         and its reply for the pair's delay, even when its client has gone. So the pair's guesses are checked
         at most ``slots`` per delay, and a correct password waits only for the places of the exchanges that
         were waiting before it. ``paused()`` suspends the startup deadline while waiting or holding."""
-        entry = self._entry(self._pairs, (user, address))
-        if entry.slots is None:
-            entry.slots = Slots(self.slots)
-        slots, loop = entry.slots, asyncio.get_running_loop()
-        with paused():
-            await slots.acquire()
+        key, loop = (user, address), asyncio.get_running_loop()
+        slots = self._places.get(key)
+        if slots is None:
+            slots = self._places[key] = Slots(self.slots)
+
+        def give_back() -> None:
+            slots.release()
+            if slots.idle and self._places.get(key) is slots:
+                del self._places[key]
+
+        try:
+            with paused():
+                await slots.acquire()
+        except BaseException:
+            if slots.idle and self._places.get(key) is slots:
+                del self._places[key]
+            raise
         turn = LoginTurn(self, user, address, slowed=self.delay(user, address) > 0)
         try:
             yield turn
         finally:
             if turn.hold > 0:  # the place is given back by the loop, whatever becomes of this exchange
-                loop.call_later(turn.hold, slots.release)
+                loop.call_later(turn.hold, give_back)
                 with paused():
                     await asyncio.sleep(turn.hold)
             else:
-                slots.release()
+                give_back()
 
     def failed(self, user: str, address: str) -> None:
         """Record a wrong password (the locks it sets apply at once, even to attempts in flight)."""
