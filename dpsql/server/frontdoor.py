@@ -245,10 +245,11 @@ class LoginLimiter:
         self, user: str, address: str, paused: Callable[[], contextlib.AbstractContextManager[object]]
     ) -> AsyncIterator[LoginTurn]:
         """Around one password exchange of ``user`` from ``address``. Every exchange of the pair takes one of
-        its ``slots`` places first (waiting in arrival order) and is checked at once when admitted; a correct password leaves at once, a wrong one (:meth:`LoginTurn.failed`) keeps its place
-        and its reply for the pair's delay, even when its client has gone. So the pair's guesses are checked
-        at most ``slots`` per delay, and a correct password waits only for the places of the exchanges that
-        were waiting before it. ``paused()`` suspends the startup deadline while waiting or holding."""
+        its ``slots`` places first (waiting in arrival order) and is checked at once when admitted; a correct
+        password leaves at once, a wrong one (:meth:`LoginTurn.failed`) keeps its place and its reply for the
+        pair's delay, even when its client has gone. So the pair's guesses are checked at most ``slots`` per
+        delay, and a correct password waits only for the places of the exchanges that were waiting before it.
+        ``paused()`` suspends the startup deadline while waiting or holding."""
         key, loop = (user, address), asyncio.get_running_loop()
         slots = self._places.get(key)
         if slots is None:
