@@ -42,6 +42,8 @@ DATASETS: dict[str, dict[str, Any]] = {
     "exhausted_visits": {"database": "dpsql_exhausted", "sql": VIRTUAL_ROWS_SQL, "temporal": ["visit_date"]},
     # through dpsql://…?show_intervals=on: every noisy column of a chart gets its <col>_ci95 column
     "intervals_visits": {"database": "dpsql_intervals", "sql": VIRTUAL_ROWS_SQL, "temporal": ["visit_date"]},
+    # through dpsql://…?accuracy=100 (issue #38 item 4): ε per chart is the least that meets ±100
+    "accuracy_visits": {"database": "dpsql_accuracy", "sql": VIRTUAL_ROWS_SQL, "temporal": ["visit_date"]},
 }
 
 _EXTRAS: dict[str, Any] = {"having": "", "where": ""}
@@ -448,6 +450,45 @@ CASES: list[dict[str, Any]] = [
         ],
         "keep_data": True,
     },
+    # issue #38 item 4: accuracy-first in Superset, as docs/bi.md says to set it
+    {
+        "name": "dpsql_accuracy_chart",
+        "chart": "Big Number through dpsql://…?accuracy=100: charged the least ε meeting ±100, not ?epsilon=",
+        "dataset": "accuracy_visits",
+        "kind": "chart",
+        "queries": [{"metrics": [_COUNT], "columns": [], "filters": [], "extras": _EXTRAS, "row_limit": 10000}],
+    },
+    {
+        "name": "dpsql_accuracy_sqllab_set",
+        "chart": "SQL Lab run of `SET dpsql.accuracy = '±100';` and a query (statements of one run, one connection)",
+        "dataset": "dpsql_visits",
+        "kind": "sqllab",
+        "sql": "SET dpsql.accuracy = '±100';\n"
+        "SELECT urgent, COUNT(*) AS count FROM visits WHERE cost > 100 GROUP BY urgent",
+    },
+    {
+        "name": "dpsql_accuracy_sqllab_next",
+        "chart": "The next SQL Lab run, without the SET: the URI's ε again (a SET does not carry over)",
+        "dataset": "dpsql_visits",
+        "kind": "sqllab",
+        "sql": "SELECT urgent, COUNT(*) AS count FROM visits WHERE cost > 150 GROUP BY urgent",
+    },
+    # issue #38 item 4: the budget view answers the aggregates a BI tool sends, free
+    {
+        "name": "dpsql_budget_total_sqllab",
+        "chart": "A Big Number's SQL over dpsql_budget in SQL Lab: SUM(epsilon_remaining)",
+        "dataset": "dpsql_visits",
+        "kind": "sqllab",
+        "sql": "SELECT SUM(epsilon_remaining) AS rem FROM public.dpsql_budget LIMIT 100",
+    },
+    {
+        "name": "dpsql_budget_grouped_sqllab",
+        "chart": "A bar chart's SQL over dpsql_budget in SQL Lab: SUM(epsilon_spent) by analyst",
+        "dataset": "dpsql_visits",
+        "kind": "sqllab",
+        "sql": "SELECT analyst AS analyst, SUM(epsilon_spent) AS spent FROM public.dpsql_budget GROUP BY analyst "
+        "ORDER BY spent DESC LIMIT 100",
+    },
     {
         "name": "pg_intervals_sqllab",
         "chart": "SQL Lab through postgresql+psycopg2://…?options=-c%20dpsql.show_intervals%3Don: count_ci95",
@@ -597,4 +638,45 @@ SYNOPSIS_CASES: list[dict[str, Any]] = [
             "row_limit": 1000,
         },
     ),
+]
+
+#: The chart shapes issue #38 found charged or unflagged beside the dashboard above: SUM/AVG of a measure the
+#: synopsis does not hold, a filter on a column that is not a synopsis key, coarser grains (quarters, years:
+#: answered, wider), a time range off the month edges. Each is recorded with its charge and any widening.
+_AVG_COST: dict[str, Any] = {
+    "expressionType": "SIMPLE",
+    "column": {"column_name": "cost"},
+    "aggregate": "AVG",
+    "label": "AVG(cost)",
+}
+_SUM_COST: dict[str, Any] = {**_AVG_COST, "aggregate": "SUM", "label": "SUM(cost)"}
+OFF_EDGE_RANGE = "2021-01-15T00:00:00 : 2021-07-15T00:00:00"
+
+
+def _line(grain: str, time_range: str) -> dict[str, Any]:
+    line = _monthly_line(time_range)
+    line["columns"] = [_axis("visit_date", grain)]
+    line["extras"] = {**_EXTRAS, "time_grain_sqla": grain}
+    if time_range == "No filter":
+        line["filters"] = []
+    return line
+
+
+def _measure_bar(metric: dict[str, Any]) -> dict[str, Any]:
+    bar = _department_bar([])
+    bar.update(metrics=[metric], orderby=[[metric, False]], post_processing=_pivot("department", metric["label"]))
+    return bar
+
+
+SYNOPSIS_MORE_CASES: list[dict[str, Any]] = [
+    _chart("avg_cost_bar", "Bar chart: AVG(cost) by department", _measure_bar(_AVG_COST)),
+    _chart("sum_cost_bar", "Bar chart: SUM(cost) by department", _measure_bar(_SUM_COST)),
+    _chart(
+        "bar_urgent",
+        "The bar chart with a filter on urgent (not a synopsis key)",
+        _department_bar([{"col": "urgent", "op": "==", "val": True}]),
+    ),
+    _chart("line_quarterly_2021", f"Line chart: COUNT(*) by quarter, {TIME_RANGE}", _line("P3M", TIME_RANGE)),
+    _chart("line_yearly", "Line chart: COUNT(*) by year, no time range", _line("P1Y", "No filter")),
+    _chart("line_off_edges", f"Line chart: COUNT(*) by month, {OFF_EDGE_RANGE}", _line("P1M", OFF_EDGE_RANGE)),
 ]
