@@ -680,3 +680,89 @@ SYNOPSIS_MORE_CASES: list[dict[str, Any]] = [
     _chart("line_yearly", "Line chart: COUNT(*) by year, no time range", _line("P1Y", "No filter")),
     _chart("line_off_edges", f"Line chart: COUNT(*) by month, {OFF_EDGE_RANGE}", _line("P1M", OFF_EDGE_RANGE)),
 ]
+
+
+# --- the health and adult demos' dashboards over their declared synopses (tests/bi/test_superset_demos.py) ---
+
+
+def _metric(aggregate: str, column: str) -> dict[str, Any]:
+    """Superset's SIMPLE ad-hoc metric (the metric popover's column + aggregate)."""
+    return {
+        "expressionType": "SIMPLE",
+        "column": {"column_name": column},
+        "aggregate": aggregate,
+        "label": f"{aggregate}({column})",
+    }
+
+
+def _grouped(
+    name: str, dataset: str, columns: list[str], metric: Any = "count", filters: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """A bar (one column on the x-axis) or a table (several columns) of one metric, as Superset posts it."""
+    label = metric if isinstance(metric, str) else metric["label"]
+    query: dict[str, Any] = {
+        "columns": [_axis(columns[0])] if len(columns) == 1 else columns,
+        "metrics": [metric],
+        "orderby": [[metric, False]],
+        "filters": filters or [],
+        "extras": _EXTRAS,
+        "row_limit": 10000,
+        "order_desc": True,
+    }
+    if len(columns) == 1:
+        query.update(series_columns=[], series_limit=0, post_processing=_pivot(columns[0], label))
+    chart = f"{'Bar chart' if len(columns) == 1 else 'Table'}: {label} by {', '.join(columns)}"
+    if filters:
+        chart += " where " + ", ".join(f"{f['col']} {f['op']} {f['val']}" for f in filters)
+    return {"name": name, "chart": chart, "dataset": dataset, "kind": "chart", "queries": [query], "keep_data": True}
+
+
+def _total(name: str, dataset: str, metric: Any = "count") -> dict[str, Any]:
+    label = metric if isinstance(metric, str) else metric["label"]
+    query = {"metrics": [metric], "columns": [], "filters": [], "extras": _EXTRAS, "row_limit": 10000}
+    return {"name": name, "chart": f"Big Number: {label}", "dataset": dataset, "kind": "chart", "queries": [query]}
+
+
+#: Per demo: its Superset dataset (the physical table through dpsql://) and its charts. ``outside`` names the
+#: charts its synopsis does not hold (a key or measure it lacks): fresh queries, charged the chart's ε.
+DEMO_DASHBOARDS: dict[str, dict[str, Any]] = {
+    "health": {
+        "datasets": {"dpsql_patients": {"database": "dpsql", "table": "patients"}},
+        "cases": [
+            _grouped("problem_bar", "dpsql_patients", ["problem"]),
+            _grouped("ethnicity_bar", "dpsql_patients", ["ethnicity"]),
+            _grouped("marital_bar", "dpsql_patients", ["marital_status"]),
+            _grouped("problem_ethnicity_table", "dpsql_patients", ["problem", "ethnicity"]),
+            _grouped("avg_age_by_problem", "dpsql_patients", ["problem"], _metric("AVG", "age")),
+            _grouped("sum_age_by_ethnicity", "dpsql_patients", ["ethnicity"], _metric("SUM", "age")),
+            _grouped(
+                "problem_bar_filtered",
+                "dpsql_patients",
+                ["problem"],
+                filters=[{"col": "ethnicity", "op": "IN", "val": ["Asian", "Black"]}],
+            ),
+            _total("total", "dpsql_patients"),
+            _grouped("sex_bar", "dpsql_patients", ["sex"]),  # sex is not a key of patients_dashboard
+            _grouped("avg_bmi_by_problem", "dpsql_patients", ["problem"], _metric("AVG", "bmi")),
+        ],
+        "outside": ["sex_bar", "avg_bmi_by_problem"],
+    },
+    "adult": {
+        "datasets": {"dpsql_adult": {"database": "dpsql", "table": "adult"}},
+        "cases": [
+            _grouped("education_bar", "dpsql_adult", ["education"]),
+            _grouped("race_bar", "dpsql_adult", ["race"]),
+            _grouped("sex_income_table", "dpsql_adult", ["sex", "income"]),
+            _grouped("avg_hours_by_sex", "dpsql_adult", ["sex"], _metric("AVG", "hours_per_week")),
+            _grouped(
+                "race_bar_rich",
+                "dpsql_adult",
+                ["race"],
+                filters=[{"col": "income", "op": "IN", "val": [">50K"]}],
+            ),
+            _total("total", "dpsql_adult"),
+            _grouped("avg_age_by_sex", "dpsql_adult", ["sex"], _metric("AVG", "age")),  # age is not measured
+        ],
+        "outside": ["avg_age_by_sex"],
+    },
+}

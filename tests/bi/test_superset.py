@@ -160,11 +160,11 @@ def dpsql_serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
 
 @contextmanager
-def serve(home: Path) -> Iterator[Served]:
+def serve(home: Path, policy: str = "schemas/clinic.yaml") -> Iterator[Served]:
     """`dpsql serve --policy schemas/clinic.yaml` (the demo data) with its ledger under ``home`` (DPSQL_HOME)."""
     port = _free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "dpsql.cli", "serve", "--policy", "schemas/clinic.yaml", "--port", str(port)],
+        [sys.executable, "-m", "dpsql.cli", "serve", "--policy", policy, "--port", str(port)],
         cwd=ROOT,
         env={**os.environ, "DPSQL_HOME": str(home)},
         stdout=subprocess.DEVNULL,
@@ -303,10 +303,9 @@ def _report(record: dict[str, Any], config: pytest.Config) -> None:
         "engine_specs": record["engine_specs"],
         "results": rows,
     }
-    if RESULTS.exists():  # the dashboard answered from a synopsis: tests/bi/test_superset_synopsis.py's section
-        kept = json.loads(RESULTS.read_text()).get("synopsis_dashboard")
-        if kept is not None:
-            summary["synopsis_dashboard"] = kept
+    if RESULTS.exists():  # the synopsis dashboards' sections: test_superset_synopsis.py's and test_superset_demos.py's
+        previous = json.loads(RESULTS.read_text())
+        summary.update({k: previous[k] for k in ("synopsis_dashboard", "demo_dashboards") if k in previous})
     RESULTS.write_text(json.dumps(summary, indent=1) + "\n")
     out = config.pluginmanager.get_plugin("terminalreporter")
     capture = config.pluginmanager.get_plugin("capturemanager")
