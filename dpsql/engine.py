@@ -103,7 +103,7 @@ class Engine:
         #: Public table columns' stored values, the domains of keys the policy lists none for.
         self._public_domains: LRU[tuple[str, str, int], tuple[tuple[Any, ...] | None]] = LRU(256)
         #: One audit row per statement (shape, cost, outcome), written to the ledger off the query's path.
-        self.audit = AuditTrail(ledger, policy.dataset, lambda sql: (self.fingerprint(sql), statement_shape(sql)))
+        self.audit = AuditTrail(ledger, policy.dataset, lambda sql: (self.fingerprint(sql), self.shape(sql)))
 
     @property
     def ledger(self) -> Ledger:
@@ -211,7 +211,12 @@ class Engine:
         ``shape``: :func:`statement_shape` of ``sql`` already computed (the server's helper process)."""
         if self._fingerprint_key is None:
             self._fingerprint_key = fingerprint_key(self.ledger.installation_key())
-        return keyed(self._fingerprint_key, statement_shape(sql) if shape is None else shape)
+        return keyed(self._fingerprint_key, self.shape(sql) if shape is None else shape)
+
+    def shape(self, sql: str) -> str:
+        """:func:`statement_shape` of ``sql``, read from its tree when this engine parsed it already."""
+        statement = self.statements.cached(sql)
+        return statement_shape(sql) if statement is None else statement.shape
 
     def _prepare(self, sql: str, tree: exp.Expression, session: Session, params: Params) -> Prepared:
         fingerprint = self.fingerprint(sql)

@@ -12,13 +12,14 @@ import enum
 import re
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sqlglot import exp
 
 from dpsql.analyze.checks import limit_case_branches
 from dpsql.analyze.parse import parse_statement, skip_comments, too_complex
 from dpsql.errors import FeatureNotSupported, SyntaxError_
+from dpsql.fingerprint import tree_shape
 from dpsql.lru import LRU
 
 #: The one EXPLAIN option accepted: ``(FORMAT TEXT)`` or ``(FORMAT JSON)`` (pgcli sends the latter).
@@ -60,6 +61,9 @@ class Statement:
     tree: exp.Expression
     #: For EXPLAIN: the text of the query it explains.
     target: str = ""
+    #: :func:`dpsql.fingerprint.statement_shape` of ``sql``, read from the tree before anything rewrote it
+    #: (the server's log line and the engine's fingerprint use it: no second parse).
+    shape: str = ""
 
 
 def classify(sql: str) -> Statement:
@@ -113,9 +117,15 @@ class Statements:
         if cached is not None:
             return cached
         statement = classify(sql)
+        shape = tree_shape(sql, None if statement.kind is Kind.EXPLAIN else statement.tree)
+        statement = replace(statement, shape=shape)
         if self._shrink is not None and statement.kind is Kind.QUERY:
             self._shrink(statement.tree)
         return self._items.put(sql, statement, tree_bytes(sql, statement.tree))
+
+    def cached(self, sql: str) -> Statement | None:
+        """The statement for ``sql`` if it was classified already (never parses)."""
+        return self._items.get(sql)
 
     def plain(self, sql: str) -> bool:
         """Whether ``sql`` was found to be a plain single query (a dict lookup)."""
