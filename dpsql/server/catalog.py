@@ -63,7 +63,9 @@ from .shadow_session import EXCHANGE_SLACK, ShadowSession, connection_lost
 
 log = logging.getLogger("dpsql.server.catalog")
 
-Route = Literal["catalog", "engine", "mixed", "tableless"]
+#: Where a statement goes, the one route type from the wire on: nowhere (empty), answered here (local: a
+#: session command; tableless), the shadow catalog, the DP engine (queries, EXPLAIN, INSERT), or refused (mixed).
+Route = Literal["empty", "local", "tableless", "catalog", "engine", "mixed"]
 CATALOG_SCHEMAS = frozenset({"pg_catalog", "information_schema"})
 _READ_ONLY_HEADS = frozenset({"select", "with", "values", "table"})
 

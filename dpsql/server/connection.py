@@ -338,7 +338,7 @@ class Connection:
         if not long:
             return self._plan_short(sql)
         routed = self.ctx.offload.route_of(self.user or "?", sql, frozenset(self.ctx.policy.tables))
-        return PlannedStatement(sql, routed.route, shape=routed.shape, verdict=routed.verdict)  # type: ignore[arg-type]
+        return PlannedStatement(sql, routed.route, shape=routed.shape, verdict=routed.verdict)
 
     def _plan_short(self, sql: str) -> PlannedStatement:
         """Route on the statement the engine parses and classifies (its cache, by text): the engine, the
