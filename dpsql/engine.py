@@ -39,7 +39,7 @@ from dpsql.backends import DEFAULT_STATEMENT_TIMEOUT_MS, Backend, open_backend, 
 from dpsql.cache import ResultCache, cache_key, measurement_key
 from dpsql.errors import FeatureNotSupported, InvalidAuthorization
 from dpsql.explain import Explanation, explain, explain_format
-from dpsql.fingerprint import fingerprint_key, keyed, row_selection_salt, statement_shape
+from dpsql.fingerprint import fingerprint_key, keyed, row_selection_salt, statement_shape, tree_shape
 from dpsql.ledger import Ledger, resolve_ledger_url
 from dpsql.ledger.audit import AuditTrail
 from dpsql.lru import LRU
@@ -90,7 +90,7 @@ class Engine:
         #: Plans hold their rewritten trees: bounded in bytes too (see :func:`tree_bytes`).
         self._plans: LRU[tuple[Any, ...], Prepared] = LRU(_PLAN_CACHE_SIZE, PLAN_CACHE_BYTES)
         #: Parsed statements by text (and which texts are plain single queries: :mod:`dpsql.outer`).
-        self.statements = Statements(_PLAN_CACHE_SIZE, partial(shrink_in_lists, policy=policy))
+        self.statements = Statements(_PLAN_CACHE_SIZE, partial(shrink_in_lists, policy=policy), tree_shape)
         #: Keys the per-row hash choosing which rows of a heavy unit are kept (never shown to analysts;
         #: derived from the ledger's installation key, so every process on one ledger keeps the same rows).
         self._salt = row_selection_salt(ledger.installation_key())
@@ -216,7 +216,7 @@ class Engine:
     def shape(self, sql: str) -> str:
         """:func:`statement_shape` of ``sql``, read from its tree when this engine parsed it already."""
         statement = self.statements.cached(sql)
-        return statement_shape(sql) if statement is None else statement.shape
+        return statement.shape if statement is not None and statement.shape else statement_shape(sql)
 
     def _prepare(self, sql: str, tree: exp.Expression, session: Session, params: Params) -> Prepared:
         fingerprint = self.fingerprint(sql)

@@ -19,7 +19,6 @@ from sqlglot import exp
 from dpsql.analyze.checks import limit_case_branches
 from dpsql.analyze.parse import parse_statement, skip_comments, too_complex
 from dpsql.errors import FeatureNotSupported, SyntaxError_
-from dpsql.fingerprint import tree_shape
 from dpsql.lru import LRU
 
 #: The one EXPLAIN option accepted: ``(FORMAT TEXT)`` or ``(FORMAT JSON)`` (pgcli sends the latter).
@@ -101,11 +100,19 @@ class Statements:
     """Classified statements by text, least recently used evicted first, within :data:`CACHE_BYTES`;
     thread-safe."""
 
-    def __init__(self, size: int = 1024, shrink: Callable[[exp.Expression], None] | None = None) -> None:
+    def __init__(
+        self,
+        size: int = 1024,
+        shrink: Callable[[exp.Expression], None] | None = None,
+        shape: Callable[[str, exp.Expression | None], str] | None = None,
+    ) -> None:
         self._items: LRU[str, Statement] = LRU(size, CACHE_BYTES)
         #: Applied to each new query's tree in place, before it is cached or copied (the engine's: IN lists
         #: shrunk by :func:`dpsql.analyze.in_lists.shrink_in_lists`).
         self._shrink = shrink
+        #: The statement's fingerprint shape, read from its tree before :attr:`_shrink` changes it (the
+        #: engine's: :func:`dpsql.fingerprint.tree_shape`).
+        self._shape = shape
         #: Texts known to be plain single queries (neither composite nor a schema probe, whatever their
         #: parameters): a repeat skips :func:`dpsql.outer.route`'s copy of the tree. Decided from the text
         #: and the engine's (fixed) policy only.
@@ -117,8 +124,10 @@ class Statements:
         if cached is not None:
             return cached
         statement = classify(sql)
-        shape = tree_shape(sql, None if statement.kind is Kind.EXPLAIN else statement.tree)
-        statement = replace(statement, shape=shape)
+        if self._shape is not None:
+            statement = replace(
+                statement, shape=self._shape(sql, None if statement.kind is Kind.EXPLAIN else statement.tree)
+            )
         if self._shrink is not None and statement.kind is Kind.QUERY:
             self._shrink(statement.tree)
         return self._items.put(sql, statement, tree_bytes(sql, statement.tree))
