@@ -432,26 +432,26 @@ def roles(pg_new_database: Callable[[], str]) -> Iterator[tuple[dict[str, str], 
     superuser, data_url = pg_new_database(), pg_new_database()
     roles_sql, grants_sql, data_sql = (local(block) for block in _readme_recipe())
     with psycopg.connect(superuser, autocommit=True) as conn:
-        conn.execute(roles_sql)  # type: ignore[arg-type]
+        conn.execute(roles_sql)
     owner = _as(superuser, names["dpsql_ledger_owner"], password)
     Ledger.open(owner).close()  # the tables, as the owner
     with psycopg.connect(owner, autocommit=True) as conn:
-        conn.execute(grants_sql)  # type: ignore[arg-type]
+        conn.execute(grants_sql)
     with psycopg.connect(data_url, autocommit=True) as conn:
         conn.execute("CREATE TABLE patients (age int)")
-        conn.execute(data_sql)  # type: ignore[arg-type]
+        conn.execute(data_sql)
     urls = {role: _as(superuser, names[role], password) for role in ROLES}
     urls["dpsql_data_reader"] = _as(data_url, names["dpsql_data_reader"], password)
     yield urls, superuser, data_url
     with psycopg.connect(superuser, autocommit=True) as conn:
         for role in names.values():
-            conn.execute(f"DROP OWNED BY {role}")  # type: ignore[arg-type]
+            conn.execute(f"DROP OWNED BY {role}")
     with psycopg.connect(data_url, autocommit=True) as conn:
-        conn.execute(f"DROP OWNED BY {names['dpsql_data_reader']}")  # type: ignore[arg-type]
+        conn.execute(f"DROP OWNED BY {names['dpsql_data_reader']}")
     with psycopg.connect(superuser, autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {urlsplit(data_url).path[1:]} WITH (FORCE)")  # type: ignore[arg-type]
+        conn.execute(f"DROP DATABASE IF EXISTS {urlsplit(data_url).path[1:]} WITH (FORCE)")
         for role in names.values():
-            conn.execute(f"DROP ROLE IF EXISTS {role}")  # type: ignore[arg-type]
+            conn.execute(f"DROP ROLE IF EXISTS {role}")
 
 
 def test_the_readme_roles_keep_the_writer_from_rewriting_the_ledger(
@@ -479,7 +479,7 @@ def test_the_readme_roles_keep_the_writer_from_rewriting_the_ledger(
         )
         for sql in refused_sql:
             with pytest.raises(psycopg.errors.InsufficientPrivilege), psycopg.connect(urls["dpsql_ledger_writer"]) as c:
-                c.execute(sql)  # type: ignore[arg-type]
+                c.execute(sql)
         # a forged charge row with zero sums: the trigger computes them itself, the totals follow the rows
         with psycopg.connect(urls["dpsql_ledger_writer"], autocommit=True) as c:
             c.execute(

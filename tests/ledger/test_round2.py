@@ -98,7 +98,7 @@ def test_huge_grants_are_22023_and_grants_add_up_to_the_dataset_budget_at_most(a
         "(granted so far: ε=30)"
     )
     with pytest.raises(InvalidParameterValue):
-        any_ledger.grant(epsilon=0, delta=2e-4, dataset_budget=DATASET_BUDGET, **grant)  # type: ignore[arg-type]
+        any_ledger.grant(epsilon=0, delta=2e-4, dataset_budget=DATASET_BUDGET, **grant)
     any_ledger.grant(epsilon=20, dataset_budget=DATASET_BUDGET, **grant)  # type: ignore[arg-type]
     assert [e.epsilon for e in any_ledger.lever_events("health", "bob")] == [20.0, 30.0]
     assert any_ledger.levers("health", "bob").limit(Budget(epsilon=10, delta=1e-5)).epsilon == 60.0
