@@ -21,7 +21,7 @@ import statistics
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,22 +32,13 @@ import pytest
 from dpsql.engine import Engine
 from dpsql.server import ThreadedServer
 
-from .conftest import ANALYSTS, PASSWORD, Running, open_engine
+from .conftest import ANALYSTS, PASSWORD, Running, eventually, open_engine, sqlstate_of
 
 COUNT_SQL = "SELECT COUNT(*) FROM patients"
 #: ~250 kB, free (catalog only), under the 256 kB statement cap: more than a unix socket buffer holds.
 BIG_CATALOG_SQL = (
     "SELECT count(*) FROM pg_catalog.pg_class WHERE relname IN (" + ",".join(f"'r{i:07d}'" for i in range(22_000)) + ")"
 )
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    engine = open_engine(trust=True)
-    try:
-        yield engine
-    finally:
-        engine.close()
 
 
 @pytest.fixture(scope="module")
@@ -61,23 +52,6 @@ def scram_engine() -> Iterator[Engine]:
 
 def connect(running: Running, user: str, **extra: str) -> psycopg.Connection[Any]:
     return psycopg.connect(running.dsn(user, connect_timeout="20", **extra), autocommit=True)
-
-
-def sqlstate_of(fn: Callable[[], Any]) -> str | None:
-    try:
-        fn()
-    except psycopg.Error as exc:
-        return exc.sqlstate
-    return None
-
-
-def eventually(check: Callable[[], bool], seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return check()
 
 
 def pool_idle(server: ThreadedServer) -> bool:
