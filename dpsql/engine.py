@@ -43,6 +43,7 @@ from dpsql.fingerprint import fingerprint_key, keyed, row_selection_salt, statem
 from dpsql.ledger import Ledger, resolve_ledger_url
 from dpsql.ledger.audit import AuditTrail
 from dpsql.lru import LRU
+from dpsql.notices import typed
 from dpsql.outer import describe as describe_outer
 from dpsql.outer import explain as explain_outer
 from dpsql.outer import route as route_outer
@@ -68,7 +69,7 @@ from dpsql.rewrite import histogram_queries, rewrite
 from dpsql.rewrite.cap import units_above
 from dpsql.rewrite.physical import StoredTypes, choose_physical, data_version
 from dpsql.session import AUTO, Result, Session
-from dpsql.step import Step, typed
+from dpsql.step import Step
 from dpsql.writes import insert
 
 __all__ = ["Description", "Engine", "Explanation", "Prepared"]
@@ -344,7 +345,7 @@ class Engine:
 
     def execute(self, sql: str, session: Session, params: Params = None) -> Result:
         """Answer one DP query: reserve the budget, run, noise, post-process; audited however it ends.
-        Every notice of the result is a typed :class:`dpsql.step.Notice`."""
+        Every notice of the result is a typed :class:`dpsql.notices.Notice`."""
         with self.audit.recording(sql, session.analyst):
             result = typed(self._answer(sql, session, params))
         if trimming_on(session):  # post-processing, per session

@@ -41,7 +41,7 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("dpsql.version", "dpsql.errors", "dpsql.pgtypes", "dpsql.lru", "dpsql.sqltext")),
     ("accounting", ("dpsql.accountant", "dpsql.pld", "dpsql.pld_state")),
     ("noise", ("dpsql.noise",)),
-    ("settings", ("dpsql.session", "dpsql.localdp", "dpsql.units", "dpsql.policy")),
+    ("settings", ("dpsql.session", "dpsql.notices", "dpsql.localdp", "dpsql.units", "dpsql.policy")),
     ("backends", ("dpsql.backends",)),
     ("plan", ("dpsql.plan",)),
     ("aggregates", ("dpsql.aggregates",)),
