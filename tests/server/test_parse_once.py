@@ -19,6 +19,8 @@ import psycopg
 import pytest
 from sqlglot.dialects.dialect import Dialect
 
+from dpsql.session import Session
+
 from .conftest import Running
 
 _NEXT = itertools.count(secrets.randbelow(10**6) * 1000 + 10**9)
@@ -78,4 +80,11 @@ def test_a_repeated_statement_is_not_parsed_again(dp_server: Running, parses: li
     sql = f"SELECT COUNT(*) FROM patients WHERE age > {next(_NEXT)}"
     for prepare in (False, True, False):
         _run(dp_server, sql, prepare)
+    assert parses.count(sql) == 1
+
+
+def test_the_engine_entry_parses_once(dp_server: Running, parses: list[str]) -> None:
+    """DB-API and the CLI call :meth:`Engine.execute` directly: its fingerprint and audit row read the tree too."""
+    sql = f"SELECT COUNT(*) FROM patients WHERE age > {next(_NEXT)}"
+    dp_server.engine.execute(sql, Session("analyst"))
     assert parses.count(sql) == 1
