@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from dpsql.analyze.parse import MAX_STATEMENT_CHARS
+from dpsql.analyze.statement import Kind
 from dpsql.errors import (
     AdminShutdown,
     CharacterNotInRepertoire,
@@ -41,7 +42,7 @@ from dpsql.sqltext import after_keyword, split_statements, strip_comments
 
 from . import protocol as pq
 from .answers import Action, AnswerContext, SessionCommand, Settings, evaluate_select, parse_session_command
-from .catalog import refuse_mixed, route_of
+from .catalog import refuse_mixed, route_of, route_of_statement
 from .commands import SessionCommands, TxStatus
 from .extended import ExtendedProtocol, PlannedStatement, Portal, expand_formats
 from .frontdoor import Pending
@@ -333,7 +334,9 @@ class Connection:
         """A table-free SELECT answered here; long ones go to the shadow (parsed off the event loop)."""
         if len(sql) > _INLINE_SQL:
             return None
-        return evaluate_select(sql, self._answer_context())
+        statement = self.ctx.engine.statements.cached(sql)  # as routed: no second parse
+        tree = statement.tree if statement is not None and statement.kind is Kind.QUERY else None
+        return evaluate_select(sql, self._answer_context(), tree)
 
     def plan(self, sql: str) -> PlannedStatement:
         """Route a single statement without running anything (a long one's parsing in the helper
@@ -347,9 +350,18 @@ class Connection:
         if (problem := _explain_syntax(sql)) is not None:
             raise SyntaxError_(problem)  # as PostgreSQL, never an internal error
         if not long:
-            return PlannedStatement(sql, route_of(sql, self.ctx.policy))
+            return self._plan_short(sql)
         routed = self.ctx.offload.route_of(self.user or "?", sql, frozenset(self.ctx.policy.tables))
-        return PlannedStatement(sql, routed.route, shape=routed.shape, verdict=routed.verdict)  # type: ignore[arg-type]
+        return PlannedStatement(sql, routed.route, shape=routed.shape, verdict=routed.verdict)
+
+    def _plan_short(self, sql: str) -> PlannedStatement:
+        """Route on the statement the engine parses and classifies (its cache, by text): the engine, the
+        log line's fingerprint and a table-free answer reuse that one tree (one parse per statement)."""
+        try:
+            statement = self.ctx.engine.statements.get(sql)
+        except Exception:  # refused by the engine when it runs (its SQLSTATE, its audit row); routed as ever
+            return PlannedStatement(sql, route_of(sql, self.ctx.policy))
+        return PlannedStatement(sql, route_of_statement(statement, self.ctx.policy), shape=statement.shape)
 
     async def execute(self, stmt: PlannedStatement, portal: Portal | None = None) -> Outcome:
         """Run a planned statement; logs one line with analyst, fingerprint, ε, outcome and latency."""

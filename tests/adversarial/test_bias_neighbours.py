@@ -26,7 +26,7 @@ from functools import partial
 import pytest
 from scipy.stats import beta
 
-from dpsql.backends import Backend, open_backend
+from dpsql.backends import Backend
 from dpsql.engine import Engine
 from dpsql.errors import Error
 from dpsql.ledger import Ledger
@@ -34,15 +34,11 @@ from dpsql.policy import parse_policy
 from dpsql.release.accuracy import caps_cut
 from dpsql.release.bias import BiasEstimate
 from dpsql.session import Session
+from tests.adversarial.worlds import neighbour_worlds, roomy_policy
 
-POLICY = """
-dataset: biasn
-defaults: {epsilon: 1.0, delta: 1.0e-6}
-budget:
-  dataset: {epsilon: 1.0e9, delta: 0.5}
-  analyst: {epsilon: 1.0e9, delta: 0.5}
-analysts: [{name: alice}]
-tables:
+POLICY = roomy_policy(
+    "biasn",
+    """
   people:
     privacy_unit: pid
     max_rows_per_unit: 1
@@ -55,7 +51,8 @@ tables:
       pid: {type: int, identifier: true}
       kind: {type: text, domain: [a, b, c], nullable: false}
       amount: {type: float, lower: 0.0, upper: 10.0, nullable: true}
-"""
+""",
+)
 PEOPLE = 60
 
 #: The adversary's events (kind, amount SQL), or None: absent; "removed" drops person 1 instead.
@@ -98,15 +95,8 @@ def _script(name: str) -> str:
 
 @pytest.fixture(scope="module")
 def worlds(pg_new_database: Callable[[], str]) -> Iterator[dict[tuple[str, str], Backend]]:
-    backends = {}
-    for name in ADVERSARIES:
-        for kind in ("duckdb", "postgres"):
-            backend = open_backend("duckdb://" if kind == "duckdb" else pg_new_database())
-            backend.execute_script(_script(name))
-            backends[(kind, name)] = backend
-    yield backends
-    for backend in backends.values():
-        backend.close()
+    with neighbour_worlds(pg_new_database, ADVERSARIES, _script) as backends:
+        yield backends
 
 
 def _masked(text: str) -> str:

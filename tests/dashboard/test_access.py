@@ -90,11 +90,12 @@ def test_login_needs_its_csrf_token(live: Live) -> None:
 def test_posts_need_the_session_csrf_and_origin(live: Live) -> None:
     _, _, cookies = live.login()
     grant = {"lever": "grant", "analyst": "bob", "epsilon": "3", "reason": "r"}
-    for form, headers in (
+    cases: tuple[tuple[dict[str, str], dict[str, str]], ...] = (
         (grant, {}),  # no token
         ({**grant, "csrf": "forged"}, {}),
         ({**grant, "csrf": cookies["dpsql_login"]}, {}),  # the login token is not the session's
-    ):
+    )
+    for form, headers in cases:
         response, body = live.request("POST", "/levers", form, cookies, headers)
         assert response.status == 403
         assert '<p class="error" id="error">ERROR: 42501: invalid or missing CSRF token' in body

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from dpsql.outer import admission
 from dpsql.outer.admission import RESERVED_BYTES, Admission
 from dpsql.server import ThreadedServer
 
-from .conftest import Running, open_engine
+from .conftest import Running, eventually, sqlstate_of
 
 ROOT = Path(__file__).resolve().parents[2]
 #: 280 released rows whatever the noise (every key has a public domain), cached after the first run.
@@ -79,28 +79,11 @@ def _timed(conn: psycopg.Connection[Any], sql: str) -> float:
     return time.monotonic() - started
 
 
-def _sqlstate(fn: Callable[[], Any]) -> str | None:
-    try:
-        fn()
-    except psycopg.Error as exc:
-        return exc.sqlstate
-    return None
-
-
 def _status_mb(pid: int, field: str) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     return 0.0
-
-
-def eventually(check: Callable[[], bool], seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return check()
 
 
 def _accepts(port: int) -> bool:
@@ -164,7 +147,7 @@ def test_one_analysts_sandboxes_do_not_slow_another_analyst(serve_process: tuple
             while not stop.is_set():
                 sql = HEAVY[k % len(HEAVY)]
                 k += 1
-                state = _sqlstate(lambda sql=sql: conn.execute(sql).fetchall())  # type: ignore[misc]
+                state = sqlstate_of(lambda sql=sql: conn.execute(sql).fetchall())  # type: ignore[misc]
                 outcomes[state] = outcomes.get(state, 0) + 1
 
     with _connect(port, "carol") as carol:
@@ -214,17 +197,8 @@ def test_one_analysts_sandboxes_do_not_slow_another_analyst(serve_process: tuple
 # -- admission, timeout and cancel through a server ----------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    engine = open_engine(trust=True)
-    try:
-        yield engine
-    finally:
-        engine.close()
-
-
 def _start(conn: psycopg.Connection[Any], sql: str, states: list[str | None]) -> threading.Thread:
-    thread = threading.Thread(target=lambda: states.append(_sqlstate(lambda: conn.execute(sql).fetchall())))
+    thread = threading.Thread(target=lambda: states.append(sqlstate_of(lambda: conn.execute(sql).fetchall())))
     thread.start()
     return thread
 
@@ -254,7 +228,7 @@ def test_cap_timeout_and_cancel(engine: Engine) -> None:
         alice2.execute("SET statement_timeout = '1s'")
         for conn in (dave, alice2):
             started = time.monotonic()
-            assert _sqlstate(lambda conn=conn: conn.execute(CHEAP).fetchall()) == "57014"  # type: ignore[misc]
+            assert sqlstate_of(lambda conn=conn: conn.execute(CHEAP).fetchall()) == "57014"  # type: ignore[misc]
             assert time.monotonic() - started < 5
         assert eventually(lambda: gate.waiting == 0, 5)  # the timed-out statements stopped waiting
         assert gate.peak == 2
