@@ -284,7 +284,8 @@ def estimate(
     clamped), at ``SHARE`` of its ``epsilon``; None (no estimate, no cost) when nothing can be cut. Public
     facts only (the plan and the policy), so whether an estimate is made never depends on the data."""
     clamped = clamped_measures(plan)
-    if plan.unit is None or (not cuts and not clamped) or not any(not m.selected for m in plan.measures):
+    cuts = cuts and plan.unit is not None  # (each row is one person: no cap cuts a row, values are still clamped)
+    if (not cuts and not clamped) or not any(not m.selected for m in plan.measures):
         return None
     published = published_cut(plan) if cuts else None
     cuts = cuts and published is None  # (a published figure: nothing to estimate)
@@ -347,12 +348,14 @@ def totals_query(plan: Plan, tau: int, clamped: Sequence[tuple[int, int]], cuts:
     above every bound on every backend (:func:`clamp_sql`; one branch per row, so at most W); NULLs are
     skipped. One unit's rows move each total's vector over the groups by at most its :class:`Total`
     sensitivity (the module's argument)."""
-    assert plan.unit is not None
     double = exp.DataType.Type.DOUBLE
     keys = [key_column(plan, k) for k in range(len(plan.keys))]
-    per_cell: list[exp.Expr] = [exp.alias_(plan.unit.copy(), "__u")]
+    # each row is one person (no unit): every row is its own cell, n = n_g = 1
+    unit = plan.unit.copy() if plan.unit is not None else exp.Literal.number(0)
+    per_cell: list[exp.Expr] = [exp.alias_(unit, "__u")]
     per_cell += [exp.alias_(k.copy(), f"k{i}") for i, k in enumerate(keys)]
-    per_cell.append(exp.alias_(exp.Count(this=exp.Star(), big_int=True), "__m"))
+    one = exp.Count(this=exp.Star(), big_int=True) if plan.unit is not None else exp.Literal.number(1)
+    per_cell.append(exp.alias_(one, "__m"))
     unique = [i for i, j in clamped if i == j]
     for i in unique:
         m = plan.measures[i]
@@ -368,11 +371,15 @@ def totals_query(plan: Plan, tau: int, clamped: Sequence[tuple[int, int]], cuts:
             .when(exp.LT(this=x.copy(), expression=lo), below)
             .else_(exp.Literal.number(0))
         )
-        per_cell.append(exp.alias_(exp.Sum(this=excess), f"__e{i}"))
+        per_cell.append(exp.alias_(exp.Sum(this=excess) if plan.unit is not None else excess, f"__e{i}"))
     base = filter_rows(select_measures(exp.select(), plan), plan)
-    cells = over_sources(base, *per_cell).group_by(plan.unit.copy(), *(k.copy() for k in keys), copy=False)
+    cells = over_sources(base, *per_cell)
     m_ = exp.column("__m", quoted=True)
-    window = exp.Window(this=exp.Sum(this=m_.copy()), partition_by=[exp.column("__u", quoted=True)])
+    if plan.unit is not None:
+        cells = cells.group_by(plan.unit.copy(), *(k.copy() for k in keys), copy=False)
+        window: exp.Expr = exp.Window(this=exp.Sum(this=m_.copy()), partition_by=[exp.column("__u", quoted=True)])
+    else:
+        window = exp.Literal.number(1)
     units = exp.select(exp.Star(), exp.alias_(window, "__n")).from_("__bias_cells")
     n = exp.column("__n", quoted=True)
     cap = exp.Literal.number(tau)

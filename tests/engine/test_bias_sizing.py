@@ -93,7 +93,8 @@ def test_widened_interval_covers_what_the_cap_and_bounds_cut(backend: Backend) -
     on, off = Session("alice"), Session.configure("alice", bias="off")
     covered_on = [_covered(engine.execute(sql, on), exact) for _ in range(20)]
     covered_off = [_covered(engine.execute(sql, off), exact) for _ in range(5)]
-    assert sum(c[0] for c in covered_on) >= 18 and sum(c[1] for c in covered_on) >= 18, covered_on
+    # ≥ 95 % intervals: 16 of 20 fails with probability ≤ 0.3 % (18 of 20: one run in 13 at exactly 95 %)
+    assert sum(c[0] for c in covered_on) >= 16 and sum(c[1] for c in covered_on) >= 16, covered_on
     assert not any(any(c) for c in covered_off)  # a third of the rows cut: far beyond the noise
     result = engine.execute(sql, on)
     note = next(n for n in result.notices if "estimated cap/clamp bias" in n)
