@@ -238,9 +238,7 @@ ROW_ADVERSARIES = [None, "CAST('NaN' AS DOUBLE PRECISION)", "CAST('Infinity' AS 
 
 
 @pytest.mark.parametrize("kind", ["duckdb", "postgres"])
-def test_row_level_clamp_estimate_moves_within_its_sensitivity(
-    pg_new_database: Callable[[], str], kind: str
-) -> None:
+def test_row_level_clamp_estimate_moves_within_its_sensitivity(pg_new_database: Callable[[], str], kind: str) -> None:
     sql = "SELECT kind, SUM(amount) AS s, AVG(amount) AS m FROM rowpeople GROUP BY kind"
     rows = [f"('{'abc'[i % 3]}', {(i * 7) % 23}.5)" for i in range(90)]
     totals, estimate = [], None
