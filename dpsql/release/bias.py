@@ -284,7 +284,8 @@ def estimate(
     clamped), at ``SHARE`` of its ``epsilon``; None (no estimate, no cost) when nothing can be cut. Public
     facts only (the plan and the policy), so whether an estimate is made never depends on the data."""
     clamped = clamped_measures(plan)
-    if plan.unit is None or (not cuts and not clamped) or not any(not m.selected for m in plan.measures):
+    cuts = cuts and plan.unit is not None  # (each row is one person: no cap cuts a row, values are still clamped)
+    if (not cuts and not clamped) or not any(not m.selected for m in plan.measures):
         return None
     published = published_cut(plan) if cuts else None
     cuts = cuts and published is None  # (a published figure: nothing to estimate)
@@ -347,12 +348,14 @@ def totals_query(plan: Plan, tau: int, clamped: Sequence[tuple[int, int]], cuts:
     above every bound on every backend (:func:`clamp_sql`; one branch per row, so at most W); NULLs are
     skipped. One unit's rows move each total's vector over the groups by at most its :class:`Total`
     sensitivity (the module's argument)."""
-    assert plan.unit is not None
     double = exp.DataType.Type.DOUBLE
     keys = [key_column(plan, k) for k in range(len(plan.keys))]
-    per_cell: list[exp.Expr] = [exp.alias_(plan.unit.copy(), "__u")]
+    # each row is one person (no unit): every row is its own cell, n = n_g = 1
+    unit = plan.unit.copy() if plan.unit is not None else exp.Literal.number(0)
+    per_cell: list[exp.Expr] = [exp.alias_(unit, "__u")]
     per_cell += [exp.alias_(k.copy(), f"k{i}") for i, k in enumerate(keys)]
-    per_cell.append(exp.alias_(exp.Count(this=exp.Star(), big_int=True), "__m"))
+    one = exp.Count(this=exp.Star(), big_int=True) if plan.unit is not None else exp.Literal.number(1)
+    per_cell.append(exp.alias_(one, "__m"))
     unique = [i for i, j in clamped if i == j]
     for i in unique:
         m = plan.measures[i]
@@ -368,39 +371,58 @@ def totals_query(plan: Plan, tau: int, clamped: Sequence[tuple[int, int]], cuts:
             .when(exp.LT(this=x.copy(), expression=lo), below)
             .else_(exp.Literal.number(0))
         )
-        per_cell.append(exp.alias_(exp.Sum(this=excess), f"__e{i}"))
+        per_cell.append(exp.alias_(exp.Sum(this=excess) if plan.unit is not None else excess, f"__e{i}"))
     base = filter_rows(select_measures(exp.select(), plan), plan)
-    cells = over_sources(base, *per_cell).group_by(plan.unit.copy(), *(k.copy() for k in keys), copy=False)
-    m_ = exp.column("__m", quoted=True)
-    window = exp.Window(this=exp.Sum(this=m_.copy()), partition_by=[exp.column("__u", quoted=True)])
-    units = exp.select(exp.Star(), exp.alias_(window, "__n")).from_("__bias_cells")
-    n = exp.column("__n", quoted=True)
-    cap = exp.Literal.number(tau)
-    share = exp.Div(this=exp.cast(m_.copy(), double), expression=exp.cast(n.copy(), double))  # n_g / n
-    kept = exp.Case().when(exp.GT(this=n.copy(), expression=cap.copy()), cap.copy()).else_(n.copy())
-    outer: list[exp.Expr] = [exp.column(f"k{i}", quoted=True) for i in range(len(keys))]
-    outer.append(_total(exp.Mul(this=share.copy(), expression=exp.paren(kept, copy=False)), "kept"))
-    if cuts:
-        beyond = clamp_sql(
-            exp.Sub(this=n.copy(), expression=cap.copy()), exp.Literal.number(0), exp.Literal.number(tau * CEILING)
-        )
-        outer.append(_total(exp.Mul(this=share.copy(), expression=exp.paren(beyond, copy=False)), "cut"))
-    # a unit with n > τ rows is counted at the τ rows the measurement keeps: τ/n of its excess
-    scale = (
-        exp.Case()
-        .when(
-            exp.GT(this=n.copy(), expression=cap.copy()),
-            exp.Div(this=exp.cast(cap.copy(), double), expression=exp.cast(n.copy(), double)),
-        )
-        .else_(exp.Literal.number(1))
-    )
-    for i in unique:
-        column = exp.Coalesce(this=exp.column(f"__e{i}", quoted=True), expressions=[exp.Literal.number(0)])
-        outer.append(_total(exp.Mul(this=column, expression=exp.paren(scale.copy(), copy=False)), f"excess{i}"))
+    cells = over_sources(base, *per_cell)
+    if plan.unit is not None:
+        cells = cells.group_by(plan.unit.copy(), *(k.copy() for k in keys), copy=False)
+    units, outer = _per_unit(plan, tau, unique, cuts)
     query = exp.select(*outer).from_("__bias_units")
     if keys:
         query = query.group_by(*(exp.column(f"k{i}", quoted=True) for i in range(len(keys))), copy=False)
     return query.with_("__bias_cells", as_=cells, copy=False).with_("__bias_units", as_=units, copy=False)
+
+
+def _per_unit(plan: Plan, tau: int, unique: Sequence[int], cuts: bool) -> tuple[exp.Select, list[exp.Expr]]:
+    """Each (unit, group) cell with its unit's rows ``n`` and groups ``G`` (windows), and the totals' terms.
+
+    The measurement keeps at most ``k = max_groups`` of a unit's G groups (whole cells, in a salted order:
+    k/G of its rows expected) and then at most τ rows: ``kept_u = min(n · min(1, k/G), τ)``. A cell adds
+    ``n_g/n · kept_u`` to kept (Σ ≤ τ), ``n_g/n · clamp(n − kept_u, 0, C)`` to cut (Σ ≤ C) and its excess
+    times ``kept_u/n`` (Σ ≤ τ·W): the sensitivities :func:`estimate` states. Each row is one person (no
+    unit): n = G = 1."""
+    double = exp.DataType.Type.DOUBLE
+    m_, u = exp.column("__m", quoted=True), exp.column("__u", quoted=True)
+    if plan.unit is not None:
+        n_window: exp.Expr = exp.Window(this=exp.Sum(this=m_.copy()), partition_by=[u.copy()])
+        g_window: exp.Expr = exp.Window(this=exp.Count(this=exp.Star()), partition_by=[u.copy()])
+    else:
+        n_window, g_window = exp.Literal.number(1), exp.Literal.number(1)
+    units = exp.select(exp.Star(), exp.alias_(n_window, "__n"), exp.alias_(g_window, "__g")).from_("__bias_cells")
+    n, g = exp.column("__n", quoted=True), exp.column("__g", quoted=True)
+    cap = exp.Literal.number(tau)
+    groups = exp.Literal.number(min(plan.sources.max_groups_declared or tau, tau)) if plan.keys else None
+    n_double = exp.cast(n.copy(), double)
+    reach: exp.Expr = n_double.copy()  # n · min(1, k/G): the rows of the groups kept, expected
+    if groups is not None:
+        fewer = exp.Div(this=exp.Mul(this=n_double.copy(), expression=groups.copy()), expression=exp.cast(g, double))
+        reach = exp.Case().when(exp.GT(this=g.copy(), expression=groups.copy()), fewer).else_(n_double.copy())
+    kept_u = exp.Case().when(exp.GT(this=reach.copy(), expression=cap.copy()), cap.copy()).else_(reach.copy())
+    share = exp.Div(this=exp.cast(m_.copy(), double), expression=n_double.copy())  # n_g / n
+    outer: list[exp.Expr] = [exp.column(f"k{i}", quoted=True) for i in range(len(plan.keys))]
+    outer.append(_total(exp.Mul(this=share.copy(), expression=exp.paren(kept_u.copy(), copy=False)), "kept"))
+    if cuts:
+        beyond = clamp_sql(
+            exp.Sub(this=n_double.copy(), expression=exp.paren(kept_u.copy(), copy=False)),
+            exp.Literal.number(0),
+            exp.Literal.number(tau * CEILING),
+        )
+        outer.append(_total(exp.Mul(this=share.copy(), expression=exp.paren(beyond, copy=False)), "cut"))
+    scale = exp.Div(this=exp.paren(kept_u.copy(), copy=False), expression=n_double.copy())  # kept_u / n ≤ 1
+    for i in unique:
+        column = exp.Coalesce(this=exp.column(f"__e{i}", quoted=True), expressions=[exp.Literal.number(0)])
+        outer.append(_total(exp.Mul(this=column, expression=exp.paren(scale.copy(), copy=False)), f"excess{i}"))
+    return units, outer
 
 
 def _total(value: exp.Expression, name: str) -> exp.Expr:
