@@ -26,7 +26,7 @@ from functools import partial
 import pytest
 from scipy.stats import beta
 
-from dpsql.backends import Backend
+from dpsql.backends import Backend, open_backend
 from dpsql.engine import Engine
 from dpsql.errors import Error
 from dpsql.ledger import Ledger
