@@ -39,10 +39,11 @@ from dpsql.backends import DEFAULT_STATEMENT_TIMEOUT_MS, Backend, open_backend, 
 from dpsql.cache import ResultCache, cache_key, measurement_key
 from dpsql.errors import FeatureNotSupported, InvalidAuthorization
 from dpsql.explain import Explanation, explain, explain_format
-from dpsql.fingerprint import fingerprint_key, keyed, row_selection_salt, statement_shape
+from dpsql.fingerprint import fingerprint_key, keyed, row_selection_salt, statement_shape, tree_shape
 from dpsql.ledger import Ledger, resolve_ledger_url
 from dpsql.ledger.audit import AuditTrail
 from dpsql.lru import LRU
+from dpsql.notices import typed
 from dpsql.outer import describe as describe_outer
 from dpsql.outer import explain as explain_outer
 from dpsql.outer import route as route_outer
@@ -68,7 +69,7 @@ from dpsql.rewrite import histogram_queries, rewrite
 from dpsql.rewrite.cap import units_above
 from dpsql.rewrite.physical import StoredTypes, choose_physical, data_version
 from dpsql.session import AUTO, Result, Session
-from dpsql.step import Step, typed
+from dpsql.step import Step
 from dpsql.writes import insert
 
 __all__ = ["Description", "Engine", "Explanation", "Prepared"]
@@ -90,7 +91,7 @@ class Engine:
         #: Plans hold their rewritten trees: bounded in bytes too (see :func:`tree_bytes`).
         self._plans: LRU[tuple[Any, ...], Prepared] = LRU(_PLAN_CACHE_SIZE, PLAN_CACHE_BYTES)
         #: Parsed statements by text (and which texts are plain single queries: :mod:`dpsql.outer`).
-        self.statements = Statements(_PLAN_CACHE_SIZE, partial(shrink_in_lists, policy=policy))
+        self.statements = Statements(_PLAN_CACHE_SIZE, partial(shrink_in_lists, policy=policy), tree_shape)
         #: Keys the per-row hash choosing which rows of a heavy unit are kept (never shown to analysts;
         #: derived from the ledger's installation key, so every process on one ledger keeps the same rows).
         self._salt = row_selection_salt(ledger.installation_key())
@@ -103,7 +104,7 @@ class Engine:
         #: Public table columns' stored values, the domains of keys the policy lists none for.
         self._public_domains: LRU[tuple[str, str, int], tuple[tuple[Any, ...] | None]] = LRU(256)
         #: One audit row per statement (shape, cost, outcome), written to the ledger off the query's path.
-        self.audit = AuditTrail(ledger, policy.dataset, lambda sql: (self.fingerprint(sql), statement_shape(sql)))
+        self.audit = AuditTrail(ledger, policy.dataset, lambda sql: (self.fingerprint(sql), self.shape(sql)))
 
     @property
     def ledger(self) -> Ledger:
@@ -211,7 +212,12 @@ class Engine:
         ``shape``: :func:`statement_shape` of ``sql`` already computed (the server's helper process)."""
         if self._fingerprint_key is None:
             self._fingerprint_key = fingerprint_key(self.ledger.installation_key())
-        return keyed(self._fingerprint_key, statement_shape(sql) if shape is None else shape)
+        return keyed(self._fingerprint_key, self.shape(sql) if shape is None else shape)
+
+    def shape(self, sql: str) -> str:
+        """:func:`statement_shape` of ``sql``, read from its tree when this engine parsed it already."""
+        statement = self.statements.cached(sql)
+        return statement.shape if statement is not None and statement.shape else statement_shape(sql)
 
     def _prepare(self, sql: str, tree: exp.Expression, session: Session, params: Params) -> Prepared:
         fingerprint = self.fingerprint(sql)
@@ -341,7 +347,7 @@ class Engine:
 
     def execute(self, sql: str, session: Session, params: Params = None) -> Result:
         """Answer one DP query: reserve the budget, run, noise, post-process; audited however it ends.
-        Every notice of the result is a typed :class:`dpsql.step.Notice`."""
+        Every notice of the result is a typed :class:`dpsql.notices.Notice`."""
         with self.audit.recording(sql, session.analyst):
             result = typed(self._answer(sql, session, params))
         if trimming_on(session):  # post-processing, per session

@@ -108,9 +108,21 @@ def statement_shape(sql: str) -> str:
 def _parsed_shape(sql: str) -> str:
     try:
         tree = parse_statement(sql)
+    except Exception:  # any text at all gets a fingerprint; unparsable text its lexical shape
+        return "lexical:" + lexical_shape(sql)
+    return tree_shape(sql, tree)
+
+
+def tree_shape(sql: str, tree: exp.Expression | None) -> str:
+    """:func:`statement_shape` of ``sql`` read from its tree as :func:`parse_statement` gave it (the
+    engine's :class:`~dpsql.analyze.statement.Statements` read it once, before anything rewrites the
+    tree); ``None`` for text that did not parse."""
+    if len(sql) > PARSED_SHAPE_MAX_CHARS or tree is None:
+        return "lexical:" + lexical_shape(sql)
+    try:
         if not isinstance(tree, exp.Command):  # sqlglot keeps an unknown command's text as one literal
             return shape(tree)
-    except Exception:  # any text at all gets a fingerprint; unparsable text its lexical shape
+    except Exception:
         pass
     return "lexical:" + lexical_shape(sql)
 

@@ -84,6 +84,12 @@ def _factor(value: str) -> float:
     return x
 
 
+def _alternatives(names: tuple[str, ...]) -> str:
+    """``'a'``, ``'a' or 'b'``, ``'a', 'b' or 'c'``: a hint's list, generated from a registry."""
+    quoted = [f"'{n}'" for n in names]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+
+
 def _mechanism(value: str) -> Mechanism:
     name = value.strip().lower()
     if name not in MECHANISMS:
@@ -114,7 +120,7 @@ DPSQL_SETTINGS: dict[str, SettingSpec] = {
     "dpsql.accuracy": SettingSpec(
         _accuracy, "dpsql.accuracy is a positive half-width in the measure's units, e.g. '±10' (or DEFAULT: none)."
     ),
-    "dpsql.mechanism": SettingSpec(_mechanism, "dpsql.mechanism is 'laplace' or 'gaussian'."),
+    "dpsql.mechanism": SettingSpec(_mechanism, f"dpsql.mechanism is {_alternatives(MECHANISMS)}."),
     # rows one person adds to a query after its joins (the policy's caps by default; any cap is private:
     # the noise follows it, rows beyond it are left out); auto: chosen under DP at a share of the ε
     "dpsql.max_rows_per_unit": SettingSpec(

@@ -47,3 +47,7 @@ if _found is None:  # the rare fallback
     except PackageNotFoundError:  # running from a source tree that was never installed
         _found = "0.0.0+unknown"
 __version__: str = _found
+
+#: The port ``dpsql serve`` listens on unless told otherwise (PostgreSQL's 5432 is left alone). Here, at the
+#: base, so the curator's ``dpsql reload`` finds a server's pid file without importing the server.
+DEFAULT_PORT = 6543

@@ -168,7 +168,7 @@ def _container() -> Iterator[str]:
         try:
             from testcontainers.postgres import PostgresContainer
         except ImportError:  # pragma: no cover - newer testcontainers layout
-            from testcontainers.community.postgres import PostgresContainer  # type: ignore[no-redef]
+            from testcontainers.community.postgres import PostgresContainer
     container = PostgresContainer("postgres:16-alpine", driver=None)
     container.start()
     try:
@@ -233,14 +233,14 @@ def pg_new_database(pg_dsn: str) -> Iterator[Callable[[], str]]:
     def make() -> str:
         name = "dpsql_test_" + secrets.token_hex(4)
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            conn.execute(f'CREATE DATABASE "{name}"')  # type: ignore[arg-type]
+            conn.execute(f'CREATE DATABASE "{name}"')
         created.append(name)
         return _with_database(pg_dsn, name)
 
     yield make
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         for name in created:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')  # type: ignore[arg-type]
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @pytest.fixture(scope="session")

@@ -53,6 +53,19 @@ def _package(tmp_path: Path, files: dict[str, str]) -> Path:
             },
             "import cycle: dpsql.rewrite.a -> dpsql.rewrite.b",
         ),
+        # a package cycle no module cycle shows (issue #39: curator ⇄ server through different modules)
+        (
+            {
+                "__init__.py": "",
+                "curator/__init__.py": "",
+                "curator/a.py": "from dpsql.server import c\n",
+                "curator/b.py": "",
+                "server/__init__.py": "",
+                "server/c.py": "",
+                "server/d.py": "from dpsql.curator import b\n",
+            },
+            "package import cycle: dpsql.curator -> dpsql.server",
+        ),
         # a hidden import inside a function
         ({"__init__.py": "", "engine.py": "def f():\n    import json\n"}, "import of json inside a function"),
         # a module in no stage

@@ -10,6 +10,7 @@ aggregate up by the kind the analyzer gave its measure (:data:`MEASURES`) or out
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +39,7 @@ __all__ = [
     "Selection",
     "Spending",
     "recogniser",
+    "supported_functions",
 ]
 
 #: Measure kind → the aggregate that labels, bounds, computes and converts it.
@@ -79,3 +81,19 @@ def recogniser(node: exp.Expr) -> Aggregate | None:
     if isinstance(node, exp.WithinGroup):
         return RECOGNISERS.get(type(node.this))
     return RECOGNISERS.get(type(node))
+
+
+@functools.cache
+def supported_functions() -> tuple[str, ...]:
+    """The PostgreSQL names of the registered aggregate functions, in registry order: what hints and
+    supported-lists name (generated here, so a new aggregate is listed by registering it)."""
+    names: list[str] = []
+    for aggregate in OUTPUTS.values():
+        for node in aggregate.recognises:
+            args = {"this": exp.column("x")} | (
+                {"expression": exp.column("y")} if "expression" in node.arg_types else {}
+            )
+            name = node(**args).sql(dialect="postgres").split("(", 1)[0]
+            if name not in names:
+                names.append(name)
+    return tuple(names)

@@ -66,6 +66,8 @@ class Spending(Protocol):
     def shares(self) -> Sequence[float]: ...
     @property
     def interval_level(self) -> float | None: ...
+    @property
+    def measured(self) -> float | None: ...
 
 
 class BiasRates(NamedTuple):
@@ -229,7 +231,8 @@ class Aggregate:
             "measure": " + ".join(plan.measures[i].label for i in out.measures),
             "sensitivity": max(plan.sensitivities(plan.measures[i])[0] for i in out.measures),
             "scale": max(s.scale * s.grid for s in specs),
-            "epsilon": budgeting.epsilon * len(out.measures) / len(plan.measures),
+            # the measurement's ε (less a cap choice's or bias estimate's share), split over the measures
+            "epsilon": (budgeting.measured or budgeting.epsilon) * len(out.measures) / len(plan.measures),
             "ci": half_width(specs[0], confidence) if self.explain_ci else math.nan,
         }
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from sqlglot import exp
 
-from dpsql.aggregates import AGGREGATE_NODES, OUTPUTS, recogniser
+from dpsql.aggregates import AGGREGATE_NODES, OUTPUTS, recogniser, supported_functions
 from dpsql.analyze.domains import derive, narrow_policies
 from dpsql.analyze.scope import PublicValues, Scope
 from dpsql.analyze.sources import resolve_sources
@@ -36,6 +36,12 @@ _NOT_YET = {
 }
 #: Post-processing functions allowed on noisy outputs (pure, total on numbers).
 _OUTPUT_FUNCTIONS = (exp.Round, exp.Abs, exp.Coalesce, exp.Greatest, exp.Least, exp.Floor, exp.Ceil)
+
+
+def _output_functions() -> str:
+    """The functions allowed over aggregates, named from :data:`_OUTPUT_FUNCTIONS` (for hints)."""
+    names = [f.sql_names()[0].lower() for f in _OUTPUT_FUNCTIONS]
+    return f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 # --- GROUP BY ------------------------------------------------------------------------
@@ -227,7 +233,7 @@ def convert_output(node: exp.Expression, scope: Scope) -> tuple[exp.Expression, 
         if isinstance(node, cls):
             raise FeatureNotSupported(
                 f"aggregate function {name} is not supported yet",
-                hint="Supported aggregates: COUNT(*), COUNT(column), SUM(column), AVG(column).",
+                hint=f"Supported aggregates: {', '.join(supported_functions())}.",
             )
     if isinstance(node, exp.Column):
         return exp.var(f"k{_key_index(node, scope)}"), "key", ()
@@ -242,7 +248,8 @@ def convert_output(node: exp.Expression, scope: Scope) -> tuple[exp.Expression, 
         raise UndefinedFunction(
             f"function {node.name.lower() if isinstance(node, exp.Anonymous) else node.sql_name().lower()}() "
             "does not exist",
-            hint="Allowed here: COUNT, SUM, AVG and round, abs, coalesce, greatest, least, floor, ceil.",
+            hint=f"Allowed here: the aggregates {', '.join(supported_functions())}; "
+            f"the functions {_output_functions()}.",
         )
     if not isinstance(node, allowed):
         raise FeatureNotSupported(f"{node.key.upper()} expressions are not supported in the select list")

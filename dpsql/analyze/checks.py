@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from sqlglot import exp
 
+from dpsql.aggregates import supported_functions
 from dpsql.errors import (
     FeatureNotSupported,
     GroupingError,
@@ -62,7 +63,7 @@ def require_select(tree: exp.Expression) -> None:
         name = str(tree.this).upper() if isinstance(tree, exp.Command) else tree.key.upper()
         raise FeatureNotSupported(
             f"{name} statements are not supported",
-            hint="dpsql answers aggregate SELECT queries (COUNT, SUM, AVG) only.",
+            hint=f"dpsql answers aggregate SELECT queries ({', '.join(supported_functions())}) only.",
         )
 
 

@@ -12,7 +12,7 @@ import enum
 import re
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sqlglot import exp
 
@@ -60,6 +60,9 @@ class Statement:
     tree: exp.Expression
     #: For EXPLAIN: the text of the query it explains.
     target: str = ""
+    #: :func:`dpsql.fingerprint.statement_shape` of ``sql``, read from the tree before anything rewrote it
+    #: (the server's log line and the engine's fingerprint use it: no second parse).
+    shape: str = ""
 
 
 def classify(sql: str) -> Statement:
@@ -97,11 +100,19 @@ class Statements:
     """Classified statements by text, least recently used evicted first, within :data:`CACHE_BYTES`;
     thread-safe."""
 
-    def __init__(self, size: int = 1024, shrink: Callable[[exp.Expression], None] | None = None) -> None:
+    def __init__(
+        self,
+        size: int = 1024,
+        shrink: Callable[[exp.Expression], None] | None = None,
+        shape: Callable[[str, exp.Expression | None], str] | None = None,
+    ) -> None:
         self._items: LRU[str, Statement] = LRU(size, CACHE_BYTES)
         #: Applied to each new query's tree in place, before it is cached or copied (the engine's: IN lists
         #: shrunk by :func:`dpsql.analyze.in_lists.shrink_in_lists`).
         self._shrink = shrink
+        #: The statement's fingerprint shape, read from its tree before :attr:`_shrink` changes it (the
+        #: engine's: :func:`dpsql.fingerprint.tree_shape`).
+        self._shape = shape
         #: Texts known to be plain single queries (neither composite nor a schema probe, whatever their
         #: parameters): a repeat skips :func:`dpsql.outer.route`'s copy of the tree. Decided from the text
         #: and the engine's (fixed) policy only.
@@ -113,9 +124,17 @@ class Statements:
         if cached is not None:
             return cached
         statement = classify(sql)
+        if self._shape is not None:
+            statement = replace(
+                statement, shape=self._shape(sql, None if statement.kind is Kind.EXPLAIN else statement.tree)
+            )
         if self._shrink is not None and statement.kind is Kind.QUERY:
             self._shrink(statement.tree)
         return self._items.put(sql, statement, tree_bytes(sql, statement.tree))
+
+    def cached(self, sql: str) -> Statement | None:
+        """The statement for ``sql`` if it was classified already (never parses)."""
+        return self._items.get(sql)
 
     def plain(self, sql: str) -> bool:
         """Whether ``sql`` was found to be a plain single query (a dict lookup)."""

@@ -17,7 +17,7 @@ from dpsql.dev.demo import DEMO_TABLES, load_demo
 from dpsql.errors import BackendError, InvalidParameterValue, UndefinedTable, charged_on_failure
 from dpsql.ledger import Ledger, default_ledger, resolve_ledger_url
 from dpsql.policy import load_policy
-from dpsql.server.protocol import DEFAULT_PORT
+from dpsql.version import DEFAULT_PORT
 
 from . import introspect
 from .check import check_file

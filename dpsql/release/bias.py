@@ -301,7 +301,8 @@ def estimate(
     ``measurement`` (the rewritten query, when its backend takes a folded statement): at the plan's cap
     alone, the totals are folded into it (:func:`folded_query`) when it is shaped for that."""
     clamped = clamped_measures(plan)
-    if plan.unit is None or (not cuts and not clamped) or not any(not m.selected for m in plan.measures):
+    cuts = cuts and plan.unit is not None  # (each row is one person: no cap cuts a row, values are still clamped)
+    if (not cuts and not clamped) or not any(not m.selected for m in plan.measures):
         return None
     published = published_cut(plan) if cuts else None
     cuts = cuts and published is None  # (a published figure: nothing to estimate)
@@ -368,20 +369,35 @@ def totals_query(plan: Plan, tau: int, clamped: Sequence[tuple[int, int]], cuts:
     above every bound on every backend (:func:`clamp_sql`; one branch per row, so at most W); NULLs are
     skipped. One unit's rows move each total's vector over the groups by at most its :class:`Total`
     sensitivity (the module's argument)."""
-    assert plan.unit is not None
     keys = [key_column(plan, k) for k in range(len(plan.keys))]
-    per_cell: list[exp.Expr] = [exp.alias_(plan.unit.copy(), "__u")]
+    # each row is one person (no unit): every row is its own cell, n = n_g = G = 1
+    unit = plan.unit.copy() if plan.unit is not None else exp.Literal.number(0)
+    per_cell: list[exp.Expr] = [exp.alias_(unit, "__u")]
     per_cell += [exp.alias_(k.copy(), f"k{i}") for i, k in enumerate(keys)]
-    per_cell.append(exp.alias_(exp.Count(this=exp.Star(), big_int=True), "__m"))
-    per_cell += _excess_sums(plan, clamped)
-    cells = over_sources(_rows(plan), *per_cell).group_by(plan.unit.copy(), *(k.copy() for k in keys), copy=False)
-    window = exp.Window(
-        this=exp.Sum(this=exp.column("__m", quoted=True)), partition_by=[exp.column("__u", quoted=True)]
-    )
-    units = exp.select(exp.Star(), exp.alias_(window, "__n")).from_("__bias_cells")
+    one = exp.Count(this=exp.Star(), big_int=True) if plan.unit is not None else exp.Literal.number(1)
+    per_cell.append(exp.alias_(one, "__m"))
+    per_cell += _excess_sums(plan, clamped, summed=plan.unit is not None)
+    cells = over_sources(_rows(plan), *per_cell)
+    windows: list[exp.Expr] = [exp.alias_(exp.Literal.number(1), "__n"), exp.alias_(exp.Literal.number(1), "__g")]
+    if plan.unit is not None:
+        cells = cells.group_by(plan.unit.copy(), *(k.copy() for k in keys), copy=False)
+        u = exp.column("__u", quoted=True)
+        windows = [
+            exp.alias_(exp.Window(this=exp.Sum(this=exp.column("__m", quoted=True)), partition_by=[u.copy()]), "__n"),
+            exp.alias_(exp.Window(this=exp.Count(this=exp.Star()), partition_by=[u.copy()]), "__g"),
+        ]
+    units = exp.select(exp.Star(), *windows).from_("__bias_cells")
     key_names = [exp.column(f"k{i}", quoted=True) for i in range(len(keys))]
-    query = _totals(plan, tau, clamped, cuts, key_names, ("__m", "__n"))
+    query = _totals(plan, tau, clamped, cuts, key_names, ("__m", "__n", "__g"))
     return query.with_("__bias_cells", as_=cells, copy=False).with_("__bias_units", as_=units, copy=False)
+
+
+def groups_cap(plan: Plan, tau: int) -> int | None:
+    """The groups a unit keeps when that cap can cut more than the row cap τ does (a declared
+    ``max_groups_per_unit`` below τ, in a grouped query); None otherwise (k ≥ τ: a unit with G > k groups has
+    n ≥ G > τ rows and keeps τ either way)."""
+    declared = plan.sources.max_groups_declared
+    return declared if plan.keys and declared is not None and declared < tau else None
 
 
 def _rows(plan: Plan) -> exp.Select:
@@ -389,8 +405,9 @@ def _rows(plan: Plan) -> exp.Select:
     return filter_rows(select_measures(exp.select(), plan), plan)
 
 
-def _excess_sums(plan: Plan, clamped: Sequence[tuple[int, int]]) -> list[exp.Expr]:
-    """Per clamped value (the first measure of each), ``SUM(excess) AS __e{i}`` over a cell's rows."""
+def _excess_sums(plan: Plan, clamped: Sequence[tuple[int, int]], summed: bool = True) -> list[exp.Expr]:
+    """Per clamped value (the first measure of each), ``SUM(excess) AS __e{i}`` over a cell's rows (a row's
+    own excess when not ``summed``: each row is its own cell)."""
     double = exp.DataType.Type.DOUBLE
     out: list[exp.Expr] = []
     for i in [i for i, j in clamped if i == j]:
@@ -407,7 +424,7 @@ def _excess_sums(plan: Plan, clamped: Sequence[tuple[int, int]]) -> list[exp.Exp
             .when(exp.LT(this=x, expression=lo), below, copy=False)
             .else_(exp.Literal.number(0), copy=False)
         )
-        out.append(exp.alias_(exp.Sum(this=excess), f"__e{i}"))
+        out.append(exp.alias_(exp.Sum(this=excess) if summed else excess, f"__e{i}"))
     return out
 
 
@@ -417,25 +434,39 @@ def _totals(
     clamped: Sequence[tuple[int, int]],
     cuts: bool,
     keys: Sequence[exp.Expression],
-    counts: tuple[str, str],
+    counts: tuple[str, ...],
 ) -> exp.Select:
-    """The totals over ``__bias_units`` (a row per cell: its rows, ``counts[0]``, and its unit's rows in all,
-    ``counts[1]``; its ``__e{i}`` sums), grouped by the ``keys`` (named ``k{i}``). Each total is linear in a
-    cell's rows and sums at a given unit's ``n``: cells finer than (unit, group) give the same totals."""
+    """The totals over ``__bias_units`` (a row per cell: its rows, ``counts[0]``, its unit's rows in all,
+    ``counts[1]``, and, where :func:`groups_cap` binds, its unit's groups, ``counts[2]``; its ``__e{i}`` sums),
+    grouped by the ``keys`` (named ``k{i}``). Each total is linear in a cell's rows and sums at a given
+    unit's ``n``: cells finer than (unit, group) give the same totals.
+
+    A unit keeps ``kept_u = min(n, τ)`` rows, or with a groups cap k binding ``min(n · min(1, k/G), τ)``
+    (whole groups in a salted order: k/G of its rows expected; its cut rows spread over its groups as if
+    groups were kept at random). A cell adds ``n_g/n · kept_u`` to kept (Σ ≤ τ), ``n_g/n · clamp(n − kept_u,
+    0, C)`` to cut (Σ ≤ C) and its excess times ``kept_u/n`` (Σ ≤ τ·W): the sensitivities :func:`estimate`
+    states."""
     double = exp.DataType.Type.DOUBLE
     m_, n = exp.column(counts[0], quoted=True), exp.column(counts[1], quoted=True)
     cap = exp.Literal.number(tau)
     share = exp.Div(this=exp.cast(m_.copy(), double), expression=exp.cast(n.copy(), double))  # n_g / n
-    kept = exp.Case().when(exp.GT(this=n.copy(), expression=cap.copy()), cap.copy()).else_(n.copy())
-    outer: list[exp.Expr] = [exp.alias_(k.copy(), f"k{i}", quoted=True) for i, k in enumerate(keys)]
-    outer.append(_total(exp.Mul(this=share.copy(), expression=exp.paren(kept, copy=False)), "kept"))
+    k = groups_cap(plan, tau)
+    reach: exp.Expression = n.copy()
+    if k is not None and len(counts) > 2:  # n · min(1, k/G)
+        g, n_double = exp.column(counts[2], quoted=True), exp.cast(n.copy(), double)
+        fewer = exp.Div(this=exp.Mul(this=n_double, expression=exp.Literal.number(k)), expression=exp.cast(g, double))
+        reach = exp.Case().when(exp.GT(this=g.copy(), expression=exp.Literal.number(k)), fewer).else_(n.copy())
+    kept = exp.Case().when(exp.GT(this=reach.copy(), expression=cap.copy()), cap.copy()).else_(reach.copy())
+    outer: list[exp.Expr] = [exp.alias_(key.copy(), f"k{i}", quoted=True) for i, key in enumerate(keys)]
+    outer.append(_total(exp.Mul(this=share.copy(), expression=exp.paren(kept.copy(), copy=False)), "kept"))
     if cuts:
+        left = exp.paren(kept.copy(), copy=False) if k is not None else cap.copy()  # (n − min(n, τ) = n − τ)
         beyond = clamp_sql(
-            exp.Sub(this=n.copy(), expression=cap.copy()), exp.Literal.number(0), exp.Literal.number(tau * CEILING)
+            exp.Sub(this=n.copy(), expression=left), exp.Literal.number(0), exp.Literal.number(tau * CEILING)
         )
         outer.append(_total(exp.Mul(this=share.copy(), expression=exp.paren(beyond, copy=False)), "cut"))
-    # a unit with n > τ rows is counted at the τ rows the measurement keeps: τ/n of its excess
-    scale = (
+    # a unit is counted at the rows the measurement keeps: kept_u/n of its excess (τ/n when n > τ)
+    scale: exp.Expression = (
         exp.Case()
         .when(
             exp.GT(this=n.copy(), expression=cap.copy()),
@@ -443,12 +474,14 @@ def _totals(
         )
         .else_(exp.Literal.number(1))
     )
+    if k is not None:
+        scale = exp.Div(this=exp.cast(exp.paren(kept.copy(), copy=False), double), expression=exp.cast(n, double))
     for i in [i for i, j in clamped if i == j]:
         column = exp.Coalesce(this=exp.column(f"__e{i}", quoted=True), expressions=[exp.Literal.number(0)])
         outer.append(_total(exp.Mul(this=column, expression=exp.paren(scale.copy(), copy=False)), f"excess{i}"))
     query = exp.select(*outer).from_("__bias_units")
     if keys:
-        query = query.group_by(*(k.copy() for k in keys), copy=False)
+        query = query.group_by(*(key.copy() for key in keys), copy=False)
     return query
 
 
@@ -472,6 +505,8 @@ def folded_query(
     ctes = {cte.alias: cte for cte in (measurement.args.get("with_") or exp.With()).expressions}
     cells_cte = ctes.get("__cells")
     if cells_cte is None or not isinstance(cells_cte.this, exp.Select) or plan.unit is None:
+        return None
+    if groups_cap(plan, tau) is not None:  # (its cells may be finer than (unit, group): G is not their count)
         return None
     cells = cells_cte.this
     rows = over_sources(_rows(plan), exp.Star())

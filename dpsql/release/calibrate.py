@@ -59,6 +59,9 @@ class Budgeting:
     #: (None: the plan has none), never the session's, so a release is reused at any session level
     #: (spend once) and its note says the level it holds. In the repr, so in the measurement key.
     interval_level: float | None = None
+    #: The ε the measurement itself is calibrated with: ``epsilon`` less what a DP cap choice or the bias
+    #: estimate spend beside it (EXPLAIN splits this one over the outputs). Not in the repr (measurement key).
+    measured: float | None = field(default=None, repr=False)
 
 
 #: A query answered from randomized-response values already stored: post-processing, no central cost.
@@ -240,7 +243,7 @@ def calibrate(plan: Plan, epsilon: float, delta: float, mechanism: str, selectin
     specs = _specs(plan, noise, split)
     shares = [split.share] * k
     cost = split.cost
-    budgeting = Budgeting(epsilon, cost.delta, mechanism, specs, cost, shares)
+    budgeting = Budgeting(epsilon, cost.delta, mechanism, specs, cost, shares, measured=epsilon)
     if selecting:
         assert plan.selection_measure is not None
         budgeting.selection_delta = split.selection_delta

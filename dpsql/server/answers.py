@@ -624,12 +624,14 @@ def _evaluate_call(node: exp.Expression, ctx: AnswerContext) -> Value | None:
     return None
 
 
-def evaluate_select(sql: str, ctx: AnswerContext) -> list[Value] | None:
-    """Answer ``SELECT <constant or session function>, ...`` (no FROM); None when it is anything else."""
-    try:
-        tree = sqlglot.parse_one(sql, read="postgres")
-    except (sqlglot.errors.ParseError, sqlglot.errors.TokenError):
-        return None
+def evaluate_select(sql: str, ctx: AnswerContext, tree: exp.Expr | None = None) -> list[Value] | None:
+    """Answer ``SELECT <constant or session function>, ...`` (no FROM); None when it is anything else.
+    ``tree``: ``sql`` as the engine parsed it (only read here), else it is parsed."""
+    if tree is None:
+        try:
+            tree = sqlglot.parse_one(sql, read="postgres")
+        except (sqlglot.errors.ParseError, sqlglot.errors.TokenError):
+            return None
     if not isinstance(tree, exp.Select) or any(
         tree.args.get(k) for k in ("from", "from_", "joins", "where", "group", "having", "with", "order", "limit")
     ):

@@ -44,6 +44,7 @@ import sqlglot
 from sqlglot import exp
 
 from dpsql.analyze.parse import too_complex
+from dpsql.analyze.statement import Kind, Statement
 from dpsql.dev.local_postgres import local_server_version, start_local_postgres
 from dpsql.errors import CannotConnectNow, CatalogUnavailable, Error, FeatureNotSupported
 from dpsql.policy import Policy
@@ -62,7 +63,9 @@ from .shadow_session import EXCHANGE_SLACK, ShadowSession, connection_lost
 
 log = logging.getLogger("dpsql.server.catalog")
 
-Route = Literal["catalog", "engine", "mixed", "tableless"]
+#: Where a statement goes, the one route type from the wire on: nowhere (empty), answered here (local: a
+#: session command; tableless), the shadow catalog, the DP engine (queries, EXPLAIN, INSERT), or refused (mixed).
+Route = Literal["empty", "local", "tableless", "catalog", "engine", "mixed"]
 CATALOG_SCHEMAS = frozenset({"pg_catalog", "information_schema"})
 _READ_ONLY_HEADS = frozenset({"select", "with", "values", "table"})
 
@@ -105,8 +108,18 @@ def route_of(sql: str, policy: Policy) -> Route:
         return _route_by_tokens(sql, policy)
     except RecursionError:
         raise too_complex() from None
-    if tree is None:
-        return "tableless"
+    return route_of_tree(tree, policy) if tree is not None else "tableless"
+
+
+def route_of_statement(statement: Statement, policy: Policy) -> Route:
+    """:func:`route_of` read from the statement the engine parsed and classified (no second parse)."""
+    if statement.kind is not Kind.QUERY or first_word(statement.sql) not in _READ_ONLY_HEADS:
+        return "engine"  # EXPLAIN, INSERT, DDL/DML: the engine answers or refuses them
+    return route_of_tree(statement.tree, policy)
+
+
+def route_of_tree(tree: exp.Expr, policy: Policy) -> Route:
+    """The route of a parsed read-only statement (the tree is only read)."""
     if tree.find(exp.Insert, exp.Update, exp.Delete, exp.Merge, exp.Into):
         return "engine"  # writes (even inside a CTE or SELECT INTO) are the engine's to refuse
     ctes = {cte.alias_or_name.lower() for cte in tree.find_all(exp.CTE)}

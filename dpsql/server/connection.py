@@ -17,9 +17,11 @@ import contextlib
 import logging
 import secrets
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from dpsql.analyze.parse import MAX_STATEMENT_CHARS
+from dpsql.analyze.statement import Kind
 from dpsql.errors import (
     AdminShutdown,
     CharacterNotInRepertoire,
@@ -40,7 +42,7 @@ from dpsql.sqltext import after_keyword, split_statements, strip_comments
 
 from . import protocol as pq
 from .answers import Action, AnswerContext, SessionCommand, Settings, evaluate_select, parse_session_command
-from .catalog import refuse_mixed, route_of
+from .catalog import refuse_mixed, route_of, route_of_statement
 from .commands import SessionCommands, TxStatus
 from .extended import ExtendedProtocol, PlannedStatement, Portal, expand_formats
 from .frontdoor import Pending
@@ -59,6 +61,8 @@ log = logging.getLogger("dpsql.server")
 
 __all__ = ["Connection"]
 
+#: The most the login limiter may stop one startup's deadline for (waiting for a place, holding a failure).
+_MAX_LOGIN_WAIT = 300.0
 #: Statements longer than this are split, parsed and routed in the worker pool, not on the event loop.
 _INLINE_SQL = 4096
 
@@ -108,12 +112,23 @@ class Connection:
         if self.pending is not None:
             self.ctx.preauth.leave(self.pending)
 
-    def extend_startup(self, seconds: float) -> None:
-        """The login limiter made this startup wait ``seconds`` (a slowed-down pair's turn): the startup
-        deadline moves by as much (at most a minute), so that the wait never times the login out."""
+    @contextlib.contextmanager
+    def startup_paused(self) -> Iterator[None]:
+        """The login limiter makes this startup wait (for one of its pair's places, or holding a wrong
+        password's reply): the startup deadline stops meanwhile (for at most five minutes), so that the wait
+        never times a correct login out."""
         deadline = self._startup_deadline
-        if deadline is not None and (when := deadline.when()) is not None:
-            deadline.reschedule(when + min(max(seconds, 0.0), 60.0))
+        when = deadline.when() if deadline is not None else None
+        if deadline is None or when is None:
+            yield
+            return
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        deadline.reschedule(when + _MAX_LOGIN_WAIT)
+        try:
+            yield
+        finally:
+            deadline.reschedule(when + min(loop.time() - began, _MAX_LOGIN_WAIT))
 
     def negotiating(self) -> None:
         """A first packet came (SSLRequest, GSSENCRequest): no longer a silent socket."""
@@ -319,7 +334,9 @@ class Connection:
         """A table-free SELECT answered here; long ones go to the shadow (parsed off the event loop)."""
         if len(sql) > _INLINE_SQL:
             return None
-        return evaluate_select(sql, self._answer_context())
+        statement = self.ctx.engine.statements.cached(sql)  # as routed: no second parse
+        tree = statement.tree if statement is not None and statement.kind is Kind.QUERY else None
+        return evaluate_select(sql, self._answer_context(), tree)
 
     def plan(self, sql: str) -> PlannedStatement:
         """Route a single statement without running anything (a long one's parsing in the helper
@@ -333,9 +350,18 @@ class Connection:
         if (problem := _explain_syntax(sql)) is not None:
             raise SyntaxError_(problem)  # as PostgreSQL, never an internal error
         if not long:
-            return PlannedStatement(sql, route_of(sql, self.ctx.policy))
+            return self._plan_short(sql)
         routed = self.ctx.offload.route_of(self.user or "?", sql, frozenset(self.ctx.policy.tables))
-        return PlannedStatement(sql, routed.route, shape=routed.shape, verdict=routed.verdict)  # type: ignore[arg-type]
+        return PlannedStatement(sql, routed.route, shape=routed.shape, verdict=routed.verdict)
+
+    def _plan_short(self, sql: str) -> PlannedStatement:
+        """Route on the statement the engine parses and classifies (its cache, by text): the engine, the
+        log line's fingerprint and a table-free answer reuse that one tree (one parse per statement)."""
+        try:
+            statement = self.ctx.engine.statements.get(sql)
+        except Exception:  # refused by the engine when it runs (its SQLSTATE, its audit row); routed as ever
+            return PlannedStatement(sql, route_of(sql, self.ctx.policy))
+        return PlannedStatement(sql, route_of_statement(statement, self.ctx.policy), shape=statement.shape)
 
     async def execute(self, stmt: PlannedStatement, portal: Portal | None = None) -> Outcome:
         """Run a planned statement; logs one line with analyst, fingerprint, ε, outcome and latency."""

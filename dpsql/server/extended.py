@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from dpsql.analyze.statement import explain_target
 from dpsql.errors import (
@@ -30,7 +30,7 @@ from dpsql.sqltext import after_keyword
 
 from . import protocol as pq
 from .answers import SessionCommand
-from .catalog import refuse_mixed
+from .catalog import Route, refuse_mixed
 from .commands import SessionCommands
 from .memory import HeldStore, params_size, statement_size
 from .protocol import FieldDescription, WireViolation
@@ -40,9 +40,8 @@ from .types import oid_for, type_size
 if TYPE_CHECKING:
     from .connection import Connection
 
-#: Where a statement goes: nowhere (empty), answered here (local, tableless), the shadow
-#: catalog, the DP engine, or refused (mixed).
-StatementRoute = Literal["empty", "local", "tableless", "catalog", "engine", "mixed"]
+#: Where a statement goes (:data:`.catalog.Route`, under its old name).
+StatementRoute = Route
 
 
 @dataclass(slots=True)

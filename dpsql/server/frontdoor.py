@@ -18,14 +18,23 @@ Strangers must not be able to lock analysts out (issue #27), so:
   (28000) before any password is checked — but never where that account logged in successfully
   before, so an attacker elsewhere cannot keep the real analyst out. The (account, address) pair is
   never locked: an address may be shared (a NAT, another local user, every client behind a TCP load
-  balancer), so the real analyst and a guesser can be the same pair. Its failures *slow it down*
-  instead (:meth:`LoginLimiter.turn`): its exchanges run one at a time, in arrival order, and each is
-  answered — success or failure alike, so that the timing tells nothing — no sooner than the pair's
-  delay after it started (``lock`` doubling per failure beyond the free ones, at most ``max_delay``).
-  A correct password is therefore never refused, only delayed by the guesses queued before it
-  (issue #41: two threads of wrong passwords from the analyst's own address failed 29 of their 30
-  logins); guesses from the pair are answered at most one per delay. Unknown names are counted,
-  locked and slowed like real ones, so nothing tells which names exist.
+  balancer), so the real analyst and a guesser can be the same pair, and nothing before the proof tells
+  them apart. Every exchange of a pair takes one of its few places (``slots``, in arrival order) and is
+  checked at once; a correct password leaves its place at once, a wrong one keeps it — and waits for
+  its reply — for the pair's delay (``lock`` doubling per failure beyond the free ones, at most
+  ``max_delay``), even when its client has hung up (the loop gives the place back, not the exchange).
+  So the pair's guesses are checked at most ``slots`` per delay however many exchanges it opens, and a
+  correct password waits only for the places of the exchanges that arrived before it: none while the
+  guesser runs fewer exchanges at once than there are places, about (k − slots) / slots delays for k.
+  That wait is the price: a correct password that skipped the places would let a guesser with many
+  parallel exchanges have them all checked at once (issue #41: the earlier turns, one exchange per
+  delay, made the analyst wait 10.4 s behind two guessing threads; the lock before them refused 29 of
+  30 logins). A "known device" has no analogue on the wire: before the proof, the (account, address)
+  is all the server knows, and a guesser at that address has it too. Failures at a pair that logged in
+  before are bounded by its places alone: they count towards neither the account's nor the address's
+  lock, so a guesser sharing the analyst's address locks out neither the analyst elsewhere nor the
+  address's other analysts. Unknown names are counted, locked and slowed like real ones, so nothing
+  tells which names exist.
 
 Both are per process (``--processes N``: per worker).
 """
@@ -35,7 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,22 +118,74 @@ class PreAuth:
         return True
 
 
+class Slots:
+    """At most ``size`` holders at once; waiters are served strictly in arrival order (first come, first
+    served: a waiting exchange is never overtaken by one that arrived after it)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = max(1, size)
+        self.held = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    async def acquire(self) -> None:
+        if self.held < self.size and not self._waiters:
+            self.held += 1
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter  # :meth:`release` handed its place over (``held`` unchanged)
+        except BaseException:
+            if waiter.done() and not waiter.cancelled():
+                self.release()  # handed over just as it was cancelled: pass it on
+            else:
+                self._waiters.remove(waiter)
+            raise
+
+    def release(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self.held -= 1
+
+    @property
+    def idle(self) -> bool:
+        return self.held == 0 and not self._waiters
+
+
 @dataclass(slots=True)
 class _Failures:
     count: int = 0
     last: float = 0.0
     until: float = 0.0
-    #: For a pair: its exchanges take turns while it is slowed down (created on first use, on the loop).
-    turns: asyncio.Lock | None = None
+
+
+class LoginTurn:
+    """One password exchange admitted by :meth:`LoginLimiter.turn`: call :meth:`failed` on a wrong password
+    (or an exchange that held its place too long) instead of :meth:`LoginLimiter.failed`."""
+
+    def __init__(self, limiter: LoginLimiter, user: str, address: str, slowed: bool) -> None:
+        self.limiter, self.user, self.address = limiter, user, address
+        #: The pair was slowed down when the exchange was admitted (it then has a deadline of its own).
+        self.slowed = slowed
+        #: How long the failure reply (and the exchange's place) is held; 0 until :meth:`failed`.
+        self.hold = 0.0
+
+    def failed(self) -> None:
+        self.limiter.failed(self.user, self.address)
+        self.hold = self.limiter.delay(self.user, self.address)
 
 
 class LoginLimiter:
     """Failed logins per (account, address), account and address; see the module docstring.
 
     ``free_failures`` failures of a pair within ``window`` seconds are free; each further one slows the
-    pair down to ``lock`` × 2^(n − free) seconds per exchange, at most ``max_delay``. The account and the
-    address keys are locked alike past ``account_failures`` and ``address_failures``, for at most
-    ``max_lock``. Each table keeps at most ``max_entries`` keys (the least recently failed go first)."""
+    pair down: its wrong passwords are answered, and keep their place among the pair's ``slots`` checks,
+    ``lock`` × 2^(n − free) seconds, at most ``max_delay``. The account and the address keys are locked
+    alike past ``account_failures`` and ``address_failures``, for at most ``max_lock``. Each table keeps at
+    most ``max_entries`` keys (the least recently failed go first)."""
 
     def __init__(
         self,
@@ -132,7 +193,8 @@ class LoginLimiter:
         free_failures: int = 5,
         lock: float = 1.0,
         max_lock: float = 30.0,
-        max_delay: float = 4.0,
+        max_delay: float = 16.0,
+        slots: int = 8,
         account_failures: int = 30,
         address_failures: int = 60,
         window: float = 900.0,
@@ -144,6 +206,7 @@ class LoginLimiter:
         self.lock = lock
         self.max_lock = max_lock
         self.max_delay = max_delay
+        self.slots = max(1, slots)
         self.account_failures = max(1, account_failures)
         self.address_failures = max(1, address_failures)
         self.window = window
@@ -155,6 +218,9 @@ class LoginLimiter:
         self._addresses: OrderedDict[str, _Failures] = OrderedDict()
         #: (account, address) pairs that logged in successfully, and when.
         self._good: OrderedDict[tuple[str, str], float] = OrderedDict()
+        #: Each pair's places while any is taken or awaited (at most one per pre-auth socket or held failure):
+        #: apart from the failure counts, so that no churn of other names can evict them.
+        self._places: dict[tuple[str, str], Slots] = {}
 
     def __len__(self) -> int:
         return len(self._pairs) + len(self._accounts) + len(self._addresses) + len(self._good)
@@ -168,7 +234,7 @@ class LoginLimiter:
         return max(_left(self._accounts.get(user), now), _left(self._addresses.get(address), now))
 
     def delay(self, user: str, address: str) -> float:
-        """Seconds each exchange of the pair takes at least now (0: not slowed down)."""
+        """Seconds a wrong password of the pair is held now (0: not slowed down)."""
         entry = self._pairs.get((user, address))
         if entry is None or self.clock() - entry.last > self.window or entry.count < self.free_failures:
             return 0.0
@@ -176,32 +242,48 @@ class LoginLimiter:
 
     @contextlib.asynccontextmanager
     async def turn(
-        self, user: str, address: str, extend: Callable[[float], object] = lambda _: None
-    ) -> AsyncIterator[bool]:
-        """Around one password exchange of ``user`` from ``address``: while the pair is slowed down, wait for
-        its turn (exchanges of the pair run one at a time, in arrival order), and answer no sooner than its
-        delay after the turn began, whatever the outcome. ``extend(seconds)`` is told how long the turn made
-        the exchange wait, so that the startup deadline does not count it. Yields whether it was slowed."""
-        if self.delay(user, address) <= 0:
-            yield False
-            return
-        entry = self._pairs[(user, address)]
-        if entry.turns is None:
-            entry.turns = asyncio.Lock()
-        turns, queued = entry.turns, time.monotonic()
-        async with turns:
-            began = time.monotonic()
-            delay = self.delay(user, address)
-            extend(began - queued + delay)
-            try:
-                yield True
-            finally:
-                await asyncio.sleep(max(0.0, began + delay - time.monotonic()))
+        self, user: str, address: str, paused: Callable[[], contextlib.AbstractContextManager[object]]
+    ) -> AsyncIterator[LoginTurn]:
+        """Around one password exchange of ``user`` from ``address``. Every exchange of the pair takes one of
+        its ``slots`` places first (waiting in arrival order) and is checked at once when admitted; a correct
+        password leaves at once, a wrong one (:meth:`LoginTurn.failed`) keeps its place and its reply for the
+        pair's delay, even when its client has gone. So the pair's guesses are checked at most ``slots`` per
+        delay, and a correct password waits only for the places of the exchanges that were waiting before it.
+        ``paused()`` suspends the startup deadline while waiting or holding."""
+        key, loop = (user, address), asyncio.get_running_loop()
+        slots = self._places.get(key)
+        if slots is None:
+            slots = self._places[key] = Slots(self.slots)
+
+        def give_back() -> None:
+            slots.release()
+            if slots.idle and self._places.get(key) is slots:
+                del self._places[key]
+
+        try:
+            with paused():
+                await slots.acquire()
+        except BaseException:
+            if slots.idle and self._places.get(key) is slots:
+                del self._places[key]
+            raise
+        turn = LoginTurn(self, user, address, slowed=self.delay(user, address) > 0)
+        try:
+            yield turn
+        finally:
+            if turn.hold > 0:  # the place is given back by the loop, whatever becomes of this exchange
+                loop.call_later(turn.hold, give_back)
+                with paused():
+                    await asyncio.sleep(turn.hold)
+            else:
+                give_back()
 
     def failed(self, user: str, address: str) -> None:
         """Record a wrong password (the locks it sets apply at once, even to attempts in flight)."""
         now = self.clock()
         self._count(self._pairs, (user, address), now, self.free_failures)
+        if self._known_good(user, address, now):  # the pair's slow-down bounds these guesses: a guesser sharing
+            return  # the analyst's address must not lock the analyst out elsewhere, nor the address's others
         self._count(self._accounts, user, now, self.account_failures)
         self._count(self._addresses, address, now, self.address_failures)
 
@@ -216,15 +298,19 @@ class LoginLimiter:
         when = self._good.get((user, address))
         return when is not None and now - when < self.remember
 
-    def _count(self, table: OrderedDict[Any, _Failures], key: Any, now: float, free: int) -> None:
+    def _entry(self, table: OrderedDict[Any, _Failures], key: Any) -> _Failures:
         entry = table.get(key)
         if entry is None:
             entry = table[key] = _Failures()
             while len(table) > self.max_entries:
                 table.popitem(last=False)
-        elif now - entry.last > self.window:
-            entry.count = 0
         table.move_to_end(key)
+        return entry
+
+    def _count(self, table: OrderedDict[Any, _Failures], key: Any, now: float, free: int) -> None:
+        entry = self._entry(table, key)
+        if now - entry.last > self.window:
+            entry.count = 0
         entry.count += 1
         entry.last = now
         if entry.count >= free and table is not self._pairs:  # a pair is slowed down (:meth:`delay`), never locked

@@ -56,7 +56,7 @@ class Routed:
     """A long statement as the helper read it: route, shape (:func:`~dpsql.fingerprint.statement_shape`)
     and guard verdict (:func:`~.shadow_guard.vet`, for statements the shadow may run)."""
 
-    route: str
+    route: catalog.Route
     shape: str | None
     verdict: Verdict | None
 

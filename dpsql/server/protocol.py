@@ -14,8 +14,8 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-#: The port ``dpsql serve`` listens on unless told otherwise (PostgreSQL's 5432 is left alone).
-DEFAULT_PORT = 6543
+from dpsql.version import DEFAULT_PORT as DEFAULT_PORT  # re-exported: the server's old name
+
 PROTOCOL_V3 = 196608  # 3.0
 SSL_REQUEST = 80877103
 GSSENC_REQUEST = 80877104

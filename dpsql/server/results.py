@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dpsql.accountant import fmt
+from dpsql.notices import Notice, NoticeKind
 from dpsql.pgtypes import FLOAT8, type_size
 from dpsql.session import OutputColumn, Result, ci_label
-from dpsql.step import Notice, NoticeKind
 
 from .protocol import Diagnostic, FieldDescription
 

@@ -96,12 +96,14 @@ class ServerOptions:
     max_preauth: int | None = None
     max_preauth_per_address: int | None = None
     #: Wrong passwords: free ones per (account, address), the first and the longest lock (seconds), the
-    #: longest delay of a slowed-down (account, address) exchange, failures that lock an account (from
+    #: longest a slowed-down (account, address)'s wrong password is held, its places (password checks at
+    #: once: at most ``login_slots`` guesses per ``login_max_delay``), failures that lock an account (from
     #: new addresses) or an address (any account), their window.
     login_free_failures: int = 5
     login_lock: float = 1.0
     login_max_lock: float = 30.0
-    login_max_delay: float = 4.0
+    login_max_delay: float = 16.0
+    login_slots: int = 8
     login_account_failures: int = 30
     login_address_failures: int = 60
     login_window: float = 900.0
@@ -195,6 +197,7 @@ class ServerContext:
             lock=options.login_lock,
             max_lock=options.login_max_lock,
             max_delay=options.login_max_delay,
+            slots=options.login_slots,
             account_failures=options.login_account_failures,
             address_failures=options.login_address_failures,
             window=options.login_window,

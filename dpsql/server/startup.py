@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dpsql.server")
 
-#: While its (analyst, address) is slowed down, the most one password exchange may take within its turn.
+#: The most one password exchange may take once admitted (it holds one of its (analyst, address)'s few places).
 TURN_SECONDS = 5.0
 #: StartupMessage parameters that are not settings.
 _NOT_SETTINGS = frozenset({"user", "database", "replication", "options", "application_name"})
@@ -153,13 +153,14 @@ async def _authenticate(conn: Connection, user: str) -> None:
     else:  # unknown role or no verifier: the same exchange, doomed to fail at the same point
         exchange = mock_exchange(conn.ctx.engine, user)
         reason = "unknown role" if analyst is None else "no password set"
-    # a pair slowed down by failures takes turns, each answered no sooner than its delay (success alike); a
-    # client holding its turn without finishing the exchange (a real one needs milliseconds) is cut off
-    async with conn.ctx.logins.turn(user, conn.address, conn.extend_startup) as slowed:
+    # the pair's exchanges take one of its few places (in arrival order) and are checked at once; a wrong
+    # password keeps its place and its reply for the pair's delay, a correct one leaves at once; a client
+    # holding a place without finishing the exchange (a real one needs milliseconds) is cut off
+    async with conn.ctx.logins.turn(user, conn.address, conn.startup_paused) as turn:
         conn.replies.send(pq.auth_sasl(["SCRAM-SHA-256"]))
         await conn.replies.flush()
         try:
-            async with asyncio.timeout(TURN_SECONDS if slowed else None):
+            async with asyncio.timeout(TURN_SECONDS):
                 mechanism, first = parse_sasl_initial(await _read_password(conn))
                 if mechanism != "SCRAM-SHA-256":
                     raise ScramProtocolError("client selected an invalid SASL authentication mechanism")
@@ -169,10 +170,10 @@ async def _authenticate(conn: Connection, user: str) -> None:
             _refuse_if_locked(conn, user)  # again: parallel attempts must not all get their guess checked
             final = exchange.final(proof)
         except TimeoutError:  # only the turn's own deadline: the startup deadline cancels, it is not caught here
-            conn.ctx.logins.failed(user, conn.address)  # it held the pair's turn: counted as a guess
+            turn.failed()  # it held one of the pair's places: counted as a guess
             raise ProtocolViolation("canceling authentication due to timeout").fatal() from None
         except AuthFailed:
-            conn.ctx.logins.failed(user, conn.address)
+            turn.failed()
             log.info("authentication failed analyst=%s peer=%s reason=%s", user, conn.peer, reason)
             raise failed from None
         except ScramProtocolError as exc:

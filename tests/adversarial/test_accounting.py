@@ -223,7 +223,7 @@ def test_schema_1_postgres_ledger_is_migrated(pg_new_database: Callable[[], str]
             .replace("at TEXT", "at timestamptz")
             .replace("REAL", "double precision")
         )
-        conn.execute(schema)  # type: ignore[arg-type]
+        conn.execute(schema)
     with Ledger.open(url) as ledger:
         _check_migrated(ledger)
     with Ledger.open(url) as reopened:

@@ -21,20 +21,16 @@ from typing import Any
 
 import pytest
 
-from dpsql.backends import Backend, open_backend
+from dpsql.backends import Backend
 from dpsql.engine import Engine
 from dpsql.ledger import Ledger
 from dpsql.policy import parse_policy
 from dpsql.session import Result, Session
+from tests.adversarial.worlds import neighbour_worlds, roomy_policy
 
-POLICY = """
-dataset: avgnull
-defaults: {epsilon: 1.0, delta: 1.0e-6}
-budget:
-  dataset: {epsilon: 1.0e9, delta: 0.5}
-  analyst: {epsilon: 1.0e9, delta: 0.5}
-analysts: [{name: alice}]
-tables:
+POLICY = roomy_policy(
+    "avgnull",
+    """
   t:
     privacy_unit: id
     max_rows_per_unit: 1
@@ -43,7 +39,8 @@ tables:
       problem: {type: text, domain: [asthma, flu, rare], nullable: false}
       cost: {type: float, lower: 0.0, upper: 100.0, nullable: false}
       visits: {type: int, lower: 0, upper: 10, nullable: false}
-"""
+""",
+)
 
 SQL = "SELECT problem, COUNT(*), AVG(cost), var_pop(visits) FROM t GROUP BY problem"
 RUNS = 30
@@ -65,15 +62,8 @@ def _script(variant: str) -> str:
 
 @pytest.fixture(scope="module")
 def neighbours(pg_new_database: Callable[[], str]) -> Iterator[dict[tuple[str, str], Backend]]:
-    backends = {}
-    for variant in PERSON:
-        for kind in ("duckdb", "postgres"):
-            backend = open_backend("duckdb://" if kind == "duckdb" else pg_new_database())
-            backend.execute_script(_script(variant))
-            backends[(kind, variant)] = backend
-    yield backends
-    for backend in backends.values():
-        backend.close()
+    with neighbour_worlds(pg_new_database, PERSON, _script) as backends:
+        yield backends
 
 
 @pytest.mark.parametrize("kind", ["duckdb", "postgres"])

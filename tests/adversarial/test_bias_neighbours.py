@@ -35,15 +35,11 @@ from dpsql.policy import parse_policy
 from dpsql.release.accuracy import caps_cut
 from dpsql.release.bias import BiasEstimate, split_folded, totals_query
 from dpsql.session import Session
+from tests.adversarial.worlds import neighbour_worlds, roomy_policy
 
-POLICY = """
-dataset: biasn
-defaults: {epsilon: 1.0, delta: 1.0e-6}
-budget:
-  dataset: {epsilon: 1.0e9, delta: 0.5}
-  analyst: {epsilon: 1.0e9, delta: 0.5}
-analysts: [{name: alice}]
-tables:
+POLICY = roomy_policy(
+    "biasn",
+    """
   people:
     privacy_unit: pid
     max_rows_per_unit: 1
@@ -56,7 +52,8 @@ tables:
       pid: {type: int, identifier: true}
       kind: {type: text, domain: [a, b, c], nullable: false}
       amount: {type: float, lower: 0.0, upper: 10.0, nullable: true}
-"""
+""",
+)
 PEOPLE = 60
 
 #: The adversary's events (kind, amount SQL), or None: absent; "removed" drops person 1 instead.
@@ -99,15 +96,8 @@ def _script(name: str) -> str:
 
 @pytest.fixture(scope="module")
 def worlds(pg_new_database: Callable[[], str]) -> Iterator[dict[tuple[str, str], Backend]]:
-    backends = {}
-    for name in ADVERSARIES:
-        for kind in ("duckdb", "postgres"):
-            backend = open_backend("duckdb://" if kind == "duckdb" else pg_new_database())
-            backend.execute_script(_script(name))
-            backends[(kind, name)] = backend
-    yield backends
-    for backend in backends.values():
-        backend.close()
+    with neighbour_worlds(pg_new_database, ADVERSARIES, _script) as backends:
+        yield backends
 
 
 def _masked(text: str) -> str:
@@ -260,3 +250,50 @@ def test_released_cut_total_is_epsilon_dp_on_neighbours(worlds: dict[tuple[str, 
                 assert beta.ppf(alpha, k_a, n - k_a + 1) <= math.exp(epsilon) * high_b, (b, samples)
     # and the noise is not wider than stated: the two worlds' medians sit about the sensitivity apart
     assert samples["heavy"][len(edges)] + samples["heavy"][len(edges) - 1] > samples["absent"][len(edges)]
+
+
+#: Each row is one person (no privacy_unit): no cap cuts a row, but values are clamped, so the estimate
+#: has a clamp excess total whose sensitivity is one value's reach.
+ROW_POLICY = """
+dataset: biasrow
+defaults: {epsilon: 1.0, delta: 1.0e-6}
+budget:
+  dataset: {epsilon: 1.0e9, delta: 0.5}
+  analyst: {epsilon: 1.0e9, delta: 0.5}
+analysts: [{name: alice}]
+tables:
+  rowpeople:
+    columns:
+      kind: {type: text, domain: [a, b, c], nullable: false}
+      amount: {type: float, lower: 0.0, upper: 10.0, nullable: true}
+"""
+#: The one adversary row's amount (SQL), per neighbour; None: absent.
+ROW_ADVERSARIES = [None, "CAST('NaN' AS DOUBLE PRECISION)", "CAST('Infinity' AS DOUBLE PRECISION)", "-1e300", "1e300"]
+
+
+@pytest.mark.parametrize("kind", ["duckdb", "postgres"])
+def test_row_level_clamp_estimate_moves_within_its_sensitivity(pg_new_database: Callable[[], str], kind: str) -> None:
+    sql = "SELECT kind, SUM(amount) AS s, AVG(amount) AS m FROM rowpeople GROUP BY kind"
+    rows = [f"('{'abc'[i % 3]}', {(i * 7) % 23}.5)" for i in range(90)]
+    totals, estimate = [], None
+    for adversary in ROW_ADVERSARIES:
+        backend = open_backend("duckdb://" if kind == "duckdb" else pg_new_database())
+        extra = [] if adversary is None else [f"('b', {adversary})"]
+        backend.execute_script(
+            "CREATE TABLE rowpeople (kind TEXT, amount DOUBLE PRECISION); "
+            f"INSERT INTO rowpeople VALUES {', '.join(rows + extra)}"
+        )
+        engine = Engine(parse_policy(ROW_POLICY), backend, Ledger.open("sqlite:///:memory:"))
+        if estimate is None:
+            estimate = _estimate(engine, sql)
+            assert not estimate.cuts and estimate.clamped and estimate.totals
+            result = engine.execute(sql, Session("alice"))  # it runs and says what its ± covers
+            assert any("clamp bias" in n for n in result.notices), result.notices
+        totals.append(_totals(backend, estimate, 1))
+        backend.close()
+    assert estimate is not None
+    zeros = [0.0] * len(estimate.totals)
+    for after in totals[1:]:
+        for t, total in enumerate(estimate.totals):
+            moved = sum(abs(after.get(k, zeros)[t] - totals[0].get(k, zeros)[t]) for k in set(totals[0]) | set(after))
+            assert math.isfinite(moved) and moved <= total.sensitivity * (1 + 1e-9), (total, moved)

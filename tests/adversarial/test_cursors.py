@@ -62,7 +62,7 @@ def _session(port: int) -> list[tuple[Any, ...]]:
         for sql in SCRIPT:
             cur = conn.cursor()
             try:
-                cur.execute(sql.encode(), prepare=False)  # type: ignore[call-overload]
+                cur.execute(sql.encode(), prepare=False)
                 rows = cur.fetchall() if cur.description else []
                 seen.append((sql, cur.statusmessage, len(rows)))
             except psycopg.Error as exc:

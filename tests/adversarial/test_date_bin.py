@@ -15,11 +15,7 @@ from typing import Any
 
 import pytest
 
-from dpsql.engine import Engine
-from dpsql.ledger import Ledger
-from dpsql.policy import parse_policy
-from tests.adversarial.test_derived_keys import KeyAttack, _outcome, key_backends
-from tests.adversarial.test_error_oracles import BACKENDS, POLICY, VARIANTS, _script
+from tests.adversarial.test_derived_keys import KeyAttack, check_independent, key_backends, outcomes_of
 
 __all__ = ["key_backends"]  # the shared module fixture (DuckDB and PostgreSQL backends)
 
@@ -59,29 +55,11 @@ ATTACKS = [
 
 @pytest.fixture(scope="module")
 def bin_outcomes(key_backends: dict[str, Any]) -> dict[tuple[str, str, str], tuple[Any, ...]]:
-    policy = parse_policy(POLICY)
-    found = {}
-    for variant in VARIANTS:
-        for name, backend in key_backends.items():
-            backend.execute_script(_script(variant))
-            for attack in ATTACKS:
-                engine = Engine(policy, backend, Ledger.open("sqlite:///:memory:"))
-                found[attack.id, name, variant] = _outcome(engine, attack)
-    return found
+    return outcomes_of(ATTACKS, key_backends)
 
 
 @pytest.mark.parametrize("attack", ATTACKS, ids=lambda a: a.id)
 def test_released_bins_do_not_depend_on_one_person(
     attack: KeyAttack, bin_outcomes: dict[tuple[str, str, str], tuple[Any, ...]]
 ) -> None:
-    seen = {(b, v): bin_outcomes[attack.id, b, v] for b in BACKENDS for v in VARIANTS}
-    if isinstance(attack.keys, str):
-        assert {o[:2] for o in seen.values()} == {("refused", attack.keys)}, seen
-        assert len(set(seen.values())) == 1 and next(iter(seen.values()))[3] == 0, seen
-        return
-    assert {o[0] for o in seen.values()} == {"answered"}, seen
-    if attack.keys is None:
-        return  # partition selection: which bins pass is noisy, only the outcome class is fixed
-    keys = {o[1] for o in seen.values()}
-    assert len(keys) == 1, f"released bins depend on the data or backend: {seen}"
-    assert len(next(iter(keys))) == attack.keys
+    check_independent(attack, bin_outcomes, "bins")

@@ -101,31 +101,42 @@ def key_backends(pg_new_database: Callable[[], str]) -> Iterator[dict[str, Backe
         backend.close()
 
 
-@pytest.fixture(scope="module")
-def key_outcomes(key_backends: dict[str, Backend]) -> dict[tuple[str, str, str], tuple[Any, ...]]:
+def outcomes_of(attacks: list[KeyAttack], backends: dict[str, Backend]) -> dict[tuple[str, str, str], tuple[Any, ...]]:
+    """Every attack's outcome on every backend and neighbouring database, each with a fresh ledger."""
     policy = parse_policy(POLICY)
     found = {}
     for variant in VARIANTS:
-        for name, backend in key_backends.items():
+        for name, backend in backends.items():
             backend.execute_script(_script(variant))
-            for attack in ATTACKS:
+            for attack in attacks:
                 engine = Engine(policy, backend, Ledger.open("sqlite:///:memory:"))
                 found[attack.id, name, variant] = _outcome(engine, attack)
     return found
 
 
-@pytest.mark.parametrize("attack", ATTACKS, ids=lambda a: a.id)
-def test_released_keys_do_not_depend_on_one_person(
-    attack: KeyAttack, key_outcomes: dict[tuple[str, str, str], tuple[Any, ...]]
-) -> None:
-    seen = {(b, v): key_outcomes[attack.id, b, v] for b in BACKENDS for v in VARIANTS}
+def check_independent(attack: KeyAttack, outcomes: dict[tuple[str, str, str], tuple[Any, ...]], what: str) -> None:
+    """One outcome class on every backend and neighbour; the same released ``what`` (keys, bins) where
+    the domain is public; one refusal, charged nothing, where the attack is refused."""
+    seen = {(b, v): outcomes[attack.id, b, v] for b in BACKENDS for v in VARIANTS}
     if isinstance(attack.keys, str):
         assert {o[:2] for o in seen.values()} == {("refused", attack.keys)}, seen
         assert len(set(seen.values())) == 1 and next(iter(seen.values()))[3] == 0, seen
         return
     assert {o[0] for o in seen.values()} == {"answered"}, seen
     if attack.keys is None:
-        return  # partition selection: which keys pass is noisy, only the outcome class is fixed
+        return  # partition selection: which pass is noisy, only the outcome class is fixed
     keys = {o[1] for o in seen.values()}
-    assert len(keys) == 1, f"released keys depend on the data or backend: {seen}"
+    assert len(keys) == 1, f"released {what} depend on the data or backend: {seen}"
     assert len(next(iter(keys))) == attack.keys
+
+
+@pytest.fixture(scope="module")
+def key_outcomes(key_backends: dict[str, Backend]) -> dict[tuple[str, str, str], tuple[Any, ...]]:
+    return outcomes_of(ATTACKS, key_backends)
+
+
+@pytest.mark.parametrize("attack", ATTACKS, ids=lambda a: a.id)
+def test_released_keys_do_not_depend_on_one_person(
+    attack: KeyAttack, key_outcomes: dict[tuple[str, str, str], tuple[Any, ...]]
+) -> None:
+    check_independent(attack, key_outcomes, "keys")

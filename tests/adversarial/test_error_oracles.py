@@ -21,15 +21,11 @@ from dpsql.errors import Error
 from dpsql.ledger import Ledger
 from dpsql.policy import Policy, parse_policy
 from dpsql.session import Session
+from tests.adversarial.worlds import roomy_policy
 
-POLICY = """
-dataset: oracles
-defaults: {epsilon: 1.0, delta: 1.0e-6}
-budget:
-  dataset: {epsilon: 1.0e9, delta: 0.5}
-  analyst: {epsilon: 1.0e9, delta: 0.5}
-analysts: [{name: alice}]
-tables:
+POLICY = roomy_policy(
+    "oracles",
+    """
   t:
     privacy_unit: id
     max_rows_per_unit: 1
@@ -42,7 +38,8 @@ tables:
       d: {type: date, lower: 2020-01-01, upper: 2024-12-31}
       ts: {type: timestamp, lower: 2020-01-01, upper: 2024-12-31}
       d2: {type: date}
-"""
+""",
+)
 
 COLUMNS = (
     "id BIGINT, problem TEXT, cost DOUBLE PRECISION, visits BIGINT, x DOUBLE PRECISION, d DATE, ts TIMESTAMP, d2 DATE"

@@ -24,15 +24,11 @@ from dpsql.errors import Error
 from dpsql.ledger import Ledger
 from dpsql.policy import parse_policy
 from dpsql.session import Session
+from tests.adversarial.worlds import roomy_policy
 
-POLICY = """
-dataset: series
-defaults: {epsilon: 1.0, delta: 1.0e-6}
-budget:
-  dataset: {epsilon: 1.0e9, delta: 0.5}
-  analyst: {epsilon: 1.0e9, delta: 0.5}
-analysts: [{name: alice}]
-tables:
+POLICY = roomy_policy(
+    "series",
+    """
   v:
     privacy_unit: pid
     max_rows_per_unit: 1
@@ -42,7 +38,8 @@ tables:
       dept2: {type: text}
       y: {type: int, domain: [2020, 2021, 2022], nullable: false}
       cost: {type: float, lower: 0.0, upper: 100.0}
-"""
+""",
+)
 #: The attacked person's row in each neighbour (None: absent).
 VARIANTS: dict[str, str | None] = {
     "absent": None,

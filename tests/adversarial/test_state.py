@@ -148,7 +148,7 @@ def health_policy_backend(adv_health_backend: Backend) -> tuple[Policy, Backend]
     return load_policy(demo_policy_path("health")), adv_health_backend
 
 
-def test_cache_keyed_on_postgres_database_and_writes(tmp_path: Path, pg_new_database) -> None:  # type: ignore[no-untyped-def]
+def test_cache_keyed_on_postgres_database_and_writes(tmp_path: Path, pg_new_database) -> None:
     """cache-postgres: two PostgreSQL databases (10,000 and 100 rows) and one cache file -> each its own
     answer; a repeat on unchanged data is served free; after a write the next run is recomputed."""
     policy, ledger = load_policy(demo_policy_path("health")), tmp_path / "ledger.sqlite"

@@ -42,6 +42,8 @@ DATASETS: dict[str, dict[str, Any]] = {
     "exhausted_visits": {"database": "dpsql_exhausted", "sql": VIRTUAL_ROWS_SQL, "temporal": ["visit_date"]},
     # through dpsql://…?show_intervals=on: every noisy column of a chart gets its <col>_ci95 column
     "intervals_visits": {"database": "dpsql_intervals", "sql": VIRTUAL_ROWS_SQL, "temporal": ["visit_date"]},
+    # through dpsql://…?accuracy=100 (issue #38 item 4): ε per chart is the least that meets ±100
+    "accuracy_visits": {"database": "dpsql_accuracy", "sql": VIRTUAL_ROWS_SQL, "temporal": ["visit_date"]},
 }
 
 _EXTRAS: dict[str, Any] = {"having": "", "where": ""}
@@ -448,6 +450,45 @@ CASES: list[dict[str, Any]] = [
         ],
         "keep_data": True,
     },
+    # issue #38 item 4: accuracy-first in Superset, as docs/bi.md says to set it
+    {
+        "name": "dpsql_accuracy_chart",
+        "chart": "Big Number through dpsql://…?accuracy=100: charged the least ε meeting ±100, not ?epsilon=",
+        "dataset": "accuracy_visits",
+        "kind": "chart",
+        "queries": [{"metrics": [_COUNT], "columns": [], "filters": [], "extras": _EXTRAS, "row_limit": 10000}],
+    },
+    {
+        "name": "dpsql_accuracy_sqllab_set",
+        "chart": "SQL Lab run of `SET dpsql.accuracy = '±100';` and a query (statements of one run, one connection)",
+        "dataset": "dpsql_visits",
+        "kind": "sqllab",
+        "sql": "SET dpsql.accuracy = '±100';\n"
+        "SELECT urgent, COUNT(*) AS count FROM visits WHERE cost > 100 GROUP BY urgent",
+    },
+    {
+        "name": "dpsql_accuracy_sqllab_next",
+        "chart": "The next SQL Lab run, without the SET: the URI's ε again (a SET does not carry over)",
+        "dataset": "dpsql_visits",
+        "kind": "sqllab",
+        "sql": "SELECT urgent, COUNT(*) AS count FROM visits WHERE cost > 150 GROUP BY urgent",
+    },
+    # issue #38 item 4: the budget view answers the aggregates a BI tool sends, free
+    {
+        "name": "dpsql_budget_total_sqllab",
+        "chart": "A Big Number's SQL over dpsql_budget in SQL Lab: SUM(epsilon_remaining)",
+        "dataset": "dpsql_visits",
+        "kind": "sqllab",
+        "sql": "SELECT SUM(epsilon_remaining) AS rem FROM public.dpsql_budget LIMIT 100",
+    },
+    {
+        "name": "dpsql_budget_grouped_sqllab",
+        "chart": "A bar chart's SQL over dpsql_budget in SQL Lab: SUM(epsilon_spent) by analyst",
+        "dataset": "dpsql_visits",
+        "kind": "sqllab",
+        "sql": "SELECT analyst AS analyst, SUM(epsilon_spent) AS spent FROM public.dpsql_budget GROUP BY analyst "
+        "ORDER BY spent DESC LIMIT 100",
+    },
     {
         "name": "pg_intervals_sqllab",
         "chart": "SQL Lab through postgresql+psycopg2://…?options=-c%20dpsql.show_intervals%3Don: count_ci95",
@@ -598,3 +639,130 @@ SYNOPSIS_CASES: list[dict[str, Any]] = [
         },
     ),
 ]
+
+#: The chart shapes issue #38 found charged or unflagged beside the dashboard above: SUM/AVG of a measure the
+#: synopsis does not hold, a filter on a column that is not a synopsis key, coarser grains (quarters, years:
+#: answered, wider), a time range off the month edges. Each is recorded with its charge and any widening.
+_AVG_COST: dict[str, Any] = {
+    "expressionType": "SIMPLE",
+    "column": {"column_name": "cost"},
+    "aggregate": "AVG",
+    "label": "AVG(cost)",
+}
+_SUM_COST: dict[str, Any] = {**_AVG_COST, "aggregate": "SUM", "label": "SUM(cost)"}
+OFF_EDGE_RANGE = "2021-01-15T00:00:00 : 2021-07-15T00:00:00"
+
+
+def _line(grain: str, time_range: str) -> dict[str, Any]:
+    line = _monthly_line(time_range)
+    line["columns"] = [_axis("visit_date", grain)]
+    line["extras"] = {**_EXTRAS, "time_grain_sqla": grain}
+    if time_range == "No filter":
+        line["filters"] = []
+    return line
+
+
+def _measure_bar(metric: dict[str, Any]) -> dict[str, Any]:
+    bar = _department_bar([])
+    bar.update(metrics=[metric], orderby=[[metric, False]], post_processing=_pivot("department", metric["label"]))
+    return bar
+
+
+SYNOPSIS_MORE_CASES: list[dict[str, Any]] = [
+    _chart("avg_cost_bar", "Bar chart: AVG(cost) by department", _measure_bar(_AVG_COST)),
+    _chart("sum_cost_bar", "Bar chart: SUM(cost) by department", _measure_bar(_SUM_COST)),
+    _chart(
+        "bar_urgent",
+        "The bar chart with a filter on urgent (not a synopsis key)",
+        _department_bar([{"col": "urgent", "op": "==", "val": True}]),
+    ),
+    _chart("line_quarterly_2021", f"Line chart: COUNT(*) by quarter, {TIME_RANGE}", _line("P3M", TIME_RANGE)),
+    _chart("line_yearly", "Line chart: COUNT(*) by year, no time range", _line("P1Y", "No filter")),
+    _chart("line_off_edges", f"Line chart: COUNT(*) by month, {OFF_EDGE_RANGE}", _line("P1M", OFF_EDGE_RANGE)),
+]
+
+
+# --- the health and adult demos' dashboards over their declared synopses (tests/bi/test_superset_demos.py) ---
+
+
+def _metric(aggregate: str, column: str) -> dict[str, Any]:
+    """Superset's SIMPLE ad-hoc metric (the metric popover's column + aggregate)."""
+    return {
+        "expressionType": "SIMPLE",
+        "column": {"column_name": column},
+        "aggregate": aggregate,
+        "label": f"{aggregate}({column})",
+    }
+
+
+def _grouped(
+    name: str, dataset: str, columns: list[str], metric: Any = "count", filters: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """A bar (one column on the x-axis) or a table (several columns) of one metric, as Superset posts it."""
+    label = metric if isinstance(metric, str) else metric["label"]
+    query: dict[str, Any] = {
+        "columns": [_axis(columns[0])] if len(columns) == 1 else columns,
+        "metrics": [metric],
+        "orderby": [[metric, False]],
+        "filters": filters or [],
+        "extras": _EXTRAS,
+        "row_limit": 10000,
+        "order_desc": True,
+    }
+    if len(columns) == 1:
+        query.update(series_columns=[], series_limit=0, post_processing=_pivot(columns[0], label))
+    chart = f"{'Bar chart' if len(columns) == 1 else 'Table'}: {label} by {', '.join(columns)}"
+    if filters:
+        chart += " where " + ", ".join(f"{f['col']} {f['op']} {f['val']}" for f in filters)
+    return {"name": name, "chart": chart, "dataset": dataset, "kind": "chart", "queries": [query], "keep_data": True}
+
+
+def _total(name: str, dataset: str, metric: Any = "count") -> dict[str, Any]:
+    label = metric if isinstance(metric, str) else metric["label"]
+    query = {"metrics": [metric], "columns": [], "filters": [], "extras": _EXTRAS, "row_limit": 10000}
+    return {"name": name, "chart": f"Big Number: {label}", "dataset": dataset, "kind": "chart", "queries": [query]}
+
+
+#: Per demo: its Superset dataset (the physical table through dpsql://) and its charts. ``outside`` names the
+#: charts its synopsis does not hold (a key or measure it lacks): fresh queries, charged the chart's ε.
+DEMO_DASHBOARDS: dict[str, dict[str, Any]] = {
+    "health": {
+        "datasets": {"dpsql_patients": {"database": "dpsql", "table": "patients"}},
+        "cases": [
+            _grouped("problem_bar", "dpsql_patients", ["problem"]),
+            _grouped("ethnicity_bar", "dpsql_patients", ["ethnicity"]),
+            _grouped("marital_bar", "dpsql_patients", ["marital_status"]),
+            _grouped("problem_ethnicity_table", "dpsql_patients", ["problem", "ethnicity"]),
+            _grouped("avg_age_by_problem", "dpsql_patients", ["problem"], _metric("AVG", "age")),
+            _grouped("sum_age_by_ethnicity", "dpsql_patients", ["ethnicity"], _metric("SUM", "age")),
+            _grouped(
+                "problem_bar_filtered",
+                "dpsql_patients",
+                ["problem"],
+                filters=[{"col": "ethnicity", "op": "IN", "val": ["Asian", "Black"]}],
+            ),
+            _total("total", "dpsql_patients"),
+            _grouped("sex_bar", "dpsql_patients", ["sex"]),  # sex is not a key of patients_dashboard
+            _grouped("avg_bmi_by_problem", "dpsql_patients", ["problem"], _metric("AVG", "bmi")),
+        ],
+        "outside": ["sex_bar", "avg_bmi_by_problem"],
+    },
+    "adult": {
+        "datasets": {"dpsql_adult": {"database": "dpsql", "table": "adult"}},
+        "cases": [
+            _grouped("education_bar", "dpsql_adult", ["education"]),
+            _grouped("race_bar", "dpsql_adult", ["race"]),
+            _grouped("sex_income_table", "dpsql_adult", ["sex", "income"]),
+            _grouped("avg_hours_by_sex", "dpsql_adult", ["sex"], _metric("AVG", "hours_per_week")),
+            _grouped(
+                "race_bar_rich",
+                "dpsql_adult",
+                ["race"],
+                filters=[{"col": "income", "op": "IN", "val": [">50K"]}],
+            ),
+            _total("total", "dpsql_adult"),
+            _grouped("avg_age_by_sex", "dpsql_adult", ["sex"], _metric("AVG", "age")),  # age is not measured
+        ],
+        "outside": ["avg_age_by_sex"],
+    },
+}

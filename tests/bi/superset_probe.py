@@ -186,11 +186,11 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
             if "column_probe_limit" in spec:
                 # what an engine spec overriding get_column_description_limit_size() would make Superset send
                 original, limit = Database.get_column_description_limit_size, int(spec["column_probe_limit"])
-                Database.get_column_description_limit_size = lambda self, n=limit: n  # type: ignore[method-assign]
+                Database.get_column_description_limit_size = lambda self, n=limit: n
                 try:
                     step(f"{prefix}sync columns: {name}", table.fetch_metadata)
                 finally:
-                    Database.get_column_description_limit_size = original  # type: ignore[method-assign]
+                    Database.get_column_description_limit_size = original
             else:
                 step(f"{prefix}sync columns: {name}", table.fetch_metadata)
             for column in table.columns:

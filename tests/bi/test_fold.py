@@ -5,10 +5,10 @@ from __future__ import annotations
 import datetime as dt
 
 import pytest
-import sqlglot
 from sqlglot import exp
 
 from dpsql.analyze.fold import Interval, add_interval, fold_constants, parse_interval
+from dpsql.analyze.parse import parse_statement
 from dpsql.errors import Error
 
 pytestmark = pytest.mark.unit
@@ -38,13 +38,13 @@ CASES = [
 
 @pytest.mark.parametrize(("sql", "expected"), CASES, ids=[c[0] for c in CASES])
 def test_folds_to_a_literal(sql: str, expected: str) -> None:
-    tree = sqlglot.parse_one(f"SELECT COUNT(*) FROM t WHERE d > {sql}", read="postgres")
+    tree = parse_statement(f"SELECT COUNT(*) FROM t WHERE d > {sql}")
     folded = fold_constants(tree, NOW)
     assert folded.args["where"].this.expression.sql(dialect="postgres") == expected
 
 
 def test_columns_are_left_alone() -> None:
-    tree = sqlglot.parse_one("SELECT COUNT(*) FROM t WHERE d + INTERVAL '1 day' > NOW()", read="postgres")
+    tree = parse_statement("SELECT COUNT(*) FROM t WHERE d + INTERVAL '1 day' > NOW()")
     assert fold_constants(tree, NOW).sql(dialect="postgres") == (
         "SELECT COUNT(*) FROM t WHERE d + INTERVAL '1 DAY' > CAST('2024-03-31 12:30:15.250000' AS TIMESTAMP)"
     )
@@ -61,7 +61,7 @@ ERRORS = [
 
 @pytest.mark.parametrize(("sql", "sqlstate", "message"), ERRORS, ids=[e[0] for e in ERRORS])
 def test_invalid_constants_raise_postgres_errors(sql: str, sqlstate: str, message: str) -> None:
-    tree = sqlglot.parse_one(f"SELECT COUNT(*) FROM t WHERE d > {sql}", read="postgres")
+    tree = parse_statement(f"SELECT COUNT(*) FROM t WHERE d > {sql}")
     with pytest.raises(Error) as info:
         fold_constants(tree, NOW)
     assert (info.value.sqlstate, info.value.message) == (sqlstate, message)
@@ -101,7 +101,7 @@ TRUNCS = [
 
 @pytest.mark.parametrize(("sql", "expected"), TRUNCS, ids=[t[0] for t in TRUNCS])
 def test_date_trunc_of_a_constant_folds(sql: str, expected: str) -> None:
-    tree = sqlglot.parse_one(f"SELECT COUNT(*) FROM t WHERE d >= {sql}", read="postgres")
+    tree = parse_statement(f"SELECT COUNT(*) FROM t WHERE d >= {sql}")
     assert fold_constants(tree, NOW).args["where"].this.expression.sql(dialect="postgres") == expected
 
 
@@ -116,6 +116,6 @@ LEFT_ALONE = [
 
 @pytest.mark.parametrize("sql", LEFT_ALONE)
 def test_date_trunc_that_is_not_a_constant_is_left_alone(sql: str) -> None:
-    tree = sqlglot.parse_one(f"SELECT COUNT(*) FROM t WHERE d >= {sql}", read="postgres")
+    tree = parse_statement(f"SELECT COUNT(*) FROM t WHERE d >= {sql}")
     folded = fold_constants(tree, NOW).args["where"].this.expression
     assert isinstance(folded, exp.TimestampTrunc | exp.DateTrunc), folded.sql(dialect="postgres")

@@ -161,7 +161,7 @@ def test_ibis_against_a_live_server(clinic_server: tuple[str, Engine]) -> None:
     """ibis itself, over the PostgreSQL wire: ``con.sql(…, schema=…)`` needs no catalog, and its
     ``.filter()``/``.mutate()`` wrappers are answered; ``con.sql()`` without a schema is refused (25006)."""
     ibis = pytest.importorskip("ibis")
-    from ibis import _  # type: ignore[import-untyped]
+    from ibis import _
 
     dsn, engine = clinic_server
     params = dict(part.split("=", 1) for part in dsn.split())

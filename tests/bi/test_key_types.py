@@ -77,7 +77,7 @@ def databases(pg_new_database: Callable[[], str]) -> Iterator[tuple[str, str]]:
 
 def _key_type(dsn: str, key: str) -> int:
     with psycopg.connect(dsn, autocommit=True) as conn:
-        cur = conn.execute(f"SELECT {key} AS k, COUNT(*) AS n FROM t GROUP BY 1")  # type: ignore[arg-type]
+        cur = conn.execute(f"SELECT {key} AS k, COUNT(*) AS n FROM t GROUP BY 1")
         assert cur.description is not None
         return cur.description[0].type_code
 
@@ -104,7 +104,7 @@ def test_new_key_types_travel_in_text_and_binary(databases: tuple[str, str], bin
         "EXTRACT(year FROM d) AS e, COUNT(*) FROM t WHERE visits = 3 AND d >= '2024-01-01' GROUP BY 1, 2, 3, 4"
     )
     with psycopg.connect(dpsql, autocommit=True) as conn:
-        rows = conn.execute(sql, binary=binary).fetchall()  # type: ignore[arg-type]
+        rows = conn.execute(sql, binary=binary).fetchall()
     with psycopg.connect(raw, autocommit=True) as conn:
         row = conn.execute(
             "SELECT CAST(3 AS SMALLINT), width_bucket(1.0, 0, 2000, 4), "

@@ -27,7 +27,6 @@ import os
 import re
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -41,6 +40,7 @@ from typing import Any
 import pytest
 
 from tests.bi.superset_charts import CASES, DATASETS
+from tests.listening import port_of
 
 # `dpsql serve` starts a PostgreSQL of its own (the shadow catalog Superset's sync reads)
 pytestmark = [pytest.mark.bi, pytest.mark.postgres]
@@ -139,12 +139,6 @@ EXPECTED: dict[str, Expect] = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @dataclass
 class Served:
     port: int
@@ -160,11 +154,10 @@ def dpsql_serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
 
 @contextmanager
-def serve(home: Path) -> Iterator[Served]:
+def serve(home: Path, policy: str = "schemas/clinic.yaml") -> Iterator[Served]:
     """`dpsql serve --policy schemas/clinic.yaml` (the demo data) with its ledger under ``home`` (DPSQL_HOME)."""
-    port = _free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "dpsql.cli", "serve", "--policy", "schemas/clinic.yaml", "--port", str(port)],
+        [sys.executable, "-m", "dpsql.cli", "serve", "--policy", policy, "--port", "0"],
         cwd=ROOT,
         env={**os.environ, "DPSQL_HOME": str(home)},
         stdout=subprocess.DEVNULL,
@@ -179,6 +172,7 @@ def serve(home: Path) -> Iterator[Served]:
             log.append(server.stderr.readline())
             assert log[-1] or server.poll() is None, "dpsql serve exited before serving:\n" + "".join(log)
             assert time.monotonic() < deadline, "dpsql serve did not start within 90 s"
+        port = port_of(log[-1])  # it bound port 0 and says which port it got
         threading.Thread(target=lambda: log.extend(server.stderr or ()), daemon=True).start()  # keep draining
         yield Served(port, home, log)
     finally:
@@ -225,8 +219,15 @@ def superset(
             "prefix": "pg_intervals: ",
         },
     ]
+    databases.append(  # issue #38 item 4: accuracy-first as a URI parameter
+        {
+            "name": "dpsql_accuracy",
+            "uri": f"dpsql://{ANALYST}@127.0.0.1:{port}/clinic?epsilon={DPSQL_EPSILON}&accuracy=100",
+            "prefix": "dpsql_accuracy: ",
+        }
+    )
     record: dict[str, Any] = {"setup": [], "cases": [], "columns": {}, "metrics": {}, "engine_specs": {}}
-    for group in (["postgresql"], ["dpsql", "dpsql_exhausted", "dpsql_intervals", "pg_intervals"]):
+    for group in (["postgresql"], ["dpsql", "dpsql_exhausted", "dpsql_intervals", "pg_intervals", "dpsql_accuracy"]):
         datasets = {k: v for k, v in DATASETS.items() if v.get("database", "postgresql") in group}
         job = {
             "databases": [d for d in databases if d["name"] in group],
@@ -296,10 +297,9 @@ def _report(record: dict[str, Any], config: pytest.Config) -> None:
         "engine_specs": record["engine_specs"],
         "results": rows,
     }
-    if RESULTS.exists():  # the dashboard answered from a synopsis: tests/bi/test_superset_synopsis.py's section
-        kept = json.loads(RESULTS.read_text()).get("synopsis_dashboard")
-        if kept is not None:
-            summary["synopsis_dashboard"] = kept
+    if RESULTS.exists():  # the synopsis dashboards' sections: test_superset_synopsis.py's and test_superset_demos.py's
+        previous = json.loads(RESULTS.read_text())
+        summary.update({k: previous[k] for k in ("synopsis_dashboard", "demo_dashboards") if k in previous})
     RESULTS.write_text(json.dumps(summary, indent=1) + "\n")
     out = config.pluginmanager.get_plugin("terminalreporter")
     capture = config.pluginmanager.get_plugin("capturemanager")
@@ -436,7 +436,7 @@ def test_ledger_matches_what_superset_was_told(superset: dict[str, Any], dpsql_s
         check=True,
     )
     spent = next(row for row in json.loads(budget.stdout) if row["analyst"] == ANALYST)["epsilon_spent"]
-    assert spent == pytest.approx(noticed)
+    assert spent == pytest.approx(noticed, rel=1e-3)  # a NOTICE shows ε to 4 significant digits
     assert noticed > 0
 
 
@@ -614,3 +614,47 @@ def test_dpsql_spec_surfaces_notices_in_sql_lab_and_log(superset: dict[str, Any]
     chart = _case(superset, "dpsql_big_number")  # a chart: Superset's log only (no other place for it)
     expected = "dpsql notice (database dpsql): NOTICE:  dpsql: answered by summing the cells of 2 earlier"
     assert any(m.startswith(expected) for m in chart["logged"]), chart["logged"]
+
+
+def _notices(case: dict[str, Any]) -> list[str]:
+    return [n for w in case["wire"] for n in w.get("notices") or []]
+
+
+def _half_widths(case: dict[str, Any]) -> list[float]:
+    """The ± of dpsql's ``CI half-widths`` NOTICEs (the numbers after each ``±``)."""
+    found = [m for n in _notices(case) if "half-width" in n for m in re.findall(r"±([0-9.e+]+)(?:–([0-9.e+]+))?", n)]
+    return [float(x) for pair in found for x in pair if x]
+
+
+def test_accuracy_in_the_dpsql_uri(superset: dict[str, Any]) -> None:
+    """Issue #38 item 4: ``dpsql://…?accuracy=100`` used to be an HTTP 400 in Superset. A chart through it
+    is charged the least ε meeting ±100 (not the URI's ε=0.25) and its ± meet it."""
+    case = _case(superset, "dpsql_accuracy_chart")
+    assert case["outcome"] == "answered", (case["sqlstate"], case["message"], case.get("exception"))
+    (charged,) = _epsilons(case["wire"])
+    assert charged != DPSQL_EPSILON and 0 < charged < 5
+    widths = _half_widths(case)
+    assert widths and max(widths) <= 100, _notices(case)
+
+
+def test_accuracy_set_in_a_sql_lab_run(superset: dict[str, Any]) -> None:
+    """docs/bi.md's SQL Lab recipe: ``SET dpsql.accuracy = '±100';`` in the same run as the query holds for
+    that run (SQL Lab runs its statements in order on one connection); the next run is back at the URI's ε."""
+    case = _case(superset, "dpsql_accuracy_sqllab_set")
+    assert case["outcome"] == "answered", (case["sqlstate"], case["message"], case.get("sqllab_errors"))
+    assert case.get("sqllab_errors") is None and case["rows"] == [2], case
+    (charged,) = _epsilons(case["wire"])
+    assert charged != DPSQL_EPSILON
+    assert _half_widths(case) and max(_half_widths(case)) <= 100, _notices(case)
+    following = _case(superset, "dpsql_accuracy_sqllab_next")
+    assert following["outcome"] == "answered" and following["rows"] == [2], following
+    assert _epsilons(following["wire"]) == [DPSQL_EPSILON]
+
+
+@pytest.mark.parametrize("name", ["dpsql_budget_total_sqllab", "dpsql_budget_grouped_sqllab"])
+def test_budget_view_aggregates_in_sql_lab(superset: dict[str, Any], name: str) -> None:
+    """Issue #38 item 4: a chart's SQL over ``dpsql_budget`` (SUM, GROUP BY) was 0A000; answered, free."""
+    case = _case(superset, name)
+    assert case["outcome"] == "answered", (case["sqlstate"], case["message"], case.get("sqllab_errors"))
+    assert case.get("sqllab_errors") is None and case["rows"] == [1], case
+    assert _epsilons(case["wire"]) == []

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,8 @@ from typing import Any
 
 import psycopg
 import pytest
+
+from tests.listening import port_of
 
 ROOT = Path(__file__).resolve().parents[2]
 PSQL = shutil.which("psql")
@@ -54,11 +55,8 @@ def ledger_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 @pytest.fixture
 def serve(ledger_url: str, tmp_path: Path) -> Iterator[int]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     server = subprocess.Popen(
-        [sys.executable, "-m", "dpsql.cli", "serve", "--port", str(port), "--catalog-dsn", "", "--ledger", ledger_url],
+        [sys.executable, "-m", "dpsql.cli", "serve", "--port", "0", "--catalog-dsn", "", "--ledger", ledger_url],
         cwd=ROOT,
         env={**os.environ, "DPSQL_HOME": str(tmp_path)},
         stdout=subprocess.DEVNULL,
@@ -73,7 +71,7 @@ def serve(ledger_url: str, tmp_path: Path) -> Iterator[int]:
             line = server.stderr.readline()
             assert line or server.poll() is None, "dpsql serve exited before serving"
             assert time.monotonic() < deadline
-        yield port
+        yield port_of(line)  # it bound port 0 and says which port it got
     finally:
         server.terminate()
         server.wait(30)

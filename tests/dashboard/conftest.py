@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +29,7 @@ from dpsql.dev.demo import demo_policy_path
 from dpsql.ledger import Ledger
 from dpsql.policy import Policy, load_policy
 from dpsql.server.auth import Verifier, make_verifier
+from tests.listening import port_of
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Curator commands need --policy (no fallback to the demo): the demo's, given explicitly.
@@ -39,12 +39,6 @@ PASSWORD = "curator correct horse"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _unavailable(reason: str) -> None:
@@ -128,8 +122,7 @@ def _spawn(args: list[str], marker: str, env: dict[str, str]) -> Process:
         proc.kill()
         proc.wait(10)
         raise
-    port = int(args[args.index("--port") + 1])
-    running = Process(proc, port, banner)
+    running = Process(proc, port_of(banner), banner)  # started with --port 0: the port it got
     threading.Thread(target=_drain, args=(proc, running.log), daemon=True).start()
     return running
 
@@ -151,19 +144,15 @@ def serve_and_dashboard(tmp_path: Path) -> Iterator[Callable[[str], tuple[Proces
     env = {**os.environ, "DPSQL_HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
 
     def start(ledger_url: str) -> tuple[Process, Callable[[], Process]]:
-        port = free_port()
-        serve = _spawn(
-            ["serve", "--port", str(port), "--catalog-dsn", "", "--ledger", ledger_url], "dpsql serving", env
-        )
+        serve = _spawn(["serve", "--port", "0", "--catalog-dsn", "", "--ledger", ledger_url], "dpsql serving", env)
         started.append(serve)
 
         def dashboard() -> Process:
-            dport = free_port()
             running = _spawn(
                 [
                     "dashboard",
                     "--port",
-                    str(dport),
+                    "0",
                     "--ledger",
                     ledger_url,
                     "--by",

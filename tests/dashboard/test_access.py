@@ -90,11 +90,12 @@ def test_login_needs_its_csrf_token(live: Live) -> None:
 def test_posts_need_the_session_csrf_and_origin(live: Live) -> None:
     _, _, cookies = live.login()
     grant = {"lever": "grant", "analyst": "bob", "epsilon": "3", "reason": "r"}
-    for form, headers in (
+    cases: tuple[tuple[dict[str, str], dict[str, str]], ...] = (
         (grant, {}),  # no token
         ({**grant, "csrf": "forged"}, {}),
         ({**grant, "csrf": cookies["dpsql_login"]}, {}),  # the login token is not the session's
-    ):
+    )
+    for form, headers in cases:
         response, body = live.request("POST", "/levers", form, cookies, headers)
         assert response.status == 403
         assert '<p class="error" id="error">ERROR: 42501: invalid or missing CSRF token' in body
@@ -298,7 +299,7 @@ def test_verifier_file_and_tls(tmp_path: Path) -> None:
     import ssl
     import urllib.parse
 
-    from tests.dashboard.conftest import _spawn, _stop, free_port
+    from tests.dashboard.conftest import _spawn, _stop
 
     verifier = subprocess.run(
         [sys.executable, "-m", "dpsql.cli", "passwd", "--password", PASSWORD],
@@ -330,7 +331,6 @@ def test_verifier_file_and_tls(tmp_path: Path) -> None:
         check=True,
         capture_output=True,
     )
-    port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in (auth.ENV_PASSWORD, auth.ENV_VERIFIER)}
     running = _spawn(
         [
@@ -338,7 +338,7 @@ def test_verifier_file_and_tls(tmp_path: Path) -> None:
             "--policy",
             str(ROOT / "schemas" / "health.yaml"),
             "--port",
-            str(port),
+            "0",
             "--password-file",
             str(tmp_path / "curator.verifier"),
             "--tls-cert",
@@ -351,6 +351,7 @@ def test_verifier_file_and_tls(tmp_path: Path) -> None:
         "dpsql dashboard",
         {**env, "PYTHONPATH": str(ROOT), "DPSQL_HOME": str(tmp_path)},
     )
+    port = running.port
     try:
         assert f"at https://127.0.0.1:{port}/" in running.banner
         context = ssl.create_default_context(cafile=str(cert))

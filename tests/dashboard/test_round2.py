@@ -32,7 +32,7 @@ from dpsql.dashboard.server import (
     insecure_listen_warning,
 )
 from dpsql.ledger import AuditEntry
-from tests.dashboard.conftest import PASSWORD, POLICY_ARGS, ROOT, Live, cookie_values, free_port
+from tests.dashboard.conftest import PASSWORD, POLICY_ARGS, ROOT, Live, cookie_values
 
 ALL_INTERFACES = "0.0.0.0"  # noqa: S104  (the warning's subject)
 
@@ -232,10 +232,9 @@ def test_warning_when_listening_beyond_loopback_without_tls() -> None:
 
 
 def test_dashboard_warns_at_start_on_0_0_0_0(tmp_path: Path) -> None:
-    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DPSQL_HOME": str(tmp_path), auth.ENV_PASSWORD: PASSWORD}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dpsql.cli", "dashboard", "--host", ALL_INTERFACES, "--port", str(port), *POLICY_ARGS],
+        [sys.executable, "-m", "dpsql.cli", "dashboard", "--host", ALL_INTERFACES, "--port", "0", *POLICY_ARGS],
         cwd=ROOT,
         env=env,
         stdout=subprocess.DEVNULL,

@@ -31,7 +31,7 @@ def bindir() -> Path:
 
 def _query(dsn: str, sql: str) -> object:
     with psycopg.connect(dsn, connect_timeout=10) as conn:
-        row = conn.execute(sql).fetchone()  # type: ignore[arg-type]
+        row = conn.execute(sql).fetchone()
         assert row is not None
         return row[0]
 

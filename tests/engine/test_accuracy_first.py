@@ -276,3 +276,39 @@ def test_set_show_reset_over_the_wire(server: tuple[str, Engine]) -> None:
         assert conn.execute("SHOW dpsql.accuracy").fetchone() == ("20.0",)
         conn.execute("SET dpsql.accuracy = DEFAULT")
         assert conn.execute("SHOW dpsql.accuracy").fetchone() == ("",)
+
+
+def test_accuracy_100_is_refused_with_its_epsilon_not_charged(server: tuple[str, Engine]) -> None:
+    """Issue #38: ``SET dpsql.accuracy = '±100'`` silently charged ε=5.96, half an analyst's budget. Over the
+    wire it is now a 22023 naming the ε it needs and the real budget, nothing charged, until confirmed."""
+    dsn, engine = server
+    total = "SELECT SUM(age) FROM patients"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SET dpsql.accuracy = '±100'")
+        with pytest.raises(psycopg.Error) as exc:
+            conn.execute(total)
+        assert exc.value.sqlstate == "22023"
+        message = exc.value.diag.message_primary or ""
+        assert message.startswith("accuracy ±100 needs ε=3.279, more than 25%"), message
+        assert message.endswith("more than 25% of the ε=10 you have left (ε=10 in all, grants included)")
+        assert _spent(engine) == 0
+        needed = message.split("needs ε=")[1].split(",")[0]
+        conn.execute(f"SET dpsql.confirm_epsilon = {needed}")
+        conn.execute(total).fetchall()
+    assert _spent(engine) == pytest.approx(float(needed), rel=1e-3)
+
+
+def test_accuracy_in_startup_options_holds_for_the_connection_only(server: tuple[str, Engine]) -> None:
+    """docs/bi.md's recipes: ``?options=-c dpsql.accuracy=10`` (what ``dpsql://…?accuracy=10`` sends) sets it
+    for every statement of that connection; a ``SET`` holds on its own connection only, so a SQL Lab run
+    that may get another connection must carry its ``SET`` with it."""
+    dsn, engine = server
+    with psycopg.connect(dsn, autocommit=True, options="-c dpsql.accuracy=10") as conn:
+        assert conn.execute("SHOW dpsql.accuracy").fetchone() == ("10.0",)
+        conn.execute(COUNTS).fetchall()
+        assert _spent(engine) == pytest.approx(0.2843, abs=1e-4)
+    with psycopg.connect(dsn, autocommit=True) as first:
+        first.execute("SET dpsql.accuracy = '±20'")
+        with psycopg.connect(dsn, autocommit=True) as second:  # the next SQL Lab run, another connection
+            assert second.execute("SHOW dpsql.accuracy").fetchone() == ("",)
+        assert first.execute("SHOW dpsql.accuracy").fetchone() == ("20.0",)

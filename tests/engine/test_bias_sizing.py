@@ -93,7 +93,8 @@ def test_widened_interval_covers_what_the_cap_and_bounds_cut(backend: Backend) -
     on, off = Session("alice"), Session.configure("alice", bias="off")
     covered_on = [_covered(engine.execute(sql, on), exact) for _ in range(20)]
     covered_off = [_covered(engine.execute(sql, off), exact) for _ in range(5)]
-    assert sum(c[0] for c in covered_on) >= 18 and sum(c[1] for c in covered_on) >= 18, covered_on
+    # ≥ 95 % intervals: 16 of 20 fails with probability ≤ 0.3 % (18 of 20: one run in 13 at exactly 95 %)
+    assert sum(c[0] for c in covered_on) >= 16 and sum(c[1] for c in covered_on) >= 16, covered_on
     assert not any(any(c) for c in covered_off)  # a third of the rows cut: far beyond the noise
     result = engine.execute(sql, on)
     note = next(n for n in result.notices if "estimated cap/clamp bias" in n)
@@ -177,3 +178,21 @@ def test_published_figure_costs_nothing_and_covers_the_clinic_count() -> None:
         assert explained.columns == off.columns  # no ε spent on it
     finally:
         backend.close()
+
+
+def test_rows_of_groups_beyond_max_groups_are_counted_as_cut(backend: Backend) -> None:
+    """Every person's rows fall in both kinds; ``max_groups_per_unit: 1`` keeps one kind per person, so half
+    the rows are cut by the groups cap (none by the row cap, set to 40): the note says so (it said nothing
+    before). The estimate spreads a person's cut rows over its groups as if groups were kept at random,
+    while the rewrite keeps groups in one salted order: the query-level figure is right, a group's own
+    widening is not (a group the order always drops reads 0 ±noise)."""
+    policy = POLICY.replace("max_rows_per_unit: 20\n", "max_rows_per_unit: 40\n    max_groups_per_unit: 1\n")
+    engine = Engine(parse_policy(policy), backend, Ledger.open("sqlite:///:memory:"))
+    sql = "SELECT kind, COUNT(*) FROM events GROUP BY kind ORDER BY kind"
+    shares = []
+    for _ in range(5):
+        note = next(n for n in engine.execute(sql, Session("alice")).notices if "of rows cut" in n)
+        found = re.search(r"~(\d+) % of rows cut beyond 40 per people.pid", note)
+        assert found is not None, note
+        shares.append(int(found.group(1)))
+    assert sorted(shares)[2] in range(40, 61), shares  # exact: 50 %

@@ -25,7 +25,7 @@ def test_repeat_costs_once_and_survives_restart(health_policy: Policy, health_du
                            Session("bob"))  # fmt: skip
     assert again.rows == first.rows and again.epsilon_spent == 0 and "result cache" in again.notices[0]
     engine.ledger.close()
-    engine.cache.close()  # type: ignore[union-attr]
+    engine.cache.close()
     restarted = _engine(health_policy, health_duckdb, tmp_path)
     assert restarted.execute(sql, Session("alice")).rows == first.rows
     assert restarted.ledger.spent("health").epsilon == 1.0

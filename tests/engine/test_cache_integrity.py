@@ -74,7 +74,7 @@ class Table:
                 conn.commit()
                 return rows
         with psycopg.connect(self.url, autocommit=True) as pg:
-            cur = pg.execute(sql.replace("?", "%s"), params)  # type: ignore[arg-type]
+            cur = pg.execute(sql.replace("?", "%s"), params)
             return cur.fetchall() if cur.description else []
 
     def entries(self) -> dict[str, bytes]:
@@ -309,7 +309,7 @@ def test_first_valid_writer_wins(store_url: str) -> None:
             c.use_installation_key(b"i" * 32)
         caches[0].put("q", Result([OutputColumn("n", "bigint")], [(41,)], [(3.0,)], 0.5, 0.0))
         caches[1].put("q", Result([OutputColumn("n", "bigint")], [(99,)], [(3.0,)], 0.5, 0.0))
-        assert [c.get("q").rows for c in caches] == [[(41,)], [(41,)]]  # type: ignore[union-attr]
+        assert [c.get("q").rows for c in caches] == [[(41,)], [(41,)]]
     finally:
         for c in caches:
             c.close()

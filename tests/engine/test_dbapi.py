@@ -19,7 +19,7 @@ def test_module_globals() -> None:
     assert issubclass(dpsql.ProgrammingError, dpsql.DatabaseError) and issubclass(dpsql.DatabaseError, dpsql.Error)
 
 
-def test_cursor_round_trip(conn) -> None:  # type: ignore[no-untyped-def]
+def test_cursor_round_trip(conn) -> None:
     with conn, conn.cursor() as cur:
         cur.execute("SELECT sex, COUNT(*) AS n, AVG(age) FROM patients WHERE age > %s GROUP BY sex", (40,))
         assert [d[0] for d in cur.description] == ["sex", "n", "avg"]
@@ -33,7 +33,7 @@ def test_cursor_round_trip(conn) -> None:  # type: ignore[no-untyped-def]
         assert any("charged" in n for n in cur.notices)
 
 
-def test_named_parameters_and_fetchmany(conn) -> None:  # type: ignore[no-untyped-def]
+def test_named_parameters_and_fetchmany(conn) -> None:
     cur = conn.cursor()
     cur.execute("SELECT problem, COUNT(*) FROM patients WHERE sex = %(sex)s GROUP BY problem", {"sex": "Male"})
     assert len(cur.fetchmany(3)) == 3 and len(cur.fetchmany(10)) == 4
@@ -43,7 +43,7 @@ def test_named_parameters_and_fetchmany(conn) -> None:  # type: ignore[no-untype
     ]
 
 
-def test_errors_carry_sqlstate(conn) -> None:  # type: ignore[no-untyped-def]
+def test_errors_carry_sqlstate(conn) -> None:
     cur = conn.cursor()
     with pytest.raises(dpsql.ProgrammingError) as info:
         cur.execute("SELECT name FROM patients")
@@ -54,7 +54,7 @@ def test_errors_carry_sqlstate(conn) -> None:  # type: ignore[no-untyped-def]
         cur.fetchall()
 
 
-def test_closed_objects_raise_interface_error(conn) -> None:  # type: ignore[no-untyped-def]
+def test_closed_objects_raise_interface_error(conn) -> None:
     cur = conn.cursor()
     cur.close()
     with pytest.raises(dpsql.InterfaceError):
@@ -64,7 +64,7 @@ def test_closed_objects_raise_interface_error(conn) -> None:  # type: ignore[no-
         conn.cursor()
 
 
-def test_connect_from_policy_file_and_duckdb_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_connect_from_policy_file_and_duckdb_file(tmp_path) -> None:
     from dpsql.backends import open_backend
 
     url = f"duckdb:///{tmp_path / 'demo.duckdb'}"
@@ -83,7 +83,7 @@ def test_connect_from_policy_file_and_duckdb_file(tmp_path) -> None:  # type: ig
         assert 9900 < cur.fetchone()[0] < 10100 and cur.epsilon_spent == 0.5
 
 
-def test_connections_without_ledger_share_the_persistent_budget(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_connections_without_ledger_share_the_persistent_budget(tmp_path, monkeypatch) -> None:
     """Defect 6: each connect() used to get a fresh in-memory budget (bob: 50 answers over 10 connections)."""
     from dpsql.backends import open_backend
 
@@ -106,7 +106,7 @@ def test_connections_without_ledger_share_the_persistent_budget(tmp_path, monkey
     assert (tmp_path / "home" / "ledger-health.sqlite").exists()
 
 
-def test_memory_ledger_only_when_asked_for(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_memory_ledger_only_when_asked_for(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("DPSQL_HOME", str(tmp_path / "home"))
     for ledger in ("memory", "sqlite:///:memory:"):
         with dpsql.connect(policy=demo_policy_path("health"), database="duckdb://", ledger=ledger) as conn:

@@ -70,7 +70,7 @@ def test_partition_selection_hides_rare_keys(health_policy: Policy, health_duckd
     health_duckdb.execute_script("CREATE OR REPLACE TABLE patients_rare AS SELECT * FROM patients")
     engine = Engine(health_policy, health_duckdb, Ledger.open("sqlite:///:memory:"))
     session = Session("alice", epsilon=1.0)
-    released = set()
+    released: set[object] = set()
     for _ in range(30):
         engine.ledger = Ledger.open("sqlite:///:memory:")
         rows = engine.execute(
@@ -105,7 +105,7 @@ def test_accuracy_matches_scale(engine: Engine, alice: Session) -> None:
 
 def test_budget_charged_before_release_and_refused_when_exhausted(
     health_policy: Policy, health_duckdb: Backend, tmp_path
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     """The averaging attack: repeat one COUNT until refused, exactly at the budget, across a restart."""
     url = f"sqlite:///{tmp_path / 'ledger.sqlite'}"
     session = Session("bob", epsilon=1.0)  # bob's budget is ε=5

@@ -36,7 +36,7 @@ def test_mode_is_epsilon_dp() -> None:
 
 
 def test_mode_finds_a_clear_winner(engine: Engine) -> None:
-    answers = Counter()
+    answers: Counter[object] = Counter()
     for _ in range(20):
         engine.ledger = Ledger.open("sqlite:///:memory:")
         answers[

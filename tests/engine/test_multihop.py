@@ -143,14 +143,15 @@ def test_per_person_questions_are_answered_within_their_interval(
     backend: Backend, engine: Engine, question: str, exact: str
 ) -> None:
     """Each answer's exact value (at the declared caps: what the ± can speak for) is inside its 95 %
-    interval in at least 18 of 20 fresh releases."""
+    interval in at least 16 of 20 fresh releases (a 95 % interval misses 5 of 20 with probability 0.3 %;
+    18 of 20 would fail one run in 13)."""
     truth = _truth(backend, exact)
     inside = 0
     for i in range(20):
         result = engine.execute(question, Session.configure("analyst", epsilon=1 + i / 1000))  # a fresh release
         value, width = float(result.rows[0][0]), _width(result)
         inside += abs(value - truth) <= width
-    assert inside >= 18, inside
+    assert inside >= 16, inside
 
 
 def test_per_person_refusals(engine: Engine) -> None:

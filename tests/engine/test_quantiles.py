@@ -72,7 +72,7 @@ def test_grouped_quantiles_and_names(big: tuple[Policy, Backend]) -> None:
         assert 99 <= low <= p25 <= high <= 701
 
 
-def test_histograms_identical_on_duckdb_and_postgres(pg_new_database) -> None:  # type: ignore[no-untyped-def]
+def test_histograms_identical_on_duckdb_and_postgres(pg_new_database) -> None:
     policy = parse_policy(POLICY)
     duck, pg = open_backend("duckdb://"), open_backend(pg_new_database())
     rows = [(float(i * 7 % 1000) + 0.25, "a" if i % 3 else "b") for i in range(3000)]

@@ -120,7 +120,7 @@ def test_policy_validation() -> None:
         parse_policy(text, "survey.yaml")
 
 
-def test_same_counts_on_postgres(pg_new_database) -> None:  # type: ignore[no-untyped-def]
+def test_same_counts_on_postgres(pg_new_database) -> None:
     backend = open_backend(pg_new_database())
     load_demo(backend, ["survey"])
     engine = Engine(load_policy(demo_policy_path("survey")), backend, Ledger.open("sqlite:///:memory:"))
@@ -176,7 +176,7 @@ def test_insert_outcome_is_the_same_on_neighbouring_duckdb(extra: str) -> None:
 
 
 @pytest.mark.parametrize("extra", ["", ", UNIQUE (drug_use)"], ids=["pk", "unique-rr"])
-def test_insert_outcome_is_the_same_on_neighbouring_postgres(extra: str, pg_new_database) -> None:  # type: ignore[no-untyped-def]
+def test_insert_outcome_is_the_same_on_neighbouring_postgres(extra: str, pg_new_database) -> None:
     outcomes = []
     for with_igor in (False, True):
         backend = open_backend(pg_new_database())

@@ -68,7 +68,7 @@ def test_max_is_a_value_range_up_to_the_bound(staff: tuple[Policy, Backend]) -> 
         rf"mechanism finds the exact minimum: at 95% at most \d+ of the group's values lie below {low}; .*",
         notes[1],
     ), notes
-    top = float(re.search(r"between 0 and ~([0-9.]+)", notes[1]).group(1))  # type: ignore[union-attr]
+    top = float(re.search(r"between 0 and ~([0-9.]+)", notes[1]).group(1))
     assert low <= top <= low + 80 / 512  # the chosen run's upper edge
 
 

@@ -45,7 +45,7 @@ def test_dates_become_typed_literals(health_policy: Policy) -> None:
     assert "BETWEEN CAST('1990-01-01' AS DATE) AND CAST('1999-12-31' AS DATE)" in to_sql(plan, "postgres")
 
 
-def test_clamping_keeps_null_null(health_policy: Policy, health_duckdb) -> None:  # type: ignore[no-untyped-def]
+def test_clamping_keeps_null_null(health_policy: Policy, health_duckdb) -> None:
     """NULL bmi must not be counted as the lower bound (GREATEST would do that in PostgreSQL)."""
     plan = analyze("SELECT SUM(bmi) FROM patients WHERE bmi IS NULL", health_policy)
     _, rows = health_duckdb.execute(to_sql(plan, "duckdb"))

@@ -33,7 +33,7 @@ def test_hundred_gaussian_queries_compose_in_zcdp(health_policy: Policy, health_
     assert shown < 100 * 0.05 / 2  # far better than summing ε
 
 
-def test_one_remaining_epsilon_everywhere_under_zcdp(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_one_remaining_epsilon_everywhere_under_zcdp(tmp_path, capsys) -> None:
     """Issue #16's bar: after 40 Gaussian queries at ε=0.05 through the DB-API, the NOTICE,
     ``cursor.remaining_epsilon`` and ``dpsql budget --json`` show the accountant's number."""
     import json
@@ -54,7 +54,7 @@ def test_one_remaining_epsilon_everywhere_under_zcdp(tmp_path, capsys) -> None: 
     cur = conn.cursor()
     for i in range(40):
         cur.execute(f"SELECT COUNT(*) FROM patients WHERE age > {i}")
-    notice = float(re.search(r"remaining ε=([0-9.e+-]+)", cur.notices[-1]).group(1))  # type: ignore[union-attr]
+    notice = float(re.search(r"remaining ε=([0-9.e+-]+)", cur.notices[-1]).group(1))
     engine = conn.engine
     accountant = remaining_budget(
         engine.ledger.spent("health", "alice"),

@@ -41,43 +41,13 @@ from dpsql.ledger import audit as audit_module
 from dpsql.policy import Budget, load_policy
 from dpsql.session import Session
 
+from .conftest import dpsql_cli as _dpsql
+
 ROOT = Path(__file__).resolve().parents[2]
 HEALTH = demo_policy_path("health")
 POLICY = load_policy(HEALTH)
 DATASET_BUDGET = Budget(epsilon=50.0, delta=1e-4)  # schemas/health.yaml's
 SMALL = Budget(epsilon=1.0, delta=1e-5)
-
-
-@pytest.fixture
-def sqlite_url(tmp_path: Path) -> str:
-    return f"sqlite://{tmp_path / 'ledger.sqlite'}"
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-def any_url(request: pytest.FixtureRequest, sqlite_url: str) -> str:
-    return sqlite_url if request.param == "sqlite" else str(request.getfixturevalue("pg_new_database")())
-
-
-@pytest.fixture
-def any_ledger(any_url: str) -> Iterator[Ledger]:
-    with Ledger.open(any_url) as opened:
-        yield opened
-
-
-def _policy(args: tuple[str, ...]) -> list[str]:
-    """Curator commands need --policy (they never fall back to the demo): the demo's, unless given."""
-    return [] if "--policy" in args else ["--policy", str(ROOT / "schemas" / "health.yaml")]
-
-
-def _dpsql(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dpsql.cli", *args, *_policy(args)],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "DPSQL_HOME": str(home)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def _reserve(
@@ -432,26 +402,26 @@ def roles(pg_new_database: Callable[[], str]) -> Iterator[tuple[dict[str, str], 
     superuser, data_url = pg_new_database(), pg_new_database()
     roles_sql, grants_sql, data_sql = (local(block) for block in _readme_recipe())
     with psycopg.connect(superuser, autocommit=True) as conn:
-        conn.execute(roles_sql)  # type: ignore[arg-type]
+        conn.execute(roles_sql)
     owner = _as(superuser, names["dpsql_ledger_owner"], password)
     Ledger.open(owner).close()  # the tables, as the owner
     with psycopg.connect(owner, autocommit=True) as conn:
-        conn.execute(grants_sql)  # type: ignore[arg-type]
+        conn.execute(grants_sql)
     with psycopg.connect(data_url, autocommit=True) as conn:
         conn.execute("CREATE TABLE patients (age int)")
-        conn.execute(data_sql)  # type: ignore[arg-type]
+        conn.execute(data_sql)
     urls = {role: _as(superuser, names[role], password) for role in ROLES}
     urls["dpsql_data_reader"] = _as(data_url, names["dpsql_data_reader"], password)
     yield urls, superuser, data_url
     with psycopg.connect(superuser, autocommit=True) as conn:
         for role in names.values():
-            conn.execute(f"DROP OWNED BY {role}")  # type: ignore[arg-type]
+            conn.execute(f"DROP OWNED BY {role}")
     with psycopg.connect(data_url, autocommit=True) as conn:
-        conn.execute(f"DROP OWNED BY {names['dpsql_data_reader']}")  # type: ignore[arg-type]
+        conn.execute(f"DROP OWNED BY {names['dpsql_data_reader']}")
     with psycopg.connect(superuser, autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {urlsplit(data_url).path[1:]} WITH (FORCE)")  # type: ignore[arg-type]
+        conn.execute(f"DROP DATABASE IF EXISTS {urlsplit(data_url).path[1:]} WITH (FORCE)")
         for role in names.values():
-            conn.execute(f"DROP ROLE IF EXISTS {role}")  # type: ignore[arg-type]
+            conn.execute(f"DROP ROLE IF EXISTS {role}")
 
 
 def test_the_readme_roles_keep_the_writer_from_rewriting_the_ledger(
@@ -479,7 +449,7 @@ def test_the_readme_roles_keep_the_writer_from_rewriting_the_ledger(
         )
         for sql in refused_sql:
             with pytest.raises(psycopg.errors.InsufficientPrivilege), psycopg.connect(urls["dpsql_ledger_writer"]) as c:
-                c.execute(sql)  # type: ignore[arg-type]
+                c.execute(sql)
         # a forged charge row with zero sums: the trigger computes them itself, the totals follow the rows
         with psycopg.connect(urls["dpsql_ledger_writer"], autocommit=True) as c:
             c.execute(

@@ -76,7 +76,7 @@ def postgres_ledger(pg_dsn: str) -> Iterator[Ledger]:
 
 @pytest.fixture(params=["sqlite", "postgres"])
 def ledger(request: pytest.FixtureRequest) -> Ledger:
-    return request.getfixturevalue(f"{request.param}_ledger")  # type: ignore[no-any-return]
+    return request.getfixturevalue(f"{request.param}_ledger")
 
 
 def _fresh(name: str) -> str:

@@ -59,7 +59,7 @@ def postgres_ledger(pg_dsn: str) -> Iterator[Ledger]:
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def ledger(request: pytest.FixtureRequest) -> Ledger:
-    return request.getfixturevalue(f"{request.param}_ledger")  # type: ignore[no-any-return]
+    return request.getfixturevalue(f"{request.param}_ledger")
 
 
 def _fresh() -> str:

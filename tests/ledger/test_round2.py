@@ -16,7 +16,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,41 +30,11 @@ from dpsql.ledger.audit import OTHER_SHAPES, AuditTrail
 from dpsql.policy import Budget, load_policy
 from dpsql.session import Session
 
+from .conftest import dpsql_cli as _dpsql
+
 ROOT = Path(__file__).resolve().parents[2]
 HEALTH = demo_policy_path("health")
 DATASET_BUDGET = Budget(epsilon=50.0, delta=1e-4)  # schemas/health.yaml's
-
-
-@pytest.fixture
-def sqlite_url(tmp_path: Path) -> str:
-    return f"sqlite://{tmp_path / 'ledger.sqlite'}"
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-def any_url(request: pytest.FixtureRequest, sqlite_url: str) -> str:
-    return sqlite_url if request.param == "sqlite" else str(request.getfixturevalue("pg_new_database")())
-
-
-@pytest.fixture
-def any_ledger(any_url: str) -> Iterator[Ledger]:
-    with Ledger.open(any_url) as opened:
-        yield opened
-
-
-def _policy(args: tuple[str, ...]) -> list[str]:
-    """Curator commands need --policy (they never fall back to the demo): the demo's, unless given."""
-    return [] if "--policy" in args else ["--policy", str(ROOT / "schemas" / "health.yaml")]
-
-
-def _dpsql(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dpsql.cli", *args, *_policy(args)],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "DPSQL_HOME": str(home)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def _reserve(ledger: Ledger, epsilon: float = 0.5, accounting: str = "pure") -> object:
@@ -98,7 +67,7 @@ def test_huge_grants_are_22023_and_grants_add_up_to_the_dataset_budget_at_most(a
         "(granted so far: ε=30)"
     )
     with pytest.raises(InvalidParameterValue):
-        any_ledger.grant(epsilon=0, delta=2e-4, dataset_budget=DATASET_BUDGET, **grant)  # type: ignore[arg-type]
+        any_ledger.grant(epsilon=0, delta=2e-4, dataset_budget=DATASET_BUDGET, **grant)
     any_ledger.grant(epsilon=20, dataset_budget=DATASET_BUDGET, **grant)  # type: ignore[arg-type]
     assert [e.epsilon for e in any_ledger.lever_events("health", "bob")] == [20.0, 30.0]
     assert any_ledger.levers("health", "bob").limit(Budget(epsilon=10, delta=1e-5)).epsilon == 60.0

@@ -190,7 +190,7 @@ def test_zcdp_counts_pure_costs_and_uses_the_exact_conversion(ledger: Ledger) ->
 def test_cost_is_validated() -> None:
     for bad in ({"epsilon": -1}, {"epsilon": math.nan}, {"epsilon": math.inf}, {"epsilon": 1, "delta": 1}):
         with pytest.raises(ValueError):
-            Cost(**bad)  # type: ignore[arg-type]
+            Cost(**bad)
 
 
 def test_spent_survives_a_restart(sqlite_url: str) -> None:
@@ -384,7 +384,7 @@ def test_read_only_file_is_unavailable(tmp_path: Path) -> None:
     ledger = Ledger.open(f"sqlite://{path}")
     # Swap this thread's connection for a read-only one: every write must fail closed.
     ro = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None, check_same_thread=False)
-    ledger._local.conn = ro  # type: ignore[attr-defined]
+    ledger._local.conn = ro
     with pytest.raises(LedgerUnavailable, match="unavailable"):
         _reserve(ledger, Cost(0.1))
     ro.close()
@@ -402,7 +402,7 @@ def test_unreachable_postgres_is_unavailable() -> None:
 @pytest.fixture
 def pg_ledger(pg_dsn: str) -> Iterator[PostgresLedger]:
     with PostgresLedger(pg_dsn) as opened:
-        yield opened  # type: ignore[misc]
+        yield opened
 
 
 def _fresh(name: str) -> str:

@@ -77,7 +77,7 @@ def test_the_writer_cannot_forge_a_synopsis(roles: tuple[dict[str, str], str, st
     urls, superuser, _ = roles
     with psycopg.connect(superuser, autocommit=True) as conn:  # as README: synopsis builds run as the writer
         writer_role = urls["dpsql_ledger_writer"].split("//", 1)[1].split(":", 1)[0]
-        conn.execute(f"GRANT INSERT ON dpsql_ledger_meta TO {writer_role}")  # type: ignore[arg-type]
+        conn.execute(f"GRANT INSERT ON dpsql_ledger_meta TO {writer_role}")
     with Ledger.open(urls["dpsql_ledger_writer"]) as writer:
         released = Released(
             name="visits",

@@ -4,30 +4,25 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+from tests.listening import port_of
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 class Served:
     """``dpsql serve …`` with its stderr read on a thread into :attr:`lines`."""
 
-    def __init__(self, *argv: str, home: Path, port: int | None = None, catalog: bool = False) -> None:
-        self.port = port or free_port()
+    def __init__(self, *argv: str, home: Path, catalog: bool = False) -> None:
+        self._port: int | None = None
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dpsql.cli", "serve", "--port", str(self.port)]
+            [sys.executable, "-m", "dpsql.cli", "serve", "--port", "0"]
             + ([] if catalog else ["--catalog-dsn", ""])
             + list(argv),
             cwd=ROOT,
@@ -43,6 +38,13 @@ class Served:
         assert self.proc.stderr is not None
         for line in self.proc.stderr:
             self.lines.append(line.rstrip("\n"))
+
+    @property
+    def port(self) -> int:
+        """The port the server bound (``--port 0``), from its "dpsql serving" line (waited for)."""
+        if self._port is None:
+            self._port = port_of(self.wait_for("dpsql serving"))
+        return self._port
 
     @property
     def log(self) -> str:

@@ -13,6 +13,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -61,7 +62,7 @@ def _rows(seed: int = 28) -> tuple[list[tuple], list[tuple]]:
     lognormal costs with NULLs and a few negative refunds, lengths of stay 1–15."""
     rng = random.Random(seed)
     patients = [(i, rng.randint(10, 99)) for i in range(300)]
-    visits = []
+    visits: list[tuple[Any, ...]] = []
     for pid, _ in patients:
         n = rng.randint(20, 80) if rng.random() < 0.05 else rng.randint(1, 6)
         for _ in range(n):
@@ -305,7 +306,8 @@ def test_dp_bounds_land_near_the_quantiles(clinic: tuple[str, Backend]) -> None:
     of-two bin holding the quantile, or its inner neighbour when noise delays the crossing)."""
     _, backend = clinic
     rng = random.Random(7)
-    rows, people = [], []
+    rows: list[tuple[Any, ...]] = []
+    people: list[tuple[int, int]] = []
     for person in range(4000):
         people.append((person, 30))
         for _ in range(rng.randint(1, 6)):

@@ -47,7 +47,7 @@ def test_draft_then_check_with_no_edits_protects_the_customer(bank: Backend) -> 
     for table in ("customers", "accounts", "transactions", "loans", "disputes"):
         path = policy.unit_path(table)
         assert path is not None and path.person == PERSON, (table, path)
-    assert policy.unit_path("disputes").chain == ("disputes", "transactions", "accounts", "customers")  # type: ignore[union-attr]
+    assert policy.unit_path("disputes").chain == ("disputes", "transactions", "accounts", "customers")
     assert policy.tables["customers"].columns["region"].nullable is False  # NOT NULL, or no NULL stored
     assert not policy.tables["accounts"].columns["branch_id"].identifier  # a key into a public lookup
     engine = Engine(policy, bank, Ledger.open("memory"))

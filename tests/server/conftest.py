@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import socket
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
+import psycopg
 import pytest
 
 from dpsql.dev.demo import demo_policy_path, load_demo
@@ -77,3 +81,43 @@ def scram_server() -> Iterator[Running]:
     finally:
         server.stop()
         engine.close()
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Engine]:
+    """A trust-auth engine of the module's own (for servers a test module starts with its own options)."""
+    engine = open_engine(trust=True)
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+def sqlstate_of(fn: Callable[[], Any]) -> str | None:
+    """The SQLSTATE ``fn`` fails with (psycopg), None when it succeeds."""
+    try:
+        fn()
+    except psycopg.Error as exc:
+        return exc.sqlstate
+    return None
+
+
+def eventually(check: Callable[[], bool], seconds: float) -> bool:
+    """Whether ``check`` holds within ``seconds`` (polled every 50 ms)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return check()
+
+
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    """``n`` bytes from ``sock`` (ConnectionError when it closes first)."""
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("closed")
+        data += chunk
+    return data

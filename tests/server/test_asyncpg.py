@@ -11,7 +11,7 @@ import pytest
 from .conftest import Running
 
 
-def run(coro):  # type: ignore[no-untyped-def]
+def run(coro):
     return asyncio.run(coro)
 
 

@@ -14,6 +14,7 @@ import psycopg
 import pytest
 
 from dpsql.server.shadow_session import MAX_CATALOG_RESULT_ROWS
+from tests.listening import port_from_log
 
 from .conftest import Running
 
@@ -63,26 +64,17 @@ def _startup(port: int) -> socket.socket:
 def test_unread_huge_catalog_results_keep_rss_bounded(tmp_path: Path) -> None:
     """Issue #15's bar: 4 clients that send a catalog query with a huge result and never read the
     answer leave `dpsql serve` under 500 MB RSS (the results are cut at the cap, not buffered)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     env = {**os.environ, "DPSQL_HOME": str(tmp_path)}
     server = subprocess.Popen(
-        [sys.executable, "-m", "dpsql.cli", "serve", "--port", str(port)],
+        [sys.executable, "-m", "dpsql.cli", "serve", "--port", "0"],
         cwd=ROOT,
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=(tmp_path / "serve.log").open("w"),
     )
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                _startup(port).close()
-                break
-            except OSError:
-                assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
-                time.sleep(0.2)
+        port = port_from_log(tmp_path / "serve.log", server)  # printed once the socket listens
+        _startup(port).close()
         query = b"SELECT a.*, b.relname, c.relname FROM pg_class a, pg_class b, pg_class c\0"
         clients = []
         for _ in range(4):

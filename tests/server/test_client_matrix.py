@@ -86,7 +86,7 @@ def _sqlalchemy(server: Running, user: str, sql: str) -> Outcome:
             count = conn.exec_driver_sql(sql).scalar_one()
             with pytest.raises(sa.exc.DBAPIError) as info:
                 conn.exec_driver_sql(REFUSED)
-            return count, str(info.value.orig.sqlstate)  # type: ignore[union-attr]
+            return count, str(info.value.orig.sqlstate)
     finally:
         engine.dispose()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 from decimal import Decimal
 
 import pytest
@@ -14,7 +15,7 @@ from dpsql.fingerprint import fingerprint_key, keyed, statement_shape
 from dpsql.server.answers import parse_session_command
 from dpsql.server.protocol import WireViolation, parse_message, parse_startup
 from dpsql.server.types import decode_param, encode_binary, encode_text
-from dpsql.sqltext import split_statements
+from dpsql.sqltext import _skip_block_comment, split_statements
 
 
 def test_split_respects_quotes_comments_and_dollar_quotes() -> None:
@@ -26,6 +27,30 @@ def test_split_respects_quotes_comments_and_dollar_quotes() -> None:
         "select E'\\';'",
     ]
     assert split_statements("-- ping") == [] and split_statements(" ; ;") == []
+
+
+def test_block_comments_nest_and_end_where_postgresql_ends_them() -> None:
+    """Nested block comments, found by jumping between ``/*`` and ``*/``: the same ends as reading one
+    character at a time (overlaps such as ``/*/`` and ``*/*`` included), for every short mix."""
+
+    def one_at_a_time(sql: str) -> int:
+        depth, i = 0, 0
+        while i < len(sql):
+            if sql.startswith("/*", i):
+                depth, i = depth + 1, i + 2
+            elif sql.startswith("*/", i):
+                depth, i = depth - 1, i + 2
+                if depth == 0:
+                    return i
+            else:
+                i += 1
+        return len(sql)
+
+    for size in range(9):
+        for body in itertools.product("/*a", repeat=size):
+            sql = "/*" + "".join(body)
+            assert _skip_block_comment(sql, 0) == one_at_a_time(sql), sql
+    assert split_statements("/* a /* b */ c; */ select 1; select 2") == ["/* a /* b */ c; */ select 1", "select 2"]
 
 
 def test_fingerprint_ignores_comments_spacing_and_constants() -> None:

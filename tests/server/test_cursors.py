@@ -119,10 +119,10 @@ def test_catalog_and_tableless_cursors(dp_server: Running) -> None:
         conn.commit()
 
 
-def _simple(conn: psycopg.Connection, sql: str) -> psycopg.Cursor:  # type: ignore[type-arg]
+def _simple(conn: psycopg.Connection, sql: str) -> psycopg.Cursor:
     """One statement over the simple query protocol (as psql sends it)."""
     cur = conn.cursor()
-    cur.execute(sql.encode(), prepare=False)  # type: ignore[call-overload]
+    cur.execute(sql.encode(), prepare=False)
     return cur
 
 

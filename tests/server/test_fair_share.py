@@ -17,7 +17,6 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import asyncpg
@@ -36,19 +35,10 @@ from dpsql.server.frontdoor import PreAuth
 from dpsql.server.memory import Memory
 from dpsql.session import Session
 
-from .conftest import Running, open_engine
+from .conftest import Running
 from .test_memory_bytes import FLUSH, SYNC, Raw, _parse, _query, sqlstate
 
 MIB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    engine = open_engine(trust=True)
-    try:
-        yield engine
-    finally:
-        engine.close()
 
 
 # --- the CPU share --------------------------------------------------------------------------------------

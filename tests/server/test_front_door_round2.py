@@ -21,7 +21,7 @@ import statistics
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,22 +32,13 @@ import pytest
 from dpsql.engine import Engine
 from dpsql.server import ThreadedServer
 
-from .conftest import ANALYSTS, PASSWORD, Running, open_engine
+from .conftest import ANALYSTS, PASSWORD, Running, eventually, open_engine, sqlstate_of
 
 COUNT_SQL = "SELECT COUNT(*) FROM patients"
 #: ~250 kB, free (catalog only), under the 256 kB statement cap: more than a unix socket buffer holds.
 BIG_CATALOG_SQL = (
     "SELECT count(*) FROM pg_catalog.pg_class WHERE relname IN (" + ",".join(f"'r{i:07d}'" for i in range(22_000)) + ")"
 )
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    engine = open_engine(trust=True)
-    try:
-        yield engine
-    finally:
-        engine.close()
 
 
 @pytest.fixture(scope="module")
@@ -63,30 +54,13 @@ def connect(running: Running, user: str, **extra: str) -> psycopg.Connection[Any
     return psycopg.connect(running.dsn(user, connect_timeout="20", **extra), autocommit=True)
 
 
-def sqlstate_of(fn: Callable[[], Any]) -> str | None:
-    try:
-        fn()
-    except psycopg.Error as exc:
-        return exc.sqlstate
-    return None
-
-
-def eventually(check: Callable[[], bool], seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return check()
-
-
 def pool_idle(server: ThreadedServer) -> bool:
     """No worker slot held, no catalog connection checked out."""
     ctx = server.server.ctx
     pool = ctx.shadow_pool
     busy = 0 if pool is None else getattr(pool, "busy", None)
     if busy is None:  # before issue #27
-        busy = pool.size - pool._busy._value  # type: ignore[union-attr]
+        busy = pool.size - pool._busy._value
     return not ctx.slots.running and busy == 0
 
 
@@ -114,7 +88,7 @@ def test_250kB_catalog_statement_is_answered_and_returns_its_slot(
     with connect(running, "alice") as conn:
         conn.execute("SET statement_timeout = '20s'")
         started = time.monotonic()
-        assert conn.execute(BIG_CATALOG_SQL).fetchone() == (0,)  # type: ignore[arg-type]
+        assert conn.execute(BIG_CATALOG_SQL).fetchone() == (0,)
         print(f"\n250 kB catalog statement answered in {time.monotonic() - started:.2f}s")
         assert conn.execute(COUNT_SQL).fetchone() is not None
     assert eventually(lambda: pool_idle(server), 10)
@@ -138,7 +112,7 @@ def test_two_analysts_sending_big_catalog_statements_do_not_stop_a_third(
         def attack(user: str, states: list[str | None] = states) -> None:
             with connect(running, user) as conn:
                 conn.execute("SET statement_timeout = '60s'")
-                states.append(sqlstate_of(lambda: conn.execute(BIG_CATALOG_SQL).fetchall()))  # type: ignore[arg-type]
+                states.append(sqlstate_of(lambda: conn.execute(BIG_CATALOG_SQL).fetchall()))
 
         threads = [threading.Thread(target=attack, args=(u,), daemon=True) for u in attackers for _ in range(8)]
         for t in threads:
@@ -165,7 +139,7 @@ def test_two_analysts_sending_big_catalog_statements_do_not_stop_a_third(
 
 def _timed(conn: psycopg.Connection[Any], sql: str) -> float:
     started = time.monotonic()
-    conn.execute(sql).fetchall()  # type: ignore[arg-type]
+    conn.execute(sql).fetchall()
     return time.monotonic() - started
 
 
@@ -266,7 +240,7 @@ def test_210_idle_unauthenticated_sockets_do_not_lock_analysts_out(engine: Engin
         held = getattr(preauth, "count", None)
         print(f"\n210 idle sockets: {ok}/16 logins answered; refusals {refused[:3]}; pre-auth sockets held {held}")
         assert ok == 16
-        assert held is not None and held <= preauth.per_address == 100  # type: ignore[union-attr]
+        assert held is not None and held <= preauth.per_address == 100
     finally:
         for s in socks:
             s.close()
@@ -346,8 +320,9 @@ def _login(running: Running, user: str, password: str, **settings: str) -> str |
 
 def test_wire_password_guessing_is_limited(scram_engine: Engine) -> None:
     """The issue's 523 guesses in 10 s: with the default limiter a few guesses are answered at once, then
-    the (account, address) is slowed down, one exchange at a time, each answered no sooner than its delay
-    (1, 2, 4 s); the right password from the same address then still gets in (issue #41: never locked)."""
+    the (account, address) is slowed down: each wrong password is answered (and keeps its place) only after
+    its delay (1, 2, 4, 8, 16 s); the right password from the same address then gets in at once (issue #41:
+    never locked, not delayed by the guesses either)."""
     server = ThreadedServer(scram_engine, catalog_dsn="")
     running = Running(server.host, server.port, scram_engine)
     try:
@@ -362,8 +337,8 @@ def test_wire_password_guessing_is_limited(scram_engine: Engine) -> None:
         assert outcomes.get("28P01", 0) <= 12
         assert set(outcomes) <= {"28P01", "28000"}
         started = time.monotonic()
-        assert _login(running, "scram", PASSWORD) is None  # slowed down, never refused
-        assert time.monotonic() - started >= 1.0
+        assert _login(running, "scram", PASSWORD) is None  # never refused
+        assert time.monotonic() - started < 1.0  # a correct password leaves its place at once
     finally:
         server.stop()
 
@@ -449,7 +424,7 @@ def test_catalog_does_not_list_other_analysts(shadow_server: Running) -> None:
             "SELECT grantee::text FROM information_schema.table_privileges",
             "SELECT g::oid::regrole::text FROM generate_series(10, 20000) g",
         ):
-            for (value,) in conn.execute(sql).fetchall():  # type: ignore[arg-type]
+            for (value,) in conn.execute(sql).fetchall():
                 seen.update(w for w in str(value).replace("=", " ").replace(",", " ").replace("/", " ").split())
         assert not seen & others, seen & others
         # a guessed name behaves like a name that does not exist
@@ -463,12 +438,12 @@ def test_settings_do_not_travel_between_analysts_on_the_shared_role(shadow_serve
     set_config is reset before anyone else's statement runs there."""
     show = "SELECT current_setting('application_name'), current_setting('search_path') FROM pg_catalog.pg_am LIMIT 1"
     with connect(shadow_server, "alice") as alice, connect(shadow_server, "carol") as carol:
-        before = carol.execute(show).fetchone()  # type: ignore[arg-type]
+        before = carol.execute(show).fetchone()
         alice.execute(
             "SELECT set_config('application_name', 'alice-secret', false), "
             "set_config('search_path', 'alice_schema', false) FROM pg_catalog.pg_am LIMIT 1"
         ).fetchall()
-        after = carol.execute(show).fetchone()  # type: ignore[arg-type]
+        after = carol.execute(show).fetchone()
     assert after == before and "alice" not in str(after)
 
 
@@ -519,11 +494,11 @@ def plain_server(engine: Engine) -> Iterator[Running]:
 def test_bad_input_gets_postgres_errors(plain_server: Running, sql: str, sqlstate: str) -> None:
     with connect(plain_server, "alice") as conn:
         before = conn.execute("SHOW statement_timeout").fetchone()
-        assert sqlstate_of(lambda: conn.execute(sql)) == sqlstate  # type: ignore[arg-type]
+        assert sqlstate_of(lambda: conn.execute(sql)) == sqlstate
         assert conn.execute("SHOW statement_timeout").fetchone() == before
         assert conn.execute(COUNT_SQL).fetchone() is not None
     with connect(plain_server, "alice") as conn:  # the extended protocol too
-        assert sqlstate_of(lambda: conn.execute(sql, prepare=True)) == sqlstate  # type: ignore[arg-type]
+        assert sqlstate_of(lambda: conn.execute(sql, prepare=True)) == sqlstate
 
 
 def test_huge_timeout_in_startup_options_is_refused_cleanly(plain_server: Running) -> None:

@@ -28,7 +28,7 @@ from dpsql.engine import Engine
 from dpsql.policy import Budget, Budgets
 from dpsql.server import ThreadedServer
 
-from .conftest import PASSWORD, Running, make_policy, open_engine
+from .conftest import PASSWORD, Running, make_policy, open_engine, recv_exactly
 
 # --- 1. the dataset-budget refusal --------------------------------------------------------------
 
@@ -146,18 +146,8 @@ def test_fingerprints_differ_between_installations() -> None:
 
 
 def _message(sock: socket.socket) -> tuple[bytes, bytes]:
-    head = _read(sock, 5)
-    return head[:1], _read(sock, struct.unpack("!I", head[1:])[0] - 4)
-
-
-def _read(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("closed")
-        data += chunk
-    return data
+    head = recv_exactly(sock, 5)
+    return head[:1], recv_exactly(sock, struct.unpack("!I", head[1:])[0] - 4)
 
 
 def _send(sock: socket.socket, type_: bytes, payload: bytes) -> None:

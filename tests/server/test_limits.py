@@ -13,7 +13,7 @@ import statistics
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import asyncpg
@@ -23,7 +23,7 @@ import pytest
 from dpsql.engine import Engine
 from dpsql.server import ThreadedServer
 
-from .conftest import Running, open_engine
+from .conftest import Running, recv_exactly, sqlstate_of
 
 # ~229 kB: under the 256 kB cap, about a second of parsing and analysis: the slowest statement found.
 SLOW_SQL = (
@@ -32,15 +32,6 @@ SLOW_SQL = (
     + ")"
 )
 COUNT_SQL = "SELECT COUNT(*) FROM patients"
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    engine = open_engine(trust=True)
-    try:
-        yield engine
-    finally:
-        engine.close()
 
 
 @pytest.fixture(scope="module")
@@ -65,14 +56,6 @@ def limited(engine: Engine) -> Iterator[tuple[Running, ThreadedServer]]:
 
 def connect(running: Running, user: str, **extra: str) -> psycopg.Connection[Any]:
     return psycopg.connect(running.dsn(user, connect_timeout="10", **extra), autocommit=True)
-
-
-def sqlstate_of(fn: Callable[[], Any]) -> str | None:
-    try:
-        fn()
-    except psycopg.Error as exc:
-        return exc.sqlstate
-    return None
 
 
 def timed(conn: psycopg.Connection[Any], sql: str) -> float:
@@ -257,21 +240,11 @@ def _raw_session(running: Running, user: str) -> socket.socket:
 def _read_until(sock: socket.socket, kind: bytes) -> list[tuple[bytes, bytes]]:
     out = []
     while True:
-        head = _recv(sock, 5)
-        body = _recv(sock, struct.unpack("!I", head[1:])[0] - 4)
+        head = recv_exactly(sock, 5)
+        body = recv_exactly(sock, struct.unpack("!I", head[1:])[0] - 4)
         out.append((head[:1], body))
         if head[:1] == kind:
             return out
-
-
-def _recv(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("closed")
-        data += chunk
-    return data
 
 
 def _sqlstates(messages: list[tuple[bytes, bytes]]) -> list[str]:
@@ -315,10 +288,10 @@ def test_startup_deadline_covers_the_whole_startup(limited: tuple[Running, Threa
     sock = socket.create_connection((running.host, running.port), timeout=10)
     started = time.monotonic()
     sock.sendall(struct.pack("!II", 8, 80877103))  # SSLRequest
-    assert _recv(sock, 1) == b"N"
+    assert recv_exactly(sock, 1) == b"N"
     time.sleep(0.6)
     sock.sendall(struct.pack("!II", 8, 80877104))  # GSSENCRequest
-    assert _recv(sock, 1) == b"N"
+    assert recv_exactly(sock, 1) == b"N"
     time.sleep(0.2)
     sock.sendall(struct.pack("!I", 40))  # a startup packet that never completes
     data = b""

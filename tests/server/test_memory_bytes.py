@@ -31,6 +31,7 @@ import pytest
 
 from dpsql.analyze import statement as statements_module
 from dpsql.server.memory import ANALYST_MEMORY, SESSION_FLOOR, SESSION_MEMORY, HeldStore, Memory
+from tests.listening import port_from_log
 
 ROOT = Path(__file__).resolve().parents[2]
 #: `dpsql serve` must stay under this whatever one analyst does (the issue's bar).
@@ -133,25 +134,15 @@ def sqlstate(messages: list[tuple[bytes, bytes]]) -> str | None:
 def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
     """`dpsql serve` as an operator starts it (demo data, shadow catalog), in its own process."""
     home = tmp_path_factory.mktemp("dpsql-home")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     server = subprocess.Popen(
-        [sys.executable, "-m", "dpsql.cli", "serve", "--port", str(port), "--statement-timeout", "120"],
+        [sys.executable, "-m", "dpsql.cli", "serve", "--port", "0", "--statement-timeout", "120"],
         cwd=ROOT,
         env={**os.environ, "DPSQL_HOME": str(home)},
         stdout=subprocess.DEVNULL,
         stderr=(home / "serve.log").open("w"),
     )
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                Raw(port, "bob").close()
-                break
-            except OSError:
-                assert server.poll() is None and time.monotonic() < deadline, (home / "serve.log").read_text()
-                time.sleep(0.3)
+        port = port_from_log(home / "serve.log", server)  # printed once the socket listens
         with psycopg.connect(f"host=127.0.0.1 port={port} user=bob dbname=health", autocommit=True) as conn:
             if conn.execute("SELECT count(*) FROM pg_catalog.pg_namespace").fetchone() is None:  # pragma: no cover
                 pytest.skip("no shadow catalog")

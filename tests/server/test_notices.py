@@ -47,8 +47,8 @@ def test_psql_notices_for_quantiles_bounds_modes_and_null_averages(dp_server: Ru
         "SELECT mode() WITHIN GROUP (ORDER BY problem) FROM patients",
     )
     bias = [line for line in notices if "covers the noise only" in line]  # the AVG query's clamping
-    assert len(bias) == 1 and bias[0].startswith("NOTICE:  dpsql: ±95% covers the noise only, not the bias of"), bias
-    assert "age to [" in bias[0]
+    assert len(bias) == 1 and bias[0].startswith("NOTICE:  dpsql: ±95% covers the noise only; the estimated"), bias
+    assert "age beyond [0, 110]" in bias[0]  # each row is one person: nothing cut, values clamped
     notices = [line for line in notices if line not in bias]
     assert all(CHARGED.fullmatch(line) for line in [*notices[::3][:2], notices[6], notices[9]]), notices
     assert [line for line in notices if "charged" not in line] == [
@@ -83,13 +83,13 @@ def test_psql_explain_is_one_plan_line_per_row(dp_server: Running) -> None:
         " DP Aggregate  (mechanism=laplace epsilon=1000 delta=0)",
         "   Privacy unit: one row (each row is one person)",
         "   Group keys: public domain: sex",
-        "   Intervals: the noise only, not the bias of values clamped (age to [0, 110])",
+        "   Intervals: noise and the clamp bias estimated under DP (ε=200 of this query's ε=1000)",
         "   Output sex: group key",
-        "   Output count: COUNT(*)  sensitivity=1 scale=0.005 epsilon=200 ci95=±0",
-        "   Output avg: AVG = centre + noisy centred SUM / noisy COUNT  sensitivity=55 scale=0.275 "
-        "epsilon=400 ci95 per row (depends on the noisy count)",
+        "   Output count: COUNT(*)  sensitivity=1 scale=0.00625 epsilon=160 ci95=±0",
+        "   Output avg: AVG = centre + noisy centred SUM / noisy COUNT  sensitivity=55 scale=0.34375 "
+        "epsilon=320 ci95 per row (depends on the noisy count)",
         "   Output median: QUANTILE(0.5) OF clamp(age, 0, 110): exponential mechanism over 111 integers; its 95% "
-        "value interval: one more for each end, over 111 integers  epsilon=600 rank error <= 0.07705 at 95%",
+        "value interval: one more for each end, over 111 integers  epsilon=480 rank error <= 0.09632 at 95%",
         "   ->  Backend SQL:",
         '         SELECT "patients"."sex" AS k0, COUNT(*) AS m0, COALESCE(SUM(CASE WHEN "patients"."age" < 0',
         '             THEN 0 WHEN "patients"."age" > 110 THEN 110 ELSE "patients"."age" END), 0) AS m1,',

@@ -84,7 +84,7 @@ def test_a_killed_helper_is_replaced(offload: Offload) -> None:
     assert offload.route_of("alice", LONG[0], tables).route == "catalog"
     pool = offload._pool
     assert pool is not None
-    for proc in list(pool._processes.values()):  # type: ignore[attr-defined]
+    for proc in list(pool._processes.values()):
         proc.kill()
     with pytest.raises(InternalError, match="statement parser process stopped"):
         for _ in range(3):  # the pool notices the dead process on the next call

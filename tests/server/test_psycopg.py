@@ -61,11 +61,11 @@ def test_show_intervals_adds_ci_columns(dp_server: Running) -> None:
         conn.execute("SET dpsql.show_intervals = on")
         for binary in (False, True):
             cur = conn.execute("SELECT sex, COUNT(*) AS n FROM patients GROUP BY sex", binary=binary)
-            assert [d.name for d in cur.description] == ["sex", "n", "n_ci95"]  # type: ignore[union-attr]
+            assert [d.name for d in cur.description] == ["sex", "n", "n_ci95"]
             assert all(r[2] > 0 for r in cur.fetchall())
         conn.execute("RESET dpsql.show_intervals")
         cur = conn.execute("SELECT COUNT(*) AS n FROM patients")
-        assert [d.name for d in cur.description] == ["n"]  # type: ignore[union-attr]
+        assert [d.name for d in cur.description] == ["n"]
 
 
 def test_refusals_carry_sqlstate(dp_server: Running) -> None:
@@ -139,7 +139,7 @@ def test_explain_show_all_and_discard(dp_server: Running) -> None:
         plan = [r[0] for r in conn.execute("EXPLAIN SELECT COUNT(*) FROM patients")]
         assert plan and "epsilon" in plan[0]
         cur = conn.execute("EXPLAIN SELECT COUNT(*) FROM patients WHERE age > %s", (3,))
-        assert [d.name for d in cur.description] == ["QUERY PLAN"]  # type: ignore[union-attr]
+        assert [d.name for d in cur.description] == ["QUERY PLAN"]
         settings = dict((r[0], r[1]) for r in conn.execute("SHOW ALL"))
         assert settings["dpsql.epsilon"] and settings["TimeZone"] == "UTC"
         conn.execute("SET dpsql.epsilon = 0.25")

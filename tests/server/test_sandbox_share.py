@@ -12,13 +12,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ from dpsql.outer import admission
 from dpsql.outer.admission import RESERVED_BYTES, Admission
 from dpsql.server import ThreadedServer
 
-from .conftest import Running, open_engine
+from .conftest import Running, eventually, sqlstate_of
 
 ROOT = Path(__file__).resolve().parents[2]
 #: 280 released rows whatever the noise (every key has a public domain), cached after the first run.
@@ -64,15 +63,9 @@ from dpsql.outer.admission import ADMISSION
 from dpsql.server.server import run
 engine = open_engine(trust=True)
 print("ready", flush=True)
-run(engine, port=int(sys.argv[2]), catalog_dsn="")
+run(engine, port=0, catalog_dsn="", on_listening=lambda port: print("listening", port, flush=True))
 print(json.dumps({"peak": ADMISSION.peak, "capacity": ADMISSION.capacity}), flush=True)
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _connect(port: int, user: str) -> psycopg.Connection[Any]:
@@ -86,28 +79,11 @@ def _timed(conn: psycopg.Connection[Any], sql: str) -> float:
     return time.monotonic() - started
 
 
-def _sqlstate(fn: Callable[[], Any]) -> str | None:
-    try:
-        fn()
-    except psycopg.Error as exc:
-        return exc.sqlstate
-    return None
-
-
 def _status_mb(pid: int, field: str) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     return 0.0
-
-
-def eventually(check: Callable[[], bool], seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return check()
 
 
 def _accepts(port: int) -> bool:
@@ -121,10 +97,9 @@ def _accepts(port: int) -> bool:
 @pytest.fixture()
 def serve_process() -> Iterator[tuple[subprocess.Popen[str], int]]:
     """``dpsql serve``'s server over the demo data in a process of its own (its RSS is the server's)."""
-    port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.Popen(
-        [sys.executable, "-c", _LAUNCHER, str(ROOT), str(port)],
+        [sys.executable, "-c", _LAUNCHER, str(ROOT)],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -133,6 +108,8 @@ def serve_process() -> Iterator[tuple[subprocess.Popen[str], int]]:
     )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        lines = iter(proc.stdout.readline, "")  # the server bound port 0 and says which port it got
+        port = next(int(line.split()[1]) for line in lines if line.startswith("listening "))
         assert eventually(lambda: _accepts(port), 60)
         yield proc, port
     finally:
@@ -170,7 +147,7 @@ def test_one_analysts_sandboxes_do_not_slow_another_analyst(serve_process: tuple
             while not stop.is_set():
                 sql = HEAVY[k % len(HEAVY)]
                 k += 1
-                state = _sqlstate(lambda sql=sql: conn.execute(sql).fetchall())  # type: ignore[misc]
+                state = sqlstate_of(lambda sql=sql: conn.execute(sql).fetchall())  # type: ignore[misc]
                 outcomes[state] = outcomes.get(state, 0) + 1
 
     with _connect(port, "carol") as carol:
@@ -220,17 +197,8 @@ def test_one_analysts_sandboxes_do_not_slow_another_analyst(serve_process: tuple
 # -- admission, timeout and cancel through a server ----------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    engine = open_engine(trust=True)
-    try:
-        yield engine
-    finally:
-        engine.close()
-
-
 def _start(conn: psycopg.Connection[Any], sql: str, states: list[str | None]) -> threading.Thread:
-    thread = threading.Thread(target=lambda: states.append(_sqlstate(lambda: conn.execute(sql).fetchall())))
+    thread = threading.Thread(target=lambda: states.append(sqlstate_of(lambda: conn.execute(sql).fetchall())))
     thread.start()
     return thread
 
@@ -260,7 +228,7 @@ def test_cap_timeout_and_cancel(engine: Engine) -> None:
         alice2.execute("SET statement_timeout = '1s'")
         for conn in (dave, alice2):
             started = time.monotonic()
-            assert _sqlstate(lambda conn=conn: conn.execute(CHEAP).fetchall()) == "57014"  # type: ignore[misc]
+            assert sqlstate_of(lambda conn=conn: conn.execute(CHEAP).fetchall()) == "57014"  # type: ignore[misc]
             assert time.monotonic() - started < 5
         assert eventually(lambda: gate.waiting == 0, 5)  # the timed-out statements stopped waiting
         assert gate.peak == 2

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import pytest
 from dpsql.dev.demo import demo_policy_path
 from dpsql.policy import Analyst, load_policy
 from dpsql.server.cli import banner_login
+from tests.listening import port_of
 
 pytestmark = pytest.mark.postgres  # starts a local PostgreSQL (shadow catalog or cluster)
 
@@ -22,11 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_serving_line_means_listening(tmp_path: Path) -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     server = subprocess.Popen(
-        [sys.executable, "-m", "dpsql.cli", "serve", "--port", str(port)],
+        [sys.executable, "-m", "dpsql.cli", "serve", "--port", "0"],
         cwd=ROOT,
         env={**os.environ, "DPSQL_HOME": str(tmp_path)},
         stdout=subprocess.DEVNULL,
@@ -41,6 +38,7 @@ def test_serving_line_means_listening(tmp_path: Path) -> None:
             line = server.stderr.readline()
             assert line or server.poll() is None, "dpsql serve exited before serving"
             assert time.monotonic() < deadline
+        port = port_of(line)  # it bound port 0 and says which port it got
         assert f"127.0.0.1:{port}" in line and "ledger sqlite:///" in line
         # no retry: the line is printed only once the socket is up
         with psycopg.connect(f"postgresql://analyst@127.0.0.1:{port}/health", connect_timeout=5) as conn:

@@ -64,7 +64,7 @@ def shadowed() -> Iterator[Shadowed]:
 
 def _sqlstate(conn: psycopg.Connection, sql: str) -> str | None:
     try:
-        conn.execute(sql)  # type: ignore[arg-type]
+        conn.execute(sql)
     except psycopg.Error as exc:
         return exc.diag.sqlstate
     return None
@@ -182,7 +182,7 @@ def test_other_sessions_are_invisible_directly(shadowed: Shadowed) -> None:
 def test_refused_through_dpsql(shadowed: Shadowed, sql: str) -> None:
     with shadowed.connect() as conn:
         with pytest.raises(psycopg.Error) as info:
-            conn.execute(sql)  # type: ignore[arg-type]
+            conn.execute(sql)
         assert info.value.diag.sqlstate == "42501", info.value
         assert info.value.diag.message_hint
         assert conn.execute("SELECT 1").fetchone() == (1,)

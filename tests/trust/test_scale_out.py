@@ -49,7 +49,7 @@ def clusters() -> Iterator[tuple[object, object]]:
 def _new_database(pg: object) -> str:
     name = "dpsql_" + os.urandom(4).hex()
     with psycopg.connect(pg.dsn, autocommit=True) as conn:  # type: ignore[attr-defined]
-        conn.execute(f'CREATE DATABASE "{name}"')  # type: ignore[arg-type]
+        conn.execute(f'CREATE DATABASE "{name}"')
     return str(pg.dsn_for(name))  # type: ignore[attr-defined]
 
 
