@@ -143,7 +143,8 @@ def test_undetected_cut_leaves_the_noise_width(backend: Backend) -> None:
     widths = [w for _ in range(10) for row in engine.execute(sql, session).accuracy for w in row[1:]]
     plain = engine.execute(sql, off).accuracy[0][1]
     assert sorted(widths)[len(widths) // 2] == pytest.approx(plain / 0.8, rel=0.01)
-    notes = engine.execute(sql, session).notices
+    # a false detection happens in ~5 % of releases (the one-sided test's level): one of three says nothing cut
+    notes = [n for _ in range(3) for n in engine.execute(sql, session).notices]
     assert any("no rows cut beyond 40 per people.pid detected (fewer than ~" in n for n in notes)
 
 
