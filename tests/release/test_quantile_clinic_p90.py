@@ -82,9 +82,7 @@ def _cut_to_the_bottom(backend: Backend, engine: Engine, base: dict[int, list[An
     """Move each heavy patient's 280 visits beyond the cap to a low cost, choosing the cost (10, 11, …)
     whose salted row order still keeps the 4,999 visits: the measurement's histograms stay ``base``."""
     for patient in HEAVY_PATIENTS:
-        cut = (
-            f"SELECT id FROM visits WHERE patient_id = {patient} ORDER BY id LIMIT 280"  # noqa: S608 (constants)
-        )
+        cut = f"SELECT id FROM visits WHERE patient_id = {patient} ORDER BY id LIMIT 280"
         for cost in range(10, 60):
             backend.execute_script(f"UPDATE visits SET cost = {cost} WHERE id IN ({cut})")
             if _measure(engine)[2] == base:
