@@ -307,7 +307,8 @@ def _quantile_notes(
         shares = [budgeting.shares[j] for j in out.measures]
         ends_level = budgeting.interval_level or level  # the policy's level the ends were chosen at
         if budgeting.interval_cut is not None:  # the ends cover the rows cut (noise.exponential.cut_levels)
-            covered = f"{100 * budgeting.interval_cut:.3g} % of rows cut beyond the cap, as the curator published"
+            share = f"{100 * budgeting.interval_cut:.3g} %"
+            covered = f"{share} of rows cut beyond the cap the curator published for the table"
             clamp = clamp.replace("noise only;", f"noise and the {covered};")
         notes.extend(_interval_notes(name, grid, shares, ends_level, clamp, values, intervals))
     else:

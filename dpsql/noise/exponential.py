@@ -298,7 +298,9 @@ def cut_levels(q: float, cut: float) -> tuple[float, float]:
     c = q/(1 − f) since n ≥ (1 − f)N; at least k − m > qN − 1 − m ≥ c'·n − 1 kept values lie at or
     below it, for c' = (q − f)/(1 − f) (c'·(N − m) ≤ qN − m ⟺ m·(1 − c') ≤ N·(q − c'), true for
     m ≤ fN). So :func:`interval_end`'s argument (ranks qn + 1 and qn − 1) holds with c·n and c'·n.
-    Public: q and the curator's published share only."""
+    Public: q and the curator's published share only. The coverage rests on the curator's figure holding
+    for the rows the query reads (it is published for the whole table, as the ± of counts use it); the
+    privacy argument does not depend on it."""
     if cut <= 0.0:
         return q, q
     return (q - cut) / (1.0 - cut), q / (1.0 - cut)

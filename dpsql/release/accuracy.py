@@ -114,7 +114,7 @@ def bias_note(plan: Plan, level: float, covered: float | None = None) -> str | N
     if covered is not None and not additive:
         noise = (
             f"the noise and the {100 * covered:.3g} % of rows cut beyond {rows} per "
-            f"{plan.sources.unit_description} the curator published"
+            f"{plan.sources.unit_description} the curator published for the whole table"
         )
         return f"dpsql: the {pct}% value ranges cover {noise}" + (f", not the bias of {parts[0]}" if parts else "")
     if plan.unit is not None and caps_cut(plan):
