@@ -235,7 +235,7 @@ def explain(plan: Plan, budgeting: Budgeting, confidence: float, shown_sql: str)
     unit = plan.sources.unit_description
     if plan.unit is not None:
         unit += f" (at most {plan.max_rows} rows and {plan.max_groups} groups per unit{plan.cap_origin})"
-    note = bias_note(plan, confidence)
+    note = bias_note(plan, confidence, budgeting.interval_cut)
     bias = note.split(" cover", 1)[1].split(" ", 1)[1] if note else ""  # "the noise only, not the bias of …"
     return Explanation(
         shown_sql,

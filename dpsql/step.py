@@ -432,7 +432,11 @@ class Step:
         # what ± cannot say, nor what it leaves out
         notes = accuracy_notes(plan, budgeting, confidence, result, released, widened)
         result.notices.extend(Notice.of(n) for n in notes)
-        bias = bias_note(plan, confidence) if figures is None else figures.note(plan, confidence, bool(widened))
+        bias = (
+            bias_note(plan, confidence, budgeting.interval_cut)
+            if figures is None
+            else figures.note(plan, confidence, bool(widened))
+        )
         if bias is not None:
             result.notices.append(Notice.of(bias))
         if budgeting.threshold is not None and plan.selection_measure is not None and not released.rows:

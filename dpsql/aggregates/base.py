@@ -68,6 +68,8 @@ class Spending(Protocol):
     def interval_level(self) -> float | None: ...
     @property
     def measured(self) -> float | None: ...
+    @property
+    def interval_cut(self) -> float | None: ...
 
 
 class BiasRates(NamedTuple):
@@ -251,10 +253,19 @@ class Selection(Aggregate):
         return float(plan.max_rows), float(plan.max_rows)
 
     def select(
-        self, plan: Plan, index: int, rows: Rows, histogram: Rows, epsilon: float, *, level: float = 0.95
+        self,
+        plan: Plan,
+        index: int,
+        rows: Rows,
+        histogram: Rows,
+        epsilon: float,
+        *,
+        level: float = 0.95,
+        cut: float = 0.0,
     ) -> list[Any]:
         """One released value per row, chosen ε-DP from that group's histogram (``level``: the query's
-        confidence, for measures that release an interval's end)."""
+        confidence, and ``cut``: the published share of rows cut it covers, for measures that release
+        an interval's end)."""
         raise NotImplementedError(self.kind)
 
     def grid(self, measure: Measure) -> QuantileGrid | None:

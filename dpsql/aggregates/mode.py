@@ -48,7 +48,15 @@ class Mode(Selection):
         return lambda value: value
 
     def select(
-        self, plan: Plan, index: int, rows: Rows, histogram: Rows, epsilon: float, *, level: float = 0.95
+        self,
+        plan: Plan,
+        index: int,
+        rows: Rows,
+        histogram: Rows,
+        epsilon: float,
+        *,
+        level: float = 0.95,
+        cut: float = 0.0,
     ) -> list[Any]:
         """Report-noisy-max, once per released group, over the counts of the public candidates."""
         nkeys = len(plan.keys)

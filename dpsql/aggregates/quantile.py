@@ -5,8 +5,12 @@ for an int column of at most 65,536 values, else 65,536 equal cells); the value 
 exponential mechanism over them (MIN/MAX: over runs of cells). An interior quantile (median,
 percentiles) comes with a value interval at the policy's confidence: two more measures of the same
 histogram (:class:`QuantileEnd`), each an ε-DP choice of one end, so the query's ε is shared by three
-measures for it — privacy argument in :mod:`dpsql.noise.exponential`. MIN and MAX get theirs free
-(post-processing of the released value, :func:`_quantile_notes`).
+measures for it — privacy argument in :mod:`dpsql.noise.exponential`. When the curator publishes the
+share of rows the caps cut (``published_rows_cut``, ``dpsql.bias`` on), the ends cover the quantile of
+*all* rows, wherever the cut rows lie (:func:`~dpsql.noise.exponential.cut_levels`); the value itself
+stays the kept rows' quantile (no release can tell where the cut rows lie: they are beyond the cap).
+MIN and MAX get theirs free (post-processing of the released value, :func:`_quantile_notes`), and they
+reach to the bound, which covers cut rows too.
 """
 
 from __future__ import annotations
@@ -59,7 +63,15 @@ class Quantile(Selection):
         return float
 
     def select(
-        self, plan: Plan, index: int, rows: Rows, histogram: Rows, epsilon: float, *, level: float = 0.95
+        self,
+        plan: Plan,
+        index: int,
+        rows: Rows,
+        histogram: Rows,
+        epsilon: float,
+        *,
+        level: float = 0.95,
+        cut: float = 0.0,
     ) -> list[Any]:
         """The exponential mechanism, once per released group, over that group's cell counts.
 
@@ -79,14 +91,21 @@ class Quantile(Selection):
                 group[clamped] = group.get(clamped, 0) + int(row[nkeys + 1])
         sensitivity = plan.sensitivities(measure)[0]
         return [
-            self.choose(counts.get(tuple(row[:nkeys]), {}), measure.q, epsilon, sensitivity, grid, level)
+            self.choose(counts.get(tuple(row[:nkeys]), {}), measure.q, epsilon, sensitivity, grid, level, cut)
             for row in rows
         ]
 
     def choose(
-        self, counts: Mapping[int, int], q: float, epsilon: float, sensitivity: float, grid: QuantileGrid, level: float
+        self,
+        counts: Mapping[int, int],
+        q: float,
+        epsilon: float,
+        sensitivity: float,
+        grid: QuantileGrid,
+        level: float,
+        cut: float = 0.0,
     ) -> float:
-        """One group's released value from its cell counts."""
+        """One group's released value from its cell counts (``cut``: what an interval end covers)."""
         return select_quantile(counts, q, epsilon, sensitivity, grid)
 
     def interval(self, out: OutputItem, plan: Plan, env: Mapping[str, Any]) -> Interval | None:
@@ -172,9 +191,16 @@ class QuantileEnd(Quantile):
         return f"{'UPPER' if self.upper else 'LOWER'} END OF {super().label(measure)}"
 
     def choose(
-        self, counts: Mapping[int, int], q: float, epsilon: float, sensitivity: float, grid: QuantileGrid, level: float
+        self,
+        counts: Mapping[int, int],
+        q: float,
+        epsilon: float,
+        sensitivity: float,
+        grid: QuantileGrid,
+        level: float,
+        cut: float = 0.0,
     ) -> float:
-        return interval_end(counts, q, epsilon, sensitivity, grid, level, self.upper)
+        return interval_end(counts, q, epsilon, sensitivity, grid, level, self.upper, cut)
 
 
 class QuantileLow(QuantileEnd):
@@ -280,6 +306,10 @@ def _quantile_notes(
         floor_, why = 2 * error, f"twice its {pct}% rank error"
         shares = [budgeting.shares[j] for j in out.measures]
         ends_level = budgeting.interval_level or level  # the policy's level the ends were chosen at
+        if budgeting.interval_cut is not None:  # the ends cover the rows cut (noise.exponential.cut_levels)
+            share = f"{100 * budgeting.interval_cut:.3g} %"
+            covered = f"{share} of rows cut beyond the cap the curator published for the table"
+            clamp = clamp.replace("noise only;", f"noise and the {covered};")
         notes.extend(_interval_notes(name, grid, shares, ends_level, clamp, values, intervals))
     else:
         error = quantile_rank_error(epsilon, sensitivity, grid, level)

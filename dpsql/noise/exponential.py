@@ -36,6 +36,13 @@ on the wrong side of the exact quantile scores below −E, a candidate scoring 0
 wins with probability ≤ runs·e^{−E·ε/2Δ} = β/2 and the two ends cover the exact quantile with
 probability ≥ 1 − β. Its utilities move by at most Δ per unit like the value's.
 
+Rows the caps cut (:func:`cut_levels`). When the curator publishes that the caps leave out a share f of
+the rows (``published_rows_cut``, public), the ends aim at the kept rows' quantile levels
+(q − f)/(1 − f) and q/(1 − f) instead of q: wherever the cut rows lie, the exact q-quantile of *all*
+rows lies between those quantiles of the kept rows, so the same argument covers it. The levels are
+public constants c ∈ [0, 1] (an end whose level leaves [0, 1] is the bound itself, no data read), and a
+target c·n moves by at most c·Δ ≤ Δ per unit: the sensitivity stays Δ.
+
 MIN and MAX aim at a rank per candidate (:func:`extreme_aims`): the j-th candidate from the
 extreme end aims k_j = (2Δ/ε)·ln(j·H_B/β) values in (H_B the B-th harmonic number, β =
 :data:`EXTREME_BETA`). The empty candidates beyond the data (j = 1 … E) score −k_j while a
@@ -290,6 +297,23 @@ def interval_reach(epsilon: float, sensitivity: float, grid: QuantileGrid, level
     return 2.0 * sensitivity / epsilon * math.log(candidates / ((1.0 - level) / 2.0))
 
 
+def cut_levels(q: float, cut: float) -> tuple[float, float]:
+    """The kept rows' quantile levels between which the q-quantile of all rows lies when a share ``cut``
+    of them (at most) was left out by the caps: (q − f)/(1 − f) and q/(1 − f).
+
+    With N rows in all, m ≤ fN of them cut and n = N − m kept, the exact quantile x has rank k in
+    (qN − 1, qN + 2) among all rows. At most k − 1 < qN + 1 ≤ c·n + 1 kept values lie below x, for
+    c = q/(1 − f) since n ≥ (1 − f)N; at least k − m > qN − 1 − m ≥ c'·n − 1 kept values lie at or
+    below it, for c' = (q − f)/(1 − f) (c'·(N − m) ≤ qN − m ⟺ m·(1 − c') ≤ N·(q − c'), true for
+    m ≤ fN). So :func:`interval_end`'s argument (ranks qn + 1 and qn − 1) holds with c·n and c'·n.
+    Public: q and the curator's published share only. The coverage rests on the curator's figure holding
+    for the rows the query reads (it is published for the whole table, as the ± of counts use it); the
+    privacy argument does not depend on it."""
+    if cut <= 0.0:
+        return q, q
+    return (q - cut) / (1.0 - cut), q / (1.0 - cut)
+
+
 def interval_end(
     counts: Mapping[int, int],
     q: float,
@@ -298,10 +322,13 @@ def interval_end(
     grid: QuantileGrid,
     level: float,
     upper: bool,
+    cut: float = 0.0,
 ) -> float:
     """One end of the q-quantile's ``level`` value interval: the outer edge of a run (a cell when the
     grid has at most :data:`QUANTILE_BINS`) chosen ε-DP to lie E ranks beyond the quantile's, or the
-    bound.
+    bound. With ``cut`` (the share of rows the caps leave out, as the curator published it) the end
+    aims around the kept rows' quantile at :func:`cut_levels` instead, which covers the q-quantile of
+    all rows; a level outside (0, 1) gives the bound without reading the counts.
 
     The exact quantile (percentile_cont's or percentile_disc's) is a value of rank k in (qn − 1, qn + 2).
     The lower end aims at t = qn − 1 − E: a run whose lower edge is above the k-th value has at least
@@ -310,12 +337,17 @@ def interval_end(
     it (t = qn + 1 + E, sentinel U scoring −max(0, n − t)). Every utility moves by at most Δ per unit
     (n, the counts below a run and t move by at most Δ, in the same direction).
     """
+    aim = cut_levels(q, cut)[1 if upper else 0]
+    if upper and aim >= 1.0:
+        return grid.upper  # (the cut rows may all lie above: nothing bounds the quantile below U)
+    if not upper and aim <= 0.0:
+        return grid.lower
     stride = grid.stride
     runs = [0] * grid.runs
     for cell, count in counts.items():
         runs[cell // stride] += count
     reach = 1.0 + interval_reach(epsilon, sensitivity, grid, level)
-    chosen = int(_noisy_max(2.0 * sensitivity / epsilon)(interval_utilities(runs, q, reach, upper)))
+    chosen = int(_noisy_max(2.0 * sensitivity / epsilon)(interval_utilities(runs, aim, reach, upper)))
     if upper:
         if chosen == grid.runs:
             return grid.upper

@@ -89,14 +89,15 @@ def accuracy_notes(
     return notes
 
 
-def bias_note(plan: Plan, level: float) -> str | None:
+def bias_note(plan: Plan, level: float, covered: float | None = None) -> str | None:
     """What the intervals leave out: the bias of contribution bounding, said every time it can apply.
 
     An interval (a ±, or a quantile's value range) covers the noise only. Values clamped to the declared
     bounds and rows beyond a unit's ``max_rows``/``max_groups`` shift answers too, by an amount the analyst
     cannot see (a curator's ``dpsql policy report`` measures it). Names only the policy's bounds and caps,
     and only caps that can leave a row out (:func:`caps_cut`): public, so the note is the same on every
-    neighbouring database. A quantile's own note names its bounds."""
+    neighbouring database. A quantile's own note names its bounds. ``covered``: the share of rows cut the
+    curator published, which the value ranges of a query without a ± cover (``Budgeting.interval_cut``)."""
     additive = any(not m.selected for m in plan.measures)
     if not additive and not any(m.q is not None for m in plan.measures):
         return None  # a mode: no interval to qualify
@@ -108,15 +109,21 @@ def bias_note(plan: Plan, level: float) -> str | None:
             if text not in clamps:
                 clamps.append(text)
     parts = [f"values clamped ({', '.join(clamps)})"] if clamps else []
+    rows = "1 row" if plan.max_rows == 1 else f"{plan.max_rows} rows"
+    pct = ci_label(level)
+    if covered is not None and not additive:
+        noise = (
+            f"the noise and the {100 * covered:.3g} % of rows cut beyond {rows} per "
+            f"{plan.sources.unit_description} the curator published for the whole table"
+        )
+        return f"dpsql: the {pct}% value ranges cover {noise}" + (f", not the bias of {parts[0]}" if parts else "")
     if plan.unit is not None and caps_cut(plan):
-        rows = "1 row" if plan.max_rows == 1 else f"{plan.max_rows} rows"
         groups = f" in at most {plan.max_groups} groups" if plan.keys and plan.max_groups > 1 else ""
         parts.append(
             f"at most {rows}{groups} per {plan.sources.unit_description}{plan.cap_origin} (rows beyond are left out)"
         )
     if not parts:
         return None
-    pct = ci_label(level)
     lead = f"±{pct}% covers" if additive else f"the {pct}% value ranges cover"
     return f"dpsql: {lead} the noise only, not the bias of " + "; ".join(parts)
 

@@ -85,7 +85,8 @@ def apply(
             assert isinstance(selection, Selection)
             level = budgeting.interval_level if budgeting.interval_level is not None else confidence
             histogram = (histograms or {}).get(i, [])
-            noisy.append(selection.select(plan, i, rows, histogram, budgeting.shares[i], level=level))
+            cut = budgeting.interval_cut or 0.0
+            noisy.append(selection.select(plan, i, rows, histogram, budgeting.shares[i], level=level, cut=cut))
             continue
         values = measured[i] if measured is not None else [0 if r[nkeys + i] is None else r[nkeys + i] for r in rows]
         noisy.append(release(values, spec) if values else np.zeros(0))

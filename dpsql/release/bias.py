@@ -47,6 +47,7 @@ from dpsql.errors import InvalidParameterValue
 from dpsql.noise.mechanisms import NoiseSpec, check_samplable, half_width, laplace_spec, release
 from dpsql.plan import Plan
 from dpsql.release.apply import Released
+from dpsql.release.calibrate import published_cut
 from dpsql.rewrite._sql import key_column, literal_number, measure_input
 from dpsql.rewrite.bounding import over_sources
 from dpsql.rewrite.filter import filter_rows
@@ -333,15 +334,6 @@ def estimate(
             hint="Use a larger dpsql.epsilon, or SET dpsql.bias = off for the noise-only ±.",
         ) from None
     return made
-
-
-def published_cut(plan: Plan) -> float | None:
-    """The share of rows cut the curator published for the query's tables (the largest), when the query runs at
-    the policy's caps (a cap of its own cuts other rows); None otherwise. Public: the policy's."""
-    if plan.tau is not None:
-        return None
-    shares = [s.table.published_rows_cut for s in plan.sources.private if s.table.published_rows_cut is not None]
-    return max(shares) if shares else None
 
 
 def _ceiling(lower: float, upper: float) -> float:

@@ -62,6 +62,10 @@ class Budgeting:
     #: The ε the measurement itself is calibrated with: ``epsilon`` less what a DP cap choice or the bias
     #: estimate spend beside it (EXPLAIN splits this one over the outputs). Not in the repr (measurement key).
     measured: float | None = field(default=None, repr=False)
+    #: The share of rows the caps cut, as the curator published it (:func:`published_cut`), that quantile
+    #: value intervals cover (``dpsql.bias`` on; :func:`~dpsql.noise.exponential.cut_levels`); None: noise
+    #: only. Public (the policy's); in the repr, so in the measurement key.
+    interval_cut: float | None = None
 
 
 #: A query answered from randomized-response values already stored: post-processing, no central cost.
@@ -112,7 +116,18 @@ def budget(policy: Policy, plan: Plan, session: Session, confidence: float | Non
     budgeting.accuracy = session.accuracy
     if any(m.aggregate.interval_end for m in plan.measures):
         budgeting.interval_level = defaults.confidence
+        if session.bias is not False:
+            budgeting.interval_cut = published_cut(plan)
     return budgeting
+
+
+def published_cut(plan: Plan) -> float | None:
+    """The share of rows cut the curator published for the query's tables (the largest), when the query runs at
+    the policy's caps (a cap of its own cuts other rows); None otherwise. Public: the policy's."""
+    if plan.tau is not None or plan.unit is None:
+        return None
+    shares = [s.table.published_rows_cut for s in plan.sources.private if s.table.published_rows_cut is not None]
+    return max(shares) if shares else None
 
 
 def accuracy_epsilon(

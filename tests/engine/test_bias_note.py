@@ -35,12 +35,19 @@ def test_capped_query_names_its_caps_and_bounds() -> None:
         assert "dpsql: ±90% covers the noise only, not the bias of at most 20 rows per patients.id" in " ".join(
             counted.notices
         )
-        median = engine.execute("SELECT median(cost) FROM visits", Session("alice"))
+        median = engine.execute("SELECT median(cost) FROM visits", off)
         assert not any("covers the noise only" in n for n in median.notices)  # no ±, but a value range:
         assert (
             "dpsql: the 95% value ranges cover the noise only, not the bias of at most 20 rows per patients.id "
             "(rows beyond are left out)"
         ) in median.notices  # its own note names the bounds
+        covered = engine.execute("SELECT median(cost) FROM visits", Session("alice"))  # dpsql.bias on: the ends
+        assert (  # cover the share of rows cut the curator published (dpsql.noise.exponential.cut_levels)
+            "dpsql: the 95% value ranges cover the noise and the 8 % of rows cut beyond 20 rows per patients.id "
+            "the curator published for the whole table"
+        ) in covered.notices, covered.notices
+        published = "noise and the 8 % of rows cut beyond the cap the curator published for the table;"
+        assert any(published in n for n in covered.notices), covered.notices
         mode = engine.execute("SELECT mode() WITHIN GROUP (ORDER BY department) FROM visits", Session("alice"))
         assert not any("cover the noise only" in n or "covers the noise only" in n for n in mode.notices)
     finally:

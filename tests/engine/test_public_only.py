@@ -155,10 +155,11 @@ def test_a_column_of_mixed_python_types_loads_in_bulk_as_row_by_row_would(kind: 
     rows = [(i, v) for i, v in enumerate(values)]
     parts = _columns(rows, 2)
     assert parts is not None and len(parts[1]) > 1
+    columns: list[tuple[str, Any]] = [("k", "integer"), ("x", kind)]
     with Sandbox(None) as box:
-        box.load("bulk", [("k", "integer"), ("x", kind)], rows)
+        box.load("bulk", columns, rows)
         for table in ("direct", "one"):
-            box.load(table, [("k", "integer"), ("x", kind)], [])
+            box.load(table, columns, [])
         # the bulk statement itself takes every kind (no silent fall back to rows)
         box.con.execute(_bulk_insert('"direct"', ["INTEGER", _TO_DUCKDB[kind]], [len(p) for p in parts]), _flat(parts))
         box.con.executemany('INSERT INTO "one" VALUES (?, ?)', [list(r) for r in rows])

@@ -1,0 +1,116 @@
+"""Quantile value intervals covering the published share of rows cut, on neighbouring databases (DuckDB and
+PostgreSQL): the person absent, or present with rows far beyond the cap (ordinary, out of bounds, NaN).
+
+The ends aim at public levels (:func:`dpsql.noise.exponential.cut_levels`), so the answer's shape and its
+notes (numbers masked) are the same on every neighbour, and each end stays ε-DP on the neighbours' real
+histograms, as each backend counts them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+import pytest
+from scipy.stats import beta
+
+from dpsql.backends import Backend, open_backend
+from dpsql.engine import Engine
+from dpsql.ledger import Ledger
+from dpsql.policy import parse_policy
+from dpsql.session import Session
+
+POLICY = """
+dataset: cut
+budget: {dataset: {epsilon: 1.0e9}, analyst: {epsilon: 1.0e9}}
+analysts: [{name: alice}]
+tables:
+  people:
+    privacy_unit: id
+    max_rows_per_unit: 1
+    columns:
+      id: {type: int, identifier: true}
+  visits:
+    references: {column: person, table: people, to: id}
+    max_rows_per_unit: 3
+    published_rows_cut: 0.2
+    columns:
+      person: {type: int, identifier: true}
+      x: {type: float, lower: 0.0, upper: 10.0, nullable: false}
+"""
+
+#: The person who differs: absent, or present with 40 visits (37 beyond the cap) at this value.
+VARIANTS: dict[str, float | None] = {"absent": None, "ordinary": 9.5, "out-of-bounds": 1e308, "nan": float("nan")}
+SQL = "SELECT median(x) FROM visits"
+
+
+def _load(backend: Backend, value: float | None) -> None:
+    people = [(i,) for i in range(1, 301)]
+    visits = [(i, (i * 37 % 1000) / 100.0) for i in range(1, 301) for _ in range(1 + i % 5)]
+    if value is not None:
+        people.append((999,))
+        visits += [(999, value)] * 40
+    backend.load_rows("people", [("id", "INTEGER")], people)
+    backend.load_rows("visits", [("person", "INTEGER"), ("x", "DOUBLE PRECISION")], visits)
+
+
+@pytest.fixture(scope="module")
+def neighbours(pg_new_database: Callable[[], str]) -> Iterator[dict[tuple[str, str], Backend]]:
+    backends: dict[tuple[str, str], Backend] = {}
+    for variant, value in VARIANTS.items():
+        for kind, url in (("duckdb", "duckdb://"), ("postgres", pg_new_database())):
+            backend = open_backend(url)
+            _load(backend, value)
+            backends[(variant, kind)] = backend
+    yield backends
+    for backend in backends.values():
+        backend.close()
+
+
+def test_answered_alike_on_every_neighbour(neighbours: dict[tuple[str, str], Backend]) -> None:
+    policy = parse_policy(POLICY)
+    shapes = set()
+    for (variant, kind), backend in neighbours.items():
+        result = Engine(policy, backend, Ledger.open("sqlite:///:memory:")).execute(SQL, Session("alice"))
+        (ends,) = result.intervals[0]
+        assert ends is not None and 0.0 <= ends[0] <= ends[1] <= 10.0, (variant, kind, ends)
+        notes = tuple(re.sub(r"[0-9.]+", "#", n) for n in result.notices)
+        assert any("rows cut beyond the cap the curator published for the table" in n for n in result.notices), notes
+        shapes.add(notes)
+    assert len(shapes) == 1, shapes
+
+
+@pytest.mark.parametrize("kind", ["duckdb", "postgres"])
+@pytest.mark.parametrize("variant", ["ordinary", "out-of-bounds"])
+def test_cut_ends_are_epsilon_dp_on_neighbours(
+    neighbours: dict[tuple[str, str], Backend], kind: str, variant: str
+) -> None:
+    """Every possible lower and upper end of median(x)'s interval at ε = 1 each: P₁ ≤ e^ε·P₂ both ways
+    (Clopper–Pearson, Bonferroni over outcomes and directions)."""
+    policy = parse_policy(POLICY)
+    n, epsilon = 2000, 1.0
+    lows: list[Counter[float]] = []
+    highs: list[Counter[float]] = []
+    for name in ("absent", variant):
+        engine = Engine(policy, neighbours[(name, kind)], Ledger.open("sqlite:///:memory:"))
+        prepared = engine.prepare(SQL, Session("alice", epsilon=3 * epsilon))
+        assert prepared.budgeting.shares == [epsilon] * 3 and prepared.budgeting.interval_cut == 0.2
+        rows = engine.step.query(prepared.sql)
+        histograms = {i: engine.step.query(q) for i, q in prepared.histograms}
+        ends = [engine.step.release_rows(prepared, rows, 0.95, histograms).intervals[0][0] for _ in range(n)]
+        lows.append(Counter(e[0] for e in ends if e is not None))
+        highs.append(Counter(e[1] for e in ends if e is not None))
+    for samples in (lows, highs):
+        outcomes = set(samples[0]) | set(samples[1])
+        assert len(outcomes) > 2, samples  # the ends vary: the check is not vacuous
+        alpha = 0.001 / (2 * len(outcomes))
+        for outcome in outcomes:
+            for a, b in ((samples[0], samples[1]), (samples[1], samples[0])):
+                k_a, k_b = a[outcome], b[outcome]
+                if k_a == 0:
+                    continue
+                low_a = beta.ppf(alpha, k_a, n - k_a + 1)
+                high_b = beta.ppf(1 - alpha, k_b + 1, n - k_b) if k_b < n else 1.0
+                assert low_a <= math.exp(epsilon) * high_b, (kind, variant, outcome, k_a, k_b)
