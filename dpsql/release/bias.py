@@ -329,8 +329,8 @@ def estimate(
         for total in totals:
             check_samplable(made.spec(total, 1))
     except ValueError as exc:
-        raise InvalidParameterValue(
-            f"cannot estimate the cap/clamp bias at ε={epsilon * SHARE:g}: {exc}",
+        raise InvalidParameterValue(  # (the calibration's own message: the query's ε is what is too small)
+            f"cannot calibrate noise for ε={epsilon:g}: the bias estimate's share (ε={epsilon * SHARE:g}): {exc}",
             hint="Use a larger dpsql.epsilon, or SET dpsql.bias = off for the noise-only ±.",
         ) from None
     return made

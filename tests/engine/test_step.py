@@ -75,7 +75,7 @@ def test_composite_statement_is_charged_the_accountants_total(
     path = tmp_path / "health.yaml"
     path.write_text(yaml.safe_dump(doc))
     engine = Engine(load_policy(path), health_duckdb, Ledger.open("sqlite:///:memory:"))
-    session = Session("alice", epsilon=0.25)
+    session = Session("alice", epsilon=0.25, bias=False)  # (each part one measurement: ρ = ε²/2 each)
     parts = [
         engine.prepare(sql, session).budgeting.cost
         for sql in ("SELECT COUNT(*) FROM patients", "SELECT AVG(age) FROM patients")

@@ -62,8 +62,9 @@ def test_cache_clear(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     policy = tmp_path / "health.yaml"
     policy.write_text(HEALTH)
     assert main(["cache", "clear", "--policy", str(policy), "--ledger", ledger]) == 0
-    # two answers and the two released measurements stored beside them (measurement reuse)
-    assert capsys.readouterr().out == f'removed 4 cached results from {ledger} (the ledger of dataset "health")\n'
+    # two answers, the two released measurements stored beside them (measurement reuse) and the first's
+    # released bias estimate (its SUM clamps a value)
+    assert capsys.readouterr().out == f'removed 5 cached results from {ledger} (the ledger of dataset "health")\n'
     engine = _engine(HEALTH, database, ledger)
     assert engine.execute(SQL, Session("alice")).epsilon_spent == 1.0  # charged again, never free
     engine.close()
