@@ -86,7 +86,11 @@ def table_yaml(
     return "\n".join(lines) + "\n"
 
 
-def one_table(dataset: str, table: str, unit: str | None, rows: int | None, columns: str, **more: object) -> str:
-    """A one-table policy with the usual header (:func:`policy_yaml`'s defaults) and ``more`` settings
-    of the table (``max_groups_per_unit``)."""
-    return policy_yaml(dataset, table_yaml(table, columns, unit=unit, rows=rows, **more))
+def one_table(
+    dataset: str, table: str, unit: str | None, rows: int | None, columns: str, groups: int | str | None = None
+) -> str:
+    """A one-table policy with the usual header (:func:`policy_yaml`'s defaults); ``groups`` is the
+    table's ``max_groups_per_unit``."""
+    if groups is None:
+        return policy_yaml(dataset, table_yaml(table, columns, unit=unit, rows=rows))
+    return policy_yaml(dataset, table_yaml(table, columns, unit=unit, rows=rows, max_groups_per_unit=groups))

@@ -290,7 +290,7 @@ person: {type: int, identifier: true}
 shop: {type: text, domain: [a, b]}
 amount: {type: float, lower: -1.0, upper: 1.0e+16}
 """
-FLOAT_POLICY = one_table("floats", "spend", "person", 5, FLOAT_COLUMNS, max_groups_per_unit=3)
+FLOAT_POLICY = one_table("floats", "spend", "person", 5, FLOAT_COLUMNS, groups=3)
 
 
 def test_float_values_pick_the_same_rows_on_every_backend(pg_new_database: Callable[[], str]) -> None:
@@ -322,7 +322,7 @@ w: {type: int}
 k: {type: text}
 x: {type: float, lower: 0.0, upper: 1.0}
 """
-CELLS_POLICY = one_table("cells", "ev", "u", 5, CELLS_COLUMNS, max_groups_per_unit="%d")
+CELLS_POLICY = one_table("cells", "ev", "u", 5, CELLS_COLUMNS, groups="%d")
 
 
 def _cell_rows() -> list[tuple[int | None, str | None, float]]:
