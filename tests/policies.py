@@ -36,6 +36,11 @@ DEFAULTS = "{epsilon: 1.0, delta: 1.0e-6}"
 LAPLACE_95 = "{epsilon: 1.0, delta: 1.0e-6, mechanism: laplace, confidence: 0.95}"
 
 
+def block_budget(dataset: str, analyst: str) -> str:
+    """A ``budget:`` written as a block, a line for the dataset's and one for each analyst's."""
+    return f"\n  dataset: {dataset}\n  analyst: {analyst}"
+
+
 def policy_yaml(
     dataset: str,
     tables: str,
@@ -43,16 +48,19 @@ def policy_yaml(
     budget: str = BUDGET_10,
     defaults: str | None = None,
     trust: bool = False,
-    analysts: str = "[{name: alice}]",
+    analysts: str | None = "[{name: alice}]",
 ) -> str:
-    """A policy's YAML: the header lines, then ``tables`` (its entries indented by two spaces)."""
+    """A policy's YAML: the header lines, then ``tables`` (its entries indented by two spaces). A
+    ``budget`` that starts with a newline is a block (:func:`block_budget`)."""
     head = [f"dataset: {dataset}"]
     if defaults is not None:
         head.append(f"defaults: {defaults}")
-    head.append(f"budget: {budget}")
+    head.append("budget:" + ("" if budget.startswith("\n") else " ") + budget)
     if trust:
         head.append("auth: {trust: true}")
-    head += [f"analysts: {analysts}", "tables:"]
+    if analysts is not None:
+        head.append(f"analysts: {analysts}")
+    head.append("tables:")
     return "\n".join(head) + "\n" + tables.lstrip("\n")
 
 
@@ -94,3 +102,15 @@ def one_table(
     if groups is None:
         return policy_yaml(dataset, table_yaml(table, columns, unit=unit, rows=rows))
     return policy_yaml(dataset, table_yaml(table, columns, unit=unit, rows=rows, max_groups_per_unit=groups))
+
+
+def report_policy(dataset: str, tables: str) -> str:
+    """The header the policy-report and DP-bounds tests share: ε 1 and Laplace noise per query, a small
+    budget (ε 3, δ 1e-5 for the dataset, ε 2 for each analyst), trusted connections."""
+    return policy_yaml(
+        dataset,
+        tables,
+        defaults="{epsilon: 1.0, delta: 1.0e-6, mechanism: laplace}",
+        budget=block_budget("{epsilon: 3, delta: 1.0e-5}", "{epsilon: 2}"),
+        trust=True,
+    )

@@ -18,6 +18,7 @@ from dpsql.policy import Policy, load_policy, parse_policy
 from dpsql.release.apply import centre_rows
 from dpsql.rewrite import to_sql
 from dpsql.session import Session
+from tests.demos import demo_fixture
 from tests.policies import one_table
 
 HEAVY = HEAVY_PATIENTS[1]
@@ -46,12 +47,7 @@ def clinic_duckdb() -> Iterator[tuple[Backend, Backend]]:
     neighbour.close()
 
 
-@pytest.fixture(scope="module")
-def clinic_pg(pg_new_database: Callable[[], str]) -> Iterator[Backend]:
-    backend = open_backend(pg_new_database())
-    load_demo(backend, ["clinic"])
-    yield backend
-    backend.close()
+clinic_pg = demo_fixture("clinic", kind="postgres", scope="module")
 
 
 @pytest.fixture(scope="module")

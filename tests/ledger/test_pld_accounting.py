@@ -18,13 +18,14 @@ import pytest
 pytest.importorskip("dp_accounting")
 
 from dpsql import pld
-from dpsql.backends import Backend, open_backend
-from dpsql.dev.demo import demo_policy_path, load_demo
+from dpsql.backends import Backend
+from dpsql.dev.demo import demo_policy_path
 from dpsql.engine import Engine
 from dpsql.errors import PolicyError, PrivacyBudgetExhausted
 from dpsql.ledger import Cost, Ledger, PostgresLedger, Spent
 from dpsql.policy import Budget, Policy, parse_policy
 from dpsql.session import Session
+from tests.demos import demo_fixture
 
 BUDGET = Budget(epsilon=1.0, delta=1e-6)
 HUGE = Budget(epsilon=1e6, delta=0.5)
@@ -196,12 +197,7 @@ def test_policy_accepts_pld_and_names_the_extra_without_it(monkeypatch: pytest.M
     assert "pld extra" in refused.value.message
 
 
-@pytest.fixture(scope="module")
-def health_duckdb() -> Iterator[Backend]:
-    backend = open_backend("duckdb://")
-    load_demo(backend, ["health"])
-    yield backend
-    backend.close()
+health_duckdb = demo_fixture("health", scope="module")
 
 
 @pytest.mark.parametrize("store", ["sqlite", "postgres"])

@@ -27,32 +27,20 @@ from dpsql.ledger import Ledger
 from dpsql.policy import Policy, parse_policy
 from dpsql.rewrite import to_sql
 from dpsql.rewrite.physical import choose_physical
+from tests.policies import report_policy, table_yaml
 
-POLICY = """\
-dataset: clinic_t
-defaults: {epsilon: 1.0, delta: 1.0e-6, mechanism: laplace}
-budget:
-  dataset: {epsilon: 3, delta: 1.0e-5}
-  analyst: {epsilon: 2}
-auth: {trust: true}
-analysts: [{name: alice}]
-tables:
-  patients:
-    privacy_unit: id
-    columns:
-      id: {type: int, identifier: true}
-      age: {type: int, lower: 18, upper: 90, nullable: false}
-  visits:
-    references: {column: patient_id, table: patients, to: id}
-    max_rows_per_unit: 10
-    max_groups_per_unit: 2
-    columns:
-      id: {type: int, identifier: true}
-      patient_id: {type: int, identifier: true}
-      department: {type: text, domain: [A, B, C, D, E], nullable: false}
-      cost: {type: float, lower: 0, upper: 300}
-      los: {type: int, lower: 1, upper: 10, nullable: false}
+VISITS = """
+department: {type: text, domain: [A, B, C, D, E], nullable: false}
+cost: {type: float, lower: 0, upper: 300}
+los: {type: int, lower: 1, upper: 10, nullable: false}
 """
+POLICY = report_policy(
+    "clinic_t",
+    table_yaml("patients", "age: {type: int, lower: 18, upper: 90, nullable: false}", unit="id", ids=("id",))
+    + table_yaml(
+        "visits", VISITS, refs="patient_id patients.id", rows=10, ids=("id", "patient_id"), max_groups_per_unit=2
+    ),
+)
 
 DEPARTMENTS = "ABCDE"
 

@@ -1,0 +1,30 @@
+"""A fresh database of either backend kind for tests that run on both: in-memory DuckDB, or a new
+PostgreSQL database from the ``pg_new_database`` fixture (so only the PostgreSQL cases start one)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from dpsql.backends import Backend, open_backend
+
+
+def open_empty(kind: str, request: pytest.FixtureRequest) -> Backend:
+    """An empty database: DuckDB in memory when ``kind`` starts with "duckdb", else PostgreSQL."""
+    if kind.startswith("duckdb"):
+        return open_backend("duckdb://")
+    make: Callable[[], str] = request.getfixturevalue("pg_new_database")
+    return open_backend(make())
+
+
+@contextmanager
+def loaded(kind: str, request: pytest.FixtureRequest, script: str) -> Iterator[Backend]:
+    """:func:`open_empty` with ``script`` run in it; closed on exit."""
+    backend = open_empty(kind, request)
+    try:
+        backend.execute_script(script)
+        yield backend
+    finally:
+        backend.close()
