@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -28,3 +29,14 @@ def loaded(kind: str, request: pytest.FixtureRequest, script: str) -> Iterator[B
         yield backend
     finally:
         backend.close()
+
+
+def new_database_url(kind: str, request: pytest.FixtureRequest, tmp_path: Path, name: str = "ledger.sqlite") -> str:
+    """A fresh database's URL: a SQLite (a ledger and cache store) or DuckDB file ``name`` in ``tmp_path``
+    when ``kind`` is "sqlite" or "duckdb", else a fresh PostgreSQL database."""
+    if kind == "sqlite":
+        return f"sqlite:///{tmp_path / name}"
+    if kind == "duckdb":
+        return f"duckdb://{tmp_path}/{name}"
+    make: Callable[[], str] = request.getfixturevalue("pg_new_database")
+    return make()

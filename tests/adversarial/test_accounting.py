@@ -177,26 +177,22 @@ def _check_migrated(ledger: Ledger) -> None:
     assert ledger.charges("health", "alice")[0].cost.selection_delta == pytest.approx(4e-6)
     budget = Budget(epsilon=10, delta=1e-5)
     step = Cost(epsilon=0.1, delta=2e-6, selection_delta=2e-6)
+
+    def reserve() -> None:
+        ledger.reserve(
+            dataset="health",
+            analyst="alice",
+            cost=step,
+            dataset_budget=budget,
+            analyst_budget=budget,
+            fingerprint="g",
+            accounting="zcdp",
+        )
+
     for _ in range(2):
-        ledger.reserve(
-            dataset="health",
-            analyst="alice",
-            cost=step,
-            dataset_budget=budget,
-            analyst_budget=budget,
-            fingerprint="g",
-            accounting="zcdp",
-        )
+        reserve()
     with pytest.raises(Error) as info:  # 4e-6 + 3 × 2e-6 = 1e-5: nothing left to convert ρ at
-        ledger.reserve(
-            dataset="health",
-            analyst="alice",
-            cost=step,
-            dataset_budget=budget,
-            analyst_budget=budget,
-            fingerprint="g",
-            accounting="zcdp",
-        )
+        reserve()
     assert info.value.sqlstate == "53P01"
     assert ledger.spent("health", "alice").selection_delta == pytest.approx(8e-6)
     left = remaining_budget(ledger.spent("health", "alice"), budget, "zcdp")

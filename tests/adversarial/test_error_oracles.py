@@ -9,7 +9,7 @@ before anything is charged. tests/adversarial/README lists the cases.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,9 +117,10 @@ def _others() -> list[str]:
     return rows
 
 
-def _script(variant: str) -> str:
+def _script(variant: str, people: Mapping[str, dict[str, str] | None] = VARIANTS) -> str:
+    """Table ``t``: the others, and ``people[variant]`` (the person) as row 99 unless None."""
     rows = _others()
-    person = VARIANTS[variant]
+    person = people[variant]
     if person is not None:
         rows.append(_row(99, person))
     return f"DROP TABLE IF EXISTS t; CREATE TABLE t ({COLUMNS}); INSERT INTO t VALUES {', '.join(rows)}"

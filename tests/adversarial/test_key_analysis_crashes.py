@@ -35,7 +35,8 @@ from dpsql.engine import Engine
 from dpsql.errors import Error
 from dpsql.policy import parse_policy
 from dpsql.session import Session
-from tests.adversarial.test_error_oracles import BACKENDS, COLUMNS, ORDINARY, POLICY, VARIANTS, _others, _row
+from tests.adversarial.test_error_oracles import BACKENDS, ORDINARY, POLICY, VARIANTS
+from tests.adversarial.test_error_oracles import _script as oracle_script
 from tests.adversarial.worlds import Outcomes, kind_backends, outcomes_on
 
 #: The oracle neighbours, and the attacked person with NULL wherever a WHERE below tests IS NULL.
@@ -130,11 +131,7 @@ ATTACKS = [
 
 
 def _script(variant: str) -> str:
-    rows = _others()
-    person = NEIGHBOURS[variant]
-    if person is not None:
-        rows.append(_row(99, person))
-    return f"DROP TABLE IF EXISTS t; CREATE TABLE t ({COLUMNS}); INSERT INTO t VALUES {', '.join(rows)}"
+    return oracle_script(variant, NEIGHBOURS)
 
 
 def _outcome(engine: Engine, attack: NullAttack) -> tuple[Any, ...]:

@@ -21,6 +21,7 @@ from dpsql.cli import main
 from dpsql.curator.report import build_report
 from dpsql.ledger import Ledger
 from dpsql.policy import parse_policy
+from tests.kinds import new_database_url
 from tests.policies import report_policy, table_yaml
 
 COLUMNS = ("a", "b", "c", "d", "e")
@@ -63,10 +64,7 @@ def _load(backend: Backend, rows: list[tuple], people: int) -> None:
 
 @pytest.fixture(params=["duckdb", pytest.param("postgres", marks=pytest.mark.postgres)])
 def shop(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, Backend]]:
-    if request.param == "duckdb":
-        url = f"duckdb://{tmp_path}/shop.duckdb"
-    else:
-        url = request.getfixturevalue("pg_new_database")()
+    url = new_database_url(request.param, request, tmp_path, "shop.duckdb")
     backend = open_backend(url)
     try:
         yield url, backend

@@ -27,6 +27,7 @@ from dpsql.ledger import Ledger
 from dpsql.policy import Policy, parse_policy
 from dpsql.rewrite import to_sql
 from dpsql.rewrite.physical import choose_physical
+from tests.kinds import new_database_url
 from tests.policies import report_policy, table_yaml
 
 VISITS = """
@@ -61,29 +62,25 @@ def _rows(seed: int = 28) -> tuple[list[tuple], list[tuple]]:
     return patients, visits
 
 
+VISIT_TYPES = [
+    ("id", "BIGINT"),
+    ("patient_id", "BIGINT"),
+    ("department", "VARCHAR"),
+    ("cost", "DOUBLE PRECISION"),
+    ("los", "INTEGER"),
+]
+
+
 def _load(backend: Backend) -> Backend:
     patients, visits = _rows()
     backend.load_rows("patients", [("id", "BIGINT"), ("age", "INTEGER")], patients)
-    backend.load_rows(
-        "visits",
-        [
-            ("id", "BIGINT"),
-            ("patient_id", "BIGINT"),
-            ("department", "VARCHAR"),
-            ("cost", "DOUBLE PRECISION"),
-            ("los", "INTEGER"),
-        ],
-        visits,
-    )
+    backend.load_rows("visits", VISIT_TYPES, visits)
     return backend
 
 
 @pytest.fixture(params=["duckdb", pytest.param("postgres", marks=pytest.mark.postgres)])
 def clinic(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, Backend]]:
-    if request.param == "duckdb":
-        url = f"duckdb://{tmp_path}/clinic.duckdb"
-    else:
-        url = request.getfixturevalue("pg_new_database")()
+    url = new_database_url(request.param, request, tmp_path, "clinic.duckdb")
     backend = _load(open_backend(url))
     try:
         yield url, backend
@@ -301,18 +298,7 @@ def test_dp_bounds_land_near_the_quantiles(clinic: tuple[str, Backend]) -> None:
         for _ in range(rng.randint(1, 6)):
             rows.append((len(rows), person, "A", round(math.exp(rng.gauss(5.0, 1.2)), 3), 1))
     backend.load_rows("patients", [("id", "BIGINT"), ("age", "INTEGER")], people, replace=True)
-    backend.load_rows(
-        "visits",
-        [
-            ("id", "BIGINT"),
-            ("patient_id", "BIGINT"),
-            ("department", "VARCHAR"),
-            ("cost", "DOUBLE PRECISION"),
-            ("los", "INTEGER"),
-        ],
-        rows,
-        replace=True,
-    )
+    backend.load_rows("visits", VISIT_TYPES, rows, replace=True)
     policy = parse_policy(POLICY.replace("max_rows_per_unit: 10", "max_rows_per_unit: 5"))
     values = sorted(r[3] for r in rows)
     p01, p99 = values[len(values) // 100], values[len(values) * 99 // 100]
