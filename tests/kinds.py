@@ -12,16 +12,18 @@ import pytest
 from dpsql.backends import Backend, open_backend
 
 
-def open_empty(kind: str, request: pytest.FixtureRequest) -> Backend:
-    """An empty database: DuckDB in memory when ``kind`` starts with "duckdb", else PostgreSQL."""
+def open_empty(kind: str, request: pytest.FixtureRequest | None) -> Backend:
+    """An empty database: DuckDB in memory when ``kind`` starts with "duckdb", else PostgreSQL (from
+    ``request``'s ``pg_new_database``)."""
     if kind.startswith("duckdb"):
         return open_backend("duckdb://")
+    assert request is not None, "a PostgreSQL database needs the requesting fixture"
     make: Callable[[], str] = request.getfixturevalue("pg_new_database")
     return open_backend(make())
 
 
 @contextmanager
-def loaded(kind: str, request: pytest.FixtureRequest, script: str) -> Iterator[Backend]:
+def loaded(kind: str, request: pytest.FixtureRequest | None, script: str) -> Iterator[Backend]:
     """:func:`open_empty` with ``script`` run in it; closed on exit."""
     backend = open_empty(kind, request)
     try:

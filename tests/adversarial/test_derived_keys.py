@@ -23,7 +23,7 @@ from dpsql.errors import Error
 from dpsql.policy import parse_policy
 from dpsql.session import Session
 from tests.adversarial.test_error_oracles import BACKENDS, POLICY, VARIANTS, _script
-from tests.adversarial.worlds import kind_backends, outcomes_on
+from tests.adversarial.worlds import Outcomes, kind_backends, outcomes_on
 
 
 @dataclass(frozen=True)
@@ -121,9 +121,16 @@ def check_independent(attack: KeyAttack, outcomes: dict[tuple[str, str, str], tu
     assert len(next(iter(keys))) == attack.keys
 
 
-@pytest.fixture(scope="module")
-def key_outcomes(key_backends: dict[str, Backend]) -> dict[tuple[str, str, str], tuple[Any, ...]]:
-    return outcomes_of(ATTACKS, key_backends)
+def outcomes_fixture(attacks: list[KeyAttack]) -> object:
+    """A module fixture: :func:`outcomes_of` ``attacks`` over ``key_backends``."""
+
+    def fixture(key_backends: dict[str, Backend]) -> Outcomes:
+        return outcomes_of(attacks, key_backends)
+
+    return pytest.fixture(scope="module")(fixture)
+
+
+key_outcomes = outcomes_fixture(ATTACKS)
 
 
 @pytest.mark.parametrize("attack", ATTACKS, ids=lambda a: a.id)
