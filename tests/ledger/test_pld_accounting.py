@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import sqlite3
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from dpsql.backends import Backend
 from dpsql.dev.demo import demo_policy_path
 from dpsql.engine import Engine
 from dpsql.errors import PolicyError, PrivacyBudgetExhausted
-from dpsql.ledger import Cost, Ledger, PostgresLedger, Spent
+from dpsql.ledger import Cost, Ledger, Spent
 from dpsql.policy import Budget, Policy, parse_policy
 from dpsql.session import Session
 from tests.demos import demo_fixture
@@ -61,18 +60,6 @@ def _answered(ledger: Ledger, dataset: str, accounting: str, *, queries: int = 0
             left = ledger.remaining(dataset, "alice", budget=BUDGET, accounting="pld").epsilon
             assert left < remaining[-1]  # each charge composes more loss
             remaining.append(left)
-
-
-@pytest.fixture
-def sqlite_ledger(tmp_path: Path) -> Iterator[Ledger]:
-    with Ledger.open(f"sqlite://{tmp_path / 'ledger.sqlite'}") as opened:
-        yield opened
-
-
-@pytest.fixture
-def postgres_ledger(pg_dsn: str) -> Iterator[Ledger]:
-    with PostgresLedger(pg_dsn) as opened:
-        yield opened
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
