@@ -3,7 +3,7 @@ with a fresh in-memory ledger, and fixtures made of them (one line each in a con
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
@@ -42,7 +42,12 @@ def demo_fixture(*demos: str, kind: str = "duckdb", scope: str = "session") -> o
         with demo_backend(request.param if params else kind, request, *demos) as backend:
             yield backend
 
-    return pytest.fixture(scope=scope, params=params)(fixture)  # type: ignore[call-overload]
+    def on_postgres(request: pytest.FixtureRequest, pg_new_database: Callable[[], str]) -> Iterator[Backend]:
+        # names pg_new_database, so collection marks its tests ``postgres`` (tests/pg.py)
+        yield from fixture(request)
+
+    chosen = on_postgres if kind == "postgres" else fixture
+    return pytest.fixture(scope=scope, params=params)(chosen)  # type: ignore[call-overload]
 
 
 @contextmanager
