@@ -12,6 +12,7 @@ from dpsql.cache import ResultCache
 from dpsql.engine import Engine
 from dpsql.ledger import Ledger
 from dpsql.policy import Policy
+from tests.policies import DEFAULTS, block_budget, policy_yaml
 
 Case = TypeVar("Case")
 #: (case, backend kind, neighbour) → what the case gave there.
@@ -23,15 +24,8 @@ KINDS = ("duckdb", "postgres")
 def roomy_policy(dataset: str, tables: str) -> str:
     """A policy text for ``dataset`` (ε 1 per query, a budget of 1e9, analyst alice) over ``tables``
     (the YAML of its ``tables:`` block, indented by two)."""
-    return (
-        f"dataset: {dataset}\n"
-        "defaults: {epsilon: 1.0, delta: 1.0e-6}\n"
-        "budget:\n"
-        "  dataset: {epsilon: 1.0e9, delta: 0.5}\n"
-        "  analyst: {epsilon: 1.0e9, delta: 0.5}\n"
-        "analysts: [{name: alice}]\n"
-        f"tables:\n{tables.strip(chr(10))}\n"
-    )
+    roomy = "{epsilon: 1.0e9, delta: 0.5}"
+    return policy_yaml(dataset, tables.strip("\n") + "\n", defaults=DEFAULTS, budget=block_budget(roomy, roomy))
 
 
 @contextmanager
