@@ -6,11 +6,15 @@ another process on a loaded machine before the server binds it.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
 
 #: ``dpsql serving dataset "…" on HOST:PORT (…`` and ``dpsql dashboard for dataset "…" at http://HOST:PORT/ …``.
 _STARTED = re.compile(r"dpsql (?:serving .*? on \S+:(\d+) |dashboard .*? at https?://\S+:(\d+)/)")
@@ -33,3 +37,28 @@ def port_from_log(path: Path, proc: subprocess.Popen[Any], timeout: float = 120.
         assert proc.poll() is None, f"the server exited ({proc.returncode}) before it started:\n{text[-4000:]}"
         assert time.monotonic() < deadline, f"the server did not start within {timeout:.0f} s:\n{text[-4000:]}"
         time.sleep(0.1)
+
+
+def start_serve(*args: str, home: Path) -> subprocess.Popen[str]:
+    """``python -m dpsql.cli serve --port 0 ARGS`` from the checkout with ``DPSQL_HOME=home``; its stderr
+    a pipe to read the start line from (:func:`serving_line`)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "dpsql.cli", "serve", "--port", "0", *args],
+        cwd=ROOT,
+        env={**os.environ, "DPSQL_HOME": str(home)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def serving_line(server: subprocess.Popen[str], deadline: float) -> str:
+    """The ``dpsql serving`` line of a :func:`start_serve` server, read before ``time.monotonic()``
+    passes ``deadline``."""
+    assert server.stderr is not None
+    line = ""
+    while "dpsql serving" not in line:
+        line = server.stderr.readline()
+        assert line or server.poll() is None, "dpsql serve exited before serving"
+        assert time.monotonic() < deadline
+    return line

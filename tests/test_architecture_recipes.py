@@ -21,15 +21,14 @@ from dpsql import aggregates
 from dpsql.aggregates.base import Aggregate, Recognised, Scope, measure_var
 from dpsql.analyze import domains
 from dpsql.analyze.keys.base import KeyContext, KeyExpr, finite_domain
-from dpsql.backends import Backend, open_backend
-from dpsql.dev.demo import demo_policy_path, load_demo
+from dpsql.backends import Backend
 from dpsql.engine import Engine
 from dpsql.errors import FeatureNotSupported, UndefinedFunction
 from dpsql.ledger import Ledger
 from dpsql.pgtypes import PgType
 from dpsql.plan import MEASURE_AGGREGATES, Measure, OutputItem
-from dpsql.policy import load_policy
 from dpsql.session import Session
+from tests.demos import demo_engine_fixture, demo_fixture
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -52,17 +51,8 @@ def test_every_file_named_exists() -> None:
     assert missing == []
 
 
-@pytest.fixture(scope="module")
-def health() -> Any:
-    backend = open_backend("duckdb://")
-    load_demo(backend, ["health"])
-    yield backend
-    backend.close()
-
-
-@pytest.fixture
-def engine(health: Backend) -> Engine:
-    return Engine(load_policy(demo_policy_path("health")), health, Ledger.open("sqlite:///:memory:"))
+health = demo_fixture("health", scope="module")
+engine = demo_engine_fixture("health", "health")
 
 
 # -- a GROUP BY key function: ABS(x) -------------------------------------------------------------

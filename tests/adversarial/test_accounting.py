@@ -25,6 +25,7 @@ from dpsql.ledger import Cost, Ledger, remaining_budget
 from dpsql.policy import Budget, Policy, load_policy
 from dpsql.release import epsilon_to_rho, half_width, rho_to_epsilon
 from dpsql.session import Session
+from tests.policies import policy_yaml, table_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 GROUPED = "SELECT zip, COUNT(*) FROM patients GROUP BY zip"  # zip has no public domain: partition selection
@@ -176,26 +177,22 @@ def _check_migrated(ledger: Ledger) -> None:
     assert ledger.charges("health", "alice")[0].cost.selection_delta == pytest.approx(4e-6)
     budget = Budget(epsilon=10, delta=1e-5)
     step = Cost(epsilon=0.1, delta=2e-6, selection_delta=2e-6)
+
+    def reserve() -> None:
+        ledger.reserve(
+            dataset="health",
+            analyst="alice",
+            cost=step,
+            dataset_budget=budget,
+            analyst_budget=budget,
+            fingerprint="g",
+            accounting="zcdp",
+        )
+
     for _ in range(2):
-        ledger.reserve(
-            dataset="health",
-            analyst="alice",
-            cost=step,
-            dataset_budget=budget,
-            analyst_budget=budget,
-            fingerprint="g",
-            accounting="zcdp",
-        )
+        reserve()
     with pytest.raises(Error) as info:  # 4e-6 + 3 × 2e-6 = 1e-5: nothing left to convert ρ at
-        ledger.reserve(
-            dataset="health",
-            analyst="alice",
-            cost=step,
-            dataset_budget=budget,
-            analyst_budget=budget,
-            fingerprint="g",
-            accounting="zcdp",
-        )
+        reserve()
     assert info.value.sqlstate == "53P01"
     assert ledger.spent("health", "alice").selection_delta == pytest.approx(8e-6)
     left = remaining_budget(ledger.spent("health", "alice"), budget, "zcdp")
@@ -232,19 +229,16 @@ def test_schema_1_postgres_ledger_is_migrated(pg_new_database: Callable[[], str]
 
 # --- sums beyond 2^52 ---------------------------------------------------------------------------
 
-_BIG_POLICY = """
-dataset: bigsums
-budget:
-  dataset: {epsilon: 50, delta: 1.0e-4}
-  analyst: {epsilon: 10, delta: 1.0e-5}
-auth: {trust: true}
-analysts: [{name: alice}]
-tables:
-  amounts:
-    columns:
-      huge: {type: int, lower: 0, upper: 200000000000000000, nullable: false}
-      wide: {type: int, lower: 0, upper: 10000000000000, nullable: false}
+_BIG_COLUMNS = """
+huge: {type: int, lower: 0, upper: 200000000000000000, nullable: false}
+wide: {type: int, lower: 0, upper: 10000000000000, nullable: false}
 """
+_BIG_POLICY = policy_yaml(
+    "bigsums",
+    table_yaml("amounts", _BIG_COLUMNS),
+    budget="{dataset: {epsilon: 50, delta: 1.0e-4}, analyst: {epsilon: 10, delta: 1.0e-5}}",
+    trust=True,
+)
 
 
 @pytest.fixture(params=["duckdb", "postgres"])

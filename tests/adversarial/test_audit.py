@@ -16,13 +16,14 @@ from typing import Any
 
 import pytest
 
-from dpsql.backends import Backend, open_backend
+from dpsql.backends import Backend
 from dpsql.engine import Engine
 from dpsql.errors import Error
 from dpsql.ledger import Ledger
 from dpsql.policy import parse_policy
 from dpsql.session import Session
 from tests.adversarial.test_error_oracles import POLICY, _script
+from tests.adversarial.worlds import kind_backends
 
 NEIGHBOURS = ("absent", "ordinary", "out-of-bounds", "nan")
 STATEMENTS = (
@@ -37,10 +38,8 @@ STATEMENTS = (
 
 @pytest.fixture(scope="module")
 def audit_backends(pg_new_database: Callable[[], str]) -> Iterator[dict[str, Backend]]:
-    backends = {"duckdb": open_backend("duckdb://"), "postgres": open_backend(pg_new_database())}
-    yield backends
-    for backend in backends.values():
-        backend.close()
+    with kind_backends(pg_new_database) as backends:
+        yield backends
 
 
 def _comparable(row: Any) -> tuple[Any, ...]:

@@ -36,6 +36,7 @@ from dpsql.release.accuracy import caps_cut
 from dpsql.release.bias import BiasEstimate, split_folded, totals_query
 from dpsql.session import Session
 from tests.adversarial.worlds import neighbour_worlds, roomy_policy
+from tests.policies import table_yaml
 
 POLICY = roomy_policy(
     "biasn",
@@ -254,19 +255,11 @@ def test_released_cut_total_is_epsilon_dp_on_neighbours(worlds: dict[tuple[str, 
 
 #: Each row is one person (no privacy_unit): no cap cuts a row, but values are clamped, so the estimate
 #: has a clamp excess total whose sensitivity is one value's reach.
-ROW_POLICY = """
-dataset: biasrow
-defaults: {epsilon: 1.0, delta: 1.0e-6}
-budget:
-  dataset: {epsilon: 1.0e9, delta: 0.5}
-  analyst: {epsilon: 1.0e9, delta: 0.5}
-analysts: [{name: alice}]
-tables:
-  rowpeople:
-    columns:
-      kind: {type: text, domain: [a, b, c], nullable: false}
-      amount: {type: float, lower: 0.0, upper: 10.0, nullable: true}
+ROW_COLUMNS = """
+kind: {type: text, domain: [a, b, c], nullable: false}
+amount: {type: float, lower: 0.0, upper: 10.0, nullable: true}
 """
+ROW_POLICY = roomy_policy("biasrow", table_yaml("rowpeople", ROW_COLUMNS))
 #: The one adversary row's amount (SQL), per neighbour; None: absent.
 ROW_ADVERSARIES = [None, "CAST('NaN' AS DOUBLE PRECISION)", "CAST('Infinity' AS DOUBLE PRECISION)", "-1e300", "1e300"]
 

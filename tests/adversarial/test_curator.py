@@ -14,23 +14,21 @@ import pytest
 from dpsql.backends import Backend, open_backend
 from dpsql.curator.check import check_text
 from dpsql.curator.draft import draft_policy
+from tests.policies import policy_yaml, table_yaml
 from tests.policy.people import fill
 
-POLICY = """\
-dataset: people
-budget: {dataset: {epsilon: 10, delta: 1.0e-5}, analyst: {epsilon: 5}}
-auth: {trust: true}
-analysts: [{name: alice}]
-tables:
-  people:
-    privacy_unit: UNIT
-    columns:
-      person_id: {type: int, identifier: true}
-      name: {type: text, identifier: true}
-      dept: {type: text}
-      age: {type: int, identifier: true}
-      income: {type: float, lower: 0, upper: 1000}
+PEOPLE = """
+name: {type: text, identifier: true}
+dept: {type: text}
+age: {type: int, identifier: true}
+income: {type: float, lower: 0, upper: 1000}
 """
+POLICY = policy_yaml(
+    "people",
+    table_yaml("people", PEOPLE, unit="UNIT", ids=("person_id",)),
+    budget="{dataset: {epsilon: 10, delta: 1.0e-5}, analyst: {epsilon: 5}}",
+    trust=True,
+)
 
 #: Person 7 alone holds the rare department; person 0 is ordinary.
 NEIGHBOURS = (None, 7, 0)

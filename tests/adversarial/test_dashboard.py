@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from dpsql.backends import Backend, open_backend
+from dpsql.backends import Backend
 from dpsql.engine import Engine
 from dpsql.errors import Error
 from dpsql.ledger import Ledger
@@ -27,6 +27,7 @@ from dpsql.policy import parse_policy
 from dpsql.session import Session
 from tests.adversarial.test_audit import NEIGHBOURS, STATEMENTS
 from tests.adversarial.test_error_oracles import POLICY, _script
+from tests.adversarial.worlds import kind_backends
 from tests.dashboard.conftest import start_live
 
 PAGES = ("/", "/spend", "/audit", "/audit?outcome=refused", "/policy")
@@ -46,10 +47,8 @@ def _masked(page: str) -> str:
 
 @pytest.fixture(scope="module")
 def dashboard_backends(pg_new_database: Callable[[], str]) -> Iterator[dict[str, Backend]]:
-    backends = {"duckdb": open_backend("duckdb://"), "postgres": open_backend(pg_new_database())}
-    yield backends
-    for backend in backends.values():
-        backend.close()
+    with kind_backends(pg_new_database) as backends:
+        yield backends
 
 
 def test_dashboard_pages_do_not_depend_on_one_person(dashboard_backends: dict[str, Backend], tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.adversarial.test_derived_keys import KeyAttack, check_independent, key_backends, outcomes_of
+from tests.adversarial.test_derived_keys import KeyAttack, check_independent, key_backends, outcomes_fixture
 
 __all__ = ["key_backends"]  # the shared module fixture (DuckDB and PostgreSQL backends)
 
@@ -53,9 +53,7 @@ ATTACKS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def bin_outcomes(key_backends: dict[str, Any]) -> dict[tuple[str, str, str], tuple[Any, ...]]:
-    return outcomes_of(ATTACKS, key_backends)
+bin_outcomes = outcomes_fixture(ATTACKS)
 
 
 @pytest.mark.parametrize("attack", ATTACKS, ids=lambda a: a.id)

@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 
-from dpsql.backends import Backend, open_backend
+from dpsql.backends import Backend
 from dpsql.engine import Engine
 from dpsql.errors import Error
-from dpsql.ledger import Ledger
 from dpsql.policy import parse_policy
 from dpsql.session import Session
 from tests.adversarial.test_error_oracles import BACKENDS, POLICY, VARIANTS, _script
+from tests.adversarial.worlds import Outcomes, kind_backends, outcomes_on
 
 
 @dataclass(frozen=True)
@@ -95,23 +95,14 @@ def _outcome(engine: Engine, attack: KeyAttack) -> tuple[Any, ...]:
 
 @pytest.fixture(scope="module")
 def key_backends(pg_new_database: Callable[[], str]) -> Iterator[dict[str, Backend]]:
-    backends = {"duckdb": open_backend("duckdb://"), "postgres": open_backend(pg_new_database())}
-    yield backends
-    for backend in backends.values():
-        backend.close()
+    with kind_backends(pg_new_database) as backends:
+        yield backends
 
 
 def outcomes_of(attacks: list[KeyAttack], backends: dict[str, Backend]) -> dict[tuple[str, str, str], tuple[Any, ...]]:
     """Every attack's outcome on every backend and neighbouring database, each with a fresh ledger."""
-    policy = parse_policy(POLICY)
-    found = {}
-    for variant in VARIANTS:
-        for name, backend in backends.items():
-            backend.execute_script(_script(variant))
-            for attack in attacks:
-                engine = Engine(policy, backend, Ledger.open("sqlite:///:memory:"))
-                found[attack.id, name, variant] = _outcome(engine, attack)
-    return found
+    scripts = {variant: _script(variant) for variant in VARIANTS}
+    return outcomes_on(backends, scripts, [(a.id, a) for a in attacks], _outcome, parse_policy(POLICY))
 
 
 def check_independent(attack: KeyAttack, outcomes: dict[tuple[str, str, str], tuple[Any, ...]], what: str) -> None:
@@ -130,9 +121,16 @@ def check_independent(attack: KeyAttack, outcomes: dict[tuple[str, str, str], tu
     assert len(next(iter(keys))) == attack.keys
 
 
-@pytest.fixture(scope="module")
-def key_outcomes(key_backends: dict[str, Backend]) -> dict[tuple[str, str, str], tuple[Any, ...]]:
-    return outcomes_of(ATTACKS, key_backends)
+def outcomes_fixture(attacks: list[KeyAttack]) -> object:
+    """A module fixture: :func:`outcomes_of` ``attacks`` over ``key_backends``."""
+
+    def fixture(key_backends: dict[str, Backend]) -> Outcomes:
+        return outcomes_of(attacks, key_backends)
+
+    return pytest.fixture(scope="module")(fixture)
+
+
+key_outcomes = outcomes_fixture(ATTACKS)
 
 
 @pytest.mark.parametrize("attack", ATTACKS, ids=lambda a: a.id)

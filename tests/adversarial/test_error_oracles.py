@@ -9,19 +9,19 @@ before anything is charged. tests/adversarial/README lists the cases.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
-from dpsql.backends import Backend, open_backend
+from dpsql.backends import Backend
 from dpsql.engine import Engine
 from dpsql.errors import Error
 from dpsql.ledger import Ledger
-from dpsql.policy import Policy, parse_policy
+from dpsql.policy import parse_policy
 from dpsql.session import Session
-from tests.adversarial.worlds import roomy_policy
+from tests.adversarial.worlds import kind_backends, outcomes_on, roomy_policy
 
 POLICY = roomy_policy(
     "oracles",
@@ -117,9 +117,10 @@ def _others() -> list[str]:
     return rows
 
 
-def _script(variant: str) -> str:
+def _script(variant: str, people: Mapping[str, dict[str, str] | None] = VARIANTS) -> str:
+    """Table ``t``: the others, and ``people[variant]`` (the person) as row 99 unless None."""
     rows = _others()
-    person = VARIANTS[variant]
+    person = people[variant]
     if person is not None:
         rows.append(_row(99, person))
     return f"DROP TABLE IF EXISTS t; CREATE TABLE t ({COLUMNS}); INSERT INTO t VALUES {', '.join(rows)}"
@@ -247,24 +248,15 @@ def _outcome(engine: Engine, attack: Attack) -> tuple[Any, ...]:
 
 @pytest.fixture(scope="module")
 def oracle_backends(pg_new_database: Callable[[], str]) -> Iterator[dict[str, Backend]]:
-    backends = {"duckdb": open_backend("duckdb://"), "postgres": open_backend(pg_new_database())}
-    yield backends
-    for backend in backends.values():
-        backend.close()
+    with kind_backends(pg_new_database) as backends:
+        yield backends
 
 
 @pytest.fixture(scope="module")
 def outcomes(oracle_backends: dict[str, Backend]) -> dict[tuple[str, str, str], tuple[Any, ...]]:
     """Every attack's outcome on every backend and neighbouring database, each with a fresh ledger."""
-    policy: Policy = parse_policy(POLICY)
-    found = {}
-    for variant in VARIANTS:
-        for name, backend in oracle_backends.items():
-            backend.execute_script(_script(variant))
-            for attack in ATTACKS:
-                engine = Engine(policy, backend, Ledger.open("sqlite:///:memory:"))
-                found[attack.id, name, variant] = _outcome(engine, attack)
-    return found
+    scripts = {variant: _script(variant) for variant in VARIANTS}
+    return outcomes_on(oracle_backends, scripts, [(a.id, a) for a in ATTACKS], _outcome, parse_policy(POLICY))
 
 
 def test_neighbours_are_loaded_as_intended(oracle_backends: dict[str, Backend]) -> None:

@@ -22,6 +22,7 @@ from dpsql.errors import Error
 from dpsql.ledger import Ledger
 from dpsql.policy import load_policy
 from dpsql.session import Session
+from tests.kinds import loaded
 
 ROOT = Path(__file__).resolve().parents[2]
 HEALTH = ROOT / "schemas" / "health.yaml"
@@ -250,13 +251,12 @@ def test_every_front_door_has_a_statement_timeout() -> None:
 
 @pytest.fixture
 def big_patients() -> Iterator[Backend]:
-    backend = open_backend("duckdb://")
-    backend.execute_script(
+    script = (
         "CREATE TABLE patients AS SELECT i % 97 AS age, i % 50 AS visits, (i % 100) + 2100 AS zip, "
         "CASE WHEN i % 2 = 0 THEN 'Female' ELSE 'Male' END AS sex FROM range(20000000) t(i)"
     )
-    yield backend
-    backend.close()
+    with loaded("duckdb", None, script) as backend:
+        yield backend
 
 
 def test_timed_out_query_is_57014_and_charged(big_patients: Backend) -> None:

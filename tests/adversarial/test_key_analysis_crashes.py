@@ -31,13 +31,13 @@ from typing import Any
 
 import pytest
 
-from dpsql.backends import Backend, open_backend
 from dpsql.engine import Engine
 from dpsql.errors import Error
-from dpsql.ledger import Ledger
 from dpsql.policy import parse_policy
 from dpsql.session import Session
-from tests.adversarial.test_error_oracles import BACKENDS, COLUMNS, ORDINARY, POLICY, VARIANTS, _others, _row
+from tests.adversarial.test_error_oracles import BACKENDS, ORDINARY, POLICY, VARIANTS
+from tests.adversarial.test_error_oracles import _script as oracle_script
+from tests.adversarial.worlds import Outcomes, kind_backends, outcomes_on
 
 #: The oracle neighbours, and the attacked person with NULL wherever a WHERE below tests IS NULL.
 NEIGHBOURS: dict[str, dict[str, str] | None] = VARIANTS | {
@@ -131,11 +131,7 @@ ATTACKS = [
 
 
 def _script(variant: str) -> str:
-    rows = _others()
-    person = NEIGHBOURS[variant]
-    if person is not None:
-        rows.append(_row(99, person))
-    return f"DROP TABLE IF EXISTS t; CREATE TABLE t ({COLUMNS}); INSERT INTO t VALUES {', '.join(rows)}"
+    return oracle_script(variant, NEIGHBOURS)
 
 
 def _outcome(engine: Engine, attack: NullAttack) -> tuple[Any, ...]:
@@ -147,21 +143,10 @@ def _outcome(engine: Engine, attack: NullAttack) -> tuple[Any, ...]:
 
 
 @pytest.fixture(scope="module")
-def null_outcomes(pg_new_database: Callable[[], str]) -> Iterator[dict[tuple[str, str, str], tuple[Any, ...]]]:
-    backends: dict[str, Backend] = {"duckdb": open_backend("duckdb://"), "postgres": open_backend(pg_new_database())}
-    policy = parse_policy(POLICY)
-    found = {}
-    try:
-        for variant in NEIGHBOURS:
-            for name, backend in backends.items():
-                backend.execute_script(_script(variant))
-                for attack in ATTACKS:
-                    engine = Engine(policy, backend, Ledger.open("sqlite:///:memory:"))
-                    found[attack.id, name, variant] = _outcome(engine, attack)
-        yield found
-    finally:
-        for backend in backends.values():
-            backend.close()
+def null_outcomes(pg_new_database: Callable[[], str]) -> Iterator[Outcomes]:
+    scripts = {variant: _script(variant) for variant in NEIGHBOURS}
+    with kind_backends(pg_new_database) as backends:
+        yield outcomes_on(backends, scripts, [(a.id, a) for a in ATTACKS], _outcome, parse_policy(POLICY))
 
 
 @pytest.mark.parametrize("attack", ATTACKS, ids=lambda a: a.id)

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from dpsql.backends import Backend, open_backend
+from dpsql.backends import Backend
 from dpsql.curator.check import check_text
 from dpsql.engine import Engine, Prepared
 from dpsql.errors import Error
@@ -26,40 +26,35 @@ from dpsql.ledger import Ledger
 from dpsql.policy import Policy, parse_policy
 from dpsql.session import Result, Session
 from tests.adversarial.fuzz_grammar import FuzzPolicy, database_script
+from tests.kinds import open_empty
+from tests.policies import LAPLACE_95, block_budget, policy_yaml, table_yaml
 from tests.trust.conftest import dp_violations, threshold_events
 
 N = 4000
 QUANTILES = (0.02, 0.1, 0.3, 0.5, 0.7, 0.9, 0.98)
 
-POLICY = """
-dataset: labs
-defaults: {epsilon: 1.0, delta: 1.0e-6, mechanism: laplace, confidence: 0.95}
-budget:
-  dataset: {epsilon: 1.0e6, delta: 1.0e-3}
-  analyst: {epsilon: 1.0e6, delta: 1.0e-3}
-auth: {trust: true}
-analysts: [{name: auditor}]
-tables:
-  patients:
-    privacy_unit: id
-    columns:
-      id: {type: int, identifier: true}
-      age: {type: int, lower: 0, upper: 100, nullable: false}
-  visits:
-    references: {column: patient_id, table: patients, to: id}
-    max_rows_per_unit: 8
-    columns:
-      id: {type: int, identifier: true}
-      patient_id: {type: int, identifier: true}
-      ward: {type: text, domain: [a, b], nullable: false}
-  labs:
-    references: {column: visit_id, table: visits, to: id}
-    max_rows_per_unit: 10
-    columns:
-      id: {type: int, identifier: true}
-      visit_id: {type: int, identifier: true}
-      value: {type: float, lower: 0.0, upper: 10.0, nullable: false}
-"""
+POLICY = policy_yaml(
+    "labs",
+    table_yaml("patients", "age: {type: int, lower: 0, upper: 100, nullable: false}", unit="id", ids=("id",))
+    + table_yaml(
+        "visits",
+        "ward: {type: text, domain: [a, b], nullable: false}",
+        refs="patient_id patients.id",
+        rows=8,
+        ids=("id", "patient_id"),
+    )
+    + table_yaml(
+        "labs",
+        "value: {type: float, lower: 0.0, upper: 10.0, nullable: false}",
+        refs="visit_id visits.id",
+        rows=10,
+        ids=("id", "visit_id"),
+    ),
+    defaults=LAPLACE_95,
+    budget=block_budget("{epsilon: 1.0e6, delta: 1.0e-3}", "{epsilon: 1.0e6, delta: 1.0e-3}"),
+    trust=True,
+    analysts="[{name: auditor}]",
+)
 
 
 def _script(extra: bool) -> str:
@@ -86,11 +81,7 @@ def _script(extra: bool) -> str:
 def neighbours(request: pytest.FixtureRequest) -> Iterator[tuple[Backend, Backend]]:
     pair = []
     for extra in (False, True):
-        if request.param == "duckdb":
-            backend = open_backend("duckdb://")
-        else:
-            make: Callable[[], str] = request.getfixturevalue("pg_new_database")
-            backend = open_backend(make())
+        backend = open_empty(request.param, request)
         backend.execute_script(_script(extra))
         pair.append(backend)
     yield pair[0], pair[1]
@@ -177,10 +168,7 @@ def test_a_repeating_chain_key_refuses_before_any_charge(request: pytest.Fixture
     fuzz = FuzzPolicy("pid", 3, 2, "table", True, frozenset(), (0.0, 50.0), (0, 10), (-5.0, 5.0))
     policy = parse_policy(fuzz.yaml(), "<fuzz>")
     for dialect in ("duckdb", "postgres"):
-        if dialect == "duckdb":
-            backend = open_backend("duckdb://")
-        else:
-            backend = open_backend(request.getfixturevalue("pg_new_database")())
+        backend = open_empty(dialect, request)
         backend.execute_script(database_script("dupkey"))
         engine = Engine(policy, backend, Ledger.open("memory"))
         with pytest.raises(Error) as info:

@@ -13,12 +13,11 @@ from typing import Any
 
 import pytest
 
-from dpsql.backends import Backend, open_backend
 from dpsql.engine import Engine
 from dpsql.errors import Error
-from dpsql.ledger import Ledger
 from dpsql.policy import parse_policy
 from dpsql.session import Session
+from tests.adversarial.worlds import Outcomes, kind_backends, outcomes_on
 
 from .test_error_oracles import BACKENDS, POLICY, VARIANTS, _script
 
@@ -67,22 +66,10 @@ def _outcome(engine: Engine, sql: str) -> tuple[Any, ...]:
 
 
 @pytest.fixture(scope="module")
-def outer_outcomes(pg_new_database: Callable[[], str]) -> Iterator[dict[tuple[str, str, str], tuple[Any, ...]]]:
-    backends: dict[str, Backend] = {"duckdb": open_backend("duckdb://"), "postgres": open_backend(pg_new_database())}
-    policy = parse_policy(POLICY)
-    found = {}
-    try:
-        for variant in VARIANTS:
-            for name, backend in backends.items():
-                backend.execute_script(_script(variant))
-                for case, sql in CASES:
-                    found[case, name, variant] = _outcome(
-                        Engine(policy, backend, Ledger.open("sqlite:///:memory:")), sql
-                    )
-        yield found
-    finally:
-        for backend in backends.values():
-            backend.close()
+def outer_outcomes(pg_new_database: Callable[[], str]) -> Iterator[Outcomes]:
+    scripts = {variant: _script(variant) for variant in VARIANTS}
+    with kind_backends(pg_new_database) as backends:
+        yield outcomes_on(backends, scripts, CASES, _outcome, parse_policy(POLICY))
 
 
 @pytest.mark.parametrize(("case", "sql"), CASES, ids=[c for c, _ in CASES])

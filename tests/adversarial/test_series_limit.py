@@ -17,14 +17,11 @@ from typing import Any
 
 import pytest
 
-from dpsql.backends import Backend, open_backend
-from dpsql.cache import ResultCache
 from dpsql.engine import Engine
 from dpsql.errors import Error
-from dpsql.ledger import Ledger
 from dpsql.policy import parse_policy
 from dpsql.session import Session
-from tests.adversarial.worlds import roomy_policy
+from tests.adversarial.worlds import Outcomes, kind_backends, outcomes_on, roomy_policy
 
 POLICY = roomy_policy(
     "series",
@@ -148,25 +145,16 @@ _CLOCK = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(\.\d+)? UTC")
 
 
 @pytest.fixture(scope="module")
-def series_outcomes(pg_new_database: Callable[[], str]) -> Iterator[dict[tuple[str, str, str], tuple[Any, ...]]]:
-    backends: dict[str, Backend] = {"duckdb": open_backend("duckdb://"), "postgres": open_backend(pg_new_database())}
-    policy = parse_policy(POLICY)
-    found = {}
-    try:
-        for variant, person in VARIANTS.items():
-            for name, backend in backends.items():
-                backend.execute_script(_script(person))
-                # PostgreSQL's stamp moves with any write in the cluster: analyse now, so autovacuum's own
-                # ANALYZE of the new tables (a write, a new xid) cannot land between a release and its
-                # repeat and turn the repeat into a (correctly charged) miss at random
-                backend.execute_script("ANALYZE")
-                for case, sql, rows_public in CASES:
-                    engine = Engine(policy, backend, Ledger.open("sqlite:///:memory:"), ResultCache())
-                    found[case, name, variant] = _outcome(engine, sql, rows_public)
-        yield found
-    finally:
-        for backend in backends.values():
-            backend.close()
+def series_outcomes(pg_new_database: Callable[[], str]) -> Iterator[Outcomes]:
+    scripts = {variant: _script(person) for variant, person in VARIANTS.items()}
+    cases = [(case, (sql, rows_public)) for case, sql, rows_public in CASES]
+    with kind_backends(pg_new_database) as backends:
+        # PostgreSQL's stamp moves with any write in the cluster: analyse after each load, so autovacuum's
+        # own ANALYZE of the new tables (a write, a new xid) cannot land between a release and its repeat
+        # and turn the repeat into a (correctly charged) miss at random
+        yield outcomes_on(
+            backends, scripts, cases, lambda e, c: _outcome(e, *c), parse_policy(POLICY), cache=True, after="ANALYZE"
+        )
 
 
 @pytest.mark.parametrize(("case", "sql", "rows_public"), CASES, ids=[c[0] for c in CASES])

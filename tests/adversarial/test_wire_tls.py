@@ -9,20 +9,19 @@ required (28000, before any password). Another analyst's TLS session keeps worki
 
 from __future__ import annotations
 
-import shutil
 import socket
 import ssl
 import struct
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
 
 from dpsql.server import ThreadedServer
-from tests.server.conftest import Running, open_engine
+from tests.server.conftest import Running, open_engine, self_signed_cert, serving
 
 SSL_REQUEST = struct.pack("!II", 8, 80877103)
 
@@ -34,30 +33,17 @@ def _startup(user: str) -> bytes:
 
 @pytest.fixture(scope="module")
 def cert(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    openssl = shutil.which("openssl")
-    if openssl is None:
+    made = self_signed_cert(tmp_path_factory.mktemp("tls"))
+    if made is None:
         pytest.fail("openssl is needed for the TLS tests")
-    d = tmp_path_factory.mktemp("tls")
-    crt, key = d / "server.crt", d / "server.key"
-    subprocess.run(
-        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-         "-keyout", str(key), "-out", str(crt)],
-        check=True, capture_output=True, timeout=60,
-    )  # fmt: skip
-    return crt, key
+    return made
 
 
 @pytest.fixture(scope="module")
 def required(cert: tuple[Path, Path]) -> Iterator[tuple[Running, ThreadedServer]]:
-    engine = open_engine(trust=True)
-    server = ThreadedServer(
-        engine, tls_cert=str(cert[0]), tls_key=str(cert[1]), catalog_dsn="", require_tls=True, startup_timeout=2.0
-    )
-    try:
-        yield Running(server.host, server.port, engine), server
-    finally:
-        server.stop()
-        engine.close()
+    tls: dict[str, Any] = {"tls_cert": str(cert[0]), "tls_key": str(cert[1]), "require_tls": True}
+    with serving(open_engine(trust=True), catalog_dsn="", startup_timeout=2.0, **tls) as pair:
+        yield pair
 
 
 def _count(running: Running) -> int:

@@ -3,10 +3,20 @@ the budget, decides every outcome), and one database per (backend kind, neighbou
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any, TypeVar
 
 from dpsql.backends import Backend, open_backend
+from dpsql.cache import ResultCache
+from dpsql.engine import Engine
+from dpsql.ledger import Ledger
+from dpsql.policy import Policy
+from tests.policies import DEFAULTS, block_budget, policy_yaml
+
+Case = TypeVar("Case")
+#: (case, backend kind, neighbour) → what the case gave there.
+Outcomes = dict[tuple[str, str, str], tuple[Any, ...]]
 
 KINDS = ("duckdb", "postgres")
 
@@ -14,15 +24,8 @@ KINDS = ("duckdb", "postgres")
 def roomy_policy(dataset: str, tables: str) -> str:
     """A policy text for ``dataset`` (ε 1 per query, a budget of 1e9, analyst alice) over ``tables``
     (the YAML of its ``tables:`` block, indented by two)."""
-    return (
-        f"dataset: {dataset}\n"
-        "defaults: {epsilon: 1.0, delta: 1.0e-6}\n"
-        "budget:\n"
-        "  dataset: {epsilon: 1.0e9, delta: 0.5}\n"
-        "  analyst: {epsilon: 1.0e9, delta: 0.5}\n"
-        "analysts: [{name: alice}]\n"
-        f"tables:\n{tables.strip(chr(10))}\n"
-    )
+    roomy = "{epsilon: 1.0e9, delta: 0.5}"
+    return policy_yaml(dataset, tables.strip("\n") + "\n", defaults=DEFAULTS, budget=block_budget(roomy, roomy))
 
 
 @contextmanager
@@ -42,3 +45,39 @@ def neighbour_worlds(
     finally:
         for backend in backends.values():
             backend.close()
+
+
+@contextmanager
+def kind_backends(pg_new_database: Callable[[], str]) -> Iterator[dict[str, Backend]]:
+    """An empty DuckDB and an empty PostgreSQL database by kind name (one each, loaded in turn by the
+    caller); closed on exit."""
+    backends = {"duckdb": open_backend("duckdb://"), "postgres": open_backend(pg_new_database())}
+    try:
+        yield backends
+    finally:
+        for backend in backends.values():
+            backend.close()
+
+
+def outcomes_on(
+    backends: Mapping[str, Backend],
+    scripts: Mapping[str, str],
+    cases: Iterable[tuple[str, Case]],
+    outcome: Callable[[Engine, Case], tuple[Any, ...]],
+    policy: Policy,
+    *,
+    cache: bool = False,
+    after: str | None = None,
+) -> Outcomes:
+    """Every case's ``outcome`` on every backend loaded with every neighbour's script (then ``after``),
+    each case with a fresh engine and an empty ledger (and a result cache when ``cache``)."""
+    found: Outcomes = {}
+    for variant, script in scripts.items():
+        for name, backend in backends.items():
+            backend.execute_script(script)
+            if after is not None:
+                backend.execute_script(after)
+            for case, item in cases:
+                engine = Engine(policy, backend, Ledger.open("sqlite:///:memory:"), ResultCache() if cache else None)
+                found[case, name, variant] = outcome(engine, item)
+    return found

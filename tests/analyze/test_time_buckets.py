@@ -11,20 +11,14 @@ import pytest
 
 from dpsql.analyze import analyze
 from dpsql.policy import parse_policy
+from tests.policies import policy_yaml, table_yaml
 
-POLICY = parse_policy(
-    """
-dataset: buckets
-budget: {dataset: {epsilon: 10}, analyst: {epsilon: 10}}
-analysts: [{name: alice}]
-tables:
-  t:
-    columns:
-      ts: {type: timestamp, lower: 2024-01-01, upper: 2026-01-01, nullable: false}
-      d: {type: date, lower: 2024-01-01, upper: 2026-01-01, nullable: false}
-      late: {type: timestamp, lower: 2024-01-01 00:00:00, upper: 2025-06-30 12:30:00, nullable: false}
+TS = "ts: {type: timestamp, lower: 2024-01-01, upper: 2026-01-01, nullable: false}\n"
+COLUMNS = """
+d: {type: date, lower: 2024-01-01, upper: 2026-01-01, nullable: false}
+late: {type: timestamp, lower: 2024-01-01 00:00:00, upper: 2025-06-30 12:30:00, nullable: false}
 """
-)
+POLICY = parse_policy(policy_yaml("buckets", table_yaml("t", TS + COLUMNS)))
 
 
 def _keys(sql: str) -> list[object]:
@@ -93,17 +87,11 @@ def test_check_warns_of_a_bound_that_starts_a_bucket() -> None:
     """``policy check`` says which buckets charts stop before (a separate finding, no database needed)."""
     from dpsql.curator.check import check_text
 
-    text = """
-dataset: buckets
-budget: {dataset: {epsilon: 10}, analyst: {epsilon: 10}}
-analysts: [{name: alice}]
-tables:
-  t:
-    columns:
-      ts: {type: timestamp, lower: 2024-01-01, upper: 2026-01-01, nullable: false}
-      d: {type: date, lower: 2024-01-01, upper: 2025-12-31, nullable: false}
-      w: {type: date, lower: 2024-01-01, upper: 2025-12-29, nullable: false}
-"""
+    columns = """
+    d: {type: date, lower: 2024-01-01, upper: 2025-12-31, nullable: false}
+    w: {type: date, lower: 2024-01-01, upper: 2025-12-29, nullable: false}
+    """
+    text = "\n" + policy_yaml("buckets", table_yaml("t", TS + columns))  # line 1 empty, as the assertions count
     warnings = [w for w in check_text(text, "p.yaml").warnings if ".upper: " in w]
     assert warnings == [
         "p.yaml:8: tables.t.columns.ts.upper: warning: upper bound 2026-01-01 starts a day/month/quarter/year: "

@@ -6,38 +6,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from dpsql.backends import Backend, open_backend
 from dpsql.dev.demo import demo_policy_path, load_demo
 from dpsql.engine import Engine
-from dpsql.ledger import Ledger
-from dpsql.policy import load_policy
 from dpsql.server import ThreadedServer
+from tests.demos import demo_engine_fixture, demo_fixture
 
-
-@pytest.fixture(scope="session")
-def bi_health_backend() -> Iterator[Backend]:
-    backend = open_backend("duckdb://")
-    load_demo(backend, ["health"])
-    yield backend
-    backend.close()
-
-
-@pytest.fixture(scope="session")
-def bi_clinic_backend() -> Iterator[Backend]:
-    backend = open_backend("duckdb://")
-    load_demo(backend, ["clinic"])
-    yield backend
-    backend.close()
-
-
-@pytest.fixture
-def health(bi_health_backend: Backend) -> Engine:
-    return Engine(load_policy(demo_policy_path("health")), bi_health_backend, Ledger.open("sqlite:///:memory:"))
-
-
-@pytest.fixture
-def clinic(bi_clinic_backend: Backend) -> Engine:
-    return Engine(load_policy(demo_policy_path("clinic")), bi_clinic_backend, Ledger.open("sqlite:///:memory:"))
+bi_health_backend = demo_fixture("health")
+bi_clinic_backend = demo_fixture("clinic")
+health = demo_engine_fixture("health", "bi_health_backend")
+clinic = demo_engine_fixture("clinic", "bi_clinic_backend")
 
 
 @pytest.fixture(scope="module")

@@ -9,21 +9,19 @@ from collections.abc import Iterator
 import pytest
 
 from dpsql.analyze import analyze
-from dpsql.backends import Backend, open_backend
+from dpsql.backends import Backend
 from dpsql.dev.demo import demo_policy_path, load_demo
 from dpsql.engine import Engine
 from dpsql.errors import Error
 from dpsql.ledger import Ledger
 from dpsql.policy import load_policy
 from dpsql.session import Session
+from tests.kinds import open_empty
 
 
 @pytest.fixture(scope="module", params=["duckdb", "postgres"])
 def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
-    if request.param == "duckdb":
-        opened = open_backend("duckdb://")
-    else:
-        opened = open_backend(request.getfixturevalue("pg_new_database")())
+    opened = open_empty(request.param, request)
     load_demo(opened, ["clinic", "health"])
     yield opened
     opened.close()

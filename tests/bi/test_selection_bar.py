@@ -10,38 +10,25 @@ psycopg through the server.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-
 import psycopg
 import pytest
 
-from dpsql.backends import Backend, open_backend
-from dpsql.dev.demo import DEPARTMENTS, demo_policy_path, load_demo
+from dpsql.backends import Backend
+from dpsql.dev.demo import DEPARTMENTS, demo_policy_path
 from dpsql.engine import Engine
 from dpsql.ledger import Ledger
 from dpsql.policy import Policy, load_policy
 from dpsql.server import ThreadedServer
 from dpsql.session import Session
+from tests.demos import demo_fixture
 from tests.policies import clinic_selection_policy
 
 BAR = "SELECT department, COUNT(*) FROM visits WHERE urgent GROUP BY department"
 NAMES = [d[0] for d in DEPARTMENTS]
 
 
-@pytest.fixture(scope="module")
-def clinic_duck() -> Iterator[Backend]:
-    backend = open_backend("duckdb://")
-    load_demo(backend, ["clinic"])
-    yield backend
-    backend.close()
-
-
-@pytest.fixture(scope="module")
-def clinic_pg(pg_new_database: Callable[[], str]) -> Iterator[Backend]:
-    backend = open_backend(pg_new_database())
-    load_demo(backend, ["clinic"])
-    yield backend
-    backend.close()
+clinic_duck = demo_fixture("clinic", scope="module")
+clinic_pg = demo_fixture("clinic", kind="postgres", scope="module")
 
 
 @pytest.fixture(params=["duckdb", "postgres"])

@@ -18,7 +18,7 @@ from dpsql.ledger import Ledger
 from dpsql.pgtypes import INT8, TEXT, TIMESTAMPTZ
 from dpsql.policy import load_policy
 from dpsql.session import Session
-from tests.pg import open_demo_backend
+from tests.demos import demo_fixture
 
 EPS = 0.5
 RANKING = (
@@ -34,11 +34,7 @@ SERIES = (
 YEARS = {dt.datetime(y, 1, 1) for y in range(2020, 2025)}
 
 
-@pytest.fixture(scope="module", params=["duckdb", "postgres"])
-def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
-    opened = open_demo_backend(request, "clinic")
-    yield opened
-    opened.close()
+backend = demo_fixture("clinic", kind="both", scope="module")
 
 
 @pytest.fixture

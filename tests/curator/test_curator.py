@@ -10,19 +10,19 @@ caller's own row only.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 
-from tests.listening import port_of
+from tests.kinds import new_database_url
+from tests.listening import port_of, serving_line, start_serve
 
 ROOT = Path(__file__).resolve().parents[2]
 PSQL = shutil.which("psql")
@@ -47,31 +47,14 @@ def _dpsql(*args: str, ledger: str, check: bool = True) -> subprocess.CompletedP
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def ledger_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'ledger.sqlite'}"
-    make: Callable[[], str] = request.getfixturevalue("pg_new_database")
-    return make()
+    return new_database_url(request.param, request, tmp_path)
 
 
 @pytest.fixture
 def serve(ledger_url: str, tmp_path: Path) -> Iterator[int]:
-    server = subprocess.Popen(
-        [sys.executable, "-m", "dpsql.cli", "serve", "--port", "0", "--catalog-dsn", "", "--ledger", ledger_url],
-        cwd=ROOT,
-        env={**os.environ, "DPSQL_HOME": str(tmp_path)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    server = start_serve("--catalog-dsn", "", "--ledger", ledger_url, home=tmp_path)
     try:
-        assert server.stderr is not None
-        deadline = time.monotonic() + 90
-        line = ""
-        while "dpsql serving" not in line:
-            line = server.stderr.readline()
-            assert line or server.poll() is None, "dpsql serve exited before serving"
-            assert time.monotonic() < deadline
-        yield port_of(line)  # it bound port 0 and says which port it got
+        yield port_of(serving_line(server, time.monotonic() + 90))  # it bound port 0 and says which port it got
     finally:
         server.terminate()
         server.wait(30)

@@ -21,34 +21,23 @@ from dpsql.cli import main
 from dpsql.curator.report import build_report
 from dpsql.ledger import Ledger
 from dpsql.policy import parse_policy
+from tests.kinds import new_database_url
+from tests.policies import report_policy, table_yaml
 
 COLUMNS = ("a", "b", "c", "d", "e")
 
-POLICY = """\
-dataset: shop_t
-defaults: {epsilon: 1.0, delta: 1.0e-6, mechanism: laplace}
-budget:
-  dataset: {epsilon: 3, delta: 1.0e-5}
-  analyst: {epsilon: 2}
-auth: {trust: true}
-analysts: [{name: alice}]
-tables:
-  people:
-    privacy_unit: id
-    columns:
-      id: {type: int, identifier: true}
-  orders:
-    references: {column: person, table: people, to: id}
-    max_rows_per_unit: 5
-    columns:
-      id: {type: int, identifier: true}
-      person: {type: int, identifier: true}
-      a: {type: float, lower: 0, upper: 1000}
-      b: {type: float, lower: 0, upper: 100000}
-      c: {type: float, lower: 0, upper: 50}
-      d: {type: int, lower: 0, upper: 100}
-      e: {type: float, lower: 0, upper: 5000}
+ORDERS = """
+a: {type: float, lower: 0, upper: 1000}
+b: {type: float, lower: 0, upper: 100000}
+c: {type: float, lower: 0, upper: 50}
+d: {type: int, lower: 0, upper: 100}
+e: {type: float, lower: 0, upper: 5000}
 """
+POLICY = report_policy(
+    "shop_t",
+    table_yaml("people", unit="id", ids=("id",))
+    + table_yaml("orders", ORDERS, refs="person people.id", rows=5, ids=("id", "person")),
+)
 
 #: lognormal medians of the five columns (σ = 0.8); d is rounded to an int
 MEDIANS = {"a": 100.0, "b": 20_000.0, "c": 3.0, "d": 12.0, "e": 700.0}
@@ -75,10 +64,7 @@ def _load(backend: Backend, rows: list[tuple], people: int) -> None:
 
 @pytest.fixture(params=["duckdb", pytest.param("postgres", marks=pytest.mark.postgres)])
 def shop(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, Backend]]:
-    if request.param == "duckdb":
-        url = f"duckdb://{tmp_path}/shop.duckdb"
-    else:
-        url = request.getfixturevalue("pg_new_database")()
+    url = new_database_url(request.param, request, tmp_path, "shop.duckdb")
     backend = open_backend(url)
     try:
         yield url, backend

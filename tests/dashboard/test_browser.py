@@ -22,16 +22,14 @@ import psycopg
 import pytest
 
 from tests.dashboard.conftest import PASSWORD, ROOT, Process
+from tests.kinds import new_database_url
 
 SCRIPT_ALIAS = "<script>document.title=7</script>"
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def ledger_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'ledger.sqlite'}"
-    make: Callable[[], str] = request.getfixturevalue("pg_new_database")
-    return make()
+    return new_database_url(request.param, request, tmp_path)
 
 
 def _connect(port: int, user: str) -> psycopg.Connection[Any]:

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-
 import pytest
 
-from dpsql.backends import Backend, open_backend
-from dpsql.dev.demo import demo_policy_path, load_demo
+from dpsql.backends import Backend
+from dpsql.dev.demo import demo_policy_path
 from dpsql.engine import Engine
 from dpsql.ledger import Ledger
 from dpsql.policy import Policy, load_policy
 from dpsql.session import Session
+from tests.demos import demo_fixture
 
 
 @pytest.fixture(scope="session")
@@ -19,20 +18,8 @@ def health_policy() -> Policy:
     return load_policy(demo_policy_path("health"))
 
 
-@pytest.fixture(scope="session")
-def health_duckdb() -> Iterator[Backend]:
-    backend = open_backend("duckdb://")
-    load_demo(backend, ["health"])
-    yield backend
-    backend.close()
-
-
-@pytest.fixture(scope="session")
-def health_pg(pg_new_database: Callable[[], str]) -> Iterator[Backend]:
-    backend = open_backend(pg_new_database())
-    load_demo(backend, ["health"])
-    yield backend
-    backend.close()
+health_duckdb = demo_fixture("health")
+health_pg = demo_fixture("health", kind="postgres")
 
 
 @pytest.fixture

@@ -22,29 +22,20 @@ from dpsql.errors import Error
 from dpsql.ledger import Ledger
 from dpsql.policy import load_policy, parse_policy
 from dpsql.session import Result, Session, parse_setting
+from tests.policies import LAPLACE_95, ROOMY_BUDGET, policy_yaml, table_yaml
 
-POLICY = """
-dataset: cut
-defaults: {epsilon: 1.0, delta: 1.0e-6, mechanism: laplace, confidence: 0.95}
-budget:
-  dataset: {epsilon: 1.0e9, delta: 0.5}
-  analyst: {epsilon: 1.0e9, delta: 0.5}
-analysts: [{name: alice}]
-tables:
-  people:
-    privacy_unit: pid
-    max_rows_per_unit: 1
-    columns:
-      pid: {type: int, identifier: true}
-      region: {type: text, domain: [north, south], nullable: false}
-  events:
-    references: {column: pid, table: people, to: pid}
-    max_rows_per_unit: 20
-    columns:
-      pid: {type: int, identifier: true}
-      kind: {type: text, domain: [a, b], nullable: false}
-      amount: {type: float, lower: 0.0, upper: 100.0, nullable: false}
+PEOPLE_COLUMNS = "region: {type: text, domain: [north, south], nullable: false}"
+EVENTS_COLUMNS = """
+kind: {type: text, domain: [a, b], nullable: false}
+amount: {type: float, lower: 0.0, upper: 100.0, nullable: false}
 """
+POLICY = policy_yaml(
+    "cut",
+    table_yaml("people", PEOPLE_COLUMNS, unit="pid", rows=1, ids=("pid",))
+    + table_yaml("events", EVENTS_COLUMNS, refs="pid people.pid", rows=20, ids=("pid",)),
+    defaults=LAPLACE_95,
+    budget=ROOMY_BUDGET,
+)
 PEOPLE = 2000
 ROWS = 30  # per person: 10 beyond the cap
 

@@ -46,6 +46,7 @@ from dpsql.ledger import Ledger
 from dpsql.policy import Policy
 from dpsql.session import OutputColumn, Result, Session
 from dpsql.synopsis import reuse
+from tests.kinds import new_database_url
 
 ROOT = Path(__file__).resolve().parents[2]
 COUNT = "SELECT COUNT(*) FROM patients WHERE age > 30"
@@ -102,10 +103,7 @@ class Table:
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A ledger and cache store: a SQLite file, or a fresh PostgreSQL database."""
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'ledger.sqlite'}"
-    make: Callable[[], str] = request.getfixturevalue("pg_new_database")
-    return make()
+    return new_database_url(request.param, request, tmp_path)
 
 
 @pytest.fixture

@@ -9,30 +9,22 @@ from collections.abc import Iterator
 import pytest
 
 from dpsql.backends import Backend
-from dpsql.cache import ResultCache
 from dpsql.dev.demo import demo_policy_path
 from dpsql.engine import Engine
-from dpsql.ledger import Ledger
 from dpsql.policy import load_policy
 from dpsql.session import Result, Session
-from tests.pg import open_demo_backend
+from tests.demos import cached_engine, demo_fixture
 
 COARSENED = "answered by summing the cells of "
 
 
-@pytest.fixture(scope="module", params=["duckdb", "postgres"])
-def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
-    opened = open_demo_backend(request, "clinic")
-    yield opened
-    opened.close()
+backend = demo_fixture("clinic", kind="both", scope="module")
 
 
 @pytest.fixture
 def engine(backend: Backend) -> Iterator[Engine]:
-    opened = Engine(load_policy(demo_policy_path("clinic")), backend, Ledger.open("sqlite:///:memory:"), ResultCache())
-    yield opened
-    opened.audit.close()
-    opened.ledger.close()
+    with cached_engine(load_policy(demo_policy_path("clinic")), backend) as opened:
+        yield opened
 
 
 def run(engine: Engine, sql: str, epsilon: float) -> Result:

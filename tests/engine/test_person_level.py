@@ -18,6 +18,8 @@ from dpsql.policy import Policy, load_policy, parse_policy
 from dpsql.release.apply import centre_rows
 from dpsql.rewrite import to_sql
 from dpsql.session import Session
+from tests.demos import demo_fixture
+from tests.policies import one_table
 
 HEAVY = HEAVY_PATIENTS[1]
 
@@ -45,12 +47,7 @@ def clinic_duckdb() -> Iterator[tuple[Backend, Backend]]:
     neighbour.close()
 
 
-@pytest.fixture(scope="module")
-def clinic_pg(pg_new_database: Callable[[], str]) -> Iterator[Backend]:
-    backend = open_backend(pg_new_database())
-    load_demo(backend, ["clinic"])
-    yield backend
-    backend.close()
+clinic_pg = demo_fixture("clinic", kind="postgres", scope="module")
 
 
 @pytest.fixture(scope="module")
@@ -284,20 +281,12 @@ def test_subquery_over_a_private_table_keeps_the_person_bound(
     assert moved <= plan.sensitivities(plan.measures[0])[0]
 
 
-FLOAT_POLICY = """
-dataset: floats
-budget: {dataset: {epsilon: 10}, analyst: {epsilon: 10}}
-analysts: [{name: alice}]
-tables:
-  spend:
-    privacy_unit: person
-    max_rows_per_unit: 5
-    max_groups_per_unit: 3
-    columns:
-      person: {type: int, identifier: true}
-      shop: {type: text, domain: [a, b]}
-      amount: {type: float, lower: -1.0, upper: 1.0e+16}
+FLOAT_COLUMNS = """
+person: {type: int, identifier: true}
+shop: {type: text, domain: [a, b]}
+amount: {type: float, lower: -1.0, upper: 1.0e+16}
 """
+FLOAT_POLICY = one_table("floats", "spend", "person", 5, FLOAT_COLUMNS, groups=3)
 
 
 def test_float_values_pick_the_same_rows_on_every_backend(pg_new_database: Callable[[], str]) -> None:
@@ -323,21 +312,13 @@ def test_float_values_pick_the_same_rows_on_every_backend(pg_new_database: Calla
             assert duck[key] == pytest.approx(pg[key], rel=1e-12), (sql, key)
 
 
-CELLS_POLICY = """
-dataset: cells
-budget: {dataset: {epsilon: 10}, analyst: {epsilon: 10}}
-analysts: [{name: alice}]
-tables:
-  ev:
-    privacy_unit: u
-    max_rows_per_unit: 5
-    max_groups_per_unit: %d
-    columns:
-      u: {type: int, identifier: true}
-      w: {type: int}
-      k: {type: text}
-      x: {type: float, lower: 0.0, upper: 1.0}
+CELLS_COLUMNS = """
+u: {type: int, identifier: true}
+w: {type: int}
+k: {type: text}
+x: {type: float, lower: 0.0, upper: 1.0}
 """
+CELLS_POLICY = one_table("cells", "ev", "u", 5, CELLS_COLUMNS, groups="%d")
 
 
 def _cell_rows() -> list[tuple[int | None, str | None, float]]:
@@ -414,19 +395,12 @@ def test_engine_orders_cells_by_the_backends_cheapest_hash(
         engine.ledger.close()
 
 
-TOP_POLICY = """
-dataset: top
-budget: {dataset: {epsilon: 10}, analyst: {epsilon: 10}}
-analysts: [{name: alice}]
-tables:
-  ev:
-    privacy_unit: u
-    max_rows_per_unit: 5
-    columns:
-      u: {type: int, identifier: true}
-      w: {type: int}
-      k: {type: text, domain: [a, b, c, d, e, f, g, h], nullable: false}
+TOP_COLUMNS = """
+u: {type: int, identifier: true}
+w: {type: int}
+k: {type: text, domain: [a, b, c, d, e, f, g, h], nullable: false}
 """
+TOP_POLICY = one_table("top", "ev", "u", 5, TOP_COLUMNS)
 
 
 @pytest.mark.parametrize("top", ["top", "top_rn", "postgres"])

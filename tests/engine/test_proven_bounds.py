@@ -12,23 +12,15 @@ from dpsql.engine import Engine
 from dpsql.ledger import Ledger
 from dpsql.policy import parse_policy
 from dpsql.session import Session
+from tests.policies import DEFAULTS, policy_yaml, table_yaml
 
-POLICY = """
-dataset: bounds
-defaults: {epsilon: 1.0, delta: 1.0e-6}
-budget:
-  dataset: {epsilon: 1.0e9}
-  analyst: {epsilon: 1.0e9}
-analysts: [{name: alice}]
-tables:
-  t:
-    columns:
-      x: {type: int, lower: 0, upper: 100, nullable: false}
-      y: {type: float, lower: 0.0, upper: 10.0}
-  v:
-    columns:
-      x: {type: int, lower: 0, upper: 100, nullable: false}
-"""
+X = "x: {type: int, lower: 0, upper: 100, nullable: false}\n"
+POLICY = policy_yaml(
+    "bounds",
+    table_yaml("t", X + "y: {type: float, lower: 0.0, upper: 10.0}") + table_yaml("v", X),
+    defaults=DEFAULTS,
+    budget="{dataset: {epsilon: 1.0e9}, analyst: {epsilon: 1.0e9}}",
+)
 
 
 @pytest.fixture

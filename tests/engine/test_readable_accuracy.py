@@ -16,19 +16,17 @@ from dpsql.policy import Policy, parse_policy
 from dpsql.release.rounding import round_result, round_value, round_width
 from dpsql.server.results import result_notices
 from dpsql.session import OutputColumn, Result, Session
+from tests.policies import policy_yaml, table_yaml
 
-POLICY = """
-dataset: readable
-budget: {dataset: {epsilon: 1.0e9}, analyst: {epsilon: 1.0e9}}
-analysts: [{name: alice}]
-tables:
-  staff:
-    columns:
-      dept: {type: text, domain: [ops, lab, tiny]}
-      overtime: {type: float, lower: 0.0, upper: 80.0, nullable: false}
-      hours: {type: int, lower: 0, upper: 80, nullable: false}
-      salary: {type: float, lower: 0.0, upper: 200000.0, nullable: false}
+STAFF = """
+dept: {type: text, domain: [ops, lab, tiny]}
+overtime: {type: float, lower: 0.0, upper: 80.0, nullable: false}
+hours: {type: int, lower: 0, upper: 80, nullable: false}
+salary: {type: float, lower: 0.0, upper: 200000.0, nullable: false}
 """
+POLICY = policy_yaml(
+    "readable", table_yaml("staff", STAFF), budget="{dataset: {epsilon: 1.0e9}, analyst: {epsilon: 1.0e9}}"
+)
 
 
 @pytest.fixture(scope="module")

@@ -11,19 +11,13 @@ from dpsql.backends import open_backend
 from dpsql.errors import Error
 from dpsql.policy import parse_policy
 from dpsql.rewrite import to_sql
+from tests.policies import policy_yaml, table_yaml
 
-POLICY = parse_policy(
-    """
-dataset: ts
-budget: {dataset: {epsilon: 10}, analyst: {epsilon: 10}}
-analysts: [{name: alice}]
-tables:
-  logins:
-    columns:
-      at: {type: timestamp, nullable: false}
-      hits: {type: int, lower: 0, upper: 10, nullable: false}
+LOGINS = """
+at: {type: timestamp, nullable: false}
+hits: {type: int, lower: 0, upper: 10, nullable: false}
 """
-)
+POLICY = parse_policy(policy_yaml("ts", table_yaml("logins", LOGINS)))
 
 
 def test_text_literal_compared_with_a_timestamp_is_a_timestamp() -> None:

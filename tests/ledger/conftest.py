@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dpsql.ledger import Ledger
+from dpsql.ledger import Ledger, PostgresLedger
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,6 +23,20 @@ def sqlite_url(tmp_path: Path) -> str:
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
 def any_url(request: pytest.FixtureRequest, sqlite_url: str) -> str:
     return sqlite_url if request.param == "sqlite" else str(request.getfixturevalue("pg_new_database")())
+
+
+@pytest.fixture
+def sqlite_ledger(tmp_path: Path) -> Iterator[Ledger]:
+    """A ledger in a fresh SQLite file."""
+    with Ledger.open(f"sqlite://{tmp_path / 'ledger.sqlite'}") as opened:
+        yield opened
+
+
+@pytest.fixture
+def postgres_ledger(pg_dsn: str) -> Iterator[Ledger]:
+    """A ledger in the test PostgreSQL server's default database."""
+    with PostgresLedger(pg_dsn) as opened:
+        yield opened
 
 
 @pytest.fixture

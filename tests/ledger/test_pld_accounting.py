@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import sqlite3
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,13 +17,14 @@ import pytest
 pytest.importorskip("dp_accounting")
 
 from dpsql import pld
-from dpsql.backends import Backend, open_backend
-from dpsql.dev.demo import demo_policy_path, load_demo
+from dpsql.backends import Backend
+from dpsql.dev.demo import demo_policy_path
 from dpsql.engine import Engine
 from dpsql.errors import PolicyError, PrivacyBudgetExhausted
-from dpsql.ledger import Cost, Ledger, PostgresLedger, Spent
+from dpsql.ledger import Cost, Ledger, Spent
 from dpsql.policy import Budget, Policy, parse_policy
 from dpsql.session import Session
+from tests.demos import demo_fixture
 
 BUDGET = Budget(epsilon=1.0, delta=1e-6)
 HUGE = Budget(epsilon=1e6, delta=0.5)
@@ -60,18 +60,6 @@ def _answered(ledger: Ledger, dataset: str, accounting: str, *, queries: int = 0
             left = ledger.remaining(dataset, "alice", budget=BUDGET, accounting="pld").epsilon
             assert left < remaining[-1]  # each charge composes more loss
             remaining.append(left)
-
-
-@pytest.fixture
-def sqlite_ledger(tmp_path: Path) -> Iterator[Ledger]:
-    with Ledger.open(f"sqlite://{tmp_path / 'ledger.sqlite'}") as opened:
-        yield opened
-
-
-@pytest.fixture
-def postgres_ledger(pg_dsn: str) -> Iterator[Ledger]:
-    with PostgresLedger(pg_dsn) as opened:
-        yield opened
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -196,12 +184,7 @@ def test_policy_accepts_pld_and_names_the_extra_without_it(monkeypatch: pytest.M
     assert "pld extra" in refused.value.message
 
 
-@pytest.fixture(scope="module")
-def health_duckdb() -> Iterator[Backend]:
-    backend = open_backend("duckdb://")
-    load_demo(backend, ["health"])
-    yield backend
-    backend.close()
+health_duckdb = demo_fixture("health", scope="module")
 
 
 @pytest.mark.parametrize("store", ["sqlite", "postgres"])

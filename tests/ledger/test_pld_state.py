@@ -14,7 +14,6 @@ import logging
 import random
 import sqlite3
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ pytest.importorskip("dp_accounting")
 
 from dpsql.accountant import Allowance, Cost
 from dpsql.errors import PrivacyBudgetExhausted
-from dpsql.ledger import Ledger, PostgresLedger
+from dpsql.ledger import Ledger
 from dpsql.ledger import loss_state as states
 from dpsql.ledger.loss_state import Kept
 from dpsql.pld import pld_epsilon
@@ -43,18 +42,6 @@ def _reserve(ledger: Ledger, dataset: str, cost: Cost, budget: Allowance = BUDGE
         fingerprint="q",
         accounting="pld",
     )
-
-
-@pytest.fixture
-def sqlite_ledger(tmp_path: Path) -> Iterator[Ledger]:
-    with Ledger.open(f"sqlite://{tmp_path / 'ledger.sqlite'}") as opened:
-        yield opened
-
-
-@pytest.fixture
-def postgres_ledger(pg_dsn: str) -> Iterator[Ledger]:
-    with PostgresLedger(pg_dsn) as opened:
-        yield opened
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

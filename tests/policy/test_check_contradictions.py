@@ -6,13 +6,14 @@ time, each a contradiction a new curator made and nothing reported before.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
-from dpsql.backends import Backend, open_backend
+from dpsql.backends import Backend
 from dpsql.curator.check import check_text
 from dpsql.curator.draft import draft_policy
+from tests.kinds import loaded
 
 from .test_draft_schema import TABLES, _schema
 
@@ -24,14 +25,8 @@ INSERT INTO notes VALUES (1, 1, 'ok', 'A'), (2, 1, NULL, 'B'), (3, 2, 'fine', 'C
 
 @pytest.fixture(params=["duckdb", "postgres"])
 def hr(request: pytest.FixtureRequest) -> Iterator[Backend]:
-    if request.param == "duckdb":
-        backend = open_backend("duckdb://")
-    else:
-        make: Callable[[], str] = request.getfixturevalue("pg_new_database")
-        backend = open_backend(make())
-    backend.execute_script(_schema(True) + EXTRA)
-    yield backend
-    backend.close()
+    with loaded(request.param, request, _schema(True) + EXTRA) as backend:
+        yield backend
 
 
 NOTES = """

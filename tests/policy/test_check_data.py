@@ -8,13 +8,14 @@ own key the unit, one row per person) still passes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
-from dpsql.backends import Backend, open_backend
+from dpsql.backends import Backend
 from dpsql.curator.check import check_text
 from dpsql.curator.draft import draft_policy
+from tests.kinds import loaded
 
 from .test_draft_schema import TABLES, _schema
 
@@ -23,14 +24,8 @@ FK = "    references: {column: employee_id, table: employees, to: id}   # a fore
 
 @pytest.fixture(params=["duckdb", "postgres"])
 def hr(request: pytest.FixtureRequest) -> Iterator[Backend]:
-    if request.param == "duckdb":
-        backend = open_backend("duckdb://")
-    else:
-        make: Callable[[], str] = request.getfixturevalue("pg_new_database")
-        backend = open_backend(make())
-    backend.execute_script(_schema(True))
-    yield backend
-    backend.close()
+    with loaded(request.param, request, _schema(True)) as backend:
+        yield backend
 
 
 def _draft(backend: Backend) -> str:

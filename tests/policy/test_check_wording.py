@@ -6,25 +6,18 @@ from __future__ import annotations
 import pytest
 
 from dpsql.curator.check import check_text
+from tests.policies import block_budget, policy_yaml, table_yaml
 
-POLICY = """dataset: hr
-budget:
-  dataset: {epsilon: 10.0, delta: 1.0e-5}
-  analyst: {epsilon: 5.0}
-tables:
-  employees:
-    privacy_unit: id
-    columns:
-      id: {type: int, identifier: true}
-  absences:
-    references: {column: employee_id, table: employees, to: id}
-    max_rows_per_unit: 20
-    max_groups_per_unit: 3
-    columns:
-      id: {type: int, identifier: true}
-      employee_id: {type: int, identifier: true}
-      days: {type: int, lower: 0, upper: 30, nullable: false}
-"""
+ABSENCES = "days: {type: int, lower: 0, upper: 30, nullable: false}"
+POLICY = policy_yaml(
+    "hr",
+    table_yaml("employees", unit="id", ids=("id",))
+    + table_yaml(
+        "absences", ABSENCES, refs="employee_id employees.id", rows=20, ids=("id", "employee_id"), max_groups_per_unit=3
+    ),
+    budget=block_budget("{epsilon: 10.0, delta: 1.0e-5}", "{epsilon: 5.0}"),
+    analysts=None,
+)
 
 ONE_VALUE = "one value (a number, text, true/false or a date)"
 

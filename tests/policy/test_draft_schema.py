@@ -10,14 +10,15 @@ proposed from identifier columns whose values all are employee ids.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
-from dpsql.backends import Backend, open_backend
+from dpsql.backends import Backend
 from dpsql.curator.check import check_text
 from dpsql.curator.draft import draft_policy
 from dpsql.policy import parse_policy
+from tests.kinds import open_empty
 
 TABLES = ["absences", "departments", "employees", "reasons", "reviews"]
 
@@ -51,11 +52,7 @@ def dialect(request: pytest.FixtureRequest) -> str:
 
 
 def _open(dialect: str, request: pytest.FixtureRequest, foreign_keys: bool) -> Backend:
-    if dialect == "duckdb":
-        backend = open_backend("duckdb://")
-    else:
-        make: Callable[[], str] = request.getfixturevalue("pg_new_database")
-        backend = open_backend(make())
+    backend = open_empty(dialect, request)
     backend.execute_script(_schema(foreign_keys))
     return backend
 

@@ -27,32 +27,21 @@ from dpsql.ledger import Ledger
 from dpsql.policy import Policy, parse_policy
 from dpsql.rewrite import to_sql
 from dpsql.rewrite.physical import choose_physical
+from tests.kinds import new_database_url
+from tests.policies import report_policy, table_yaml
 
-POLICY = """\
-dataset: clinic_t
-defaults: {epsilon: 1.0, delta: 1.0e-6, mechanism: laplace}
-budget:
-  dataset: {epsilon: 3, delta: 1.0e-5}
-  analyst: {epsilon: 2}
-auth: {trust: true}
-analysts: [{name: alice}]
-tables:
-  patients:
-    privacy_unit: id
-    columns:
-      id: {type: int, identifier: true}
-      age: {type: int, lower: 18, upper: 90, nullable: false}
-  visits:
-    references: {column: patient_id, table: patients, to: id}
-    max_rows_per_unit: 10
-    max_groups_per_unit: 2
-    columns:
-      id: {type: int, identifier: true}
-      patient_id: {type: int, identifier: true}
-      department: {type: text, domain: [A, B, C, D, E], nullable: false}
-      cost: {type: float, lower: 0, upper: 300}
-      los: {type: int, lower: 1, upper: 10, nullable: false}
+VISITS = """
+department: {type: text, domain: [A, B, C, D, E], nullable: false}
+cost: {type: float, lower: 0, upper: 300}
+los: {type: int, lower: 1, upper: 10, nullable: false}
 """
+POLICY = report_policy(
+    "clinic_t",
+    table_yaml("patients", "age: {type: int, lower: 18, upper: 90, nullable: false}", unit="id", ids=("id",))
+    + table_yaml(
+        "visits", VISITS, refs="patient_id patients.id", rows=10, ids=("id", "patient_id"), max_groups_per_unit=2
+    ),
+)
 
 DEPARTMENTS = "ABCDE"
 
@@ -73,29 +62,25 @@ def _rows(seed: int = 28) -> tuple[list[tuple], list[tuple]]:
     return patients, visits
 
 
+VISIT_TYPES = [
+    ("id", "BIGINT"),
+    ("patient_id", "BIGINT"),
+    ("department", "VARCHAR"),
+    ("cost", "DOUBLE PRECISION"),
+    ("los", "INTEGER"),
+]
+
+
 def _load(backend: Backend) -> Backend:
     patients, visits = _rows()
     backend.load_rows("patients", [("id", "BIGINT"), ("age", "INTEGER")], patients)
-    backend.load_rows(
-        "visits",
-        [
-            ("id", "BIGINT"),
-            ("patient_id", "BIGINT"),
-            ("department", "VARCHAR"),
-            ("cost", "DOUBLE PRECISION"),
-            ("los", "INTEGER"),
-        ],
-        visits,
-    )
+    backend.load_rows("visits", VISIT_TYPES, visits)
     return backend
 
 
 @pytest.fixture(params=["duckdb", pytest.param("postgres", marks=pytest.mark.postgres)])
 def clinic(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, Backend]]:
-    if request.param == "duckdb":
-        url = f"duckdb://{tmp_path}/clinic.duckdb"
-    else:
-        url = request.getfixturevalue("pg_new_database")()
+    url = new_database_url(request.param, request, tmp_path, "clinic.duckdb")
     backend = _load(open_backend(url))
     try:
         yield url, backend
@@ -313,18 +298,7 @@ def test_dp_bounds_land_near_the_quantiles(clinic: tuple[str, Backend]) -> None:
         for _ in range(rng.randint(1, 6)):
             rows.append((len(rows), person, "A", round(math.exp(rng.gauss(5.0, 1.2)), 3), 1))
     backend.load_rows("patients", [("id", "BIGINT"), ("age", "INTEGER")], people, replace=True)
-    backend.load_rows(
-        "visits",
-        [
-            ("id", "BIGINT"),
-            ("patient_id", "BIGINT"),
-            ("department", "VARCHAR"),
-            ("cost", "DOUBLE PRECISION"),
-            ("los", "INTEGER"),
-        ],
-        rows,
-        replace=True,
-    )
+    backend.load_rows("visits", VISIT_TYPES, rows, replace=True)
     policy = parse_policy(POLICY.replace("max_rows_per_unit: 10", "max_rows_per_unit: 5"))
     values = sorted(r[3] for r in rows)
     p01, p99 = values[len(values) // 100], values[len(values) * 99 // 100]

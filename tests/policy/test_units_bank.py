@@ -8,11 +8,11 @@ make ``check`` fail, and every fix it names is a column that reaches the person 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
-from dpsql.backends import Backend, open_backend
+from dpsql.backends import Backend
 from dpsql.curator.check import check_text
 from dpsql.curator.draft import draft_policy
 from dpsql.engine import Engine
@@ -21,6 +21,7 @@ from dpsql.ledger import Ledger
 from dpsql.policy import parse_policy
 from dpsql.session import Session
 from tests.bank import POLICY, bank_script, generate
+from tests.kinds import loaded
 
 TABLES = ["branches", "customers", "accounts", "transactions", "loans", "disputes"]
 PERSON = "customers.customer_id"
@@ -28,14 +29,9 @@ PERSON = "customers.customer_id"
 
 @pytest.fixture(params=["duckdb-no-keys", "postgres-keys"], scope="module")
 def bank(request: pytest.FixtureRequest) -> Iterator[Backend]:
-    if request.param.startswith("duckdb"):
-        backend = open_backend("duckdb://")
-    else:
-        make: Callable[[], str] = request.getfixturevalue("pg_new_database")
-        backend = open_backend(make())
-    backend.execute_script(bank_script(generate(200), keys=not request.param.endswith("no-keys")))
-    yield backend
-    backend.close()
+    script = bank_script(generate(200), keys=not request.param.endswith("no-keys"))
+    with loaded(request.param, request, script) as backend:
+        yield backend
 
 
 def test_draft_then_check_with_no_edits_protects_the_customer(bank: Backend) -> None:

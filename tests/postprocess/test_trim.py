@@ -4,10 +4,8 @@ noisy value stands out of its interval (post-processing), on DuckDB and PostgreS
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterator
 
 import psycopg
-import pytest
 
 from dpsql.backends import Backend
 from dpsql.cache import ResultCache
@@ -18,16 +16,12 @@ from dpsql.policy import load_policy
 from dpsql.postprocess.trim import trim_time
 from dpsql.server import ThreadedServer
 from dpsql.session import OutputColumn, Result, Session
-from tests.pg import open_demo_backend
+from tests.demos import demo_fixture
 
 YEARLY = "SELECT DATE_TRUNC('year', dob) AS y, COUNT(*) AS n FROM patients GROUP BY 1 ORDER BY 1"
 
 
-@pytest.fixture(scope="module", params=["duckdb", "postgres"])
-def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
-    opened = open_demo_backend(request, "health")
-    yield opened
-    opened.close()
+backend = demo_fixture("health", kind="both", scope="module")
 
 
 def test_the_demo_dob_series_is_trimmed_to_the_data(backend: Backend) -> None:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import shutil
 import socket
+import subprocess
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -56,31 +60,51 @@ def open_engine(trust: bool) -> Engine:
     return engine
 
 
+@contextmanager
+def serving(engine: Engine, *, owns_engine: bool = True, **options: Any) -> Iterator[tuple[Running, ThreadedServer]]:
+    """A :class:`ThreadedServer` over ``engine`` with ``options``; stopped on exit, and ``engine`` closed
+    with it unless a fixture of its own holds it (``owns_engine=False``)."""
+    server = ThreadedServer(engine, **options)
+    try:
+        yield Running(server.host, server.port, engine), server
+    finally:
+        server.stop()
+        if owns_engine:
+            engine.close()
+
+
+def self_signed_cert(directory: Path) -> tuple[Path, Path] | None:
+    """A one-day self-signed certificate for localhost and its key in ``directory`` (None without openssl)."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        return None
+    crt, key = directory / "server.crt", directory / "server.key"
+    subprocess.run(
+        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-keyout", str(key), "-out", str(crt)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    return crt, key
+
+
 @pytest.fixture(scope="session")
 def dp_server() -> Iterator[Running]:
     """Trust auth, shadow catalog started (a throwaway local PostgreSQL)."""
-    engine = open_engine(trust=True)
-    server = ThreadedServer(engine, statement_timeout=None)
-    try:
-        yield Running(server.host, server.port, engine)
-    finally:
-        server.stop()
-        engine.close()
+    with serving(open_engine(trust=True), statement_timeout=None) as (running, _):
+        yield running
 
 
 @pytest.fixture(scope="session")
 def scram_server() -> Iterator[Running]:
     """SCRAM auth, no catalog (catalog_dsn="" disables it). The login limiter is out of the way:
     these tests compare many failed exchanges; the limiter has its own (test_front_door_round2)."""
-    engine = open_engine(trust=False)
-    server = ThreadedServer(
-        engine, catalog_dsn="", login_free_failures=10**6, login_account_failures=10**6, login_address_failures=10**6
-    )
-    try:
-        yield Running(server.host, server.port, engine)
-    finally:
-        server.stop()
-        engine.close()
+    limits: dict[str, Any] = {
+        "login_free_failures": 10**6,
+        "login_account_failures": 10**6,
+        "login_address_failures": 10**6,
+    }
+    with serving(open_engine(trust=False), catalog_dsn="", **limits) as (running, _):
+        yield running
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,7 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from dpsql.server import ThreadedServer
-
-from .conftest import Running, open_engine
+from .conftest import Running, open_engine, serving
 
 #: ``problem`` has a public domain of 7 values: the released row count is fixed. Each test asks with
 #: its own WHERE, so the result cache (repeats are free) never hides a charge.
@@ -213,13 +211,8 @@ def test_withhold_named_cursor(dp_server: Running) -> None:
 
 @pytest.fixture(scope="module")
 def small_server() -> Iterator[Running]:
-    engine = open_engine(trust=True)
-    server = ThreadedServer(engine, catalog_dsn="", max_cursors=2, max_cursor_rows=10)
-    try:
-        yield Running(server.host, server.port, engine)
-    finally:
-        server.stop()
-        engine.close()
+    with serving(open_engine(trust=True), catalog_dsn="", max_cursors=2, max_cursor_rows=10) as (running, _):
+        yield running
 
 
 def test_cursor_limits(small_server: Running) -> None:

@@ -26,9 +26,8 @@ import pytest
 
 from dpsql.engine import Engine
 from dpsql.policy import Budget, Budgets
-from dpsql.server import ThreadedServer
 
-from .conftest import PASSWORD, Running, make_policy, open_engine, recv_exactly
+from .conftest import PASSWORD, Running, make_policy, open_engine, recv_exactly, serving
 
 # --- 1. the dataset-budget refusal --------------------------------------------------------------
 
@@ -44,12 +43,8 @@ def small_dataset_server() -> Iterator[Running]:
     )
     engine = Engine.open(policy, "duckdb://", ledger="memory")
     load_demo(engine.backend, ["health"])
-    server = ThreadedServer(engine, catalog_dsn="")
-    try:
-        yield Running(server.host, server.port, engine)
-    finally:
-        server.stop()
-        engine.close()
+    with serving(engine, catalog_dsn="") as (running, _):
+        yield running
 
 
 def test_dataset_refusal_reveals_no_other_analysts_spend(small_dataset_server: Running) -> None:

@@ -10,9 +10,8 @@ import pytest
 from dpsql.dev.demo import demo_policy_path, load_demo
 from dpsql.engine import Engine
 from dpsql.policy import load_policy
-from dpsql.server import ThreadedServer
 
-from .conftest import Running
+from .conftest import Running, serving
 
 ROW = "(region, age, smoker, drug_use) VALUES ('West', 50, true, 'current')"
 
@@ -21,12 +20,8 @@ ROW = "(region, age, smoker, drug_use) VALUES ('West', 50, true, 'current')"
 def survey_server() -> Iterator[Running]:
     engine = Engine.open(load_policy(demo_policy_path("survey")), "duckdb://", ledger="memory")
     load_demo(engine.backend, ["survey"])
-    server = ThreadedServer(engine, catalog_dsn="")
-    try:
-        yield Running(server.host, server.port, engine)
-    finally:
-        server.stop()
-        engine.close()
+    with serving(engine, catalog_dsn="") as (running, _):
+        yield running
 
 
 PREFIXES = ["", "/* app */ ", "-- app\n", "/* a /* nested */ b */ -- c\n  "]

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,30 +11,16 @@ import pytest
 from dpsql.dev.demo import demo_policy_path
 from dpsql.policy import Analyst, load_policy
 from dpsql.server.cli import banner_login
-from tests.listening import port_of
+from tests.listening import port_of, serving_line, start_serve
 
 pytestmark = pytest.mark.postgres  # starts a local PostgreSQL (shadow catalog or cluster)
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def test_serving_line_means_listening(tmp_path: Path) -> None:
-    server = subprocess.Popen(
-        [sys.executable, "-m", "dpsql.cli", "serve", "--port", "0"],
-        cwd=ROOT,
-        env={**os.environ, "DPSQL_HOME": str(tmp_path)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    server = start_serve(home=tmp_path)
     try:
         deadline = time.monotonic() + 90
-        assert server.stderr is not None
-        line = ""
-        while "dpsql serving" not in line:
-            line = server.stderr.readline()
-            assert line or server.poll() is None, "dpsql serve exited before serving"
-            assert time.monotonic() < deadline
+        line = serving_line(server, deadline)
         port = port_of(line)  # it bound port 0 and says which port it got
         assert f"127.0.0.1:{port}" in line and "ledger sqlite:///" in line
         # no retry: the line is printed only once the socket is up

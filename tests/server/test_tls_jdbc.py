@@ -10,32 +10,19 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from dpsql.server import ThreadedServer
-
-from .conftest import Running, open_engine
+from .conftest import Running, open_engine, self_signed_cert, serving
 
 JDBC_JAR = Path("/usr/share/java/postgresql.jar")
 
 
 @pytest.fixture(scope="module")
 def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
-    openssl = shutil.which("openssl")
-    if openssl is None:
+    made = self_signed_cert(tmp_path_factory.mktemp("tls"))
+    if made is None:
         pytest.skip("openssl not installed")
-    d = tmp_path_factory.mktemp("tls")
-    cert, key = d / "server.crt", d / "server.key"
-    subprocess.run(
-        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True, timeout=60,
-    )  # fmt: skip
-    engine = open_engine(trust=True)
-    server = ThreadedServer(engine, tls_cert=str(cert), tls_key=str(key), catalog_dsn="")
-    try:
-        yield Running(server.host, server.port, engine)
-    finally:
-        server.stop()
-        engine.close()
+    cert, key = made
+    with serving(open_engine(trust=True), tls_cert=str(cert), tls_key=str(key), catalog_dsn="") as (running, _):
+        yield running
 
 
 def test_tls_required(tls_server: Running) -> None:

@@ -11,7 +11,6 @@ import json
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from dpsql.ledger import Ledger
 from dpsql.ledger.base import Claimed
 from dpsql.policy import load_policy, parse_policy
 from dpsql.synopsis.store import declaration_hash, prefix
+from tests.kinds import new_database_url
 
 CLINIC = demo_policy_path("clinic")
 NAME = "visits_dashboard"
@@ -59,10 +59,7 @@ def _releases(ledger_url: str) -> list[str]:
 
 @pytest.fixture(params=["sqlite", "postgres"])
 def ledger_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'ledger.db'}"
-    new_database: Callable[[], str] = request.getfixturevalue("pg_new_database")
-    return new_database()
+    return new_database_url(request.param, request, tmp_path, "ledger.db")
 
 
 def test_concurrent_builds_and_refreshes_charge_once(ledger_url: str) -> None:

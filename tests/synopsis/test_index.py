@@ -10,14 +10,12 @@ from collections.abc import Iterator
 import pytest
 
 from dpsql.backends import Backend
-from dpsql.cache import ResultCache
 from dpsql.dev.demo import demo_policy_path
 from dpsql.engine import Engine
-from dpsql.ledger import Ledger
 from dpsql.policy import parse_policy
 from dpsql.session import Result, Session
 from dpsql.synopsis import reuse
-from tests.pg import open_demo_backend
+from tests.demos import cached_engine, demo_fixture
 
 CLINIC = demo_policy_path("clinic")
 #: A bigger analyst budget than the demo's (every chart of a dashboard, then its re-renders).
@@ -39,20 +37,13 @@ OTHER_CHARTS = [
 FILTERS = ["'Cardiology', 'Oncology'", "'Oncology'", "'Neurology', 'Emergency', 'Dermatology'", "'Pediatrics'"]
 
 
-@pytest.fixture(scope="module", params=["duckdb", "postgres"])
-def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
-    opened = open_demo_backend(request, "clinic")
-    yield opened
-    opened.close()
+backend = demo_fixture("clinic", kind="both", scope="module")
 
 
 @pytest.fixture
 def engine(backend: Backend) -> Iterator[Engine]:
-    policy = parse_policy(BIG_BUDGET, str(CLINIC))
-    opened = Engine(policy, backend, Ledger.open("sqlite:///:memory:"), ResultCache())
-    yield opened
-    opened.audit.close()
-    opened.ledger.close()
+    with cached_engine(parse_policy(BIG_BUDGET, str(CLINIC)), backend) as opened:
+        yield opened
 
 
 def run(engine: Engine, sql: str, epsilon: float = 1.0) -> Result:

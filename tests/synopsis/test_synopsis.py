@@ -16,13 +16,12 @@ from dpsql.curator.synopsis import build, ledger_identity
 from dpsql.dev.demo import demo_policy_path
 from dpsql.engine import Engine
 from dpsql.errors import Error, InvalidParameterValue
-from dpsql.ledger import Ledger
 from dpsql.policy import Policy, load_policy, parse_policy
 from dpsql.session import Result, Session
 from dpsql.synopsis.answer import half_width_factor
 from dpsql.synopsis.solve import noise_variance
 from dpsql.synopsis.store import prefix
-from tests.pg import open_demo_backend
+from tests.demos import cached_engine, demo_fixture
 
 CLINIC = demo_policy_path("clinic")
 DASHBOARD = "visits_dashboard"
@@ -40,19 +39,13 @@ def clinic_policy(extra: str = CUBE_YAML) -> Policy:
     return parse_policy(CLINIC.read_text() + extra, str(CLINIC))
 
 
-@pytest.fixture(scope="module", params=["duckdb", "postgres"])
-def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
-    opened = open_demo_backend(request, "clinic")
-    yield opened
-    opened.close()
+backend = demo_fixture("clinic", kind="both", scope="module")
 
 
 @pytest.fixture
 def engine(backend: Backend) -> Iterator[Engine]:
-    opened = Engine(clinic_policy(), backend, Ledger.open("sqlite:///:memory:"), ResultCache())
-    yield opened
-    opened.audit.close()  # the backend is the module's
-    opened.ledger.close()
+    with cached_engine(clinic_policy(), backend) as opened:
+        yield opened
 
 
 def run(engine: Engine, sql: str, analyst: str = "alice", epsilon: float | None = None) -> Result:

@@ -4,11 +4,11 @@ join, which no synopsis answers); now the synopsis answers them free, on DuckDB 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
-from dpsql.backends import Backend, open_backend
+from dpsql.backends import Backend
 from dpsql.cache import ResultCache
 from dpsql.curator.check import check_text
 from dpsql.curator.synopsis import build
@@ -17,6 +17,7 @@ from dpsql.ledger import Ledger
 from dpsql.policy import parse_policy
 from dpsql.session import Session
 from tests.bank import POLICY, bank_script, generate
+from tests.kinds import loaded
 
 SYNOPSIS = """
 synopses:
@@ -39,14 +40,8 @@ CHARTS = [
 
 @pytest.fixture(scope="module", params=["duckdb", "postgres"])
 def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
-    if request.param == "duckdb":
-        opened = open_backend("duckdb://")
-    else:
-        make: Callable[[], str] = request.getfixturevalue("pg_new_database")
-        opened = open_backend(make())
-    opened.execute_script(bank_script(generate(300), keys=request.param == "postgres"))
-    yield opened
-    opened.close()
+    with loaded(request.param, request, bank_script(generate(300), keys=request.param == "postgres")) as opened:
+        yield opened
 
 
 def test_charts_over_two_hops_are_answered_from_the_synopsis(backend: Backend) -> None:
