@@ -236,6 +236,16 @@ class Remaining:
 # --- ρ-zCDP ⇒ (ε, δ)-DP: the exact conversion ----------------------------------------------
 
 
+def remainder(total: float, part: float) -> float:
+    """``total − part``, lowered by an ulp where needed so that ``part + remainder ≤ total`` in floating point:
+    a query whose ε is split (a DP cap choice, a bias estimate, the measurement) is never charged more than
+    the ε asked for (a synopsis of three marginals at ε=1.25 was charged 1.2500000000000002)."""
+    rest = total - part
+    while rest > 0 and part + rest > total:
+        rest = math.nextafter(rest, 0.0)
+    return rest
+
+
 def cdp_delta(rho: float, epsilon: float) -> float:
     """Smallest δ such that ρ-zCDP implies (ε, δ)-DP (Canonne–Kamath–Steinke 2020, Prop. 12).
 

@@ -39,7 +39,7 @@ from typing import Any
 
 from sqlglot import exp
 
-from dpsql.accountant import fmt
+from dpsql.accountant import fmt, remainder
 from dpsql.aggregates import OUTPUTS
 from dpsql.aggregates.base import BiasRates
 from dpsql.analyze.expressions import clamp_sql
@@ -345,7 +345,7 @@ def rest(session: Session, epsilon: float, spent: float) -> Session:
     """The settings the measurement is calibrated with: ``epsilon`` less what the estimate spends."""
     return Session(
         session.analyst,
-        epsilon=epsilon - spent,
+        epsilon=remainder(epsilon, spent),
         delta=session.delta,
         mechanism=session.mechanism,
         confidence=session.confidence,

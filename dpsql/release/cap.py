@@ -22,6 +22,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from dpsql.accountant import remainder
 from dpsql.noise.exponential import select_cap
 from dpsql.session import Session
 
@@ -68,7 +69,7 @@ def split(session: Session, epsilon: float) -> tuple[float, Session]:
     chosen = epsilon * SHARE
     rest = Session(
         session.analyst,
-        epsilon=epsilon - chosen,
+        epsilon=remainder(epsilon, chosen),
         delta=session.delta,
         mechanism=session.mechanism,
         confidence=session.confidence,
