@@ -415,7 +415,7 @@ class Step:
                     stamp=stamp,
                     policy=self._policy_hash,
                     built_at=time.time(),
-                    laplace=prepared.budgeting.mechanism == "laplace",
+                    mechanism=prepared.budgeting.mechanism,
                 )
         return self.finish_released(prepared, released, confidence, figures)
 
