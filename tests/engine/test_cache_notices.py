@@ -39,7 +39,7 @@ def test_notice_kinds_are_stored_not_recovered_from_the_text() -> None:
     back, _ = load_result(KEY, dump_result(KEY, made, 1.0))
     assert len(back.notices) == 3
     assert _kinds(back) == _kinds(made)
-    assert back.notices[1].kind is NoticeKind.NOTE  # by its text it would be a budget notice
+    assert Notice.of(back.notices[1]).kind is NoticeKind.NOTE  # by its text it would be a budget notice
     again = from_cache(back, 1.0)  # served again: its budget notices (by kind) give way to the cache's
     assert [n.kind for n in again.notices if isinstance(n, Notice)] == [
         NoticeKind.FREE,
