@@ -81,7 +81,7 @@ def chart_widths(
             marginals.append(Marginal(tuple(axes), [0.0] * size, noise_variance(spec)))
             fresh.append(half_width(single, level))
         estimate = solve(shape, marginals)
-        z = half_width_factor(level, mechanisms)
+        z = half_width_factor(level, mechanisms) if mechanisms else 0.0  # no marginal measured: no chart
         for axes, width in zip(synopsis.measured, fresh, strict=True):
             count = math.prod(shape[a] for a in axes)
             _, variances = estimate.totals(marginal_index(shape, tuple(axes)), count)
