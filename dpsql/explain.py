@@ -16,6 +16,7 @@ from dpsql.accountant import fmt
 from dpsql.aggregates import OUTPUTS
 from dpsql.analyze.parse import skip_comments
 from dpsql.analyze.statement import EXPLAIN_OPTIONS
+from dpsql.notices import Notice, NoticeKind
 from dpsql.plan import Plan
 from dpsql.release.accuracy import bias_note
 from dpsql.release.calibrate import Budgeting
@@ -46,7 +47,8 @@ class Explanation:
     def answered_by(self, result: Result) -> Explanation:
         """What the statement would really get (issue #38 item 4): ``result``, the stored or derived answer
         that costs nothing, with its own ± per output (the widest row's)."""
-        source = next((str(n) for n in result.notices if "no budget charged" in n), "released values")
+        free = (str(n) for n in map(Notice.of, result.notices) if n.kind is NoticeKind.FREE)
+        source = next(free, "released values")
         wider = next((str(n) for n in result.notices if "those of a fresh answer" in n), None)
         columns = []
         for i, column in enumerate(self.columns):

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -88,8 +87,6 @@ from dpsql.rewrite import histogram_queries, rewrite
 from dpsql.rewrite.physical import data_version
 from dpsql.session import Result, Session
 from dpsql.synopsis.derive import Deriver
-from dpsql.synopsis.reuse import indexable
-from dpsql.synopsis.solve import noise_variance
 from dpsql.unit_keys import KeyGuard, chain_keys
 
 __all__ = ["Notice", "NoticeKind", "Part", "Severity", "Step"]  # the notice types: dpsql.notices, re-exported
@@ -225,35 +222,22 @@ class Step:
     def derived(
         self, prepared: Prepared, confidence: float, stamp: str | None, widening: float | None, *, synopses: bool
     ) -> Result | None:
-        """The query answered from released values (:mod:`dpsql.synopsis.derive`): the declared synopses
-        that cover it (``synopses``), combined with earlier releases' cells, or those cells alone.
-        Post-processing of released values, free; None when nothing answers it accurately enough."""
-        if prepared.plan.tau is not None:  # a cap of its own: released values were bounded at another
-            return None
+        """The query answered from released values (:meth:`dpsql.synopsis.derive.Deriver.answer`): the
+        declared synopses that cover it (``synopses``), combined with earlier releases' cells, or those
+        cells alone. Post-processing of released values, free; None when nothing answers it."""
         if self._database_identity is None:
             self._database_identity = database_identity(self.backend)
-        current = self.deriver.synopses(self.ledger, self._database_identity) if synopses else []
-        if synopses and not current:
-            return None
-        index = None if stamp is None else (self._database_identity, stamp, self._policy_hash)
-        found = self.deriver.derive(
-            prepared.plan, prepared.budgeting, confidence, synopses=current, index=index, widening=widening
+        return self.deriver.answer(
+            prepared.plan,
+            prepared.budgeting,
+            prepared.cache,
+            confidence,
+            synopses=self.ledger if synopses else None,
+            database=self._database_identity,
+            stamp=stamp,
+            policy=self._policy_hash,
+            widening=widening,
         )
-        if found is None:
-            return None
-        result = typed(finish(prepared.plan, *found.answered, prepared.cache))
-        result.notices.append(Notice(found.source_text(), NoticeKind.FREE))
-        result.notices.append(
-            Notice(
-                f"dpsql: ± are {confidence:.0%} intervals of {found.noise_text()} (its standard deviation times the "
-                "Laplace or normal quantile); they cover noise only, not the bias of the caps and bounds"
-            )
-        )
-        if (wider := found.widening_text(prepared.budgeting.epsilon)) is not None:
-            result.notices.append(Notice(wider))
-        if (bias := bias_note(prepared.plan, confidence)) is not None:
-            result.notices.append(Notice.of(bias))
-        return result
 
     @staticmethod
     def total(parts: Sequence[Part]) -> Cost | None:
@@ -404,18 +388,14 @@ class Step:
             self.cache.put(measurement, measurement_result(nkeys, released.rows, released.columns))
             if figures is not None:
                 self.cache.put(measurement + BIAS_SUFFIX, measurement_result(*figures.stored()))
-            index = self.deriver.index
-            if stamp is not None and self._database_identity is not None and index is not None and indexable(plan):
-                variances = [noise_variance(s) for s in prepared.budgeting.specs if s is not None]
-                index.record(
+            if stamp is not None and self._database_identity is not None:
+                self.deriver.remember(
                     plan,
+                    prepared.budgeting,
                     released.columns,
-                    variances,
                     database=self._database_identity,
                     stamp=stamp,
                     policy=self._policy_hash,
-                    built_at=time.time(),
-                    laplace=prepared.budgeting.mechanism == "laplace",
                 )
         return self.finish_released(prepared, released, confidence, figures)
 

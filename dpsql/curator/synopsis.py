@@ -290,7 +290,7 @@ def _measure(engine: Engine, name: str, parts: list[Prepared], full: Prepared, c
         keys=tuple(keys),
         measures=measures,
         marginals=tuple(tuple(m) for m in marginals),
-        laplace=parts[0].budgeting.mechanism == "laplace",
+        mechanism=parts[0].budgeting.mechanism,
         generation=generation,
         charge=_fingerprint(name, generation),
     )

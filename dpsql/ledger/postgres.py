@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from dpsql.ledger.base import STORES, Ledger
@@ -310,20 +310,12 @@ class PostgresLedger(Ledger):
     def _conn(self) -> psycopg.Connection[Any]:
         conn: psycopg.Connection[Any] | None = self._pooled()
         if conn is None or conn.closed or conn.broken:
-            conn = self._connect()
-            with self._lock:
-                self._connections.append(conn)
-            self._local.conn = conn
+            conn = self._pool.keep(self._connect())
         return conn
 
     def _drop(self, conn: psycopg.Connection[Any]) -> None:
         """Forget a connection after an error; the next call reconnects."""
-        self._local.conn = None
-        with self._lock:
-            if conn in self._connections:
-                self._connections.remove(conn)
-        with suppress(Exception):  # already failing closed
-            conn.close()
+        self._pool.drop(conn)
 
     @contextmanager
     def _transaction(self, failure: str, lock: str | None = None) -> Iterator[Execute]:

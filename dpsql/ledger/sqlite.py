@@ -358,12 +358,9 @@ class SQLiteLedger(Ledger):
         conn: sqlite3.Connection | None = self._pooled()
         if conn is None:
             with self._lock:
-                if self._memory and self._connections:
-                    conn = self._connections[0]
-                else:
-                    conn = self._connect()
-                    self._connections.append(conn)
-            self._local.conn = conn
+                shared = self._pool.first() if self._memory else None
+                conn = shared if shared is not None else self._pool.keep(self._connect(), locked=True)
+            self._pool.use(conn)
         assert conn is not None
         return conn
 

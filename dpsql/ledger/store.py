@@ -10,7 +10,6 @@ Everything that decides what is charged is written once, in :mod:`dpsql.ledger.b
 from __future__ import annotations
 
 import datetime as dt
-import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from typing import Any, ClassVar, Self
 
 from dpsql.accountant import Spent
 from dpsql.errors import LedgerUnavailable
+from dpsql.ledger.connections import ThreadConnections
 
 HINT_UNAVAILABLE = (
     "No query is answered while the privacy ledger cannot record charges. "
@@ -89,28 +89,15 @@ class Store:
     close_errors: ClassVar[tuple[type[BaseException], ...]] = (Exception,)
 
     _lock: threading.Lock
-    _local: threading.local
-    _connections: list[Any]
-    _pid: int
-    _closed: bool
+    _pool: ThreadConnections
 
     def _init_pool(self) -> None:
-        self._lock = threading.Lock()  # guards _connections (and SQLite's one :memory: connection)
-        self._local = threading.local()
-        self._connections = []
-        self._pid = os.getpid()
-        self._closed = False
+        self._pool = ThreadConnections(lambda: unavailable("the ledger is closed"))
+        self._lock = self._pool.lock  # guards the connections (and SQLite's one :memory: connection)
 
     def _pooled(self) -> Any:
         """This thread's connection, None before its first; fails closed once the ledger is closed."""
-        if self._closed:
-            raise unavailable("the ledger is closed")
-        if os.getpid() != self._pid:
-            # Forked child: connections must not cross fork(); start afresh.
-            self._pid = os.getpid()
-            self._local = threading.local()
-            self._connections = []
-        return getattr(self._local, "conn", None)
+        return self._pool.current()
 
     def _read(self, sql: str, params: tuple[Any, ...]) -> list[Any]:
         """Run a read-only query (``?`` placeholders) and fetch every row; fail closed."""
@@ -157,12 +144,7 @@ class Store:
 
     def close(self) -> None:
         self._before_close()
-        with self._lock:
-            self._closed = True
-            connections, self._connections = self._connections, []
-        for conn in connections:
-            with suppress(*self.close_errors):
-                conn.close()
+        self._pool.close(self.close_errors)
 
     def __enter__(self) -> Self:
         return self

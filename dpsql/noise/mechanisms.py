@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
 from functools import lru_cache
+from statistics import NormalDist
 from typing import Protocol
 
 import numpy as np
@@ -44,6 +45,7 @@ __all__ = [
     "gaussian_spec",
     "half_width",
     "laplace_spec",
+    "mechanism_named",
     "mechanism_names",
     "mechanism_of",
     "noise_tail",
@@ -434,6 +436,11 @@ class NoiseMechanism(Protocol):
         """The variance of one draw at ``scale``, in grid units (an upper bound where not exact)."""
         ...
 
+    def sum_quantile(self, confidence: float) -> float:
+        """Half-width per standard deviation of a sum of independent draws (any scales) at ``confidence``:
+        what a derived answer's ± is (:mod:`dpsql.synopsis.answer`), so it never undercovers."""
+        ...
+
 
 class Laplace:
     """Discrete Laplace: pure ε-DP on the L1 sensitivity; ε is split evenly over the measures."""
@@ -469,6 +476,10 @@ class Laplace:
         # the discrete Laplace's 2α/(1-α)² with α = e^{-1/b}
         a = math.exp(-1.0 / scale)
         return 2.0 * a / (1.0 - a) ** 2
+
+    def sum_quantile(self, confidence: float) -> float:
+        # a sum of Laplace noises lies between one Laplace (ln(1/(1−c))/√2 per σ) and a normal: the larger
+        return max(_normal_quantile(confidence), math.log(1 / (1 - confidence)) / math.sqrt(2))
 
 
 class Gaussian:
@@ -514,6 +525,13 @@ class Gaussian:
         # the discrete Gaussian's variance is at most σ² (Canonne, Kamath, Steinke 2020)
         return sigma**2
 
+    def sum_quantile(self, confidence: float) -> float:
+        return _normal_quantile(confidence)  # a sum of Gaussians is one
+
+
+def _normal_quantile(confidence: float) -> float:
+    return NormalDist().inv_cdf((1 + confidence) / 2)
+
 
 #: Every noise mechanism, by name: what policies, sessions, the server and the CLI validate against.
 MECHANISMS: dict[str, NoiseMechanism] = {m.name: m for m in (Laplace(), Gaussian())}
@@ -529,3 +547,12 @@ def mechanism_of(spec: NoiseSpec) -> NoiseMechanism:
         return MECHANISMS[spec.mechanism]
     except KeyError:
         raise ValueError(f"unknown mechanism {spec.mechanism!r}") from None
+
+
+def mechanism_named(name: str) -> NoiseMechanism:
+    """The registered mechanism called ``name`` (a stored release's); ValueError when none is: a stored
+    name this dpsql does not register is never read as another mechanism."""
+    try:
+        return MECHANISMS[name]
+    except KeyError:
+        raise ValueError(f"unknown mechanism {name!r} (registered: {', '.join(MECHANISMS)})") from None

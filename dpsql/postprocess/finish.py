@@ -15,6 +15,7 @@ from sqlglot import exp
 
 from dpsql.aggregates import OUTPUTS, Aggregate, Key
 from dpsql.errors import DataError, Error
+from dpsql.notices import Notice, NoticeKind
 from dpsql.plan import Measure, Plan
 from dpsql.postprocess.expressions import compile_expression, order_rows
 from dpsql.release.accuracy import accuracy
@@ -208,12 +209,12 @@ def released_at(created: float) -> str:
 
 
 def _free(result: Result, notice: str) -> Result:
-    """``result`` again, nothing charged: ``notice`` in place of its charge notice."""
+    """``result`` again, nothing charged: ``notice`` in place of its budget notices (by their kind)."""
     return Result(
         columns=result.columns,
         rows=result.rows,
         accuracy=result.accuracy,
         epsilon_spent=0.0,
         delta_spent=0.0,
-        notices=[notice, *(text for text in result.notices if "charged" not in text)],
+        notices=[Notice(notice, NoticeKind.FREE), *(n for n in map(Notice.of, result.notices) if not n.budget)],
     )

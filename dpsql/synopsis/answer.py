@@ -28,10 +28,9 @@ the closed-form covariance (:mod:`dpsql.synopsis.solve`): ``O(cells · 2ᵏ)`` a
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from statistics import NormalDist
 from typing import Any
 
 import numpy as np
@@ -39,6 +38,7 @@ import sqlglot
 from sqlglot import exp
 
 from dpsql.analyze.parse import dialect
+from dpsql.noise.mechanisms import mechanism_named
 from dpsql.plan import GroupKey, Measure, Plan
 from dpsql.policy import Policy, Scalar
 from dpsql.synopsis.grains import coarsens, normal, truncate
@@ -89,11 +89,11 @@ def _axis_for(key: GroupKey, keys: Sequence[SynopsisKey]) -> tuple[int, Callable
 
 def _measure_terms(measure: Measure, released: Released) -> list[tuple[int, float]] | None:
     """A plan measure as a linear combination of synopsis measures: [(synopsis measure, coefficient)]."""
-    count = next((i for i, m in enumerate(released.measures) if m.kind == "count_star"), None)
+    count = next((i for i, m in enumerate(released.measures) if m.aggregate.counts_rows), None)
     if measure.star:
         return None if count is None else [(count, 1.0)]
     if measure.clamped_sum and measure.expr is None and not measure.square and measure.column is not None:
-        sums = [i for i, m in enumerate(released.measures) if m.kind == "sum" and m.column == measure.column]
+        sums = [i for i, m in enumerate(released.measures) if m.aggregate.clamped_sum and m.column == measure.column]
         if not sums:
             return None
         # Σ(x − c') = Σ(x − c) + (c − c')·COUNT: another centre needs the count too
@@ -104,12 +104,11 @@ def _measure_terms(measure: Measure, released: Released) -> list[tuple[int, floa
     return None
 
 
-def half_width_factor(confidence: float, laplace: bool) -> float:
-    """Half-width per standard deviation of a sum of independent noises at ``confidence``: the normal
-    quantile for Gaussian noise (a sum of Gaussians is one); for Laplace noise the larger, single Laplace's
-    (``ln(1/(1−c))/√2``: a sum of Laplace noises lies between the two), so the interval never undercovers."""
-    normal_quantile = NormalDist().inv_cdf((1 + confidence) / 2)
-    return max(normal_quantile, math.log(1 / (1 - confidence)) / math.sqrt(2)) if laplace else normal_quantile
+def half_width_factor(confidence: float, mechanisms: Iterable[str]) -> float:
+    """Half-width per standard deviation of a sum of independent noises of ``mechanisms`` at
+    ``confidence``: the largest of the registered mechanisms' own (``sum_quantile``), so the interval
+    never undercovers; an unregistered name is a loud error."""
+    return max(mechanism_named(name).sum_quantile(confidence) for name in mechanisms)
 
 
 #: A derived answer before post-processing: rows (keys), each measure's column, each row's half-widths.
@@ -124,8 +123,8 @@ class Cells:
     rows: list[tuple[Any, ...]]
     values: np.ndarray
     variances: np.ndarray
-    #: Whether some noise in it is Laplace (its intervals then use the heavier Laplace quantile).
-    laplace: bool
+    #: The noise mechanisms in it, by name (its intervals use the widest one's quantile).
+    mechanisms: frozenset[str]
 
 
 def estimate(plan: Plan, released: Released, policy: Policy) -> Cells | None:
@@ -171,7 +170,7 @@ def estimate(plan: Plan, released: Released, policy: Policy) -> Cells | None:
             values[i] += coefficient * v
             variances[i] += coefficient**2 * var  # the measures' noises are independent
     rows = _rows(plan)
-    return Cells(rows, values, variances, released.laplace)
+    return Cells(rows, values, variances, released.mechanisms)
 
 
 def _rows(plan: Plan) -> list[tuple[Any, ...]]:
@@ -233,12 +232,12 @@ def combine(found: Sequence[Cells]) -> Cells:
             (weights * values).sum(axis=0) / total,
         )
         variance = np.where(any_exact, 0.0, 1.0 / total)
-    return Cells(found[0].rows, value, variance, any(c.laplace for c in found))
+    return Cells(found[0].rows, value, variance, frozenset(m for c in found for m in c.mechanisms))
 
 
 def derived(plan: Plan, cells: Cells, confidence: float) -> Derived:
     """The rows, measure columns and half-widths post-processing finishes (integer measures rounded)."""
-    z = half_width_factor(confidence, cells.laplace)
+    z = half_width_factor(confidence, cells.mechanisms)
     columns: list[list[Any]] = []
     for i, measure in enumerate(plan.measures):
         integer = measure.integer and float(measure.centre).is_integer()

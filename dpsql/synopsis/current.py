@@ -69,6 +69,10 @@ class Stitched(Released):
     parts: tuple[Released, ...] = ()
     axis: int = 0
 
+    @property
+    def mechanisms(self) -> frozenset[str]:
+        return frozenset(m for p in self.parts for m in p.mechanisms)
+
     @cached_property
     def estimates(self) -> tuple[Totals, ...]:
         sizes = [len(p.keys[self.axis].domain) for p in self.parts]
@@ -117,7 +121,7 @@ def stitch(parts: Sequence[Released]) -> Released | None:
         keys=tuple(keys),
         measures=newest.measures,
         marginals=newest.marginals,
-        laplace=any(p.laplace for p in ordered),
+        mechanism=newest.mechanism,
         generation=newest.generation,
         charge=newest.charge,
         parts=tuple(ordered),

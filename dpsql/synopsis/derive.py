@@ -19,19 +19,25 @@ on what was released before (not on the data), and whether the answer is used on
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from dpsql.cache import ResultCache
 from dpsql.ledger import Ledger
+from dpsql.notices import Notice, NoticeKind, typed
 from dpsql.plan import Plan
 from dpsql.policy import Policy
-from dpsql.postprocess.finish import released_at
-from dpsql.release.apply import widths_at
+from dpsql.postprocess.finish import finish, released_at
+from dpsql.release.accuracy import bias_note
+from dpsql.release.apply import ReleaseCache, widths_at
 from dpsql.release.calibrate import Budgeting
+from dpsql.session import Result
 from dpsql.synopsis.answer import Cells, Derived, combine, derived, estimate
 from dpsql.synopsis.current import Synopses
-from dpsql.synopsis.reuse import Index
+from dpsql.synopsis.reuse import Index, indexable
+from dpsql.synopsis.solve import noise_variance
 from dpsql.synopsis.store import Released
 
 
@@ -121,7 +127,8 @@ def _widening(widths: Sequence[Sequence[float | None]], fresh: Sequence[float | 
 
 
 class Deriver:
-    """Derived answers over one policy, its ledger's synopses and the result cache's index."""
+    """Derived answers over one policy, its ledger's synopses and the result cache's index: the one call
+    the DP step asks (:meth:`answer`), and the one it tells of each release (:meth:`remember`)."""
 
     def __init__(self, policy: Policy, cache: ResultCache | None) -> None:
         self.policy = policy
@@ -182,3 +189,63 @@ class Deriver:
                 if not source.synopsis:
                     self.index.used(source.released)
         return Derivation(answered, tuple(source for source, _ in found), ratio)
+
+    def answer(
+        self,
+        plan: Plan,
+        budgeting: Budgeting,
+        release_cache: ReleaseCache,
+        confidence: float,
+        *,
+        synopses: Ledger | None,
+        database: str,
+        stamp: str | None,
+        policy: str,
+        widening: float | None = None,
+    ) -> Result | None:
+        """The query finished from released values, with its notices: the declared synopses stored in
+        ``synopses`` (a ledger) that cover it, combined with earlier releases' cells on this ``database``
+        at ``stamp`` under ``policy`` (its hash); without a ledger, those cells alone. None when nothing
+        answers it accurately enough (:meth:`derive`). Post-processing of released values, free."""
+        if plan.tau is not None:  # a cap of its own: released values were bounded at another
+            return None
+        current = self.synopses(synopses, database) if synopses is not None else []
+        if synopses is not None and not current:
+            return None
+        index = None if stamp is None else (database, stamp, policy)
+        found = self.derive(plan, budgeting, confidence, synopses=current, index=index, widening=widening)
+        if found is None:
+            return None
+        result = typed(finish(plan, *found.answered, release_cache))
+        result.notices.append(Notice(found.source_text(), NoticeKind.FREE))
+        result.notices.append(
+            Notice(
+                f"dpsql: ± are {confidence:.0%} intervals of {found.noise_text()} (its standard deviation times the "
+                "Laplace or normal quantile); they cover noise only, not the bias of the caps and bounds"
+            )
+        )
+        if (wider := found.widening_text(budgeting.epsilon)) is not None:
+            result.notices.append(Notice(wider))
+        if (bias := bias_note(plan, confidence)) is not None:
+            result.notices.append(Notice.of(bias))
+        return result
+
+    def remember(
+        self, plan: Plan, budgeting: Budgeting, columns: list[list[Any]], *, database: str, stamp: str, policy: str
+    ) -> None:
+        """Index a fresh release's noisy columns (in the order :func:`dpsql.release.apply.apply` releases
+        them), with each measure's public noise variance and mechanism, so a coarser query can be
+        answered from its cells (:mod:`dpsql.synopsis.reuse`); nothing when it cannot serve one."""
+        if self.index is None or not indexable(plan):
+            return
+        variances = [noise_variance(s) for s in budgeting.specs if s is not None]
+        self.index.record(
+            plan,
+            columns,
+            variances,
+            database=database,
+            stamp=stamp,
+            policy=policy,
+            built_at=time.time(),
+            mechanism=budgeting.mechanism,
+        )

@@ -203,7 +203,7 @@ class Index:
         stamp: str,
         policy: str,
         built_at: float,
-        laplace: bool,
+        mechanism: str,
     ) -> None:
         """Index a release's noisy columns (over every combination of its public keys' domains, in the order
         :func:`dpsql.release.apply.apply` releases them) with each measure's noise variance."""
@@ -229,7 +229,7 @@ class Index:
                 (Marginal(axes, [float(v or 0) for v in column], variance),)
                 for column, variance in zip(columns, variances, strict=True)
             ),
-            laplace=laplace,
+            mechanism=mechanism,
         )
         cells = json.dumps(released.document(), sort_keys=True)
         cells_key = hashlib.sha256(f"coarsenable cells\x1f{cells}".encode()).hexdigest()

@@ -25,7 +25,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from dpsql.aggregates import MEASURES, Aggregate
+from dpsql.errors import InternalError
 from dpsql.ledger import Ledger
+from dpsql.noise.mechanisms import mechanism_named
 from dpsql.policy import Policy, Scalar
 from dpsql.postprocess.finish import released_at
 from dpsql.synopsis.grains import time_columns
@@ -87,11 +90,22 @@ class SynopsisKey:
 
 @dataclass(frozen=True)
 class SynopsisMeasure:
-    """``count_star``, or ``sum`` of ``column`` clamped to its declared bounds, minus ``centre`` per row."""
+    """``count_star``, or ``sum`` of ``column`` clamped to its declared bounds, minus ``centre`` per row.
+    ``kind`` is stored; its registered aggregate (``aggregate``: asked, never the kind) is resolved once,
+    when the measure is made or loaded, and an unregistered kind is a loud error, never misread."""
 
     kind: str
     column: str | None
     centre: float = 0.0
+    aggregate: Aggregate = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in MEASURES:
+            raise InternalError(
+                f"a stored synopsis release measures {self.kind!r}, which this dpsql does not register",
+                hint="open it with the dpsql version that built it, or build the synopsis again",
+            )
+        object.__setattr__(self, "aggregate", MEASURES[self.kind])
 
 
 @dataclass(frozen=True)
@@ -110,13 +124,26 @@ class Released:
     measures: tuple[SynopsisMeasure, ...]
     #: Per measure, the marginals measured (the same axes for every measure).
     marginals: tuple[tuple[Marginal, ...], ...]
-    #: Whether the noise is Laplace (intervals then use the heavier Laplace quantile), else Gaussian.
-    laplace: bool = True
+    #: The registered noise mechanism that drew its noise, by name (its intervals ask it: ``sum_quantile``).
+    mechanism: str
     #: Which release of the synopsis this is (1, 2, …; 0 before generations were numbered) and the ledger
     #: fingerprint of the charge that paid for it (:mod:`dpsql.curator.synopsis`).
     generation: int = 0
     charge: str = ""
     _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        try:
+            mechanism_named(self.mechanism)
+        except ValueError as exc:
+            raise InternalError(
+                f"a stored synopsis release: {exc}", hint="open it with the dpsql version that built it"
+            ) from None
+
+    @property
+    def mechanisms(self) -> frozenset[str]:
+        """The mechanisms whose noise is in it (a stitched series: every piece's)."""
+        return frozenset((self.mechanism,))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -157,7 +184,7 @@ class Released:
                 }
                 for k in self.keys
             ],
-            "laplace": self.laplace,
+            "mechanism": self.mechanism,
             "generation": self.generation,
             "charge": self.charge,
             "measures": [{"kind": m.kind, "column": m.column, "centre": m.centre} for m in self.measures],
@@ -193,7 +220,7 @@ class Released:
                 SynopsisMeasure(str(m["kind"]), m["column"], float(m.get("centre", 0.0))) for m in doc["measures"]
             ),
             marginals=tuple(tuple(_marginal(m) for m in per) for per in doc["marginals"]),
-            laplace=bool(doc.get("laplace", True)),
+            mechanism=stored_mechanism(doc),
             generation=int(doc.get("generation", 0)),
             charge=str(doc.get("charge", "")),
         )
@@ -201,6 +228,15 @@ class Released:
     @property
     def released_at(self) -> str:
         return released_at(self.built_at)
+
+
+def stored_mechanism(doc: dict[str, Any]) -> str:
+    """The mechanism a stored document names. Documents of the earlier format (before issue #39) kept a
+    ``laplace`` flag instead: True (or no flag: the format before the flag, Laplace only) is ``laplace``,
+    False ``gaussian``. A name this dpsql does not register fails loudly (:class:`Released`)."""
+    if "mechanism" in doc:
+        return str(doc["mechanism"])
+    return "laplace" if doc.get("laplace", True) else "gaussian"
 
 
 def _marginal(doc: dict[str, Any]) -> Marginal:

@@ -69,19 +69,19 @@ def chart_widths(
     shape = tuple(len(k.domain or ()) for k in full.keys)
     found: list[ChartWidth] = []
     for j, measure in enumerate(synopsis.measures):
-        marginals, fresh, laplace = [], [], True
+        marginals, fresh, mechanisms = [], [], set()
         for axes, plan in zip(synopsis.measured, plans, strict=True):
             i = plan.outputs[len(plan.keys) + j].measures[0]
             spec = budget(policy, plan, measuring, level).specs[i]
             chart = _chart(policy, name, axes, measure)  # the chart asked alone: this measure only
             single = budget(policy, chart, alone, level).specs[chart.outputs[len(chart.keys)].measures[0]]
             assert spec is not None and single is not None
-            laplace = spec.mechanism == "laplace"
+            mechanisms.add(spec.mechanism)
             size = math.prod(shape[a] for a in axes)
             marginals.append(Marginal(tuple(axes), [0.0] * size, noise_variance(spec)))
             fresh.append(half_width(single, level))
         estimate = solve(shape, marginals)
-        z = half_width_factor(level, laplace)
+        z = half_width_factor(level, mechanisms) if mechanisms else 0.0  # no marginal measured: no chart
         for axes, width in zip(synopsis.measured, fresh, strict=True):
             count = math.prod(shape[a] for a in axes)
             _, variances = estimate.totals(marginal_index(shape, tuple(axes)), count)

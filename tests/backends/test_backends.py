@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 
-from dpsql import cache
 from dpsql.backends import (
     BACKENDS,
     DEFAULT_STATEMENT_TIMEOUT_MS,
@@ -29,6 +28,7 @@ from dpsql.backends.duckdb import DuckDBBackend, _database_path
 from dpsql.backends.postgres import PostgresBackend
 from dpsql.backends.spark import SparkBackend
 from dpsql.cache import UNSEEN_WRITES_WINDOW
+from dpsql.cache import keys as cache
 from dpsql.errors import BackendError, QueryCanceled
 from dpsql.writes import write_oracles
 

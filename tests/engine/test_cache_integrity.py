@@ -28,7 +28,6 @@ from typing import Any
 import psycopg
 import pytest
 
-from dpsql import cache as cache_module
 from dpsql.backends import Backend
 from dpsql.cache import (
     ENTRY_TAG,
@@ -41,6 +40,7 @@ from dpsql.cache import (
     result_cache_key,
     seal,
 )
+from dpsql.cache import stores as cache_module
 from dpsql.engine import Engine
 from dpsql.ledger import Ledger
 from dpsql.policy import Policy

@@ -384,7 +384,7 @@ def test_read_only_file_is_unavailable(tmp_path: Path) -> None:
     ledger = Ledger.open(f"sqlite://{path}")
     # Swap this thread's connection for a read-only one: every write must fail closed.
     ro = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None, check_same_thread=False)
-    ledger._local.conn = ro
+    ledger._pool.use(ro)
     with pytest.raises(LedgerUnavailable, match="unavailable"):
         _reserve(ledger, Cost(0.1))
     ro.close()

@@ -91,6 +91,7 @@ def test_the_writer_cannot_forge_a_synopsis(roles: tuple[dict[str, str], str, st
             keys=(),
             measures=(SynopsisMeasure("count_star", None),),
             marginals=((),),
+            mechanism="laplace",
         )
         forged = seal(released, writer.installation_key())
         key = prefix("health", "visits") + "00000000000000000001"

@@ -170,7 +170,7 @@ def test_every_dashboard_chart_within_twice_the_error_of_answering_it_alone(engi
         "SELECT department, COUNT(*) AS count FROM visits GROUP BY department HAVING COUNT(*) > 100",
     ]
     assert len(charts) == 12
-    z = half_width_factor(0.95, laplace=True)  # half-width per standard deviation, as the answers use it
+    z = half_width_factor(0.95, ["laplace"])  # half-width per standard deviation, as the answers use it
     worst = 0.0
     for sql in charts:
         result = run(engine, sql)
