@@ -492,8 +492,8 @@ def folded_query(
     totals are :func:`_totals` over its cells with their unit's rows ``__bn``: computed by the measurement's
     own sort of each unit's cells where it reads them all (:func:`dpsql.rewrite.bounding.count_unit_rows`;
     ``__counted`` computed once, MATERIALIZED), else ``__cells`` MATERIALIZED with the unit's rows joined
-    back (:func:`_unit_rows`). The measurement's rows are untouched: the cells are the same rows and the later steps select
-    their own columns. Rows come tagged by :data:`PART`: ``(0, measurement columns…, NULL…)`` and
+    back (:func:`_unit_rows`). The measurement's rows are untouched: the cells are the same rows and the later
+    steps select their own columns. Rows come tagged by :data:`PART`: ``(0, measurement columns…, NULL…)`` and
     ``(1, keys…, NULL…, totals…)`` (:func:`split_folded`). The totals equal :func:`totals_query`'s: each is
     linear in a cell's rows at its unit's ``n`` (:func:`_totals`), so the privacy argument is unchanged."""
     ctes = {cte.alias: cte for cte in (measurement.args.get("with_") or exp.With()).expressions}

@@ -82,9 +82,7 @@ def test_folded_unit_rows_agree_with_the_totals_apart(worlds: dict[str, Backend]
     assert estimate is not None and estimate.folded is not None
     folded = estimate.folded[0]
     assert " JOIN " not in folded.upper() and "__bias_units AS (SELECT * FROM __counted)" in folded
-    apart = engine.backend.render(
-        totals_query(prepared.plan, prepared.plan.max_rows, estimate.clamped, estimate.cuts)
-    )
+    apart = engine.backend.render(totals_query(prepared.plan, prepared.plan.max_rows, estimate.clamped, estimate.cuts))
     for name, backend in worlds.items():
         measured, totals = split_folded(backend.execute(folded)[1], estimate.folded[1], estimate.nkeys)
         assert _close(measured, backend.execute(prepared.sql)[1]), name
