@@ -1,32 +1,6 @@
 """Privacy-loss-distribution (PLD) accounting: the ε a sequence of releases amounts to at a δ.
 
-Composition by PLD (Meiser–Mohammadi 2018, Koskela et al. 2020, Doroshenko et al. 2022; Google's
-``dp-accounting`` package, the ``pld`` extra): a release's privacy loss ln(P(o)/Q(o)) on neighbours
-is a random variable; the loss of a sequence of independent releases is the sum of theirs, so its
-distribution is the convolution of theirs, and the composition is (ε, δ)-DP exactly for δ ≥ the
-ε-hockey-stick divergence of that sum. This is the *optimal* composition of the stated mechanisms,
-never looser than basic composition or zCDP.
-
-It is valid only for what each release's PLD claims, so a :class:`~dpsql.accountant.Cost` says
-which one through its ``mechanism`` (:data:`MECHANISMS`). ``None`` (the default) takes the
-worst-case PLD of an (ε, δ)-DP mechanism (``from_privacy_parameters``: loss ∞ with probability δ,
-±ε otherwise), which dominates every (ε, δ)-DP mechanism whatever it is (Kairouz–Oh–Viswanath
-2015), so an untagged cost is always accounted soundly. Every PLD is built with *pessimistic*
-discretization (losses rounded up to a grid of :data:`DISCRETIZATION`, truncated tails moved to
-the ∞ mass), so the ε read off is an upper bound of the exact one (up to float rounding, ~10⁻¹⁵
-relative, far inside the accountant's ``REL_TOLERANCE``). A continuous Laplace or Gaussian PLD read
-at δ = 0 is ∞ (its truncated tails count as infinite loss); basic composition's cap then applies.
-
-Partition selection's δ (``Cost.selection_delta``) is no PLD quantity: it is the probability of a
-bad event outside which the release has its stated PLD, so, as under zCDP accounting
-(:mod:`dpsql.accountant`), the selection δs add up and the composed PLD is read at δ − Σδ_sel.
-
-The ledger's ``pld`` accounting (``budget.accounting: pld``) composes by :func:`check_pld_budget`:
-in the reservation's transaction it reads the recorded charges grouped by their figures and
-composes them, each as an untagged cost (the ledger records no mechanism, and the generic PLD is
-valid for every mechanism dpsql runs), so the work is O(distinct charge figures). Pure functions
-of budget figures: no data, no I/O; ``dp_accounting`` is imported on first use only (an optional
-stack).
+The privacy argument and design notes: docs/internals.md, section dpsql/pld.py.
 """
 
 from __future__ import annotations

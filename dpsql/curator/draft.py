@@ -1,33 +1,6 @@
 """``dpsql policy draft``: a starting policy written from a table's schema, for the curator to finish.
 
-The draft is written from the schema (names, types) plus, per text column, whether it holds at most
-:data:`MAX_DOMAIN` distinct values — in which case those values are proposed as a ``domain``,
-*marked for review* in a comment. Listing stored values is acceptable because the curator owns the
-data and the file is theirs; but a domain is published to every analyst (GROUP BY releases exactly
-its keys), so a rare value (one person's diagnosis) must not stay in it unless it is public knowledge.
-Nothing else is read: no counts, no minima or maxima. Bounds are left as ``TODO`` comments, since a
-bound read from the data would itself reveal the most extreme person's value.
-
-Identifier-looking columns (``id``, ``*_id``, names, e-mails, …) are proposed ``identifier: true``.
-The draft loads as it is (``dpsql policy check`` passes once the TODOs are decided).
-
-Who is one person comes from the schema (:func:`_people`): the table whose primary key other tables'
-foreign keys point at is the person table (``privacy_unit`` its key), and every table with a foreign
-key to it ``references`` it, with a ``max_rows_per_unit`` to review; a table with several such keys
-(``reviews.employee_id`` and ``reviews.reviewer_id``) references it by the one named after the person
-table (else the first), and the others are named for the curator to confirm whose row it is. Without
-foreign keys, a column
-named after the person table (``patient_id`` for ``patients.id``) whose every stored value is one of
-the person table's keys is proposed instead, marked for review (the curator's tool reads that; it
-prints no value). ``NOT NULL`` becomes ``nullable: false``. A small table whose only identifier is
-its own key (and, if other tables point at it, its ``name``: a department's name names no person) and
-that names no person is proposed ``public: true`` for review. In a proposed domain, values held by
-fewer than :data:`RARE_UNITS` people of a person-linked table are named as rare (one person's value
-must not be published unless it is public knowledge); in a table without a unit, rare by rows; in a
-public candidate, nothing is flagged (its rows are no people).
-
-The dataset name comes from the database URL's database or file name only (:func:`dataset_name`),
-never its query string, which can carry a host, a port or a password.
+The privacy argument and design notes: docs/internals.md, section dpsql/curator/draft.py.
 """
 
 from __future__ import annotations

@@ -1,31 +1,6 @@
 """The curator's login for ``dpsql dashboard``: one password, sessions, CSRF tokens, a failure limit.
 
-The dashboard shows every analyst's spending and the whole audit trail, and can grant budget:
-it is the curator's, so everything but the login page needs a session. Design choices:
-
-* The password is checked against a SCRAM-SHA-256 verifier (``dpsql passwd``'s format), from
-  ``--password-file`` or ``$DPSQL_CURATOR_VERIFIER``; ``$DPSQL_CURATOR_PASSWORD`` (plaintext, for
-  tests and quick local use) is turned into a verifier with a fresh salt at start. The check is
-  PBKDF2 then :func:`hmac.compare_digest`, so its time does not depend on how much of a guess is right.
-* Failed logins are limited three ways, so that guessing is slow however many addresses a guesser
-  has (any local user can send from every 127.x address) while a stranger cannot lock the curator out:
-
-  - per client address: :data:`MAX_FAILURES` per :data:`FAILURE_WINDOW_S`, then 429 without even
-    checking the password (an IPv6 client counts by its /64);
-  - per account: past :data:`ACCOUNT_FREE_FAILURES` failures in :data:`ACCOUNT_WINDOW_S` from all
-    addresses together, password checks are spaced out, one at a time, in arrival order, the spacing
-    doubling with each further failure up to :data:`SLOWDOWN_MAX_S` (60 s): guesses from any number of
-    addresses are bounded to about 60 an hour sustained. An attempt waits at most that long for its
-    turn; one arriving while a turn further out is already taken gets 429 at once, unchecked (so
-    waiting requests cannot pile up and hold every connection). Devices are exempt (below);
-  - per device: a browser that logged in once holds a device cookie (an HMAC under a key derived
-    from the verifier, so a new password revokes them all); its attempts skip the address lockout
-    and the account slow-down and count against that device only (:data:`MAX_FAILURES` per window).
-    A stranger's failures, from the curator's own address or any other, never delay it.
-* A session is 32 random bytes (``secrets``) in an ``HttpOnly; SameSite=Strict`` cookie (``Secure``
-  under TLS), valid :data:`SESSION_TTL_S` at most; its CSRF token (another 32 bytes) must come back
-  with every POST. The login form has its own double-submit token. No secret is ever put in a URL
-  or a log line.
+The privacy argument and design notes: docs/internals.md, section dpsql/dashboard/auth.py.
 """
 
 from __future__ import annotations

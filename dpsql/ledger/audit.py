@@ -1,37 +1,7 @@
 """The audit trail: one row per statement an analyst sends through the engine (read back by
 :mod:`dpsql.ledger.audit_report`).
 
-Every statement the engine sees — answered, answered from the cache, refused before any charge,
-or failed after its charge — leaves one row in the ledger's own database (``dpsql_audit``,
-append-only): time, analyst, dataset, the keyed fingerprint and the *shape* of the statement
-(:func:`dpsql.fingerprint.statement_shape`: every constant, ``IN`` list and sign replaced by
-``?``, so no constant an analyst filtered on and no data value is ever written), the ε, δ and ρ
-charged, the outcome with its SQLSTATE, and the latency. Free refusals are recorded too: an
-analyst probing for error oracles shows up in the trail although they spend nothing.
-
-Privacy and availability argument:
-
-* Nothing in a row depends on the data except the latency (and ``failed`` after a charge, which
-  the analyst saw anyway as their error). The trail is read by the curator only (``dpsql audit``,
-  never over the wire), who holds the data already; the analyst learns nothing from it, and the
-  latency they could measure themselves. So recording it opens no channel (tested on neighbouring
-  databases: equal rows apart from ``latency_ms`` and ``at``).
-* Recording never reaches the analyst: :meth:`AuditTrail.record` only enqueues (no I/O, no
-  exception); a writer thread appends batches in short transactions. If the ledger cannot take
-  them, or the queue is full (a flood of statements), rows are dropped and the operator's log says
-  how many. :meth:`AuditTrail.flush` and ``close`` drain it.
-* A charged statement's row is not left to the writer: :meth:`dpsql.ledger.Ledger.reserve` writes
-  it (outcome ``charged``) in the charge's own transaction, so no charge — even one followed by
-  ``kill -9`` — is without its row; the writer later sets its outcome (``answered``/``failed``),
-  SQLSTATE and latency, the only change the ledger's triggers allow on it.
-
-Free statements are folded so that they cannot grow the trail without bound: a statement that
-charged nothing (refused, answered from the cache, or free) with the same analyst, fingerprint,
-outcome and SQLSTATE as an earlier free row of this process adds one to that row's ``repeats``
-and sets its ``last_at``, until the analyst's next *charged* statement (so the trail still shows
-what came before and after each charge). An analyst has at most :data:`MAX_OPEN_SHAPES` such rows
-open between two charges; further shapes fold into one row per outcome and SQLSTATE whose shape
-says so. Folding depends on outcomes, shapes and charges only — never on the data.
+The privacy argument and design notes: docs/internals.md, section dpsql/ledger/audit.py.
 """
 
 from __future__ import annotations

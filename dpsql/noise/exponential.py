@@ -1,59 +1,7 @@
 """The exponential mechanism for quantiles (MIN, MAX, median, percentiles) and report-noisy-max
 for the mode: pure math over public grids and histogram counts (no plan, no SQL).
 
-Privacy argument. Values are clamped to the column bounds [L, U] and counted in the cells of a
-public grid (:func:`quantile_grid`: one cell per integer for an int column of at most
-:data:`FINE_CELLS` values, else :data:`FINE_CELLS` equal cells), in SQL, after contribution
-bounding, so one unit changes at most ``max_rows`` of the counts by one each. For a target rank
-t = q·n, a candidate (a cell, or a run of cells) covering ranks (C_j, C_{j+1}] gets utility
-
-    u_j = −max(0, C_j − t, t − C_{j+1})      (C_j = number of values below candidate j)
-
-i.e. minus the distance from the target rank to the ranks it covers. Adding or removing one
-value changes every C_j by at most 1 and t by at most q ≤ 1, so every u_j moves by at most 1
-(``max_rows`` for a unit): Δu = max_rows. OpenDP's ``make_noisy_max`` (report-noisy-max with
-exponential noise = the exponential mechanism, [MS20]) with scale 2Δu/ε selects a candidate ε-DP;
-it samples exactly from the OS CSPRNG.
-
-One stage over every cell (:func:`select_quantile`). Over more than :data:`QUANTILE_BINS` cells an
-interior quantile (0 < q < 1) is one exponential mechanism over all the cells (Smith 2011, as in
-OpenDP's and Tumult's quantiles): cell c is chosen with probability ∝ exp(u_c·ε/2Δ). The empty cells
-between two non-empty ones share one utility, so they are drawn as a block of weight (length)
-(Gumbel-max over u + (2Δ/ε)·ln(length), exact in OpenDP), then a cell uniformly inside it (OS
-CSPRNG): the same distribution over cells, at a cost linear in the non-empty cells. The float
-ln(length) perturbs a cell's log-probability by ≤ 1e-14 (ln 65536·2^-52): the privacy loss too.
-MIN and MAX (q = 0, 1) use one exponential mechanism over the runs (at most :data:`QUANTILE_BINS`
-consecutive cells each), released at the run's middle. Otherwise the released value is the cell's
-(the integer itself, or the cell's midpoint rounded to two significant digits of the cell's width,
-which keeps it inside the cell): post-processing. Across groups the caller passes Δ = max_rows: a
-unit's rows move group g's utilities by at most d_g with Σ_g d_g ≤ max_rows, so the mechanisms of
-all groups one unit touches compose to ε.
-
-Value intervals (:func:`interval_end`). Each end of a quantile's interval is one more ε-DP
-report-noisy-max over the runs plus a sentinel (the bound itself), aiming E ranks beyond the
-quantile's rank (E = :func:`interval_reach`, a function of ε, Δ, the grid and the level only): a run
-on the wrong side of the exact quantile scores below −E, a candidate scoring 0 always exists, so it
-wins with probability ≤ runs·e^{−E·ε/2Δ} = β/2 and the two ends cover the exact quantile with
-probability ≥ 1 − β. Its utilities move by at most Δ per unit like the value's.
-
-Rows the caps cut (:func:`cut_levels`). When the curator publishes that the caps leave out a share f of
-the rows (``published_rows_cut``, public), the ends aim at the kept rows' quantile levels
-(q − f)/(1 − f) and q/(1 − f) instead of q: wherever the cut rows lie, the exact q-quantile of *all*
-rows lies between those quantiles of the kept rows, so the same argument covers it. The levels are
-public constants c ∈ [0, 1] (an end whose level leaves [0, 1] is the bound itself, no data read), and a
-target c·n moves by at most c·Δ ≤ Δ per unit: the sensitivity stays Δ.
-
-MIN and MAX aim at a rank per candidate (:func:`extreme_aims`): the j-th candidate from the
-extreme end aims k_j = (2Δ/ε)·ln(j·H_B/β) values in (H_B the B-th harmonic number, β =
-:data:`EXTREME_BETA`). The empty candidates beyond the data (j = 1 … E) score −k_j while a
-candidate covering its own aim scores 0, and report-noisy-max with exponential noise (permute-and-
-flip) picks a candidate g below the best with probability ≤ e^{−g·ε/2Δ}; so they win together with
-probability ≤ Σ_j β/(j·H_B) ≤ β whatever E is, as with one constant aim k = (2Δ/ε)·ln(B/β) (once
-the group holds enough values to reach the aims); but data reaching the bound meet an aim of (2Δ/ε)·ln(H_B/β),
-about half as deep (MAX of data up to the cap lands near the cap), at the price of at most
-(2Δ/ε)·ln H_B more ranks when the extreme lies far inside the bounds. The aims are constants
-(ε, Δ, B only), so every utility still moves by at most Δ per unit: the privacy argument above is
-unchanged.
+The privacy argument and design notes: docs/internals.md, section dpsql/noise/exponential.py.
 """
 
 from __future__ import annotations

@@ -1,32 +1,6 @@
 """Process-wide admission of post-processing sandboxes, and the databases they run in.
 
-The outer statement of a composite query is free once its inner queries are released or cached, so
-an analyst can send it again and again: without a bound, a few sessions running cross joins or large
-windows over released rows took both cores and GBs of memory from everyone else (issue #27). Here:
-
-* memory: each sandbox reserves :data:`RESERVED_BYTES` (DuckDB's ``memory_limit``, the fetched result's
-  cap, slack for what DuckDB does not count) out of a process-wide total, so at most
-  ``total // RESERVED_BYTES`` sandboxes hold released rows at once;
-* fair share: at most ``per_analyst`` of them (default 1) belong to one analyst; waiters are admitted in
-  arrival order among those whose analyst is under its share;
-* CPU: a sandbox runs on the statement's own worker thread, at the priority of the query it serves
-  (issue #37: at ``nice`` +19 the same statements took twice as long on a busy host); the CPU time it
-  used (the thread's :func:`time.thread_time`, reading public tables from the backend excepted) is
-  charged to its analyst's token bucket (``cpu_rate`` CPU-seconds per second, up to ``cpu_burst``), and
-  an analyst in debt waits before its next sandbox starts;
-* databases: an admitted sandbox takes a kept database (:class:`Databases`, at most one idle per place),
-  so no statement starts a DuckDB or reloads an unchanged public table (see
-  :class:`dpsql.outer.sandbox.Database` for why a statement never sees another's released rows).
-
-Waiting counts against the statement's deadline (57014 when it passes); a cancel or the server's
-statement timeout (:func:`dpsql.backends.cancellable`, i.e. :meth:`dpsql.server.limits.Job.stoppable`)
-stops the wait or the running sandbox; more than ``max_waiting`` waiters are refused (53400). The
-statement's own worker thread waits for its place and runs its sandbox, so the analyst's worker slot
-stays taken meanwhile.
-
-Privacy: sandboxes hold released (noisy) rows and public tables only. Whether a statement waits, times
-out or is refused here depends on the SQL, the released rows, and other statements' post-processing of
-released rows (their CPU time and number): never on un-noised data.
+The privacy argument and design notes: docs/internals.md, section dpsql/outer/admission.py.
 """
 
 from __future__ import annotations

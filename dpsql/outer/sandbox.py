@@ -1,33 +1,7 @@
 """The post-processing sandbox: an in-process DuckDB kept per admitted place, holding released rows only
 for the statement that released them.
 
-Every scalar and window function of the outer statement runs here, over the noisy rows the inner
-queries released and the public tables of the policy, never over the data. The database has no
-file system or network access, loads no extension, uses one thread and a bounded amount of memory,
-and its configuration is locked, so the outer SQL cannot reach anything but what it was given.
-Databases are kept between statements (:class:`Database`; issue #37): each statement works in its own
-connection, its released rows in temporary tables that no other connection sees and that closing the
-connection drops; public tables are loaded once per data stamp and kept (public by policy); a reset
-check after every statement replaces a database holding anything else.
-
-Resources (the outer statement is free once its inner queries are released, or cached, so it must
-not be a way to take the server's memory or a core): the statement's deadline interrupts the sandbox
-(57014, as a database statement); the result is fetched in batches and refused once the Python objects
-it holds pass :data:`MAX_RESULT_BYTES` (54000) or :data:`MAX_OUTPUT_ROWS`; recursive CTEs and functions
-that make rows or sized values are refused before anything is charged
-(:func:`dpsql.outer.shapes.refuse_sized`). Sandboxes that hold released rows are admitted process-wide
-(:mod:`dpsql.outer.admission`): a bounded number at once (their memory capped in total), at most one per
-analyst, their CPU time charged to the analyst; they run on the statement's own worker thread (the
-priority of the query they serve), which holds the analyst's worker slot
-(:class:`dpsql.server.limits.WorkSlots`), and the server's cancel or timeout reaches the sandbox through
-:func:`dpsql.backends.cancellable`, like a backend statement. None of this reads un-noised data: whether
-a limit is hit depends on the released rows and the SQL only (post-processing).
-
-Not bounded here: DuckDB does not count string values against ``memory_limit``, so concatenation
-doubling a released value through many nested sub-queries can still allocate before the byte cap
-sees a row; only a separate process with an address-space limit would bound that.
-Ordinary DP results get no byte cap: the backend has materialised their rows before one could act,
-and their row count is bounded by partition selection and the domain caps.
+The privacy argument and design notes: docs/internals.md, section dpsql/outer/sandbox.py.
 """
 
 from __future__ import annotations

@@ -1,36 +1,6 @@
 """The series limit: a DP query filtered by the keys another DP query releases (adaptive composition).
 
-Superset draws the top-N series of a chart with a join to a sub-query ranking the series::
-
-    SELECT DATE_TRUNC('YEAR', visit_date), department, COUNT(*) FROM visits
-    JOIN (SELECT department AS department__, COUNT(*) AS mme_inner__ FROM visits
-          GROUP BY department ORDER BY mme_inner__ DESC LIMIT 3) AS series_limit
-      ON department = department__
-    GROUP BY 1, 2
-
-(also spelled ``WHERE department IN (SELECT department … LIMIT 3)``, and with several keys, ``ON a =
-a__ AND b = b__``). It is answered as two DP queries in sequence: the sub-query (the *inner*) is
-released first, with noise and its ORDER BY/LIMIT as post-processing; its released keys are then
-public, and the rest (the *outer*) is an ordinary DP query filtered by ``department IN (<released
-keys>)``: the key's domain intersected with that list, so exactly those series are released (no δ);
-a key without a domain takes the list as its domain, sound since the list is public by then.
-
-The privacy argument, in order:
-
-1. the inner query is validated and priced by the ordinary engine, and the outer is validated and
-   priced with a *stand-in* key list of the inner's key types, before anything is charged: every
-   refusal depends on the SQL and the policy only. The outer's cost is the session's ε (and δ) for
-   a query whose keys all have a domain, whatever the list holds, so it does not depend on the
-   released keys (checked again against the real list);
-2. the inner's and the outer's costs are reserved together, durably, once (sequential composition);
-3. the inner is released exactly as if sent alone; the key list is post-processing of that release;
-4. the outer's filter and key domain depend only on that list, so releasing the outer is an
-   ε-DP mechanism chosen from released values: adaptive sequential composition, total ε_in + ε_out.
-   An inner that releases no key makes the outer return no row (still charged: it was reserved,
-   and whether the list is empty depends on noise). Errors after the charge (the list too long
-   for the group cap) depend on released keys only.
-
-Each DP part is looked up in the result cache first (:mod:`dpsql.step`), so an exact repeat is free.
+The privacy argument and design notes: docs/internals.md, section dpsql/outer/series.py.
 """
 
 from __future__ import annotations

@@ -1,34 +1,6 @@
 """Metadata queries (psql ``\\d``, pgcli, SQLAlchemy's inspector, JDBC, asyncpg introspection).
 
-Clients discover schemas by querying ``pg_catalog`` and ``information_schema``. Re-implementing
-those catalogs would never be complete, so they are answered by a *shadow* PostgreSQL that holds
-empty copies of the exposed tables: the policy's non-identifier columns with their SQL types,
-NOT NULL where declared, and the policy descriptions as comments. The shadow never receives data,
-so everything it can say is schema the policy already publishes.
-
-Deliberate consequence: statistics views (``pg_stats``, ``pg_class.reltuples``,
-``pg_stat_user_tables``…) report empty tables. Real row counts or histograms would be
-non-private releases, so "empty" is the only safe answer.
-
-Routing (:func:`route_of`): a SELECT whose relations are all in ``pg_catalog`` /
-``information_schema`` / ``pg_*`` goes to the shadow; one that names a policy table goes to the
-engine; one that mixes both is refused (0A000) because the catalog side would not be
-differentially private. Catalog statements run on pooled shadow connections, all logged in as
-one non-superuser role (:data:`~.shadow_schema.ANALYST_ROLE`) with ``default_transaction_read_only``, so
-``has_table_privilege`` and friends answer as they would on a real server while superuser-only
-functions (``pg_read_file``…) stay out of reach, and no analyst's name exists on the shadow for
-another to list (``pg_roles``, ``\\du``, the ACLs ``\\l`` shows).
-
-Every exchange with the shadow has a deadline (:class:`~.shadow_session.ShadowSession`): the statement is sent
-without blocking, and a shadow that stops reading or answering is given up on (cancelled, its
-connection dropped), so it can never hold a worker slot or a pooled connection for good.
-
-Hardening (see :mod:`dpsql.server.shadow_guard` and :mod:`dpsql.dev.local_postgres`): every statement
-sent to the shadow passes a function allow-list and an activity-view deny-list first (42501 with
-a hint otherwise); roles log in with random per-start SCRAM passwords over a 0700 unix socket
-(no TCP), run read-only with a 5 s statement timeout, and have large-object, advisory-lock,
-notification and other-session functions and views revoked. A local shadow is supervised
-(restarted when it dies; 08006/57P03 in between) and dies with dpsql (watchdog).
+The privacy argument and design notes: docs/internals.md, section dpsql/server/catalog.py.
 """
 
 from __future__ import annotations

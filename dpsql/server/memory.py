@@ -1,36 +1,6 @@
 """Bytes the server holds for its clients, capped per statement, session, analyst and server.
 
-Counting objects (1,000 prepared statements, 100 cursors) bounds nothing when each can be a
-256 kB statement or a 10 MB value. So everything a session keeps between messages is weighed in
-bytes, when it is created: the text of a prepared statement, a portal's parameters and result,
-a cursor's rows, the result of the statement being sent, and a large reply still in the socket
-buffer. A :class:`Hold` carries the bytes of one such object; :class:`HeldStore` (the session's
-prepared statements, portals and cursors) gives a hold back however its entry leaves (Close,
-DEALLOCATE, Sync, COMMIT, DISCARD ALL, replacement), and :meth:`SessionMemory.close` gives back
-all of a session's at disconnect.
-
-A reservation beyond a cap is refused and nothing is kept: one object above the per-statement
-cap is 54000 (program_limit_exceeded: it can never fit), a request the session, the analyst's
-sessions together or the whole server cannot take now is 53200 (out_of_memory, as PostgreSQL
-says when an allocation fails: freeing something and retrying may succeed). The session stays
-usable either way.
-
-Fairness, per analyst first: every authenticated session has a reserved floor (:data:`SESSION_FLOOR`)
-that the others can never take, so however much k analysts hold, another's prepared statements and small
-catalog results still fit. Only what a session holds beyond its floor comes from the shared pool, and the
-analyst and server caps count that part: the shared pool is the server cap less every open session's
-floor. A session idle outside a transaction while holding more than its floor is ended after
-``idle_holding_timeout`` (:mod:`.connection`), as PostgreSQL's ``idle_session_timeout``.
-
-Privacy: only values that were released or are public are measured: catalog rows (the shadow
-holds no data), rows the DP engine released (noised and charged) and rows computed from them in
-the post-processing sandbox, and the analyst's own statement texts and parameters. Whether a
-cap is hit depends on those, on what the analyst holds and, for the server cap, on how much all
-sessions hold (activity, never data): post-processing, no oracle on raw rows. Nothing here may
-ever weigh backend rows before noise.
-
-The accountant is thread-safe: a catalog result grows its hold from the worker thread that
-reads it row by row, so a result that would not fit is cancelled before it is held.
+The privacy argument and design notes: docs/internals.md, section dpsql/server/memory.py.
 """
 
 from __future__ import annotations

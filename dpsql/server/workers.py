@@ -1,33 +1,6 @@
 """Several ``dpsql serve`` worker processes on one port (``dpsql serve --processes N``).
 
-A supervisor binds the port once (``SO_REUSEPORT``, not listening, so ``--port 0`` picks one port
-for all) and starts N worker processes (``spawn``: no threads or connections are inherited). Each
-worker is a complete ``dpsql serve``: its own event loop, engine, backend connections, thread pool
-and shadow-catalog access, listening on the same port with ``SO_REUSEPORT`` so the kernel spreads
-new connections across them. What must be the same in every worker lives in shared state:
-
-- the privacy budget: the ledger (use a PostgreSQL ledger; a SQLite file works on one host too);
-- released answers: the result cache, next to the ledger (the same PostgreSQL database or file);
-- the installation key (in the ledger), from which the query-fingerprint key, the mock SCRAM salts
-  and the row-selection salt (:func:`dpsql.fingerprint.row_selection_salt`, applied by every
-  Engine) are derived, so a repeated query sees the same sample of a heavy person's rows whichever
-  worker (or host) answers it.
-
-Workers die with their supervisor (:func:`_die_with`): after a ``kill -9`` of the supervisor an
-orphaned worker would keep serving the policy it loaded (an analyst removed since would still be
-answered on some connections) while the restarted set binds the port beside it. Each worker leads its
-own process group with its helper processes (the statement-routing helper, which also ends itself when
-its worker is gone). SIGTERM stops everything within :data:`KILL_AFTER_SECONDS`: each worker ends by its
-own shutdown deadline (statements get ``shutdown_grace`` to finish, then it exits whatever still runs),
-and the supervisor then kills each worker's group, so no helper outlives it.
-
-A CancelRequest arrives on a new connection, which the kernel may hand to another worker than the
-one running the statement: backend pids name their worker, and a worker forwards a request for
-another's pid to it over a Unix datagram socket in a private directory the supervisor creates
-(:mod:`.cancels`), so the client's cancel is 57014 "due to user request" whichever worker it reached.
-
-Limits: if a worker dies the supervisor stops the others and exits non-zero, so a process manager
-(systemd, Docker's restart policy) restarts the whole set.
+The privacy argument and design notes: docs/internals.md, section dpsql/server/workers.py.
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ narrowing of text domains must survive: one tag in every row (matched by some pa
 declared tag and a secret one, NULL tags, and non-ASCII tags (accents, ß, a decomposed é, Ω) where ILIKE's
 case folding differs between backends. Two attack the foreign-key chains: ``dupkey`` reuses another
 person's event ids (a referenced key that repeats: that person's lines meet two events), ``adopter`` brings
-the events that D's orphaned lines point at (rows that belong to nobody until it comes).
+the events that D's orphaned lines point at (rows that belong to nobody until it comes). ``visits`` is
+row-level (no unit column: each row its own person); every adversary but ``dupkey`` brings one visit
+beyond the bounds (1e9, NaN with a secret ward, all NULL, ±infinity, dates a century away).
 
 Policies (:func:`policies`) vary ``max_rows_per_unit``, ``max_groups_per_unit``, bounds, domains and
 nullability; queries (:func:`queries`) are drawn from the grammar dpsql accepts: every additive
@@ -58,6 +60,7 @@ CREATE TABLE events (eid INTEGER, pid INTEGER, kind VARCHAR(8), amount DOUBLE PR
                      day DATE, ts TIMESTAMP, flag BOOLEAN, tag VARCHAR(16));
 CREATE TABLE kinds (name VARCHAR(8), cat VARCHAR(8));
 CREATE TABLE lines (lid INTEGER, eid INTEGER, price DOUBLE PRECISION, color VARCHAR(8));
+CREATE TABLE visits (vid INTEGER, ward VARCHAR(8), cost DOUBLE PRECISION, los INTEGER, day DATE);
 """
 
 #: lines.color's declared domain; lines reach the person two hops away (lines → events → people).
@@ -92,6 +95,7 @@ def _ts(value: str | None) -> str:
 
 
 Event = tuple[str, float | None, int | None, str, str | None, bool]  # kind, amount, qty, day, ts, flag
+Visit = tuple[str | None, float | None, int | None, str | None]  # ward, cost, los, day: one row-level visit
 Tags = tuple[str | None, ...]  # one per event, cycled: a person's events' tags
 Line = tuple[float | None, str | None]  # price, color
 Lines = tuple[tuple[Line, ...], ...]  # per event (cycled): its lines
@@ -111,6 +115,27 @@ class Person:
     #: Event ids to use instead of fresh ones (the ``dupkey`` adversary reuses another person's event id,
     #: the ``adopter`` an orphaned line's), cycled over its events.
     eids: tuple[int, ...] = ()
+    #: This person's one row of the row-level ``visits`` table (no unit column: each row is a person).
+    visit: Visit | None = None
+
+
+def _visit(vid: int, visit: Visit) -> str:
+    ward, cost, los, day = visit
+    return f"INSERT INTO visits VALUES ({vid}, {_lit(ward)}, {_lit(cost)}, {_lit(los)}, {_date(day)});\n"
+
+
+def _base_visits(seed: int = 11, n: int = 60) -> list[Visit]:
+    """D's row-level visits: each row one person, NULLs among the values."""
+    rng = random.Random(seed)
+    return [
+        (
+            None if rng.random() < 0.1 else rng.choice(KINDS),
+            None if rng.random() < 0.15 else round(rng.uniform(-5, 60), 2),
+            None if rng.random() < 0.1 else rng.randint(0, 14),
+            None if rng.random() < 0.1 else f"2024-{rng.randint(1, 6):02d}-{rng.randint(1, 28):02d}",
+        )
+        for _ in range(n)
+    ]
 
 
 def _insert(person: Person, first_eid: int, first_lid: int = 0) -> str:
@@ -189,7 +214,8 @@ def _heavy() -> Person:
         for i, (a, q) in enumerate(zip(amounts, qtys, strict=True))
     ]
     many = tuple((float(10 + i), COLORS[i % 2]) for i in range(9))  # many lines of one event
-    return Person(1001, 1001, "a", 40, 1.0, "1980-01-01", tuple(events), ("alpha",), (many,))  # 'al%' yes
+    visit = ("a", 1e9, 100, "2024-02-10")  # a visit far above every cost bound
+    return Person(1001, 1001, "a", 40, 1.0, "1980-01-01", tuple(events), ("alpha",), (many,), visit=visit)  # 'al%' yes
 
 
 def _spread() -> Person:
@@ -210,7 +236,10 @@ def _spread() -> Person:
             )
         )
     spread = ((5.0, "red"),), ((None, "blue"), (99.0, None)), ((1e9, "red"),)
-    return Person(1002, 1002, "b", 101, -5.0, "1999-12-31", tuple(events), (*TAGS, SECRET_TAG, None), spread)
+    visit = (SECRET_KIND, float("nan"), None, "2024-06-30")  # a ward nobody else has, a NaN cost
+    return Person(
+        1002, 1002, "b", 101, -5.0, "1999-12-31", tuple(events), (*TAGS, SECRET_TAG, None), spread, visit=visit
+    )
 
 
 def _crossing() -> Person:
@@ -225,7 +254,8 @@ def _crossing() -> Person:
             events.append(
                 (kind, amount, qty, f"2024-0{1 + j % 3}-15", None if j % 2 else "2024-03-01 00:00:00", j == 0)
             )
-    return Person(1003, 1003, None, 0, None, "1950-01-01", tuple(events), (None, None, "al_ha"))
+    visit = (None, None, None, None)  # a visit of NULLs: counted by COUNT(*), by no COUNT(column)
+    return Person(1003, 1003, None, 0, None, "1950-01-01", tuple(events), (None, None, "al_ha"), visit=visit)
 
 
 def _odd() -> Person:
@@ -238,7 +268,16 @@ def _odd() -> Person:
     ]
     odd = ((float("inf"), "red"), (float("-inf"), "blue"), (float("nan"), None), (-1e300, "red"))
     return Person(
-        1004, 1004, "c", 1000, float("inf"), "1800-01-01", tuple(events), ("É", "straße", "e\u0301", "Ωmega"), (odd,)
+        1004,
+        1004,
+        "c",
+        1000,
+        float("inf"),
+        "1800-01-01",
+        tuple(events),
+        ("É", "straße", "e\u0301", "Ωmega"),
+        (odd,),
+        visit=("c", float("inf"), -2_000_000_000, "2099-12-31"),
     )
 
 
@@ -254,7 +293,8 @@ def _adopter() -> Person:
     """Events with the ids of D's orphaned lines (:data:`ORPHAN_EIDS`): in D they belong to nobody, with
     this person they are theirs; they must move one unit, never two (nobody's and theirs)."""
     events = tuple(("c", 10.0, 1, "2024-04-04", "2024-04-04 09:00:00", False) for _ in ORPHAN_EIDS)
-    return Person(1006, 1006, "b", 44, 1.5, "1985-06-06", events, ("é",), ((),), eids=ORPHAN_EIDS)
+    visit = ("b", float("-inf"), 2_000_000_000, "1900-01-01")
+    return Person(1006, 1006, "b", 44, 1.5, "1985-06-06", events, ("é",), ((),), eids=ORPHAN_EIDS, visit=visit)
 
 
 #: Neighbours outside the policy's constraints: ``dupkey`` makes a declared key (events.eid, which lines
@@ -285,6 +325,8 @@ def database_script(adversary: str | None) -> str:
         script += _insert(person, eid, lid)
         lid += sum(len(person.lines[j % len(person.lines)]) for j in range(len(person.events)))
         eid += len(person.events) if not person.eids else 0
+    visits = _base_visits() + [p.visit for p in people if p.visit is not None]
+    script += "".join(_visit(vid, visit) for vid, visit in enumerate(visits, start=1))
     for i, orphan in enumerate(ORPHAN_EIDS):  # lines of events nobody has
         script += f"INSERT INTO lines VALUES ({90000 + 2 * i}, {orphan}, 25.0, 'red');\n"
         script += f"INSERT INTO lines VALUES ({90001 + 2 * i}, {orphan}, 75.0, 'blue');\n"
@@ -368,6 +410,13 @@ tables:
       eid: {{type: int, identifier: true}}
       price: {{type: float, lower: 0.0, upper: 100.0, nullable: true}}
       color: {{type: text, domain: [{", ".join(COLORS)}], nullable: true}}
+  visits:
+    columns:
+      vid: {{type: int, identifier: true}}
+      ward: {{type: text, nullable: true{kind_domain}}}
+      cost: {{type: float, lower: {lo}, upper: {hi}, nullable: true}}
+      los: {{type: int, lower: 0, upper: 30, nullable: true}}
+      day: {{type: date, lower: 2024-01-01, upper: 2024-06-30, nullable: true}}
 """
 
 
@@ -585,6 +634,58 @@ def line_queries(draw: st.DrawFn) -> str:
     return _assemble(keys, measures, source, where)
 
 
+#: The row-level ``visits`` table (each row its own person: no unit column, so no contribution bounding;
+#: clamps and the one-row neighbour carry the proof), alone or joined to the public ``kinds``.
+VISIT_KEYS = [
+    "v.ward",
+    "FLOOR(v.cost / 10)",
+    "DATE_TRUNC('month', v.day)",
+    "v.los > 5",
+    "width_bucket(v.cost, 0, 50, 5)",
+    "CASE WHEN v.los < 3 THEN 'short' ELSE 'long' END",
+]
+VISIT_MEASURES = [
+    "COUNT(*)",
+    "COUNT(v.cost)",
+    "SUM(v.cost)",
+    "AVG(v.cost)",
+    "SUM(v.los)",
+    "AVG(v.los)",
+    "VAR_POP(v.cost)",
+    "STDDEV(v.los)",
+    "COUNT(DISTINCT v.ward)",
+    "MIN(v.cost)",
+    "MAX(v.los)",
+    "percentile_cont(0.5) WITHIN GROUP (ORDER BY v.cost)",
+    "COUNT(*) FILTER (WHERE v.los > 3)",
+    "SUM(v.cost / 10.0)",
+    "AVG(CASE WHEN v.ward = 'a' THEN v.cost END)",
+]
+VISIT_WHERE = [
+    "v.cost > 10",
+    "v.ward IN ('a', 'b')",
+    "v.los BETWEEN 2 AND 8",
+    "v.cost + 1 > 20",
+    "v.ward NOT IN ('a')",
+    "v.ward LIKE 'a%'",
+    "v.day >= DATE '2024-03-01'",
+    "v.cost IS NULL",
+    "v.ward IN (SELECT name FROM kinds WHERE cat = 'x')",
+]
+
+
+@st.composite
+def visit_queries(draw: st.DrawFn) -> str:
+    """Over the row-level ``visits`` table: one row per person, every neighbour one more row."""
+    join_kinds = draw(st.integers(0, 3)) == 0
+    keys = draw(st.lists(st.sampled_from(VISIT_KEYS + (KIND_KEYS if join_kinds else [])), max_size=2, unique=True))
+    distinct = bool(keys) and draw(st.integers(0, 5)) == 0
+    measures = [] if distinct else draw(st.lists(st.sampled_from(VISIT_MEASURES), min_size=1, max_size=3, unique=True))
+    where = draw(st.sampled_from([None, None, *VISIT_WHERE]))
+    source = "visits v" + (" JOIN kinds k ON v.ward = k.name" if join_kinds else "")
+    return _assemble(keys, measures, source, where, distinct=distinct)
+
+
 #: Per-person values: a subquery grouped by the unit (one row per person), then aggregated outside.
 PERSON_INNER = {
     "events": ("events e", "e.pid", ["COUNT(*)", "SUM(e.amount)", "AVG(e.qty)", "MAX(e.amount)", "MIN(e.day)"]),
@@ -617,11 +718,13 @@ def person_queries(draw: st.DrawFn) -> str:
 @st.composite
 def queries(draw: st.DrawFn) -> str:
     """A random query from the accepted grammar (some draws are refused by the analyzer: skipped)."""
-    family = draw(st.integers(0, 9))
+    family = draw(st.integers(0, 10))
     if family == 1:
         return draw(line_queries())
     if family == 2:
         return draw(person_queries())
+    if family == 3:
+        return draw(visit_queries())
     if family == 0:  # the unit table alone (max_rows 1)
         keys = draw(st.lists(st.sampled_from(PEOPLE_ONLY_KEYS), max_size=2, unique=True))
         measures = draw(st.lists(st.sampled_from(PEOPLE_ONLY_MEASURES), min_size=1, max_size=3, unique=True))

@@ -202,6 +202,15 @@ REGRESSIONS: list[tuple[FuzzPolicy, str, str, int]] = [
         "x",
         1,
     ),
+    # a row-level table (no unit column; each row its own person): clamps alone bound a row, the neighbour
+    # is one more row (1e9, NaN with a secret ward, all NULL, ±infinity); the bias estimate's clamp excess too
+    (
+        _policy(3, 2),
+        "SELECT v.ward AS k0, COUNT(*) AS v0, SUM(v.cost) AS v1, AVG(v.los) AS v2 FROM visits v GROUP BY k0",
+        "s1",
+        0,
+    ),
+    (_policy(2, 2), "SELECT COUNT(v.cost) AS v0, VAR_POP(v.cost) AS v1 FROM visits v WHERE v.cost + 1 > 20", "x", 1),
 ]
 
 
@@ -227,6 +236,8 @@ class Stats:
         )
         self.shapes.update("source: per-person subquery" for s in plan.sources.sources if s.derived is not None)
         self.shapes["join looked up by foreign key"] += len(plan.sources.looked_up)
+        if plan.unit is None and plan.sources.private:
+            self.shapes["source: row-level table (each row a person)"] += 1
         if plan.where is not None and plan.where.find(exp.Exists):
             self.shapes["semi-join inside the person"] += 1
         self.shapes.update(
@@ -553,7 +564,12 @@ def test_every_measure_moves_within_its_sensitivity(worlds: tuple[str, dict[str 
     for strategy in STRATEGIES.values():
         assert stats.shapes[f"strategy: {strategy}"] > 0, stats.report(dialect)
     assert stats.shapes["key: domain narrowed by WHERE"] > 0, stats.report(dialect)
-    for shape in ("source: two or more hops from the unit", "source: per-person subquery", "cap set per query"):
+    for shape in (
+        "source: two or more hops from the unit",
+        "source: per-person subquery",
+        "source: row-level table (each row a person)",
+        "cap set per query",
+    ):
         assert stats.shapes[shape] > 0, stats.report(dialect)
     assert stats.shapes["join looked up by foreign key"] > 0, stats.report(dialect)
     assert stats.shapes["semi-join inside the person"] > 0, stats.report(dialect)
