@@ -49,7 +49,7 @@ from dpsql.plan import Plan
 from dpsql.release.apply import Released
 from dpsql.release.calibrate import published_cut
 from dpsql.rewrite._sql import key_column, literal_number, measure_input
-from dpsql.rewrite.bounding import over_sources
+from dpsql.rewrite.bounding import count_unit_rows, over_sources
 from dpsql.rewrite.filter import filter_rows
 from dpsql.rewrite.measures import select_measures
 from dpsql.session import Result, Session, ci_label
@@ -488,10 +488,12 @@ def folded_query(
     None when the measurement is not shaped for it (its cells must read the rows :func:`totals_query`
     reads, grouped by the unit and by every key as a column of their own).
 
-    The measurement's ``__cells`` gains the ``__e{i}`` sums (it already counts each cell's rows, ``__n``) and
-    is computed once (MATERIALIZED); the totals are :func:`_totals` over it, with the unit's rows joined back
-    (:func:`_unit_rows`). The measurement's rows are untouched: the cells are the same rows and the later steps select
-    their own columns. Rows come tagged by :data:`PART`: ``(0, measurement columns…, NULL…)`` and
+    The measurement's ``__cells`` gains the ``__e{i}`` sums (it already counts each cell's rows, ``__n``); the
+    totals are :func:`_totals` over its cells with their unit's rows ``__bn``: computed by the measurement's
+    own sort of each unit's cells where it reads them all (:func:`dpsql.rewrite.bounding.count_unit_rows`;
+    ``__counted`` computed once, MATERIALIZED), else ``__cells`` MATERIALIZED with the unit's rows joined
+    back (:func:`_unit_rows`). The measurement's rows are untouched: the cells are the same rows and the later
+    steps select their own columns. Rows come tagged by :data:`PART`: ``(0, measurement columns…, NULL…)`` and
     ``(1, keys…, NULL…, totals…)`` (:func:`split_folded`). The totals equal :func:`totals_query`'s: each is
     linear in a cell's rows at its unit's ``n`` (:func:`_totals`), so the privacy argument is unchanged."""
     ctes = {cte.alias: cte for cte in (measurement.args.get("with_") or exp.With()).expressions}
@@ -513,10 +515,14 @@ def folded_query(
     with_ = main.args["with_"]
     main.set("with_", None)
     ctes = {cte.alias: cte for cte in with_.expressions}
-    ctes["__cells"].set("materialized", True)
     for sums in _excess_sums(plan, clamped):
         ctes["__cells"].this.append("expressions", sums)
-    units = _unit_rows()
+    units = exp.select(exp.Star()).from_("__counted")  # every cell, with its unit's rows by the measurement's sort
+    if count_unit_rows(ctes):
+        ctes["__counted"].set("materialized", True)
+    else:
+        ctes["__cells"].set("materialized", True)
+        units = _unit_rows()
     key_names = [exp.column(named[k], quoted=True) for k in keys]
     totals = _totals(plan, tau, clamped, cuts, key_names, ("__n", "__bn"))
     width, extra = len(main.expressions), len(totals.expressions) - len(keys)

@@ -293,6 +293,31 @@ def _bound_by_cells(
     return outer
 
 
+def count_unit_rows(ctes: dict[str, exp.CTE]) -> bool:
+    """Give ``__counted`` of :func:`_bound_by_cells` each cell's unit's rows over all its cells, ``__bn``
+    (for the bias totals folded into the statement): a window with the running count's partition and
+    order and the whole partition as its frame, so the backend sorts the cells once for both (no second
+    aggregation of the cells per unit, no join back). NULL units share one partition, as they share one
+    group. False, with nothing added, unless ``__counted`` reads every cell (not when groups are ranked:
+    then it keeps a unit's first ``max_groups`` groups only)."""
+    counted, groups = ctes.get("__counted"), ctes.get("__groups")
+    if counted is None or groups is None or not isinstance(counted.this, exp.Select):
+        return False
+    if groups.this.sql() != "SELECT * FROM __cells" or counted.this.args.get("where") is not None:
+        return False
+    upto = next((e for e in counted.this.expressions if e.alias == "__upto"), None)
+    running = upto.find(exp.Window) if upto is not None else None
+    if running is None:
+        return False
+    whole = running.copy()
+    whole.set(
+        "spec",
+        exp.WindowSpec(kind="ROWS", start="UNBOUNDED", start_side="PRECEDING", end="UNBOUNDED", end_side="FOLLOWING"),
+    )
+    counted.this.append("expressions", exp.alias_(exp.cast(whole, exp.DataType.Type.BIGINT), "__bn"))
+    return True
+
+
 def _integer_sum(node: exp.Expr, plan: Plan) -> bool:
     """Whether a SUM adds integers (its measure is released as an integer, not centred or squared)."""
     if not isinstance(node, exp.Sum):
