@@ -548,6 +548,11 @@ def _ident(node: exp.Identifier) -> str:
     return name if node.quoted else name.lower()
 
 
+def parse(sql: str) -> Any:
+    """``sql`` parsed as the budget view reads it (None: it does not parse)."""
+    return _parse(sql)
+
+
 def _parse(sql: str) -> Any:
     try:
         return sqlglot.parse_one(sql, read="postgres")

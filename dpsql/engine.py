@@ -224,17 +224,17 @@ class Engine:
         if not budget_view.reads_only_budget(tree) or self.policy.table(budget_view.BUDGET_RELATION) is not None:
             shrink_in_lists(tree, self.policy)
 
-    def _budget_tree(self, sql: str) -> exp.Expression | None:
+    def _budget_tree(self, sql: str) -> exp.Expr | None:
         """The parsed statement when ``sql`` reads only the analyst's own ``dpsql_budget`` row, else None
-        (parsed once, through :attr:`statements`; a refused text counts as no budget read, and is refused
-        in its turn where any statement is)."""
+        (parsed once, through :attr:`statements`). A text the engine's parse refuses is read as the budget
+        view always read it (its own parse, no length cap: a 300 kB predicate there is 54001, as before)."""
         if not budget_view.may_read_budget(sql, self.policy):
             return None
         try:
-            tree: exp.Expression | None = self.statements.get(sql).tree
+            tree: exp.Expr | None = self.statements.get(sql).tree
         except Error:
             failed = self.statements.failure(sql)
-            tree = failed.tree if failed is not None else None
+            tree = failed.tree if failed is not None and failed.tree is not None else budget_view.parse(sql)
         return tree if budget_view.reads_only_budget(tree) else None
 
     def _prepare(self, sql: str, tree: exp.Expression, session: Session, params: Params) -> Prepared:

@@ -64,7 +64,7 @@ _POLL = 0.05
 class Routed:
     """A long statement as the helper read it: route, shape (:func:`~dpsql.fingerprint.statement_shape`)
     and guard verdict (:func:`~.shadow_guard.vet`, for statements the shadow may run); for the engine's
-    statements, what :func:`~dpsql.analyze.statement.classify` made of it (:meth:`statement`)."""
+    statements, what :func:`~dpsql.analyze.statement.classify` made of it (:meth:`install`)."""
 
     route: catalog.Route
     shape: str | None
