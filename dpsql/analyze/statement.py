@@ -146,8 +146,9 @@ class Statements:
         #: and the engine's (fixed) policy only.
         self._plain: LRU[str, bool] = LRU(size, CACHE_BYTES)
         #: Texts :func:`classify` refused, by text: a failing statement is parsed once too (its route, its
-        #: fingerprint, the engine's refusal and its audit row read this).
-        self._failed: LRU[str, Failed] = LRU(size, CACHE_BYTES)
+        #: fingerprint, the engine's refusal and its audit row read this). Within an eighth of the bytes: a
+        #: refusal keeps a tree only when it came after parsing.
+        self._failed: LRU[str, Failed] = LRU(size, CACHE_BYTES // 8)
 
     def get(self, sql: str) -> Statement:
         """The statement for ``sql``, shared: copy its tree before rewriting it. Raises what :func:`classify`
