@@ -351,6 +351,8 @@ class Connection:
             raise SyntaxError_(problem)  # as PostgreSQL, never an internal error
         if not long:
             return self._plan_short(sql)
+        if (statement := self.ctx.engine.statements.cached(sql)) is not None:  # a repeat: the helper's tree
+            return PlannedStatement(sql, route_of_statement(statement, self.ctx.policy), shape=statement.shape)
         routed = self.ctx.offload.route_of(self.user or "?", sql, frozenset(self.ctx.policy.tables))
         routed.install(sql, self.ctx.engine.statements)  # parsed there: the engine reads that tree
         return PlannedStatement(sql, routed.route, shape=routed.shape, verdict=routed.verdict)

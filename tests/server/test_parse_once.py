@@ -114,11 +114,21 @@ def test_the_helper_parses_a_long_statement_once(parses: list[str], template: st
 
 @pytest.mark.parametrize("prepare", [False, True], ids=["simple", "extended"])
 @pytest.mark.parametrize("template", LONG)
-def test_a_long_statement_is_parsed_once(dp_server: Running, parses: list[str], template: str, prepare: bool) -> None:
+def test_a_long_statement_is_parsed_once(
+    dp_server: Running, parses: list[str], monkeypatch: pytest.MonkeyPatch, template: str, prepare: bool
+) -> None:
     """With the helper running, the server's process parses a long statement no more: the engine runs the
-    tree the helper parsed (the same tree, IN lists included)."""
+    tree the helper parsed (the same tree, IN lists included), and a repeat is routed on it."""
     assert Offload.shared().start(timeout=120)
     sql = template.format(n=next(_NEXT))
+    routed: list[str] = []
+    real = Offload.route_of
+
+    def counting(self: Offload, analyst: str, text: str, tables: frozenset[str]) -> offload.Routed:
+        routed.append(text)
+        return real(self, analyst, text, tables)
+
+    monkeypatch.setattr(Offload, "route_of", counting)
     refused = "COUNT(* FROM" in sql or "CASE" in sql
     for _ in range(2):  # the repeat too
         try:
@@ -126,12 +136,12 @@ def test_a_long_statement_is_parsed_once(dp_server: Running, parses: list[str], 
         except (psycopg.errors.SyntaxError, psycopg.errors.ProgramLimitExceeded):
             assert refused
     assert parses.count(sql) == 0, parses
-    if "patients" in sql and not refused:
+    if "patients" in sql and not refused:  # the repeat routed on the engine's copy of the helper's tree
         statement = dp_server.engine.statements.cached(sql)
         assert statement is not None
         here = classify(sql).tree
         dp_server.engine._shrink(here)  # what the engine's cache does to a new query's tree
-        assert statement.tree == here
+        assert statement.tree == here and routed.count(sql) == 1
 
 
 def test_a_packed_tree_is_the_parsed_tree() -> None:
