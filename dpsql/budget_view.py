@@ -95,9 +95,17 @@ def own_budget(ledger: Ledger, policy: Policy, analyst: str) -> tuple[Any, ...]:
 
 def is_budget_query(sql: str, policy: Policy) -> bool:
     """Whether ``sql`` is a SELECT reading only ``dpsql_budget`` (and the policy has no such table)."""
-    if BUDGET_RELATION not in sql.lower() or policy.table(BUDGET_RELATION) is not None:
-        return False
-    tree = _parse(sql)
+    return may_read_budget(sql, policy) and reads_only_budget(_parse(sql))
+
+
+def may_read_budget(sql: str, policy: Policy) -> bool:
+    """Whether ``sql`` names ``dpsql_budget`` and the policy has no such table (a text test: no parse)."""
+    return BUDGET_RELATION in sql.lower() and policy.table(BUDGET_RELATION) is None
+
+
+def reads_only_budget(tree: exp.Expr | None) -> bool:
+    """Whether the parsed ``tree`` (of a text :func:`may_read_budget` passes) is a SELECT reading only
+    ``dpsql_budget``."""
     if not isinstance(tree, exp.Select):
         return False
     tables = list(tree.find_all(exp.Table))
@@ -106,13 +114,14 @@ def is_budget_query(sql: str, policy: Policy) -> bool:
     )
 
 
-def answer(sql: str, row: tuple[Any, ...]) -> Result:
+def answer(sql: str, row: tuple[Any, ...], tree: exp.Expr | None = None) -> Result:
     """Evaluate a SELECT over ``dpsql_budget`` holding just ``row``; free (no charge, no noise).
+    ``tree``: ``sql`` already parsed (the engine's statement), else it is parsed here.
 
     Only the shapes in the module docstring are answered, by walking the parse tree; the statement
     is data to be checked, never code to be run.
     """
-    tree = _parse(sql)
+    tree = _parse(sql) if tree is None else tree
     if not isinstance(tree, exp.Select):
         raise _unsupported("this statement")
     try:
@@ -537,6 +546,11 @@ def _ident(node: exp.Identifier) -> str:
     """An identifier as PostgreSQL resolves it: folded to lower case unless quoted."""
     name = str(node.this)
     return name if node.quoted else name.lower()
+
+
+def parse(sql: str) -> Any:
+    """``sql`` parsed as the budget view reads it (None: it does not parse)."""
+    return _parse(sql)
 
 
 def _parse(sql: str) -> Any:

@@ -37,7 +37,7 @@ from dpsql.analyze.statement import CACHE_BYTES as PLAN_CACHE_BYTES
 from dpsql.analyze.statement import Kind, Statements, tree_bytes
 from dpsql.backends import DEFAULT_STATEMENT_TIMEOUT_MS, Backend, open_backend, quote_ident
 from dpsql.cache import ResultCache, cache_key, measurement_key
-from dpsql.errors import FeatureNotSupported, InvalidAuthorization
+from dpsql.errors import Error, FeatureNotSupported, InvalidAuthorization
 from dpsql.explain import Explanation, explain, explain_format
 from dpsql.fingerprint import fingerprint_key, keyed, row_selection_salt, statement_shape, tree_shape
 from dpsql.ledger import Ledger, resolve_ledger_url
@@ -91,7 +91,7 @@ class Engine:
         #: Plans hold their rewritten trees: bounded in bytes too (see :func:`tree_bytes`).
         self._plans: LRU[tuple[Any, ...], Prepared] = LRU(_PLAN_CACHE_SIZE, PLAN_CACHE_BYTES)
         #: Parsed statements by text (and which texts are plain single queries: :mod:`dpsql.outer`).
-        self.statements = Statements(_PLAN_CACHE_SIZE, partial(shrink_in_lists, policy=policy), tree_shape)
+        self.statements = Statements(_PLAN_CACHE_SIZE, self._shrink, tree_shape)
         #: Keys the per-row hash choosing which rows of a heavy unit are kept (never shown to analysts;
         #: derived from the ledger's installation key, so every process on one ledger keeps the same rows).
         self._salt = row_selection_salt(ledger.installation_key())
@@ -215,9 +215,27 @@ class Engine:
         return keyed(self._fingerprint_key, self.shape(sql) if shape is None else shape)
 
     def shape(self, sql: str) -> str:
-        """:func:`statement_shape` of ``sql``, read from its tree when this engine parsed it already."""
-        statement = self.statements.cached(sql)
-        return statement.shape if statement is not None and statement.shape else statement_shape(sql)
+        """:func:`statement_shape` of ``sql``, read from its tree when this engine parsed (or refused) it already."""
+        return self.statements.shape(sql) or statement_shape(sql)
+
+    def _shrink(self, tree: exp.Expression) -> None:
+        """A new query's IN lists shrunk (:func:`shrink_in_lists`), but for a read of ``dpsql_budget``: its
+        lists are over the analyst's own row, not the policy's columns."""
+        if not budget_view.reads_only_budget(tree) or self.policy.table(budget_view.BUDGET_RELATION) is not None:
+            shrink_in_lists(tree, self.policy)
+
+    def _budget_tree(self, sql: str) -> exp.Expr | None:
+        """The parsed statement when ``sql`` reads only the analyst's own ``dpsql_budget`` row, else None
+        (parsed once, through :attr:`statements`). A text the engine's parse refuses is read as the budget
+        view always read it (its own parse, no length cap: a 300 kB predicate there is 54001, as before)."""
+        if not budget_view.may_read_budget(sql, self.policy):
+            return None
+        try:
+            tree: exp.Expr | None = self.statements.get(sql).tree
+        except Error:
+            failed = self.statements.failure(sql)
+            tree = failed.tree if failed is not None and failed.tree is not None else budget_view.parse(sql)
+        return tree if budget_view.reads_only_budget(tree) else None
 
     def _prepare(self, sql: str, tree: exp.Expression, session: Session, params: Params) -> Prepared:
         fingerprint = self.fingerprint(sql)
@@ -304,9 +322,9 @@ class Engine:
 
     def describe(self, sql: str, session: Session) -> Description:
         """Output columns and parameter types, without running the query or spending budget."""
-        if budget_view.is_budget_query(sql, self.policy):  # the analyst's own row: ledger only, free
+        if (budget := self._budget_tree(sql)) is not None:  # the analyst's own row: ledger only, free
             own = budget_view.own_budget(self.ledger, self.policy, session.analyst)
-            return Description(budget_view.answer(sql, own).columns, [])
+            return Description(budget_view.answer(sql, own, budget).columns, [])
         statement = self.statements.get(sql)
         if statement.kind is Kind.INSERT:  # stored at Execute; no result columns
             return Description([], [])
@@ -357,8 +375,8 @@ class Engine:
     def _answer(self, sql: str, session: Session, params: Params) -> Result:
         if self.policy.analyst(session.analyst) is None:
             raise InvalidAuthorization(f'role "{session.analyst}" does not exist')
-        if budget_view.is_budget_query(sql, self.policy):  # the analyst's own budget: ledger only, free
-            return budget_view.answer(sql, budget_view.own_budget(self.ledger, self.policy, session.analyst))
+        if (budget := self._budget_tree(sql)) is not None:  # the analyst's own budget: ledger only, free
+            return budget_view.answer(sql, budget_view.own_budget(self.ledger, self.policy, session.analyst), budget)
         self.ledger.check_not_frozen(self.policy.dataset, session.analyst)  # 42501 before anything runs
         statement = self.statements.get(sql)  # parsed once per text; classified on the tree
         if statement.kind is Kind.EXPLAIN:

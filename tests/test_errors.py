@@ -51,7 +51,8 @@ def test_a_code_cannot_be_registered_twice() -> None:
 
 
 def test_legacy_sqlstate_keyword_builds_the_registered_class() -> None:
-    exc = errors.InvalidParameterValue("GROUP BY position 3 is not in select list", sqlstate="42P10", hint="h")
+    message = "GROUP BY position 3 is not in select list"
+    exc: errors.Error = errors.InvalidParameterValue(message, sqlstate="42P10", hint="h")
     assert type(exc) is errors.InvalidColumnReference and exc.sqlstate == "42P10" and exc.hint == "h"
     exc = errors.FeatureNotSupported('table name "p" specified more than once', sqlstate="42712")
     assert isinstance(exc, errors.ProgrammingError) and not isinstance(exc, errors.NotSupportedError)

@@ -8,17 +8,19 @@ tree, which is shared (whoever rewrites it works on a copy).
 
 from __future__ import annotations
 
+import copy
 import enum
 import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import NoReturn
 
 from sqlglot import exp
 
 from dpsql.analyze.checks import limit_case_branches
 from dpsql.analyze.parse import parse_statement, skip_comments, too_complex
-from dpsql.errors import FeatureNotSupported, SyntaxError_
+from dpsql.errors import Error, FeatureNotSupported, SyntaxError_
 from dpsql.lru import LRU
 
 #: The one EXPLAIN option accepted: ``(FORMAT TEXT)`` or ``(FORMAT JSON)`` (pgcli sends the latter).
@@ -71,6 +73,13 @@ def classify(sql: str) -> Statement:
     EXPLAIN is recognised by its first keyword after any comments (sqlglot keeps it as an opaque
     command); the explained query is classified when it is run.
     """
+    statement = parse_kind(sql)
+    check(statement)
+    return statement
+
+
+def parse_kind(sql: str) -> Statement:
+    """:func:`classify` up to the checks of the parsed tree (:func:`check`)."""
     target = explain_target(sql)
     if target is not None:
         return Statement(sql, Kind.EXPLAIN, exp.Command(this="EXPLAIN"), target)
@@ -78,10 +87,29 @@ def classify(sql: str) -> Statement:
         tree = parse_statement(sql)
     except RecursionError:
         raise too_complex() from None
-    if isinstance(tree, exp.Insert):
-        return Statement(sql, Kind.INSERT, tree)
-    limit_case_branches(tree)  # 54000 right after parsing: before the tree is copied, folded or routed
-    return Statement(sql, Kind.QUERY, tree)
+    return Statement(sql, Kind.INSERT if isinstance(tree, exp.Insert) else Kind.QUERY, tree)
+
+
+def check(statement: Statement) -> None:
+    """The refusals read off a parsed query (54000: too many CASE branches), right after parsing: before
+    the tree is copied, folded or routed."""
+    if statement.kind is Kind.QUERY:
+        limit_case_branches(statement.tree)
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """A text :func:`classify` refused: its error (raised again, as a copy, for every later use of the text,
+    which the refusal depends on only), the fingerprint shape of its text, and the tree when the refusal came
+    after parsing (the server still routes on it)."""
+
+    sql: str
+    error: Error
+    shape: str
+    tree: exp.Expression | None = None
+
+    def raise_again(self) -> NoReturn:
+        raise copy.copy(self.error)
 
 
 #: What a parsed or planned statement holds per node of its tree (tracemalloc: 500 to 1,000 bytes).
@@ -117,14 +145,33 @@ class Statements:
         #: parameters): a repeat skips :func:`dpsql.outer.route`'s copy of the tree. Decided from the text
         #: and the engine's (fixed) policy only.
         self._plain: LRU[str, bool] = LRU(size, CACHE_BYTES)
+        #: Texts :func:`classify` refused, by text: a failing statement is parsed once too (its route, its
+        #: fingerprint, the engine's refusal and its audit row read this). Within an eighth of the bytes: a
+        #: refusal keeps a tree only when it came after parsing.
+        self._failed: LRU[str, Failed] = LRU(size, CACHE_BYTES // 8)
 
     def get(self, sql: str) -> Statement:
-        """The statement for ``sql``, shared: copy its tree before rewriting it."""
+        """The statement for ``sql``, shared: copy its tree before rewriting it. Raises what :func:`classify`
+        raised for it (every time: parsed once)."""
         cached = self._items.get(sql)
         if cached is not None:
             return cached
-        statement = classify(sql)
-        if self._shape is not None:
+        if (failed := self._failed.get(sql)) is not None:
+            failed.raise_again()
+        tree = None
+        try:
+            statement = parse_kind(sql)
+            tree = statement.tree
+            check(statement)
+        except Error as exc:
+            self.fail(sql, exc, tree).raise_again()
+        return self.put(statement)
+
+    def put(self, statement: Statement) -> Statement:
+        """Cache ``statement`` as parsed (by :func:`classify`, here or in the server's helper process): its
+        shape read from the tree unless it has one, then its IN lists shrunk."""
+        sql = statement.sql
+        if self._shape is not None and not statement.shape:
             statement = replace(
                 statement, shape=self._shape(sql, None if statement.kind is Kind.EXPLAIN else statement.tree)
             )
@@ -132,9 +179,26 @@ class Statements:
             self._shrink(statement.tree)
         return self._items.put(sql, statement, tree_bytes(sql, statement.tree))
 
+    def fail(self, sql: str, error: Error, tree: exp.Expression | None, shape: str = "") -> Failed:
+        """Remember that :func:`classify` refused ``sql`` with ``error`` (``tree``: if it parsed)."""
+        if not shape and self._shape is not None:
+            shape = self._shape(sql, tree)
+        failed = Failed(sql, copy.copy(error), shape, tree)
+        size = sys.getsizeof(sql) + (0 if tree is None else tree_bytes("", tree))
+        return self._failed.put(sql, failed, size)
+
     def cached(self, sql: str) -> Statement | None:
         """The statement for ``sql`` if it was classified already (never parses)."""
         return self._items.get(sql)
+
+    def failure(self, sql: str) -> Failed | None:
+        """How :func:`classify` refused ``sql``, if it did already (never parses)."""
+        return self._failed.get(sql)
+
+    def shape(self, sql: str) -> str | None:
+        """The fingerprint shape of ``sql`` if it was classified (or refused) already."""
+        found = self._items.get(sql) or self._failed.get(sql)
+        return found.shape if found is not None and found.shape else None
 
     def plain(self, sql: str) -> bool:
         """Whether ``sql`` was found to be a plain single query (a dict lookup)."""

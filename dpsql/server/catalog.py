@@ -16,9 +16,9 @@ import sqlglot
 from sqlglot import exp
 
 from dpsql.analyze.parse import too_complex
-from dpsql.analyze.statement import Kind, Statement
+from dpsql.analyze.statement import Failed, Kind, Statement
 from dpsql.dev.local_postgres import local_server_version, start_local_postgres
-from dpsql.errors import CannotConnectNow, CatalogUnavailable, Error, FeatureNotSupported
+from dpsql.errors import CannotConnectNow, CatalogUnavailable, Error, FeatureNotSupported, StatementTooComplex
 from dpsql.policy import Policy
 from dpsql.sqltext import first_word, identifiers
 
@@ -88,6 +88,19 @@ def route_of_statement(statement: Statement, policy: Policy) -> Route:
     if statement.kind is not Kind.QUERY or first_word(statement.sql) not in _READ_ONLY_HEADS:
         return "engine"  # EXPLAIN, INSERT, DDL/DML: the engine answers or refuses them
     return route_of_tree(statement.tree, policy)
+
+
+def route_of_refused(failed: Failed, policy: Policy) -> Route:
+    """:func:`route_of` of a text the engine refused to classify, without parsing it again: read from its
+    tree when the refusal came after parsing, else from its tokens (as :func:`route_of` routes text sqlglot
+    cannot parse); a statement too deeply nested to parse is refused here, as there."""
+    if first_word(failed.sql) not in _READ_ONLY_HEADS:
+        return "engine"
+    if failed.tree is not None:
+        return route_of_tree(failed.tree, policy)
+    if isinstance(failed.error, StatementTooComplex):
+        failed.raise_again()
+    return _route_by_tokens(failed.sql, policy)
 
 
 def route_of_tree(tree: exp.Expr, policy: Policy) -> Route:

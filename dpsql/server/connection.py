@@ -42,7 +42,7 @@ from dpsql.sqltext import after_keyword, split_statements, strip_comments
 
 from . import protocol as pq
 from .answers import Action, AnswerContext, SessionCommand, Settings, evaluate_select, parse_session_command
-from .catalog import refuse_mixed, route_of, route_of_statement
+from .catalog import refuse_mixed, route_of, route_of_refused, route_of_statement
 from .commands import SessionCommands, TxStatus
 from .extended import ExtendedProtocol, PlannedStatement, Portal, expand_formats
 from .frontdoor import Pending
@@ -351,16 +351,23 @@ class Connection:
             raise SyntaxError_(problem)  # as PostgreSQL, never an internal error
         if not long:
             return self._plan_short(sql)
+        if (statement := self.ctx.engine.statements.cached(sql)) is not None:  # a repeat: the helper's tree
+            return PlannedStatement(sql, route_of_statement(statement, self.ctx.policy), shape=statement.shape)
         routed = self.ctx.offload.route_of(self.user or "?", sql, frozenset(self.ctx.policy.tables))
+        routed.install(sql, self.ctx.engine.statements)  # parsed there: the engine reads that tree
         return PlannedStatement(sql, routed.route, shape=routed.shape, verdict=routed.verdict)
 
     def _plan_short(self, sql: str) -> PlannedStatement:
         """Route on the statement the engine parses and classifies (its cache, by text): the engine, the
         log line's fingerprint and a table-free answer reuse that one tree (one parse per statement)."""
+        statements = self.ctx.engine.statements
         try:
-            statement = self.ctx.engine.statements.get(sql)
+            statement = statements.get(sql)
         except Exception:  # refused by the engine when it runs (its SQLSTATE, its audit row); routed as ever
-            return PlannedStatement(sql, route_of(sql, self.ctx.policy))
+            failed = statements.failure(sql)
+            if failed is None:
+                return PlannedStatement(sql, route_of(sql, self.ctx.policy))
+            return PlannedStatement(sql, route_of_refused(failed, self.ctx.policy), shape=failed.shape)
         return PlannedStatement(sql, route_of_statement(statement, self.ctx.policy), shape=statement.shape)
 
     async def execute(self, stmt: PlannedStatement, portal: Portal | None = None) -> Outcome:

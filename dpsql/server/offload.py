@@ -15,8 +15,14 @@ Until the helper has started (``spawn`` and importing sqlglot take a second or m
 routed in the calling thread as before, so the helper's start never counts against a statement's
 timeout. One helper serves every server of the process (:meth:`Offload.shared`).
 
-Privacy: only SQL text crosses to the helper, never data; its answer (a route, statement texts)
-depends on the text and the policy's table names only.
+The helper parses a long statement once (issue #39, "one parse per wire statement"): a statement the engine
+runs comes back as its parsed tree (:meth:`sqlglot.exp.Expression.dump`: data, loaded with
+:meth:`~sqlglot.exp.Expression.load`, never pickled code), or as the error the engine's parse gave it, and
+goes to the engine's statement cache. Long IN lists of plain constants travel as (text, is-string) pairs and
+are rebuilt as literals (loading them node by node would cost the server's GIL more than parsing them).
+
+Privacy: only SQL text crosses to the helper, never data; its answer (a route, statement texts, the parsed
+statement) depends on the text and the policy's table names only.
 """
 
 from __future__ import annotations
@@ -34,7 +40,10 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
 
+from sqlglot import exp
+
 from dpsql import errors
+from dpsql.analyze.statement import Failed, Kind, Statement, Statements, check, parse_kind
 from dpsql.errors import Error, InternalError, QueryCanceled
 from dpsql.fingerprint import statement_shape
 from dpsql.sqltext import split_statements
@@ -54,11 +63,58 @@ _POLL = 0.05
 @dataclass(frozen=True)
 class Routed:
     """A long statement as the helper read it: route, shape (:func:`~dpsql.fingerprint.statement_shape`)
-    and guard verdict (:func:`~.shadow_guard.vet`, for statements the shadow may run)."""
+    and guard verdict (:func:`~.shadow_guard.vet`, for statements the shadow may run); for the engine's
+    statements, what :func:`~dpsql.analyze.statement.classify` made of it (:meth:`install`)."""
 
     route: catalog.Route
     shape: str | None
     verdict: Verdict | None
+    #: The statement's kind, tree (:func:`_pack`) and EXPLAIN target; or the error its parse raised
+    #: (class name, message, detail, hint, position).
+    kind: str = ""
+    tree: tuple[list[dict[str, Any]], list[list[tuple[str, bool]]]] | None = None
+    target: str = ""
+    refusal: tuple[str, str, str | None, str | None, int | None] | None = None
+
+    def install(self, sql: str, statements: Statements) -> None:
+        """Put the statement (or its refusal) into the engine's cache: the engine does not parse it again."""
+        if self.refusal is not None:
+            name, message, detail, hint, position = self.refusal
+            error = _error(name, message, hint)
+            error.detail, error.position = detail, position
+            statements.fail(sql, error, None, self.shape or "")
+        elif self.tree is not None:
+            tree = _unpack(*self.tree)
+            statements.put(Statement(sql, Kind(self.kind), tree, self.target, self.shape or ""))
+
+
+#: IN lists of at least this many plain constants travel packed (:func:`_pack`).
+_PACKED = 16
+
+
+def _pack(tree: exp.Expression) -> tuple[list[dict[str, Any]], list[list[tuple[str, bool]]]]:
+    """``tree`` as data: its dump, with each long IN list of plain literals taken out (in place: the
+    helper's own tree) as (text, is-string) pairs, and its node marked with the list's index."""
+    lists: list[list[tuple[str, bool]]] = []
+    for node in tree.find_all(exp.In):
+        values = node.expressions
+        if len(values) >= _PACKED and all(type(v) is exp.Literal and not v.comments for v in values):
+            node.meta["dpsql_packed"] = len(lists)
+            lists.append([(str(v.this), bool(v.args.get("is_string"))) for v in values])
+            node.set("expressions", [])
+    return tree.dump(), lists
+
+
+def _unpack(dump: list[dict[str, Any]], lists: list[list[tuple[str, bool]]]) -> exp.Expression:
+    """The tree :func:`_pack` packed, with its IN lists' literals rebuilt as the parser builds them."""
+    tree = exp.Expression.load(dump)
+    assert isinstance(tree, exp.Expression)
+    if lists:
+        for node in tree.find_all(exp.In):
+            index = node.meta.pop("dpsql_packed", None) if node._meta else None
+            if index is not None:
+                node.set("expressions", [exp.Literal(this=text, is_string=quoted) for text, quoted in lists[index]])
+    return tree
 
 
 class _Names:
@@ -73,15 +129,41 @@ class _Names:
 
 def _route_of(sql: str, names: frozenset[str]) -> tuple[str, Any]:
     """The route, and what the server would otherwise scan the long text for on its own threads: the
-    statement's shape (its logged fingerprint) and, for the shadow catalog, the guard's verdict."""
+    statement's shape (its logged fingerprint), for the shadow catalog the guard's verdict, and for the
+    engine the statement as parsed (or refused): the one parse of the statement."""
     if not split_statements(sql):
         return "ok", Routed("empty", None, None)
+    policy: Any = _Names(names)  # what routing asks of a policy
+    shape = statement_shape(sql)  # lexical for a long text: no parse
+    tree = None
     try:
-        route = catalog.route_of(sql, _Names(names))  # type: ignore[arg-type]
+        try:
+            statement = parse_kind(sql)
+            tree = statement.tree
+            check(statement)
+        except Error as exc:
+            route = catalog.route_of_refused(Failed(sql, exc, shape, tree), policy)
+            refusal = (type(exc).__name__, exc.message, exc.detail, exc.hint, exc.position)
+            return "ok", Routed(route, shape, _verdict(sql, route), refusal=refusal if route == "engine" else None)
+        route = catalog.route_of_statement(statement, policy)
     except Error as exc:
         return "error", (type(exc).__name__, exc.message, exc.hint)
-    verdict = vet(sql) if route in ("catalog", "tableless") else None
-    return "ok", Routed(route, statement_shape(sql), verdict)
+    if route != "engine":
+        return "ok", Routed(route, shape, _verdict(sql, route))
+    packed = None if statement.kind is Kind.EXPLAIN else _pack(statement.tree)
+    return "ok", Routed(route, shape, None, statement.kind.value, packed, statement.target)
+
+
+def _verdict(sql: str, route: catalog.Route) -> Verdict | None:
+    return vet(sql) if route in ("catalog", "tableless") else None
+
+
+def _error(name: str, message: str, hint: str | None) -> Error:
+    """The error the helper reported, as its class (an unknown name: an internal error)."""
+    cls = getattr(errors, name, None)
+    if isinstance(cls, type) and issubclass(cls, Error):
+        return cls(message, hint=hint)
+    return InternalError(message)
 
 
 def _split(sql: str) -> tuple[str, Any]:
@@ -182,11 +264,7 @@ class Offload:
         statement's shape and guard verdict."""
         status, value = self._call(analyst, _route_of, sql, tables)
         if status == "error":
-            name, message, hint = value
-            cls = getattr(errors, name, None)
-            if isinstance(cls, type) and issubclass(cls, Error):
-                raise cls(message, hint=hint)
-            raise InternalError(message)
+            raise _error(*value)
         assert isinstance(value, Routed)
         return value
 

@@ -22,6 +22,7 @@ from dpsql.dev.demo import HEALTH_COLUMNS, health_rows
 from dpsql.engine import Engine
 from dpsql.errors import Error
 from dpsql.ledger import Cost, Ledger, remaining_budget
+from dpsql.noise.names import Mechanism
 from dpsql.policy import Budget, Policy, load_policy
 from dpsql.release import epsilon_to_rho, half_width, rho_to_epsilon
 from dpsql.session import Session
@@ -77,7 +78,11 @@ def test_zcdp_selection_delta_is_summed_and_enforced(
     alice = Session("alice", epsilon=0.3, delta=2e-6)
     # δ ≥ the cap, or ≥ the dataset's δ: 22023 before any charge
     for delta in (0.99, 1e-2, 1.5e-5):
-        state = _sqlstate(lambda d=delta: engine.execute(GROUPED, Session("alice", epsilon=0.05, delta=d)))
+
+        def grouped(d: float = delta) -> object:
+            return engine.execute(GROUPED, Session("alice", epsilon=0.05, delta=d))
+
+        state = _sqlstate(grouped)
         assert state == "22023"
     assert ledger.spent("health").queries == 0
     # Σδ_sel: 4 × 2e-6 fit in alice's 1e-5; the 5th would leave no δ for converting ρ: 53P01 before running
@@ -254,7 +259,7 @@ def big_backend(request: pytest.FixtureRequest) -> Iterator[tuple[Backend, list[
 
 @pytest.mark.parametrize("mechanism", ["laplace", "gaussian"])
 def test_sums_beyond_2_to_52_are_released_unclipped(
-    tmp_path: Path, big_backend: tuple[Backend, list[tuple[int, int]]], mechanism: str
+    tmp_path: Path, big_backend: tuple[Backend, list[tuple[int, int]]], mechanism: Mechanism
 ) -> None:
     """Σ ≈ 1e20 (values ~1e17, coarse grid) and Σ ≈ 7.5e15 (values ~1e13, grid 1, > 2^52): near the truth."""
     backend, rows = big_backend

@@ -23,7 +23,7 @@ from dpsql.engine import Engine
 from dpsql.errors import Error
 from dpsql.ledger import Ledger
 from dpsql.outer import admission
-from dpsql.outer.admission import RESERVED_BYTES, Admission, post_process
+from dpsql.outer.admission import RESERVED_BYTES, Admission, Table, post_process
 from dpsql.outer.sandbox import Database, Sandbox
 from dpsql.policy import load_policy
 from dpsql.session import Session
@@ -49,7 +49,7 @@ def one_place() -> Iterator[Admission]:
 
 
 def _alice(gate: Admission) -> list[tuple[Any, ...]]:
-    tables = [(RELEASED, [("k", "text"), ("n", "bigint")], [(SECRET, 42), ("other", 7)])]
+    tables: list[Table] = [(RELEASED, [("k", "text"), ("n", "bigint")], [(SECRET, 42), ("other", 7)])]
     return post_process("alice", None, tables, f'SELECT k, n FROM "{RELEASED}" ORDER BY n', admission=gate)
 
 
@@ -73,18 +73,18 @@ def test_next_statement_cannot_reach_released_rows(one_place: Admission) -> None
     )
     assert catalog == []
     # the same statement of bob's, with his own released table of the same name, sees his rows only
-    mine = [(RELEASED, [("k", "text"), ("n", "bigint")], [("bob's", 1)])]
+    mine: list[Table] = [(RELEASED, [("k", "text"), ("n", "bigint")], [("bob's", 1)])]
     assert post_process("bob", None, mine, f'SELECT * FROM "{RELEASED}"', admission=one_place) == [("bob's", 1)]
 
 
 def test_refused_and_interrupted_statements_leave_nothing(one_place: Admission) -> None:
     """A statement that fails after its rows were loaded (an error of the outer SQL, a deadline) drops
     them all the same."""
-    tables = [(RELEASED, [("k", "text"), ("n", "bigint")], [(SECRET, 42)])]
+    tables: list[Table] = [(RELEASED, [("k", "text"), ("n", "bigint")], [(SECRET, 42)])]
     with pytest.raises(Error):
         post_process("alice", None, tables, f'SELECT CAST(k AS INTEGER) FROM "{RELEASED}"', admission=one_place)
     with pytest.raises(Error) as caught:  # 57014 at the deadline, during a cross join of her rows
-        big = [(RELEASED, [("n", "bigint")], [(i,) for i in range(3000)])]
+        big: list[Table] = [(RELEASED, [("n", "bigint")], [(i,) for i in range(3000)])]
         slow = f'SELECT COUNT(*) FROM "{RELEASED}" a, "{RELEASED}" b, "{RELEASED}" c'
         post_process("alice", time.monotonic() + 0.5, big, slow, admission=one_place)
     assert caught.value.sqlstate == "57014"
@@ -120,7 +120,7 @@ def test_concurrent_analysts_see_only_their_rows() -> None:
     def analyst(name: str, value: int) -> None:
         rows = [(value,)] * 50
         for _ in range(40):
-            tables = [(RELEASED, [("n", "bigint")], rows)]
+            tables: list[Table] = [(RELEASED, [("n", "bigint")], rows)]
             cross = f'"{RELEASED}" a, "{RELEASED}" b, "{RELEASED}" c'
             sql = f"SELECT MIN(a.n), MAX(b.n), COUNT(DISTINCT a.n) * 50 FROM {cross}"
             got = post_process(name, None, tables, sql, admission=gate)

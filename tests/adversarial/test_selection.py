@@ -21,6 +21,7 @@ from dpsql.backends import Backend, open_backend
 from dpsql.dev.demo import DEPARTMENTS, load_demo
 from dpsql.engine import Engine
 from dpsql.ledger import Ledger
+from dpsql.noise.names import Mechanism
 from dpsql.plan import Physical
 from dpsql.policy import Budget, Budgets, Policy
 from dpsql.release.apply import centre_rows
@@ -101,7 +102,7 @@ def _roomy(policy: Policy) -> Policy:
 @pytest.mark.parametrize("max_rows", [20, 1000])
 @pytest.mark.parametrize(("mechanism", "epsilon"), [("laplace", 1.0), ("laplace", 4.0), ("gaussian", 1.0)])
 def test_key_held_by_one_person_is_never_released(
-    neighbours: dict[str, Backend], max_rows: int, mechanism: str, epsilon: float
+    neighbours: dict[str, Backend], max_rows: int, mechanism: Mechanism, epsilon: float
 ) -> None:
     """20 runs on each neighbour: the stranger's department never appears; the others always do, and
     threshold, charge and outcome are the same on both (nothing but the noisy rows may differ)."""

@@ -36,6 +36,7 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from sqlglot import exp
 
+from dpsql.aggregates import Selection
 from dpsql.analyze import analyze
 from dpsql.backends import Backend, open_backend
 from dpsql.errors import Error
@@ -95,7 +96,7 @@ PHYSICAL_CHOICES = {
 
 def _policy(max_rows: int, max_groups: int, kind_domain: str = "table") -> FuzzPolicy:
     return FuzzPolicy(
-        "pid", max_rows, max_groups, kind_domain, True, NULLABLE_ALWAYS, (0.0, 50.0), (0, 10), (-5.0, 5.0)
+        "pid", max_rows, max_groups, kind_domain, True, frozenset(NULLABLE_ALWAYS), (0.0, 50.0), (0, 10), (-5.0, 5.0)
     )
 
 
@@ -421,7 +422,9 @@ def _utility_violations(plan: Plan, i: int, before: dict[tuple, float], after: d
     measure = plan.measures[i]
     if measure.q is None:
         return []  # a mode: its utilities are the counts, checked by _histogram_violations
-    grid = measure.aggregate.grid(measure)
+    selection = measure.aggregate
+    assert isinstance(selection, Selection)
+    grid = selection.grid(measure)
     assert grid is not None
     sensitivity = plan.sensitivities(measure)[0]
     groups = {k[:-1] for k in (*before, *after)}

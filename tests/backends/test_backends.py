@@ -6,6 +6,7 @@ import datetime as dt
 import logging
 import math
 import random
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
@@ -372,7 +373,7 @@ def test_a_stamp_blind_to_outside_writes_expires(monkeypatch: pytest.MonkeyPatch
     UNSEEN_WRITES_WINDOW seconds, never indefinitely after a write dpsql did not see."""
     blind, seeing = _BlindDuckDB("duckdb://"), DuckDBBackend("duckdb://")
     now = [1_000_000.0]
-    monkeypatch.setattr(cache.time, "time", lambda: now[0])
+    monkeypatch.setattr(time, "time", lambda: now[0])  # the module dpsql.cache reads the clock from
     first = (cache.data_stamp(blind), cache.data_stamp(seeing))
     now[0] += UNSEEN_WRITES_WINDOW
     assert cache.data_stamp(blind) != first[0]

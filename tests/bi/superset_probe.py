@@ -60,7 +60,7 @@ def _instrument() -> None:
     import psycopg2
     import psycopg2.extensions
 
-    class RecordingCursor(psycopg2.extensions.cursor):
+    class RecordingCursor(psycopg2.extensions.cursor):  # type: ignore[misc]  # psycopg2 has no stubs here
         def execute(self, query: Any, vars: Any = None) -> Any:
             sql = query if isinstance(query, str) else query.decode()
             del self.connection.notices[:]

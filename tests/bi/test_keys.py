@@ -293,8 +293,10 @@ def test_date_bin_sql_equals_postgres_and_python(backend: Backend, stride: str, 
         f"DROP TABLE IF EXISTS {table}; CREATE TABLE {table} (ts TIMESTAMP); INSERT INTO {table} VALUES {values}"
     )
     stamps = [dt.datetime.fromisoformat(v) for v in BIN_VALUES]
-    policy = ColumnPolicy(type="timestamp", lower=min(stamps), upper=max(stamps), domain=stamps)  # as WHERE pins it
+    # the domain as WHERE pins it
+    policy = ColumnPolicy(type="timestamp", lower=min(stamps), upper=max(stamps), domain=tuple(stamps))
     node = parse_one(f"date_bin('{stride}', ts, TIMESTAMP '{origin}')", read="postgres")
+    assert isinstance(node, exp.Expression)
     key = derive(node, lambda c: (exp.column("ts", table=table), policy), lambda p: p)
     assert key.type == "timestamp"
     sql = f"SELECT ts, {key.sql.sql(dialect=backend.dialect)} FROM {table} ORDER BY ts"

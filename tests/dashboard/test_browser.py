@@ -134,9 +134,9 @@ def test_dashboard_in_chromium(
     driver.find_element(By.ID, "password").send_keys("not the password")
     _submit(driver, "login")
     assert driver.current_url == f"{base}/login"
-    refused = "ERROR: 28P01: password authentication failed for the curator"
+    refusal = "ERROR: 28P01: password authentication failed for the curator"
     WebDriverWait(driver, 15, ignored_exceptions=(WebDriverException,)).until(
-        lambda d: d.find_element(By.ID, "error").text == refused
+        lambda d: d.find_element(By.ID, "error").text == refusal
     )
     driver.save_screenshot(str(artifacts / "login-refused.png"))
 

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -37,14 +38,17 @@ def test_pages_survive_a_charge_time_without_offset(live: Live) -> None:
         fingerprint="f",
     )
     with live.ledger._append() as execute:
-        execute("DROP TRIGGER IF EXISTS dpsql_ledger_sums")  # a hand with the file: a bare row
+        execute("DROP TRIGGER IF EXISTS dpsql_ledger_sums", ())  # a hand with the file: a bare row
         execute(
             "INSERT INTO dpsql_ledger (at, dataset, analyst, fingerprint, epsilon, delta, rho, accounting) "
-            "VALUES ('2026-01-01T00:00:00', 'health', 'bob', 'x', 0.1, 0, 0, 'pure')"
+            "VALUES ('2026-01-01T00:00:00', 'health', 'bob', 'x', 0.1, 0, 0, 'pure')",
+            (),
         )
         execute(
             "INSERT INTO dpsql_audit (at, dataset, analyst, fingerprint, shape, outcome, sqlstate, epsilon, delta, "
-            "rho, latency_ms) VALUES ('not a time', 'health', 'carol', 'f', 'SELECT 1', 'refused', '42501', 0, 0, 0, 1)"
+            "rho, latency_ms) "
+            "VALUES ('not a time', 'health', 'carol', 'f', 'SELECT 1', 'refused', '42501', 0, 0, 0, 1)",
+            (),
         )
     _, _, cookies = live.login()
     for path in ("/", "/spend", "/audit"):
@@ -96,8 +100,8 @@ def test_an_hour_of_rotating_guesses_gets_about_sixty_checks(monkeypatch: pytest
     spacing now doubles per failure up to SLOWDOWN_MAX_S: at most ~70 checks in the first hour (the free
     ones and the ramp), at most 61 in each hour after; the curator's device cookie is never slowed."""
     clock = _Clock()
-    monkeypatch.setattr(auth.time, "monotonic", clock.monotonic)
-    monkeypatch.setattr(auth.time, "sleep", clock.sleep)
+    monkeypatch.setattr(time, "monotonic", clock.monotonic)
+    monkeypatch.setattr(time, "sleep", clock.sleep)
     monkeypatch.setattr(auth, "password_matches", lambda verifier, password: password == PASSWORD)
     curator = auth.Curator(Verifier.parse(make_verifier(PASSWORD)))
     assert auth.SLOWDOWN_MAX_S == 60.0
@@ -127,7 +131,7 @@ def test_no_queue_behind_a_booked_turn(monkeypatch: pytest.MonkeyPatch) -> None:
     """Concurrent guesses cannot pile up sleeping requests (each would hold a connection): when the next
     free turn is more than SLOWDOWN_MAX_S away the attempt is refused at once, unchecked and uncounted."""
     clock = _Clock()
-    monkeypatch.setattr(auth.time, "monotonic", clock.monotonic)
+    monkeypatch.setattr(time, "monotonic", clock.monotonic)
     curator = auth.Curator(Verifier.parse(make_verifier(PASSWORD)))
     for _ in range(auth.ACCOUNT_FREE_FAILURES + 8):
         curator._account.append(clock.now)

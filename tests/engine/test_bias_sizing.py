@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from typing import cast
 
 import pytest
 
@@ -63,7 +64,7 @@ def _engine(backend: Backend, cache: ResultCache | None = None) -> Engine:
 
 def _covered(result: Result, exact: list[float]) -> list[bool]:
     return [
-        abs(float(value) - truth) <= float(width)
+        abs(float(value) - truth) <= float(cast(float, width))  # a count's or sum's half-width, never None
         for value, width, truth in zip(result.rows[0], result.accuracy[0], exact, strict=True)
     ]
 
@@ -131,8 +132,9 @@ def test_undetected_cut_leaves_the_noise_width(backend: Backend) -> None:
     session = Session.configure("alice", max_rows_per_unit=40)
     off = Session.configure("alice", max_rows_per_unit=40, bias="off")
     sql = "SELECT kind, COUNT(*) FROM events GROUP BY kind"
-    widths = [w for _ in range(10) for row in engine.execute(sql, session).accuracy for w in row[1:]]
+    widths = [cast(float, w) for _ in range(10) for row in engine.execute(sql, session).accuracy for w in row[1:]]
     plain = engine.execute(sql, off).accuracy[0][1]
+    assert plain is not None
     assert sorted(widths)[len(widths) // 2] == pytest.approx(plain / 0.8, rel=0.01)
     # a false detection happens in ~5 % of releases (the one-sided test's level): one of three says nothing cut
     notes = [n for _ in range(3) for n in engine.execute(sql, session).notices]

@@ -43,6 +43,7 @@ from dpsql.cache import (
 from dpsql.cache import stores as cache_module
 from dpsql.engine import Engine
 from dpsql.ledger import Ledger
+from dpsql.pgtypes import PgType
 from dpsql.policy import Policy
 from dpsql.session import OutputColumn, Result, Session
 from dpsql.synopsis import reuse
@@ -145,7 +146,7 @@ def _only_entry(table: Table) -> tuple[str, bytes]:
 # -- every value type, through each store -------------------------------------------------------------
 
 _AWARE = dt.timezone(dt.timedelta(hours=5, minutes=30))
-_VALUES: list[tuple[str, str, list[Any]]] = [  # column, PostgreSQL type, values (one per row)
+_VALUES: list[tuple[str, PgType, list[Any]]] = [  # column, PostgreSQL type, values (one per row)
     ("i", "bigint", [0, -7, 2**62, 2**200, None]),
     ("f", "double precision", [1.5, math.nan, math.inf, -math.inf, -0.0]),
     ("f2", "double precision", [5e-324, 1.7976931348623157e308, 0.1, -2.5e-10, None]),

@@ -80,7 +80,8 @@ def test_connect_from_policy_file_and_duckdb_file(tmp_path) -> None:
     ) as conn:
         cur = conn.cursor()
         cur.execute("SELECT COUNT(*) FROM patients")
-        assert 9900 < cur.fetchone()[0] < 10100 and cur.epsilon_spent == 0.5
+        row = cur.fetchone()
+        assert row is not None and 9900 < row[0] < 10100 and cur.epsilon_spent == 0.5
 
 
 def test_connections_without_ledger_share_the_persistent_budget(tmp_path, monkeypatch) -> None:

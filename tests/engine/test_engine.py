@@ -244,7 +244,7 @@ def test_columnwise_fast_path_matches_the_interpreter(
     assert finish_module._direct_columns(prepared.plan) is not None
     rows = engine.step.query(prepared.sql)
     columns = [[r[1] for r in rows], [r[2] for r in rows]]
-    widths = [[3.0, 330.0]] * len(rows)
+    widths: list[list[float | None]] = [[3.0, 330.0]] * len(rows)
     fast = finish_module.finish(prepared.plan, rows, columns, widths)
     monkeypatch.setattr(finish_module, "_direct_columns", lambda plan: None)
     slow = finish_module.finish(prepared.plan, rows, columns, widths)

@@ -62,9 +62,11 @@ def test_counts_are_debiased_and_free(survey: tuple[Engine, Backend]) -> None:
     assert engine.ledger.spent("survey", "alice").epsilon == 0
     truth = {"never": 3500, "past": 1100, "current": 400}  # the demo's true shares of 5,000 respondents
     for (value, estimate), (width,) in zip(result.rows, (a[1:] for a in result.accuracy), strict=True):
+        assert width is not None
         assert abs(estimate - truth[value]) <= 4 * width
     single = engine.execute("SELECT COUNT(*) FROM survey WHERE smoker = true", Session("alice"))
-    assert single.accuracy[0][0] > 0 and single.epsilon_spent == 0
+    width = single.accuracy[0][0]
+    assert width is not None and width > 0 and single.epsilon_spent == 0
 
 
 def test_insert_stores_perturbed_answers_only(survey: tuple[Engine, Backend]) -> None:

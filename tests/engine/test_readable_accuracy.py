@@ -161,6 +161,7 @@ def test_noisy_floats_are_rounded_to_two_digits_of_their_half_width(staff: tuple
         for value, width in ((row[2], widths[2]), (row[3], widths[3])):
             if value is None:
                 continue
+            assert width is not None
             step = 10.0 ** (math.floor(math.log10(width)) - 1)
             assert abs(value / step - round(value / step)) < 1e-6, (value, width)
             assert len(repr(width).replace(".", "").strip("0")) <= 3  # ±0.67, not ±0.664992

@@ -86,6 +86,7 @@ def test_composite_statement_is_charged_the_accountants_total(
     assert (charge.cost.epsilon, charge.cost.delta) == (expected.epsilon, expected.delta) == (0.5, 0.0)
     assert charge.cost.rho == expected.zcdp_rho() == 2 * 0.25**2 / 2  # each part's ε²/2, not (Σε)²/2
     assert result.epsilon_spent == 0.5
+    assert result.remaining_epsilon is not None
     left = fmt(result.remaining_epsilon, down=True)
     assert result.notices[-2] == f'dpsql: charged ε=0.5 for 2 DP sub-queries; remaining ε={left} for analyst "alice"'
     notice = result.notices[-2]
@@ -98,6 +99,7 @@ def test_a_query_alone_is_charged_its_own_cost(engine: Engine) -> None:
     result = engine.execute("SELECT COUNT(*) FROM patients", session)
     (charge,) = engine.ledger.charges("health", "alice")
     assert (charge.cost.epsilon, charge.cost.delta) == (cost.epsilon, cost.delta)
+    assert result.remaining_epsilon is not None
     left = fmt(result.remaining_epsilon, down=True)
     assert result.notices[-1] == f'dpsql: charged ε=0.5; remaining ε={left} for analyst "alice"'
     assert all(isinstance(n, Notice) for n in result.notices)

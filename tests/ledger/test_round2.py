@@ -9,6 +9,7 @@ real subprocesses for the CLI and for kill -9.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import importlib.util
 import json
 import math
@@ -313,7 +314,7 @@ def test_audit_since_out_of_range_is_a_usage_error(tmp_path: Path, since: str, m
     assert _dpsql("audit", "--since", "0001-01-01", "--ledger", url, home=tmp_path).returncode == 0
 
 
-def _now() -> object:
+def _now() -> datetime.datetime:
     import datetime as dt
 
     return dt.datetime.now(dt.UTC)

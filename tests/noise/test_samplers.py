@@ -156,6 +156,7 @@ def test_no_python_or_numpy_prng_state(sampler: Sampler, size: int) -> None:
         draws.append(np.concatenate([sampler(1e6, size) for _ in range(3)]))
         assert random.getstate() == py_state
         after = np.random.get_state()
+        assert isinstance(after, tuple) and isinstance(np_state, tuple)  # the legacy form (numpy's default)
         assert np.array_equal(after[1], np_state[1]) and after[2] == np_state[2]
     assert not np.array_equal(draws[0], draws[1]) or not np.array_equal(draws[1], draws[2])
 

@@ -31,7 +31,7 @@ def health_policy() -> Policy:
 
 def _finish(policy: Policy, sql: str, rows: list[tuple[Any, ...]], columns: list[list[float]]) -> list[tuple[Any, ...]]:
     plan = analyze(sql, policy)
-    widths = [[1.0] * len(columns) for _ in rows]
+    widths: list[list[float | None]] = [[1.0] * len(columns) for _ in rows]
     before = copy.deepcopy(columns)
     result = finish(plan, rows, columns, widths)
     assert columns == before, "released measurements are stored for reuse: never changed in place"

@@ -10,7 +10,7 @@ import pytest
 
 from dpsql.dev.demo import demo_policy_path
 from dpsql.errors import PolicyError
-from dpsql.policy import load_policy, parse_policy
+from dpsql.policy import Policy, load_policy, parse_policy
 
 DEPARTMENTS = ("Cardiology", "Oncology", "Pediatrics", "Emergency", "Dermatology", "Neurology")
 
@@ -41,7 +41,7 @@ tables:
 """
 
 
-def _parse(ref: str) -> object:
+def _parse(ref: str) -> Policy:
     return parse_policy(POLICY.replace("REF", ref), "refs.yaml")
 
 
@@ -53,7 +53,7 @@ def test_clinic_departments_borrowed() -> None:
 
 def test_reference_resolves_and_adds_null_when_nullable() -> None:
     policy = _parse("{table: departments, column: name}")
-    column = policy.tables["visits"].columns["department"]  # type: ignore[attr-defined]
+    column = policy.tables["visits"].columns["department"]
     assert column.domain == ("Cardiology", "Oncology")
     assert column.release_domain() == ("Cardiology", "Oncology", None)
 

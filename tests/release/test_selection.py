@@ -8,11 +8,14 @@ depends on L0 and never on ``max_rows_per_unit``. Before this count the clinic's
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from dpsql.analyze import analyze
 from dpsql.dev.demo import demo_policy_path
 from dpsql.noise.mechanisms import noise_tail
+from dpsql.noise.names import Mechanism
 from dpsql.policy import Policy, load_policy
 from dpsql.release import partition_threshold
 from dpsql.release.calibrate import Budgeting, budget
@@ -22,14 +25,14 @@ from tests.policies import clinic_selection_policy
 BAR = "SELECT department, COUNT(*) FROM visits WHERE urgent GROUP BY department"
 
 
-def _budget(policy: Policy, sql: str, mechanism: str, **settings: float) -> tuple[Budgeting, int]:
+def _budget(policy: Policy, sql: str, mechanism: Mechanism, **settings: Any) -> tuple[Budgeting, int]:
     plan = analyze(sql, policy)
     assert plan.selection_measure is not None
     return budget(policy, plan, Session("alice", mechanism=mechanism, **settings)), plan.selection_measure
 
 
 @pytest.mark.parametrize(("mechanism", "expected"), [("laplace", 149), ("gaussian", 79)])
-def test_threshold_counts_distinct_units_not_rows(mechanism: str, expected: int) -> None:
+def test_threshold_counts_distinct_units_not_rows(mechanism: Mechanism, expected: int) -> None:
     policy = clinic_selection_policy()
     plan = analyze(BAR, policy)
     assert plan.selection_measure is not None
@@ -47,13 +50,14 @@ def test_threshold_counts_distinct_units_not_rows(mechanism: str, expected: int)
 
 
 @pytest.mark.parametrize("mechanism", ["laplace", "gaussian"])
-def test_threshold_does_not_grow_with_max_rows_per_unit(mechanism: str) -> None:
+def test_threshold_does_not_grow_with_max_rows_per_unit(mechanism: Mechanism) -> None:
     thresholds = {
         rows: _budget(clinic_selection_policy(rows), BAR, mechanism)[0].threshold for rows in (5, 20, 1000, 100_000)
     }
     assert len(set(thresholds.values())) == 1, thresholds
     # L0 is min(max_groups_per_unit, max_rows): a unit with 2 rows touches at most 2 groups
-    assert _budget(clinic_selection_policy(2), BAR, mechanism)[0].threshold < thresholds[20]
+    two, twenty = _budget(clinic_selection_policy(2), BAR, mechanism)[0].threshold, thresholds[20]
+    assert two is not None and twenty is not None and two < twenty
 
 
 def test_one_row_per_unit_shares_the_query_count() -> None:

@@ -15,11 +15,13 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import cast
 
 import pytest
 from sqlglot import exp
 
 from dpsql.analyze import analyze
+from dpsql.backends import RowHash, TopRows
 from dpsql.dev.demo import demo_policy_path
 from dpsql.plan import Physical, Plan
 from dpsql.policy import Policy, load_policy
@@ -47,7 +49,7 @@ def _plan(options: dict[str, str], query: str) -> Plan:
     hash_ = options.get("hash", "md5")
     top_rows = options.get("top_rows")
     assert hash_ in ("md5", "duckdb", "postgres") and top_rows in (None, "min_by", "row_number"), options
-    return replace(plan, physical=Physical("salt", proven, hash_, top_rows))
+    return replace(plan, physical=Physical("salt", proven, cast(RowHash, hash_), cast(TopRows, top_rows)))
 
 
 def render(name: str, options: dict[str, str], query: str) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
 import threading
 import time
@@ -239,7 +240,7 @@ def _read_until_closed(sock: socket.socket, seconds: float) -> bytes:
 def test_preauth_protects_a_handshake_for_its_grace() -> None:
     evicted: list[str] = []
     preauth = PreAuth(limit=10, per_address=3, grace=60.0)
-    mid = [preauth.enter("10.0.0.1", lambda n=n: evicted.append(f"mid{n}")) for n in range(3)]
+    mid = [preauth.enter("10.0.0.1", functools.partial(evicted.append, f"mid{n}")) for n in range(3)]
     for pending in mid:
         assert pending is not None
         pending.stage, pending.started = 2, time.monotonic()

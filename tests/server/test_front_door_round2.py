@@ -429,7 +429,11 @@ def test_catalog_does_not_list_other_analysts(shadow_server: Running) -> None:
         assert not seen & others, seen & others
         # a guessed name behaves like a name that does not exist
         for name in ("carol", "no_such_analyst"):
-            state = sqlstate_of(lambda n=name: conn.execute("SELECT pg_has_role(%s, 'USAGE')", (n,)).fetchone())
+
+            def has_role(n: str = name) -> Any:
+                return conn.execute("SELECT pg_has_role(%s, 'USAGE')", (n,)).fetchone()
+
+            state = sqlstate_of(has_role)
             assert state == "42704"
 
 

@@ -104,6 +104,7 @@ class Raw:
             seen.append((kind, body if kind != b"D" else b""))
             if kind in kinds or kind == b"E":
                 return seen
+        raise AssertionError("unreachable: messages() yields until the socket closes")
 
     def first_reply(self) -> str:
         """Without consuming anything (so a blocked session stays blocked): "rows" when the first

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import psycopg
 import pytest
 
@@ -90,13 +92,18 @@ def test_multi_statement_error_aborts_rest(dp_server: Running) -> None:
         assert conn.info.parameter_status("application_name") == "a"
 
 
+def _status(conn: psycopg.Connection[Any]) -> psycopg.pq.TransactionStatus:
+    """Read afresh each time (mypy would keep the first assertion's narrowing of the attribute)."""
+    return conn.info.transaction_status
+
+
 def test_transactions_status(dp_server: Running) -> None:
     with psycopg.connect(dp_server.dsn()) as conn:  # not autocommit: psycopg sends BEGIN
         conn.execute("SELECT COUNT(*) FROM patients")
-        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+        assert _status(conn) == psycopg.pq.TransactionStatus.INTRANS
         with pytest.raises(psycopg.Error):
             conn.execute("SELECT * FROM patients")
-        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR
+        assert _status(conn) == psycopg.pq.TransactionStatus.INERROR
         with pytest.raises(psycopg.errors.InFailedSqlTransaction):
             conn.execute("SELECT 1")
         conn.rollback()

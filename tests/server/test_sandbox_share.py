@@ -28,6 +28,7 @@ from dpsql.engine import Engine
 from dpsql.errors import ConfigurationLimitExceeded, Error, QueryCanceled
 from dpsql.outer import admission
 from dpsql.outer.admission import RESERVED_BYTES, Admission
+from dpsql.outer.sandbox import Sandbox
 from dpsql.server import ThreadedServer
 
 from .conftest import Running, eventually, sqlstate_of
@@ -331,7 +332,7 @@ def test_sandbox_runs_at_the_priority_of_its_query(engine: Engine) -> None:
     """The sandbox's work runs on the statement's own thread, at its priority (issue #37: at nice 19 the
     same statements took twice as long on a busy host), and its CPU time is charged."""
     seen: list[tuple[int, int]] = []
-    original = admission.Sandbox.run
+    original = Sandbox.run
 
     def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
         seen.append((threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
@@ -341,7 +342,7 @@ def test_sandbox_runs_at_the_priority_of_its_query(engine: Engine) -> None:
 
     gate = admission.ADMISSION
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(admission.Sandbox, "run", spy)
+        patch.setattr(Sandbox, "run", spy)  # the class admission runs
         engine.execute(RELEASED + "SELECT COUNT(*) FROM s a, s b, s c", Session("grace"))
     assert seen == [(threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))]
     assert gate.cpu_wait("grace") == 0 and gate.running == {}

@@ -9,7 +9,9 @@ exactly the mechanism, since the noise is the only randomness).
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import math
+import operator
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -216,6 +218,6 @@ def threshold_events(samples: Sequence[float], quantiles: Sequence[float]) -> li
     cuts = sorted(set(np.quantile(np.asarray(samples, dtype=np.float64), quantiles).tolist()))
     events: list[Event] = []
     for t in cuts:
-        events.append((f"≤ {t:g}", lambda x, t=t: x <= t))
-        events.append((f"> {t:g}", lambda x, t=t: x > t))
+        events.append((f"≤ {t:g}", functools.partial(operator.ge, t)))  # t ≥ x
+        events.append((f"> {t:g}", functools.partial(operator.lt, t)))  # t < x
     return events

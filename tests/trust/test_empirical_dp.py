@@ -21,6 +21,7 @@ from dpsql.backends import Backend
 from dpsql.engine import Engine, Prepared
 from dpsql.errors import Error
 from dpsql.ledger import Ledger
+from dpsql.noise.mechanisms import NoiseSpec
 from dpsql.policy import Policy
 from dpsql.release import partition_threshold
 from dpsql.session import Result, Session
@@ -87,7 +88,10 @@ def _keyed(column: int) -> Extract:
 
 def _mis_scaled(prepared: Prepared, factor: float) -> Prepared:
     """The same query with noise scales divided by ``factor``, still claiming the original ε."""
-    specs = [dataclasses.replace(s, scale=s.scale / factor) for s in prepared.budgeting.specs]
+    specs: list[NoiseSpec | None] = []
+    for s in prepared.budgeting.specs:
+        assert s is not None
+        specs.append(dataclasses.replace(s, scale=s.scale / factor))
     return dataclasses.replace(prepared, budgeting=dataclasses.replace(prepared.budgeting, specs=specs))
 
 
@@ -128,13 +132,18 @@ def _scalar_events(a: Sequence[Any], b: Sequence[Any]) -> list[Event]:
     return threshold_events([*a, *b], QUANTILES)
 
 
+def _of(event: Callable[[Any], bool], read: Callable[[Any], Any]) -> Callable[[Any], bool]:
+    """``event`` of what ``read`` takes from an output (``event`` bound now, not when it is called)."""
+    return lambda o: event(read(o))
+
+
 def _keyed_events(key: Any, absent: Any = None) -> Callable[[Sequence[Any], Sequence[Any]], list[Event]]:
     """Threshold events on ``key``'s value (absent counts as -inf) plus, optionally, "``absent`` released"."""
 
     def build(a: Sequence[Any], b: Sequence[Any]) -> list[Event]:
         values = [o[key] for o in [*a, *b] if key in o]
         events = [
-            (f"{key}: {name}", lambda o, f=f: f(o.get(key, -math.inf)))
+            (f"{key}: {name}", _of(f, lambda o: o.get(key, -math.inf)))
             for name, f in threshold_events(values, QUANTILES)
         ]
         events.append((f"{key} released", lambda o: key in o))
@@ -175,11 +184,11 @@ CASES = [
         lambda r: {row[0]: (row[1], row[2]) for row in r.rows},
         lambda a, b: (
             [
-                (f"North count {n}", lambda o, f=f: f(o["North"][0]))
+                (f"North count {n}", _of(f, lambda o: o["North"][0]))
                 for n, f in threshold_events([o["North"][0] for o in [*a, *b]], QUANTILES)
             ]
             + [
-                (f"North sum {n}", lambda o, f=f: f(o["North"][1]))
+                (f"North sum {n}", _of(f, lambda o: o["North"][1]))
                 for n, f in threshold_events([o["North"][1] for o in [*a, *b]], QUANTILES)
             ]
         ),
@@ -191,8 +200,8 @@ CASES = [
         Session("t", epsilon=1.0),
         lambda r: r.rows[0],
         lambda a, b: (
-            [(f"count {n}", lambda o, f=f: f(o[0])) for n, f in threshold_events([o[0] for o in [*a, *b]], QUANTILES)]
-            + [(f"avg {n}", lambda o, f=f: f(o[1])) for n, f in threshold_events([o[1] for o in [*a, *b]], QUANTILES)]
+            [(f"count {n}", _of(f, lambda o: o[0])) for n, f in threshold_events([o[0] for o in [*a, *b]], QUANTILES)]
+            + [(f"avg {n}", _of(f, lambda o: o[1])) for n, f in threshold_events([o[1] for o in [*a, *b]], QUANTILES)]
         ),
     ),
     Case(
