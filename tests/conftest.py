@@ -8,6 +8,14 @@ from typing import IO
 
 import pytest
 
+from dpsql.backends import Backend
+from dpsql.dev.demo import demo_policy_path
+from dpsql.engine import Engine
+from dpsql.ledger import Ledger
+from dpsql.policy import Policy, load_policy
+from dpsql.session import Session
+from tests.demos import demo_fixture
+
 pytest_plugins = ["tests.pg"]
 
 # Default ledgers (dpsql.connect / Engine.open / the CLI without a ledger) live under $DPSQL_HOME:
@@ -17,12 +25,12 @@ os.environ["DPSQL_HOME"] = tempfile.mkdtemp(prefix="dpsql-test-home-")
 #: The fast tier (``pytest -m unit``, well under 30 s): pure analysis, rewrite golden files, release
 #: arithmetic, errors and settings — no database server, no subprocess, no statistical sampling.
 UNIT_PATHS = (
-    "tests/rewrite/",
+    "tests/rewrite/test_fixtures.py",
     "tests/test_errors.py",
     "tests/test_session.py",
-    "tests/engine/test_analyze.py",
-    "tests/engine/test_expressions.py",
-    "tests/engine/test_rewrite.py",
+    "tests/analyze/test_refusals.py",
+    "tests/aggregates/test_expressions.py",
+    "tests/rewrite/test_passes.py",
     "tests/noise/test_mechanisms.py",
     "tests/release/test_accuracy.py",
 )
@@ -87,3 +95,27 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
                 _HELD.append(files)
             else:
                 _give(files)
+
+
+# The health demo engine most engine-level tests use (tests/engine, tests/aggregates, tests/analyze,
+# tests/cache, tests/cli, tests/release, tests/rewrite, tests/synopsis); a directory may override them.
+
+
+@pytest.fixture(scope="session")
+def health_policy() -> Policy:
+    return load_policy(demo_policy_path("health"))
+
+
+health_duckdb = demo_fixture("health")
+health_pg = demo_fixture("health", kind="postgres")
+
+
+@pytest.fixture
+def engine(health_policy: Policy, health_duckdb: Backend) -> Engine:
+    """The health engine over DuckDB with a fresh in-memory ledger."""
+    return Engine(health_policy, health_duckdb, Ledger.open("sqlite:///:memory:"))
+
+
+@pytest.fixture
+def alice() -> Session:
+    return Session(analyst="alice")

@@ -271,7 +271,7 @@ REFUSALS = [
         "operator pow is not supported on aggregates",
     ),
     # subqueries and exact aggregates in predicates
-    # (an uncorrelated AVG subquery is answered as two DP queries: tests/engine/test_subqueries.py)
+    # (an uncorrelated AVG subquery is answered as two DP queries: tests/analyze/test_subqueries.py)
     Refusal(
         "subquery-avg-correlated",
         "SELECT COUNT(*) FROM patients p WHERE age > (SELECT AVG(q.age) FROM patients q WHERE q.zip = p.zip)",

@@ -42,8 +42,8 @@ from dpsql.policy import Policy, load_policy, parse_policy
 from dpsql.rewrite import histogram_query, rewrite, to_sql
 from dpsql.session import Session
 from dpsql.writes import write_oracles
+from tests.aggregates.test_expressions import ACCEPTED
 from tests.engine.test_engine import SAME_ON_BOTH
-from tests.engine.test_expressions import ACCEPTED
 from tests.engine.test_person_level import QUERIES as PERSON_QUERIES
 from tests.engine.test_person_level import _cells, _plan
 

@@ -157,7 +157,7 @@ def test_audit_filter_refusals(live: Live, query: str, error: str) -> None:
 def test_idle_connections_are_capped(live: Live) -> None:
     """One address holds MAX_CONNECTIONS_PER_ADDRESS sockets, no more (the next is closed unanswered);
     idle sockets from several addresses fill MAX_CONNECTIONS threads and never more; once they go,
-    pages are served again. (Eviction of slow senders: tests/dashboard/test_round2.py.)"""
+    pages are served again. (Eviction of slow senders: tests/dashboard/test_hostile_clients.py.)"""
     port = live.port
 
     def connect(source: str) -> socket.socket:

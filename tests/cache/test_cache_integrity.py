@@ -94,8 +94,8 @@ class Table:
 
     def _drop_measurements(self) -> None:
         """A tampered answer must be a charged miss: no earlier release of its measurement to be
-        finished again from instead, nor finer cells to sum (those paths: tests/engine/test_measurement_reuse.py,
-        tests/engine/test_coarsening.py)."""
+        finished again from instead, nor finer cells to sum (those paths: tests/synopsis/test_measurement_reuse.py,
+        tests/synopsis/test_coarsening.py)."""
         for key, blob in self._run("SELECT key, result FROM dpsql_result_cache"):
             if MEASUREMENT in bytes(blob) or INDEX in bytes(blob):
                 self._run("DELETE FROM dpsql_result_cache WHERE key = ?", (key,))

@@ -176,7 +176,7 @@ def test_the_charged_row_gets_its_outcome_and_the_trigger_allows_nothing_else(an
 
 KILL_WORKER = """
 import os, signal, sys
-from tests.ledger.test_round2 import _engine
+from tests.ledger.test_grants_and_trail import _engine
 from dpsql.session import Session
 engine = _engine(sys.argv[1])
 for i in range(40):

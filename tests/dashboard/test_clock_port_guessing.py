@@ -21,7 +21,7 @@ from dpsql.dashboard import auth
 from dpsql.ledger import Cost
 from dpsql.server.auth import Verifier, make_verifier
 from tests.dashboard.conftest import PASSWORD, POLICY_ARGS, ROOT, Live
-from tests.dashboard.test_round2 import _login
+from tests.dashboard.test_hostile_clients import _login
 
 # --- C: stored times without a UTC offset --------------------------------------------------------------
 

@@ -111,7 +111,7 @@ def test_other_where_epsilon_or_data_is_charged(health_policy: Policy) -> None:
         assert engine.execute(other_where, Session("alice")).epsilon_spent == 1.0
         assert engine.execute(other_where.replace("30", "40") + " LIMIT 3", Session("alice")).epsilon_spent == 1.0
         # at a smaller ε: a new measurement, though the ε=1 release answers it (its cells, free: at least as
-        # accurate; dpsql.synopsis.reuse, tests/engine/test_coarsening.py)
+        # accurate; dpsql.synopsis.reuse, tests/synopsis/test_coarsening.py)
         half = engine.execute(BASE + " LIMIT 3", Session("alice", epsilon=0.5))
         assert half.epsilon_spent == 0 and any("finer release" in n for n in half.notices)
         assert engine.execute(BASE + " LIMIT 3", Session("alice", epsilon=2.0)).epsilon_spent == 2.0
