@@ -97,7 +97,7 @@ def dp_server() -> Iterator[Running]:
 @pytest.fixture(scope="session")
 def scram_server() -> Iterator[Running]:
     """SCRAM auth, no catalog (catalog_dsn="" disables it). The login limiter is out of the way:
-    these tests compare many failed exchanges; the limiter has its own (test_front_door_round2)."""
+    these tests compare many failed exchanges; the limiter has its own (test_front_door_limits)."""
     limits: dict[str, Any] = {
         "login_free_failures": 10**6,
         "login_account_failures": 10**6,
