@@ -275,6 +275,11 @@ class Engine:
         statement = self.statements.cached(sql)
         return statement.shape if statement is not None and statement.shape else statement_shape(sql)
 
+    def _prepare(self, sql: str, tree: exp.Expression, session: Session, params: Params) -> Prepared:
+        """``sql`` planned from its ``tree`` and priced, no cache read nor written (bench/overhead.py's
+        uncached stage)."""
+        return self._priced(self._shape(sql, tree, session, params, reads_clock(tree)), session, params)
+
     def _shape(self, sql: str, tree: exp.Expression, session: Session, params: Params, clock: bool) -> _Shape:
         """What preparing ``sql`` builds that no privacy setting (ε, δ, mechanism, confidence) changes: the
         analysis, physical choices, the rewrite and its SQL, the bias estimate's SQL; kept per shape key
