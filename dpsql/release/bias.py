@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
 
@@ -126,7 +126,7 @@ class BiasEstimate:
 
     def spec(self, total: Total, cells: int) -> NoiseSpec:
         """The noise of one total over ``cells`` groups: discrete Laplace at its weighted part of the ε."""
-        share = total.weight / sum(t.weight for t in self.totals)
+        share = total.weight / _weights(self.totals)  # (the same arithmetic as ever: the same ε, to the bit)
         return _total_spec(total.sensitivity, self.epsilon * share, max(cells, 1))
 
     def release(self, rows: Sequence[Sequence[Any]], keys: Sequence[tuple[Any, ...]], level: float) -> BiasFigures:
@@ -165,6 +165,12 @@ def _total_spec(sensitivity: float, epsilon: float, cells: int) -> NoiseSpec:
     return laplace_spec(sensitivity, epsilon, integer=False, cells=cells)
 
 
+@lru_cache(maxsize=1024)
+def _weights(totals: tuple[Total, ...]) -> float:
+    """The totals' weights summed (the denominator of each one's part of the estimate's ε)."""
+    return sum(t.weight for t in totals)
+
+
 def _what(estimate: BiasEstimate) -> str:
     return "/".join((["cap"] if estimate.cuts else []) + (["clamp"] if estimate.clamped else []))
 
@@ -181,22 +187,38 @@ class BiasFigures:
     estimate: BiasEstimate
     noisy: dict[tuple[Any, ...], dict[str, float]]
     level: float
+    #: What the methods below computed (the ± of every cell asks for the same few figures): post-processing
+    #: of the figures above, never compared nor stored.
+    memo: dict[tuple[str, str], Any] = field(default_factory=dict, compare=False, repr=False)
 
     def _width(self, name: str) -> float:
         """One group's half-width for total ``name``."""
-        total = next(t for t in self.estimate.totals if t.name == name)
-        return half_width(self.estimate.spec(total, len(self.noisy)), self.level)
+        key = ("width", name)
+        if key not in self.memo:
+            total = next(t for t in self.estimate.totals if t.name == name)
+            self.memo[key] = half_width(self.estimate.spec(total, len(self.noisy)), self.level)
+        width: float = self.memo[key]
+        return width
 
     def total(self, name: str) -> tuple[float, float]:
         """The total over the released groups and its half-width (√G·h: G independent noises)."""
-        return sum(v[name] for v in self.noisy.values()), math.sqrt(max(len(self.noisy), 1)) * self._width(name)
+        key = ("total", name)
+        if key not in self.memo:
+            root = math.sqrt(max(len(self.noisy), 1))
+            self.memo[key] = (sum(v[name] for v in self.noisy.values()), root * self._width(name))
+        total: tuple[float, float] = self.memo[key]
+        return total
 
     def detected(self, name: str) -> bool:
         """Whether the total over the released groups is above 0 at the level, one-sided (its two-sided
         half-width at 2·level − 1): what a query that cuts nothing passes with probability ≤ 1 − level."""
-        total = next(t for t in self.estimate.totals if t.name == name)
-        width = half_width(self.estimate.spec(total, len(self.noisy)), max(2 * self.level - 1, 0.5))
-        return self.total(name)[0] > math.sqrt(max(len(self.noisy), 1)) * width
+        key = ("detected", name)
+        if key not in self.memo:
+            total = next(t for t in self.estimate.totals if t.name == name)
+            width = half_width(self.estimate.spec(total, len(self.noisy)), max(2 * self.level - 1, 0.5))
+            self.memo[key] = self.total(name)[0] > math.sqrt(max(len(self.noisy), 1)) * width
+        detected: bool = self.memo[key]
+        return detected
 
     def _kept(self, key: tuple[Any, ...] | None) -> float:
         return max(1.0, self.total("kept")[0] if key is None else self.noisy[key]["kept"])
