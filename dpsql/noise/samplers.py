@@ -115,10 +115,7 @@ class _NoisePool:
         self._local = threading.local()
 
     def take(self, key: tuple[object, ...], n: int, draw: Callable[[int], np.ndarray]) -> np.ndarray:
-        local = self._local
-        if getattr(local, "pid", None) != os.getpid():
-            local.pid, local.reservoirs = os.getpid(), {}
-        reservoirs: dict[tuple[object, ...], tuple[np.ndarray, int, int]] = local.reservoirs
+        reservoirs = self._reservoirs()
         entry = reservoirs.get(key)
         if entry is None or entry[1] + n > len(entry[0]):
             if len(reservoirs) >= self.MAX_DISTRIBUTIONS:
@@ -128,6 +125,44 @@ class _NoisePool:
         samples, start, batch = entry
         reservoirs[key] = (samples, start + n, batch)
         return samples[start : start + n].copy()
+
+    def take_many(
+        self,
+        keys: Sequence[tuple[object, ...]],
+        counts: Sequence[int],
+        draw: Callable[[list[tuple[object, ...]], list[int]], list[np.ndarray]],
+    ) -> list[np.ndarray]:
+        """``counts[i]`` samples of distribution ``keys[i]`` each, every reservoir short of them refilled by
+        one ``draw(keys, sizes)`` call. A distribution met for the first time draws just what it is asked
+        (a scale used once costs nothing more); met again, ``FIRST``, then 4× each refill up to ``BATCH``."""
+        reservoirs = self._reservoirs()
+        need: dict[tuple[object, ...], int] = {}
+        for key, n in zip(keys, counts, strict=True):
+            need[key] = need.get(key, 0) + n
+        if len(reservoirs) + sum(key not in reservoirs for key in need) > self.MAX_DISTRIBUTIONS:
+            reservoirs.clear()
+        refill: dict[tuple[object, ...], int] = {}  # key → its next batch
+        for key, n in need.items():
+            entry = reservoirs.get(key)
+            if entry is None or entry[1] + n > len(entry[0]):
+                refill[key] = 0 if entry is None else self.FIRST if not entry[2] else min(self.BATCH, 4 * entry[2])
+        if refill:
+            wanted = list(refill)
+            for key, fresh in zip(wanted, draw(wanted, [max(refill[k], need[k]) for k in wanted]), strict=True):
+                reservoirs[key] = (fresh, 0, refill[key])  # (what the old one had left is never used)
+        out = []
+        for key, n in zip(keys, counts, strict=True):
+            samples, start, batch = reservoirs[key]
+            reservoirs[key] = (samples, start + n, batch)
+            out.append(samples[start : start + n].copy())
+        return out
+
+    def _reservoirs(self) -> dict[tuple[object, ...], tuple[np.ndarray, int, int]]:
+        local = self._local
+        if getattr(local, "pid", None) != os.getpid():
+            local.pid, local.reservoirs = os.getpid(), {}
+        reservoirs: dict[tuple[object, ...], tuple[np.ndarray, int, int]] = local.reservoirs
+        return reservoirs
 
 
 _POOL = _NoisePool()
@@ -336,24 +371,30 @@ def discrete_laplace(scale: float, size: int) -> np.ndarray:
 
 def discrete_laplace_many(scales: Sequence[float], sizes: Sequence[int]) -> list[np.ndarray]:
     """``sizes[i]`` i.i.d. draws at ``scales[i]`` for each i, as :func:`discrete_laplace` draws them, all
-    independent: the cells of one release, several scales, in one vectorised pass (not one bulk draw
-    per scale). Requests larger than ``BULK_THRESHOLD`` are drawn on their own by the bulk sampler."""
+    independent: the cells of one release, several scales, served from the pool where it holds them and
+    the rest drawn in one vectorised pass (not one bulk draw per scale). Requests larger than
+    ``BULK_THRESHOLD`` are drawn on their own by the bulk sampler."""
     if len(scales) != len(sizes):
         raise ValueError("discrete_laplace_many needs one size per scale")
     ns = [_check_size(n) for n in sizes]
     rational = [laplace_rational_scale(float(scale)) for scale in scales]
+    keys: list[tuple[object, ...]] = [("laplace", t, s) for t, s in rational]  # (the pool's, as discrete_laplace's)
     out: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * len(ns)
     small = [i for i, n in enumerate(ns) if 0 < n <= BULK_THRESHOLD]
     for i, n in enumerate(ns):
         if n > BULK_THRESHOLD:
             out[i] = _dlap_bulk(*rational[i], n)
-    if small:
-        counts = [ns[i] for i in small]
-        t = np.repeat(np.array([rational[i][0] for i in small], dtype=np.int64), counts)
-        s = np.repeat(np.array([rational[i][1] for i in small], dtype=np.int64), counts)
-        for i, part in zip(small, np.split(_dlap_mixed(t, s), np.cumsum(counts)[:-1]), strict=True):
-            out[i] = part
+    drawn = _POOL.take_many([keys[i] for i in small], [ns[i] for i in small], _draw_mixed)
+    for i, part in zip(small, drawn, strict=True):
+        out[i] = part
     return out
+
+
+def _draw_mixed(keys: list[tuple[object, ...]], sizes: list[int]) -> list[np.ndarray]:
+    """``sizes[i]`` draws of the discrete Laplace ``keys[i]`` (``("laplace", t, s)``) each, in one pass."""
+    t = np.repeat(np.array([k[1] for k in keys], dtype=np.int64), sizes)
+    s = np.repeat(np.array([k[2] for k in keys], dtype=np.int64), sizes)
+    return list(np.split(_dlap_mixed(t, s), np.cumsum(sizes)[:-1]))
 
 
 def discrete_gaussian(sigma: float, size: int) -> np.ndarray:

@@ -14,7 +14,14 @@ import pytest
 from scipy import stats
 
 from dpsql.noise.mechanisms import exact_spec, gaussian_spec, laplace_spec, release, release_many
-from dpsql.noise.samplers import BULK_THRESHOLD, _words, discrete_laplace_many, laplace_rational_scale
+from dpsql.noise.samplers import (
+    _POOL,
+    BULK_THRESHOLD,
+    _dlap_mixed,
+    _words,
+    discrete_laplace_many,
+    laplace_rational_scale,
+)
 
 from ._stats import P_MIN, gof_pvalue
 
@@ -87,6 +94,31 @@ def test_binned_check_has_power() -> None:
     """Negative control: draws at 1.1× the scale are rejected (the 2^40 check above means something)."""
     (samples,) = mixed_samples([1.1 * 2.0**40], [500], 60)
     assert binned_pvalue(samples, 2.0**40) < 1e-6
+
+
+@pytest.mark.parametrize("rounds", [1, 40])  # 3·1,800 pending (3 proposals each); 3·45 (8 each)
+def test_the_mixed_pass_itself_fits_every_scale(rounds: int) -> None:
+    """``_dlap_mixed`` straight (the pool serves repeated scales above): interleaved scales, each its pmf."""
+    scales = [0.5, 3.7, 50.0]
+    rational = [laplace_rational_scale(scale) for scale in scales]
+    per = 5400 // rounds // len(scales)
+    t = np.tile(np.array([r[0] for r in rational], dtype=np.int64), per)
+    s = np.tile(np.array([r[1] for r in rational], dtype=np.int64), per)
+    drawn = np.concatenate([_dlap_mixed(t, s).reshape(per, len(scales)) for _ in range(rounds)])
+    for j, scale in enumerate(scales):
+        assert gof_pvalue(drawn[:, j], "laplace", scale) > P_MIN, scale
+
+
+def test_a_scale_met_once_draws_only_what_it_asks() -> None:
+    """A new scale (a new ε) is drawn for exactly its cells, nothing kept; met again, the pool keeps a batch."""
+    scale = 1.0 + float(np.frombuffer(os.urandom(4), dtype=np.uint32)[0]) * 1e-9  # a scale no other test uses
+    key = ("laplace", *laplace_rational_scale(scale))
+    discrete_laplace_many([scale], [3])
+    samples, used, _ = _POOL._reservoirs()[key]
+    assert samples.size == used == 3
+    discrete_laplace_many([scale], [3])
+    samples, used, _ = _POOL._reservoirs()[key]
+    assert samples.size == _POOL.FIRST and used == 3
 
 
 def test_cells_of_one_draw_are_independent() -> None:
