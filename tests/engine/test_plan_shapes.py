@@ -9,6 +9,7 @@ from dpsql.backends import Backend
 from dpsql.dev.demo import demo_policy_path
 from dpsql.engine import Engine
 from dpsql.ledger import Ledger
+from dpsql.noise.names import Mechanism
 from dpsql.policy import Policy, load_policy
 from dpsql.prepared import Prepared
 from dpsql.session import AUTO, Session
@@ -45,7 +46,8 @@ def test_a_new_epsilon_is_priced_not_planned_again(
 ) -> None:
     engine = Engine(clinic_policy, clinic, Ledger.open("sqlite:///:memory:"))
     first = engine.prepare(sql, Session("alice", epsilon=1.0, max_rows_per_unit=cap, bias=bias))
-    for epsilon, mechanism in [(0.37, "laplace"), (2.5, "gaussian")]:
+    settings: list[tuple[float, Mechanism]] = [(0.37, "laplace"), (2.5, "gaussian")]
+    for epsilon, mechanism in settings:
         session = Session("alice", epsilon=epsilon, max_rows_per_unit=cap, bias=bias, mechanism=mechanism)
         again = engine.prepare(sql, session)
         assert again.plan is first.plan  # the shape was reused

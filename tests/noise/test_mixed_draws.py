@@ -7,13 +7,15 @@ from __future__ import annotations
 import math
 import os
 import random
+from collections.abc import Sequence
 from decimal import Decimal
+from typing import Any
 
 import numpy as np
 import pytest
 from scipy import stats
 
-from dpsql.noise.mechanisms import exact_spec, gaussian_spec, laplace_spec, release, release_many
+from dpsql.noise.mechanisms import NoiseSpec, exact_spec, gaussian_spec, laplace_spec, release, release_many
 from dpsql.noise.samplers import (
     _POOL,
     BULK_THRESHOLD,
@@ -150,19 +152,25 @@ def test_argument_checks() -> None:
         discrete_laplace_many([1.0, 2.0], [1])
 
 
+def _numpy_state() -> tuple[Any, ...]:
+    state = np.random.get_state()
+    assert isinstance(state, tuple)
+    return state
+
+
 def test_no_python_or_numpy_prng_state() -> None:
     """Seeding `random`/`numpy.random` neither reproduces the draws nor is their state read or advanced."""
     draws = []
     for _ in range(3):
         random.seed(99)
         np.random.seed(99)
-        py_state, np_state = random.getstate(), np.random.get_state()
+        py_state, np_state = random.getstate(), _numpy_state()
         got = discrete_laplace_many([1e6, 3.0, 2.0**40], [5, 700, 2])
         specs = [laplace_spec(1.0, 1.0, integer=True), gaussian_spec(1.0, 1.0, 1e-6, integer=True)]
         released = release_many([([0] * 4, specs[0]), ([0] * 4, specs[1])])
         draws.append(np.concatenate([*got, *released]))
         assert random.getstate() == py_state
-        after = np.random.get_state()
+        after = _numpy_state()
         assert np.array_equal(after[1], np_state[1]) and after[2] == np_state[2]
     assert not np.array_equal(draws[0], draws[1]) or not np.array_equal(draws[1], draws[2])
 
@@ -198,7 +206,7 @@ def test_release_many_is_release_of_each() -> None:
     real_spec = laplace_spec(10.0, 1.0, integer=False)
     gauss = gaussian_spec(2.0, 1.0, 1e-6, integer=True)
     wide = [2**70, -(2**70)]
-    items = [
+    items: list[tuple[Sequence[object] | np.ndarray, NoiseSpec]] = [
         (np.array([[1, 2], [3, 4]]), int_spec),
         ([1.5, 2.25, 1e300], real_spec),
         (wide, int_spec),
