@@ -12,7 +12,7 @@ in :mod:`dpsql.analyze`, SQL in :mod:`dpsql.rewrite`, calibration, release and a
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,7 @@ from dpsql.analyze.parse import (
     placeholder_value,
     too_complex,
 )
-from dpsql.analyze.randomized import local_query
+from dpsql.analyze.randomized import LocalQuery, local_query
 from dpsql.analyze.statement import CACHE_BYTES as PLAN_CACHE_BYTES
 from dpsql.analyze.statement import Kind, Statements, tree_bytes
 from dpsql.backends import DEFAULT_STATEMENT_TIMEOUT_MS, Backend, open_backend, quote_ident
@@ -58,8 +58,8 @@ from dpsql.prepared import Description, Prepared
 from dpsql.release.accuracy import caps_cut
 from dpsql.release.accuracy import confidence as confidence_level
 from dpsql.release.bias import BiasEstimate
-from dpsql.release.bias import estimate as bias_estimate
 from dpsql.release.bias import rest as bias_rest
+from dpsql.release.bias import shape as bias_shape
 from dpsql.release.calibrate import FREE, budget
 from dpsql.release.cap import CapChoice
 from dpsql.release.cap import candidates as cap_candidates
@@ -79,6 +79,44 @@ _PLAN_CACHE_SIZE = 1024
 MAX_PUBLIC_VALUES = 10_000
 
 
+@dataclass(frozen=True, slots=True)
+class _Shape:
+    """A statement prepared up to its privacy settings (:meth:`Engine._shape`); immutable, shared by the
+    :class:`Prepared` of every ε, δ and mechanism it is priced at."""
+
+    fingerprint: str
+    plan: Plan
+    local: LocalQuery | None
+    version: int
+    #: The measurement's SQL, the quantiles' histograms' and the normalised statement (the cache key's).
+    sql: str
+    histograms: tuple[tuple[int, str], ...]
+    normalised: str
+    #: ``dpsql.max_rows_per_unit = auto``: the candidate caps and the SQL counting units above each.
+    candidates: tuple[int, ...] | None
+    units_sql: str | None
+    #: The bias estimate before its ε (:meth:`dpsql.release.bias.BiasEstimate.at`).
+    estimate: BiasEstimate | None
+    #: Whether it reads the clock (NOW() folded at this statement's start: never kept nor reused).
+    clock: bool
+    #: What it weighs in the plan caches (:func:`tree_bytes`).
+    weight: int
+    #: ``repr`` of what the measurement's columns mean (keys, measures, selection count): its key's part.
+    measured: str
+
+
+class _Verbatim:
+    """Text that stands for an object in a key's material (its ``repr``, computed once)."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
 class Engine:
     """Answers aggregate SQL over one policy's tables with differential privacy."""
 
@@ -90,6 +128,9 @@ class Engine:
         self.step = Step(policy, backend, ledger, cache)
         #: Plans hold their rewritten trees: bounded in bytes too (see :func:`tree_bytes`).
         self._plans: LRU[tuple[Any, ...], Prepared] = LRU(_PLAN_CACHE_SIZE, PLAN_CACHE_BYTES)
+        #: What preparing a statement builds that no privacy setting changes (:meth:`_shape`), by text,
+        #: parameters, cap setting, ``dpsql.bias`` and data version: a new ε is priced, not planned again.
+        self._shapes: LRU[tuple[Any, ...], _Shape] = LRU(_PLAN_CACHE_SIZE, PLAN_CACHE_BYTES)
         #: Parsed statements by text (and which texts are plain single queries: :mod:`dpsql.outer`).
         self.statements = Statements(_PLAN_CACHE_SIZE, self._shrink, tree_shape)
         #: Keys the per-row hash choosing which rows of a heavy unit are kept (never shown to analysts;
@@ -199,12 +240,27 @@ class Engine:
         if cached is not None:
             return cached
         try:
-            tree = (tree or self.statements.get(sql).tree).copy()
-            clock = reads_clock(tree)  # NOW() is folded to this statement's start: never reuse its plan
-            prepared = self._prepare(sql, tree, session, params)
+            shape_key = self._shape_key(sql, session, params)
+            shape = self._shapes.get(shape_key)
+            if shape is None:
+                tree = (tree or self.statements.get(sql).tree).copy()
+                clock = reads_clock(tree)  # NOW() is folded to this statement's start: never reuse its plan
+                shape = self._shape(sql, tree, session, params, clock)
+                if not clock:
+                    self._shapes.put(shape_key, shape, shape.weight)
+            prepared = self._priced(shape, session, params)
         except RecursionError:
             raise too_complex() from None
-        return prepared if clock else self._plans.put(key, prepared, tree_bytes(sql, tree))
+        return prepared if shape.clock else self._plans.put(key, prepared, shape.weight)
+
+    def _shape_key(self, sql: str, session: Session, params: Params) -> tuple[Any, ...]:
+        # everything _shape reads from the session: the cap setting, dpsql.bias and whether accuracy-first
+        return (
+            sql,
+            params_key(params),
+            (self._cap_setting(session), session.bias, session.accuracy is None),
+            data_version(self.backend),
+        )
 
     def fingerprint(self, sql: str, shape: str | None = None) -> str:
         """The keyed fingerprint of a statement's shape (constants removed): what the server logs and
@@ -238,15 +294,46 @@ class Engine:
         return tree if budget_view.reads_only_budget(tree) else None
 
     def _prepare(self, sql: str, tree: exp.Expression, session: Session, params: Params) -> Prepared:
+        """``sql`` planned from its ``tree`` and priced, no cache read nor written (bench/overhead.py's
+        uncached stage)."""
+        return self._priced(self._shape(sql, tree, session, params, reads_clock(tree)), session, params)
+
+    def _shape(self, sql: str, tree: exp.Expression, session: Session, params: Params, clock: bool) -> _Shape:
+        """What preparing ``sql`` builds that no privacy setting (ε, δ, mechanism, confidence) changes: the
+        analysis, physical choices, the rewrite and its SQL, the bias estimate's SQL; kept per shape key
+        (:meth:`_shape_key`) so a new ε re-prices the statement without planning it again."""
         fingerprint = self.fingerprint(sql)
         plan = analyze_tree(tree, self.policy, params, self._public_values)
         self._stored_types.check(plan)
         local = local_query(plan, self.backend.render)
         version = data_version(self.backend)
         plan = replace(plan, physical=choose_physical(plan, self.backend, self._salt))
-        plan, choice = self._cap(plan, session, local is None)
+        plan, candidates, units_sql = self._cap(plan, session, local is None)
         select = rewrite(plan)
-        estimate, choice = self._bias(plan, session, choice, local is None, select)
+        estimate = self._bias(plan, session, candidates, local is None, select)
+        normalised = tree.sql(dialect=dialect("postgres"), normalize=True, copy=False)  # tree is not used afterwards
+        histograms = tuple(histogram_queries(plan, self.backend.render))
+        measurement = self.backend.render(select, copy=False)
+        measured = repr((plan.keys, plan.measures, plan.selection_measure))  # (its trees' repr is not cheap)
+        return _Shape(
+            fingerprint, plan, local, version, measurement, histograms, normalised, candidates, units_sql, estimate,
+            clock, tree_bytes(sql, tree), measured,
+        )  # fmt: skip
+
+    def _priced(self, shape: _Shape, session: Session, params: Params) -> Prepared:
+        """``shape`` calibrated at the session's privacy settings: the cap's choice and the bias estimate at
+        their shares of its ε, the budgeting, and the keys its releases are stored under."""
+        plan, estimate, choice = shape.plan, None, None
+        if shape.candidates is not None:  # dpsql.max_rows_per_unit = auto: a share of ε chooses the cap
+            spent, rest = split_epsilon(session, self._epsilon(session))
+            assert shape.units_sql is not None
+            choice = CapChoice(shape.candidates, spent, shape.units_sql, rest)
+        if shape.estimate is not None:
+            estimate = shape.estimate.at(self._epsilon(session))
+            if choice is not None and estimate.epsilon:  # taken from what the cap's choice leaves
+                choice = replace(
+                    choice, session=bias_rest(choice.session, self._epsilon(choice.session), estimate.epsilon)
+                )
         calibrated = session if choice is None else choice.session  # (the choice's: less the estimate's share)
         if choice is None and estimate is not None and estimate.epsilon:
             calibrated = bias_rest(session, self._epsilon(session), estimate.epsilon)
@@ -257,8 +344,6 @@ class Engine:
         if shares:  # the cap's choice, the bias estimate and the measurement, composed: the query's ε in all
             costs = [Cost(epsilon=e) for e in shares] + [budgeting.cost]
             budgeting = replace(budgeting, epsilon=self._epsilon(session), cost=Cost.total(costs))
-        normalised = tree.sql(dialect=dialect("postgres"), normalize=True, copy=False)  # tree is not used afterwards
-        histograms = histogram_queries(plan, self.backend.render)
         settings = (
             budgeting.epsilon,
             budgeting.delta,
@@ -266,45 +351,45 @@ class Engine:
             self._cap_setting(session),
             estimate is not None,
         )
-        key = cache_key(self.policy.dataset, normalised, params_key(params), settings)
-        sql = self.backend.render(select, copy=False)
-        measured = (plan.keys, plan.measures, plan.selection_measure)  # what the measurement's columns mean
-        measurement = measurement_key(self.policy.dataset, sql, histograms, params_key(params), measured, budgeting)
-        if local is not None:
+        key = cache_key(self.policy.dataset, shape.normalised, params_key(params), settings)
+        histograms = list(shape.histograms)
+        measured = _Verbatim(shape.measured)  # what the measurement's columns mean
+        measurement = measurement_key(
+            self.policy.dataset, shape.sql, histograms, params_key(params), measured, budgeting
+        )
+        if shape.local is not None:
             budgeting = FREE
         return Prepared(
-            plan, sql, budgeting, fingerprint, histograms, key, local, version, measurement, cap=choice, bias=estimate
-        )
+            plan, shape.sql, budgeting, shape.fingerprint, histograms, key, shape.local, shape.version, measurement,
+            cap=choice, bias=estimate,
+        )  # fmt: skip
 
     def _epsilon(self, session: Session) -> float:
         return session.epsilon if session.epsilon is not None else self.policy.defaults.epsilon
 
     def _bias(
-        self, plan: Plan, session: Session, choice: CapChoice | None, measured: bool, select: exp.Select
-    ) -> tuple[BiasEstimate | None, CapChoice | None]:
+        self, plan: Plan, session: Session, candidates: tuple[int, ...] | None, measured: bool, select: exp.Select
+    ) -> BiasEstimate | None:
         """How the query's cap/clamp bias is estimated under DP (``dpsql.bias``, on by default;
-        :mod:`dpsql.release.bias`) at a share of its ε, taken from what the cap's choice leaves (if any).
-        None when off, free, accuracy-first (its ε is set by the ± asked for) or nothing can be cut. On
-        DuckDB at a cap not chosen at run time, folded into the measurement ``select`` where it can be."""
+        :mod:`dpsql.release.bias`), its ε not yet set (:meth:`BiasEstimate.at`: a share of the query's, taken
+        from what the cap's choice leaves, if any). None when off, free, accuracy-first (its ε is set by the ±
+        asked for) or nothing can be cut. On DuckDB at a cap not chosen at run time, folded into the
+        measurement ``select`` where it can be."""
         if session.bias is False or not measured or not plan.measures or session.accuracy is not None:
-            return None, choice
-        candidates = (plan.max_rows,) if choice is None else choice.candidates
+            return None
         render = partial(self.backend.render, copy=False)
-        fold = select if choice is None and getattr(self.backend, "dialect", None) == "duckdb" else None
-        estimate = bias_estimate(plan, caps_cut(plan), self._epsilon(session), candidates, render, fold)
-        if estimate is None or choice is None or not estimate.epsilon:
-            return estimate, choice
-        rest = bias_rest(choice.session, self._epsilon(choice.session), estimate.epsilon)
-        return estimate, replace(choice, session=rest)
+        fold = select if candidates is None and getattr(self.backend, "dialect", None) == "duckdb" else None
+        return bias_shape(plan, caps_cut(plan), (plan.max_rows,) if candidates is None else candidates, render, fold)
 
-    def _cap(self, plan: Plan, session: Session, measured: bool) -> tuple[Plan, CapChoice | None]:
+    def _cap(self, plan: Plan, session: Session, measured: bool) -> tuple[Plan, tuple[int, ...] | None, str | None]:
         """The plan at the session's (or policy's) per-unit cap; with ``auto``, at the largest candidate,
-        and how the one used is chosen when the query runs (:mod:`dpsql.release.cap`)."""
+        with the candidates and the SQL counting units above each, from which it is chosen when the query
+        runs (:mod:`dpsql.release.cap`; its share of ε is set by :meth:`_priced`)."""
         setting = self._cap_setting(session)
         if setting is None or plan.unit is None or not plan.measures or not measured:
-            return plan, None
+            return plan, None, None
         if setting != AUTO:
-            return replace(plan, tau=int(setting), tau_origin="set"), None
+            return replace(plan, tau=int(setting), tau_origin="set"), None, None
         if session.accuracy is not None:
             raise FeatureNotSupported(
                 "dpsql.max_rows_per_unit = auto cannot be combined with dpsql.accuracy",
@@ -313,10 +398,7 @@ class Engine:
             )
         chosen = cap_candidates(plan.max_rows)
         plan = replace(plan, tau=chosen[-1], tau_origin="auto")
-        epsilon = session.epsilon if session.epsilon is not None else self.policy.defaults.epsilon
-        spent, rest = split_epsilon(session, epsilon)
-        sql = self.backend.render(units_above(plan, chosen), copy=False)
-        return plan, CapChoice(chosen, spent, sql, rest)
+        return plan, chosen, self.backend.render(units_above(plan, chosen), copy=False)
 
     # -- front-door API ------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ move two neighbouring inputs one extra grid step apart per affected cell, which 
 to the sensitivity.
 
 All functions here are pure and cheap (results cached by their hashable arguments), except
-``release``/``sample_noise`` which draw from the OS CSPRNG.
+``release``/``release_many``/``sample_noise`` which draw from the OS CSPRNG.
 """
 
 from __future__ import annotations
@@ -30,7 +30,13 @@ import numpy as np
 
 from dpsql.accountant import Cost, cdp_delta, epsilon_to_rho, rho_to_epsilon
 from dpsql.noise.names import Mechanism, mechanism_names
-from dpsql.noise.samplers import _MAX_SCALE, discrete_gaussian, discrete_laplace, laplace_rational_scale
+from dpsql.noise.samplers import (
+    _MAX_SCALE,
+    discrete_gaussian,
+    discrete_laplace,
+    discrete_laplace_many,
+    laplace_rational_scale,
+)
 
 __all__ = [
     "MECHANISMS",
@@ -51,8 +57,10 @@ __all__ = [
     "noise_tail",
     "partition_threshold",
     "release",
+    "release_many",
     "rho_to_epsilon",
     "sample_noise",
+    "sample_noise_many",
     "snap",
 ]
 
@@ -272,22 +280,48 @@ def release(values: Sequence[object] | np.ndarray, spec: NoiseSpec) -> np.ndarra
     ``k + Z`` rounds a value that is already private (post-processing).
     """
     k = _grid_units(values, spec.grid)
-    z = sample_noise(spec, k.size).reshape(k.shape)
+    return _noised(k, sample_noise(spec, k.size).reshape(k.shape), spec.grid)
+
+
+def release_many(items: Sequence[tuple[Sequence[object] | np.ndarray, NoiseSpec]]) -> list[np.ndarray]:
+    """:func:`release` of each (values, spec), every noise independent, drawn together: one bulk draw per
+    mechanism for all the cells of a release (:meth:`NoiseMechanism.sample_many`), not one per spec."""
+    units = [_grid_units(values, spec.grid) for values, spec in items]
+    noise = sample_noise_many([spec for _, spec in items], [k.size for k in units])
+    return [_noised(k, z.reshape(k.shape), spec.grid) for k, z, (_, spec) in zip(units, noise, items, strict=True)]
+
+
+def sample_noise_many(specs: Sequence[NoiseSpec], sizes: Sequence[int]) -> list[np.ndarray]:
+    """:func:`sample_noise` of each (spec, size), independent, drawn per mechanism in one call."""
+    out = [np.zeros(size, dtype=np.int64) for size in sizes]
+    drawn: dict[str, list[int]] = {}
+    for i, spec in enumerate(specs):
+        if spec.scale != 0 and sizes[i]:
+            drawn.setdefault(mechanism_of(spec).name, []).append(i)
+    for name, which in drawn.items():
+        draws = MECHANISMS[name].sample_many([specs[i].scale for i in which], [sizes[i] for i in which])
+        for i, z in zip(which, draws, strict=True):
+            out[i] = z
+    return out
+
+
+def _noised(k: np.ndarray, z: np.ndarray, grid: float) -> np.ndarray:
+    """``grid · (k + z)``: exact integer addition (Python integers beyond int64), then the grid."""
     if k.dtype != object:
         out: np.ndarray = k + z  # |k| ≤ 2^52 and |Z| ≪ 2^62: no int64 overflow
-        if spec.grid == 1.0:
+        if grid == 1.0:
             return out
-        scaled: np.ndarray = out.astype(np.float64) * spec.grid
+        scaled: np.ndarray = out.astype(np.float64) * grid
         return scaled
     wide = [int(a) + int(b) for a, b in zip(k.ravel().tolist(), z.ravel().tolist(), strict=True)]
-    if spec.grid == 1.0:
+    if grid == 1.0:
         if max(abs(u) for u in wide) < 2**63:
             return np.array(wide, dtype=np.int64).reshape(k.shape)
         obj = np.empty(len(wide), dtype=object)
         obj[:] = wide
         return obj.reshape(k.shape)
     with np.errstate(over="ignore"):
-        return (np.array([float(u) for u in wide], dtype=np.float64) * spec.grid).reshape(k.shape)
+        return (np.array([float(u) for u in wide], dtype=np.float64) * grid).reshape(k.shape)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -428,6 +462,11 @@ class NoiseMechanism(Protocol):
 
     def sample(self, scale: float, size: int) -> np.ndarray: ...
 
+    def sample_many(self, scales: Sequence[float], sizes: Sequence[int]) -> list[np.ndarray]:
+        """``sizes[i]`` draws at ``scales[i]`` each, all independent (a release's cells, in as few bulk
+        draws as the sampler allows)."""
+        ...
+
     def tail(self, scale: float, j: int) -> float: ...
 
     def tail_guess(self, scale: float, target: float) -> int: ...
@@ -459,6 +498,9 @@ class Laplace:
 
     def sample(self, scale: float, size: int) -> np.ndarray:
         return discrete_laplace(scale, size)
+
+    def sample_many(self, scales: Sequence[float], sizes: Sequence[int]) -> list[np.ndarray]:
+        return discrete_laplace_many(scales, sizes)
 
     def tail(self, scale: float, j: int) -> float:
         la = _laplace_alpha_log(scale)  # ln α
@@ -506,6 +548,9 @@ class Gaussian:
 
     def sample(self, scale: float, size: int) -> np.ndarray:
         return discrete_gaussian(scale, size)
+
+    def sample_many(self, scales: Sequence[float], sizes: Sequence[int]) -> list[np.ndarray]:
+        return [discrete_gaussian(scale, size) for scale, size in zip(scales, sizes, strict=True)]
 
     def tail(self, sigma: float, j: int) -> float:
         if sigma <= _GAUSS_TABLE_MAX_SIGMA:

@@ -19,7 +19,10 @@ What is exact
   ``p·2^53``).  This perturbs each pmf value by a relative factor ≤ ~1e-12, i.e. the privacy loss by
   ≤ ~1e-12 nats; outcomes with ``γ > 745`` (beyond ~38σ, exact mass < 1e-300) get probability 0.
 
-Small requests are served from a per-thread pool of samples drawn ahead in bulk (``_NoisePool``).
+Small requests are served from a per-thread pool of samples drawn ahead in bulk (``_NoisePool``);
+``discrete_laplace_many`` draws several scales' samples in one vectorised pass (a release's cells). Uniform
+words come from a per-thread buffer of OS CSPRNG bytes (``_Entropy``, one ``os.urandom`` per 64 KiB, each
+byte handed out once, reset in a forked child), not one system call per loop step.
 
 Nothing here reads or advances the ``random`` or ``numpy.random`` global PRNG state.
 """
@@ -29,13 +32,19 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from fractions import Fraction
 from functools import lru_cache
 
 import numpy as np
 
-__all__ = ["BULK_THRESHOLD", "discrete_gaussian", "discrete_laplace", "laplace_rational_scale"]
+__all__ = [
+    "BULK_THRESHOLD",
+    "discrete_gaussian",
+    "discrete_laplace",
+    "discrete_laplace_many",
+    "laplace_rational_scale",
+]
 
 #: Sizes up to this are served from the pool of pre-drawn samples (a bulk draw costs ~0.3 ms of fixed numpy
 #: overhead however few samples it returns); larger ones are drawn directly.
@@ -94,45 +103,116 @@ class _NoisePool:
     sample is handed out exactly once. It makes a small release cost ~1 µs instead of ~15 µs of
     Python per sample, and keeps sampling work (whose duration varies) off the request path.
     Reservoirs are per thread and per process: a forked child never reuses its parent's noise.
+    A distribution's first draw is small (``FIRST``); each refill draws 4× the last, up to ``BATCH``:
+    a scale asked once (a new ε) costs what it asks, not a full batch.
     """
 
     BATCH = 4096
+    FIRST = 64
     MAX_DISTRIBUTIONS = 64
 
     def __init__(self) -> None:
         self._local = threading.local()
 
     def take(self, key: tuple[object, ...], n: int, draw: Callable[[int], np.ndarray]) -> np.ndarray:
-        local = self._local
-        if getattr(local, "pid", None) != os.getpid():
-            local.pid, local.reservoirs = os.getpid(), {}
-        reservoirs: dict[tuple[object, ...], tuple[np.ndarray, int]] = local.reservoirs
+        reservoirs = self._reservoirs()
         entry = reservoirs.get(key)
         if entry is None or entry[1] + n > len(entry[0]):
             if len(reservoirs) >= self.MAX_DISTRIBUTIONS:
                 reservoirs.clear()
-            entry = (draw(max(self.BATCH, n)), 0)
-        samples, start = entry
-        reservoirs[key] = (samples, start + n)
+            batch = self.FIRST if entry is None else min(self.BATCH, 4 * entry[2])
+            entry = (draw(max(batch, n)), 0, batch)
+        samples, start, batch = entry
+        reservoirs[key] = (samples, start + n, batch)
         return samples[start : start + n].copy()
+
+    def take_many(
+        self,
+        keys: Sequence[tuple[object, ...]],
+        counts: Sequence[int],
+        draw: Callable[[list[tuple[object, ...]], list[int]], list[np.ndarray]],
+    ) -> list[np.ndarray]:
+        """``counts[i]`` samples of distribution ``keys[i]`` each, every reservoir short of them refilled by
+        one ``draw(keys, sizes)`` call. A distribution met for the first time draws just what it is asked
+        (a scale used once costs nothing more); met again, ``FIRST``, then 4× each refill up to ``BATCH``."""
+        reservoirs = self._reservoirs()
+        need: dict[tuple[object, ...], int] = {}
+        for key, n in zip(keys, counts, strict=True):
+            need[key] = need.get(key, 0) + n
+        if len(reservoirs) + sum(key not in reservoirs for key in need) > self.MAX_DISTRIBUTIONS:
+            reservoirs.clear()
+        refill: dict[tuple[object, ...], int] = {}  # key → its next batch
+        for key, n in need.items():
+            entry = reservoirs.get(key)
+            if entry is None or entry[1] + n > len(entry[0]):
+                refill[key] = 0 if entry is None else self.FIRST if not entry[2] else min(self.BATCH, 4 * entry[2])
+        if refill:
+            wanted = list(refill)
+            for key, fresh in zip(wanted, draw(wanted, [max(refill[k], need[k]) for k in wanted]), strict=True):
+                reservoirs[key] = (fresh, 0, refill[key])  # (what the old one had left is never used)
+        out = []
+        for key, n in zip(keys, counts, strict=True):
+            samples, start, batch = reservoirs[key]
+            reservoirs[key] = (samples, start + n, batch)
+            out.append(samples[start : start + n].copy())
+        return out
+
+    def _reservoirs(self) -> dict[tuple[object, ...], tuple[np.ndarray, int, int]]:
+        local = self._local
+        if getattr(local, "pid", None) != os.getpid():
+            local.pid, local.reservoirs = os.getpid(), {}
+        reservoirs: dict[tuple[object, ...], tuple[np.ndarray, int, int]] = local.reservoirs
+        return reservoirs
 
 
 _POOL = _NoisePool()
 
 
 # --------------------------------------------------------------------------------------------------
-# Bulk path: vectorised numpy on os.urandom words (exact integer arithmetic)
+# Bulk path: vectorised numpy on OS CSPRNG words (exact integer arithmetic)
 # --------------------------------------------------------------------------------------------------
 
 
+class _Entropy(threading.local):
+    """A per-thread buffer of OS CSPRNG bytes, handed out once each, in order.
+
+    The bulk samplers ask for a few words per loop step (thousands of steps per release at ~1 µs of
+    system call each); reading 64 KiB ahead serves them from memory. Reading ahead changes nothing
+    about the bytes (independent uniform either way) and, like the noise pool, each byte is used once.
+    Per thread (no lock, no sharing) and per process: a forked child drops its parent's buffer, whose
+    bytes the parent may still hand out.
+    """
+
+    WORDS = 8192  # 64 KiB
+
+    def __init__(self) -> None:
+        self.pid = -1
+        self.buffer = np.empty(0, dtype=np.uint64)
+        self.used = 0
+
+    def words(self, n: int) -> np.ndarray:
+        if n > self.WORDS:
+            return np.frombuffer(os.urandom(8 * n), dtype=np.uint64).copy()
+        if self.pid != os.getpid() or self.used + n > self.buffer.size:
+            self.pid = os.getpid()
+            self.buffer = np.frombuffer(os.urandom(8 * self.WORDS), dtype=np.uint64)
+            self.used = 0
+        start = self.used
+        self.used += n
+        return self.buffer[start : self.used].copy()
+
+
+_ENTROPY = _Entropy()
+
+
 def _words(n: int) -> np.ndarray:
-    """``n`` uniform uint64 words from the OS CSPRNG."""
-    return np.frombuffer(os.urandom(8 * n), dtype=np.uint64)
+    """``n`` uniform uint64 words from the OS CSPRNG (a fresh, writable array)."""
+    return _ENTROPY.words(n)
 
 
 def _bits(n: int) -> np.ndarray:
     """``n`` fair coin flips (bool) from the OS CSPRNG."""
-    return np.unpackbits(np.frombuffer(os.urandom((n + 7) // 8), dtype=np.uint8), count=n).astype(bool)
+    return np.unpackbits(_words((n + 63) // 64).view(np.uint8), count=n).astype(bool)
 
 
 def _uniform_below(m: np.ndarray | int, n: int) -> np.ndarray:
@@ -143,7 +223,7 @@ def _uniform_below(m: np.ndarray | int, n: int) -> np.ndarray:
     """
     mu = np.asarray(m, dtype=np.int64).astype(np.uint64)
     floor = (np.uint64(0) - mu) % mu  # 2^64 mod m
-    r = _words(n).copy()
+    r = _words(n)
     idx = np.flatnonzero(r < floor)
     while idx.size:  # redraw only the rejected words
         r[idx] = _words(idx.size)
@@ -151,19 +231,24 @@ def _uniform_below(m: np.ndarray | int, n: int) -> np.ndarray:
     return (r % mu).astype(np.int64)
 
 
-def _bern_exp_frac_bulk(num: np.ndarray, den: int) -> np.ndarray:
-    """Vectorised exact Bernoulli(exp(-num/den)), 0 <= num <= den, via the CKS K-loop."""
+def _bern_exp_frac_bulk(num: np.ndarray, den: np.ndarray | int) -> np.ndarray:
+    """Vectorised exact Bernoulli(exp(-num/den)), 0 <= num <= den (``den`` scalar or one per ``num``),
+    via the CKS K-loop: step k continues while a uniform draw in [0, k·den) falls below num."""
     n = num.size
     result = np.empty(n, dtype=bool)
     idx = np.arange(n)
     cur = num
+    per = np.ndim(den) > 0
+    d: np.ndarray | int = np.asarray(den, dtype=np.int64) if per else int(den)
     k = 1
     while idx.size:
-        a = _uniform_below(den * k, idx.size) < cur
+        a = _uniform_below(d * k, idx.size) < cur
         stop = ~a
         result[idx[stop]] = k % 2 == 1
         idx = idx[a]
         cur = cur[a]
+        if per:
+            d = d[a]  # type: ignore[index]
         k += 1
     return result
 
@@ -173,14 +258,35 @@ def _bern_exp1_bulk(n: int) -> np.ndarray:
 
 
 def _geometric_exp1_bulk(n: int) -> np.ndarray:
-    """Number of Bernoulli(e^-1) successes before the first failure, vectorised."""
+    """Number of Bernoulli(e^-1) successes before the first failure, vectorised.
+
+    Small requests draw 4 trials per pending sample per round (its first failure among them ends it; all 4
+    successes, probability e^-4, go on): the same i.i.d. sequence read in chunks, so the same count, in
+    ~1 round instead of ~log n, each a loop of numpy calls. Large ones draw one trial per round (less work)."""
+    chunk = 4 if n <= 4096 else 1
     v = np.zeros(n, dtype=np.int64)
     idx = np.arange(n)
     while idx.size:
-        a = _bern_exp1_bulk(idx.size)
-        idx = idx[a]
-        v[idx] += 1
+        failed = ~_bern_exp1_bulk(idx.size * chunk).reshape(idx.size, chunk)
+        ended = failed.any(axis=1)
+        v[idx] += np.where(ended, failed.argmax(axis=1), chunk)
+        idx = idx[~ended]
     return v
+
+
+def _dlap_candidates(t: np.ndarray | int, s: np.ndarray | int, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """``m`` proposals of CKS Alg. 2 at scale t/s (scalars, or one per proposal): (accepted mask, value).
+
+    U uniform in [0, t) kept with probability exp(-U/t), V ~ Geometric(1 - e^-1), Y = ⌊(U + t·V)/s⌋, a
+    fair sign, and (−, 0) rejected: an accepted proposal is exactly discrete Laplace at t/s."""
+    u = _uniform_below(t, m)
+    ok = _bern_exp_frac_bulk(u, t)
+    v = np.zeros(m, dtype=np.int64)
+    v[ok] = _geometric_exp1_bulk(int(ok.sum()))
+    y = (u + t * v) // s  # t < 2^41 and v ≪ 2^20: no overflow
+    negative = _bits(m)
+    ok &= ~(negative & (y == 0))
+    return ok, np.where(negative, -y, y)
 
 
 def _dlap_bulk(t: int, s: int, size: int) -> np.ndarray:
@@ -190,16 +296,37 @@ def _dlap_bulk(t: int, s: int, size: int) -> np.ndarray:
     while filled < size:
         need = size - filled
         m = int(need * 2.2) + 32  # acceptance is ≥ ~0.45 for every scale
-        u = _uniform_below(t, m)
-        u = u[_bern_exp_frac_bulk(u, t)]
-        v = _geometric_exp1_bulk(u.size)
-        y = (u + t * v) // s
-        negative = _bits(u.size)
-        keep = ~(negative & (y == 0))
-        z = np.where(negative, -y, y)[keep]
+        ok, y = _dlap_candidates(t, s, m)
+        z = y[ok]
         take = min(z.size, need)
         out[filled : filled + take] = z[:take]
         filled += take
+    return out
+
+
+#: Proposals per pending sample and round of :func:`_dlap_mixed` (P(none accepted) ≤ 0.55^k): many for a
+#: few samples, whose cost is the rounds' fixed numpy overhead, fewer for many, whose cost is the work.
+_TRIES_FEW, _TRIES_MANY = 8, 3
+
+
+def _dlap_mixed(t: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """One exact discrete-Laplace draw at scale ``t[i]/s[i]`` for every i, vectorised over mixed scales.
+
+    Each pending sample gets several i.i.d. proposals at its own scale per round and takes the first
+    accepted one (rejection sampling: that one has exactly the target pmf; the others are discarded
+    unused); samples with none accepted try again in the next round."""
+    out = np.empty(t.size, dtype=np.int64)
+    pending = np.arange(t.size)
+    while pending.size:
+        tries = _TRIES_FEW if pending.size <= 512 else _TRIES_MANY
+        slot = np.repeat(pending, tries)  # sorted: a sample's proposals are adjacent, in order
+        ok, y = _dlap_candidates(t[slot], s[slot], slot.size)
+        slot, y = slot[ok], y[ok]
+        first = np.flatnonzero(np.concatenate(([True], slot[1:] != slot[:-1]))) if slot.size else slot
+        out[slot[first]] = y[first]
+        done = np.zeros(t.size, dtype=bool)
+        done[slot] = True
+        pending = pending[~done[pending]]
     return out
 
 
@@ -240,6 +367,34 @@ def discrete_laplace(scale: float, size: int) -> np.ndarray:
     if n <= BULK_THRESHOLD:
         return _POOL.take(("laplace", t, s), n, lambda m: _dlap_bulk(t, s, m))
     return _dlap_bulk(t, s, n)
+
+
+def discrete_laplace_many(scales: Sequence[float], sizes: Sequence[int]) -> list[np.ndarray]:
+    """``sizes[i]`` i.i.d. draws at ``scales[i]`` for each i, as :func:`discrete_laplace` draws them, all
+    independent: the cells of one release, several scales, served from the pool where it holds them and
+    the rest drawn in one vectorised pass (not one bulk draw per scale). Requests larger than
+    ``BULK_THRESHOLD`` are drawn on their own by the bulk sampler."""
+    if len(scales) != len(sizes):
+        raise ValueError("discrete_laplace_many needs one size per scale")
+    ns = [_check_size(n) for n in sizes]
+    rational = [laplace_rational_scale(float(scale)) for scale in scales]
+    keys: list[tuple[object, ...]] = [("laplace", t, s) for t, s in rational]  # (the pool's, as discrete_laplace's)
+    out: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * len(ns)
+    small = [i for i, n in enumerate(ns) if 0 < n <= BULK_THRESHOLD]
+    for i, n in enumerate(ns):
+        if n > BULK_THRESHOLD:
+            out[i] = _dlap_bulk(*rational[i], n)
+    drawn = _POOL.take_many([keys[i] for i in small], [ns[i] for i in small], _draw_mixed)
+    for i, part in zip(small, drawn, strict=True):
+        out[i] = part
+    return out
+
+
+def _draw_mixed(keys: list[tuple[object, ...]], sizes: list[int]) -> list[np.ndarray]:
+    """``sizes[i]`` draws of the discrete Laplace ``keys[i]`` (``("laplace", t, s)``) each, in one pass."""
+    t = np.repeat(np.array([k[1] for k in keys], dtype=np.int64), sizes)
+    s = np.repeat(np.array([k[2] for k in keys], dtype=np.int64), sizes)
+    return list(np.split(_dlap_mixed(t, s), np.cumsum(sizes)[:-1]))
 
 
 def discrete_gaussian(sigma: float, size: int) -> np.ndarray:

@@ -20,7 +20,7 @@ import numpy as np
 from dpsql.aggregates import Selection
 from dpsql.analyze.randomized import LocalQuery
 from dpsql.errors import FeatureNotSupported
-from dpsql.noise.mechanisms import half_width, release
+from dpsql.noise.mechanisms import NoiseSpec, half_width, release_many
 from dpsql.plan import Plan
 from dpsql.release.calibrate import Budgeting
 
@@ -78,7 +78,8 @@ def apply(
         rows, measured = public_key_rows(plan, rows, cache or ReleaseCache())
     if not rows and not plan.keys:
         rows = [tuple([0] * len(plan.measures))]
-    noisy: list[Any] = []
+    noisy: list[Any] = [None] * len(budgeting.specs)
+    additive: list[tuple[int, list[Any], NoiseSpec]] = []
     for i, spec in enumerate(budgeting.specs):
         if spec is None:
             selection = plan.measures[i].aggregate
@@ -86,10 +87,16 @@ def apply(
             level = budgeting.interval_level if budgeting.interval_level is not None else confidence
             histogram = (histograms or {}).get(i, [])
             cut = budgeting.interval_cut or 0.0
-            noisy.append(selection.select(plan, i, rows, histogram, budgeting.shares[i], level=level, cut=cut))
+            noisy[i] = selection.select(plan, i, rows, histogram, budgeting.shares[i], level=level, cut=cut)
             continue
         values = measured[i] if measured is not None else [0 if r[nkeys + i] is None else r[nkeys + i] for r in rows]
-        noisy.append(release(values, spec) if values else np.zeros(0))
+        if values:
+            additive.append((i, values, spec))
+        else:
+            noisy[i] = np.zeros(0)
+    # every additive measure's noise in one draw (independent draws, as many calls to release would give)
+    for (i, _, _), column in zip(additive, release_many([(v, spec) for _, v, spec in additive]), strict=True):
+        noisy[i] = column
     widths = widths_at(budgeting, confidence)
     columns = [values.tolist() if isinstance(values, np.ndarray) else values for values in noisy]
     if budgeting.threshold is not None and plan.selection_measure is not None:

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import Any
 
 from sqlglot import exp
@@ -44,7 +45,7 @@ from dpsql.aggregates import OUTPUTS
 from dpsql.aggregates.base import BiasRates
 from dpsql.analyze.expressions import clamp_sql
 from dpsql.errors import InvalidParameterValue
-from dpsql.noise.mechanisms import NoiseSpec, check_samplable, half_width, laplace_spec, release
+from dpsql.noise.mechanisms import NoiseSpec, check_samplable, half_width, laplace_spec, release_many
 from dpsql.plan import Plan
 from dpsql.release.apply import Released
 from dpsql.release.calibrate import published_cut
@@ -100,6 +101,22 @@ class BiasEstimate:
     #: measurement's width: run instead of the two (one scan of the rows, not two). None: run apart.
     folded: tuple[str, int] | None = None
 
+    def at(self, epsilon: float) -> BiasEstimate:
+        """This estimate for a query of ``epsilon``, at ``SHARE`` of it (a published figure alone spends none);
+        refused before any charge when no exact sampler can noise a total at that share."""
+        if not self.totals:
+            return self
+        made = replace(self, epsilon=epsilon * SHARE)
+        try:
+            for total in self.totals:
+                check_samplable(made.spec(total, 1))
+        except ValueError as exc:
+            raise InvalidParameterValue(  # (the calibration's own message: the query's ε is what is too small)
+                f"cannot calibrate noise for ε={epsilon:g}: the bias estimate's share (ε={epsilon * SHARE:g}): {exc}",
+                hint="Use a larger dpsql.epsilon, or SET dpsql.bias = off for the noise-only ±.",
+            ) from None
+        return made
+
     def sql_at(self, tau: int) -> str | None:
         """The totals' SQL at the cap used (None: nothing to estimate under DP, a published figure only)."""
         if not self.totals:
@@ -109,8 +126,8 @@ class BiasEstimate:
 
     def spec(self, total: Total, cells: int) -> NoiseSpec:
         """The noise of one total over ``cells`` groups: discrete Laplace at its weighted part of the ε."""
-        share = total.weight / sum(t.weight for t in self.totals)
-        return laplace_spec(total.sensitivity, self.epsilon * share, integer=False, cells=max(cells, 1))
+        share = total.weight / _weights(self.totals)  # (the same arithmetic as ever: the same ε, to the bit)
+        return _total_spec(total.sensitivity, self.epsilon * share, max(cells, 1))
 
     def release(self, rows: Sequence[Sequence[Any]], keys: Sequence[tuple[Any, ...]], level: float) -> BiasFigures:
         """The totals of the released groups ``keys`` (one empty key without GROUP BY) noised: together
@@ -119,11 +136,16 @@ class BiasEstimate:
         zeros = [0.0] * len(self.totals)
         cells = [tuple(key) for key in keys]
         noisy: dict[tuple[Any, ...], dict[str, float]] = {key: {} for key in cells}
-        for t, total in enumerate(self.totals):
-            exact = [float(found.get(key, zeros)[t] or 0.0) for key in cells]
-            values = list(release(exact, self.spec(total, len(cells)))) if cells else []
-            for key, value in zip(cells, values, strict=True):
-                noisy.setdefault(key, {})[total.name] = float(value)
+        if not cells:
+            return BiasFigures(self, noisy, level)
+        rows_of = [found.get(key, zeros) for key in cells]
+        exact = [[float(row[t] or 0.0) for row in rows_of] for t in range(len(self.totals))]
+        # every total's noise in one draw (independent draws, as one release per total would give)
+        specs = [self.spec(total, len(cells)) for total in self.totals]
+        released = release_many(list(zip(exact, specs, strict=True)))
+        for total, values in zip(self.totals, released, strict=True):
+            for key, value in zip(cells, values.tolist(), strict=True):
+                noisy[key][total.name] = float(value)
         return BiasFigures(self, noisy, level)
 
     def explain_text(self, epsilon: float) -> str:
@@ -135,6 +157,18 @@ class BiasEstimate:
         if self.published is not None:
             text += f", and the cap bias the curator published ({_percent(self.published)} of rows cut)"
         return text
+
+
+@lru_cache(maxsize=4096)
+def _total_spec(sensitivity: float, epsilon: float, cells: int) -> NoiseSpec:
+    """A total's discrete-Laplace spec (pure and public: cached, as the intervals ask for it per cell)."""
+    return laplace_spec(sensitivity, epsilon, integer=False, cells=cells)
+
+
+@lru_cache(maxsize=1024)
+def _weights(totals: tuple[Total, ...]) -> float:
+    """The totals' weights summed (the denominator of each one's part of the estimate's ε)."""
+    return sum(t.weight for t in totals)
 
 
 def _what(estimate: BiasEstimate) -> str:
@@ -153,22 +187,38 @@ class BiasFigures:
     estimate: BiasEstimate
     noisy: dict[tuple[Any, ...], dict[str, float]]
     level: float
+    #: What the methods below computed (the ± of every cell asks for the same few figures): post-processing
+    #: of the figures above, never compared nor stored.
+    memo: dict[tuple[str, str], Any] = field(default_factory=dict, compare=False, repr=False)
 
     def _width(self, name: str) -> float:
         """One group's half-width for total ``name``."""
-        total = next(t for t in self.estimate.totals if t.name == name)
-        return half_width(self.estimate.spec(total, len(self.noisy)), self.level)
+        key = ("width", name)
+        if key not in self.memo:
+            total = next(t for t in self.estimate.totals if t.name == name)
+            self.memo[key] = half_width(self.estimate.spec(total, len(self.noisy)), self.level)
+        width: float = self.memo[key]
+        return width
 
     def total(self, name: str) -> tuple[float, float]:
         """The total over the released groups and its half-width (√G·h: G independent noises)."""
-        return sum(v[name] for v in self.noisy.values()), math.sqrt(max(len(self.noisy), 1)) * self._width(name)
+        key = ("total", name)
+        if key not in self.memo:
+            root = math.sqrt(max(len(self.noisy), 1))
+            self.memo[key] = (sum(v[name] for v in self.noisy.values()), root * self._width(name))
+        total: tuple[float, float] = self.memo[key]
+        return total
 
     def detected(self, name: str) -> bool:
         """Whether the total over the released groups is above 0 at the level, one-sided (its two-sided
         half-width at 2·level − 1): what a query that cuts nothing passes with probability ≤ 1 − level."""
-        total = next(t for t in self.estimate.totals if t.name == name)
-        width = half_width(self.estimate.spec(total, len(self.noisy)), max(2 * self.level - 1, 0.5))
-        return self.total(name)[0] > math.sqrt(max(len(self.noisy), 1)) * width
+        key = ("detected", name)
+        if key not in self.memo:
+            total = next(t for t in self.estimate.totals if t.name == name)
+            width = half_width(self.estimate.spec(total, len(self.noisy)), max(2 * self.level - 1, 0.5))
+            self.memo[key] = self.total(name)[0] > math.sqrt(max(len(self.noisy), 1)) * width
+        detected: bool = self.memo[key]
+        return detected
 
     def _kept(self, key: tuple[Any, ...] | None) -> float:
         return max(1.0, self.total("kept")[0] if key is None else self.noisy[key]["kept"])
@@ -301,6 +351,19 @@ def estimate(
 
     ``measurement`` (the rewritten query, when its backend takes a folded statement): at the plan's cap
     alone, the totals are folded into it (:func:`folded_query`) when it is shaped for that."""
+    shaped = shape(plan, cuts, candidates, render, measurement)
+    return None if shaped is None else shaped.at(epsilon)
+
+
+def shape(
+    plan: Plan,
+    cuts: bool,
+    candidates: Sequence[int],
+    render: Callable[[exp.Expression], str],
+    measurement: exp.Select | None = None,
+) -> BiasEstimate | None:
+    """:func:`estimate` before its ε is known (0 until :meth:`BiasEstimate.at`): what it measures and its SQL,
+    which no privacy setting changes, built once per prepared statement shape (the engine keeps it)."""
     clamped = clamped_measures(plan)
     cuts = cuts and plan.unit is not None  # (each row is one person: no cap cuts a row, values are still clamped)
     if (not cuts and not clamped) or not any(not m.selected for m in plan.measures):
@@ -324,16 +387,7 @@ def estimate(
         query = folded_query(plan, measurement, plan.max_rows, clamped, cuts)
         folded = None if query is None else (render(query), len(measurement.expressions))
     sql = () if folded else tuple((c, render(totals_query(plan, c, clamped, cuts))) for c in candidates)
-    made = BiasEstimate(epsilon * SHARE, sql, tuple(totals), cuts, clamped, unit, len(plan.keys), published, folded)
-    try:  # before any charge: a total no exact sampler can noise is refused here, not after the reservation
-        for total in totals:
-            check_samplable(made.spec(total, 1))
-    except ValueError as exc:
-        raise InvalidParameterValue(  # (the calibration's own message: the query's ε is what is too small)
-            f"cannot calibrate noise for ε={epsilon:g}: the bias estimate's share (ε={epsilon * SHARE:g}): {exc}",
-            hint="Use a larger dpsql.epsilon, or SET dpsql.bias = off for the noise-only ±.",
-        ) from None
-    return made
+    return BiasEstimate(0.0, sql, tuple(totals), cuts, clamped, unit, len(plan.keys), published, folded)
 
 
 def _ceiling(lower: float, upper: float) -> float:
