@@ -11,17 +11,15 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 
 import pytest
 
 from dpsql.backends import Backend, open_backend
 from dpsql.engine import Engine
 from dpsql.ledger import Ledger
-from dpsql.plan import Physical
 from dpsql.policy import parse_policy
 from dpsql.session import Session
-from tests.dp_check import assert_counts_epsilon_dp
+from tests.dp_check import assert_counts_epsilon_dp, sampled_interval_ends
 
 POLICY = """
 dataset: cut
@@ -83,46 +81,11 @@ def test_answered_alike_on_every_neighbour(neighbours: dict[tuple[str, str], Bac
     assert len(shapes) == 1, shapes
 
 
-#: Sampled ends per release input (see :func:`_sampled_ends`): the absent neighbour is shared by both variants,
-#: and a backend whose input equals another's reuses that backend's samples (the same distribution).
-_SAMPLED: dict[str, tuple[Counter[float], Counter[float]]] = {}
-
-
-def _typed(rows: list[tuple[object, ...]]) -> list[tuple[tuple[str, str], ...]]:
-    return [tuple((type(v).__name__, repr(v)) for v in row) for row in rows]
-
-
 def _sampled_ends(backend: Backend, n: int, epsilon: float) -> tuple[Counter[float], Counter[float]]:
-    """``n`` lower and upper ends of median(x)'s interval released from this neighbour's measurement.
-
-    The release is a function of the plan (less its :class:`~dpsql.plan.Physical` choices, which shape the
-    SQL only), the budgeting, the measured rows and the histograms' cell counts: equal inputs give equally
-    distributed ends, so they are sampled once, keyed by those inputs with their Python types (a backend
-    that returns ``Decimal`` where another returns ``int`` is sampled on its own). The check keeps its full
-    n and power on every (neighbour, backend) pair; it draws 3 samples of n instead of 8 when both backends
-    count alike (as they do here)."""
-    policy = parse_policy(POLICY)
-    engine = Engine(policy, backend, Ledger.open("sqlite:///:memory:"))
+    engine = Engine(parse_policy(POLICY), backend, Ledger.open("sqlite:///:memory:"))
     prepared = engine.prepare(SQL, Session("alice", epsilon=3 * epsilon))
     assert prepared.budgeting.shares == [epsilon] * 3 and prepared.budgeting.interval_cut == 0.2
-    rows = engine.step.query(prepared.sql)
-    histograms = {i: engine.step.query(q) for i, q in prepared.histograms}
-    key = repr(
-        (
-            n,
-            replace(prepared.plan, physical=Physical()),  # the backend's SQL choices: never what is released
-            prepared.budgeting,
-            _typed(rows),
-            {i: sorted(_typed(h)) for i, h in histograms.items()},  # the release counts cells, in any order
-        )
-    )
-    if key not in _SAMPLED:
-        ends = [engine.step.release_rows(prepared, rows, 0.95, histograms).intervals[0][0] for _ in range(n)]
-        _SAMPLED[key] = (
-            Counter(e[0] for e in ends if e is not None),
-            Counter(e[1] for e in ends if e is not None),
-        )
-    return _SAMPLED[key]
+    return sampled_interval_ends(engine, prepared, n)
 
 
 @pytest.mark.parametrize("kind", ["duckdb", "postgres"])
@@ -131,7 +94,8 @@ def test_cut_ends_are_epsilon_dp_on_neighbours(
     neighbours: dict[tuple[str, str], Backend], kind: str, variant: str
 ) -> None:
     """Every possible lower and upper end of median(x)'s interval at ε = 1 each: P₁ ≤ e^ε·P₂ both ways
-    (Clopper–Pearson, Bonferroni over outcomes and directions), n = 2,000 releases per neighbour."""
+    (Clopper–Pearson, Bonferroni over outcomes and directions), n = 2,000 releases per neighbour (drawn
+    once per distinct release input: :func:`tests.dp_check.sampled_interval_ends`)."""
     n, epsilon = 2000, 1.0
     absent = _sampled_ends(neighbours[("absent", kind)], n, epsilon)
     present = _sampled_ends(neighbours[(variant, kind)], n, epsilon)
