@@ -19,7 +19,7 @@ from dpsql.engine import Engine
 from dpsql.ledger import Ledger
 from dpsql.policy import parse_policy
 from dpsql.session import Session
-from tests.dp_check import assert_counts_epsilon_dp
+from tests.dp_check import assert_counts_epsilon_dp, sampled_interval_ends
 
 POLICY = """
 dataset: cut
@@ -81,26 +81,24 @@ def test_answered_alike_on_every_neighbour(neighbours: dict[tuple[str, str], Bac
     assert len(shapes) == 1, shapes
 
 
+def _sampled_ends(backend: Backend, n: int, epsilon: float) -> tuple[Counter[float], Counter[float]]:
+    engine = Engine(parse_policy(POLICY), backend, Ledger.open("sqlite:///:memory:"))
+    prepared = engine.prepare(SQL, Session("alice", epsilon=3 * epsilon))
+    assert prepared.budgeting.shares == [epsilon] * 3 and prepared.budgeting.interval_cut == 0.2
+    return sampled_interval_ends(engine, prepared, n)
+
+
 @pytest.mark.parametrize("kind", ["duckdb", "postgres"])
 @pytest.mark.parametrize("variant", ["ordinary", "out-of-bounds"])
 def test_cut_ends_are_epsilon_dp_on_neighbours(
     neighbours: dict[tuple[str, str], Backend], kind: str, variant: str
 ) -> None:
     """Every possible lower and upper end of median(x)'s interval at ε = 1 each: P₁ ≤ e^ε·P₂ both ways
-    (Clopper–Pearson, Bonferroni over outcomes and directions)."""
-    policy = parse_policy(POLICY)
+    (Clopper–Pearson, Bonferroni over outcomes and directions), n = 2,000 releases per neighbour (drawn
+    once per distinct release input: :func:`tests.dp_check.sampled_interval_ends`)."""
     n, epsilon = 2000, 1.0
-    lows: list[Counter[float]] = []
-    highs: list[Counter[float]] = []
-    for name in ("absent", variant):
-        engine = Engine(policy, neighbours[(name, kind)], Ledger.open("sqlite:///:memory:"))
-        prepared = engine.prepare(SQL, Session("alice", epsilon=3 * epsilon))
-        assert prepared.budgeting.shares == [epsilon] * 3 and prepared.budgeting.interval_cut == 0.2
-        rows = engine.step.query(prepared.sql)
-        histograms = {i: engine.step.query(q) for i, q in prepared.histograms}
-        ends = [engine.step.release_rows(prepared, rows, 0.95, histograms).intervals[0][0] for _ in range(n)]
-        lows.append(Counter(e[0] for e in ends if e is not None))
-        highs.append(Counter(e[1] for e in ends if e is not None))
-    for samples in (lows, highs):
-        outcomes = assert_counts_epsilon_dp(samples[0], samples[1], n, epsilon, (kind, variant))
-        assert len(outcomes) > 2, samples  # the ends vary: the check is not vacuous
+    absent = _sampled_ends(neighbours[("absent", kind)], n, epsilon)
+    present = _sampled_ends(neighbours[(variant, kind)], n, epsilon)
+    for i in (0, 1):  # lower ends, then upper ends
+        outcomes = assert_counts_epsilon_dp(absent[i], present[i], n, epsilon, (kind, variant))
+        assert len(outcomes) > 2, (absent[i], present[i])  # the ends vary: the check is not vacuous

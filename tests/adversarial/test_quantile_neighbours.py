@@ -10,7 +10,6 @@ type, range or missing interval that says whether the person is there. Each end 
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -22,7 +21,7 @@ from dpsql.ledger import Ledger
 from dpsql.policy import Policy, parse_policy
 from dpsql.rewrite import histogram_query
 from dpsql.session import Session
-from tests.dp_check import assert_counts_epsilon_dp
+from tests.dp_check import assert_counts_epsilon_dp, sampled_interval_ends
 
 POLICY = """
 dataset: neighbours
@@ -131,17 +130,12 @@ def test_interval_ends_are_epsilon_dp_on_neighbours(
     from the neighbours' histograms as each backend counts them."""
     policy = parse_policy(POLICY)
     n, epsilon = 3000, 1.0
-    lows: list[Counter[float]] = []
-    highs: list[Counter[float]] = []
-    for name in ("absent", variant):
+    samples = []
+    for name in ("absent", variant):  # drawn once per distinct release input (the absent person's are shared)
         engine = Engine(policy, neighbours[(name, kind)], Ledger.open("sqlite:///:memory:"))
         prepared = engine.prepare(INTERVAL_SQL, Session("alice", epsilon=3 * epsilon))
         assert prepared.budgeting.shares == [epsilon] * 3
-        rows = engine.step.query(prepared.sql)
-        histograms = {i: engine.step.query(q) for i, q in prepared.histograms}
-        ends = [engine.step.release_rows(prepared, rows, 0.95, histograms).intervals[0][0] for _ in range(n)]
-        lows.append(Counter(e[0] for e in ends if e is not None))
-        highs.append(Counter(e[1] for e in ends if e is not None))
-    for samples in (lows, highs):
-        outcomes = assert_counts_epsilon_dp(samples[0], samples[1], n, epsilon, (kind, variant))
+        samples.append(sampled_interval_ends(engine, prepared, n))
+    for i in (0, 1):  # lower ends, then upper ends
+        outcomes = assert_counts_epsilon_dp(samples[0][i], samples[1][i], n, epsilon, (kind, variant))
         assert len(outcomes) > 2, samples  # the ends vary: the check is not vacuous
