@@ -53,7 +53,7 @@ def duckdb_backend() -> Iterator[tuple[Backend, dict[str, Any]]]:
 
 @contextmanager
 def postgres_backend() -> Iterator[tuple[Backend, dict[str, Any]]]:
-    from dpsql.dev.local_postgres import start_local_postgres
+    from dpsql.backends.local_postgres import start_local_postgres
 
     pg = start_local_postgres()
     backend = open_backend(pg.dsn)

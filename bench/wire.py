@@ -346,7 +346,7 @@ def _run(quick: bool, log: Any) -> Section:
     from common import ANALYST, Section, make_table
 
     from dpsql.backends import open_backend
-    from dpsql.dev.local_postgres import start_local_postgres
+    from dpsql.backends.local_postgres import start_local_postgres
 
     duration = 2.0 if quick else 5.0
     cached_at = (8,) if quick else CLIENTS

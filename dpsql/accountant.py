@@ -70,7 +70,7 @@ class Cost:
     selection event and counts as ρ = ε²/2.
 
     ``mechanism`` optionally names the one mechanism the release is, for privacy-loss-distribution
-    accounting (:data:`dpsql.pld.MECHANISMS` lists the names and what each claims); ``None``, the
+    accounting (:data:`dpsql.pld.PLD_MECHANISMS` lists the names and what each claims); ``None``, the
     default and what ``+`` returns (a composition is no single mechanism), claims nothing beyond
     (ε, δ) and gets the worst-case PLD. The ledger does not record it.
     """

@@ -69,7 +69,7 @@ def _curator() -> Register:
 
 
 def _synopsis() -> Register:
-    from dpsql.curator import synopsis
+    from dpsql.curator import synopsis_cli as synopsis
 
     return synopsis.register  # synopsis build|refresh|list
 

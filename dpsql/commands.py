@@ -28,7 +28,7 @@ from dpsql.dev.demo import DEMO_TABLES, demo_identity, demo_policy_path, load_de
 from dpsql.engine import Engine
 from dpsql.ledger import Ledger, default_ledger
 from dpsql.policy import load_policy
-from dpsql.session import MECHANISMS, Result, Session, ci_label
+from dpsql.session import MECHANISM_NAMES, Result, Session, ci_label
 
 DEMO_DATABASE = "demo"
 
@@ -120,7 +120,7 @@ def add_common(parser: argparse.ArgumentParser, *, analyst: bool = True) -> None
         parser.add_argument("--analyst", "-U", default=os.environ.get("DPSQL_ANALYST", "analyst"))
         parser.add_argument("--epsilon", type=float, help="ε for this query (default: the policy's)")
         parser.add_argument("--delta", type=float)
-        parser.add_argument("--mechanism", choices=MECHANISMS)
+        parser.add_argument("--mechanism", choices=MECHANISM_NAMES)
         parser.add_argument(
             "--confidence", type=float, help="confidence of the reported intervals (default: the policy's)"
         )

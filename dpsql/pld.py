@@ -26,7 +26,7 @@ DISCRETIZATION = 1e-4
 #: discrete Laplace on a count (sensitivity one grid step) has exactly the worst-case ε-DP PLD
 #: (loss ±ε), i.e. ``None``; its discrete Gaussian at sensitivity 1 is ``"discrete_gaussian"``
 #: (measured: ε at δ = 10⁻⁶ about 1 % *above* the continuous Gaussian's at σ = 2 and 5).
-MECHANISMS: dict[str, str] = {
+PLD_MECHANISMS: dict[str, str] = {
     "continuous_laplace": "one release of a scalar plus continuous Laplace noise of scale Δ/ε (rho == 0, "
     "no δ but partition selection's)",
     "continuous_gaussian": "one release of a vector plus continuous Gaussian noise of σ/Δ₂ = 1/√(2ρ) (rho > 0)",
@@ -82,7 +82,7 @@ def check_pld_budget(
     (53P01, :func:`dpsql.accountant.check_budget`'s message shape) unless the ``previous`` charges
     and ``cost`` composed by PLD stay within ``budget``; return the composed ε they reach.
 
-    Every cost is composed untagged (:data:`MECHANISMS`' tags are dropped): the generic PLD of its
+    Every cost is composed untagged (:data:`PLD_MECHANISMS`' tags are dropped): the generic PLD of its
     (ε, δ) dominates whatever mechanism produced it. Refused when the selection δs add up beyond
     the δ budget (they are no PLD quantity, see the module docstring) or when the composed ε at the
     budget's δ exceeds its ε (with the accountant's relative slack). Pure function of budget figures
@@ -141,8 +141,8 @@ def _key(cost: Cost) -> tuple[str, float, float]:
     """What a cost's PLD depends on: its mechanism and its parameters (ε and δ − δ_sel, ε, or ρ)."""
     if cost.mechanism is None:
         return ("generic", cost.epsilon, cost.delta - cost.selection_delta)
-    if cost.mechanism not in MECHANISMS:
-        raise ValueError(f"unknown PLD mechanism {cost.mechanism!r}; known: {', '.join(MECHANISMS)}")
+    if cost.mechanism not in PLD_MECHANISMS:
+        raise ValueError(f"unknown PLD mechanism {cost.mechanism!r}; known: {', '.join(PLD_MECHANISMS)}")
     if cost.mechanism == "continuous_laplace":
         if cost.rho != 0 or cost.delta != cost.selection_delta:
             raise ValueError("a continuous_laplace cost is pure ε-DP: rho must be 0 and its δ selection δ only")

@@ -18,7 +18,7 @@ from dpsql.noise.names import Mechanism, mechanism_names
 from dpsql.pgtypes import PG_TYPE_OIDS, PgType, parse_bool
 
 #: The registered noise mechanisms' names (one registry: :data:`dpsql.noise.mechanisms.MECHANISMS`).
-MECHANISMS: tuple[str, ...] = mechanism_names()
+MECHANISM_NAMES: tuple[str, ...] = mechanism_names()
 
 #: ε accepted by SET dpsql.epsilon: below, no noise could be calibrated; above, no privacy is left.
 MIN_EPSILON, MAX_EPSILON = 1e-6, 1e6
@@ -92,7 +92,7 @@ def _alternatives(names: tuple[str, ...]) -> str:
 
 def _mechanism(value: str) -> Mechanism:
     name = value.strip().lower()
-    if name not in MECHANISMS:
+    if name not in MECHANISM_NAMES:
         raise ValueError(value)
     return cast(Mechanism, name)
 
@@ -120,7 +120,7 @@ DPSQL_SETTINGS: dict[str, SettingSpec] = {
     "dpsql.accuracy": SettingSpec(
         _accuracy, "dpsql.accuracy is a positive half-width in the measure's units, e.g. '±10' (or DEFAULT: none)."
     ),
-    "dpsql.mechanism": SettingSpec(_mechanism, f"dpsql.mechanism is {_alternatives(MECHANISMS)}."),
+    "dpsql.mechanism": SettingSpec(_mechanism, f"dpsql.mechanism is {_alternatives(MECHANISM_NAMES)}."),
     # rows one person adds to a query after its joins (the policy's caps by default; any cap is private:
     # the noise follows it, rows beyond it are left out); auto: chosen under DP at a share of the ε
     "dpsql.max_rows_per_unit": SettingSpec(

@@ -483,7 +483,7 @@ def reserve_charge(
     """Charge ``cost`` to ``who`` and the policy's dataset, durably, before anything is measured: the only
     call of :meth:`dpsql.ledger.Ledger.reserve` outside the ledger (``scripts/check_layers.py`` checks it).
     Every release reserves here, whoever measures: :meth:`Step.reserve` (queries), a synopsis build
-    (:mod:`dpsql.curator.synopsis`, with its generation's ``claim``) and the curator's DP bounds
+    (:mod:`dpsql.curator.synopsis_cli`, with its generation's ``claim``) and the curator's DP bounds
     (:mod:`dpsql.curator.dp_bounds`). Under a server job the reservation is gated
     (:func:`dpsql.ledger.audit.gated`: refused once the client stopped waiting, else recorded before the
     client is told), and the charge is noted on the statement being recorded (its audit row).

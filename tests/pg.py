@@ -3,7 +3,7 @@
 ``pg_dsn`` is resolved in this order: env ``DPSQL_TEST_PG_DSN`` (a ``postgresql://`` URL; when
 set it is the only candidate), a testcontainers ``PostgresContainer`` when a Docker engine
 answers within 2 s, then a throwaway local cluster from
-:func:`dpsql.dev.local_postgres.start_local_postgres`. When none works the PostgreSQL tests are
+:func:`dpsql.backends.local_postgres.start_local_postgres`. When none works the PostgreSQL tests are
 skipped locally, but under ``CI`` they *fail*: CI must never go green without having run them.
 Tests using these fixtures get the ``postgres`` marker.
 """
@@ -179,7 +179,7 @@ def _container() -> Iterator[str]:
 
 @contextlib.contextmanager
 def _local() -> Iterator[str]:
-    from dpsql.dev.local_postgres import start_local_postgres
+    from dpsql.backends.local_postgres import start_local_postgres
 
     with start_local_postgres() as pg:
         yield pg.dsn

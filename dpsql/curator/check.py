@@ -38,7 +38,7 @@ from dpsql.synopsis.widths import WARN_RATIO, chart_widths
 from . import introspect
 from .findings import Finding, count_table
 from .report import summary_findings, table_report
-from .synopsis import check_plan, cube_cells, marginal_sql, noise_warning
+from .synopsis_cli import check_plan, cube_cells, marginal_sql, noise_warning
 from .unit_check import reference_findings, unit_findings
 
 #: A privacy unit with fewer distinct values than this is an error (it is surely the wrong column) …

@@ -2,7 +2,7 @@
 and ``dpsql ledger verify``.
 
 They read and append to the ledger only, never the data. The levers' checks are
-:func:`dpsql.curator.levers.apply_lever` (shared with the dashboard); the only deletion, ``audit
+:func:`dpsql.curator.lever_checks.apply_lever` (shared with the dashboard); the only deletion, ``audit
 prune``, removes free refusals and cache hits only, after recording itself.
 """
 
@@ -21,7 +21,7 @@ from dpsql.ledger import Ledger, dataset_charge, default_ledger
 from dpsql.ledger.audit_report import TABLE_COLUMNS, as_csv, as_json, as_table_rows, audit_rows, parse_since, printable
 from dpsql.policy import Policy, load_policy
 
-from .levers import apply_lever
+from .lever_checks import apply_lever
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -3,7 +3,7 @@ time, the audit trail and the policy. The HTTP side (sessions, CSRF, the page fr
 :mod:`dpsql.dashboard.server`; every value shown is escaped (:func:`dpsql.dashboard.views.esc`).
 
 They read the policy and the ledger only, never the data; the one write is a curator's lever,
-through the same checks as ``dpsql budget`` (:func:`dpsql.curator.levers.apply_lever`).
+through the same checks as ``dpsql budget`` (:func:`dpsql.curator.lever_checks.apply_lever`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from dpsql.curator.levers import apply_lever
+from dpsql.curator.lever_checks import apply_lever
 from dpsql.errors import InvalidParameterValue
 from dpsql.ledger import Ledger
 from dpsql.policy import Policy
@@ -80,7 +80,7 @@ def analysts(policy: Policy, ledger: Ledger, csrf: str) -> tuple[str, str]:
 
 
 def apply_lever_form(ledger: Ledger, policy: Policy, by: str, lock: threading.Lock, form: dict[str, str]) -> str:
-    """Apply the form's lever (the checks of :func:`dpsql.curator.levers.apply_lever`, under ``lock``):
+    """Apply the form's lever (the checks of :func:`dpsql.curator.lever_checks.apply_lever`, under ``lock``):
     the confirmation shown; an invalid lever raises its :class:`~dpsql.errors.Error`."""
     lever = form.get("lever", "")
     analyst = form.get("analyst", "")

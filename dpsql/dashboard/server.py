@@ -22,7 +22,7 @@ Security posture (an analyst may reach the port; only the curator has the passwo
   a new connection evicts the one that has been sending its request the longest (a trickler), so
   32 trickling sockets delay the curator by a moment, not for minutes.
 * It opens the ledger, never the data. It writes only the curator's levers (the same append-only
-  rows as ``dpsql budget grant|freeze|unfreeze``, through :func:`dpsql.curator.levers.apply_lever`).
+  rows as ``dpsql budget grant|freeze|unfreeze``, through :func:`dpsql.curator.lever_checks.apply_lever`).
 * Request lines are logged without their query string; no cookie, token or password is logged.
 """
 

@@ -223,7 +223,7 @@ class Ledger(CuratorLevers):
 
         ``claim`` (key, value): a row of the meta table written in the charge's transaction, first: when
         the key is already there, nothing is charged and :class:`Claimed` is raised — what makes one
-        synopsis release charged exactly once however many builds race (:mod:`dpsql.curator.synopsis`).
+        synopsis release charged exactly once however many builds race (:mod:`dpsql.curator.synopsis_cli`).
 
         Raises :class:`PrivacyBudgetExhausted` (nothing recorded) or
         :class:`LedgerUnavailable` (nothing may be released). Under ``pld`` the check composes every

@@ -17,7 +17,7 @@ from sqlglot import exp
 
 from dpsql.analyze.parse import too_complex
 from dpsql.analyze.statement import Failed, Kind, Statement
-from dpsql.dev.local_postgres import local_server_version, start_local_postgres
+from dpsql.backends.local_postgres import local_server_version, start_local_postgres
 from dpsql.errors import CannotConnectNow, CatalogUnavailable, Error, FeatureNotSupported, StatementTooComplex
 from dpsql.policy import Policy
 from dpsql.sqltext import first_word, identifiers
@@ -175,7 +175,7 @@ class CatalogShadow:
 
     @property
     def local(self) -> Any:
-        """The running :class:`~dpsql.dev.local_postgres.LocalPostgres`, if dpsql started it (tests, operators)."""
+        """The running :class:`~dpsql.backends.local_postgres.LocalPostgres`, if dpsql started it (tests, operators)."""
         return self._local
 
     def start(self, background: bool = False) -> None:

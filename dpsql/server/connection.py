@@ -43,7 +43,6 @@ from dpsql.sqltext import after_keyword, split_statements, strip_comments
 from . import protocol as pq
 from .answers import Action, AnswerContext, SessionCommand, Settings, evaluate_select, parse_session_command
 from .catalog import refuse_mixed, route_of, route_of_refused, route_of_statement
-from .commands import SessionCommands, TxStatus
 from .extended import ExtendedProtocol, PlannedStatement, Portal, expand_formats
 from .frontdoor import Pending
 from .memory import release_to_os, rows_size
@@ -51,6 +50,7 @@ from .protocol import Diagnostic, FieldDescription, WireViolation
 from .replies import Replies
 from .results import Outcome, engine_fields, engine_rows, noisy_flags, result_notices
 from .runner import WorkRunner
+from .session_commands import SessionCommands, TxStatus
 from .startup import startup
 from .types import decode_param, type_size
 

@@ -31,10 +31,10 @@ from dpsql.sqltext import after_keyword
 from . import protocol as pq
 from .answers import SessionCommand
 from .catalog import Route, refuse_mixed
-from .commands import SessionCommands
 from .memory import HeldStore, params_size, statement_size
 from .protocol import FieldDescription, WireViolation
 from .results import Outcome, engine_fields, noisy_flags
+from .session_commands import SessionCommands
 from .types import oid_for, type_size
 
 if TYPE_CHECKING:

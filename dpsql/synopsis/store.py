@@ -127,7 +127,7 @@ class Released:
     #: The registered noise mechanism that drew its noise, by name (its intervals ask it: ``sum_quantile``).
     mechanism: str
     #: Which release of the synopsis this is (1, 2, …; 0 before generations were numbered) and the ledger
-    #: fingerprint of the charge that paid for it (:mod:`dpsql.curator.synopsis`).
+    #: fingerprint of the charge that paid for it (:mod:`dpsql.curator.synopsis_cli`).
     generation: int = 0
     charge: str = ""
     _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)

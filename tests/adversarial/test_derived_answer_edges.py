@@ -22,7 +22,7 @@ import pytest
 
 from dpsql.backends import Backend, open_backend
 from dpsql.cache import ResultCache
-from dpsql.curator.synopsis import build
+from dpsql.curator.synopsis_cli import build
 from dpsql.dev.demo import demo_policy_path, load_demo
 from dpsql.engine import Engine
 from dpsql.errors import Error

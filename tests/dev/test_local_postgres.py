@@ -14,7 +14,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from dpsql.dev.local_postgres import LocalPostgresError, embedded_bindir, find_pg_bindir, start_local_postgres
+from dpsql.backends.local_postgres import LocalPostgresError, embedded_bindir, find_pg_bindir, start_local_postgres
 
 pytestmark = pytest.mark.postgres  # starts a local PostgreSQL (shadow catalog or cluster)
 
@@ -120,7 +120,7 @@ def _tcp_ports_of(pid: int) -> list[str]:
 
 _OWNER = """
 import sys, time
-from dpsql.dev.local_postgres import start_local_postgres
+from dpsql.backends.local_postgres import start_local_postgres
 
 pg = start_local_postgres()
 print(pg.datadir, pg.process.pid, flush=True)

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
+from dpsql.backends.local_postgres import LocalPostgresError, local_server_version
 from dpsql.dev.demo import demo_policy_path
-from dpsql.dev.local_postgres import LocalPostgresError, local_server_version
 from dpsql.errors import CatalogUnavailable
 from dpsql.policy import load_policy
 from dpsql.server import catalog

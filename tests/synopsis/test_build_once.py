@@ -19,7 +19,7 @@ import pytest
 from dpsql.accountant import Cost
 from dpsql.backends import Backend, open_backend
 from dpsql.cache import ResultCache
-from dpsql.curator.synopsis import Built, _fingerprint, claim_key, ledger_identity, release
+from dpsql.curator.synopsis_cli import Built, _fingerprint, claim_key, ledger_identity, release
 from dpsql.dev.demo import demo_identity, demo_policy_path, load_demo
 from dpsql.engine import Engine
 from dpsql.ledger import Ledger

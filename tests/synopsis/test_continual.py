@@ -10,7 +10,7 @@ import pytest
 
 from dpsql.backends import Backend
 from dpsql.cache import ResultCache
-from dpsql.curator.synopsis import ledger_identity, release
+from dpsql.curator.synopsis_cli import ledger_identity, release
 from dpsql.dev.demo import demo_policy_path
 from dpsql.engine import Engine
 from dpsql.errors import InvalidParameterValue

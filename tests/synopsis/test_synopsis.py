@@ -13,7 +13,7 @@ import pytest
 
 from dpsql.backends import Backend
 from dpsql.cache import ResultCache
-from dpsql.curator.synopsis import build, ledger_identity
+from dpsql.curator.synopsis_cli import build, ledger_identity
 from dpsql.dev.demo import demo_policy_path
 from dpsql.engine import Engine
 from dpsql.errors import Error, InvalidParameterValue

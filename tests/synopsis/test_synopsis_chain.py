@@ -11,7 +11,7 @@ import pytest
 from dpsql.backends import Backend
 from dpsql.cache import ResultCache
 from dpsql.curator.check import check_text
-from dpsql.curator.synopsis import build
+from dpsql.curator.synopsis_cli import build
 from dpsql.engine import Engine
 from dpsql.ledger import Ledger
 from dpsql.policy import parse_policy

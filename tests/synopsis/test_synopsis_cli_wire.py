@@ -11,7 +11,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from dpsql.curator.synopsis import build
+from dpsql.curator.synopsis_cli import build
 from dpsql.dev.demo import demo_policy_path, load_demo
 from dpsql.engine import Engine
 from dpsql.policy import Analyst, Auth, load_policy

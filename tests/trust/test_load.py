@@ -25,7 +25,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from dpsql.dev.local_postgres import LocalPostgres, LocalPostgresError, start_local_postgres
+from dpsql.backends.local_postgres import LocalPostgres, LocalPostgresError, start_local_postgres
 from tests.trust.serverproc import DPSQL, ROOT, ServerProcess, start_server, write_policy
 
 POOL_SIZE = 8  # PostgresBackend's default pool

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.postgres
 
 @pytest.fixture(scope="module")
 def clusters() -> Iterator[tuple[object, object]]:
-    from dpsql.dev.local_postgres import start_local_postgres
+    from dpsql.backends.local_postgres import start_local_postgres
 
     with contextlib.ExitStack() as stack:
         try:
