@@ -1,52 +1,6 @@
 """The DP step: look up → reserve → measure → store → notice, written once for every release.
 
-:meth:`dpsql.engine.Engine.execute` answers a query alone with :meth:`Step.answer`; a composite
-statement (:mod:`dpsql.outer`: post-processing over DP sub-queries, the series limit) runs the same
-parts over several DP queries: :meth:`Step.lookup` each, :meth:`Step.total` (the accountant's
-composition), one :meth:`Step.reserved`, :meth:`Step.release` each, :meth:`Step.notice`. The
-order is the privacy argument:
-
-1. validation and pricing come first (:meth:`Engine.prepare`, the confidence level): a refusal
-   depends on the SQL, the settings and the policy only, and is free;
-2. the result cache is looked up. An answer already released (alone or inside any composite, at this
-   confidence level, on this database and data) is public: served again, never charged or noised
-   again, so averaging fresh noise over repeats is impossible. Whether an entry exists depends on
-   what was released before, never on the data;
-3. the cost is reserved durably in the ledger before the backend runs; the costs of several parts
-   are composed by the accountant (:meth:`dpsql.accountant.Cost.total`), nowhere else;
-4. raw measures never leave :func:`dpsql.release.apply.apply` un-noised, and what follows is
-   post-processing. A failure after the reservation is charged, never refunded
-   (:func:`dpsql.errors.charged_on_failure`): whether it fails may depend on the data or the noise;
-5. the release is stored under the key an ordinary query of the same text gets
-   (:meth:`Step.result_key`). A composite stores each *inner* query's release, not its own answer:
-   the outer statement is post-processing, free to recompute, so two dashboards wrapping one
-   aggregate differently share one release;
-6. the notices are typed values (:class:`Notice`), rendered at the edges (server, DB-API, CLI).
-
-Measurement reuse. Besides the answer, every release stores its *measurements*: the released keys and
-noisy measures after noise and partition selection (:func:`dpsql.release.apply.apply`), before the
-output post-processing (output expressions, HAVING, DISTINCT, ORDER BY, LIMIT/OFFSET, aliases), keyed
-by :func:`dpsql.cache.measurement_key` on this database, data stamp and policy
-(:func:`dpsql.cache.stored_measurement_key`). A later query whose measurement key matches (the same
-``GROUP BY`` asked with another LIMIT, other aliases, without ORDER BY, with a HAVING on the count, at
-another confidence level) is answered by finishing the stored measurements again, free: no reservation,
-no charge, a notice naming the earlier release. Privacy: re-finishing released measurements reads only
-released values and public scales, so it is post-processing and costs nothing; the key covers
-everything that sets the measurements' distribution (the rendered DP query with its filters, keys,
-bounds, clamps and salted physical choices, the histogram queries, the parameters, the plan's keys and
-measures, the noise specs, shares and selection threshold from ε, δ and the mechanism) and the data it
-ran on (database identity, data stamp, policy hash), so a stored measurement is only ever served for a
-query that would have drawn from the very same distribution over the very same data. ORDER BY, LIMIT
-and HAVING are never part of the measurement SQL (:mod:`dpsql.rewrite` renders none), and the raw
-measures :func:`~dpsql.release.apply.apply` leaves in its rows are never stored. Intervals are
-recomputed at the asking query's confidence: they are functions of the noise specs and the level only
-(:func:`dpsql.release.apply.widths_at`), and the accuracy notes of the released values.
-
-Derived answers. Before the cache, a query a curator synopsis covers is answered from it, combined with
-the cells of earlier releases that answer it too; after a measurement miss, one whose groups are unions
-of earlier releases' cells is answered from them when that is accurate enough (:meth:`Step.derived`,
-:mod:`dpsql.synopsis.derive`). Both read released values and public variances only: post-processing,
-free, with a notice saying where the answer came from.
+The privacy argument and design notes: docs/internals.md, section dpsql/step.py.
 """
 
 from __future__ import annotations

@@ -1,33 +1,6 @@
 """Bias sized under DP (``SET dpsql.bias = on``, the default): intervals that cover what bounding cuts.
 
-A released count or sum is computed after contribution bounding: rows beyond a person's cap τ are
-left out and values beyond the declared bounds are clamped. Both move the answer away from the exact
-one in a known direction (a count or a positive sum only ever loses), often by far more than the noise.
-So each query that *can* cut something (the policy's caps can leave a row out, or a measure is clamped:
-public facts, :func:`estimate`) spends a stated share :data:`SHARE` of its ε on one auxiliary query over
-the rows the measurement reads (its sources, joins and WHERE), per group and privacy unit. A unit with
-``n`` rows in all, ``n_g`` of them in group g, adds to group g's totals:
-
-- ``kept``: ``n_g/n · min(n, τ)`` — Σ over its groups ≤ τ;
-- ``cut``: ``n_g/n · min(n − τ, C)`` for n > τ, ceiling C = :data:`CEILING`·τ — Σ ≤ C; beyond it the
-  estimate is a lower bound (said in the note);
-- per clamped value, ``excess``: ``min(1, τ/n) · Σ`` over its rows in g of how far the value lies beyond
-  the bounds, each at most W = :data:`REACH` times the bounds' width — Σ ≤ τ·W (a lower bound beyond W).
-
-So one unit moves each total's vector over the groups by at most those amounts in L1, whatever
-``max_groups``. Each is released with discrete Laplace noise at a weighted part of ``SHARE·ε`` for every
-released group (a group the auxiliary query has no row for counts 0; the released groups are DP
-already, so the vector is over a set that does not depend on one unit): sequential composition, pure
-ε. The measurement is calibrated with the rest and the query's one charge is their composition,
-reserved before anything runs (as the DP cap choice of :mod:`dpsql.release.cap`; never a second charge).
-
-Everything after is post-processing of released values and public scales. A total counts as detected
-when its sum over the released groups exceeds that sum's half-width (√G·h); undetected totals widen
-nothing (queries that cut nothing keep their ±, bar the share of ε), and the note says what could
-still hide below the threshold. Detected ones widen each cell (its aggregate's
-:meth:`dpsql.aggregates.base.Aggregate.bias`): its own group's estimate b and half-width h join the
-noise's w as ± (√(w² + h²) + b). When an output row cannot be matched to its group (a key not
-selected), the query's totals are spread over the rows like the kept ones instead.
+The privacy argument and design notes: docs/internals.md, section dpsql/release/bias.py.
 """
 
 from __future__ import annotations

@@ -1,42 +1,6 @@
 """The front door: what clients that have not authenticated may hold, and how fast anyone may guess.
 
-Strangers must not be able to lock analysts out (issue #27), so:
-
-- :class:`PreAuth` gives sockets that have not finished authenticating a budget of their own,
-  separate from authenticated sessions (``max_connections``), capped in all and per client
-  address. At a cap the *newcomer is let in* and the least advanced, oldest pre-auth socket of the
-  fullest address is closed (53300): silent sockets first, then those that only negotiated
-  encryption, then those authenticating, oldest first. A socket that has sent its startup packet (an
-  account is logging in) is never closed before it had ``grace`` seconds to finish; when every
-  candidate is such a socket, the newcomer itself is closed instead. A flood of idle or churning
-  sockets thus only ever evicts itself, while a real client's handshake, which takes milliseconds,
-  completes (issue #41: 256 new silent sockets a second from the analyst's own address failed 2 of 27
-  logins). Every pre-auth socket also has the (short) startup deadline.
-- :class:`LoginLimiter` counts failed password checks per (account, address), per account and per
-  address over a sliding window. Beyond a few free failures the account and the address are locked
-  for an exponentially growing but short time (at most ``max_lock``): locked logins are refused
-  (28000) before any password is checked — but never where that account logged in successfully
-  before, so an attacker elsewhere cannot keep the real analyst out. The (account, address) pair is
-  never locked: an address may be shared (a NAT, another local user, every client behind a TCP load
-  balancer), so the real analyst and a guesser can be the same pair, and nothing before the proof tells
-  them apart. Every exchange of a pair takes one of its few places (``slots``, in arrival order) and is
-  checked at once; a correct password leaves its place at once, a wrong one keeps it — and waits for
-  its reply — for the pair's delay (``lock`` doubling per failure beyond the free ones, at most
-  ``max_delay``), even when its client has hung up (the loop gives the place back, not the exchange).
-  So the pair's guesses are checked at most ``slots`` per delay however many exchanges it opens, and a
-  correct password waits only for the places of the exchanges that arrived before it: none while the
-  guesser runs fewer exchanges at once than there are places, about (k − slots) / slots delays for k.
-  That wait is the price: a correct password that skipped the places would let a guesser with many
-  parallel exchanges have them all checked at once (issue #41: the earlier turns, one exchange per
-  delay, made the analyst wait 10.4 s behind two guessing threads; the lock before them refused 29 of
-  30 logins). A "known device" has no analogue on the wire: before the proof, the (account, address)
-  is all the server knows, and a guesser at that address has it too. Failures at a pair that logged in
-  before are bounded by its places alone: they count towards neither the account's nor the address's
-  lock, so a guesser sharing the analyst's address locks out neither the analyst elsewhere nor the
-  address's other analysts. Unknown names are counted, locked and slowed like real ones, so nothing
-  tells which names exist.
-
-Both are per process (``--processes N``: per worker).
+The privacy argument and design notes: docs/internals.md, section dpsql/server/frontdoor.py.
 """
 
 from __future__ import annotations
