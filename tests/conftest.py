@@ -36,12 +36,42 @@ UNIT_PATHS = (
 )
 
 
+#: The files that take longest (a full run's --durations, summed per file), scheduled first: pytest-xdist's
+#: ``--dist loadfile`` hands out files in collection order, so a long file collected last (tests/trust/ sorts
+#: near the end) kept one core busy while the other idled (#37 item 5: longest first balances the two).
+LONG_FILES = (
+    "tests/backends/test_spark.py",
+    "tests/adversarial/test_quantile_cut_neighbours.py",
+    "tests/adversarial/test_quantile_neighbours.py",
+    "tests/noise/test_quantile_interval.py",
+    "tests/adversarial/test_sensitivity_fuzzer.py",
+    "tests/adversarial/test_error_oracles.py",
+    "tests/noise/test_extreme_aims.py",
+    "tests/noise/test_quantile_cut.py",
+    "tests/policy/test_serve.py",
+    "tests/aggregates/test_quantiles.py",
+    "tests/trust/test_scale_out.py",
+    "tests/trust/test_empirical_dp.py",
+    "tests/cli/test_cli.py",
+    "tests/curator/test_curator.py",
+    "tests/release/test_quantile.py",
+    "tests/synopsis/test_build_once.py",
+    "tests/synopsis/test_synopsis.py",
+    "tests/noise/test_samplers.py",
+    "tests/adversarial/test_multihop_neighbours.py",
+    "tests/trust/test_crash.py",
+    "tests/trust/test_wire_dp.py",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         path = item.nodeid.split("::", 1)[0]
         slow = item.get_closest_marker("postgres") or item.get_closest_marker("heavy") or "heavy" in item.name
         if path.startswith(UNIT_PATHS) and not slow:
             item.add_marker(pytest.mark.unit)
+    rank = {path: i for i, path in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(LONG_FILES)))  # stable: others keep order
 
 
 def _exclusive(item: pytest.Item) -> bool:
