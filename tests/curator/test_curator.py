@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,14 +73,28 @@ def _budget(port: int, user: str) -> dict[str, Any]:
     return dict(zip(names, rows[0], strict=True))
 
 
-def _audit(ledger: str, count: int, *args: str) -> list[dict[str, Any]]:
-    """``dpsql audit --json``, waiting (briefly) for the server's writer thread to catch up."""
+def _audit(ledger: str, until: Callable[[list[dict[str, Any]]], bool], *args: str) -> list[dict[str, Any]]:
+    """``dpsql audit --json``, waiting (briefly) until the rows ``until`` looks for are there: the server's
+    writer thread catches up behind the answers. (A row count to wait for that the trail never reaches --
+    refusals fold, levers are rows of their own -- made every such call sleep out its whole deadline.)"""
     deadline = time.monotonic() + 20
     while True:
         rows: list[dict[str, Any]] = json.loads(_dpsql("audit", "--json", *args, ledger=ledger).stdout)
-        if len(rows) >= count or time.monotonic() > deadline:
+        if until(rows) or time.monotonic() > deadline:
             return rows
         time.sleep(0.2)
+
+
+def _at_least(count: int) -> Callable[[list[dict[str, Any]]], bool]:
+    return lambda rows: len(rows) >= count
+
+
+def _refusals(count: int) -> Callable[[list[dict[str, Any]]], bool]:
+    return lambda rows: sum(1 for r in rows if r["event"] == "refused" and r["sqlstate"] == "42501") >= count
+
+
+def _levers(rows: list[dict[str, Any]]) -> bool:
+    return {"grant", "freeze", "unfreeze"} <= {r["event"] for r in rows}
 
 
 def test_audit_grant_freeze_through_a_running_server(serve: int, ledger_url: str) -> None:
@@ -96,7 +110,7 @@ def test_audit_grant_freeze_through_a_running_server(serve: int, ledger_url: str
         conn.execute("SELECT name FROM patients WHERE zip = 2138")
     assert refused.value.sqlstate == "42501"
 
-    rows = _audit(ledger_url, 4)
+    rows = _audit(ledger_url, _at_least(4))
     assert len(rows) == 4
     alice = [r for r in rows if r["analyst"] == "alice"]
     bob = [r for r in rows if r["analyst"] == "bob"]
@@ -137,14 +151,16 @@ def test_audit_grant_freeze_through_a_running_server(serve: int, ledger_url: str
         conn.execute("SELECT COUNT(*) FROM patients WHERE age > 30").fetchall()
     assert _budget(port, "bob")["epsilon_remaining"] == after["epsilon_remaining"] - 1
 
-    levers = [r for r in _audit(ledger_url, 12, "--analyst", "bob") if r["event"] in ("grant", "freeze", "unfreeze")]
+    levers = [
+        r for r in _audit(ledger_url, _levers, "--analyst", "bob") if r["event"] in ("grant", "freeze", "unfreeze")
+    ]
     assert [(r["event"], r["epsilon"], r["reason"]) for r in reversed(levers)] == [
         ("grant", 2.0, "test"),
         ("freeze", 0.0, "probing"),
         ("unfreeze", 0.0, ""),
     ]
     assert levers[1]["by"] == "carol" and levers[0]["by"]  # the OS user by default
-    bob_rows = _audit(ledger_url, 12, "--analyst", "bob")
+    bob_rows = _audit(ledger_url, _refusals(4), "--analyst", "bob")
     assert sum(1 for r in bob_rows if r["event"] == "refused" and r["sqlstate"] == "42501") == 4
     assert all(r["analyst"] == "bob" for r in bob_rows)
 
